@@ -1,0 +1,57 @@
+"""Shared test fixtures: a pinned environment, seeded RNGs, golden data, GPU skip markers."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(autouse=True)
+def _pinned_environment(monkeypatch):
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "160")
+    random.seed(0)
+    try:
+        import torch
+
+        torch.manual_seed(0)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+@pytest.fixture(scope="session")
+def golden():
+    """Open a golden file from tests/data by name: golden("decode_golden") -> dict of tensors."""
+    from safetensors.torch import load_file
+
+    cache: dict[str, dict] = {}
+
+    def load(name: str) -> dict:
+        if name not in cache:
+            cache[name] = load_file(str(DATA / f"{name}.safetensors"))
+        return cache[name]
+
+    return load
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return False
+
+
+def nvcc_available() -> bool:
+    return shutil.which("nvcc") is not None or Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc").exists()
+
+
+requires_gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
+requires_nvcc = pytest.mark.skipif(not nvcc_available(), reason="needs nvcc (CUDA toolkit)")

@@ -1,0 +1,1 @@
+"""The checkpoint model: dialect detection and a normalized, lazy description of a checkpoint."""

@@ -1,0 +1,137 @@
+"""The normalized checkpoint model every later stage reads (validate, inspect, repack, bench).
+
+Torch-free and lazy: it holds header facts (file, dtype, shape, byte range) and declarations, never
+tensor data. `read_tensor` in checkpoint/tensors.py turns a TensorRef into a tensor when one is needed.
+
+Vocabulary follows the format: a MoE layer has experts; an expert has three projections
+(gate_proj, up_proj, down_proj); each projection is stored once per tensor-parallel rank as one EXL3
+linear (trellis + suh + svh + codebook marker). K = trellis.shape[-1] // 16 always comes from the shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+CODEBOOKS = ("3inst", "mcg", "mul1")  # codebook id = index
+MCG_MARKER = -877912083  # 0xCBAC1FED as int32
+MUL1_MARKER = -2082680531  # 0x83DCD12D as int32
+
+DIALECT_TR3_PER_EXPERT = "tr3/per_expert_v1"
+DIALECT_TR3_SHARED_H = "tr3/shared_h_v1"
+DIALECT_EXL3 = "exl3"  # plain exllamav3: per-tensor experts, no rank slices
+DIALECT_R7 = "r7"  # per-projection K maps (recognized and inspected)
+DIALECT_REPACKED = "trellis-route-pack"  # output of `trellis repack`
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """One tensor in one safetensors file, as its header describes it."""
+
+    name: str
+    file: str  # relative to the checkpoint root
+    dtype: str  # safetensors dtype: "I16", "F16", "I32", ...
+    shape: tuple[int, ...]
+    begin: int  # byte offsets relative to the data buffer
+    end: int
+    data_start: int  # absolute offset of the data buffer in the file (8 + header length)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def absolute_range(self) -> tuple[int, int]:
+        return self.data_start + self.begin, self.data_start + self.end
+
+
+@dataclass(frozen=True)
+class LinearRef:
+    """One EXL3 linear: one projection of one expert on one rank (or a whole tensor when tp=1)."""
+
+    prefix: str  # key prefix, e.g. model.layers.3.mlp.experts.17.up_proj.rank1
+    trellis: TensorRef | None
+    suh: TensorRef | None = None  # None under shared-H for hidden-side vectors (see MoeLayer.shared_h)
+    svh: TensorRef | None = None
+    su: TensorRef | None = None  # legacy packed signs
+    sv: TensorRef | None = None
+    mcg: TensorRef | None = None
+    mul1: TensorRef | None = None
+    extra: tuple[TensorRef, ...] = ()  # unexpected fields under this prefix (bias, scale, ...)
+
+    @property
+    def k(self) -> int | None:
+        """Bits per weight from the trellis shape, None when the shape cannot say."""
+        if self.trellis is None or len(self.trellis.shape) != 3 or self.trellis.shape[2] % 16:
+            return None
+        return self.trellis.shape[2] // 16
+
+    @property
+    def in_features(self) -> int | None:
+        return None if self.trellis is None or len(self.trellis.shape) != 3 else 16 * self.trellis.shape[0]
+
+    @property
+    def out_features(self) -> int | None:
+        return None if self.trellis is None or len(self.trellis.shape) != 3 else 16 * self.trellis.shape[1]
+
+    @property
+    def codebook(self) -> str:
+        """From the markers: neither -> 3inst, .mcg -> mcg, .mul1 -> mul1 (both: validate reports it)."""
+        if self.mcg is not None:
+            return "mcg"
+        if self.mul1 is not None:
+            return "mul1"
+        return "3inst"
+
+
+@dataclass
+class MoeLayer:
+    index: int
+    # experts[e][projection][rank] -> LinearRef; rank is 0 for unsliced (plain exllamav3) checkpoints
+    experts: dict[int, dict[str, dict[int, LinearRef]]] = field(default_factory=dict)
+    # K per expert as declared by metadata (tier_bitmap.json), None if the dialect declares nothing
+    declared_k: list[int] | None = None
+    # R7: K per (expert, projection) as declared; None otherwise
+    declared_projection_k: dict[tuple[int, str], int] | None = None
+    # shared-H rows: (projection, rank) -> {"suh"|"svh": TensorRef}
+    shared_h: dict[tuple[str, int], dict[str, TensorRef]] = field(default_factory=dict)
+    files: set[str] = field(default_factory=set)  # shards holding this layer's expert tensors
+
+    def expert_k(self, expert: int) -> int | None:
+        """The K of an expert when all its projections and ranks agree, else None."""
+        ks = {lin.k for projs in (self.experts.get(expert, {}),) for ranks in projs.values() for lin in ranks.values()}
+        return ks.pop() if len(ks) == 1 else None
+
+    def partition(self) -> dict[int, list[int]]:
+        """K -> sorted expert ids (from tensor shapes; experts with inconsistent K are left out)."""
+        tiers: dict[int, list[int]] = {}
+        for e in sorted(self.experts):
+            k = self.expert_k(e)
+            if k is not None:
+                tiers.setdefault(k, []).append(e)
+        return dict(sorted(tiers.items()))
+
+
+@dataclass
+class Checkpoint:
+    """A parsed checkpoint: declarations from JSON, facts from headers, nothing from tensor data."""
+
+    source: Any  # sources.Source
+    dialect: str
+    config: dict[str, Any]
+    hidden: int | None  # hidden size (H)
+    intermediate: int | None  # global MoE intermediate size (I); per rank = intermediate // tp
+    num_experts: int | None
+    tp: int  # 1 for unsliced checkpoints
+    codebook: str | None  # declared codebook
+    rotation_layout: str  # "per_expert_v1" | "shared_h_v1" | "r7_shared" | "n/a"
+    layers: dict[int, MoeLayer] = field(default_factory=dict)
+    headers: dict[str, Any] = field(default_factory=dict)  # file -> header.Header
+    declared: dict[str, Any] = field(default_factory=dict)  # dialect-specific declarations (hybrid_tr3_tail, ...)
+    # Problems met while parsing that do not stop parsing; validate reports them as findings.
+    parse_findings: list[Any] = field(default_factory=list)
+
+    @property
+    def intermediate_per_rank(self) -> int | None:
+        return None if self.intermediate is None else self.intermediate // max(self.tp, 1)

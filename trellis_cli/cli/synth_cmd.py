@@ -1,0 +1,14 @@
+"""`trellis synth`: placeholder until its module lands."""
+
+from __future__ import annotations
+
+import typer
+
+from trellis_cli.errors import UsageError
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("synth")
+    def synth_command() -> None:
+        """Not available yet."""
+        raise UsageError("trellis synth is not available yet")

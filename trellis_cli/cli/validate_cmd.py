@@ -1,0 +1,14 @@
+"""`trellis validate`: placeholder until its module lands."""
+
+from __future__ import annotations
+
+import typer
+
+from trellis_cli.errors import UsageError
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("validate")
+    def validate_command() -> None:
+        """Not available yet."""
+        raise UsageError("trellis validate is not available yet")
