@@ -1,0 +1,128 @@
+"""A streaming safetensors writer: header first, then tensors one at a time, optionally sparse.
+
+`safetensors.torch.save_file` needs every tensor in memory at once and truncates its target in place;
+checkpoints here are written layer by layer (synth) or slab by slab (repack), so this writer plans the
+whole header up front, then accepts tensor data in header order. With `sparse=True` the data regions are
+left unwritten (a file with holes): real headers over unwritten data, for header-level work at
+production size in seconds. Files are written to a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from trellis_cli.header import DTYPE_BYTES
+
+if TYPE_CHECKING:
+    import torch
+
+TORCH_TO_ST = {
+    "torch.int16": "I16", "torch.float16": "F16", "torch.int32": "I32", "torch.float32": "F32",
+    "torch.bfloat16": "BF16", "torch.int64": "I64", "torch.uint8": "U8", "torch.int8": "I8",
+    "torch.float64": "F64", "torch.bool": "BOOL",
+}
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    dtype: str  # safetensors dtype string
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+
+def planned(name: str, tensor: "torch.Tensor") -> PlannedTensor:
+    return PlannedTensor(name, TORCH_TO_ST[str(tensor.dtype)], tuple(tensor.shape))
+
+
+def encode_header(tensors: list[PlannedTensor], metadata: dict[str, str] | None = None) -> bytes:
+    """The 8-byte length prefix plus the JSON header, padded with spaces to a multiple of 8 bytes."""
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for t in tensors:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    body = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    body += b" " * (-len(body) % 8)
+    return len(body).to_bytes(8, "little") + body
+
+
+class SafetensorsWriter:
+    """Write one safetensors file whose tensors arrive in header order. Use as a context manager."""
+
+    def __init__(self, path: str | Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None,
+                 *, sparse: bool = False) -> None:
+        self.path = Path(path)
+        self.tensors = tensors
+        self.sparse = sparse
+        self._next = 0
+        self._tmp = self.path.with_name(self.path.name + ".partial")
+        self._header = encode_header(tensors, metadata)
+        self.data_bytes = sum(t.nbytes for t in tensors)
+        self._file = open(self._tmp, "wb")
+        self._file.write(self._header)
+
+    @property
+    def file_size(self) -> int:
+        return len(self._header) + self.data_bytes
+
+    def write(self, name: str, data: "torch.Tensor | bytes | memoryview") -> None:
+        """Append the next tensor's bytes; `name` must be the next planned tensor."""
+        if self._next >= len(self.tensors) or self.tensors[self._next].name != name:
+            expected = self.tensors[self._next].name if self._next < len(self.tensors) else "no more tensors"
+            raise ValueError(f"{self.path.name}: tensor {name!r} written out of order (expected {expected})")
+        planned_tensor = self.tensors[self._next]
+        if not isinstance(data, (bytes, memoryview)):
+            data = memoryview(data.detach().cpu().contiguous().view(-1).view(__import__("torch").uint8).numpy())
+        if len(data) != planned_tensor.nbytes:
+            raise ValueError(f"{self.path.name}: {name}: {len(data)} bytes, planned {planned_tensor.nbytes}")
+        if not self.sparse:
+            self._file.write(data)
+        self._next += 1
+
+    def skip_all(self) -> None:
+        """Sparse files: mark every tensor as written without data (the holes read as zeros)."""
+        self._next = len(self.tensors)
+
+    def finish(self) -> Path:
+        if self._next != len(self.tensors):
+            raise ValueError(f"{self.path.name}: {len(self.tensors) - self._next} planned tensors never written")
+        if self.sparse:
+            self._file.truncate(self.file_size)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "SafetensorsWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.abort()
+
+
+def write_file(path: str | Path, tensors: dict[str, "torch.Tensor"], metadata: dict[str, str] | None = None) -> Path:
+    """Write a small dict of tensors in one go (keys in the given order)."""
+    with SafetensorsWriter(path, [planned(n, t) for n, t in tensors.items()], metadata) as writer:
+        for name, tensor in tensors.items():
+            writer.write(name, tensor)
+    return Path(path)
