@@ -7,7 +7,9 @@ Every later stage reads through a Source, never through paths or HTTP of its own
 - `local_path(name)` gives a local file holding the data (a Hub source downloads it first).
 A Hub source resolves its revision to a commit sha once; every read uses that sha.
 
-This module holds the protocol and LocalSource; HubSource lives here too once written.
+`open_source(spec)` turns what the user typed (nothing, a path, `org/name[@rev]`, `hf://org/name[@rev]`)
+into a Source. huggingface_hub is imported only when a Hub source is opened (see hub_client.py, which owns
+the error mapping and the 1.x/2.x differences), so local work never pays for it.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
-from trellis_cli.errors import CheckFailed, SourceUnavailable
-from trellis_cli.header import Header, HeaderError, read_local_header
+from trellis_cli.errors import CheckFailed, SourceUnavailable, UsageError
+from trellis_cli.header import Header, HeaderError, header_length, parse_header, read_local_header
 
 # config.json of a 256-expert model is a few KB; tier_bitmap.json for 76 layers is about 200 KB.
 MAX_JSON_BYTES = 64 * 1024 * 1024
@@ -32,11 +34,13 @@ class Source(Protocol):
 
     def list_files(self) -> dict[str, int]: ...
 
+    def prefetch_headers(self, names: list[str]) -> None: ...  # optional speed-up before many read_header
+
     def read_json(self, name: str) -> Any: ...
 
     def read_header(self, name: str) -> Header: ...
 
-    def local_path(self, name: str) -> Path: ...
+    def local_path(self, name: str, *, progress: Callable[[int], None] | None = None) -> Path: ...
 
     def describe(self) -> dict[str, Any]: ...
 
@@ -116,8 +120,287 @@ class LocalSource:
         except HeaderError as e:
             raise CheckFailed(str(e)) from e
 
-    def local_path(self, name: str) -> Path:
+    def local_path(self, name: str, *, progress: Callable[[int], None] | None = None) -> Path:
+        # Already local: nothing to fetch, so `progress` is never called.
         return self.resolve(name)
+
+    def prefetch_headers(self, names: list[str]) -> None:
+        """Nothing to do locally: reading a header is one short read."""
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "local", "path": str(self.root), "revision": None}
+
+
+# ---- the Hub -------------------------------------------------------------------------------------------
+
+ProgressCallback = Callable[[int], None]  # called with the number of bytes just processed
+
+
+@dataclass(frozen=True)
+class HubFile:
+    """What the Hub says about one file at the pinned commit."""
+
+    size: int
+    blob_id: str | None = None  # git sha1 of the blob
+    lfs_sha256: str | None = None  # sha256 of the content, for LFS files
+
+
+class HubSource:
+    """A model repo on the Hub (or a Hub-compatible endpoint), pinned to one commit.
+
+    The requested revision (branch, tag or sha) is resolved once, here, to a commit sha; every later call
+    passes that sha, so a branch moving mid-run cannot mix two commits. Files land in the shared Hub cache.
+    Offline (`offline=True` or HF_HUB_OFFLINE=1), everything comes from that cache: refs -> sha -> snapshot.
+    """
+
+    def __init__(self, repo_id: str, *, revision: str | None = None, token: str | bool | None = None,
+                 cache_dir: str | os.PathLike | None = None, endpoint: str | None = None,
+                 offline: bool | None = None) -> None:
+        from trellis_cli import hub_client
+
+        self._hub = hub_client
+        self.repo_id = repo_id
+        self.requested_revision = revision
+        self.token = token  # None: the library's default (HF_TOKEN, then the `hf auth login` token file)
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None
+        self.endpoint = endpoint.rstrip("/") if endpoint else None
+        self.offline = hub_client.is_offline(offline)
+        self._fs = None
+        self._headers: dict[str, Header | Exception] = {}
+        # Offline, the listing is what the cache holds: shards never downloaded are absent from it.
+        self.listing_complete = not self.offline
+        if self.offline:
+            self.revision, self._files = self._resolve_from_cache()
+        else:
+            self.revision, self._files = self._resolve_online()
+        self.description = f"hub {repo_id}@{self.revision}"
+
+    # -- resolution --------------------------------------------------------------------------------------
+
+    def _api(self):
+        from huggingface_hub import HfApi
+
+        return HfApi(endpoint=self.endpoint, token=self.token)
+
+    def _errors(self, file: str | None = None, revision: str | None = None):
+        return self._hub.hub_errors(self.repo_id, revision or self.revision_label, self.endpoint, file=file)
+
+    @property
+    def revision_label(self) -> str:
+        return getattr(self, "revision", None) or self.requested_revision or "main"
+
+    def _resolve_online(self) -> tuple[str, dict[str, HubFile]]:
+        api = self._api()
+        with self._errors(revision=self.requested_revision or "main"):
+            resolve = getattr(api, "resolve_revision", None)
+            if resolve is not None:
+                # Also records refs/<branch> -> sha in the cache, so a later offline run can find the commit.
+                sha = resolve(self.repo_id, revision=self.requested_revision, cache_dir=self.cache_dir).resolved
+                info = api.model_info(self.repo_id, revision=sha, files_metadata=True)
+            else:  # pragma: no cover - libraries before resolve_revision
+                info = api.model_info(self.repo_id, revision=self.requested_revision, files_metadata=True)
+                sha = info.sha
+        if not sha or not self._hub.COMMIT_SHA.fullmatch(sha):
+            raise SourceUnavailable(f"{self.repo_id}: the Hub returned no commit sha for {self.revision_label!r}")
+        files = {}
+        for sibling in info.siblings or []:
+            lfs = sibling.lfs
+            files[sibling.rfilename] = HubFile(
+                size=sibling.size if sibling.size is not None else -1,
+                blob_id=sibling.blob_id,
+                lfs_sha256=(lfs.sha256 if hasattr(lfs, "sha256") else lfs.get("sha256")) if lfs else None,
+            )
+        return sha, dict(sorted(files.items()))
+
+    def _resolve_from_cache(self) -> tuple[str, dict[str, HubFile]]:
+        sha = self._hub.resolve_cached_revision(self.repo_id, self.requested_revision, self.cache_dir)
+        if sha is None:
+            raise SourceUnavailable(
+                f"{self._hub.describe_target(self.repo_id, self.requested_revision or 'main')}: not in the local "
+                f"Hub cache ({self._hub.cache_root(self.cache_dir)}) and {self._hub.OFFLINE_HINT}"
+            )
+        snapshot = self._hub.repo_cache_folder(self.repo_id, self.cache_dir) / "snapshots" / sha
+        files = {}
+        for path in sorted(p for p in snapshot.rglob("*") if p.is_file()):
+            # The cache names blobs by their ETag: sha256 for LFS files, the git blob sha1 for the others.
+            blob = path.resolve().name
+            files[path.relative_to(snapshot).as_posix()] = HubFile(
+                size=path.stat().st_size,
+                blob_id=blob if re.fullmatch(r"[0-9a-f]{40}", blob) else None,
+                lfs_sha256=blob if re.fullmatch(r"[0-9a-f]{64}", blob) else None,
+            )
+        return sha, files
+
+    # -- the Source protocol ----------------------------------------------------------------------------
+
+    def list_files(self) -> dict[str, int]:
+        return {name: f.size for name, f in self._files.items()}
+
+    def file_info(self, name: str) -> HubFile:
+        if not safe_relative(name):
+            raise CheckFailed(f"{name}: path leaves the checkpoint directory")
+        if name not in self._files:
+            if self.offline:  # offline, the listing holds only what the cache has
+                raise SourceUnavailable(f"{name} in {self.repo_id}@{self.revision}: not in the local Hub cache "
+                                        f"and {self._hub.OFFLINE_HINT}")
+            raise SourceUnavailable(f"{name}: no such file in {self.repo_id}@{self.revision}")
+        return self._files[name]
+
+    def cached_path(self, name: str) -> Path | None:
+        """The file in the local Hub cache at the pinned commit, or None (never touches the network)."""
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(self.repo_id, name, cache_dir=self.cache_dir, revision=self.revision)
+        return Path(found) if isinstance(found, str) else None
+
+    def local_path(self, name: str, *, progress: ProgressCallback | None = None) -> Path:
+        """Download `name` at the pinned commit into the Hub cache (no-op when cached); its local path."""
+        from huggingface_hub import hf_hub_download
+
+        self.file_info(name)
+        bar = self._hub.CallbackBar.bound_to(progress) if progress else self._hub.CallbackBar
+        with self._errors(file=name):
+            path = hf_hub_download(
+                self.repo_id, name, revision=self.revision, cache_dir=self.cache_dir, endpoint=self.endpoint,
+                token=self.token, local_files_only=self.offline, tqdm_class=bar,
+            )
+        return Path(path)
+
+    def read_json(self, name: str) -> Any:
+        size = self.file_info(name).size
+        if size > MAX_JSON_BYTES:
+            raise CheckFailed(f"{name}: {size} bytes, larger than the {MAX_JSON_BYTES}-byte limit for JSON files")
+        path = self.local_path(name)
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise CheckFailed(f"{name}: larger than the {MAX_JSON_BYTES}-byte limit for JSON files")
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckFailed(f"{name}: not valid JSON ({e})") from e
+
+    def prefetch_headers(self, names: list[str], workers: int = 8) -> None:
+        """Read many headers concurrently (each is two small round trips); read_header then answers from memory."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def fetch(name: str) -> None:
+            try:
+                self._headers[name] = self._read_header_now(name)
+            except (CheckFailed, SourceUnavailable) as e:
+                self._headers[name] = e
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(fetch, [n for n in names if n not in self._headers]))
+
+    def read_header(self, name: str) -> Header:
+        """Parse a safetensors header: from the cache when the file is there, else two ranged reads."""
+        found = self._headers.pop(name, None)
+        if isinstance(found, Exception):
+            raise found
+        return found if found is not None else self._read_header_now(name)
+
+    def _read_header_now(self, name: str) -> Header:
+        size = self.file_info(name).size
+        cached = self.cached_path(name)
+        try:
+            if cached is not None:
+                return read_local_header(cached, name)
+            if self.offline:
+                raise SourceUnavailable(
+                    f"{name} in {self.repo_id}@{self.revision}: not in the local Hub cache and {self._hub.OFFLINE_HINT}"
+                )
+            return self._read_remote_header(name, size if size >= 0 else None)
+        except HeaderError as e:
+            raise CheckFailed(str(e)) from e
+
+    def _read_remote_header(self, name: str, size: int | None) -> Header:
+        # HfFileSystem with cache_type="none" fetches exactly the bytes asked for (8, then N): no tensor data.
+        fs = self._filesystem()
+        with self._errors(file=name):
+            try:
+                with fs.open(f"{self.repo_id}@{self.revision}/{name}", "rb", cache_type="none", size=size) as f:
+                    prefix = f.read(8)
+                    if len(prefix) > 8:
+                        raise SourceUnavailable(f"{name}: the server ignored the byte-range request")
+                    n = header_length(prefix, name, size)
+                    body = f.read(n)
+            except FileNotFoundError as e:
+                raise SourceUnavailable(f"{name}: not found in {self.repo_id}@{self.revision}") from e
+        return parse_header(name, body, n, size)
+
+    def _filesystem(self):
+        if self._fs is None:
+            from huggingface_hub import HfFileSystem
+
+            self._fs = HfFileSystem(endpoint=self.endpoint, token=self.token, skip_instance_cache=True)
+        return self._fs
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "hub",
+            "repo_id": self.repo_id,
+            "requested_revision": self.requested_revision or "main",
+            "revision": self.revision,
+            "endpoint": self.endpoint or self._hub.default_endpoint(),
+            "offline": self.offline,
+            "listing_complete": self.listing_complete,
+        }
+
+
+# ---- opening a source from what the user typed ----------------------------------------------------------
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def parse_repo_spec(spec: str) -> tuple[str, str | None] | None:
+    """`org/name`, `org/name@rev`, `hf://org/name@rev` (also `hf://models/...`) -> (repo_id, rev); else None."""
+    text = spec[len("hf://"):] if spec.startswith("hf://") else spec
+    if text.startswith("models/") and text.count("/") == 2:
+        text = text[len("models/"):]
+    repo_id, _, revision = text.partition("@")
+    if not _REPO_ID.fullmatch(repo_id) or "--" in repo_id or ".." in repo_id or repo_id.endswith((".", "-")):
+        return None
+    if "@" in text and not revision:
+        return None
+    return repo_id, revision or None
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith(("/", "./", "../", "~", ".\\")) or spec.count("/") > 1 or "\\" in spec
+
+
+def open_source(spec: str | None, *, revision: str | None = None, token: str | bool | None = None,
+                cache_dir: str | os.PathLike | None = None, endpoint: str | None = None,
+                offline: bool | None = None) -> Source:
+    """The Source for `spec`: None -> the bundled sample, an existing path -> local, `org/name[@rev]` -> Hub.
+
+    An existing local path wins over a repo id of the same spelling; `hf://org/name` always means the Hub.
+    """
+    if spec is None:
+        _no_revision_for_local(revision, "the bundled sample")
+        return LocalSource(_sample_path(), description="bundled sample checkpoint")
+    if not spec.startswith("hf://") and Path(spec).expanduser().exists():
+        _no_revision_for_local(revision, spec)
+        return LocalSource(Path(spec).expanduser())
+    parsed = None if (_looks_like_path(spec) and not spec.startswith("hf://")) else parse_repo_spec(spec)
+    if parsed is None:
+        if _looks_like_path(spec):
+            raise SourceUnavailable(f"{spec}: no such file or directory")
+        raise SourceUnavailable(f"{spec}: not an existing path and not a Hub repo id (expected org/name[@revision])")
+    repo_id, spec_revision = parsed
+    if spec_revision and revision and spec_revision != revision:
+        raise UsageError(f"{spec}: revision {spec_revision!r} in the id conflicts with --revision {revision!r}")
+    return HubSource(repo_id, revision=spec_revision or revision, token=token, cache_dir=cache_dir,
+                     endpoint=endpoint, offline=offline)
+
+
+def _no_revision_for_local(revision: str | None, what: str) -> None:
+    if revision:
+        raise UsageError(f"--revision applies to Hub repos only, not to {what}")
+
+
+def _sample_path() -> Path:
+    try:
+        from trellis_cli.sample import sample_path
+    except ImportError as e:
+        raise SourceUnavailable("no SOURCE given and the bundled sample checkpoint is not installed") from e
+    return Path(sample_path("tr3"))

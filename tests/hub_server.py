@@ -1,0 +1,366 @@
+"""A loopback Hub: enough of the Hub's HTTP protocol for the real huggingface_hub client (1.x and 2.x).
+
+Serves local directories as model repos on 127.0.0.1 (random port), with branches and tags pointing to
+fake commit shas. Routes (repo ids are `org/name`; revisions are URL-quoted, so `refs/pr/1` is one segment):
+
+- GET  /api/models/{repo}[/revision/{rev}]     model info; `?blobs=true` adds size, blobId and lfs per sibling
+- GET  /api/models/{repo}/tree/{rev}[/{path}]  tree listing (`?recursive=true`), lfs {oid, size, pointerSize}
+- POST /api/models/{repo}/paths-info/{rev}     info for the form field `paths`
+- HEAD/GET /{repo}/resolve/{rev}/{path}        X-Repo-Commit, ETag (git sha1, or sha256 for LFS files);
+  LFS files answer 302 to /lfs-blobs/..., which carries ETag, size and honours Range (206)
+- errors: 404 with X-Error-Code RepoNotFound / RevisionNotFound / EntryNotFound; 401 RepoNotFound for a
+  private repo without the server's token; 403 GatedRepo for a gated one. No Xet headers, so the client downloads over plain HTTP.
+
+Each commit's files are read into memory when added, so later changes to the directory do not leak into a
+served commit. The server counts every body byte it sends per file, and separately the bytes that fall in a
+safetensors file's data buffer (after 8 + header length): tests assert header-only reads send no tensor data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+LFS_SUFFIXES = (".safetensors", ".bin", ".pt")
+LFS_MIN_SIZE = 10 * 1024 * 1024
+POINTER_SIZE = 134  # size of a git-lfs pointer file; the client only reads it back
+
+
+@dataclass
+class ServedFile:
+    content: bytes
+    lfs: bool
+    git_sha1: str
+    sha256: str
+    data_start: int | None  # safetensors: first byte of the data buffer; None for other files
+    served_content: bytes | None = None  # when set, served instead of `content` (a corrupted blob)
+
+    @classmethod
+    def from_bytes(cls, name: str, content: bytes) -> "ServedFile":
+        blob = hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
+        lfs = name.endswith(LFS_SUFFIXES) or len(content) >= LFS_MIN_SIZE
+        data_start = None
+        if name.endswith(".safetensors") and len(content) >= 8:
+            data_start = 8 + struct.unpack("<Q", content[:8])[0]
+        return cls(content, lfs, blob, hashlib.sha256(content).hexdigest(), data_start)
+
+    @property
+    def body(self) -> bytes:
+        return self.served_content if self.served_content is not None else self.content
+
+    def entry(self, path: str) -> dict:
+        """A tree / paths-info entry."""
+        out = {"type": "file", "oid": self.git_sha1, "size": len(self.content), "path": path}
+        if self.lfs:
+            out["lfs"] = {"oid": self.sha256, "size": len(self.content), "pointerSize": POINTER_SIZE}
+        return out
+
+    def sibling(self, path: str, with_blobs: bool) -> dict:
+        out: dict = {"rfilename": path}
+        if with_blobs:
+            out.update(size=len(self.content), blobId=self.git_sha1)
+            if self.lfs:
+                out["lfs"] = {"sha256": self.sha256, "size": len(self.content), "pointerSize": POINTER_SIZE}
+        return out
+
+
+@dataclass
+class Repo:
+    repo_id: str
+    private: bool = False
+    gated: bool = False  # exists publicly, but content needs an approved token
+    commits: dict[str, dict[str, ServedFile]] = field(default_factory=dict)
+    refs: dict[str, str] = field(default_factory=dict)
+
+    def resolve(self, revision: str) -> str | None:
+        if revision in self.refs:
+            return self.refs[revision]
+        return revision if revision in self.commits else None
+
+
+class HubServer:
+    """Start with `with HubServer() as hub:`; `hub.endpoint` is the URL to pass as endpoint / HF_ENDPOINT."""
+
+    def __init__(self, token: str = "hf_loopback_secret") -> None:
+        self.token = token
+        self.repos: dict[str, Repo] = {}
+        self.lock = threading.Lock()
+        self.bytes_served: dict[tuple[str, str], int] = defaultdict(int)
+        self.tensor_bytes_served: dict[tuple[str, str], int] = defaultdict(int)
+        self.requests: list[tuple[str, str, str | None, int]] = []  # (method, path, range, status)
+        self._counter = 0
+        self._httpd: ThreadingHTTPServer | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    def __enter__(self) -> "HubServer":
+        handler = type("Handler", (_Handler,), {"hub": self})
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._httpd.daemon_threads = True
+        threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+
+    @property
+    def endpoint(self) -> str:
+        assert self._httpd is not None, "server not started"
+        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+
+    # -- content -----------------------------------------------------------------------------------------
+
+    def add_commit(self, repo_id: str, directory: str | Path, *, branch: str = "main", tags: tuple[str, ...] = (),
+                   private: bool | None = None, gated: bool | None = None) -> str:
+        """Snapshot `directory` as a new commit of `repo_id` (created if new); move `branch` to it."""
+        root = Path(directory)
+        files = {
+            p.relative_to(root).as_posix(): ServedFile.from_bytes(p.name, p.read_bytes())
+            for p in sorted(root.rglob("*")) if p.is_file()
+        }
+        with self.lock:
+            repo = self.repos.setdefault(repo_id, Repo(repo_id))
+            if private is not None:
+                repo.private = private
+            if gated is not None:
+                repo.gated = gated
+            self._counter += 1
+            sha = hashlib.sha1(f"{repo_id}:{self._counter}".encode()).hexdigest()
+            repo.commits[sha] = files
+            for ref in (branch, *tags):
+                repo.refs[ref] = sha
+        return sha
+
+    def set_ref(self, repo_id: str, ref: str, sha: str) -> None:
+        with self.lock:
+            self.repos[repo_id].refs[ref] = sha
+
+    def corrupt(self, repo_id: str, sha: str, name: str) -> None:
+        """Serve `name` with one byte flipped while the metadata (size, sha256) still describes the original."""
+        served = self.repos[repo_id].commits[sha][name]
+        data = bytearray(served.content)
+        data[len(data) // 2] ^= 0xFF
+        served.served_content = bytes(data)
+
+    def reset_counters(self) -> None:
+        with self.lock:
+            self.bytes_served.clear()
+            self.tensor_bytes_served.clear()
+            self.requests.clear()
+
+    def count(self, repo_id: str, name: str, served: ServedFile, begin: int, end: int) -> None:
+        with self.lock:
+            self.bytes_served[(repo_id, name)] += end - begin
+            if served.data_start is not None:
+                self.tensor_bytes_served[(repo_id, name)] += max(0, end - max(begin, served.data_start))
+
+    def total_tensor_bytes(self) -> int:
+        return sum(self.tensor_bytes_served.values())
+
+
+class _Handler(BaseHTTPRequestHandler):
+    hub: HubServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:  # keep pytest output clean
+        pass
+
+    # -- plumbing ----------------------------------------------------------------------------------------
+
+    def _send(self, status: int, body: bytes = b"", headers: dict | None = None, *, head: bool = False,
+              content_length: int | None = None) -> None:
+        self.send_response(status)
+        for key, value in (headers or {}).items():
+            self.send_header(key, str(value))
+        self.send_header("Content-Length", str(len(body) if content_length is None else content_length))
+        self.end_headers()
+        if not head and body:
+            self.wfile.write(body)
+        with self.hub.lock:
+            self.hub.requests.append((self.command, self.path, self.headers.get("Range"), status))
+
+    def _json(self, status: int, document, headers: dict | None = None, head: bool = False) -> None:
+        body = json.dumps(document).encode()
+        self._send(status, body, {"Content-Type": "application/json", **(headers or {})}, head=head)
+
+    def _error(self, status: int, code: str | None, message: str, headers: dict | None = None,
+               head: bool = False) -> None:
+        extra = {"X-Error-Message": message, **(headers or {})}
+        if code:
+            extra["X-Error-Code"] = code
+        self._json(status, {"error": message}, extra, head=head)
+
+    def _authorized(self, repo: Repo) -> bool:
+        needs_token = repo.private or repo.gated
+        return not needs_token or self.headers.get("Authorization") == f"Bearer {self.hub.token}"
+
+    def _repo(self, repo_id: str, head: bool = False) -> Repo | None:
+        repo = self.hub.repos.get(repo_id)
+        if repo is None:
+            self._error(404, "RepoNotFound", "Repository not found", head=head)
+            return None
+        if not self._authorized(repo):
+            if repo.gated:
+                self._error(403, "GatedRepo", "Access to this model is restricted.", head=head)
+            else:
+                self._error(401, "RepoNotFound", "Invalid username or password.", head=head)
+            return None
+        return repo
+
+    def _commit(self, repo: Repo, revision: str, head: bool = False) -> str | None:
+        sha = repo.resolve(revision)
+        if sha is None:
+            self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}", head=head)
+        return sha
+
+    # -- routes ------------------------------------------------------------------------------------------
+
+    def do_GET(self) -> None:
+        self._route(head=False)
+
+    def do_HEAD(self) -> None:
+        self._route(head=True)
+
+    def do_POST(self) -> None:
+        parts, query = self._split()
+        length = int(self.headers.get("Content-Length") or 0)
+        form = parse_qs(self.rfile.read(length).decode())
+        if len(parts) == 6 and parts[:2] == ["api", "models"] and parts[4] == "paths-info":
+            return self._paths_info(f"{parts[2]}/{parts[3]}", parts[5], form.get("paths", []))
+        self._error(404, None, "no such route")
+
+    def _split(self) -> tuple[list[str], dict]:
+        url = urlsplit(self.path)
+        return [unquote(p) for p in url.path.strip("/").split("/")], parse_qs(url.query)
+
+    def _route(self, head: bool) -> None:
+        parts, query = self._split()
+        if parts[:2] == ["api", "models"] and len(parts) >= 4:
+            repo_id, rest = f"{parts[2]}/{parts[3]}", parts[4:]
+            if not rest:
+                return self._model_info(repo_id, "main", query, head)
+            if rest[0] == "revision" and len(rest) == 2:
+                return self._model_info(repo_id, rest[1], query, head)
+            if rest[0] == "tree" and len(rest) >= 2:
+                return self._tree(repo_id, rest[1], "/".join(rest[2:]), query, head)
+        if len(parts) >= 5 and parts[2] == "resolve":
+            return self._resolve(f"{parts[0]}/{parts[1]}", parts[3], "/".join(parts[4:]), head)
+        if parts[0] == "lfs-blobs" and len(parts) >= 5:
+            return self._blob(f"{parts[1]}/{parts[2]}", parts[3], "/".join(parts[4:]), head)
+        self._error(404, None, "no such route", head=head)
+
+    def _model_info(self, repo_id: str, revision: str, query: dict, head: bool) -> None:
+        repo = self._repo(repo_id, head)
+        if repo is None or (sha := self._commit(repo, revision, head)) is None:
+            return
+        blobs = query.get("blobs", ["false"])[0].lower() == "true"
+        files = repo.commits[sha]
+        self._json(200, {
+            "_id": hashlib.md5(repo_id.encode()).hexdigest()[:24], "id": repo_id, "modelId": repo_id,
+            "sha": sha, "private": repo.private, "gated": False, "disabled": False, "downloads": 0, "likes": 0,
+            "tags": [], "siblings": [f.sibling(name, blobs) for name, f in files.items()],
+        }, head=head)
+
+    def _tree(self, repo_id: str, revision: str, path: str, query: dict, head: bool) -> None:
+        repo = self._repo(repo_id, head)
+        if repo is None or (sha := self._commit(repo, revision, head)) is None:
+            return
+        recursive = query.get("recursive", ["false"])[0].lower() == "true"
+        prefix = f"{path}/" if path else ""
+        entries: dict[str, dict] = {}
+        for name, served in repo.commits[sha].items():
+            if not name.startswith(prefix):
+                continue
+            rest = name[len(prefix):].split("/")
+            for depth in range(1, len(rest)):  # the folders on the way
+                folder = prefix + "/".join(rest[:depth])
+                if recursive or depth == 1:
+                    entries.setdefault(folder, {"type": "directory", "oid": _fake_oid(folder), "path": folder})
+            if recursive or len(rest) == 1:
+                entries[name] = served.entry(name)
+        if path and not entries:
+            return self._error(404, "EntryNotFound", f"{path} does not exist", {"X-Repo-Commit": sha}, head)
+        self._json(200, sorted(entries.values(), key=lambda e: e["path"]), head=head)
+
+    def _paths_info(self, repo_id: str, revision: str, paths: list[str]) -> None:
+        repo = self._repo(repo_id)
+        if repo is None or (sha := self._commit(repo, revision)) is None:
+            return
+        files = repo.commits[sha]
+        out = []
+        for path in paths:
+            if path in files:
+                out.append(files[path].entry(path))
+            elif any(name.startswith(path.rstrip("/") + "/") for name in files):
+                out.append({"type": "directory", "oid": _fake_oid(path), "path": path})
+        self._json(200, out)
+
+    def _resolve(self, repo_id: str, revision: str, path: str, head: bool) -> None:
+        repo = self._repo(repo_id, head)
+        if repo is None or (sha := self._commit(repo, revision, head)) is None:
+            return
+        served = repo.commits[sha].get(path)
+        if served is None:
+            return self._error(404, "EntryNotFound", f"{path} does not exist", {"X-Repo-Commit": sha}, head)
+        common = {"X-Repo-Commit": sha, "Accept-Ranges": "bytes"}
+        if served.lfs:
+            location = f"/lfs-blobs/{quote(repo_id)}/{sha}/{quote(path)}"
+            return self._send(302, b"", {**common, "Location": location, "ETag": f'"{served.git_sha1}"',
+                                         "X-Linked-Etag": f'"{served.sha256}"',
+                                         "X-Linked-Size": len(served.content)}, head=head)
+        self._body(repo_id, path, served, {**common, "ETag": f'"{served.git_sha1}"'}, head)
+
+    def _blob(self, repo_id: str, sha: str, path: str, head: bool) -> None:
+        # The "CDN" behind an LFS redirect: a signed URL on the real Hub, so no token check here.
+        repo = self.hub.repos.get(repo_id)
+        served = repo.commits.get(sha, {}).get(path) if repo else None
+        if served is None:
+            return self._error(404, None, "no such blob", head=head)
+        self._body(repo_id, path, served, {"X-Repo-Commit": sha, "Accept-Ranges": "bytes",
+                                           "ETag": f'"{served.sha256}"'}, head)
+
+    def _body(self, repo_id: str, path: str, served: ServedFile, headers: dict, head: bool) -> None:
+        body, size = served.body, len(served.body)
+        span = _parse_range(self.headers.get("Range"), size)
+        if span == "unsatisfiable":
+            return self._send(416, b"", {**headers, "Content-Range": f"bytes */{size}"}, head=head)
+        if span is None:
+            begin, end, status = 0, size, 200
+        else:
+            (begin, end), status = span, 206
+            headers = {**headers, "Content-Range": f"bytes {begin}-{end - 1}/{size}"}
+        if not head:
+            self.hub.count(repo_id, path, served, begin, end)
+        self._send(status, body[begin:end], {**headers, "Content-Type": "application/octet-stream"}, head=head,
+                   content_length=end - begin)
+
+
+def _parse_range(header: str | None, size: int):
+    """(begin, end) with end exclusive, None for no/ignored Range, or "unsatisfiable"."""
+    if not header:
+        return None
+    match = re.fullmatch(r"\s*bytes=(\d*)-(\d*)\s*", header)
+    if not match or match.group(0).count(",") or (not match.group(1) and not match.group(2)):
+        return None
+    first, last = match.group(1), match.group(2)
+    if not first:  # suffix: the last N bytes
+        return max(0, size - int(last)), size
+    begin = int(first)
+    end = min(size, int(last) + 1) if last else size
+    if begin >= size:
+        return "unsatisfiable"
+    return begin, end
+
+
+def _fake_oid(path: str) -> str:
+    return hashlib.sha1(f"tree:{path}".encode()).hexdigest()

@@ -1,0 +1,183 @@
+"""The one place that talks to huggingface_hub: error mapping, version differences, progress adapters.
+
+huggingface_hub 1.x uses httpx and 2.x uses httpx2; the public API trellis needs (HfApi.model_info,
+hf_hub_download, HfFileSystem, try_to_load_from_cache, is_offline_mode, get_token) is the same in both.
+Anything that differs is feature-detected here so the rest of trellis never checks versions.
+
+Every Hub call runs inside `hub_errors(...)`, which turns the library's exceptions into one
+SourceUnavailable (exit 3) with a one-line message and a hint. Tokens never appear in messages.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import huggingface_hub
+from huggingface_hub import constants as hf_constants
+from huggingface_hub import errors as hf_errors
+
+from trellis_cli.errors import SourceUnavailable
+
+COMMIT_SHA = re.compile(r"[0-9a-f]{40}")
+AUTH_HINT = "if the repo is private or gated, set HF_TOKEN or run `hf auth login`"
+OFFLINE_HINT = "offline mode is on (HF_HUB_OFFLINE=1 or --offline); fetch it once online to fill the cache"
+
+ProgressCallback = Callable[[int], None]  # called with the number of bytes just processed
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    # 1.x raises httpx.TransportError subclasses, 2.x httpx2's; import whichever is installed.
+    found: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    for module in ("httpx2", "httpx"):
+        try:
+            found.append(importlib.import_module(module).TransportError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
+
+
+TRANSPORT_ERRORS = _transport_errors()
+_RESOLUTION_ERROR = getattr(hf_errors, "RevisionResolutionError", None)
+
+
+def is_offline(offline: bool | None) -> bool:
+    """An explicit choice wins; otherwise the library's own HF_HUB_OFFLINE reading."""
+    if offline is not None:
+        return offline
+    check = getattr(huggingface_hub, "is_offline_mode", None)  # public since 1.3
+    return bool(check()) if check is not None else bool(hf_constants.HF_HUB_OFFLINE)
+
+
+def default_endpoint() -> str:
+    return hf_constants.ENDPOINT
+
+
+def cache_root(cache_dir: str | os.PathLike | None) -> Path:
+    return Path(cache_dir if cache_dir is not None else hf_constants.HF_HUB_CACHE).expanduser()
+
+
+def repo_cache_folder(repo_id: str, cache_dir: str | os.PathLike | None) -> Path:
+    """The cache folder of a model repo: models--org--name (the layout documented for the Hub cache)."""
+    return cache_root(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+
+
+def resolve_cached_revision(repo_id: str, revision: str | None, cache_dir) -> str | None:
+    """The commit sha the local cache holds for `revision` (a sha, or refs/<branch|tag>), or None."""
+    folder = repo_cache_folder(repo_id, cache_dir)
+    rev = revision or hf_constants.DEFAULT_REVISION
+    if COMMIT_SHA.fullmatch(rev):
+        return rev if (folder / "snapshots" / rev).is_dir() else None
+    ref = folder / "refs" / rev
+    try:
+        sha = ref.read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    return sha if COMMIT_SHA.fullmatch(sha) and (folder / "snapshots" / sha).is_dir() else None
+
+
+def describe_target(repo_id: str, revision: str | None) -> str:
+    return f"{repo_id}@{revision}" if revision else repo_id
+
+
+@contextmanager
+def hub_errors(repo_id: str, revision: str | None, endpoint: str | None, *, file: str | None = None) -> Iterator[None]:
+    """Map huggingface_hub failures to SourceUnavailable with one clear line (order matters: subclasses first)."""
+    target = describe_target(repo_id, revision)
+    where = f"{file} in {target}" if file else target
+    try:
+        yield
+    except SourceUnavailable:
+        raise
+    except hf_errors.GatedRepoError as e:
+        raise SourceUnavailable(f"{repo_id} is gated: request access on its Hub page, then {AUTH_HINT}") from e
+    except hf_errors.RepositoryNotFoundError as e:
+        status = _status(e)
+        reason = "access denied (401)" if status == 401 else "repository not found"
+        raise SourceUnavailable(f"{repo_id}: {reason} at {endpoint or default_endpoint()} ({AUTH_HINT})") from e
+    except hf_errors.RevisionNotFoundError as e:
+        raise SourceUnavailable(
+            f"{repo_id}: revision {revision!r} not found (use a branch, tag or full commit sha)"
+        ) from e
+    except hf_errors.OfflineModeIsEnabled as e:
+        raise SourceUnavailable(f"{where}: not in the local Hub cache and {OFFLINE_HINT}") from e
+    except hf_errors.LocalEntryNotFoundError as e:
+        raise SourceUnavailable(f"{where}: not in the local Hub cache and the Hub could not be reached") from e
+    except hf_errors.EntryNotFoundError as e:
+        raise SourceUnavailable(f"{where}: no such file in the repository") from e
+    except hf_errors.HfHubHTTPError as e:
+        status = _status(e)
+        if status in (401, 403):
+            raise SourceUnavailable(f"{where}: access denied ({status}); {AUTH_HINT}") from e
+        raise SourceUnavailable(f"{where}: Hub request failed (HTTP {status})") from e
+    except TRANSPORT_ERRORS as e:
+        raise SourceUnavailable(_unreachable(where, endpoint, e)) from e
+    except Exception as e:
+        if _RESOLUTION_ERROR is None or not isinstance(e, _RESOLUTION_ERROR):
+            raise
+        # resolve_revision fell back to the cache and found nothing; its cause says why it went there.
+        cause = e.__cause__
+        if cause is None or isinstance(cause, hf_errors.OfflineModeIsEnabled):
+            raise SourceUnavailable(f"{where}: revision not in the local Hub cache and {OFFLINE_HINT}") from e
+        if isinstance(cause, hf_errors.HfHubHTTPError):
+            raise SourceUnavailable(f"{where}: Hub request failed (HTTP {_status(cause)})") from e
+        raise SourceUnavailable(_unreachable(where, endpoint, cause)) from e
+
+
+def _unreachable(where: str, endpoint: str | None, error: BaseException) -> str:
+    return (
+        f"{where}: cannot reach {endpoint or default_endpoint()} ({type(error).__name__}); "
+        "check the network, or use --offline to read from the local Hub cache"
+    )
+
+
+def _status(error: BaseException) -> int | None:
+    response = getattr(error, "response", None)
+    return getattr(response, "status_code", None)
+
+
+class CallbackBar:
+    """A tqdm stand-in that forwards byte counts to a callback and draws nothing.
+
+    hf_hub_download(tqdm_class=...) builds one per file and calls update(n) per received chunk; it is not a
+    tqdm subclass, so the library passes only tqdm's own keyword arguments and never prints a bar.
+    """
+
+    callback: ProgressCallback | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.total = kwargs.get("total")
+        self.n = kwargs.get("initial", 0) or 0
+        if self.n and self.callback is not None:
+            self.callback(int(self.n))
+
+    @classmethod
+    def bound_to(cls, callback: ProgressCallback) -> type["CallbackBar"]:
+        return type("BoundCallbackBar", (cls,), {"callback": staticmethod(callback)})
+
+    def update(self, n: int | float | None = 1) -> None:
+        n = int(n or 0)
+        self.n += n
+        if self.callback is not None and n:
+            self.callback(n)
+
+    def __enter__(self) -> "CallbackBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        pass
+
+    def refresh(self, *args, **kwargs) -> None:
+        pass
+
+    def set_description(self, *args, **kwargs) -> None:
+        pass
+
+    set_description_str = set_postfix_str = set_postfix = set_description

@@ -1,0 +1,89 @@
+"""Choosing part of a checkpoint: `--layers 3-5,40` ranges, and fetching only the files that hold them.
+
+The caller maps layers to file names (it knows the checkpoint's index); this module parses the ranges and
+downloads exactly the named files at the source's pinned commit, in parallel, reporting bytes as they arrive.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterable
+
+from trellis_cli.errors import SourceUnavailable, UsageError
+from trellis_cli.sources import HubSource, LocalSource, Source
+
+MAX_PARALLEL_DOWNLOADS = 4
+
+
+def parse_layer_ranges(text: str) -> list[int]:
+    """"3-5,40" -> [3, 4, 5, 40] (sorted, no duplicates). Bad syntax raises UsageError naming the part."""
+    layers: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            raise UsageError(f"--layers {text!r}: empty entry (expected e.g. 3-5,40)")
+        first, sep, last = part.partition("-")
+        if not first.strip().isdigit() or (sep and not last.strip().isdigit()):
+            raise UsageError(f"--layers {text!r}: {part!r} is not a layer number or a range like 3-5")
+        lo, hi = int(first), int(last) if sep else int(first)
+        if hi < lo:
+            raise UsageError(f"--layers {text!r}: range {part!r} runs backwards")
+        layers.update(range(lo, hi + 1))
+    return sorted(layers)
+
+
+def select_files(available: Iterable[str], names_or_patterns: Iterable[str]) -> list[str]:
+    """The available files matching exact names or fnmatch globs; an exact name that is missing is an error."""
+    available = list(available)
+    chosen: set[str] = set()
+    for wanted in names_or_patterns:
+        if any(ch in wanted for ch in "*?["):
+            chosen.update(fnmatch.filter(available, wanted))
+        elif wanted in available:
+            chosen.add(wanted)
+        else:
+            raise SourceUnavailable(f"{wanted}: no such file in the checkpoint")
+    return sorted(chosen)
+
+
+def fetch_files(source: Source, names_or_patterns: Iterable[str],
+                progress: Callable[[int], None] | None = None) -> Path:
+    """Make the chosen files local and return the directory holding them (the cache snapshot for the Hub).
+
+    Only matching files are downloaded, each pinned to the source's commit sha; files already cached cost
+    nothing. `progress(n)` is called with bytes received (from worker threads, serialized here).
+    """
+    names = select_files(source.list_files(), names_or_patterns)
+    if isinstance(source, LocalSource):
+        for name in names:
+            source.resolve(name)  # refuses paths leaving the directory
+        return source.root
+    if not isinstance(source, HubSource):
+        raise TypeError(f"fetch_files: unsupported source {type(source).__name__}")
+    report = _serialized(progress) if progress else None
+    # Per-file hf_hub_download (rather than snapshot_download) because its tqdm_class reports each file's
+    # bytes, which gives one honest progress bar; the cache layout and pinning are the same.
+    with ThreadPoolExecutor(max_workers=MAX_PARALLEL_DOWNLOADS) as pool:
+        paths = list(pool.map(lambda name: source.local_path(name, progress=report), names))
+    return snapshot_root(source, paths, names)
+
+
+def snapshot_root(source: HubSource, paths: list[Path], names: list[str]) -> Path:
+    if paths:
+        # Strip the file's own path components: <cache>/models--org--name/snapshots/<sha>/<name>
+        return Path(paths[0]).parents[len(Path(names[0]).parts) - 1]
+    from trellis_cli.hub_client import repo_cache_folder
+
+    return repo_cache_folder(source.repo_id, source.cache_dir) / "snapshots" / source.revision
+
+
+def _serialized(callback: Callable[[int], None]) -> Callable[[int], None]:
+    lock = threading.Lock()
+
+    def report(n: int) -> None:
+        with lock:
+            callback(n)
+
+    return report
