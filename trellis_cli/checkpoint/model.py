@@ -11,7 +11,7 @@ linear (trellis + suh + svh + codebook marker). K = trellis.shape[-1] // 16 alwa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 CODEBOOKS = ("3inst", "mcg", "mul1")  # codebook id = index
@@ -25,9 +25,12 @@ DIALECT_R7 = "r7"  # per-projection K maps (recognized and inspected)
 DIALECT_REPACKED = "trellis-route-pack"  # output of `trellis repack`
 
 
-@dataclass(frozen=True)
-class TensorRef:
-    """One tensor in one safetensors file, as its header describes it."""
+class TensorRef(NamedTuple):
+    """One tensor in one safetensors file, as its header describes it.
+
+    A NamedTuple rather than a dataclass: a production checkpoint has ~935k of them, and this is the
+    cheapest immutable record to build and hold.
+    """
 
     name: str
     file: str  # relative to the checkpoint root
@@ -97,6 +100,12 @@ class MoeLayer:
     # shared-H rows: (projection, rank) -> {"suh"|"svh": TensorRef}
     shared_h: dict[tuple[str, int], dict[str, TensorRef]] = field(default_factory=dict)
     files: set[str] = field(default_factory=set)  # shards holding this layer's expert tensors
+    # R7 v2 layer-shared vectors (`experts.r7_shared.<name>`), by name
+    r7_shared: dict[str, TensorRef] = field(default_factory=dict)
+    # tensors under `mlp.experts.` whose names follow no known schema (validate reports them)
+    unparsed: list[TensorRef] = field(default_factory=list)
+    # True when expert tensor names carry a `.rank{r}.` segment
+    rank_sliced: bool = False
 
     def expert_k(self, expert: int) -> int | None:
         """The K of an expert when all its projections and ranks agree, else None."""
@@ -131,6 +140,11 @@ class Checkpoint:
     declared: dict[str, Any] = field(default_factory=dict)  # dialect-specific declarations (hybrid_tr3_tail, ...)
     # Problems met while parsing that do not stop parsing; validate reports them as findings.
     parse_findings: list[Any] = field(default_factory=list)
+    tensors: dict[str, TensorRef] = field(default_factory=dict)  # every tensor by name (first file that has it)
+    files: dict[str, int] = field(default_factory=dict)  # every file of the checkpoint with its size
+    index: dict[str, str] | None = None  # model.safetensors.index.json weight_map, when present
+    index_file: str | None = None
+    quant_config: dict[str, Any] | None = None  # quantization_config.json, when present
 
     @property
     def intermediate_per_rank(self) -> int | None:

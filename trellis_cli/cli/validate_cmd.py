@@ -1,14 +1,126 @@
-"""`trellis validate`: placeholder until its module lands."""
+"""`trellis validate [SOURCE]`: every rule that applies to the checkpoint's dialect, one verdict, exit 1 on errors."""
 
 from __future__ import annotations
 
+from typing import Annotated, Optional
+
 import typer
 
-from trellis_cli.errors import UsageError
+from trellis_cli.cli import output
+from trellis_cli.errors import CheckFailed, UnknownDialect, ValidationFailed
+from trellis_cli.findings import Finding, Location, Report, Severity
+
+HELP = (
+    "Validate a checkpoint: file safety (header bounds, sizes, offsets, index <-> headers, paths), the "
+    "hybrid_tr3_tail contract, bitmap <-> tensor shapes for every (layer, expert, projection, rank), markers, "
+    "shared-H rows, tier sizes and tensor counts. Header-only unless --deep or --checksums.\n\n"
+    "Each finding has a stable code (docs/findings.md), a location and expected vs found. Exit 1 on any "
+    "error (or any warning with --strict).\n\n"
+    "Examples:\n\n"
+    "  trellis validate                      # the bundled sample\n\n"
+    "  trellis validate ./GLM-TR3 --deep --layers 3-5,40\n\n"
+    "  trellis validate org/model --revision main --json"
+)
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("validate")
-    def validate_command() -> None:
-        """Not available yet."""
-        raise UsageError("trellis validate is not available yet")
+    @app.command("validate", help=HELP)
+    def validate_command(
+        source: Annotated[Optional[str], typer.Argument(help="Checkpoint directory or Hub id org/name or org/name@rev "
+                                                            "(default: the bundled sample).")] = None,
+        revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or sha); pinned once.")] = None,
+        layers: Annotated[Optional[str], typer.Option(help="MoE layers for the per-layer rules, e.g. 3-5,40.")] = None,
+        deep: Annotated[bool, typer.Option("--deep", help="Also read tensor data of the chosen layers (finite "
+                                                          "vectors, marker values, sampled tile decode).")] = False,
+        checksums: Annotated[bool, typer.Option("--checksums", help="Compare sha256 with the Hub's LFS hashes or "
+                                                                    "MANIFEST.sha256.")] = False,
+        strict: Annotated[bool, typer.Option("--strict", help="Warnings fail too.")] = False,
+        as_json: Annotated[bool, typer.Option("--json", help="Emit the report as one JSON document.")] = False,
+    ) -> None:
+        from trellis_cli.selection import parse_layer_ranges
+        from trellis_cli.sources import open_source
+
+        chosen = parse_layer_ranges(layers) if layers else None
+        opened = open_source(source, revision=revision)
+        report = _validate(opened, chosen, deep, checksums, as_json)
+        report.context.setdefault("source", opened.describe())
+        failed = not report.ok or (strict and bool(report.warnings))
+        if as_json:
+            document = report.to_dict()
+            document["source"] = opened.describe()
+            document["revision"] = getattr(opened, "revision", None)
+            document["strict"] = strict
+            output.emit_json(document)
+        else:
+            render_report(report)
+        if failed:
+            raise ValidationFailed(report) if not report.ok else CheckFailed(
+                f"{len(report.warnings)} warning(s) with --strict: {report.summary()}")
+
+
+def _validate(opened, layers: list[int] | None, deep: bool, checksums: bool, as_json: bool) -> Report:
+    from trellis_cli.checkpoint.open import open_checkpoint
+    from trellis_cli.validate import run_validation
+
+    output.log(f"reading {opened.description} ...")
+    try:
+        checkpoint = open_checkpoint(opened)
+    except UnknownDialect as e:
+        return _single(opened, "dialect.unknown", str(e))
+    except CheckFailed as e:
+        return _single(opened, "checkpoint.unreadable", str(e))
+    if deep:
+        _fetch_for_deep(checkpoint, layers, as_json)
+    with output.make_progress(enabled=output.progress_enabled(as_json)) as progress:
+        tasks: dict[str, object] = {}
+
+        def advance(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = progress.add_task(f"{stage} rules", total=total)
+            progress.update(tasks[stage], completed=done)
+
+        def hashed(n: int) -> None:
+            if "hash" not in tasks:
+                tasks["hash"] = progress.add_task("hashing bytes", total=None)
+            progress.advance(tasks["hash"], n)
+
+        return run_validation(checkpoint, deep=deep, layers=layers, checksums=checksums, progress=advance,
+                              checksum_progress=hashed)
+
+
+def _fetch_for_deep(checkpoint, layers: list[int] | None, as_json: bool) -> None:
+    """A Hub source downloads only the shards of the chosen layers before their data is read."""
+    from trellis_cli.sources import LocalSource
+
+    if isinstance(checkpoint.source, LocalSource):
+        return
+    from trellis_cli.selection import fetch_files
+
+    chosen = layers if layers is not None else list(checkpoint.layers)
+    files = sorted({f for li in chosen if li in checkpoint.layers for f in checkpoint.layers[li].files})
+    if not files:
+        return
+    output.log(f"downloading {len(files)} shard(s) for --deep ...")
+    with output.progress_bar("download", None, bytes_mode=True, enabled=output.progress_enabled(as_json)) as advance:
+        fetch_files(checkpoint.source, files, progress=advance)
+
+
+def _single(opened, code: str, message: str) -> Report:
+    report = Report(subject=opened.description, context={"source": opened.describe()})
+    report.findings.append(Finding(code, Severity.ERROR, Location(), message))
+    return report
+
+
+_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
+
+
+def render_report(report: Report) -> None:
+    """Findings (errors first), then the one-line verdict, on stdout."""
+    order = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.INFO: 2}
+    for finding in sorted(report.findings, key=lambda f: order[f.severity]):
+        output.stdout.print(finding.line(), style=_STYLE[finding.severity], markup=False, highlight=False)
+    context = report.context
+    if context.get("dialect"):
+        output.stdout.print(f"dialect: {context['dialect']}", markup=False, highlight=False)
+    output.stdout.print(report.summary(), style="bold green" if report.ok else "bold red", markup=False,
+                        highlight=False)

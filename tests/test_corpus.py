@@ -1,0 +1,53 @@
+"""The robustness corpus at the CLI boundary: each malformed checkpoint gives its named finding and exit 1,
+never a traceback, in text and in --json mode."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from corrupt import CORPUS
+from trellis_cli.cli.app import main
+from trellis_cli.synth import preset, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("corpus") / "tiny", preset("tiny"))
+
+
+def run(argv, capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    captured = capsys.readouterr()
+    return int(info.value.code or 0), captured.out, captured.err
+
+
+def test_pristine_checkpoint_passes(pristine, capsys):
+    code, out, err = run(["validate", str(pristine), "--deep"], capsys)
+    assert code == 0, out
+    assert out.strip().splitlines()[-1].startswith("PASS")
+
+
+@pytest.mark.parametrize("case", sorted(CORPUS))
+def test_corrupt_checkpoint_gives_named_finding_and_exit_1(case, pristine, tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    shutil.copytree(pristine, root)
+    corrupt, deep = CORPUS[case]
+    expected_code = corrupt(root)
+    argv = ["validate", str(root), "--json"] + (["--deep"] if deep else [])
+    code, out, err = run(argv, capsys)
+    assert code == 1, err
+    assert "Traceback" not in out + err
+    document = json.loads(out)
+    codes = {f["code"] for f in document["findings"] if f["severity"] == "error"}
+    assert expected_code in codes, (expected_code, codes)
+    assert document["ok"] is False and document["summary"].startswith("FAIL")
+    # The same case in text mode: the finding line, the verdict, and a one-line error on stderr.
+    code, out, err = run(["validate", str(root)] + (["--deep"] if deep else []), capsys)
+    assert code == 1
+    assert f"[{expected_code}]" in out
+    assert out.strip().splitlines()[-1].startswith("FAIL")
+    assert err.strip().splitlines()[-1].startswith("error:") and "Traceback" not in err

@@ -1,0 +1,174 @@
+"""Declared bitrates: what the metadata says each expert (or projection) should be, per layer.
+
+Sources by dialect: TR3 mixed -> the `bits_per_expert` reference ("tier_bitmap.json:k" or ":bits_per_expert",
+with the `tail_tr3`-of-length-E fallback meaning all K3); TR3 uniform -> `bits` or `trellis_bits_by_layer`;
+plain exllamav3 -> `tensor_storage[...].bits_per_weight` per module; R7 -> the per-layer bit-map manifests.
+Problems become findings (codes `bitmap.*`), never exceptions: the rest of the checkpoint still gets checked.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+from trellis_cli.checkpoint.names import PROJECTIONS_BY_INDEX, parse_expert_name
+from trellis_cli.errors import CheckFailed, SourceUnavailable
+from trellis_cli.findings import Finding, Location, error, warning
+
+TAIL_FALLBACK_K = 3  # a tail_tr3 list covering every expert means "all trellis-3" (the MTP overlay)
+
+
+class Declared:
+    """Per-layer declarations collected for one checkpoint."""
+
+    def __init__(self) -> None:
+        self.expert_k: dict[int, list[Any]] = {}  # layer -> K per expert (raw values; validate checks them)
+        self.projection_k: dict[int, dict[tuple[int, str], int]] = {}
+        self.k_source: dict[int, str] = {}  # layer -> where the K list came from
+        self.findings: list[Finding] = []
+
+
+def tr3_declared(hybrid: dict, read_json: Callable[[str], Any], files: dict[str, int]) -> Declared:
+    out = Declared()
+    bits = hybrid.get("bits")
+    experts = hybrid.get("experts_per_layer")
+    layers = layer_range(hybrid.get("moe_layers"))
+    if isinstance(bits, str) and bits.lower().startswith("mixed"):
+        _load_bitmap(out, hybrid.get("bits_per_expert"), read_json, files, experts, layers)
+        return out
+    by_layer = hybrid.get("trellis_bits_by_layer")
+    if isinstance(by_layer, dict):
+        for key, k in by_layer.items():
+            if isinstance(key, str) and key.isdecimal() and isinstance(experts, int) and experts > 0:
+                out.expert_k[int(key)] = [k] * experts
+                out.k_source[int(key)] = "trellis_bits_by_layer"
+        return out
+    if _is_integral(bits) and isinstance(experts, int) and experts > 0:
+        for layer in layers:
+            out.expert_k[layer] = [int(bits)] * experts
+            out.k_source[layer] = "bits"
+    return out
+
+
+def _load_bitmap(out: Declared, ref: Any, read_json, files, experts: Any, layers: list[int]) -> None:
+    where = Location(file="config.json", tensor="hybrid_tr3_tail.bits_per_expert")
+    if not isinstance(ref, str) or ":" not in ref:
+        out.findings.append(error("bitmap.reference", where, "bits_per_expert must be a 'file.json:field' reference",
+                                  expected="'tier_bitmap.json:k'", found=ref))
+        return
+    name, fieldname = ref.rsplit(":", 1)
+    if name not in files:
+        out.findings.append(error("bitmap.missing", Location(file=name), "the bitmap file named by bits_per_expert "
+                                  "is not in the checkpoint", expected=name, found="no such file"))
+        return
+    try:
+        bitmap = read_json(name)
+    except (CheckFailed, SourceUnavailable) as e:
+        out.findings.append(error("bitmap.unreadable", Location(file=name), str(e)))
+        return
+    if not isinstance(bitmap, dict):
+        out.findings.append(error("bitmap.unreadable", Location(file=name), "bitmap is not a JSON object",
+                                  expected="object", found=type(bitmap).__name__))
+        return
+    for key, entry in bitmap.items():
+        if not (isinstance(key, str) and key.isdecimal()):
+            out.findings.append(warning("bitmap.key", Location(file=name), "bitmap key is not a decimal layer index",
+                                        found=key))
+            continue
+        layer = int(key)
+        if not isinstance(entry, dict):
+            out.findings.append(error("bitmap.entry", Location(file=name, layer=layer), "layer entry is not an object",
+                                      found=type(entry).__name__))
+            continue
+        if fieldname in entry:
+            out.expert_k[layer] = entry[fieldname] if isinstance(entry[fieldname], list) else [entry[fieldname]]
+            out.k_source[layer] = f"{name}:{fieldname}"
+        elif isinstance(entry.get("tail_tr3"), list) and len(entry["tail_tr3"]) == experts:
+            out.expert_k[layer] = [TAIL_FALLBACK_K] * experts
+            out.k_source[layer] = f"{name}:tail_tr3"
+        else:
+            out.findings.append(error("bitmap.field", Location(file=name, layer=layer),
+                                      f"layer entry has no {fieldname!r} list (nor a full tail_tr3 list)",
+                                      expected=fieldname, found=sorted(entry)))
+    for layer in layers:
+        if str(layer) not in bitmap:
+            out.findings.append(error("bitmap.layer-missing", Location(file=name, layer=layer),
+                                      "moe_layers includes this layer but the bitmap has no entry for it"))
+
+
+def exl3_declared(quant_config: dict | None) -> Declared:
+    """Per-projection K from quantization_config.json tensor_storage (bits_per_weight per module)."""
+    out = Declared()
+    storage = (quant_config or {}).get("tensor_storage")
+    if not isinstance(storage, dict):
+        return out
+    for module, record in storage.items():
+        if not isinstance(record, dict) or record.get("quant_format") != "exl3":
+            continue
+        parsed = parse_expert_name(f"{module}.trellis")
+        if parsed is None or parsed.kind != "linear" or not _is_integral(record.get("bits_per_weight")):
+            continue
+        out.projection_k.setdefault(parsed.layer, {})[(parsed.expert, parsed.projection)] = int(
+            record["bits_per_weight"])
+    return out
+
+
+_MANIFEST_LAYER = re.compile(r"layer-(\d+)")
+
+
+def r7_declared(r7: dict, read_json: Callable[[str], Any], files: dict[str, int]) -> Declared:
+    """R7 per-layer maps: 768 entries (experts x projections), as a list or a {"E.proj"|E: ...} mapping."""
+    out = Declared()
+    manifests = r7.get("bit_map_manifests")
+    if not isinstance(manifests, list):
+        out.findings.append(error("bitmap.reference", Location(file="config.json", tensor="r7_routed_experts"),
+                                  "bit_map_manifests must be a list of file names", found=type(manifests).__name__))
+        return out
+    for name in manifests:
+        m = _MANIFEST_LAYER.search(str(name))
+        if name not in files or m is None:
+            out.findings.append(error("bitmap.missing", Location(file=str(name)), "R7 bit map manifest not found"))
+            continue
+        try:
+            data = read_json(name)
+        except (CheckFailed, SourceUnavailable) as e:
+            out.findings.append(error("bitmap.unreadable", Location(file=name), str(e)))
+            continue
+        layer = int(data.get("layer", m.group(1))) if isinstance(data, dict) else int(m.group(1))
+        out.projection_k[layer] = _r7_map(data)
+        out.k_source[layer] = name
+    return out
+
+
+def _r7_map(data: Any) -> dict[tuple[int, str], int]:
+    if isinstance(data, dict):
+        data = next((data[k] for k in ("bits", "k", "map", "bit_map") if k in data), data)
+    result: dict[tuple[int, str], int] = {}
+    if isinstance(data, list):
+        for i, k in enumerate(data):
+            result[(i // 3, PROJECTIONS_BY_INDEX[i % 3])] = k
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            if isinstance(value, dict):  # {E: {proj: K}}
+                for proj, k in value.items():
+                    if str(key).isdecimal():
+                        result[(int(key), proj)] = k
+            elif "." in str(key) and str(key).split(".")[0].isdecimal():  # {"E.proj": K}
+                e, proj = str(key).split(".", 1)
+                result[(int(e), proj)] = value
+    return result
+
+
+def layer_range(moe_layers: Any) -> list[int]:
+    if (isinstance(moe_layers, list) and len(moe_layers) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in moe_layers) and 0 <= moe_layers[0] <= moe_layers[1]):
+        return list(range(moe_layers[0], moe_layers[1] + 1))
+    return []
+
+
+def _is_integral(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    return isinstance(value, float) and value.is_integer()

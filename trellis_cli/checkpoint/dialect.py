@@ -1,0 +1,104 @@
+"""Dialect detection: which on-disk contract a checkpoint follows, decided from its JSON files only.
+
+Order (fail closed, never guessed):
+1. `manifest.json` with schema "trellis-route-pack" -> the repacked layout;
+2. `config.json["hybrid_tr3_tail"]` with format "exl3-trellis" -> TR3 rank-sliced (per_expert_v1 / shared_h_v1);
+3. `r7_routed_experts` in the embedded or external quantization config -> R7 per-projection maps;
+4. quant_method "exl3" in the embedded or external quantization config -> plain exllamav3;
+anything else raises UnknownDialect naming what was found.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from trellis_cli.checkpoint.model import (
+    DIALECT_EXL3,
+    DIALECT_R7,
+    DIALECT_REPACKED,
+    DIALECT_TR3_PER_EXPERT,
+    DIALECT_TR3_SHARED_H,
+)
+from trellis_cli.errors import UnknownDialect
+
+TR3_FORMAT = "exl3-trellis"
+ROTATION_LAYOUTS = {"per_expert_v1": DIALECT_TR3_PER_EXPERT, "shared_h_v1": DIALECT_TR3_SHARED_H}
+MANIFEST = "manifest.json"
+CONFIG = "config.json"
+QUANT_CONFIG = "quantization_config.json"
+
+
+@dataclass
+class DialectInfo:
+    dialect: str
+    rotation_layout: str
+    tp: int
+    codebook: str | None
+    declared: dict[str, Any] = field(default_factory=dict)
+
+
+def detect_dialect(files: dict[str, int], config: dict | None, quant_config: dict | None,
+                   read_json: Callable[[str], Any]) -> DialectInfo:
+    if MANIFEST in files:
+        manifest = read_json(MANIFEST)
+        if isinstance(manifest, dict) and manifest.get("schema") == DIALECT_REPACKED:
+            return DialectInfo(DIALECT_REPACKED, "n/a", _positive_int(manifest.get("tp")) or 1,
+                               manifest.get("codebook"), {"manifest": manifest})
+    if config is None:
+        raise UnknownDialect(_nothing_found(files, "no config.json"))
+    embedded = config.get("quantization_config")
+    embedded = embedded if isinstance(embedded, dict) else None
+    hybrid = config.get("hybrid_tr3_tail")
+    if hybrid is not None:
+        return _tr3(hybrid, embedded)
+    r7 = _first_dict(embedded, quant_config, key="r7_routed_experts")
+    if r7 is not None:
+        return DialectInfo(DIALECT_R7, "r7_shared", 1, _codebook(embedded, quant_config), {"r7_routed_experts": r7})
+    methods = [q.get("quant_method") for q in (embedded, quant_config) if q is not None]
+    if "exl3" in methods:
+        return DialectInfo(DIALECT_EXL3, "n/a", 1, _codebook(embedded, quant_config), {})
+    found = f"quant_method {methods[0]!r}" if methods else "no quantization_config"
+    raise UnknownDialect(_nothing_found(files, f"config.json has {found} and no hybrid_tr3_tail"))
+
+
+def _tr3(hybrid: Any, embedded: dict | None) -> DialectInfo:
+    if not isinstance(hybrid, dict):
+        raise UnknownDialect(f"config.json: hybrid_tr3_tail is a JSON {type(hybrid).__name__}, expected an object")
+    if not isinstance(hybrid.get("format"), str) or hybrid.get("format") != TR3_FORMAT:
+        raise UnknownDialect(
+            f"config.json: hybrid_tr3_tail.format is {hybrid.get('format')!r}, expected {TR3_FORMAT!r}")
+    layout = hybrid.get("rotation_layout", "per_expert_v1")
+    if not isinstance(layout, str) or layout not in ROTATION_LAYOUTS:
+        raise UnknownDialect(f"config.json: hybrid_tr3_tail.rotation_layout is {layout!r}, "
+                             f"expected one of {', '.join(ROTATION_LAYOUTS)}")
+    codebook = hybrid.get("codebook")
+    if codebook is None and embedded is not None:
+        codebook = embedded.get("codebook")
+    return DialectInfo(ROTATION_LAYOUTS[layout], layout, _positive_int(hybrid.get("tp")) or 1,
+                       codebook if isinstance(codebook, str) else None, {"hybrid_tr3_tail": hybrid})
+
+
+def _first_dict(*configs: dict | None, key: str) -> dict | None:
+    for q in configs:
+        if q is not None and isinstance(q.get(key), dict):
+            return q[key]
+    return None
+
+
+def _codebook(*configs: dict | None) -> str | None:
+    for q in configs:
+        if q is not None and isinstance(q.get("codebook"), str):
+            return q["codebook"]
+    return None
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _nothing_found(files: dict[str, int], what: str) -> str:
+    shown = ", ".join(list(files)[:6]) + (", ..." if len(files) > 6 else "")
+    return (f"not a checkpoint dialect trellis understands: {what} "
+            f"(found {len(files)} file(s): {shown or 'none'}); expected a TR3 hybrid_tr3_tail contract, "
+            "an exl3 quantization_config, R7 metadata or a route-pack manifest.json")

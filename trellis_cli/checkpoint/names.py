@@ -1,0 +1,76 @@
+"""Tensor-name grammar for routed experts: one parser for every dialect.
+
+A routed-expert tensor name is `<prefix>layers.{L}.mlp.experts.{E}.{proj}[.rank{r}].{field}`; shared rows use
+`experts.shared_h.{proj}.rank{r}.{suh|svh}` (shared_h_v1) and `experts.r7_shared.{name}` (R7 v2). Names are
+matched against this grammar, never guessed from file names. `w1`/`w3`/`w2` templates map to gate/up/down.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+# The EXL3 per-linear fields (exl3-format.md §1); anything else under a linear is kept as "extra".
+LINEAR_FIELDS = frozenset({"trellis", "suh", "svh", "su", "sv", "mcg", "mul1"})
+PROJECTION_ALIASES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
+                      "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+_EXPERTS = re.compile(r"^(?:.*\.)?layers\.(\d+)\.mlp\.experts\.(.+)$")
+_LINEAR = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)(?:\.rank(\d+))?\.([A-Za-z0-9_]+)$")
+_SHARED_H = re.compile(r"^shared_h\.(gate_proj|up_proj|down_proj)\.rank(\d+)\.([A-Za-z0-9_]+)$")
+_R7_SHARED = re.compile(r"^r7_shared\.(?:rank(\d+)\.)?([A-Za-z0-9_]+)$")
+
+# The common case in one match (a production checkpoint has ~935k expert tensor names).
+LINEAR_NAME = re.compile(
+    r"^(?:.*?\.)?layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)(?:\.rank(\d+))?"
+    r"\.([A-Za-z0-9_]+)$")
+
+KIND_LINEAR = "linear"
+KIND_SHARED_H = "shared_h"
+KIND_R7_SHARED = "r7_shared"
+KIND_UNPARSED = "unparsed"
+
+
+class ExpertName(NamedTuple):
+    kind: str  # linear | shared_h | r7_shared | unparsed
+    layer: int
+    expert: int | None = None
+    projection: str | None = None
+    rank: int | None = None  # None: no `.rank{r}.` segment
+    field: str | None = None
+
+
+def parse_expert_name(name: str) -> ExpertName | None:
+    """Classify a tensor name; None when it is not under `layers.{L}.mlp.experts.`."""
+    m = _EXPERTS.match(name)
+    if m is None:
+        return None
+    layer, rest = int(m.group(1)), m.group(2)
+    lin = _LINEAR.match(rest)
+    if lin is not None:
+        rank = None if lin.group(3) is None else int(lin.group(3))
+        return ExpertName(KIND_LINEAR, layer, int(lin.group(1)), PROJECTION_ALIASES[lin.group(2)], rank,
+                          lin.group(4))
+    sh = _SHARED_H.match(rest)
+    if sh is not None:
+        return ExpertName(KIND_SHARED_H, layer, None, sh.group(1), int(sh.group(2)), sh.group(3))
+    r7 = _R7_SHARED.match(rest)
+    if r7 is not None:
+        rank = None if r7.group(1) is None else int(r7.group(1))
+        return ExpertName(KIND_R7_SHARED, layer, None, None, rank, r7.group(2))
+    return ExpertName(KIND_UNPARSED, layer)
+
+
+def linear_prefix(layer: int, expert: int, projection: str, rank: int | None, base: str = "model.") -> str:
+    rank_part = "" if rank is None else f".rank{rank}"
+    return f"{base}layers.{layer}.mlp.experts.{expert}.{projection}{rank_part}"
+
+
+def shared_h_prefix(layer: int, projection: str, rank: int, base: str = "model.") -> str:
+    return f"{base}layers.{layer}.mlp.experts.shared_h.{projection}.rank{rank}"
+
+
+# Hidden-side vectors: under shared_h_v1 these live in one shared row per (layer, projection, rank).
+H_SIDE = {"gate_proj": "suh", "up_proj": "suh", "down_proj": "svh"}
+I_SIDE = {"gate_proj": "svh", "up_proj": "svh", "down_proj": "suh"}
+PROJECTIONS_BY_INDEX = ("gate_proj", "up_proj", "down_proj")

@@ -1,0 +1,327 @@
+"""open_checkpoint: fill the checkpoint model from JSON files and safetensors headers, never tensor data.
+
+Fail-closed but tolerant: an unknown dialect or an unreadable config.json raises; everything else that is
+wrong (a shard whose header cannot be parsed, a path leaving the directory, an unreadable bitmap) becomes a
+finding in `checkpoint.parse_findings` and parsing continues, so validate can report every problem at once.
+Tensors are resolved through the headers of every safetensors file (and the index when present), never by
+file-name patterns.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from trellis_cli.checkpoint import declared as decl
+from trellis_cli.checkpoint.dialect import CONFIG, QUANT_CONFIG, DialectInfo, detect_dialect
+from trellis_cli.checkpoint.model import (
+    DIALECT_EXL3,
+    DIALECT_R7,
+    DIALECT_REPACKED,
+    Checkpoint,
+    LinearRef,
+    MoeLayer,
+    TensorRef,
+)
+from trellis_cli.checkpoint.names import (
+    KIND_R7_SHARED,
+    KIND_SHARED_H,
+    LINEAR_FIELDS,
+    LINEAR_NAME,
+    PROJECTION_ALIASES,
+    parse_expert_name,
+)
+from trellis_cli.errors import CheckFailed
+from trellis_cli.findings import Finding, Location, error, warning
+from trellis_cli.sources import safe_relative
+
+INDEX_SUFFIX = ".safetensors.index.json"
+# A production index maps ~935k tensors (about 80 MB of JSON), above the general JSON limit of sources.
+MAX_INDEX_BYTES = 512 * 1024 * 1024
+EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+
+
+def open_checkpoint(source: Any) -> Checkpoint:
+    """Parse a checkpoint from a Source (or a local directory path) into the normalized model."""
+    with paused_gc():
+        return _open(_as_source(source))
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector while building millions of acyclic records.
+
+    Parsing a production checkpoint allocates ~5 million objects; each young-generation pass rescans
+    them, which tripled the parse time. Nothing built here forms reference cycles.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _open(source: Any) -> Checkpoint:
+    files = source.list_files()
+    findings: list[Finding] = []
+    config = _read_config(source, files)
+    quant_config = _read_optional_json(source, files, QUANT_CONFIG, findings, optional=True)
+    info = detect_dialect(files, config, quant_config, source.read_json)
+    ckpt = Checkpoint(source=source, dialect=info.dialect, config=config or {}, hidden=None, intermediate=None,
+                      num_experts=None, tp=info.tp, codebook=info.codebook, rotation_layout=info.rotation_layout,
+                      declared=info.declared, parse_findings=findings, files=dict(files),
+                      quant_config=quant_config)
+    if info.dialect == DIALECT_REPACKED:
+        return ckpt  # the route-pack verifier owns its own parsing
+    _read_headers(ckpt, source, files)
+    _read_index(ckpt, source, files)
+    _collect_tensors(ckpt)
+    _build_layers(ckpt)
+    _apply_declarations(ckpt, info, source, files)
+    _fill_geometry(ckpt, info)
+    return ckpt
+
+
+def _as_source(source: Any) -> Any:
+    if isinstance(source, (str, Path)):
+        from trellis_cli.sources import LocalSource
+
+        return LocalSource(Path(source))
+    return source
+
+
+def _read_config(source: Any, files: dict[str, int]) -> dict | None:
+    if CONFIG not in files:
+        return None
+    config = source.read_json(CONFIG)  # unreadable config.json stops parsing: nothing else can be trusted
+    if not isinstance(config, dict):
+        raise CheckFailed(f"{CONFIG}: a JSON {type(config).__name__}, expected an object")
+    return config
+
+
+def _read_optional_json(source: Any, files: dict[str, int], name: str, findings: list[Finding],
+                        optional: bool = False) -> Any:
+    """A JSON file or None; a bad one becomes a finding (a warning when the file is optional metadata)."""
+    if name not in files:
+        return None
+    try:
+        return source.read_json(name)
+    except CheckFailed as e:
+        code = "json.too-large" if "limit" in str(e) else "json.unreadable"
+        make = warning if optional else error
+        findings.append(make(code, Location(file=name), str(e).split(": ", 1)[-1]))
+        return None
+
+
+def _read_headers(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:
+    escapes = getattr(source, "escapes", None)
+    readable = []
+    for name, size in files.items():
+        if not name.endswith(".safetensors"):
+            continue
+        if not safe_relative(name) or (escapes is not None and escapes(name)):
+            ckpt.parse_findings.append(error("path.escape", Location(file=name),
+                                             "file resolves outside the checkpoint directory (symlink or path)"))
+        elif size < 0:
+            ckpt.parse_findings.append(error("path.dangling", Location(file=name), "file is a dangling link"))
+        else:
+            readable.append(name)
+    prefetch = getattr(source, "prefetch_headers", None)
+    if prefetch is not None and readable:
+        prefetch(readable)  # remote sources read many headers concurrently; errors resurface per file below
+    for name in readable:
+        try:
+            ckpt.headers[name] = source.read_header(name)
+        except CheckFailed as e:  # SourceUnavailable (network, auth) propagates: exit 3, not a finding
+            ckpt.parse_findings.append(_header_finding(name, str(e)))
+
+
+def _header_finding(name: str, message: str) -> Finding:
+    detail = message[len(name) + 2:] if message.startswith(name + ": ") else message
+    if "shorter than the 8-byte" in detail:
+        code = "file.truncated"
+    elif "header length" in detail:
+        code = "file.header-length"
+    else:
+        code = "file.header"
+    return error(code, Location(file=name), detail)
+
+
+def _read_index(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:
+    names = [n for n in files if n.endswith(INDEX_SUFFIX)]
+    if not names:
+        return
+    name = "model.safetensors.index.json" if "model.safetensors.index.json" in names else names[0]
+    data = _read_index_json(source, files, name, ckpt.parse_findings)
+    if data is None:
+        return
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        ckpt.parse_findings.append(error("index.format", Location(file=name),
+                                         "index has no weight_map object of tensor -> file strings"))
+        return
+    ckpt.index, ckpt.index_file = weight_map, name
+    ckpt.declared["index_metadata"] = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
+
+
+def _read_index_json(source: Any, files: dict[str, int], name: str, findings: list[Finding]) -> Any:
+    from trellis_cli.sources import MAX_JSON_BYTES
+
+    size = files.get(name, 0)
+    if size <= MAX_JSON_BYTES:
+        return _read_optional_json(source, files, name, findings)
+    if size > MAX_INDEX_BYTES:
+        findings.append(error("json.too-large", Location(file=name), "index file is larger than the limit",
+                              expected=f"<= {MAX_INDEX_BYTES} bytes", found=f"{size} bytes"))
+        return None
+    try:
+        with open(source.local_path(name), "rb") as f:
+            return json.loads(f.read(MAX_INDEX_BYTES + 1).decode("utf-8"))
+    except (CheckFailed, OSError, UnicodeDecodeError, ValueError) as e:
+        findings.append(error("json.unreadable", Location(file=name), f"cannot read the index ({e})"))
+        return None
+
+
+def _collect_tensors(ckpt: Checkpoint) -> None:
+    """Every tensor by name; a name in several files resolves to the index's file, else the first file."""
+    tensors = ckpt.tensors
+    for file in sorted(ckpt.headers):
+        header = ckpt.headers[file]
+        data_start = header.data_start
+        for name, e in header.tensors.items():
+            if name not in tensors:
+                tensors[name] = TensorRef(name, file, e.dtype, e.shape, e.begin, e.end, data_start)
+    if not ckpt.index:
+        return
+    # Re-key the index on the header's own name strings: halves its memory at production size.
+    compact: dict[str, str] = {}
+    file_names = {file: file for file in ckpt.headers}
+    for name, file in ckpt.index.items():
+        ref = tensors.get(name)
+        file = file_names.setdefault(file, file)
+        if ref is None:
+            compact[name] = file
+            continue
+        compact[ref.name] = file
+        header = ckpt.headers.get(file)
+        if ref.file != file and header is not None and name in header.tensors:
+            e = header.tensors[name]
+            tensors[name] = TensorRef(name, file, e.dtype, e.shape, e.begin, e.end, header.data_start)
+    ckpt.index = compact
+
+
+def _build_layers(ckpt: Checkpoint) -> None:
+    linears: dict[tuple[int, int, str, int], dict[str, TensorRef]] = {}
+    layers = ckpt.layers
+    sliced: set[int] = set()
+    match_linear = LINEAR_NAME.match
+    for name, ref in ckpt.tensors.items():
+        if ".mlp.experts." not in name:
+            continue
+        m = match_linear(name)
+        if m is not None:  # fast path: the ~935k per-expert tensors of a production checkpoint
+            layer_s, expert_s, proj, rank_s, fieldname = m.groups()
+            layer_i = int(layer_s)
+            if rank_s is not None:
+                sliced.add(layer_i)
+            key = (layer_i, int(expert_s), PROJECTION_ALIASES[proj], int(rank_s or 0))
+            fields = linears.get(key)
+            if fields is None:
+                fields = linears[key] = {}
+            fields[fieldname] = ref
+            continue
+        _add_other_expert_tensor(layers, name, ref)
+    for (li, expert, proj, rank), fields in linears.items():
+        layer = layers.get(li)
+        if layer is None:
+            layer = layers[li] = MoeLayer(li)
+        any_ref = next(iter(fields.values()))
+        layer.files.add(any_ref.file)
+        extra = tuple(ref for f, ref in fields.items() if f not in LINEAR_FIELDS)
+        lin = LinearRef(any_ref.name.rsplit(".", 1)[0], fields.get("trellis"), fields.get("suh"), fields.get("svh"),
+                        fields.get("su"), fields.get("sv"), fields.get("mcg"), fields.get("mul1"), extra)
+        layer.experts.setdefault(expert, {}).setdefault(proj, {})[rank] = lin
+    for li in sliced:
+        layers[li].rank_sliced = True
+    ckpt.layers = dict(sorted(layers.items()))
+
+
+def _add_other_expert_tensor(layers: dict[int, MoeLayer], name: str, ref: TensorRef) -> None:
+    parsed = parse_expert_name(name)
+    if parsed is None:
+        return
+    layer = layers.get(parsed.layer)
+    if layer is None:
+        layer = layers[parsed.layer] = MoeLayer(parsed.layer)
+    layer.files.add(ref.file)
+    if parsed.kind == KIND_SHARED_H:
+        layer.shared_h.setdefault((parsed.projection, parsed.rank), {})[parsed.field] = ref
+    elif parsed.kind == KIND_R7_SHARED:
+        layer.r7_shared[parsed.field if parsed.rank is None else f"rank{parsed.rank}.{parsed.field}"] = ref
+    else:
+        layer.unparsed.append(ref)
+
+
+def _apply_declarations(ckpt: Checkpoint, info: DialectInfo, source: Any, files: dict[str, int]) -> None:
+    hybrid = info.declared.get("hybrid_tr3_tail")
+    if hybrid is not None:
+        d = decl.tr3_declared(hybrid, source.read_json, files)
+        for layer in decl.layer_range(hybrid.get("moe_layers")):
+            ckpt.layers.setdefault(layer, MoeLayer(layer))
+    elif info.dialect == DIALECT_R7:
+        d = decl.r7_declared(info.declared["r7_routed_experts"], source.read_json, files)
+    elif info.dialect == DIALECT_EXL3:
+        d = decl.exl3_declared(ckpt.quant_config)
+    else:
+        return
+    ckpt.parse_findings.extend(d.findings)
+    for li, ks in d.expert_k.items():
+        ckpt.layers.setdefault(li, MoeLayer(li)).declared_k = ks
+    for li, pk in d.projection_k.items():
+        ckpt.layers.setdefault(li, MoeLayer(li)).declared_projection_k = pk
+    ckpt.layers = dict(sorted(ckpt.layers.items()))
+    ckpt.declared["k_source"] = d.k_source
+
+
+def _fill_geometry(ckpt: Checkpoint, info: DialectInfo) -> None:
+    """H, I and E from config.json, or from the first complete expert when the config does not say."""
+    config, hybrid = ckpt.config, info.declared.get("hybrid_tr3_tail") or {}
+    ckpt.hidden = _int(config.get("hidden_size"))
+    ckpt.intermediate = _int(config.get("moe_intermediate_size"))
+    ckpt.num_experts = _int(hybrid.get("experts_per_layer")) or next(
+        (_int(config[k]) for k in EXPERT_COUNT_KEYS if _int(config.get(k))), None)
+    if info.dialect in (DIALECT_EXL3, DIALECT_R7):
+        ranks = [r for layer in ckpt.layers.values() if layer.rank_sliced for projs in layer.experts.values()
+                 for by_rank in projs.values() for r in by_rank]
+        ckpt.tp = max(ranks, default=0) + 1
+    inferred = []
+    sample = _first_gate(ckpt)
+    if ckpt.hidden is None and sample is not None and sample.in_features:
+        ckpt.hidden = sample.in_features
+        inferred.append("hidden")
+    if ckpt.intermediate is None and sample is not None and sample.out_features:
+        ckpt.intermediate = sample.out_features * ckpt.tp
+        inferred.append("intermediate")
+    if ckpt.num_experts is None:
+        ids = [e for layer in ckpt.layers.values() for e in layer.experts]
+        ckpt.num_experts = max(ids) + 1 if ids else None
+        inferred.append("num_experts")
+    ckpt.declared["inferred"] = inferred
+
+
+def _first_gate(ckpt: Checkpoint) -> LinearRef | None:
+    for layer in ckpt.layers.values():
+        for projs in layer.experts.values():
+            for lin in projs.get("gate_proj", {}).values():
+                if lin.in_features:
+                    return lin
+    return None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

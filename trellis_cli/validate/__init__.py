@@ -1,0 +1,138 @@
+"""Validation: run every rule that applies to a checkpoint's dialect and collect the findings in one Report.
+
+Rules live in one module per family: rules_files (byte layout, index, paths), rules_config (metadata
+contracts), rules_tensors (header facts per linear and per layer), rules_data (--deep: tensor values).
+Every rule runs even after errors, so one run shows every problem. A repacked directory is checked by the
+route-pack verifier instead. Rules never raise on bad input; they yield findings.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+from trellis_cli.checkpoint.model import DIALECT_REPACKED, Checkpoint
+from trellis_cli.findings import Finding, Location, Report, Severity
+from trellis_cli.validate import rules_config, rules_files, rules_tensors
+
+MAX_FINDINGS_PER_CODE = 50  # then one "... and N more" line: a missing shard must not print 12,288 lines
+
+CHECKSUM_CODES = {  # integrity status -> (code, severity, message)
+    "mismatch": ("checksum.mismatch", Severity.ERROR, "sha256 differs from the recorded hash"),
+    "missing": ("checksum.missing", Severity.ERROR, "a hash is recorded but the file is absent"),
+    "unsafe-path": ("path.escape", Severity.ERROR, "the checksum manifest names a path outside the checkpoint"),
+    "unlisted": ("checksum.unlisted", Severity.WARNING, "no hash is recorded for this file"),
+    "no-manifest": ("checksum.unavailable", Severity.WARNING, "no MANIFEST.sha256: nothing to compare against"),
+    "not-cached": ("checksum.not-cached", Severity.WARNING, "not in the local cache, so not hashed"),
+}
+
+
+def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[int] | None = None,
+                   checksums: bool = False, progress: Callable[[str, int, int], None] | None = None,
+                   checksum_progress: Callable[[int], None] | None = None) -> Report:
+    """Validate `checkpoint`; `layers` limits the per-layer rules (file and config rules always run).
+
+    `progress(stage, done, total)` is called as layers complete; `checksum_progress(n)` with bytes hashed.
+    """
+    if checkpoint.dialect == DIALECT_REPACKED:
+        return _validate_route_pack(checkpoint, checksums)
+    from trellis_cli.checkpoint.open import paused_gc
+
+    report = Report(subject=_subject(checkpoint), context=_context(checkpoint))
+    with paused_gc():
+        report.extend(checkpoint.parse_findings)
+        report.extend(rules_files.check_files(checkpoint))
+        report.count("files", len(checkpoint.headers))
+        report.count("tensors", len(checkpoint.tensors))
+        report.extend(rules_config.check_config(checkpoint))
+        if not checkpoint.layers:
+            report.findings.append(Finding("layer.none", Severity.WARNING, Location(), "no routed-expert MoE layers "
+                                           "found: nothing for the per-layer rules to check"))
+        selected = _selected_layers(checkpoint, layers, report)
+        for done, li in enumerate(selected, 1):
+            report.extend(rules_tensors.check_layers(checkpoint, [li]))
+            if progress is not None:
+                progress("headers", done, len(selected))
+        report.count("layers", len(selected))
+        report.count("linears", sum(len(r) for li in selected for p in checkpoint.layers[li].experts.values()
+                                    for r in p.values()))
+    if deep:
+        _run_deep(checkpoint, selected, report, progress)
+    if checksums:
+        _run_checksums(checkpoint, report, checksum_progress)
+    report.findings = cap_findings(report.findings)
+    return report
+
+
+def _subject(ckpt: Checkpoint) -> str:
+    return getattr(ckpt.source, "description", None) or str(ckpt.source)
+
+
+def _context(ckpt: Checkpoint) -> dict:
+    describe = getattr(ckpt.source, "describe", None)
+    return {"source": describe() if describe else str(ckpt.source), "dialect": ckpt.dialect,
+            "rotation_layout": ckpt.rotation_layout, "tp": ckpt.tp, "revision": getattr(ckpt.source, "revision", None)}
+
+
+def _selected_layers(ckpt: Checkpoint, layers: list[int] | None, report: Report) -> list[int]:
+    if layers is None:
+        return list(ckpt.layers)
+    for li in layers:
+        if li not in ckpt.layers:
+            report.findings.append(Finding("layers.not-found", Severity.WARNING, Location(layer=li),
+                                           "--layers names a layer the checkpoint does not have",
+                                           expected=_ranges(list(ckpt.layers)), found=li))
+    return [li for li in layers if li in ckpt.layers]
+
+
+def _ranges(ids: list[int]) -> str:
+    from trellis_cli.inspect_report import compact_ranges
+
+    return compact_ranges(ids)
+
+
+def _run_deep(ckpt: Checkpoint, selected: list[int], report: Report, progress) -> None:
+    from trellis_cli.validate import rules_data
+
+    for done, li in enumerate(selected, 1):
+        report.extend(rules_data.check_layer_data(ckpt, ckpt.layers[li], report.count))
+        if progress is not None:
+            progress("data", done, len(selected))
+    report.context["deep_layers"] = _ranges(selected)
+
+
+def _run_checksums(ckpt: Checkpoint, report: Report, progress) -> None:
+    from trellis_cli.integrity import verify_checksums
+
+    results = verify_checksums(ckpt.source, progress=progress)
+    report.count("checksums", sum(r.ok for r in results))
+    for r in results:
+        if r.ok:
+            continue
+        code, severity, message = CHECKSUM_CODES.get(r.status, ("checksum.mismatch", Severity.ERROR, r.status))
+        report.findings.append(Finding(code, severity, Location(file=r.file), message, expected=r.expected,
+                                       found=r.found))
+
+
+def _validate_route_pack(ckpt: Checkpoint, checksums: bool) -> Report:
+    from trellis_cli.repack.verify import verify_repacked
+
+    report = verify_repacked(ckpt.source, check_hashes=checksums)
+    report.context.setdefault("dialect", DIALECT_REPACKED)
+    report.findings = cap_findings(report.findings)
+    return report
+
+
+def cap_findings(findings: list[Finding], limit: int = MAX_FINDINGS_PER_CODE) -> list[Finding]:
+    """Keep the first `limit` findings of each code, then one summary finding of the same code and severity."""
+    seen: Counter[str] = Counter()
+    kept: list[Finding] = []
+    for f in findings:
+        seen[f.code] += 1
+        if seen[f.code] <= limit:
+            kept.append(f)
+    for code, n in seen.items():
+        if n > limit:
+            first = next(f for f in findings if f.code == code)
+            kept.append(Finding(code, first.severity, Location(), f"... and {n - limit} more {code} finding(s)"))
+    return kept

@@ -1,0 +1,180 @@
+"""Metadata rules: the `hybrid_tr3_tail` contract (the fail-closed rules 1-11 of the vLLM loader), the
+declared bitmaps, and consistency between config.json, quantization_config.json and the declared counts.
+
+Tensor facts are not consulted here (rules_tensors compares declarations with shapes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from trellis_cli.checkpoint.declared import layer_range
+from trellis_cli.checkpoint.dialect import QUANT_CONFIG
+from trellis_cli.checkpoint.model import DIALECT_EXL3, DIALECT_R7, Checkpoint
+from trellis_cli.findings import Finding, Location, error, warning
+
+CANONICAL_TENSOR_SCHEMA = "model.layers.{L}.mlp.experts.{E}.{proj}.rank{r}.{trellis|suh|svh|mcg}"
+CANONICAL_SHARED_H_SCHEMA = "model.layers.{L}.mlp.experts.shared_h.{proj}.rank{r}.{suh|svh}"
+REQUIRED_TR3_KEYS = ("bits", "codebook", "experts_per_layer", "moe_layers", "tensor_schema", "tp")
+MIXED_K_RANGE = range(3, 7)
+UNIFORM_K_VALUES = {3, 4, 5, 6, 8}
+R7_K_VALUES = {3, 4, 5}
+R7_LAYER_SUM = 2688  # 768 entries averaging 3.5 bits
+
+
+def _where(key: str) -> Location:
+    return Location(file="config.json", tensor=f"hybrid_tr3_tail.{key}")
+
+
+def check_config(ckpt: Checkpoint) -> Iterator[Finding]:
+    hybrid = ckpt.declared.get("hybrid_tr3_tail")
+    if hybrid is not None:
+        yield from _check_tr3_contract(hybrid)
+        yield from _check_counts(ckpt, hybrid)
+        yield from check_bitmaps(ckpt, hybrid)
+    if ckpt.dialect == DIALECT_R7:
+        yield from _check_r7_maps(ckpt)
+    yield from _check_quant_configs(ckpt)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_tr3_contract(h: dict) -> Iterator[Finding]:
+    for key in REQUIRED_TR3_KEYS:
+        if key not in h:
+            yield error("config.tr3-key-missing", _where(key), "required hybrid_tr3_tail key is missing")
+    if "codebook" in h and h["codebook"] != "mcg":
+        yield error("config.tr3-codebook", _where("codebook"), "rank-sliced checkpoints must use the mcg codebook",
+                    expected="mcg", found=h["codebook"])
+    if "moe_layers" in h and not layer_range(h["moe_layers"]):
+        yield error("config.tr3-moe-layers", _where("moe_layers"), "must be [first, last] integers with "
+                    "0 <= first <= last", found=h["moe_layers"])
+    if "tensor_schema" in h and h["tensor_schema"] != CANONICAL_TENSOR_SCHEMA:
+        yield error("config.tr3-tensor-schema", _where("tensor_schema"), "tensor_schema is not the canonical string",
+                    expected=CANONICAL_TENSOR_SCHEMA, found=h["tensor_schema"])
+    shared = h.get("rotation_layout", "per_expert_v1") == "shared_h_v1"
+    if shared and h.get("shared_h_tensor_schema") != CANONICAL_SHARED_H_SCHEMA:
+        yield error("config.tr3-shared-h-schema", _where("shared_h_tensor_schema"), "shared_h_v1 needs the "
+                    "canonical shared_h_tensor_schema", expected=CANONICAL_SHARED_H_SCHEMA,
+                    found=h.get("shared_h_tensor_schema"))
+    if not shared and "shared_h_tensor_schema" in h:
+        yield error("config.tr3-shared-h-schema", _where("shared_h_tensor_schema"), "shared_h_tensor_schema is only "
+                    "allowed with rotation_layout shared_h_v1", found=h.get("rotation_layout", "per_expert_v1"))
+    for key in ("experts_per_layer", "tp"):
+        if key in h and not (_is_int(h[key]) and h[key] > 0):
+            yield error("config.tr3-positive-int", _where(key), "must be a positive integer", found=h[key])
+    bits = h.get("bits")
+    if isinstance(bits, str) and bits.lower().startswith("mixed"):
+        yield from _check_mixed(h, bits)
+    elif "bits" in h:
+        yield from _check_uniform(h, bits)
+
+
+def _check_mixed(h: dict, bits: str) -> Iterator[Finding]:
+    if bits != "mixed":
+        yield warning("config.tr3-bits", _where("bits"), "newer loaders accept only the exact string 'mixed'",
+                      expected="mixed", found=bits)
+    k_values = h.get("k_values")
+    if not isinstance(k_values, list) or not k_values or not all(_is_int(k) and k in MIXED_K_RANGE for k in k_values):
+        yield error("config.tr3-k-values", _where("k_values"), "mixed bits need a non-empty k_values list within "
+                    "3..6", found=k_values)
+    elif len(set(k_values)) != 2:
+        yield warning("config.tr3-k-values", _where("k_values"), "the one-grid mixed path serves exactly two "
+                      "bitrates", expected="2 values", found=k_values)
+    if not isinstance(h.get("bits_per_expert"), str):
+        yield error("config.tr3-bits-per-expert", _where("bits_per_expert"), "mixed bits need a 'file.json:field' "
+                    "string", found=h.get("bits_per_expert"))
+    if "trellis_bits_by_layer" in h:
+        yield error("config.tr3-mixed", _where("trellis_bits_by_layer"), "trellis_bits_by_layer is forbidden with "
+                    "bits 'mixed'")
+
+
+def _check_uniform(h: dict, bits: Any) -> Iterator[Finding]:
+    if not (_is_int(bits) or (isinstance(bits, float) and bits.is_integer())):
+        yield error("config.tr3-bits", _where("bits"), "bits must be an integral K or 'mixed'", found=bits)
+    by_layer = h.get("trellis_bits_by_layer")
+    if by_layer is None:
+        return
+    if not isinstance(by_layer, dict):
+        yield error("config.tr3-bits-by-layer", _where("trellis_bits_by_layer"), "must be an object",
+                    found=type(by_layer).__name__)
+        return
+    wanted = {str(layer) for layer in layer_range(h.get("moe_layers"))}
+    if wanted and set(by_layer) != wanted:
+        yield error("config.tr3-bits-by-layer", _where("trellis_bits_by_layer"), "keys must cover moe_layers exactly",
+                    expected=f"{len(wanted)} layers", found=sorted(set(by_layer) ^ wanted)[:8])
+    for key, k in by_layer.items():
+        if not (_is_int(k) and k in UNIFORM_K_VALUES):
+            yield error("config.tr3-bits-by-layer", _where(f"trellis_bits_by_layer.{key}"), "K must be one of "
+                        "3, 4, 5, 6, 8", found=k)
+
+
+def _check_counts(ckpt: Checkpoint, h: dict) -> Iterator[Finding]:
+    declared = h.get("experts_per_layer")
+    for key in ("n_routed_experts", "num_experts", "num_local_experts"):
+        model = ckpt.config.get(key)
+        if _is_int(model) and _is_int(declared) and model != declared:
+            yield error("config.expert-count", _where("experts_per_layer"), f"differs from config.json {key}",
+                        expected=model, found=declared)
+
+
+def check_bitmaps(ckpt: Checkpoint, h: dict) -> Iterator[Finding]:
+    """Rule 10-11: per layer a list of experts_per_layer values, each a declared bitrate, each bitrate used."""
+    experts = h.get("experts_per_layer")
+    k_values = h.get("k_values") if isinstance(h.get("k_values"), list) else None
+    mixed = isinstance(h.get("bits"), str)
+    sources = ckpt.declared.get("k_source", {})
+    for li, layer in ckpt.layers.items():
+        ks = layer.declared_k
+        if ks is None:
+            continue
+        where = Location(file=sources.get(li, "config.json").split(":")[0], layer=li)
+        if _is_int(experts) and len(ks) != experts:
+            yield error("bitmap.length", where, "bitmap lists a different number of experts than experts_per_layer",
+                        expected=experts, found=len(ks))
+        bad = sorted({repr(k) for k in ks if not (_is_int(k) and (k_values is None or k in k_values))})
+        if bad:
+            yield error("bitmap.k-value", where, "bitmap values outside the declared k_values", expected=k_values,
+                        found=bad[:8])
+        elif mixed and k_values and set(ks) != set(k_values):
+            yield warning("bitmap.unused-k", where, "layer does not use every declared bitrate (newer loaders "
+                          "reject this)", expected=sorted(k_values), found=sorted(set(ks)))
+
+
+def _check_r7_maps(ckpt: Checkpoint) -> Iterator[Finding]:
+    for li, layer in ckpt.layers.items():
+        pk = layer.declared_projection_k
+        if pk is None:
+            continue
+        where = Location(file=ckpt.declared.get("k_source", {}).get(li), layer=li)
+        if ckpt.num_experts and len(pk) != 3 * ckpt.num_experts:
+            yield error("bitmap.length", where, "R7 map needs one K per (expert, projection)",
+                        expected=3 * ckpt.num_experts, found=len(pk))
+        bad = sorted({repr(k) for k in pk.values() if not (_is_int(k) and k in R7_K_VALUES)})
+        if bad:
+            yield error("bitmap.k-value", where, "R7 K values must be 3, 4 or 5", found=bad[:8])
+        elif ckpt.num_experts == 256 and sum(pk.values()) != R7_LAYER_SUM:
+            yield warning("bitmap.r7-sum", where, "R7 3.5 bpw layers sum to 2688 bits", expected=R7_LAYER_SUM,
+                          found=sum(pk.values()))
+
+
+def _check_quant_configs(ckpt: Checkpoint) -> Iterator[Finding]:
+    embedded = ckpt.config.get("quantization_config")
+    if isinstance(embedded, dict) and embedded.get("quant_method") not in (None, "exl3"):
+        yield warning("config.quant-method", Location(file="config.json", tensor="quantization_config.quant_method"),
+                      "quant_method conflicts with the EXL3 tensors (a leftover from another quantizer?)",
+                      expected="exl3", found=embedded.get("quant_method"))
+    external = ckpt.quant_config
+    if isinstance(embedded, dict) and isinstance(external, dict):
+        for key in ("quant_method", "bits", "codebook", "head_bits"):
+            if key in embedded and key in external and embedded[key] != external[key]:
+                yield warning("config.quant-config-drift", Location(file=QUANT_CONFIG, tensor=key),
+                              "config.json quantization_config and quantization_config.json disagree",
+                              expected=embedded[key], found=external[key])
+    if ckpt.dialect == DIALECT_EXL3 and isinstance(external, dict):
+        storage = external.get("tensor_storage")
+        if storage is not None and not isinstance(storage, dict):
+            yield error("config.tensor-storage", Location(file=QUANT_CONFIG, tensor="tensor_storage"),
+                        "tensor_storage must be an object", found=type(storage).__name__)

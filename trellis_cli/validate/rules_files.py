@@ -1,0 +1,115 @@
+"""File-safety rules: what every safetensors checkpoint must satisfy before any tensor is trusted.
+
+Per shard: file size == 8 + header length + data end; every byte range inside the data buffer; no overlaps
+and no holes (the safetensors format forbids unindexed bytes); dtype x shape == byte length. Across shards:
+no tensor in two files; the index agrees with the headers both ways and its total_size with the data bytes;
+no path leaves the checkpoint directory. All of it from headers and the file listing: no tensor data is read.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.findings import Finding, Location, error, warning
+from trellis_cli.header import DTYPE_BYTES
+from trellis_cli.sources import safe_relative
+
+
+def check_files(ckpt: Checkpoint) -> Iterator[Finding]:
+    yield from _check_paths(ckpt)
+    if not ckpt.headers and not any(f.code.startswith(("file.", "path.")) for f in ckpt.parse_findings):
+        yield error("file.none", Location(), "the checkpoint has no safetensors files")
+    for file, header in ckpt.headers.items():
+        yield from check_shard(file, header)
+    yield from _check_duplicates(ckpt)
+    if ckpt.index is not None:
+        yield from _check_index(ckpt)
+
+
+def _check_paths(ckpt: Checkpoint) -> Iterator[Finding]:
+    escapes = getattr(ckpt.source, "escapes", None)
+    for name, size in ckpt.files.items():
+        if name.endswith(".safetensors"):
+            continue  # reported while parsing, before its header was read
+        if not safe_relative(name) or (escapes is not None and escapes(name)):
+            yield error("path.escape", Location(file=name), "file resolves outside the checkpoint directory")
+        elif size < 0:
+            yield error("path.dangling", Location(file=name), "file is a dangling link")
+
+
+def check_shard(file: str, header) -> Iterator[Finding]:
+    """Byte layout of one shard, from its header and its size."""
+    entries = sorted(header.tensors.values(), key=lambda e: (e.begin, e.end))
+    data_end = header.data_end
+    if header.file_size is not None:
+        expected_size = header.data_start + data_end
+        if header.file_size < expected_size:
+            yield error("file.truncated", Location(file=file), "file ends before the data its header declares",
+                        expected=f"{expected_size} bytes", found=f"{header.file_size} bytes")
+        elif header.file_size > expected_size:
+            yield error("file.trailing-bytes", Location(file=file), "bytes after the last tensor (not covered by "
+                        "the header)", expected=f"{expected_size} bytes", found=f"{header.file_size} bytes")
+    cursor, previous = 0, None
+    for e in entries:
+        expected = math.prod(e.shape) * DTYPE_BYTES.get(e.dtype, 0)
+        if e.end - e.begin != expected:
+            yield error("tensor.nbytes", Location(file=file, tensor=e.name), "byte range does not match dtype x shape",
+                        expected=f"{expected} bytes ({e.dtype} {list(e.shape)})", found=f"{e.end - e.begin} bytes")
+        if e.begin < cursor:
+            yield error("file.overlap", Location(file=file, tensor=e.name), f"byte range overlaps {previous}",
+                        expected=f"begin >= {cursor}", found=f"[{e.begin}, {e.end})")
+        elif e.begin > cursor:
+            yield error("file.hole", Location(file=file, tensor=e.name), "unindexed bytes before this tensor",
+                        expected=f"begin {cursor}", found=f"begin {e.begin}")
+        if header.file_size is not None and header.data_start + e.end > header.file_size:
+            yield error("file.offset-range", Location(file=file, tensor=e.name), "byte range runs past the end "
+                        "of the file", expected=f"end <= {header.file_size - header.data_start}", found=e.end)
+        if e.end > cursor:
+            cursor, previous = e.end, e.name
+
+
+def _check_duplicates(ckpt: Checkpoint) -> Iterator[Finding]:
+    tensors = ckpt.tensors
+    for file, header in ckpt.headers.items():
+        for name in header.tensors:
+            chosen = tensors[name].file
+            if chosen != file:
+                yield error("tensor.duplicate", Location(file=file, tensor=name),
+                            f"tensor is stored in two shards (also in {chosen})", expected="one shard",
+                            found=sorted({file, chosen}))
+
+
+def _check_index(ckpt: Checkpoint) -> Iterator[Finding]:
+    index, index_file, headers = ckpt.index, ckpt.index_file, ckpt.headers
+    bad_files: set[str] = set()
+    for file in sorted(set(index.values())):
+        if not safe_relative(file) or (getattr(ckpt.source, "escapes", None) and ckpt.source.escapes(file)):
+            bad_files.add(file)
+            yield error("path.escape", Location(file=index_file), "index entry points outside the checkpoint "
+                        "directory", expected="a relative path inside the checkpoint", found=file)
+        elif file not in ckpt.files:
+            bad_files.add(file)
+            yield error("index.file-missing", Location(file=index_file), "index names a shard that does not exist",
+                        found=file)
+    for name, file in index.items():
+        if file in bad_files or file not in headers:
+            continue
+        if name not in headers[file].tensors:
+            where = ckpt.tensors.get(name)
+            found = f"in {where.file}" if where is not None else "in no shard"
+            yield error("index.missing-tensor", Location(file=index_file, tensor=name),
+                        f"index maps the tensor to {file}, whose header does not have it", expected=file, found=found)
+    for file, header in headers.items():
+        for name in header.tensors:
+            if name not in index:
+                yield error("index.unindexed", Location(file=file, tensor=name), "tensor is in a shard but not in "
+                            "the index (loaders that trust the index will not see it)")
+    total = (ckpt.declared.get("index_metadata") or {}).get("total_size")
+    if total is None or any(file not in headers for file in set(index.values())):
+        return  # an unreadable shard is already reported; its bytes cannot be summed
+    data = sum(e.nbytes for h in headers.values() for e in h.tensors.values())
+    if total != data:
+        yield warning("index.total-size", Location(file=index_file), "metadata.total_size differs from the sum of "
+                      "tensor data bytes", expected=data, found=total)

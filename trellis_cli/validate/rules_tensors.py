@@ -1,0 +1,277 @@
+"""Tensor rules, from header facts only: per (layer, expert, projection, rank) the EXL3 linear is complete
+and well-formed, its K (always from the trellis shape) agrees across ranks and projections and with what the
+metadata declares, vectors have the right lengths, markers the right dtype and kind, and each layer has the
+experts, ranks, shared-H rows, tier sizes and tensor count its dialect requires.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from trellis_cli.checkpoint.model import (
+    DIALECT_EXL3,
+    DIALECT_R7,
+    DIALECT_TR3_PER_EXPERT,
+    DIALECT_TR3_SHARED_H,
+    PROJECTIONS,
+    Checkpoint,
+    LinearRef,
+    MoeLayer,
+)
+from trellis_cli.checkpoint.names import H_SIDE
+from trellis_cli.findings import Finding, Location, error, warning
+
+TR3_DIALECTS = (DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H)
+MAX_TIER_EXPERTS = 256  # local expert ids are 8 bits in the mixed kernel
+HADAMARD_TILES = 8  # 128-wide Hadamard blocks = 8 tiles of 16
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    layer: int
+    experts: int | None
+    tp: int
+    hidden: int | None
+    intermediate_rank: int | None
+    codebook: str | None
+    tr3: bool
+    shared: bool
+    r7_shared: bool = False  # R7 v2: H-side vectors live in `experts.r7_shared.*`, not per expert
+
+
+def check_layers(ckpt: Checkpoint, layers: list[int]) -> Iterator[Finding]:
+    for li in layers:
+        layer = ckpt.layers.get(li)
+        if layer is not None:
+            yield from check_layer(ckpt, layer)
+
+
+def _context(ckpt: Checkpoint, layer: MoeLayer) -> LayerContext:
+    return LayerContext(layer.index, ckpt.num_experts, ckpt.tp, ckpt.hidden, ckpt.intermediate_per_rank,
+                        ckpt.codebook, ckpt.dialect in TR3_DIALECTS, ckpt.dialect == DIALECT_TR3_SHARED_H,
+                        ckpt.dialect == DIALECT_R7 and bool(layer.r7_shared))
+
+
+def check_layer(ckpt: Checkpoint, layer: MoeLayer) -> Iterator[Finding]:
+    ctx = _context(ckpt, layer)
+    here = Location(layer=layer.index)
+    if not layer.experts:
+        yield error("layer.empty", here, "the layer is declared but has no routed-expert tensors")
+        return
+    if ctx.tr3 and not layer.rank_sliced:
+        yield error("tensor.schema", here, "expert tensor names carry no .rank{r}. segment", expected="rank-sliced "
+                    "names (tensor_schema)", found="unsliced names")
+    for ref in layer.unparsed:
+        yield error("tensor.unparsed", Location(file=ref.file, tensor=ref.name), "name under mlp.experts follows no "
+                    "known schema")
+    yield from _check_membership(ctx, layer)
+    ranks = range(ctx.tp) if (ctx.tr3 or layer.rank_sliced) else range(1)
+    for expert, projs in layer.experts.items():
+        for proj in PROJECTIONS:
+            if proj not in projs:
+                yield error("projection.missing", Location(layer=layer.index, expert=expert, projection=proj),
+                            "projection has no tensors")
+        for proj, by_rank in projs.items():
+            for rank in ranks:
+                if rank not in by_rank:
+                    yield error("rank.missing", Location(layer=layer.index, expert=expert, projection=proj, rank=rank),
+                                "rank slice is missing", expected=f"ranks 0-{ctx.tp - 1}", found=sorted(by_rank))
+            for rank, lin in by_rank.items():
+                if rank not in ranks:
+                    yield error("rank.extra", Location(layer=layer.index, expert=expert, projection=proj, rank=rank),
+                                "rank outside the declared tp", expected=f"< {ctx.tp}", found=rank)
+                yield from check_linear(ctx, expert, proj, rank, lin)
+        yield from _check_expert_k(ckpt, ctx, layer, expert, projs)
+    if ctx.shared or layer.shared_h:
+        yield from _check_shared_h(ctx, layer)
+    yield from _check_tiers(ctx, layer)
+    if ctx.tr3:
+        yield from _check_tensor_count(ctx, layer)
+
+
+def _check_membership(ctx: LayerContext, layer: MoeLayer) -> Iterator[Finding]:
+    if ctx.experts is None:
+        return
+    for expert in range(ctx.experts):
+        if expert not in layer.experts:
+            yield error("expert.missing", Location(layer=layer.index, expert=expert), "expert has no tensors",
+                        expected=f"experts 0-{ctx.experts - 1}", found=f"{len(layer.experts)} experts")
+    for expert in layer.experts:
+        if expert >= ctx.experts:
+            yield error("expert.extra", Location(layer=layer.index, expert=expert), "expert id outside the declared "
+                        "expert count", expected=f"< {ctx.experts}", found=expert)
+
+
+def check_linear(ctx: LayerContext, expert: int, proj: str, rank: int, lin: LinearRef) -> Iterator[Finding]:
+    def at(tensor: str | None = None) -> Location:
+        return Location(layer=ctx.layer, expert=expert, projection=proj, rank=rank, tensor=tensor)
+
+    t = lin.trellis
+    if t is None:
+        yield error("tensor.missing", at(lin.prefix + ".trellis"), "the linear has no trellis tensor")
+    else:
+        yield from _check_trellis(ctx, proj, t, at)
+    in_f, out_f = lin.in_features, lin.out_features
+    for vec, legacy, length, code in ((lin.suh, lin.su, in_f, "tensor.suh-length"),
+                                      (lin.svh, lin.sv, out_f, "tensor.svh-length")):
+        name = "suh" if code == "tensor.suh-length" else "svh"
+        if ctx.r7_shared and H_SIDE[proj] == name and vec is None and legacy is None:
+            continue
+        if ctx.shared and H_SIDE[proj] == name:
+            for ref in (vec, legacy):
+                if ref is not None:
+                    yield error("shared-h.leftover", at(ref.name), "per-expert hidden-side vector left in a "
+                                "shared_h_v1 checkpoint (the shared row replaces it)")
+            continue
+        if vec is None and legacy is None:
+            yield error("tensor.missing", at(f"{lin.prefix}.{name}"), f"the linear has no {name} (nor legacy "
+                        f"{name[:2]}) tensor")
+            continue
+        if vec is not None:
+            if vec.dtype != "F16":
+                yield error("tensor.dtype", at(vec.name), f"{name} must be fp16", expected="F16", found=vec.dtype)
+            if length is not None and vec.shape not in ((length,), (1, length)):
+                yield error(code, at(vec.name), f"{name} length must match the trellis", expected=[length],
+                            found=list(vec.shape))
+        if legacy is not None:
+            if vec is not None:
+                yield warning("tensor.both-sign-forms", at(legacy.name), f"both {name} and legacy {name[:2]} present "
+                              f"({name} wins)")
+            elif legacy.dtype != "I16" or (length is not None and legacy.shape != (length // 16,)):
+                yield error("tensor.dtype", at(legacy.name), f"legacy {name[:2]} must be int16 [n/16]",
+                            expected=f"I16 {[length // 16] if length else '[n/16]'}",
+                            found=f"{legacy.dtype} {list(legacy.shape)}")
+    yield from _check_markers(ctx, lin, at)
+    for ref in lin.extra:
+        field = ref.name.rsplit(".", 1)[-1]
+        if field == "bias":
+            yield error("tensor.bias", at(ref.name), "routed experts with a bias are not served by the MoE kernels")
+        else:
+            yield warning("tensor.unexpected", at(ref.name), f"unexpected field {field!r} (ignored by loaders)")
+
+
+def _check_trellis(ctx: LayerContext, proj: str, t, at) -> Iterator[Finding]:
+    if t.dtype != "I16":
+        yield error("tensor.dtype", at(t.name), "trellis must be int16", expected="I16", found=t.dtype)
+    if len(t.shape) != 3:
+        yield error("tensor.shape", at(t.name), "trellis must be [in/16, out/16, 16K]", expected="3 dims",
+                    found=list(t.shape))
+        return
+    last = t.shape[2]
+    if last % 16 or not 1 <= last // 16 <= 8:
+        yield error("tensor.k-range", at(t.name), "last dim must be 16*K with K in 1..8", expected="16..128 step 16",
+                    found=last)
+    if t.shape[0] % HADAMARD_TILES or t.shape[1] % HADAMARD_TILES:
+        yield error("tensor.align128", at(t.name), "in and out features must be multiples of 128 (Hadamard block)",
+                    found=[16 * t.shape[0], 16 * t.shape[1]])
+    if ctx.hidden and ctx.intermediate_rank:
+        h, i = ctx.hidden // 16, ctx.intermediate_rank // 16
+        expected = (h, i) if proj != "down_proj" else (i, h)
+        if tuple(t.shape[:2]) != expected:
+            yield error("tensor.geometry", at(t.name), "trellis tiles do not match hidden / intermediate per rank",
+                        expected=list(expected), found=list(t.shape[:2]))
+
+
+def _check_markers(ctx: LayerContext, lin: LinearRef, at) -> Iterator[Finding]:
+    if lin.mcg is not None and lin.mul1 is not None:
+        yield error("marker.both", at(lin.prefix), "both .mcg and .mul1 markers (loaders disagree on which wins)")
+    for ref in (lin.mcg, lin.mul1):
+        if ref is not None and (ref.dtype != "I32" or ref.shape != ()):
+            yield error("marker.dtype", at(ref.name), "codebook marker must be a 0-dim int32",
+                        expected="I32 []", found=f"{ref.dtype} {list(ref.shape)}")
+    declared = ctx.codebook
+    if declared in ("mcg", "mul1", "3inst") and not (lin.mcg is not None and lin.mul1 is not None):
+        if lin.codebook != declared:
+            code = "marker.missing" if lin.codebook == "3inst" else "marker.codebook"
+            yield error(code, at(lin.prefix), "codebook marker does not match the declared codebook",
+                        expected=declared, found=lin.codebook)
+
+
+def _check_expert_k(ckpt: Checkpoint, ctx: LayerContext, layer: MoeLayer, expert: int, projs) -> Iterator[Finding]:
+    if ctx.tr3:
+        ks = {lin.k for by_rank in projs.values() for lin in by_rank.values() if lin.k is not None}
+        if len(ks) > 1:
+            yield error("expert.k-inconsistent", Location(layer=layer.index, expert=expert), "projections or ranks "
+                        "of one expert have different K (one K per expert in this dialect)", found=sorted(ks))
+            return
+        declared = layer.declared_k
+        if declared is not None and ks and expert < len(declared) and declared[expert] != next(iter(ks)):
+            yield error("tensor.k-mismatch", Location(layer=layer.index, expert=expert), "the bitmap's K differs "
+                        "from the K of the trellis shapes", expected=declared[expert], found=next(iter(ks)))
+        return
+    for proj, by_rank in projs.items():
+        ks = {lin.k for lin in by_rank.values() if lin.k is not None}
+        where = Location(layer=layer.index, expert=expert, projection=proj)
+        if len(ks) > 1:
+            yield error("expert.k-inconsistent", where, "ranks of one projection have different K", found=sorted(ks))
+        elif ks and layer.declared_projection_k is not None:
+            declared = layer.declared_projection_k.get((expert, proj))
+            if declared is not None and declared != next(iter(ks)):
+                source = "tensor_storage" if ckpt.dialect == DIALECT_EXL3 else "the R7 bit map"
+                yield error("tensor.k-mismatch", where, f"{source} K differs from the K of the trellis shape",
+                            expected=declared, found=next(iter(ks)))
+
+
+def _check_shared_h(ctx: LayerContext, layer: MoeLayer) -> Iterator[Finding]:
+    if not ctx.shared:
+        for (proj, rank), fields in layer.shared_h.items():
+            for ref in fields.values():
+                yield error("shared-h.unexpected", Location(layer=layer.index, tensor=ref.name), "shared_h row in a "
+                            "checkpoint whose rotation_layout is not shared_h_v1")
+        return
+    for proj in PROJECTIONS:
+        for rank in range(ctx.tp):
+            fields = layer.shared_h.get((proj, rank), {})
+            ref = fields.get(H_SIDE[proj])
+            where = Location(layer=layer.index, projection=proj, rank=rank)
+            if ref is None:
+                yield error("shared-h.missing", where, f"no shared {H_SIDE[proj]} row for this projection and rank")
+            elif ref.dtype != "F16" or (ctx.hidden and ref.shape not in ((ctx.hidden,), (1, ctx.hidden))):
+                yield error("shared-h.shape", Location(layer=layer.index, tensor=ref.name), "shared row must be fp16 "
+                            "[H] or [1, H]", expected=f"F16 [{ctx.hidden}]", found=f"{ref.dtype} {list(ref.shape)}")
+    for (proj, rank), fields in layer.shared_h.items():
+        for field, ref in fields.items():
+            if field != H_SIDE[proj] or rank >= ctx.tp:
+                yield error("shared-h.unexpected", Location(layer=layer.index, tensor=ref.name), "unexpected shared_h "
+                            "key", expected=f"{proj}.rank<{ctx.tp}.{H_SIDE[proj]}", found=f"rank{rank}.{field}")
+
+
+def _check_tiers(ctx: LayerContext, layer: MoeLayer) -> Iterator[Finding]:
+    tiers = layer.partition()
+    for k, ids in tiers.items():
+        if len(ids) > MAX_TIER_EXPERTS:
+            yield error("tier.too-large", Location(layer=layer.index), f"tier K{k} holds more experts than local ids "
+                        "can address", expected=f"<= {MAX_TIER_EXPERTS}", found=len(ids))
+    if ctx.tr3 and len(tiers) > 2:
+        yield warning("tier.count", Location(layer=layer.index), "the one-grid mixed kernel serves at most two "
+                      "bitrates per layer", expected="<= 2", found=sorted(tiers))
+
+
+def expected_tensor_count(ctx: LayerContext) -> int | None:
+    """Per layer: E*3*tp*(3 + marker), with the H-side vectors moved to 3*tp shared rows under shared_h_v1."""
+    if ctx.experts is None:
+        return None
+    per_linear = 3 + (1 if ctx.codebook in ("mcg", "mul1") else 0)
+    linears = ctx.experts * 3 * ctx.tp
+    if ctx.shared:
+        return linears * (per_linear - 1) + 3 * ctx.tp
+    return linears * per_linear
+
+
+def _check_tensor_count(ctx: LayerContext, layer: MoeLayer) -> Iterator[Finding]:
+    expected = expected_tensor_count(ctx)
+    found = layer_tensor_count(layer)
+    if expected is not None and found != expected:
+        yield error("layer.tensor-count", Location(layer=layer.index), "expert tensor count differs from what the "
+                    "dialect requires", expected=expected, found=found)
+
+
+def layer_tensor_count(layer: MoeLayer) -> int:
+    n = sum(len(f) for f in layer.shared_h.values()) + len(layer.r7_shared) + len(layer.unparsed)
+    for projs in layer.experts.values():
+        for by_rank in projs.values():
+            for lin in by_rank.values():
+                n += sum(ref is not None for ref in (lin.trellis, lin.suh, lin.svh, lin.su, lin.sv, lin.mcg, lin.mul1))
+                n += len(lin.extra)
+    return n
