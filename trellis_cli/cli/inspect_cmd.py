@@ -7,6 +7,8 @@ from typing import Annotated, Optional
 import typer
 
 from trellis_cli.cli import output
+from trellis_cli.cli.options import (CacheDirOpt, EndpointOpt, OfflineOpt, RevisionOpt, SourceArg, TokenOpt,
+                                     open_cli_source)
 from trellis_cli.errors import UsageError
 
 HELP = (
@@ -23,9 +25,12 @@ HELP = (
 def register(app: typer.Typer) -> None:
     @app.command("inspect", help=HELP)
     def inspect_command(
-        source: Annotated[Optional[str], typer.Argument(help="Checkpoint directory or Hub id org/name or org/name@rev "
-                                                            "(default: the bundled sample).")] = None,
-        revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or sha); pinned once.")] = None,
+        source: SourceArg = None,
+        revision: RevisionOpt = None,
+        token: TokenOpt = None,
+        offline: OfflineOpt = False,
+        endpoint: EndpointOpt = None,
+        cache_dir: CacheDirOpt = None,
         layers: Annotated[Optional[str], typer.Option(help="Only these MoE layers, e.g. 3-5,40.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Emit one JSON document.")] = False,
         markdown: Annotated[bool, typer.Option("--markdown", help="Emit a Markdown table.")] = False,
@@ -33,12 +38,11 @@ def register(app: typer.Typer) -> None:
         from trellis_cli.checkpoint.open import open_checkpoint
         from trellis_cli.inspect_report import build_inspect, render_markdown, render_text
         from trellis_cli.selection import parse_layer_ranges
-        from trellis_cli.sources import open_source
 
         if as_json and markdown:
             raise UsageError("--json and --markdown are exclusive: choose one output format")
         chosen = parse_layer_ranges(layers) if layers else None
-        opened = open_source(source, revision=revision)
+        opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         output.log(f"reading headers of {opened.description} ...")
         document = build_inspect(open_checkpoint(opened), chosen)
         if as_json:

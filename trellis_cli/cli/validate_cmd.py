@@ -7,6 +7,8 @@ from typing import Annotated, Optional
 import typer
 
 from trellis_cli.cli import output
+from trellis_cli.cli.options import (CacheDirOpt, EndpointOpt, OfflineOpt, RevisionOpt, SourceArg, TokenOpt,
+                                     open_cli_source)
 from trellis_cli.errors import CheckFailed, UnknownDialect, ValidationFailed
 from trellis_cli.findings import Finding, Location, Report, Severity
 
@@ -26,9 +28,12 @@ HELP = (
 def register(app: typer.Typer) -> None:
     @app.command("validate", help=HELP)
     def validate_command(
-        source: Annotated[Optional[str], typer.Argument(help="Checkpoint directory or Hub id org/name or org/name@rev "
-                                                            "(default: the bundled sample).")] = None,
-        revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or sha); pinned once.")] = None,
+        source: SourceArg = None,
+        revision: RevisionOpt = None,
+        token: TokenOpt = None,
+        offline: OfflineOpt = False,
+        endpoint: EndpointOpt = None,
+        cache_dir: CacheDirOpt = None,
         layers: Annotated[Optional[str], typer.Option(help="MoE layers for the per-layer rules, e.g. 3-5,40.")] = None,
         deep: Annotated[bool, typer.Option("--deep", help="Also read tensor data of the chosen layers (finite "
                                                           "vectors, marker values, sampled tile decode).")] = False,
@@ -38,10 +43,9 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Emit the report as one JSON document.")] = False,
     ) -> None:
         from trellis_cli.selection import parse_layer_ranges
-        from trellis_cli.sources import open_source
 
         chosen = parse_layer_ranges(layers) if layers else None
-        opened = open_source(source, revision=revision)
+        opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         report = _validate(opened, chosen, deep, checksums, as_json)
         report.context.setdefault("source", opened.describe())
         failed = not report.ok or (strict and bool(report.warnings))

@@ -41,8 +41,71 @@ MAX_TIER_EXPERTS = 256
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 
 
+MANIFEST_NAME = "manifest.json"
+PROJECTION_INDEX = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
+ROTATIONS = ("per_expert", "shared_h")
+
+# Tensor names (safetensors keys) inside one layer file; slabs first, so each starts 8-byte aligned.
+GLOBAL_TO_COMBINED = "global_to_combined"
+DESCRIPTORS = "descriptors"
+TIER_K = "tier_k"
+TIER_SIZE = "tier_size"
+ROT_INTERMEDIATE = "rot.intermediate"
+ROT_GATE_SUH = "rot.gate_suh"
+ROT_UP_SUH = "rot.up_suh"
+ROT_DOWN_SVH = "rot.down_svh"
+TABLE_NAMES = (GLOBAL_TO_COMBINED, DESCRIPTORS, TIER_K, TIER_SIZE, ROT_INTERMEDIATE, ROT_GATE_SUH, ROT_UP_SUH,
+               ROT_DOWN_SVH)
+METADATA_KEYS = ("schema", "schema_version", "layer", "rank", "tp", "hidden", "intermediate_rank", "codebook",
+                 "rotation", "num_experts")
+
+
 def layer_file_name(layer: int, rank: int) -> str:
     return f"layer-{layer:03d}-rank-{rank}.safetensors"
+
+
+def tier_trellis_name(tier: int) -> str:
+    return f"tier{tier}.trellis"
+
+
+def tiles_per_projection(hidden: int, intermediate: int) -> int:
+    """16x16 tiles in one projection of one expert on one rank: (H/16)*(I_r/16), the same for gate, up, down."""
+    return (hidden // 16) * (intermediate // 16)
+
+
+def tier_trellis_shape(num_experts: int, hidden: int, intermediate: int, k: int) -> tuple[int, int, int, int]:
+    return (num_experts, 3, tiles_per_projection(hidden, intermediate), 16 * k)
+
+
+def split_descriptor(value: int) -> tuple[int, int]:
+    """(tier, local id) of a descriptor; callers check for -1 (skip) first."""
+    return value >> 8, value & 0xFF
+
+
+def compact_ranges(ids: "list[int]") -> str:
+    """Sorted ids as "0-3,7,9-10" (the manifest's form for tier membership); "" when empty."""
+    parts: list[str] = []
+    ordered = sorted(ids)
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def expand_ranges(text: str) -> list[int]:
+    """Inverse of compact_ranges; raises ValueError on malformed text."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        first, last = int(lo), int(hi) if hi else int(lo)
+        if first < 0 or last < first:
+            raise ValueError(f"bad id range {part!r}")
+        out.extend(range(first, last + 1))
+    return out
 
 
 def descriptor(tier: int, local_id: int) -> int:
@@ -79,3 +142,38 @@ class LayerPack:
     @property
     def shared_h(self) -> bool:
         return self.gate_suh.shape[0] == 1 and self.num_combined > 1
+
+    @property
+    def rotation(self) -> str:
+        return "shared_h" if self.shared_h else "per_expert"
+
+    def tensors(self) -> "dict[str, torch.Tensor]":
+        """Every tensor of the layer file, keyed by its safetensors name, in file order."""
+        import torch
+
+        out = {tier_trellis_name(t): slab for t, slab in enumerate(self.tier_trellis)}
+        out[GLOBAL_TO_COMBINED] = self.global_to_combined
+        out[DESCRIPTORS] = self.descriptors
+        out[TIER_K] = torch.tensor(self.tier_k, dtype=torch.int32)
+        out[TIER_SIZE] = torch.tensor(self.tier_size, dtype=torch.int32)
+        out[ROT_INTERMEDIATE] = self.rot_intermediate
+        out[ROT_GATE_SUH] = self.gate_suh
+        out[ROT_UP_SUH] = self.up_suh
+        out[ROT_DOWN_SVH] = self.down_svh
+        return out
+
+    def metadata(self) -> dict[str, str]:
+        """The safetensors __metadata__ of the layer file (all values strings)."""
+        return {
+            "schema": SCHEMA, "schema_version": str(SCHEMA_VERSION), "layer": str(self.layer),
+            "rank": str(self.rank), "tp": str(self.tp), "hidden": str(self.hidden),
+            "intermediate_rank": str(self.intermediate), "codebook": self.codebook, "rotation": self.rotation,
+            "num_experts": str(int(self.global_to_combined.shape[0])),
+        }
+
+    def served_experts(self, tier: int) -> list[int]:
+        """Checkpoint expert ids of one tier, in local-id order (ascending)."""
+        g2c = self.global_to_combined.tolist()
+        start = sum(self.tier_size[:tier])
+        by_combined = {c: g for g, c in enumerate(g2c) if c >= 0}
+        return [by_combined[c] for c in range(start, start + self.tier_size[tier])]

@@ -1,0 +1,41 @@
+"""Options shared by every command that reads a checkpoint, defined once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+_PANEL = "Source"
+
+SourceArg = Annotated[
+    Optional[str],
+    typer.Argument(help="Checkpoint directory, or Hub id org/name or org/name@rev (default: the bundled sample)."),
+]
+RevisionOpt = Annotated[
+    Optional[str], typer.Option(help="Hub revision (branch, tag or sha); resolved once to a commit sha.",
+                                rich_help_panel=_PANEL)
+]
+TokenOpt = Annotated[
+    Optional[str], typer.Option(help="Hub token (default: HF_TOKEN or the stored `hf auth login` token).",
+                                rich_help_panel=_PANEL, show_default=False)
+]
+OfflineOpt = Annotated[
+    bool, typer.Option("--offline", help="Use only the local Hub cache (also HF_HUB_OFFLINE=1).", rich_help_panel=_PANEL)
+]
+EndpointOpt = Annotated[
+    Optional[str], typer.Option(help="Hub endpoint URL (default: HF_ENDPOINT or the public Hub).", rich_help_panel=_PANEL)
+]
+CacheDirOpt = Annotated[
+    Optional[Path], typer.Option(help="Hub cache directory (default: HF_HUB_CACHE).", rich_help_panel=_PANEL)
+]
+
+
+def open_cli_source(source: str | None, revision: str | None = None, token: str | None = None,
+                    offline: bool = False, endpoint: str | None = None, cache_dir: Path | None = None):
+    """Open SOURCE with the shared options; offline=False leaves the decision to HF_HUB_OFFLINE."""
+    from trellis_cli.sources import open_source
+
+    return open_source(source, revision=revision, token=token, cache_dir=cache_dir, endpoint=endpoint,
+                       offline=True if offline else None)

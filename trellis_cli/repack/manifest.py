@@ -1,0 +1,113 @@
+"""manifest.json of a repacked directory: build, write canonically, read back, and hash files.
+
+The manifest is written as `json.dumps(doc, indent=2) + "\\n"` and carries `manifest_sha256`, the sha256 of
+that same serialization without the key. A reader re-serializes what it parsed: a changed byte anywhere
+in the file either breaks the JSON, breaks the canonical form, or changes the content and so the hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from trellis_cli.errors import CheckFailed
+from trellis_cli.repack.format import MANIFEST_NAME, SCHEMA, SCHEMA_VERSION
+
+SELF_HASH_KEY = "manifest_sha256"
+HASH_BLOCK = 1 << 20
+
+
+def sha256_file(path: str | Path, on_bytes=None) -> str:
+    """Streamed sha256 of a file (1 MiB reads into one buffer: no page faults, GIL released while hashing)."""
+    digest = hashlib.sha256()
+    buffer = bytearray(HASH_BLOCK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+            if on_bytes is not None:
+                on_bytes(n)
+    return digest.hexdigest()
+
+
+def file_entry(path: Path, **extra: Any) -> dict[str, Any]:
+    return {"sha256": sha256_file(path), "size": path.stat().st_size, **extra}
+
+
+def serialize(doc: dict[str, Any]) -> str:
+    return json.dumps(doc, indent=2) + "\n"
+
+
+def self_hash(doc: dict[str, Any]) -> str:
+    body = {k: v for k, v in doc.items() if k != SELF_HASH_KEY}
+    return hashlib.sha256(serialize(body).encode("utf-8")).hexdigest()
+
+
+def write_manifest(directory: Path, doc: dict[str, Any], name: str = MANIFEST_NAME) -> Path:
+    """Write atomically (temporary name, fsync, rename); adds the self hash as the last key."""
+    doc = {k: v for k, v in doc.items() if k != SELF_HASH_KEY}
+    doc[SELF_HASH_KEY] = self_hash(doc)
+    path = directory / name
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(serialize(doc))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_manifest(directory: Path, name: str = MANIFEST_NAME) -> tuple[dict[str, Any], list[str]]:
+    """(document, integrity problems). Raises CheckFailed only when there is no usable JSON object."""
+    path = directory / name
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise CheckFailed(f"{name}: cannot be read ({e.strerror})") from e
+    try:
+        text = raw.decode("utf-8")
+        doc = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckFailed(f"{name}: not valid JSON ({e})") from e
+    if not isinstance(doc, dict):
+        raise CheckFailed(f"{name}: a JSON {type(doc).__name__}, expected an object")
+    problems = []
+    if serialize(doc) != text:
+        problems.append("the file is not in the canonical form it was written in (bytes changed)")
+    if doc.get(SELF_HASH_KEY) != self_hash(doc):
+        problems.append(f"{SELF_HASH_KEY} does not match the content (content changed)")
+    return doc, problems
+
+
+def is_route_pack(directory: str | Path) -> bool:
+    """True when `directory` holds a manifest.json whose schema is the route pack's."""
+    path = Path(directory) / MANIFEST_NAME
+    if not path.is_file():
+        return False
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(doc, dict) and doc.get("schema") == SCHEMA
+
+
+def base_document(source: dict[str, Any], geometry: dict[str, Any], tp: int, ranks: list[int], codebook: str,
+                  rotation: str) -> dict[str, Any]:
+    from trellis_cli import __version__
+
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "producer": f"trellis {__version__} repack",
+        "source": source,
+        "geometry": geometry,
+        "tp": tp,
+        "ranks": ranks,
+        "codebook": codebook,
+        "rotation": rotation,
+        "layers": {},
+        "files": {},
+    }

@@ -1,0 +1,140 @@
+"""What a repack will do before it does it: selected layers and ranks, tensor-parallel re-slicing, sizes.
+
+Pure bookkeeping over the checkpoint model (no tensor data). The re-slicing rules live here because they
+decide whether a `--tp` request is possible at all (docs/format.md "Tensor-parallel re-slicing"):
+
+- a target rank covers the intermediate range [n*I/N, (n+1)*I/N); its boundaries must be multiples of 128,
+  because each rank slice carries its own 128-blocked Hadamard on the intermediate side;
+- inside one source rank any 128-aligned sub-range is exact (a split);
+- a target rank that spans several source ranks (a merge) is exact only when the hidden-side vectors
+  (gate suh, up suh, down svh) are byte-equal across those ranks; that is checked on the data, in pack.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.errors import UsageError
+from trellis_cli.repack.format import layer_file_name, tier_trellis_shape
+
+HADAMARD_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Intermediate features [lo, hi) of one source rank (local coordinates) that a target rank takes."""
+
+    source_rank: int
+    lo: int
+    hi: int
+
+
+def rank_pieces(intermediate: int, source_tp: int, target_tp: int, rank: int) -> list[Piece]:
+    """The source-rank pieces that make target rank `rank` under `target_tp`; raises UsageError if inexact."""
+    if target_tp < 1 or intermediate % target_tp:
+        raise UsageError(f"--tp {target_tp}: intermediate size {intermediate} does not split into {target_tp} ranks")
+    width = intermediate // target_tp
+    if width % HADAMARD_BLOCK:
+        raise UsageError(
+            f"--tp {target_tp}: {width} intermediate features per rank is not a multiple of {HADAMARD_BLOCK}; "
+            f"each rank slice needs whole 128-wide Hadamard blocks"
+        )
+    source_width = intermediate // source_tp
+    lo, hi = rank * width, (rank + 1) * width
+    pieces = []
+    for r in range(lo // source_width, (hi - 1) // source_width + 1):
+        start = max(lo, r * source_width)
+        stop = min(hi, (r + 1) * source_width)
+        pieces.append(Piece(r, start - r * source_width, stop - r * source_width))
+    return pieces
+
+
+def is_identity(pieces: list[Piece], source_width: int) -> bool:
+    return len(pieces) == 1 and pieces[0].lo == 0 and pieces[0].hi == source_width
+
+
+def parse_selection(text: str | None, available: list[int], what: str) -> list[int]:
+    """`--layers 3-5,40` -> [3, 4, 5, 40]; None selects everything; ids not available are refused."""
+    if text is None or text.strip() == "":
+        return sorted(available)
+    chosen: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise UsageError(f"--{what}: {part!r} is not a number or a range like 3-5") from None
+        if last < first:
+            raise UsageError(f"--{what}: empty range {part!r}")
+        chosen.update(range(first, last + 1))
+    missing = sorted(chosen - set(available))
+    if missing:
+        raise UsageError(f"--{what}: {missing[:5]} not in the source (it has {_span(available)})")
+    return sorted(chosen)
+
+
+def _span(ids: list[int]) -> str:
+    return f"{min(ids)}-{max(ids)}" if ids else "none"
+
+
+@dataclass(frozen=True)
+class LayerRankJob:
+    layer: int
+    rank: int
+    file: str  # output file name
+    bytes: int  # expected data bytes of the output file (trellis + tables)
+
+
+@dataclass
+class RepackPlan:
+    layers: list[int]
+    ranks: list[int]
+    source_tp: int
+    target_tp: int
+    shared_h: bool  # output hidden-side rotation rows collapsed to [1, H]
+    jobs: list[LayerRankJob] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(j.bytes for j in self.jobs)
+
+
+def layer_rank_bytes(checkpoint: Checkpoint, layer: int, target_tp: int, shared_h: bool) -> int:
+    """Bytes of one output layer file's tensors (the header is a few KB more)."""
+    hidden, inter = checkpoint.hidden, checkpoint.intermediate // target_tp
+    moe = checkpoint.layers[layer]
+    total = 0
+    for k, ids in moe.partition().items():
+        total += 2 * _prod(tier_trellis_shape(len(ids), hidden, inter, k))
+    served = len(moe.experts)
+    rows = 1 if shared_h else served
+    total += 4 * (checkpoint.num_experts or served) + 4 * served + 8 * len(moe.partition())
+    total += 2 * (served * 3 * inter + 3 * rows * hidden)
+    return total
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def make_plan(checkpoint: Checkpoint, *, layers: str | None, ranks: str | None, tp: int | None,
+              shared_h: bool) -> RepackPlan:
+    """Select layers and ranks, check the re-slicing is expressible, and list the output files."""
+    if checkpoint.hidden is None or checkpoint.intermediate is None:
+        raise UsageError("the source declares no hidden or intermediate size; nothing to repack")
+    target_tp = tp or checkpoint.tp
+    if target_tp != checkpoint.tp:
+        rank_pieces(checkpoint.intermediate, checkpoint.tp, target_tp, 0)  # raises if inexpressible
+    with_experts = [li for li, moe in checkpoint.layers.items() if moe.experts]  # declared-only layers hold nothing
+    chosen_layers = parse_selection(layers, with_experts, "layers")
+    chosen_ranks = parse_selection(ranks, list(range(target_tp)), "ranks")
+    plan = RepackPlan(chosen_layers, chosen_ranks, checkpoint.tp, target_tp, shared_h)
+    for layer in chosen_layers:
+        size = layer_rank_bytes(checkpoint, layer, target_tp, shared_h)
+        for rank in chosen_ranks:
+            plan.jobs.append(LayerRankJob(layer, rank, layer_file_name(layer, rank), size))
+    return plan

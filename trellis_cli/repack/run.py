@@ -1,0 +1,399 @@
+"""`run_repack`: a TR3 checkpoint -> a verified route-pack directory, streamed one layer-rank at a time.
+
+Order of work: open and validate the source; plan; check OUT and free space; then, in a thread pool of
+`jobs` workers, pack -> write -> read back and compare with the source -> record, one (layer, rank) per
+task (the reads release the GIL, so threads overlap I/O and hashing). Source files are hashed in the same
+pool. Then config.json (with a note), copied-through files, manifest.json, a structural check of the whole
+directory, and the move from OUT.partial into place. `--to tr3` is delegated to convert.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from trellis_cli.checkpoint.model import DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H, Checkpoint
+from trellis_cli.checkpoint.names import parse_expert_name
+from trellis_cli.errors import CheckFailed, UsageError, ValidationFailed
+from trellis_cli.repack import manifest as mf
+from trellis_cli.repack.format import compact_ranges
+from trellis_cli.repack.layer_file import sync_file, write_layer_pack
+from trellis_cli.repack.pack import Arena, layer_tiers, pack_layer
+from trellis_cli.repack.plan import RepackPlan, make_plan
+from trellis_cli.repack.readback import check_layer_file
+from trellis_cli.repack.source_bytes import TensorReader
+from trellis_cli.repack.staging import Stage, check_free_space, check_target
+from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter
+
+CONFIG = "config.json"
+NOT_COPIED = ("MANIFEST.sha256",)  # source-side hashes; the manifest replaces them
+REPACK_NOTE_KEY = "trellis_repack"
+TR3_DIALECTS = (DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H)
+
+
+@dataclass
+class RepackOptions:
+    layers: str | None = None  # "3-5,40"
+    ranks: str | None = None  # "0,1" (of the target TP)
+    tp: int | None = None  # target TP; None keeps the source's
+    shared_h: bool = False  # collapse hidden-side rows to [1, H] (refused unless byte-equal)
+    to: str = "route-pack"  # or "tr3"
+    jobs: int = 1
+    overwrite: bool = False
+    copy_other: bool = True  # carry non-expert files and tensors through
+    validate: bool = True
+    fail_after: int | None = None  # test hook: raise after this many layer files, as an interruption would
+
+
+@dataclass
+class RepackResult:
+    out: Path
+    files_written: int = 0
+    files_resumed: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+class Interrupted(RuntimeError):
+    """Raised by the `fail_after` test hook."""
+
+
+def open_repack_source(source: Any) -> Checkpoint:
+    from trellis_cli.checkpoint import open_checkpoint
+
+    return open_checkpoint(source)
+
+
+def validate_first(checkpoint: Checkpoint) -> None:
+    """Refuse an invalid source before writing anything (when the validator is installed)."""
+    try:
+        from trellis_cli.validate import run_validation
+    except ImportError:
+        return
+    report = run_validation(checkpoint)
+    if not report.ok:
+        raise ValidationFailed(report)
+
+
+def run_repack(source: Any, out: str | Path, options: RepackOptions | None = None, *,
+               on_bytes: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
+               log: Callable[[str], None] | None = None) -> RepackResult:
+    """Repack `source` (a Source, a path, or an opened Checkpoint) into `out`; see the module docstring."""
+    options = options or RepackOptions()
+    log = log or (lambda _m: None)
+    if options.to not in ("route-pack", "tr3"):
+        raise UsageError(f"--to {options.to!r}: expected route-pack or tr3")
+    if options.jobs < 1:
+        raise UsageError(f"--jobs {options.jobs}: must be at least 1")
+    from trellis_cli.repack.manifest import is_route_pack
+
+    root = _local_root(source)
+    if root is not None and is_route_pack(root):
+        from trellis_cli.repack.convert import route_pack_to_tr3
+
+        return route_pack_to_tr3(root, Path(out), options, on_bytes=on_bytes, on_total=on_total, log=log)
+    checkpoint = source if isinstance(source, Checkpoint) else open_repack_source(source)
+    if checkpoint.dialect not in TR3_DIALECTS:
+        raise UsageError(f"repack reads rank-sliced TR3 checkpoints ({', '.join(TR3_DIALECTS)}); the source is "
+                         f"{checkpoint.dialect}")
+    if options.validate:
+        validate_first(checkpoint)
+    import torch  # noqa: F401 - imported once here, not concurrently by the first workers
+    if options.to == "tr3":
+        from trellis_cli.repack.convert import tr3_to_tr3
+
+        return tr3_to_tr3(checkpoint, Path(out), options, on_bytes=on_bytes, on_total=on_total, log=log)
+    return _RoutePackRun(checkpoint, Path(out), options, on_bytes, on_total, log).run()
+
+
+def _local_root(source: Any) -> Path | None:
+    if isinstance(source, (str, Path)):
+        return Path(source) if Path(source).is_dir() else None
+    if isinstance(source, Checkpoint):
+        source = source.source
+    root = getattr(source, "root", None)
+    return Path(root) if isinstance(root, (str, Path)) else None
+
+
+def source_root(checkpoint: Checkpoint) -> Path | None:
+    root = getattr(checkpoint.source, "root", None)
+    return Path(root) if root is not None else None
+
+
+def fingerprint(checkpoint: Checkpoint, options: RepackOptions, used: list[str]) -> dict[str, Any]:
+    """What must be unchanged for a staged file to be reused: the source (files, sizes, mtimes) and options."""
+    files = {}
+    for name in used:
+        entry: dict[str, Any] = {"size": checkpoint.files.get(name)}
+        root = source_root(checkpoint)
+        if root is not None:
+            entry["mtime_ns"] = (root / name).stat().st_mtime_ns
+        files[name] = entry
+    opts = {k: getattr(options, k) for k in ("layers", "ranks", "tp", "shared_h", "to", "copy_other")}
+    return {"source": checkpoint.source.describe(), "files": files, "options": opts}
+
+
+def used_source_files(checkpoint: Checkpoint, layers: list[int], copy_other: bool) -> list[str]:
+    used = {f for layer in layers for f in checkpoint.layers[layer].files}
+    for name in checkpoint.files:
+        if not name.endswith(".safetensors") and name not in NOT_COPIED and (copy_other or name == CONFIG):
+            used.add(name)
+    if copy_other:
+        used.update(other_tensor_files(checkpoint))
+    return sorted(n for n in used if not n.endswith(".safetensors.index.json"))
+
+
+def other_tensor_files(checkpoint: Checkpoint) -> dict[str, list[str]]:
+    """Safetensors files with tensors that are not routed experts -> those tensor names (in header order)."""
+    out = {}
+    for file, header in checkpoint.headers.items():
+        others = [n for n in header.tensors if parse_expert_name(n) is None]
+        if others:
+            out[file] = others
+    return out
+
+
+def source_sha256(checkpoint: Checkpoint, name: str) -> str:
+    info = getattr(checkpoint.source, "file_info", None)
+    if info is not None:
+        known = getattr(info(name), "lfs_sha256", None)
+        if known:
+            return known  # the Hub states it; the download is checked against it
+    return mf.sha256_file(checkpoint.source.local_path(name))
+
+
+def vector_ndim(checkpoint: Checkpoint) -> dict[str, int]:
+    """How the source stores rotation vectors ([n] or [1, n]), so --to tr3 can restore the exact shapes."""
+    out = {"per_expert": 1, "shared_h": 1}
+    for moe in checkpoint.layers.values():
+        for projs in moe.experts.values():
+            for ranks in projs.values():
+                for lin in ranks.values():
+                    ref = lin.svh if lin.svh is not None else lin.suh
+                    if ref is not None:
+                        out["per_expert"] = len(ref.shape)
+                        break
+                break
+            break
+        for vectors in moe.shared_h.values():
+            for ref in vectors.values():
+                out["shared_h"] = len(ref.shape)
+        if moe.experts:
+            break
+    return out
+
+
+class _RoutePackRun:
+    def __init__(self, checkpoint: Checkpoint, out: Path, options: RepackOptions, on_bytes, on_total, log) -> None:
+        self.ck, self.out, self.opt = checkpoint, out, options
+        self.on_bytes = on_bytes or (lambda _n: None)
+        self.on_total = on_total or (lambda _n: None)
+        self.log = log
+        self.plan: RepackPlan = make_plan(checkpoint, layers=options.layers, ranks=options.ranks, tp=options.tp,
+                                          shared_h=self._output_shared())
+        self.used = used_source_files(checkpoint, self.plan.layers, options.copy_other)
+        self.result = RepackResult(out)
+        self._local = threading.local()
+
+    def _output_shared(self) -> bool:
+        return self.opt.shared_h or self.ck.rotation_layout == "shared_h_v1"
+
+    def run(self) -> RepackResult:
+        start = time.perf_counter()
+        check_target(self.out, source_root(self.ck), self.opt.overwrite)
+        stage = Stage(self.out, fingerprint(self.ck, self.opt, self.used), self.opt.overwrite)
+        if stage.resumed:
+            self.log(f"resuming {stage.path.name}: {len(stage.done)} file(s) already staged")
+        try:
+            check_free_space(self.out, self._bytes_to_write() - stage.bytes_done())
+        except CheckFailed:
+            if not stage.resumed:
+                shutil.rmtree(stage.path, ignore_errors=True)  # nothing in it yet; keep a resumable one
+            raise
+        self.on_total(self.plan.total_bytes)
+        with stage.discard_on_refusal():
+            hashes = self._run_jobs(stage)
+            doc = self._finish(stage, hashes)
+            from trellis_cli.repack.verify import verify_repacked
+
+            report = verify_repacked(stage.path, check_hashes=False)
+            if not report.ok:
+                raise CheckFailed(f"{stage.path}: the staged output does not verify: {report.errors[0].line()}")
+        stage.move_into_place()
+        self.result.manifest = doc
+        self.result.seconds = time.perf_counter() - start
+        return self.result
+
+    def _bytes_to_write(self) -> int:
+        other = sum(max(self.ck.files.get(n, 0), 0) for n in self.used if not _is_expert_shard(self.ck, n))
+        return self.plan.total_bytes + other
+
+    def _run_jobs(self, stage: Stage) -> dict[str, str]:
+        hashes: dict[str, str] = {}
+        finished = [0]
+        with TensorReader(self.ck.source) as reader, ThreadPoolExecutor(self.opt.jobs) as pool:
+            futures = []
+            for name in self._hash_order()[0]:
+                futures.append(pool.submit(self._hash_source, name, hashes))
+            for layer, files in zip(self.plan.layers, self._hash_order()[1]):
+                for job in (j for j in self.plan.jobs if j.layer == layer):
+                    if stage.completed(job.file):
+                        self.result.files_resumed += 1
+                        self.on_bytes(job.bytes)
+                        continue
+                    futures.append(pool.submit(self._layer_job, job, stage, reader, finished))
+                # Right after the layer's own jobs: its shard is in the page cache, and with --jobs > 1 the
+                # hashing overlaps the next layer's disk reads.
+                futures += [pool.submit(self._hash_source, name, hashes) for name in files]
+            try:
+                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            except BaseException:  # Ctrl-C: stop queued jobs; the running ones finish their file
+                for future in futures:
+                    future.cancel()
+                raise
+            for future in done:
+                if future.exception() is not None:
+                    for other in futures:
+                        other.cancel()
+                    raise future.exception()
+        return hashes
+
+    def _hash_order(self) -> tuple[list[str], list[list[str]]]:
+        """Source files to hash: those of no selected layer first (small JSON files), then per layer."""
+        seen: set[str] = set()
+        per_layer = []
+        for layer in self.plan.layers:
+            files = [f for f in sorted(self.ck.layers[layer].files) if f in self.used and f not in seen]
+            seen.update(files)
+            per_layer.append(files)
+        return [f for f in self.used if f not in seen], per_layer
+
+    def _next_files(self, layer: int) -> list[str]:
+        later = [li for li in self.plan.layers if li > layer]
+        return sorted(self.ck.layers[later[0]].files) if later else []
+
+    def _hash_source(self, name: str, hashes: dict[str, str]) -> None:
+        hashes[name] = source_sha256(self.ck, name)
+
+    def _layer_job(self, job, stage: Stage, reader: TensorReader, finished: list[int]) -> None:
+        if self.opt.fail_after is not None and finished[0] >= self.opt.fail_after:
+            raise Interrupted(f"interrupted after {finished[0]} layer file(s) (test hook)")
+        for file in self._next_files(job.layer):  # overlap the next layer's disk reads with this one's work
+            reader.prefetch(file)
+        arena = getattr(self._local, "arena", None) or Arena()
+        self._local.arena = arena  # one per worker thread: peak memory = jobs x one layer-rank
+        pack = pack_layer(self.ck, job.layer, job.rank, tp=self.plan.target_tp,
+                          shared_h=True if self.opt.shared_h else None, reader=reader, arena=arena)
+        path = stage.path / job.file
+        write_layer_pack(path, pack, on_bytes=self.on_bytes, durable=False)  # synced once in _finish
+        del pack
+        digest = check_layer_file(path, self.ck, job.layer, job.rank, tp=self.plan.target_tp,
+                                  shared_h=self.plan.shared_h, reader=reader)
+        stage.record(job.file, {"sha256": digest, "size": path.stat().st_size, "layer": job.layer, "rank": job.rank})
+        self.result.files_written += 1
+        self.result.bytes_written += path.stat().st_size
+        finished[0] += 1
+
+    def _finish(self, stage: Stage, hashes: dict[str, str]) -> dict[str, Any]:
+        ck, plan = self.ck, self.plan
+        copied = self._copy_other(stage) if self.opt.copy_other else {}
+        config = dict(ck.config)
+        config[REPACK_NOTE_KEY] = repack_note(plan.target_tp, "shared_h" if plan.shared_h else "per_expert")
+        (stage.path / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        source = dict(ck.source.describe())
+        if source.get("kind") == "local" and source.get("path"):
+            source["path"] = str(Path(source["path"]).resolve())
+        source.update({"dialect": ck.dialect, "rotation_layout": ck.rotation_layout, "tp": ck.tp,
+                       "vector_ndim": vector_ndim(ck),
+                       "files": {n: {"sha256": hashes[n], "size": ck.files.get(n)} for n in self.used}})
+        geometry = {"hidden": ck.hidden, "intermediate": ck.intermediate,
+                    "intermediate_rank": ck.intermediate // plan.target_tp, "num_experts": ck.num_experts}
+        codebook = self._codebook()
+        doc = mf.base_document(source, geometry, plan.target_tp, plan.ranks, codebook,
+                               "shared_h" if plan.shared_h else "per_expert")
+        for layer in plan.layers:
+            doc["layers"][str(layer)] = {
+                "tiers": [{"k": k, "size": len(ids), "experts": compact_ranges(ids)}
+                          for k, ids in layer_tiers(ck, layer)],
+                "source_files": sorted(ck.layers[layer].files),
+            }
+        files = {job.file: {k: stage.done[job.file][k] for k in ("sha256", "size", "layer", "rank")}
+                 for job in plan.jobs}
+        files[CONFIG] = mf.file_entry(stage.path / CONFIG, role="config")
+        files.update(copied)
+        doc["files"] = dict(sorted(files.items()))
+        for job in plan.jobs:
+            sync_file(stage.path / job.file)
+        mf.write_manifest(stage.path, doc)
+        return doc
+
+    def _codebook(self) -> str:
+        for layer in self.plan.layers:
+            for projs in self.ck.layers[layer].experts.values():
+                for ranks in projs.values():
+                    for lin in ranks.values():
+                        return lin.codebook
+        return self.ck.codebook or "mcg"
+
+    def _copy_other(self, stage: Stage) -> dict[str, dict[str, Any]]:
+        """Non-expert files verbatim; non-expert tensors of expert shards into extra/<file>."""
+        entries: dict[str, dict[str, Any]] = {}
+        others = other_tensor_files(self.ck)
+        for name in self.used:
+            if name == CONFIG or name in NOT_COPIED:
+                continue
+            target = stage.path / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not name.endswith(".safetensors") or not _has_experts(self.ck, name):
+                shutil.copyfile(self.ck.source.local_path(name), target)
+                entries[name] = mf.file_entry(target, role="copied")
+            elif name in others:
+                extra = stage.path / "extra" / name
+                extra.parent.mkdir(parents=True, exist_ok=True)
+                _write_subset(self.ck, name, others[name], extra)
+                entries[f"extra/{name}"] = mf.file_entry(extra, role="extra", source_file=name)
+        return entries
+
+
+def _has_experts(checkpoint: Checkpoint, file: str) -> bool:
+    header = checkpoint.headers.get(file)
+    return header is not None and any(parse_expert_name(n) is not None for n in header.tensors)
+
+
+def _is_expert_shard(checkpoint: Checkpoint, file: str) -> bool:
+    return file.endswith(".safetensors") and _has_experts(checkpoint, file)
+
+
+def _write_subset(checkpoint: Checkpoint, file: str, names: list[str], target: Path) -> None:
+    """Copy the named tensors of one source file, bytes unchanged, into a new safetensors file."""
+    header = checkpoint.headers[file]
+    planned = [PlannedTensor(n, header.tensors[n].dtype, header.tensors[n].shape) for n in names]
+    with TensorReader(checkpoint.source) as reader, SafetensorsWriter(target, planned, header.metadata) as writer:
+        for name in names:
+            writer.write(name, _read_from(reader, checkpoint, file, name))
+
+
+def _read_from(reader: TensorReader, checkpoint: Checkpoint, file: str, name: str):
+    from trellis_cli.checkpoint.model import TensorRef
+
+    e, header = checkpoint.headers[file].tensors[name], checkpoint.headers[file]
+    return reader.read(TensorRef(name, file, e.dtype, e.shape, e.begin, e.end, header.data_start))
+
+
+def repack_note(tp: int, rotation: str) -> dict[str, Any]:
+    from trellis_cli.repack.format import SCHEMA, SCHEMA_VERSION
+
+    return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "manifest": "manifest.json", "tp": tp,
+            "rotation": rotation,
+            "note": "routed experts are stored in the route-pack layout (one file per MoE layer and rank, listed "
+                    "in manifest.json); `trellis repack OUT DEST --to tr3` restores the TR3 layout"}
+
+
+__all__ = ["RepackOptions", "RepackResult", "run_repack", "Interrupted"]
