@@ -375,6 +375,8 @@ def open_source(spec: str | None, *, revision: str | None = None, token: str | b
 
     An existing local path wins over a repo id of the same spelling; `hf://org/name` always means the Hub.
     """
+    if spec is not None and not spec.strip():
+        raise UsageError("SOURCE is empty: give a directory or a Hub repo id, or omit it for the bundled sample")
     if spec is None:
         _no_revision_for_local(revision, "the bundled sample")
         return LocalSource(_sample_path(), description="bundled sample checkpoint")
