@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from trellis_cli.cli import output
+from trellis_cli.cli.options import CacheDirOpt, EndpointOpt, OfflineOpt, RevisionOpt, TokenOpt, open_cli_source
 
 
 class Target(str, Enum):
@@ -36,7 +37,11 @@ def register(app: typer.Typer) -> None:
         source: Annotated[str, typer.Argument(
             help="TR3 checkpoint (a directory, or a Hub id org/name or org/name@rev) or a route pack.")],
         out: Annotated[Path, typer.Argument(help="Output directory (must not exist or be empty).")],
-        revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or sha); pinned once.")] = None,
+        revision: RevisionOpt = None,
+        token: TokenOpt = None,
+        offline: OfflineOpt = False,
+        endpoint: EndpointOpt = None,
+        cache_dir: CacheDirOpt = None,
         layers: Annotated[Optional[str], typer.Option(help="MoE layers to repack, e.g. 3-5,40 (default all).")] = None,
         ranks: Annotated[Optional[str], typer.Option(help="TP ranks to write, e.g. 0,1 (default all).")] = None,
         tp: Annotated[Optional[int], typer.Option(help="Target TP degree (exact re-slicing only).")] = None,
@@ -51,11 +56,10 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     ) -> None:
         from trellis_cli.repack.run import RepackOptions, run_repack
-        from trellis_cli.sources import open_source
 
         options = RepackOptions(layers=layers, ranks=ranks, tp=tp, shared_h=shared_h, to=to.value, jobs=jobs,
                                 overwrite=overwrite, copy_other=not experts_only)
-        opened = open_source(source, revision=revision)
+        opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         with output.make_progress(bytes_mode=True, enabled=output.progress_enabled(as_json)) as progress:
             task = progress.add_task("repack", total=None)
             result = run_repack(opened, out, options,
