@@ -1,14 +1,175 @@
-"""`trellis bench`: placeholder until its module lands."""
+"""`trellis bench`: build the fused kernel, check it against the reference (--smoke), time it."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Annotated, Optional
+
 import typer
 
-from trellis_cli.errors import UsageError
+from trellis_cli.cli import output
+from trellis_cli.errors import CheckFailed, GpuUnavailable, UsageError
+
+DEFAULT_MS = "1,8,64,512,3072"
 
 
 def register(app: typer.Typer) -> None:
     @app.command("bench")
-    def bench_command() -> None:
-        """Not available yet."""
-        raise UsageError("trellis bench is not available yet")
+    def bench_command(
+        source: Annotated[Optional[str], typer.Argument(help="Repacked directory or TR3 checkpoint (path or org/name).")] = None,
+        synthetic: Annotated[Optional[str], typer.Option("--synthetic", help="Synthetic layer preset, e.g. glm52-tp4.")] = None,
+        partition: Annotated[Optional[str], typer.Option("--partition", help="Experts per tier for --synthetic, e.g. 192/64.")] = None,
+        layer: Annotated[Optional[int], typer.Option("--layer", help="MoE layer (default: the first).")] = None,
+        rank: Annotated[int, typer.Option("--rank", help="Tensor-parallel rank.")] = 0,
+        ms: Annotated[str, typer.Option("--m", help="Token counts to time, comma-separated.")] = DEFAULT_MS,
+        smoke: Annotated[bool, typer.Option("--smoke", help="Check fused vs two-pass vs float64 reference; exit 1 on any FAIL.")] = False,
+        cold: Annotated[bool, typer.Option("--cold/--warm", help="Cycle weight copies so no replay hits L2 (default), or not.")] = True,
+        replays: Annotated[int, typer.Option("--replays", min=100, help="CUDA-graph replays per measurement.")] = 100,
+        seed: Annotated[int, typer.Option("--seed", help="Seed for synthetic weights, inputs and routes.")] = 0,
+        as_json: Annotated[bool, typer.Option("--json", help="Emit one JSON document on stdout.")] = False,
+        compile_only: Annotated[bool, typer.Option("--compile-only", help="Build the kernel library and exit (no GPU needed).")] = False,
+        arch: Annotated[Optional[str], typer.Option("--arch", help="Target arch for --compile-only, e.g. sm_90 (default: this GPU's, else sm_90).")] = None,
+    ) -> None:
+        """Benchmark the fused mixed-bitrate MoE kernel on this GPU (exit 4 without a GPU or nvcc)."""
+        if compile_only:
+            _compile_only(arch, as_json)
+            return
+        if arch:
+            raise UsageError("--arch applies to --compile-only (a run builds for the GPU present)")
+        m_list = _parse_ms(ms)
+        _require_gpu()
+        from trellis_cli.bench.source import load_bench_source
+        from trellis_cli.kernel.abi import default_library
+
+        output.log("building or loading the kernel library ...")
+        library = default_library()
+        bench = load_bench_source(source, synthetic=synthetic, partition=partition, layer=layer, rank=rank,
+                                  device="cuda", seed=seed)
+        output.log(f"source: {bench.description}")
+        if smoke:
+            _run_smoke(bench, library, synthetic, seed, as_json)
+        else:
+            _run_throughput(bench, library, m_list, cold, replays, seed, as_json)
+
+
+def _parse_ms(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"--m {text!r}: expected comma-separated token counts like 1,8,64") from None
+    if not values or any(v < 1 or v > 65536 for v in values):
+        raise UsageError(f"--m {text!r}: token counts must be 1..65536")
+    return values
+
+
+def _require_gpu() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise GpuUnavailable("no CUDA GPU visible: trellis bench runs the kernel on an NVIDIA GPU "
+                             "(use --compile-only to only build it)")
+
+
+def _compile_only(arch: str | None, as_json: bool) -> None:
+    import torch
+
+    from trellis_cli.kernel.build import build_library
+
+    target = arch or (None if torch.cuda.is_available() else "sm_90")
+    output.log(f"compiling the kernel for {target or 'this GPU'} ...")
+    built = build_library(target)
+    doc = {"arch": built.arch, "build_hash": built.build_hash, "nvcc": built.nvcc_version, "path": str(built.path),
+           "cached": built.cached}
+    if as_json:
+        output.emit_json(doc)
+    else:
+        state = "cached" if built.cached else "built"
+        output.stdout.print(f"{state} {built.arch} kernel {built.build_hash} (nvcc {built.nvcc_version}): {built.path}",
+                            markup=False, highlight=False)
+
+
+def _smoke_packs(bench, synthetic: str | None, seed: int):
+    from trellis_cli.bench.synthetic import get_preset, synthetic_pack
+
+    if synthetic:
+        preset = get_preset(synthetic)
+        n = preset.experts
+        mixed = "/".join(str(p) for p in bench.pack.tier_size)
+        packs = [(f"K{preset.tier_k[0]}-only", synthetic_pack(preset, (n, 0), device="cuda", seed=seed + 1)),
+                 (f"K{preset.tier_k[1]}-only", synthetic_pack(preset, (0, n), device="cuda", seed=seed + 2)),
+                 (f"mixed {mixed}", bench.pack)]
+        other = (160, 96) if tuple(bench.pack.tier_size) != (160, 96) else (206, 50)
+        reuse = ("mixed " + "/".join(map(str, other)), synthetic_pack(preset, other, device="cuda", seed=seed + 3))
+        return packs, reuse
+    views = [(f"tier {t} (K{k}) only", _tier_view(bench.pack, t)) for t, k in enumerate(bench.pack.tier_k)]
+    if len(views) < 2:
+        return [("layer", bench.pack)], None
+    return views + [("layer", bench.pack)], None
+
+
+def _tier_view(pack, tier: int):
+    """The pack with every expert outside `tier` unmapped (served by nobody: contributes zero)."""
+    import torch
+
+    g2c = pack.global_to_combined
+    tiers = torch.where(g2c >= 0, pack.descriptors[g2c.clamp(min=0).long()] >> 8, -1)
+    return dataclasses.replace(pack, global_to_combined=torch.where(tiers == tier, g2c, -1).to(torch.int32))
+
+
+def _run_smoke(bench, library, synthetic: str | None, seed: int, as_json: bool) -> None:
+    from trellis_cli.bench.environment import environment
+    from trellis_cli.bench.smoke import run_smoke
+
+    packs, reuse = _smoke_packs(bench, synthetic, seed)
+    checks = run_smoke(packs, library, seed=seed + 1, reuse_pack=reuse, log=output.log)
+    failed = [c for c in checks if not c.passed]
+    if as_json:
+        output.emit_json({"source": bench.description, "environment": environment(library),
+                          "checks": [dataclasses.asdict(c) for c in checks], "passed": not failed})
+    else:
+        _print_smoke(checks)
+    if failed:
+        raise CheckFailed(f"smoke: {len(failed)} of {len(checks)} checks FAILED")
+    output.log(f"smoke: all {len(checks)} checks passed")
+
+
+def _print_smoke(checks) -> None:
+    from rich.table import Table
+
+    table = Table(title="trellis bench --smoke")
+    for column in ("check", "case", "value", "limit", "result"):
+        table.add_column(column)
+    for c in checks:
+        value = "" if c.value is None else f"{c.value:.3e}"
+        limit = "" if c.limit is None else f"{c.limit:.0e}"
+        table.add_row(c.name, c.case, value, limit, "PASS" if c.passed else "FAIL")
+    output.stdout.print(table)
+
+
+def _run_throughput(bench, library, m_list: list[int], cold: bool, replays: int, seed: int, as_json: bool) -> None:
+    from trellis_cli.bench.environment import environment
+    from trellis_cli.bench.throughput import run_throughput
+
+    result = run_throughput(bench.pack, library, m_list, cold=cold, replays=replays, seed=seed + 1234,
+                            log=output.log)
+    if as_json:
+        output.emit_json({"source": bench.description, "environment": environment(library), **result})
+        return
+    _print_throughput(result, bench.description)
+
+
+def _print_throughput(result: dict, description: str) -> None:
+    from rich.table import Table
+
+    mode = "cold" if result["cold"] else "warm"
+    table = Table(title=f"{description}, {mode} L2, copy {result['copy_gbps']:.0f} GB/s")
+    for column in ("M", "fused med µs", "min", "max", "two-pass µs", "fused/2p", "experts", "MB", "GB/s",
+                   "% copy", "TFLOP/s", "Gw/ms"):
+        table.add_column(column, justify="right")
+    for r in result["rows"]:
+        f, t = r["fused"], r["two_pass"]
+        table.add_row(str(r["m"]), f"{f['median_us']:.1f}", f"{f['min_us']:.1f}", f"{f['max_us']:.1f}",
+                      f"{t['median_us']:.1f}", f"{r['fused_over_two_pass']:.2f}", str(r["experts"]),
+                      f"{r['bytes'] / 1e6:.1f}", f"{r['gbps']:.0f}", f"{r['pct_copy_bw']:.1f}",
+                      f"{r['tflops']:.1f}", f"{r['g_weights_per_ms']:.2f}")
+    output.stdout.print(table)

@@ -1,0 +1,92 @@
+// The activation between FC1 and FC2, and the fixed-order top-k sum.
+//
+// activation: per route, add the FC1 partial sums of every k range in order, rotate gate and up back
+// (H128, svh), SiLU(gate) * up, then rotate into FC2's input basis (suh of down, H128) and store fp16.
+// sum: out[t] = sum over k in order 0..top_k-1 of the routes' rotated, weighted FC2 outputs; a route
+// whose expert is not served here is skipped, so it contributes exactly zero.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "abi.h"
+#include "expert_gemm.cuh"
+#include "route_pack.cuh"
+#include "warp_ops.cuh"
+
+namespace trellis {
+
+// grid (tile_capacity, row_stride), one warp per 128-channel block of the intermediate dim.
+__global__ void activation_kernel(const TrellisMoeArgs a) {
+  WorkTile w;
+  if (!load_work_tile(a, blockIdx.x, w)) return;
+  after_predecessor();
+  const int lane = threadIdx.x & 31, block = threadIdx.x >> 5;
+  const int inter = a.intermediate;
+  const int col = block * 128 + 4 * lane;
+  const __half* rot = static_cast<const __half*>(a.rot_intermediate) + size_t(w.expert) * 3 * inter;
+  float svh_g[4], svh_u[4], suh_d[4];
+  load4_half(rot + col, svh_g);
+  load4_half(rot + inter + col, svh_u);
+  load4_half(rot + 2 * inter + col, suh_d);
+  const size_t split_stride = size_t(a.slot_capacity) * 2 * inter;
+  for (int row = blockIdx.y; row < w.rows; row += gridDim.y) {
+    const int slot = w.start + row;
+    const float* part = static_cast<const float*>(a.partial) + size_t(slot) * 2 * inter + col;
+    float g[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+    for (int s = 0; s < a.k_split; ++s) {
+      const float4 pg = *reinterpret_cast<const float4*>(part + s * split_stride);
+      const float4 pu = *reinterpret_cast<const float4*>(part + s * split_stride + inter);
+      g[0] += pg.x; g[1] += pg.y; g[2] += pg.z; g[3] += pg.w;
+      u[0] += pu.x; u[1] += pu.y; u[2] += pu.z; u[3] += pu.w;
+    }
+    hadamard128(g, lane);
+    hadamard128(u, lane);
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float gate = g[i] * svh_g[i];
+      const float up = u[i] * svh_u[i];
+      v[i] = gate / (1.0f + expf(-gate)) * up * suh_d[i];
+    }
+    hadamard128(v, lane);
+    store4_half(static_cast<__half*>(a.act) + size_t(slot) * inter + col, v);
+  }
+}
+
+__device__ __forceinline__ void store_out(const TrellisMoeArgs& a, size_t idx, float4 v) {
+  if (a.out_dtype == TRELLIS_DT_FP32) {
+    *reinterpret_cast<float4*>(static_cast<float*>(a.out) + idx) = v;
+  } else if (a.out_dtype == TRELLIS_DT_FP16) {
+    __half2 h0 = __floats2half2_rn(v.x, v.y), h1 = __floats2half2_rn(v.z, v.w);
+    uint2 raw = make_uint2(*reinterpret_cast<uint32_t*>(&h0), *reinterpret_cast<uint32_t*>(&h1));
+    *reinterpret_cast<uint2*>(static_cast<__half*>(a.out) + idx) = raw;
+  } else {
+    __nv_bfloat162 h0 = __floats2bfloat162_rn(v.x, v.y), h1 = __floats2bfloat162_rn(v.z, v.w);
+    uint2 raw = make_uint2(*reinterpret_cast<uint32_t*>(&h0), *reinterpret_cast<uint32_t*>(&h1));
+    *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(a.out) + idx) = raw;
+  }
+}
+
+constexpr int kSumThreads = 256;
+
+// grid (M, ceil(H / (4 * kSumThreads))): each thread sums 4 columns of one token.
+__global__ void __launch_bounds__(kSumThreads) topk_sum_kernel(const TrellisMoeArgs a) {
+  after_predecessor();
+  const int token = blockIdx.x;
+  const int col = (blockIdx.y * kSumThreads + threadIdx.x) * 4;
+  if (col >= a.hidden) return;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int k = 0; k < a.top_k; ++k) {
+    const int route = token * a.top_k + k;
+    if (route_combined(a, route) < 0) continue;
+    const float4 y = *reinterpret_cast<const float4*>(static_cast<const float*>(a.route_out) + size_t(route) * a.hidden + col);
+    acc.x += y.x;
+    acc.y += y.y;
+    acc.z += y.z;
+    acc.w += y.w;
+  }
+  store_out(a, size_t(token) * a.hidden + col, acc);
+}
+
+}  // namespace trellis

@@ -1,0 +1,101 @@
+// Trellis tile decode straight into mma.m16n8k16 B fragments (exl3-format.md §2-§3).
+//
+// Lane l of a warp decodes stream positions 8l..8l+7 of a 16x16 tile. By the format's tensor-core
+// permutation those are exactly the lane's B fragments of two m16n8k16 MMAs (n columns 0-7 and 8-15), so
+// decoded values go to registers with no shuffle and no shared memory. The 8 states of a lane come from
+// one window of 16 + 7K stream bits, which lies in 2 (K <= 4) or 3 (K >= 5) consecutive 32-bit words.
+#pragma once
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace trellis {
+
+// Where a lane's window starts inside a tile of 8K 32-bit words: the same for every tile.
+struct LaneWindow {
+  int w0, w1, w2;  // word indices (cyclic: tail-biting)
+  int off;         // bit offset of the window inside word w0, counted from its MSB
+};
+
+template <int K>
+__device__ __forceinline__ LaneWindow lane_window(int lane) {
+  constexpr int kBits = 256 * K;
+  constexpr int kWords = 8 * K;
+  const int start = ((8 * lane + 1) * K - 16 + kBits) % kBits;
+  LaneWindow w;
+  w.w0 = start >> 5;
+  w.off = start & 31;
+  w.w1 = (w.w0 + 1) % kWords;
+  w.w2 = (w.w0 + 2) % kWords;
+  return w;
+}
+
+// The lane's raw words of one tile.
+struct TileWords {
+  uint32_t u0, u1, u2;
+};
+
+template <int K>
+__device__ __forceinline__ TileWords load_tile_words(const uint32_t* __restrict__ tile, const LaneWindow& w) {
+  TileWords t;
+  t.u0 = __ldg(tile + w.w0);
+  t.u1 = __ldg(tile + w.w1);
+  t.u2 = (K >= 5) ? __ldg(tile + w.w2) : 0u;
+  return t;
+}
+
+// State j (0..7) of the lane: 16 bits starting `off + j*K` bits after the MSB of u0.
+template <int K>
+__device__ __forceinline__ uint32_t lane_state(const TileWords& t, int off, int j) {
+  const int p = off + j * K;
+  const uint64_t hi = (uint64_t(t.u0) << 32) | t.u1;
+  if (K <= 4) return uint32_t(hi >> (48 - p)) & 0xFFFFu;
+  const uint64_t lo = (uint64_t(t.u1) << 32) | t.u2;
+  return (p <= 48 ? uint32_t(hi >> (48 - p)) : uint32_t(lo >> (80 - p))) & 0xFFFFu;
+}
+
+__device__ __forceinline__ uint32_t lop3_and_xor(uint32_t x) {
+  // (x & 0x8FFF8FFF) ^ 0x3B603B60 as one LOP3 (0x6A = (a & b) ^ c).
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(r) : "r"(x), "r"(0x8FFF8FFFu), "r"(0x3B603B60u));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t half2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+__device__ __forceinline__ __half2 bits_half2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
+
+// Two states -> packed half2 (first state in the low half). CB: 0 3INST, 1 mcg, 2 mul1 (§3).
+template <int CB>
+__device__ __forceinline__ uint32_t codebook_pair(uint32_t sa, uint32_t sb) {
+  if (CB == 2) {
+    const uint32_t xa = sa * 0x83DCD12Du, xb = sb * 0x83DCD12Du;
+    const uint32_t ha = 0x6400u + __dp4a(xa, 0x01010101u, 0u);
+    const uint32_t hb = 0x6400u + __dp4a(xb, 0x01010101u, 0u);
+    const __half2 h = bits_half2(ha | (hb << 16));
+    const __half2 scale = bits_half2(0x1EEE1EEEu), bias = bits_half2(0xC931C931u);
+    return half2_bits(__hfma2(h, scale, bias));
+  }
+  uint32_t xa, xb;
+  if (CB == 0) {
+    xa = sa * 89226354u + 64248484u;
+    xb = sb * 89226354u + 64248484u;
+  } else {
+    xa = sa * 0xCBAC1FEDu;
+    xb = sb * 0xCBAC1FEDu;
+  }
+  xa = lop3_and_xor(xa);
+  xb = lop3_and_xor(xb);
+  const uint32_t lo = __byte_perm(xa, xb, 0x5410);  // low halves of xa, xb
+  const uint32_t hi = __byte_perm(xa, xb, 0x7632);  // high halves
+  return half2_bits(__hadd2(bits_half2(lo), bits_half2(hi)));
+}
+
+// The lane's 8 decoded weights as B fragments: b[0], b[1] for n columns 0-7; b[2], b[3] for 8-15.
+template <int K, int CB>
+__device__ __forceinline__ void decode_fragments(const TileWords& t, int off, uint32_t b[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    b[i] = codebook_pair<CB>(lane_state<K>(t, off, 2 * i), lane_state<K>(t, off, 2 * i + 1));
+  }
+}
+
+}  // namespace trellis

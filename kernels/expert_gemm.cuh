@@ -1,0 +1,429 @@
+// FC1 (gate and up) and FC2 (down) over work tiles of one expert, weights decoded on the fly.
+//
+// A work tile is up to R*16 routes of one expert (route_pack.cuh). Each warp owns one 16-column n tile
+// of one projection and walks the k dimension in 128-wide chunks: it decodes each 16x16 weight tile once
+// into B fragments and applies it to every live m16 block of the work tile, so at large M a decoded
+// weight is reused R times. The A operand (rotated input for FC1, activated intermediate for FC2) is
+// staged per chunk in shared memory as fp16.
+//
+// FC1 splits the hidden dimension into k_split ranges (blockIdx.y) and writes fp32 partial sums per
+// range; the activation phase adds them in a fixed order, so the result never depends on scheduling.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "abi.h"
+#include "decode.cuh"
+#include "warp_ops.cuh"
+
+namespace trellis {
+
+constexpr int kAStride = 136;  // halves per staged row: 128 + 8 of padding keeps ldmatrix conflict-free
+constexpr int kOStride = 132;  // floats per epilogue row
+constexpr int kFc1Threads = 512;
+constexpr int kFc2Threads = 256;
+
+struct WorkTile {
+  int expert, start, rows, tier, local, k;
+};
+
+__device__ __forceinline__ bool load_work_tile(const TrellisMoeArgs& a, int tile, WorkTile& w) {
+  if (tile >= *static_cast<const int*>(a.tile_count)) return false;
+  w.expert = static_cast<const int*>(a.tile_expert)[tile];
+  w.start = static_cast<const int*>(a.tile_start)[tile];
+  w.rows = static_cast<const int*>(a.tile_rows)[tile];
+  const int d = static_cast<const int*>(a.descriptors)[w.expert];
+  w.tier = d >> 8;
+  w.local = d & 0xFF;
+  w.k = a.tier_k[w.tier];
+  return true;
+}
+
+// Words of projection `proj` of the tile's expert (tier layout [E_t, 3, tiles, 16K] int16).
+template <int K>
+__device__ __forceinline__ const uint32_t* projection_words(const TrellisMoeArgs& a, const WorkTile& w, int proj) {
+  const size_t tiles = size_t(a.hidden >> 4) * size_t(a.intermediate >> 4);
+  return static_cast<const uint32_t*>(a.tier_trellis[w.tier]) + (size_t(w.local) * 3 + proj) * tiles * (8 * K);
+}
+
+__device__ __forceinline__ void load4(const TrellisMoeArgs& a, const void* base, size_t idx, float v[4]) {
+  if (a.x_dtype == TRELLIS_DT_BF16) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(base) + idx);
+    const __nv_bfloat162 p0 = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
+    const __nv_bfloat162 p1 = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
+    v[0] = __low2float(p0);
+    v[1] = __high2float(p0);
+    v[2] = __low2float(p1);
+    v[3] = __high2float(p1);
+  } else {
+    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const __half*>(base) + idx);
+    const __half2 p0 = *reinterpret_cast<const __half2*>(&raw.x);
+    const __half2 p1 = *reinterpret_cast<const __half2*>(&raw.y);
+    v[0] = __low2float(p0);
+    v[1] = __high2float(p0);
+    v[2] = __low2float(p1);
+    v[3] = __high2float(p1);
+  }
+}
+
+__device__ __forceinline__ void load4_half(const __half* p, float v[4]) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const __half2 p0 = *reinterpret_cast<const __half2*>(&raw.x);
+  const __half2 p1 = *reinterpret_cast<const __half2*>(&raw.y);
+  v[0] = __low2float(p0);
+  v[1] = __high2float(p0);
+  v[2] = __low2float(p1);
+  v[3] = __high2float(p1);
+}
+
+__device__ __forceinline__ void store4_half(__half* p, const float v[4]) {
+  __half2 h0 = __halves2half2(to_half_sat(v[0]), to_half_sat(v[1]));
+  __half2 h1 = __halves2half2(to_half_sat(v[2]), to_half_sat(v[3]));
+  uint2 raw;
+  raw.x = *reinterpret_cast<uint32_t*>(&h0);
+  raw.y = *reinterpret_cast<uint32_t*>(&h1);
+  *reinterpret_cast<uint2*>(p) = raw;
+}
+
+// Weights and A rows of a 128-wide k chunk travel global -> shared with 16-byte cp.async through a ring of
+// STAGES buffers, so the loads of the next chunks are in flight while the current one is decoded.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Words of one stage: `runs` runs (projection x 8 k tiles) of 8 consecutive n tiles, 64K words each.
+template <int K>
+__device__ __forceinline__ void issue_weight_runs(uint32_t* dst, const uint32_t* src0, const uint32_t* src1,
+                                                  int runs_per_src, int sources, size_t kt_stride) {
+  constexpr int kPieces = 16 * K;  // 16-byte pieces in a run of 8 tiles
+  const int total = sources * runs_per_src * kPieces;
+  for (int i = threadIdx.x; i < total; i += blockDim.x) {
+    const int run = i / kPieces, piece = i - run * kPieces;
+    const int p = run / runs_per_src, kt = run - p * runs_per_src;
+    cp_async16(dst + run * 64 * K + piece * 4, (p ? src1 : src0) + kt * kt_stride + piece * 4);
+  }
+}
+
+// A rows [rows][128] fp16 of `sources` matrices (row stride `src_stride` halves) into [source][R*16][kAStride].
+template <int R>
+__device__ __forceinline__ void issue_a_rows(__half* dst, const __half* src0, const __half* src1, int sources,
+                                             size_t src_stride, int rows) {
+  const int total = sources * rows * 16;
+  for (int i = threadIdx.x; i < total; i += blockDim.x) {
+    const int p = i / (rows * 16), rest = i - p * rows * 16, r = rest >> 4, ch = rest & 15;
+    cp_async16(dst + (p * R * 16 + r) * kAStride + ch * 8, (p ? src1 : src0) + r * src_stride + ch * 8);
+  }
+}
+
+// Rows past the tile's routes stay zero in every stage (cp.async never writes them).
+template <int R>
+__device__ __forceinline__ void zero_dead_rows(__half* a, int sources, int rows, int live) {
+  const int dead = live * 16 - rows;
+  for (int i = threadIdx.x; i < sources * dead * 16; i += blockDim.x) {
+    const int p = i / (dead * 16), rest = i - p * dead * 16;
+    *reinterpret_cast<uint4*>(a + (p * R * 16 + rows + (rest >> 4)) * kAStride + (rest & 15) * 8) =
+        make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// Decode the 8 k tiles of n tile `ntl` from a staged run and multiply them into the live m16 blocks.
+template <int K, int CB, int R>
+__device__ __forceinline__ void chunk_mma(const uint32_t* run, int ntl, const LaneWindow& win, const __half* a_tile,
+                                          int live, int lane, float (&acc)[R][2][4]) {
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt) {
+    const uint32_t* tile = run + kt * 64 * K + ntl * 8 * K;
+    TileWords t;
+    t.u0 = tile[win.w0];
+    t.u1 = tile[win.w1];
+    t.u2 = K >= 5 ? tile[win.w2] : 0u;
+    uint32_t b[4];
+    decode_fragments<K, CB>(t, win.off, b);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r < live) {
+        uint32_t af[4];
+        load_a_fragment(af, a_tile + r * 16 * kAStride + kt * 16, kAStride, lane);
+        mma_16816(acc[r][0], af, b[0], b[1]);
+        mma_16816(acc[r][1], af, b[2], b[3]);
+      }
+    }
+  }
+}
+
+template <int R>
+__device__ __forceinline__ void zero_acc(float (&acc)[R][2][4]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][n][i] = 0.f;
+}
+
+__host__ __device__ constexpr int max_k(bool fast) { return fast ? 4 : 8; }
+__host__ __device__ constexpr int fc1_stages(int r) { return r == 1 ? 3 : 2; }
+constexpr int kFc2Stages = 3;
+__host__ __device__ constexpr int fc1_stage_weight_words(bool fast) { return 2 * 8 * 64 * max_k(fast); }
+__host__ __device__ constexpr int fc1_stage_a_halves(int r) { return 2 * r * 16 * kAStride; }
+__host__ __device__ constexpr int fc2_stage_weight_words(bool fast) { return 8 * 64 * max_k(fast); }
+__host__ __device__ constexpr int fc2_stage_a_halves(int r) { return r * 16 * kAStride; }
+
+// ---------------------------------------------------------------------------------------------------
+// FC1: grid (tiles * I/128, k_split), 16 warps: warp = projection (gate 0-7, up 8-15) x n tile.
+
+template <int CB, int R, int K, bool FAST>
+__device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk, unsigned char* smem) {
+  constexpr int kStages = fc1_stages(R);
+  constexpr int kWeightWords = fc1_stage_weight_words(FAST), kAHalves = fc1_stage_a_halves(R);
+  uint32_t* s_w = reinterpret_cast<uint32_t*>(smem);
+  __half* s_a = reinterpret_cast<__half*>(smem + kStages * kWeightWords * 4);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int proj = warp >> 3, ntl = warp & 7;
+  const int n_tiles = a.intermediate >> 4;
+  const size_t kt_stride = size_t(n_tiles) * 8 * K;
+  const LaneWindow win = lane_window<K>(lane);
+  const int chunks = (a.hidden >> 7) / a.k_split;
+  const int kc0 = blockIdx.y * chunks;
+  const int live = (w.rows + 15) >> 4;
+  const uint32_t* gate_w = projection_words<K>(a, w, 0) + size_t(nchunk) * 8 * 8 * K;
+  const uint32_t* up_w = projection_words<K>(a, w, 1) + size_t(nchunk) * 8 * 8 * K;
+  const __half* xrot = static_cast<const __half*>(a.xrot) + size_t(w.start) * 2 * a.hidden;
+
+  for (int st = 0; st < kStages; ++st) zero_dead_rows<R>(s_a + st * kAHalves, 2, w.rows, live);
+  auto issue_w = [&](int c) {
+    const int kc = kc0 + c;
+    issue_weight_runs<K>(s_w + (c % kStages) * kWeightWords, gate_w + size_t(kc) * 8 * kt_stride,
+                         up_w + size_t(kc) * 8 * kt_stride, 8, 2, kt_stride);
+  };
+  auto issue_a = [&](int c) {
+    const int kc = kc0 + c;
+    issue_a_rows<R>(s_a + (c % kStages) * kAHalves, xrot + kc * 128, xrot + a.hidden + kc * 128, 2,
+                    size_t(2) * a.hidden, w.rows);
+  };
+  // Weights do not depend on the previous kernel: their first stages load while it drains.
+#pragma unroll
+  for (int c = 0; c < kStages - 1; ++c) {
+    if (c < chunks) issue_w(c);
+    cp_async_commit();
+  }
+  after_predecessor();
+#pragma unroll
+  for (int c = 0; c < kStages - 1; ++c) {
+    if (c < chunks) issue_a(c);
+    cp_async_commit();
+  }
+  float acc[R][2][4];
+  zero_acc<R>(acc);
+  for (int c = 0; c < chunks; ++c) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (c + kStages - 1 < chunks) {
+      issue_w(c + kStages - 1);
+      issue_a(c + kStages - 1);
+    }
+    cp_async_commit();
+    const int st = c % kStages;
+    chunk_mma<K, CB, R>(s_w + st * kWeightWords + proj * 8 * 64 * K, ntl, win,
+                        s_a + st * kAHalves + proj * R * 16 * kAStride, live, lane, acc);
+  }
+  cp_async_wait<0>();
+
+  const int nt = nchunk * 8 + ntl;
+  float* part = static_cast<float*>(a.partial) + size_t(blockIdx.y) * a.slot_capacity * 2 * a.intermediate;
+  const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = r * 16 + g + 8 * h;
+      if (row >= w.rows) continue;
+      float* dst = part + size_t(w.start + row) * 2 * a.intermediate + proj * a.intermediate + nt * 16 + 2 * q;
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+        *reinterpret_cast<float2*>(dst + n * 8) = make_float2(acc[r][n][2 * h], acc[r][n][2 * h + 1]);
+    }
+  }
+}
+
+// FAST: the tiers use only K3 and K4. Register allocation is the maximum over every compiled K, so a
+// kernel holding just those two fits 2 CTAs (32 warps) per SM where the all-K kernel fits one.
+template <int CB, int R, bool FAST>
+__global__ void __launch_bounds__(kFc1Threads, (R == 1 && FAST) ? 2 : 1) fc1_kernel(const TrellisMoeArgs a) {
+  extern __shared__ __align__(16) unsigned char gemm_smem[];
+  const int nchunks = a.intermediate >> 7;
+  WorkTile w;
+  if (!load_work_tile(a, blockIdx.x / nchunks, w)) return;
+  const int nchunk = blockIdx.x % nchunks;
+  if (FAST) {
+    if (w.k == 3) fc1_body<CB, R, 3, FAST>(a, w, nchunk, gemm_smem);
+    else fc1_body<CB, R, 4, FAST>(a, w, nchunk, gemm_smem);
+    return;
+  }
+  switch (w.k) {
+    case 1: fc1_body<CB, R, 1, FAST>(a, w, nchunk, gemm_smem); break;
+    case 2: fc1_body<CB, R, 2, FAST>(a, w, nchunk, gemm_smem); break;
+    case 3: fc1_body<CB, R, 3, FAST>(a, w, nchunk, gemm_smem); break;
+    case 4: fc1_body<CB, R, 4, FAST>(a, w, nchunk, gemm_smem); break;
+    case 5: fc1_body<CB, R, 5, FAST>(a, w, nchunk, gemm_smem); break;
+    case 6: fc1_body<CB, R, 6, FAST>(a, w, nchunk, gemm_smem); break;
+    case 7: fc1_body<CB, R, 7, FAST>(a, w, nchunk, gemm_smem); break;
+    case 8: fc1_body<CB, R, 8, FAST>(a, w, nchunk, gemm_smem); break;
+    default: break;
+  }
+}
+
+__host__ __device__ constexpr int fc1_smem_bytes(int r, bool fast) {
+  return fc1_stages(r) * (fc1_stage_weight_words(fast) * 4 + fc1_stage_a_halves(r) * 2);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Input rotation, once per route: xrot[slot][p] = fp16(H128(x[token] ⊙ suh_p)) for p = gate, up.
+// grid (tiles, H/128), 8 warps; a warp rotates one (row, projection) 128-block at a time.
+
+__global__ void __launch_bounds__(256) rotate_input_kernel(const TrellisMoeArgs a) {
+  after_predecessor();  // the tile list comes from the route pack, launched just before
+  WorkTile w;
+  if (!load_work_tile(a, blockIdx.x, w)) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int col = blockIdx.y * 128 + 4 * lane;
+  const __half* suh[2] = {
+      static_cast<const __half*>(a.gate_suh) + size_t(a.gate_suh_shared ? 0 : w.expert) * a.hidden,
+      static_cast<const __half*>(a.up_suh) + size_t(a.up_suh_shared ? 0 : w.expert) * a.hidden};
+  float s[2][4];
+  load4_half(suh[0] + col, s[0]);
+  load4_half(suh[1] + col, s[1]);
+  for (int item = warp; item < 2 * w.rows; item += 8) {
+    const int r = item >> 1, p = item & 1;
+    const int token = static_cast<const int*>(a.slot_route)[w.start + r] / a.top_k;
+    float v[4];
+    load4(a, a.x, size_t(token) * a.hidden + col, v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] *= s[p][i];
+    hadamard128(v, lane);
+    store4_half(static_cast<__half*>(a.xrot) + (size_t(w.start + r) * 2 + p) * a.hidden + col, v);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// FC2: grid (tiles * H/128), 8 warps = the 8 n tiles of one 128-column output block, full K = I.
+// The epilogue holds whole 128-column blocks, so it applies H128, svh and the router weight itself.
+
+template <int CB, int R, int K, bool FAST>
+__device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk, unsigned char* smem) {
+  constexpr int kWeightWords = fc2_stage_weight_words(FAST), kAHalves = fc2_stage_a_halves(R);
+  uint32_t* s_w = reinterpret_cast<uint32_t*>(smem);
+  __half* s_a = reinterpret_cast<__half*>(smem + kFc2Stages * kWeightWords * 4);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n_tiles = a.hidden >> 4;
+  const size_t kt_stride = size_t(n_tiles) * 8 * K;
+  const LaneWindow win = lane_window<K>(lane);
+  const int live = (w.rows + 15) >> 4;
+  const int chunks = a.intermediate >> 7;
+  const uint32_t* wsrc = projection_words<K>(a, w, 2) + size_t(nchunk) * 8 * 8 * K;
+  const __half* act = static_cast<const __half*>(a.act) + size_t(w.start) * a.intermediate;
+
+  for (int st = 0; st < kFc2Stages; ++st) zero_dead_rows<R>(s_a + st * kAHalves, 1, w.rows, live);
+  auto issue_w = [&](int c) {
+    issue_weight_runs<K>(s_w + (c % kFc2Stages) * kWeightWords, wsrc + size_t(c) * 8 * kt_stride, nullptr, 8, 1,
+                         kt_stride);
+  };
+  auto issue_a = [&](int c) {
+    issue_a_rows<R>(s_a + (c % kFc2Stages) * kAHalves, act + c * 128, nullptr, 1, size_t(a.intermediate), w.rows);
+  };
+#pragma unroll
+  for (int c = 0; c < kFc2Stages - 1; ++c) {
+    if (c < chunks) issue_w(c);
+    cp_async_commit();
+  }
+  after_predecessor();
+#pragma unroll
+  for (int c = 0; c < kFc2Stages - 1; ++c) {
+    if (c < chunks) issue_a(c);
+    cp_async_commit();
+  }
+  float acc[R][2][4];
+  zero_acc<R>(acc);
+  for (int c = 0; c < chunks; ++c) {
+    cp_async_wait<kFc2Stages - 2>();
+    __syncthreads();
+    if (c + kFc2Stages - 1 < chunks) {
+      issue_w(c + kFc2Stages - 1);
+      issue_a(c + kFc2Stages - 1);
+    }
+    cp_async_commit();
+    const int st = c % kFc2Stages;
+    chunk_mma<K, CB, R>(s_w + st * kWeightWords, warp, win, s_a + st * kAHalves, live, lane, acc);
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  float* s_o = reinterpret_cast<float*>(smem);
+  const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (r >= live) continue;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+        *reinterpret_cast<float2*>(s_o + (r * 16 + g + 8 * h) * kOStride + warp * 16 + n * 8 + 2 * q) =
+            make_float2(acc[r][n][2 * h], acc[r][n][2 * h + 1]);
+  }
+  __syncthreads();
+
+  const __half* svh = static_cast<const __half*>(a.down_svh) + size_t(a.down_svh_shared ? 0 : w.expert) * a.hidden;
+  const int col = nchunk * 128 + 4 * lane;
+  float s[4];
+  load4_half(svh + col, s);
+  for (int row = warp; row < w.rows; row += kFc2Threads / 32) {
+    const int route = static_cast<const int*>(a.slot_route)[w.start + row];
+    const float weight = static_cast<const float*>(a.topk_weights)[route];
+    float v[4];
+    const float4 o = *reinterpret_cast<const float4*>(s_o + row * kOStride + 4 * lane);
+    v[0] = o.x;
+    v[1] = o.y;
+    v[2] = o.z;
+    v[3] = o.w;
+    hadamard128(v, lane);
+    float4 y = make_float4(v[0] * s[0] * weight, v[1] * s[1] * weight, v[2] * s[2] * weight, v[3] * s[3] * weight);
+    *reinterpret_cast<float4*>(static_cast<float*>(a.route_out) + size_t(route) * a.hidden + col) = y;
+  }
+}
+
+template <int CB, int R, bool FAST>
+__global__ void __launch_bounds__(kFc2Threads, (R == 1 && FAST) ? 4 : 1) fc2_kernel(const TrellisMoeArgs a) {
+  extern __shared__ __align__(16) unsigned char gemm_smem[];
+  const int nchunks = a.hidden >> 7;
+  WorkTile w;
+  if (!load_work_tile(a, blockIdx.x / nchunks, w)) return;
+  const int nchunk = blockIdx.x % nchunks;
+  if (FAST) {
+    if (w.k == 3) fc2_body<CB, R, 3, FAST>(a, w, nchunk, gemm_smem);
+    else fc2_body<CB, R, 4, FAST>(a, w, nchunk, gemm_smem);
+    return;
+  }
+  switch (w.k) {
+    case 1: fc2_body<CB, R, 1, FAST>(a, w, nchunk, gemm_smem); break;
+    case 2: fc2_body<CB, R, 2, FAST>(a, w, nchunk, gemm_smem); break;
+    case 3: fc2_body<CB, R, 3, FAST>(a, w, nchunk, gemm_smem); break;
+    case 4: fc2_body<CB, R, 4, FAST>(a, w, nchunk, gemm_smem); break;
+    case 5: fc2_body<CB, R, 5, FAST>(a, w, nchunk, gemm_smem); break;
+    case 6: fc2_body<CB, R, 6, FAST>(a, w, nchunk, gemm_smem); break;
+    case 7: fc2_body<CB, R, 7, FAST>(a, w, nchunk, gemm_smem); break;
+    case 8: fc2_body<CB, R, 8, FAST>(a, w, nchunk, gemm_smem); break;
+    default: break;
+  }
+}
+
+__host__ __device__ constexpr int fc2_smem_bytes(int r, bool fast) {
+  return (kFc2Stages * (fc2_stage_weight_words(fast) * 4 + fc2_stage_a_halves(r) * 2) > r * 16 * kOStride * 4)
+             ? kFc2Stages * (fc2_stage_weight_words(fast) * 4 + fc2_stage_a_halves(r) * 2)
+             : r * 16 * kOStride * 4;
+}
+
+}  // namespace trellis

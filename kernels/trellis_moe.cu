@@ -1,0 +1,160 @@
+// Host entry of the fused mixed-K trellis MoE: argument checks and the launch sequence.
+//
+// One call = route pack -> FC1 (gate, up) -> activation -> FC2 (down, output rotation, router weight)
+// -> fixed-order top-k sum, all on the caller's stream with no host synchronisation, so a whole call can
+// be captured in a CUDA graph. Every tier's K and size are launch scalars: one compiled object serves any
+// partition of any layer.
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "abi.h"
+#include "activation.cuh"
+#include "expert_gemm.cuh"
+#include "route_pack.cuh"
+
+namespace {
+
+char g_error[512] = "";
+
+int fail(const char* message) {
+  snprintf(g_error, sizeof(g_error), "%s", message);
+  return -1;
+}
+
+bool is_pow2_multiple(int v, int m) { return v > 0 && v % m == 0; }
+
+int check_args(const TrellisMoeArgs& a) {
+  if (a.abi_version != TRELLIS_ABI_VERSION) return fail("abi_version mismatch between caller and library");
+  if (a.num_tiers < 1 || a.num_tiers > TRELLIS_MAX_TIERS) return fail("num_tiers must be 1..8");
+  if (!is_pow2_multiple(a.hidden, 128) || !is_pow2_multiple(a.intermediate, 128))
+    return fail("hidden and intermediate must be positive multiples of 128");
+  if (a.intermediate > 32 * 128) return fail("intermediate per rank must be <= 4096");
+  if (a.codebook < 0 || a.codebook > 2) return fail("codebook id must be 0 (3inst), 1 (mcg) or 2 (mul1)");
+  if (a.m_tile != 16 && a.m_tile != 128) return fail("m_tile must be 16 or 128");
+  if (a.k_split < 1 || (a.hidden / 128) % a.k_split != 0) return fail("k_split must divide hidden/128");
+  if (a.m < 0 || a.top_k < 1) return fail("m must be >= 0 and top_k >= 1");
+  if (a.num_combined < 1 || a.num_combined > TRELLIS_MAX_TIERS * 256) return fail("num_combined out of range");
+  if (a.x_dtype != TRELLIS_DT_FP16 && a.x_dtype != TRELLIS_DT_BF16) return fail("x must be fp16 or bf16");
+  if (a.out_dtype < TRELLIS_DT_FP32 || a.out_dtype > TRELLIS_DT_BF16) return fail("bad out dtype");
+  int total = 0;
+  for (int t = 0; t < a.num_tiers; ++t) {
+    if (a.tier_k[t] < 1 || a.tier_k[t] > 8) return fail("tier K must be 1..8");
+    if (a.tier_size[t] < 0 || a.tier_size[t] > 256) return fail("tier size must be 0..256");
+    if (a.tier_size[t] > 0 && a.tier_trellis[t] == nullptr) return fail("missing tier trellis pointer");
+    total += a.tier_size[t];
+  }
+  if (total != a.num_combined) return fail("tier sizes do not add up to num_combined");
+  const long long numel = 1LL * a.m * a.top_k;
+  if (numel > (1LL << 30)) return fail("m * top_k too large");
+  const long long min_slots = numel + 15LL * (numel < a.num_combined ? numel : a.num_combined);
+  if (a.slot_capacity < min_slots) return fail("slot_capacity below m*top_k + 15*min(m*top_k, E_c)");
+  const long long min_tiles = numel / a.m_tile + (numel < a.num_combined ? numel : a.num_combined);
+  if (a.tile_capacity < min_tiles) return fail("tile_capacity below m*top_k/m_tile + min(m*top_k, E_c)");
+  return 0;
+}
+
+template <typename Kernel>
+cudaError_t allow_smem(Kernel kernel, int bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
+// Programmatic dependent launch needs sm_90; older GPUs run the same kernels fully serialized.
+bool device_has_pdl() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
+  return major >= 9;
+}
+
+cudaError_t launch(void (*kernel)(TrellisMoeArgs), dim3 grid, dim3 block, int smem, cudaStream_t stream,
+                   const TrellisMoeArgs& a, bool pdl) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, a);
+}
+
+bool only_k3_k4(const TrellisMoeArgs& a) {
+  for (int t = 0; t < a.num_tiers; ++t)
+    if (a.tier_size[t] > 0 && a.tier_k[t] != 3 && a.tier_k[t] != 4) return false;
+  return true;
+}
+
+template <int CB, int R, bool FAST>
+cudaError_t launch_gemms(const TrellisMoeArgs& a, cudaStream_t stream, bool pdl) {
+  using namespace trellis;
+  cudaError_t err = cudaSuccess;
+  const int fc1_smem = fc1_smem_bytes(R, FAST), fc2_smem = fc2_smem_bytes(R, FAST);
+  if ((err = allow_smem(fc1_kernel<CB, R, FAST>, fc1_smem)) != cudaSuccess) return err;
+  if ((err = allow_smem(fc2_kernel<CB, R, FAST>, fc2_smem)) != cudaSuccess) return err;
+  const int tiles = a.tile_capacity;
+  if (!(a.debug_flags & TRELLIS_SKIP_ROTATE))
+    err = launch(rotate_input_kernel, dim3(tiles, a.hidden / 128), 256, 0, stream, a, pdl);
+  if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_FC1))
+    err = launch(fc1_kernel<CB, R, FAST>, dim3(tiles * (a.intermediate / 128), a.k_split), kFc1Threads, fc1_smem,
+                 stream, a, pdl);
+  if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_ACT))
+    err = launch(activation_kernel, dim3(tiles, R == 1 ? 16 : 32), (a.intermediate / 128) * 32, 0, stream, a, pdl);
+  if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_FC2))
+    err = launch(fc2_kernel<CB, R, FAST>, tiles * (a.hidden / 128), kFc2Threads, fc2_smem, stream, a, pdl);
+  return err;
+}
+
+template <int CB>
+cudaError_t launch_for_codebook(const TrellisMoeArgs& a, cudaStream_t stream, bool pdl) {
+  if (only_k3_k4(a))
+    return a.m_tile == 16 ? launch_gemms<CB, 1, true>(a, stream, pdl) : launch_gemms<CB, 8, true>(a, stream, pdl);
+  return a.m_tile == 16 ? launch_gemms<CB, 1, false>(a, stream, pdl) : launch_gemms<CB, 8, false>(a, stream, pdl);
+}
+
+}  // namespace
+
+extern "C" int trellis_abi_version(void) { return TRELLIS_ABI_VERSION; }
+
+extern "C" int trellis_args_size(void) { return static_cast<int>(sizeof(TrellisMoeArgs)); }
+
+extern "C" const char* trellis_last_error(void) { return g_error; }
+
+extern "C" int trellis_moe_forward(const TrellisMoeArgs* args, void* stream_handle) {
+  using namespace trellis;
+  if (args == nullptr) return fail("null args");
+  const TrellisMoeArgs a = *args;
+  if (int rc = check_args(a)) return rc;
+  if (a.m == 0) return 0;
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
+  cudaGetLastError();  // a stale error from unrelated work must not be blamed on this call
+  const bool pdl = device_has_pdl() && !(a.debug_flags & TRELLIS_NO_PDL);
+  const int pack_smem = 3 * a.num_combined * static_cast<int>(sizeof(int));
+  route_pack_kernel<<<1, kPackThreads, pack_smem, stream>>>(a);
+  cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) {
+#ifdef TRELLIS_ONLY_MCG  // experiments: one codebook compiles 3x faster
+    if (a.codebook != TRELLIS_CB_MCG) return fail("this build serves the mcg codebook only");
+    err = launch_for_codebook<1>(a, stream, pdl);
+#else
+    switch (a.codebook) {
+      case TRELLIS_CB_3INST: err = launch_for_codebook<0>(a, stream, pdl); break;
+      case TRELLIS_CB_MCG: err = launch_for_codebook<1>(a, stream, pdl); break;
+      default: err = launch_for_codebook<2>(a, stream, pdl); break;
+    }
+#endif
+  }
+  if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_SUM)) {
+    dim3 grid(a.m, (a.hidden + 4 * kSumThreads - 1) / (4 * kSumThreads));
+    err = launch(topk_sum_kernel, grid, kSumThreads, 0, stream, a, pdl);
+  }
+  if (err != cudaSuccess) {
+    snprintf(g_error, sizeof(g_error), "CUDA launch failed: %s", cudaGetErrorString(err));
+    return static_cast<int>(err);
+  }
+  return 0;
+}

@@ -1,0 +1,72 @@
+// Warp-level building blocks: tensor-core MMA, ldmatrix, and the 128-point Hadamard rotation.
+#pragma once
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace trellis {
+
+// D += A(16x16, row) * B(16x8, col), fp16 operands, fp32 accumulators.
+__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// A fragment of a 16x16 fp16 tile at `tile` (row-major, `stride` halves per row) in shared memory.
+__device__ __forceinline__ void load_a_fragment(uint32_t a[4], const __half* tile, int stride, int lane) {
+  const __half* row = tile + (lane & 15) * stride + (lane >> 4) * 8;
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(addr));
+}
+
+// 128-point Sylvester Hadamard / sqrt(128) across a warp: lane l holds elements 4l..4l+3.
+__device__ __forceinline__ void hadamard128(float v[4], int lane) {
+  const float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
+  v[0] = a0 + a2;
+  v[1] = a1 + a3;
+  v[2] = a0 - a2;
+  v[3] = a1 - a3;
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    const bool upper = (lane & m) != 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float o = __shfl_xor_sync(0xFFFFFFFFu, v[i], m);
+      v[i] = upper ? (o - v[i]) : (v[i] + o);
+    }
+  }
+  const float scale = 0.08838834764831845f;  // 1/sqrt(128)
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] *= scale;
+}
+
+// Programmatic dependent launch (sm_90): a kernel launched with the programmatic-serialization attribute
+// may start while its predecessor drains; it must wait before reading what the predecessor wrote, and it
+// lets its own dependents start only after that wait (so every earlier kernel of the call has finished).
+__device__ __forceinline__ void wait_for_predecessor() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" :::);
+#endif
+}
+__device__ __forceinline__ void after_predecessor() {
+  wait_for_predecessor();
+  allow_dependents();
+}
+
+__device__ __forceinline__ float to_float(__half h) { return __half2float(h); }
+
+// fp32 -> fp16 with saturation: an outlier must not become inf in an MMA operand.
+__device__ __forceinline__ __half to_half_sat(float f) {
+  return __float2half_rn(fminf(fmaxf(f, -65504.0f), 65504.0f));
+}
+
+}  // namespace trellis

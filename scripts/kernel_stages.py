@@ -1,0 +1,89 @@
+"""Stage-by-stage check of the fused kernel on a small layer: route pack, FC1, activation, FC2, output.
+
+A debugging aid for the GPU machine: each stage's workspace is compared with the same stage computed in
+float64 from trellis_cli.codec, so a wrong result points at the stage that broke. Prints one line per
+stage and codebook/K; exit 1 when any stage is off.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from trellis_cli.bench.synthetic import Preset, random_activations, random_routes, synthetic_pack
+from trellis_cli.codec import decode, hadamard128
+from trellis_cli.kernel.launch import FusedMoe
+from trellis_cli.reference import layer_pack_forward, pack_expert
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / max(float(b.double().norm()), 1e-30))
+
+
+def expected_stages(pack, x, route_expert, route_token):
+    """Per route: FC1 gate/up sums (before the output rotation), activated input of FC2, FC2 output."""
+    fc1, act, fc2 = [], [], []
+    for combined, token in zip(route_expert, route_token):
+        (tg, sg, vg), (tu, su, vu), (td, sd, vd) = pack_expert(pack, combined)
+        xt = x[token].double()
+        g = hadamard128((xt * sg.double())[None])[0] @ decode(tg, pack.codebook).double()
+        u = hadamard128((xt * su.double())[None])[0] @ decode(tu, pack.codebook).double()
+        fc1.append(torch.cat([g, u]))
+        gate = hadamard128(g[None])[0] * vg.double()
+        up = hadamard128(u[None])[0] * vu.double()
+        a = hadamard128((torch.nn.functional.silu(gate) * up * sd.double())[None])[0]
+        act.append(a)
+        y = a.half().double() @ decode(td, pack.codebook).double()
+        fc2.append(hadamard128(y[None])[0] * vd.double())
+    return torch.stack(fc1), torch.stack(act), torch.stack(fc2)
+
+
+def check(codebook: str, tier_k: tuple[int, int], m: int, m_tile: int | None = None) -> bool:
+    preset = Preset("small", 512, 256, 16, 4, codebook, (12, 4), tier_k, 1)
+    pack = synthetic_pack(preset, device="cuda", seed=3)
+    moe = FusedMoe(pack)
+    x = random_activations(m, pack.hidden, device="cuda", seed=5)
+    ids, w = random_routes(m, 16, 4, device="cuda", seed=6)
+    plan = moe.plan(m, 4)
+    if m_tile:
+        from trellis_cli.kernel.plan import make_plan
+
+        plan = make_plan(m, 4, pack.hidden, pack.intermediate, pack.num_combined, m_tile=m_tile)
+    out = moe.forward(x, ids, w, plan=plan)
+    torch.cuda.synchronize()
+    ws = moe._workspace(plan)
+    ref = layer_pack_forward(moe.pack, x, ids, w)
+    tiles = int(ws["tile_count"][0])
+    slots, experts = [], []
+    for t in range(tiles):
+        e, s, r = int(ws["tile_expert"][t]), int(ws["tile_start"][t]), int(ws["tile_rows"][t])
+        slots += list(range(s, s + r))
+        experts += [e] * r
+    routes = ws["slot_route"][slots].long().tolist()
+    tokens = [r // 4 for r in routes]
+    fc1, act, fc2 = expected_stages(moe.pack, x, experts, tokens)
+    got_fc1 = ws["partial"].sum(0)[slots]
+    got_act = ws["act"][slots]
+    got_fc2 = ws["route_out"][routes] / w.reshape(-1)[routes][:, None]
+    line = (f"{codebook:5s} K{tier_k} M={m:4d} plan=({plan.m_tile},{plan.k_split}) tiles={tiles:3d} routes={len(routes):4d}/"
+            f"{m * 4}  fc1 {rel(got_fc1, fc1):.2e}  act {rel(got_act, act):.2e}  fc2 {rel(got_fc2, fc2):.2e}  "
+            f"out {rel(out, ref):.2e}")
+    ok = len(routes) == m * 4 and rel(out, ref) < 1e-3
+    print(("ok   " if ok else "FAIL ") + line, flush=True)
+    return ok
+
+
+def main() -> int:
+    results = []
+    for codebook in ("mcg", "3inst", "mul1"):
+        results.append(check(codebook, (3, 4), 5))
+    for k in ((1, 2), (5, 6), (7, 8)):
+        results.append(check("mcg", k, 7))
+    results.append(check("mcg", (3, 4), 300))
+    results.append(check("mcg", (3, 4), 300, m_tile=128))
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Time kernel library variants and their phases on the production shape (glm52-tp4 192/64, cold L2).
+
+    python3 scripts/perf_variants.py LIB.so [LIB.so ...] [--m 1,8,64,512,3072] [--phases]
+
+Each library is loaded with its own handle; the same weight copies serve every variant. With --phases,
+each M is also timed with one phase skipped (results meaningless, time is what counts): the difference
+to the full call is that phase's cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from trellis_cli.bench.synthetic import PRESETS, clone_weights, random_activations, random_routes, synthetic_pack
+from trellis_cli.bench.throughput import _capture, copies_needed, time_graphs, touched
+from trellis_cli.kernel import abi
+from trellis_cli.kernel.launch import FusedMoe
+from trellis_cli.kernel.plan import make_plan
+
+PHASES = {"full": 0, "-rot": abi.SKIP_ROTATE, "-fc1": abi.SKIP_FC1, "-act": abi.SKIP_ACT, "-fc2": abi.SKIP_FC2, "-sum": abi.SKIP_SUM, "no-pdl": abi.NO_PDL}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("libs", nargs="+")
+    parser.add_argument("--m", default="1,8,64,512,3072")
+    parser.add_argument("--phases", action="store_true")
+    parser.add_argument("--replays", type=int, default=100)
+    parser.add_argument("--split", default="", help="k_split values to sweep (full call only)")
+    parser.add_argument("--mtile", default="", help="m_tile values to sweep (full call only)")
+    args = parser.parse_args()
+    ms = [int(v) for v in args.m.split(",")]
+    base = synthetic_pack(PRESETS["glm52-tp4"], device="cuda", seed=0)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    copies = [base]
+    phases = PHASES if args.phases else {"full": 0}
+    print(f"{'variant':>10} {'M':>5} " + " ".join(f"{p:>9}" for p in phases) + "  two-pass   Gw/ms", flush=True)
+    for lib_path in args.libs:
+        lib = abi.load_library(Path(lib_path), Path(lib_path).stem)
+        for m in ms:
+            x = random_activations(m, base.hidden, device="cuda", seed=m)
+            ids, w = random_routes(m, 256, 8, device="cuda", seed=m + 1)
+            work = touched(base, ids)
+            need = copies_needed(work["bytes"], l2, True)
+            while len(copies) < need:
+                copies.append(clone_weights(base))
+            runners = [FusedMoe(p, lib) for p in copies[:need]]
+            outs = [torch.empty((m, base.hidden), device="cuda") for _ in runners]
+            row = []
+            for flags in phases.values():
+                graphs = [_capture(lambda r=r, o=o, f=flags: r.forward(x, ids, w, out=o, debug_flags=f), r.device)
+                          for r, o in zip(runners, outs)]
+                row.append(time_graphs(graphs, args.replays, runners[0].device).median_us)
+            sweeps = [("k_split", int(v)) for v in args.split.split(",") if v]
+            sweeps += [("m_tile", int(v)) for v in args.mtile.split(",") if v]
+            for key, value in sweeps:
+                plan = runners[0].plan(m, 8)
+                if key == "m_tile":
+                    plan = make_plan(m, 8, base.hidden, base.intermediate, base.num_combined, m_tile=value)
+                else:
+                    plan = dataclasses.replace(plan, k_split=value)
+                graphs = [_capture(lambda r=r, o=o: r.forward(x, ids, w, out=o, plan=plan), r.device)
+                          for r, o in zip(runners, outs)]
+                print(f"    {key}={value} (plan {plan.m_tile},{plan.k_split}): "
+                      f"{time_graphs(graphs, args.replays, runners[0].device).median_us:.1f} us")
+            graphs = [_capture(lambda r=r, o=o: r.two_pass(x, ids, w, out=o), r.device) for r, o in zip(runners, outs)]
+            two = time_graphs(graphs, args.replays, runners[0].device).median_us
+            rate = work["weights"] / row[0] / 1e6
+            print(f"{Path(lib_path).stem:>10} {m:>5} " + " ".join(f"{t:>9.1f}" for t in row)
+                  + f" {two:>9.1f} {rate:>7.2f}", flush=True)
+            del runners, outs, graphs
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

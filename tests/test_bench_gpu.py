@@ -1,0 +1,43 @@
+"""`trellis bench` end to end on a GPU: throughput JSON and the smoke table (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import requires_gpu
+from trellis_cli.bench.synthetic import Preset, synthetic_pack
+from trellis_cli.cli.app import main
+
+pytestmark = [requires_gpu, pytest.mark.gpu]
+
+
+def run(argv, capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    captured = capsys.readouterr()
+    return int(info.value.code or 0), captured.out, captured.err
+
+
+def test_throughput_report_fields_on_small_layer():
+    from trellis_cli.bench.throughput import run_throughput
+    from trellis_cli.kernel.abi import default_library
+
+    pack = synthetic_pack(Preset("small", 512, 256, 16, 4, "mcg", (12, 4), (3, 4), 1), device="cuda", seed=1)
+    result = run_throughput(pack, default_library(), [1, 64], cold=True, replays=100)
+    assert result["copy_gbps"] > 0
+    for row in result["rows"]:
+        assert row["fused"]["replays"] == 100 and row["copies"] >= 2
+        assert 0 < row["fused"]["min_us"] <= row["fused"]["median_us"] <= row["fused"]["max_us"]
+        assert row["bytes"] > 0 and row["tflops"] > 0 and row["g_weights_per_ms"] > 0
+
+
+@pytest.mark.slow
+def test_cli_json_production_shape(capsys):
+    code, out, _ = run(["bench", "--synthetic", "glm52-tp4", "--m", "1,64", "--json", "--warm"], capsys)
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["environment"]["kernel"]["build_hash"] and doc["cold"] is False
+    assert [r["m"] for r in doc["rows"]] == [1, 64]
+    assert doc["rows"][0]["experts"] == 8

@@ -1,0 +1,53 @@
+"""The nvcc build: the bundled sources compile for sm_90 (one cached build), failures are exit-4 errors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import requires_nvcc
+from trellis_cli.errors import GpuUnavailable
+from trellis_cli.kernel import build
+
+
+@requires_nvcc
+@pytest.mark.slow
+def test_kernel_sources_compile_for_sm90_and_are_cached():
+    first = build.build_library("sm_90")
+    assert first.path.is_file() and first.arch == "sm_90"
+    assert first.path.parent == build.cache_dir()
+    again = build.build_library("sm_90")
+    assert again.cached and again.path == first.path and again.build_hash == first.build_hash
+
+
+@requires_nvcc
+def test_compile_error_carries_the_compiler_message(tmp_path: Path):
+    broken = tmp_path / "broken.cu"
+    broken.write_text("__global__ void k() { this_is_not_cuda; }\n")
+    target = tmp_path / "out.so"
+    with pytest.raises(GpuUnavailable) as info:
+        build._compile(build.find_nvcc(), "sm_90", broken, target)
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("kernel build failed for sm_90")
+    assert any("this_is_not_cuda" in line for line in lines[1:])
+    assert not target.exists() and not list(tmp_path.glob("*.tmp"))
+
+
+def test_missing_nvcc_is_a_gpu_error(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("TRELLIS_NVCC", raising=False)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
+    monkeypatch.setenv("CUDA_PATH", str(tmp_path / "no-cuda"))
+    if Path("/usr/local/cuda/bin/nvcc").exists():
+        pytest.skip("a system CUDA toolkit at the default location is always found")
+    with pytest.raises(GpuUnavailable, match="nvcc not found"):
+        build.find_nvcc()
+
+
+def test_cache_dir_follows_xdg(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert build.cache_dir() == tmp_path / "trellis" / "kernels"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert build.cache_dir() == Path(os.path.expanduser("~")) / ".cache" / "trellis" / "kernels"

@@ -1,0 +1,145 @@
+"""The fused kernel on a GPU: everything `trellis bench --smoke` checks, on small and production layers.
+
+Skipped cleanly without a CUDA device. Small layers (H=512, I=256, 16 experts) cover every codebook,
+every K pair and the input/output dtypes quickly; the production shape (glm52-tp4) covers M=3072, where
+a numerically unsafe tile would show up as fused vs two-pass > 1e-4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import requires_gpu
+from trellis_cli.bench.smoke import (
+    REFERENCE_LIMIT, TWO_PASS_LIMIT, accuracy_checks, determinism_checks, partition_reuse_checks, rel_l2,
+    unmapped_check,
+)
+from trellis_cli.bench.synthetic import PRESETS, Preset, random_activations, random_routes, synthetic_pack
+from trellis_cli.errors import CheckFailed
+from trellis_cli.reference import layer_pack_forward
+
+pytestmark = [requires_gpu, pytest.mark.gpu]
+
+
+def small(codebook="mcg", tier_k=(3, 4), partition=(12, 4)) -> Preset:
+    return Preset("small", 512, 256, 16, 4, codebook, partition, tier_k, 1)
+
+
+@pytest.fixture(scope="module")
+def library():
+    from trellis_cli.kernel.abi import default_library
+
+    return default_library()
+
+
+def moe_for(preset: Preset, library, seed=1, **kw):
+    from trellis_cli.kernel.launch import FusedMoe
+
+    return FusedMoe(synthetic_pack(preset, device="cuda", seed=seed, **kw), library)
+
+
+def assert_checks(checks):
+    failed = [c for c in checks if not c.passed]
+    assert not failed, failed
+
+
+@pytest.mark.parametrize("codebook", ["mcg", "mul1", "3inst"])
+@pytest.mark.parametrize("m", [1, 3, 64])
+def test_every_codebook_matches_reference(library, codebook, m):
+    moe = moe_for(small(codebook), library)
+    assert_checks(accuracy_checks(moe, codebook, m, seed=m))
+
+
+@pytest.mark.parametrize("tier_k", [(1, 2), (3, 4), (5, 6), (7, 8), (2, 8)])
+def test_every_k_matches_reference(library, tier_k):
+    moe = moe_for(small(tier_k=tier_k), library)
+    assert_checks(accuracy_checks(moe, f"K{tier_k}", 7, seed=3))
+
+
+@pytest.mark.parametrize("partition", [(16, 0), (0, 16), (15, 1), (1, 15)])
+def test_single_tier_and_lopsided_partitions(library, partition):
+    moe = moe_for(small(partition=partition), library)
+    assert_checks(accuracy_checks(moe, str(partition), 64, seed=4))
+
+
+def test_large_tile_path_on_small_layer(library):
+    moe = moe_for(small(), library)
+    assert moe.plan(700, 4).m_tile == 128
+    assert_checks(accuracy_checks(moe, "small", 700, seed=5))
+
+
+def test_dtypes_int64_ids_and_outputs(library):
+    moe = moe_for(small(), library)
+    x = random_activations(9, 512, device="cuda", seed=6, dtype=torch.float16)
+    ids, w = random_routes(9, 16, 4, device="cuda", seed=7)
+    ref = layer_pack_forward(moe.pack, x, ids, w)
+    for out_dtype in (torch.float32, torch.float16, torch.bfloat16):
+        out = moe.forward(x, ids.long(), w, out_dtype=out_dtype)
+        assert out.dtype == out_dtype
+        assert rel_l2(out, ref) <= (REFERENCE_LIMIT if out_dtype == torch.float32 else 1e-2)
+
+
+def test_bad_inputs_are_named_errors(library):
+    moe = moe_for(small(), library)
+    x = random_activations(2, 512, device="cuda", seed=6)
+    ids, w = random_routes(2, 16, 4, device="cuda", seed=7)
+    with pytest.raises(CheckFailed, match="x:"):
+        moe.forward(x.float(), ids, w)
+    with pytest.raises(CheckFailed, match="topk_weights"):
+        moe.forward(x, ids, w.half())
+    with pytest.raises(CheckFailed, match="x:"):
+        moe.forward(x.cpu(), ids, w)
+
+
+def test_out_of_range_and_negative_ids_contribute_zero(library):
+    moe = moe_for(small(), library)
+    x = random_activations(4, 512, device="cuda", seed=8)
+    ids, w = random_routes(4, 16, 4, device="cuda", seed=9)
+    bad = ids.clone()
+    bad[:, 0] = torch.tensor([-1, 16, 1000, -5], dtype=torch.int32)
+    zeroed = w.clone()
+    zeroed[:, 0] = 0
+    assert torch.equal(moe.forward(x, bad, w), moe.forward(x, ids, zeroed))
+
+
+def test_determinism_graph_and_unmapped_on_small_layer(library):
+    moe = moe_for(small(), library)
+    for m in (1, 64, 700):
+        assert_checks(determinism_checks(moe, "small", m, seed=m))
+    assert unmapped_check(moe, "small", 64, seed=10).passed
+
+
+def test_two_partitions_one_compiled_object(library):
+    a = synthetic_pack(small(partition=(12, 4)), device="cuda", seed=11)
+    b = synthetic_pack(small(partition=(5, 11)), device="cuda", seed=12)
+    assert_checks(partition_reuse_checks([("12/4", a), ("5/11", b)], library, 32, seed=13))
+
+
+def test_m_zero_and_m_8192(library):
+    moe = moe_for(small(), library)
+    x = random_activations(8192, 512, device="cuda", seed=14)
+    ids, w = random_routes(8192, 16, 4, device="cuda", seed=15)
+    out = moe.forward(x, ids, w)
+    assert torch.isfinite(out).all()
+    assert rel_l2(out, moe.two_pass(x, ids, w)) <= TWO_PASS_LIMIT
+    empty = moe.forward(x[:0], ids[:0], w[:0])
+    assert empty.shape == (0, 512)
+
+
+@pytest.mark.slow
+def test_production_shape_large_m_is_numerically_safe(library):
+    """glm52-tp4 192/64 at M=3072: fused vs two-pass <= 1e-4 and vs float64 <= 1e-3."""
+    from trellis_cli.kernel.launch import FusedMoe
+
+    moe = FusedMoe(synthetic_pack(PRESETS["glm52-tp4"], device="cuda", seed=21), library)
+    assert_checks(accuracy_checks(moe, "glm52-tp4 192/64", 3072, seed=22))
+    assert_checks(accuracy_checks(moe, "glm52-tp4 192/64", 1, seed=23))
+    assert_checks(determinism_checks(moe, "glm52-tp4 192/64", 3072, seed=24))
+    del moe
+    shared = synthetic_pack(PRESETS["glm52-tp4"], device="cuda", seed=25)
+    shared = dataclasses.replace(shared, gate_suh=shared.gate_suh[:1].clone(), up_suh=shared.up_suh[:1].clone(),
+                                 down_svh=shared.down_svh[:1].clone())
+    assert_checks(accuracy_checks(FusedMoe(shared, library), "glm52-tp4 shared-H", 64, seed=26))

@@ -1,0 +1,1 @@
+"""Smoke oracle and throughput harness behind `trellis bench`."""

@@ -1,0 +1,84 @@
+"""What `trellis bench` runs on: a synthetic preset, a repacked directory, or a TR3 checkpoint.
+
+A repacked directory (a route-pack manifest) is read layer file by layer file; a TR3 checkpoint is
+repacked in memory for the one (layer, rank) asked for. Without --layer the first MoE layer is used.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from trellis_cli.bench.synthetic import get_preset, parse_partition, synthetic_pack
+from trellis_cli.errors import SourceUnavailable, UsageError
+from trellis_cli.repack.format import LayerPack
+
+
+@dataclass
+class BenchSource:
+    description: str
+    pack: LayerPack
+    kind: str  # "synthetic" | "repacked" | "checkpoint"
+
+
+def load_bench_source(source: str | None, *, synthetic: str | None, partition: str | None, layer: int | None,
+                      rank: int, device: str, seed: int = 0) -> BenchSource:
+    if synthetic and source:
+        raise UsageError("give either SOURCE or --synthetic, not both")
+    if synthetic:
+        preset = get_preset(synthetic)
+        parts = parse_partition(partition, len(preset.tier_k)) if partition else preset.partition
+        pack = synthetic_pack(preset, parts, device=device, seed=seed)
+        label = "/".join(str(p) for p in parts)
+        return BenchSource(f"synthetic {preset.name} partition {label}", pack, "synthetic")
+    if not source:
+        raise UsageError("nothing to benchmark: give SOURCE (repacked dir or TR3 checkpoint) or --synthetic NAME")
+    if partition:
+        raise UsageError("--partition applies to --synthetic only (a checkpoint declares its own)")
+    path = Path(source)
+    if path.is_dir() and _is_route_pack(path):
+        return _repacked(path, layer, rank, device)
+    return _checkpoint(source, layer, rank, device)
+
+
+def _is_route_pack(path: Path) -> bool:
+    from trellis_cli.repack.manifest import is_route_pack
+
+    return is_route_pack(path)
+
+
+def _repacked(path: Path, layer: int | None, rank: int, device: str) -> BenchSource:
+    from trellis_cli.repack.layer_file import read_layer_pack
+
+    if layer is None:
+        layer = _first_repacked_layer(path)
+    pack = read_layer_pack(path, layer, rank, device=device)
+    return BenchSource(f"repacked {path} layer {layer} rank {rank}", pack, "repacked")
+
+
+def _first_repacked_layer(path: Path) -> int:
+    try:
+        doc = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+        layers = sorted(int(k) for k in doc.get("layers", {}))
+    except (OSError, ValueError, TypeError) as err:
+        raise SourceUnavailable(f"{path}/manifest.json: cannot read its layer list ({err})") from None
+    if not layers:
+        raise SourceUnavailable(f"{path}: the route pack lists no layers")
+    return layers[0]
+
+
+def _checkpoint(source: str, layer: int | None, rank: int, device: str) -> BenchSource:
+    from trellis_cli.checkpoint import open_checkpoint
+    from trellis_cli.repack.pack import pack_layer
+    from trellis_cli.sources import open_source
+
+    checkpoint = open_checkpoint(open_source(source))
+    if not checkpoint.layers:
+        raise SourceUnavailable(f"{source}: no MoE layers with trellis experts found")
+    chosen = min(checkpoint.layers) if layer is None else layer
+    if chosen not in checkpoint.layers:
+        raise UsageError(f"--layer {chosen}: not a MoE layer of {source} (has {min(checkpoint.layers)}.."
+                         f"{max(checkpoint.layers)})")
+    pack = pack_layer(checkpoint, chosen, rank, device=device)
+    return BenchSource(f"checkpoint {source} layer {chosen} rank {rank} (repacked in memory)", pack, "checkpoint")

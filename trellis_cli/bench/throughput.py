@@ -1,0 +1,171 @@
+"""Throughput: CUDA-graph replay timings of the fused kernel and the two-pass baseline, per M.
+
+Each M gets fresh random inputs and routes. One graph per weight copy is captured for the fused call
+and for the two-pass call; replays cycle through the copies so that, with `cold`, enough other weight
+bytes stream between two replays of the same copy that nothing is served from L2. Per M the report has
+median/min/max µs over the replays, the compressed bytes of the experts actually touched, GB/s and the
+share of the device-to-device copy bandwidth measured in the same run, TFLOP/s, and the effective decode
+rate (weights of the touched experts per ms).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from trellis_cli.bench.synthetic import clone_weights, random_activations, random_routes
+from trellis_cli.kernel.abi import KernelLibrary
+from trellis_cli.kernel.launch import FusedMoe
+from trellis_cli.repack.format import LayerPack
+
+WARMUP_REPLAYS = 10
+TOP_K = 8
+MAX_COPIES = 16
+L2_PASSES = 3  # bytes streamed between two replays of one copy, in L2 sizes
+
+
+@dataclass
+class Timing:
+    median_us: float
+    min_us: float
+    max_us: float
+    replays: int
+
+    def as_dict(self) -> dict:
+        return {"median_us": self.median_us, "min_us": self.min_us, "max_us": self.max_us, "replays": self.replays}
+
+
+def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy rate, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize(device)
+    seconds = start.elapsed_time(end) / 1000 / reps
+    del src, dst
+    return 2 * nbytes / seconds / 1e9
+
+
+def touched(pack: LayerPack, topk_ids: torch.Tensor) -> dict:
+    """Experts served for these routes: their count, compressed bytes, weights and route FLOPs."""
+    g2c = pack.global_to_combined.to(topk_ids.device)
+    ids = topk_ids.long().reshape(-1)
+    valid = (ids >= 0) & (ids < g2c.numel())
+    combined = torch.where(valid, g2c[ids.clamp(0, g2c.numel() - 1)], -1)
+    routes = int((combined >= 0).sum())
+    experts = torch.unique(combined[combined >= 0]).tolist()
+    desc = pack.descriptors.tolist()
+    hidden, inter = pack.hidden, pack.intermediate
+    tiles = (hidden // 16) * (inter // 16)
+    per_expert_vectors = 3 * inter * 2 + sum(2 * hidden for t in (pack.gate_suh, pack.up_suh, pack.down_svh)
+                                             if t.shape[0] != 1)
+    code_bytes = sum(3 * tiles * 32 * pack.tier_k[desc[c] >> 8] for c in experts)
+    return {
+        "experts": len(experts),
+        "routes": routes,
+        "bytes": code_bytes + len(experts) * per_expert_vectors,
+        "weights": len(experts) * 3 * hidden * inter,
+        "flops": routes * 6 * hidden * inter,
+    }
+
+
+def copies_needed(touched_bytes: int, l2_bytes: int, cold: bool) -> int:
+    if not cold:
+        return 1
+    return max(2, min(MAX_COPIES, math.ceil(L2_PASSES * l2_bytes / max(1, touched_bytes)) + 1))
+
+
+def _capture(fn: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()  # eager warm-up: allocates the workspace outside the capture
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return graph
+
+
+def time_graphs(graphs: list[torch.cuda.CUDAGraph], replays: int, device: torch.device) -> Timing:
+    for i in range(WARMUP_REPLAYS):
+        graphs[i % len(graphs)].replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for i, (start, end) in enumerate(events):
+        start.record()
+        graphs[i % len(graphs)].replay()
+        end.record()
+    torch.cuda.synchronize(device)
+    times = [start.elapsed_time(end) * 1000 for start, end in events]
+    return Timing(statistics.median(times), min(times), max(times), replays)
+
+
+class WeightPool:
+    """The layer plus as many fresh copies of it as the coldest M needs, each bound for launching."""
+
+    def __init__(self, pack: LayerPack, library: KernelLibrary) -> None:
+        self.library = library
+        self.runners = [FusedMoe(pack, library)]
+
+    def take(self, count: int) -> list[FusedMoe]:
+        while len(self.runners) < count:
+            self.runners.append(FusedMoe(clone_weights(self.runners[0].pack), self.library))
+        return self.runners[:count]
+
+
+def bench_m(pool: WeightPool, m: int, *, cold: bool, replays: int, seed: int, l2_bytes: int,
+            copy_gbps: float) -> dict:
+    base = pool.runners[0]
+    pack, device = base.pack, base.device
+    x = random_activations(m, pack.hidden, device=device, seed=seed)
+    experts = int(pack.global_to_combined.shape[0])
+    ids, weights = random_routes(m, experts, min(TOP_K, experts), device=device, seed=seed + 1)
+    work = touched(pack, ids)
+    runners = pool.take(copies_needed(work["bytes"], l2_bytes, cold))
+    outs = [torch.empty((m, pack.hidden), dtype=torch.float32, device=device) for _ in runners]
+    fused = [_capture(lambda r=r, o=o: r.forward(x, ids, weights, out=o), device) for r, o in zip(runners, outs)]
+    two = [_capture(lambda r=r, o=o: r.two_pass(x, ids, weights, out=o), device) for r, o in zip(runners, outs)]
+    fused_t = time_graphs(fused, replays, device)
+    two_t = time_graphs(two, replays, device)
+    plan = base.plan(m, int(ids.shape[1]))
+    seconds = fused_t.median_us / 1e6
+    gbps = work["bytes"] / seconds / 1e9
+    return {
+        "m": m,
+        "copies": len(runners),
+        "plan": {"m_tile": plan.m_tile, "k_split": plan.k_split},
+        **work,
+        "fused": fused_t.as_dict(),
+        "two_pass": two_t.as_dict(),
+        "fused_over_two_pass": fused_t.median_us / two_t.median_us,
+        "gbps": gbps,
+        "pct_copy_bw": 100.0 * gbps / copy_gbps,
+        "tflops": work["flops"] / seconds / 1e12,
+        "g_weights_per_ms": work["weights"] / (seconds * 1e3) / 1e9,
+    }
+
+
+def run_throughput(pack: LayerPack, library: KernelLibrary, ms: list[int], *, cold: bool = True,
+                   replays: int = 100, seed: int = 1234, log: Callable[[str], None] = lambda s: None) -> dict:
+    pool = WeightPool(pack, library)
+    device = pool.runners[0].device
+    props = torch.cuda.get_device_properties(device)
+    l2_bytes = int(getattr(props, "L2_cache_size", 50 << 20))
+    copy_gbps = copy_bandwidth_gbps(device)
+    log(f"copy bandwidth {copy_gbps:.0f} GB/s (read + write), L2 {l2_bytes >> 20} MiB")
+    rows = []
+    for m in ms:
+        log(f"throughput: M={m} ({'cold' if cold else 'warm'})")
+        rows.append(bench_m(pool, m, cold=cold, replays=replays, seed=seed + m, l2_bytes=l2_bytes,
+                            copy_gbps=copy_gbps))
+        torch.cuda.empty_cache()
+    return {"cold": cold, "copy_gbps": copy_gbps, "l2_bytes": l2_bytes, "rows": rows}

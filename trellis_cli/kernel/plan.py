@@ -1,0 +1,171 @@
+"""Host-side launch plan, workspace sizes, the route-pack algorithm mirrored in Python, layout checks.
+
+A plan depends only on (M, top_k, pack geometry), never on the routes, so one plan serves every call of
+a given M and a captured CUDA graph stays valid for any routes. `route_pack_reference` is the Python
+twin of kernels/route_pack.cuh, used by the CPU tests to check the algorithm's invariants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trellis_cli.errors import CheckFailed
+from trellis_cli.repack.format import MAX_TIER_EXPERTS, LayerPack
+
+BLOCK_ROWS = 16  # each expert's slot segment is padded to one MMA m16 block
+SMALL_TILE, LARGE_TILE = 16, 128
+HADAMARD = 128
+MAX_TIERS = 8
+TARGET_FC1_CTAS = 1024  # enough FC1 work items to keep every SM of a large GPU busy at small M
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    m: int
+    top_k: int
+    m_tile: int
+    k_split: int
+    slot_capacity: int
+    tile_capacity: int
+
+
+def slot_capacity(numel: int, num_combined: int) -> int:
+    """Padded slots in the worst case: every non-empty expert pads its segment by up to 15 rows."""
+    return numel + (BLOCK_ROWS - 1) * min(numel, num_combined)
+
+
+def tile_capacity(numel: int, m_tile: int, num_combined: int) -> int:
+    return numel // m_tile + min(numel, num_combined)
+
+
+def choose_m_tile(numel: int, num_combined: int) -> int:
+    # Large tiles reuse each decoded weight over up to 8 m16 blocks; worth it once experts average
+    # 32 or more routes.
+    return LARGE_TILE if numel >= 32 * num_combined else SMALL_TILE
+
+
+def choose_k_split(m_tile: int, tiles: int, hidden: int, intermediate: int) -> int:
+    chunks = hidden // HADAMARD
+    wanted = max(1, TARGET_FC1_CTAS // max(1, tiles * (intermediate // HADAMARD)))
+    wanted = min(wanted, chunks)
+    while chunks % wanted:
+        wanted -= 1
+    return wanted
+
+
+def make_plan(m: int, top_k: int, hidden: int, intermediate: int, num_combined: int,
+              m_tile: int | None = None, k_split: int | None = None) -> LaunchPlan:
+    numel = m * top_k
+    tile = m_tile or choose_m_tile(numel, num_combined)
+    tiles = tile_capacity(numel, tile, num_combined)
+    # Expected busy tiles: distinct experts touched, plus one extra tile per m_tile routes.
+    expected = min(numel, num_combined) + numel // tile
+    split = k_split or choose_k_split(tile, expected, hidden, intermediate)
+    if (hidden // HADAMARD) % split:
+        raise CheckFailed(f"k_split {split} must divide hidden/128 = {hidden // HADAMARD}")
+    return LaunchPlan(m, top_k, tile, split, slot_capacity(numel, num_combined), tiles)
+
+
+def workspace_shapes(plan: LaunchPlan, hidden: int, intermediate: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    slots = max(1, plan.slot_capacity)
+    tiles = max(1, plan.tile_capacity)
+    return {
+        "tile_count": ((1,), torch.int32),
+        "tile_expert": ((tiles,), torch.int32),
+        "tile_start": ((tiles,), torch.int32),
+        "tile_rows": ((tiles,), torch.int32),
+        "slot_route": ((slots,), torch.int32),
+        "partial": ((plan.k_split, slots, 2 * intermediate), torch.float32),
+        "xrot": ((slots, 2, hidden), torch.float16),
+        "act": ((slots, intermediate), torch.float16),
+        "route_out": ((max(1, plan.m * plan.top_k), hidden), torch.float32),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# The route pack, as the device computes it
+
+
+@dataclass
+class RoutePack:
+    counts: list[int]  # routes per combined expert
+    slot_base: list[int]  # first slot of each expert's segment
+    tiles: list[tuple[int, int, int]]  # (combined expert, first slot, rows)
+    slot_route: dict[int, int]  # slot -> route id (padding slots absent)
+
+
+def route_combined(expert: int, global_to_combined: list[int], descriptors: list[int], tier_size: list[int]) -> int:
+    if not 0 <= expert < len(global_to_combined):
+        return -1
+    combined = global_to_combined[expert]
+    if not 0 <= combined < len(descriptors) or descriptors[combined] < 0:
+        return -1
+    tier, local = descriptors[combined] >> 8, descriptors[combined] & 0xFF
+    if tier >= len(tier_size) or local >= tier_size[tier]:
+        return -1
+    return combined
+
+
+def route_pack_reference(topk_ids: torch.Tensor, pack: LayerPack, m_tile: int) -> RoutePack:
+    """Count, padded prefix, tile list and scatter, in the device's order (scatter in route order)."""
+    g2c = [int(v) for v in pack.global_to_combined.tolist()]
+    desc = [int(v) for v in pack.descriptors.tolist()]
+    sizes = pack.tier_size
+    routes = [route_combined(int(e), g2c, desc, sizes) for e in topk_ids.reshape(-1).tolist()]
+    counts = [0] * len(desc)
+    for combined in routes:
+        if combined >= 0:
+            counts[combined] += 1
+    slot_base, tiles, run = [], [], 0
+    for combined, count in enumerate(counts):
+        slot_base.append(run)
+        tiles += [(combined, run + j, min(m_tile, count - j)) for j in range(0, count, m_tile)]
+        run += -(-count // BLOCK_ROWS) * BLOCK_ROWS
+    cursor, slot_route = list(slot_base), {}
+    for route, combined in enumerate(routes):
+        if combined >= 0:
+            slot_route[cursor[combined]] = route
+            cursor[combined] += 1
+    return RoutePack(counts, slot_base, tiles, slot_route)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the kernel assumes about a LayerPack
+
+
+def check_pack_layout(pack: LayerPack) -> None:
+    """Raise CheckFailed when the pack's tensors differ from what the kernel reads (format.py)."""
+    hidden, inter = pack.hidden, pack.intermediate
+    if hidden % HADAMARD or inter % HADAMARD or hidden <= 0 or inter <= 0:
+        raise CheckFailed(f"layer pack: hidden {hidden} and intermediate {inter} must be multiples of 128")
+    if inter > 32 * HADAMARD:
+        raise CheckFailed(f"layer pack: intermediate per rank {inter} exceeds the kernel's 4096")
+    if not 1 <= len(pack.tier_trellis) <= MAX_TIERS or len(pack.tier_k) != len(pack.tier_trellis):
+        raise CheckFailed(f"layer pack: expected 1..{MAX_TIERS} tiers with one K each, found "
+                          f"{len(pack.tier_trellis)} trellis tensors and tier_k {pack.tier_k}")
+    tiles = (hidden // 16) * (inter // 16)
+    for t, (trellis, k) in enumerate(zip(pack.tier_trellis, pack.tier_k)):
+        want = [int(trellis.shape[0]) if trellis.dim() else -1, 3, tiles, 16 * k]
+        if trellis.dtype != torch.int16 or list(trellis.shape) != want or not 1 <= k <= 8:
+            raise CheckFailed(f"tier{t}.trellis: expected int16 {want} with K in 1..8, found "
+                              f"{trellis.dtype} {list(trellis.shape)} (K={k})")
+        if int(trellis.shape[0]) > MAX_TIER_EXPERTS:
+            raise CheckFailed(f"tier{t}.trellis: {trellis.shape[0]} experts, at most {MAX_TIER_EXPERTS}")
+    combined = pack.num_combined
+    _expect(pack.global_to_combined, torch.int32, None, "global_to_combined")
+    _expect(pack.descriptors, torch.int32, [combined], "descriptors")
+    _expect(pack.rot_intermediate, torch.float16, [combined, 3, inter], "rot.intermediate")
+    for name, table in (("rot.gate_suh", pack.gate_suh), ("rot.up_suh", pack.up_suh), ("rot.down_svh", pack.down_svh)):
+        rows = int(table.shape[0]) if table.dim() == 2 else -1
+        _expect(table, torch.float16, [rows if rows in (1, combined) else combined, hidden], name)
+    if pack.codebook not in ("3inst", "mcg", "mul1"):
+        raise CheckFailed(f"layer pack: unknown codebook {pack.codebook!r}")
+
+
+def _expect(tensor: torch.Tensor, dtype: torch.dtype, shape: list[int] | None, name: str) -> None:
+    ok = tensor.dtype == dtype and (tensor.dim() == 1 if shape is None else list(tensor.shape) == shape)
+    if not ok:
+        want = "[E]" if shape is None else str(shape)
+        raise CheckFailed(f"{name}: expected {dtype} {want}, found {tensor.dtype} {list(tensor.shape)}")
