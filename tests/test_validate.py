@@ -78,6 +78,15 @@ def test_tensor_count_formula_matches_production_numbers():
     (lambda h: h.update(bits_per_expert="tier_bitmap.json"), "bitmap.reference"),
     (lambda h: h.update(bits_per_expert="missing.json:k"), "bitmap.missing"),
     (lambda h: h.update(tp=4), "rank.missing"),
+    (lambda h: h.update(protected_tensor_policy={"format": "exl3-protected-v0", "tensors": {}}),
+     "config.protected-policy"),
+    (lambda h: h.update(protected_tensor_policy={"format": "exl3-protected-v1", "tensors": {
+        "model.layers.0.self_attn.q_proj": {"bits": 6, "codebook": "mcg"}}}), "config.protected-missing"),
+    (lambda h: h.update(protected_tensor_policy={"format": "exl3-protected-v1", "tensors": {
+        "model.layers.3.mlp.experts.0.gate_proj.rank0": {"bits": 8, "codebook": "mcg"}}}), "config.protected-k"),
+    (lambda h: h.update(protected_tensor_policy={"format": "exl3-protected-v1", "tensors": {
+        "model.layers.3.mlp.experts.0.gate_proj.rank0": {"bits": True, "codebook": "mcg"}}}),
+     "config.protected-policy"),
 ])
 def test_contract_violations(tmp_path, edit, code):
     root = synth(tmp_path)

@@ -19,6 +19,8 @@ REQUIRED_TR3_KEYS = ("bits", "codebook", "experts_per_layer", "moe_layers", "ten
 MIXED_K_RANGE = range(3, 7)
 UNIFORM_K_VALUES = {3, 4, 5, 6, 8}
 R7_K_VALUES = {3, 4, 5}
+PROTECTED_FORMAT = "exl3-protected-v1"
+PROTECTED_BITS = (6, 8)
 R7_LAYER_SUM = 2688  # 768 entries averaging 3.5 bits
 
 
@@ -32,6 +34,8 @@ def check_config(ckpt: Checkpoint) -> Iterator[Finding]:
         yield from _check_tr3_contract(hybrid)
         yield from _check_counts(ckpt, hybrid)
         yield from check_bitmaps(ckpt, hybrid)
+        if "protected_tensor_policy" in hybrid:
+            yield from _check_protected_policy(ckpt, hybrid["protected_tensor_policy"])
     if ckpt.dialect == DIALECT_R7:
         yield from _check_r7_maps(ckpt)
     yield from _check_quant_configs(ckpt)
@@ -178,3 +182,58 @@ def _check_quant_configs(ckpt: Checkpoint) -> Iterator[Finding]:
         if storage is not None and not isinstance(storage, dict):
             yield error("config.tensor-storage", Location(file=QUANT_CONFIG, tensor="tensor_storage"),
                         "tensor_storage must be an object", found=type(storage).__name__)
+
+
+def _check_protected_policy(ckpt: Checkpoint, policy: Any) -> Iterator[Finding]:
+    """vLLM rule 12: dense tensors kept at 6 or 8 bits (mcg) must be declared exactly and stored as declared."""
+    where = _where("protected_tensor_policy")
+    if not isinstance(policy, dict) or set(policy) != {"format", "tensors"}:
+        yield error("config.protected-policy", where, "must be an object with exactly the keys format and tensors",
+                    expected=["format", "tensors"], found=sorted(policy) if isinstance(policy, dict) else policy)
+        return
+    if policy["format"] != PROTECTED_FORMAT:
+        yield error("config.protected-policy", where, "unknown policy format", expected=PROTECTED_FORMAT,
+                    found=policy["format"])
+    tensors = policy["tensors"]
+    if not isinstance(tensors, dict) or not tensors:
+        yield error("config.protected-policy", where, "tensors must be a non-empty object", found=tensors)
+        return
+    for prefix, entry in tensors.items():
+        yield from _check_protected_entry(ckpt, prefix, entry)
+    storage = (ckpt.quant_config or {}).get("tensor_storage")
+    if isinstance(storage, dict):
+        stored = {key for key, rec in storage.items() if isinstance(rec, dict) and rec.get("quant_format") == "exl3"}
+        if stored != set(tensors):
+            yield error("config.protected-policy", Location(file=QUANT_CONFIG, tensor="tensor_storage"),
+                        "the EXL3 modules of tensor_storage must be exactly the protected set",
+                        expected=len(tensors), found=f"{len(stored)} ({len(stored ^ set(tensors))} differ)")
+
+
+def _check_protected_entry(ckpt: Checkpoint, prefix: str, entry: Any) -> Iterator[Finding]:
+    where = Location(file="config.json", tensor=f"hybrid_tr3_tail.protected_tensor_policy.tensors.{prefix}")
+    if not isinstance(entry, dict) or set(entry) != {"bits", "codebook"}:
+        yield error("config.protected-policy", where, "each entry has exactly the keys bits and codebook",
+                    found=sorted(entry) if isinstance(entry, dict) else entry)
+        return
+    bits = entry["bits"]
+    if not (_is_int(bits) and bits in PROTECTED_BITS) or entry["codebook"] != "mcg":
+        yield error("config.protected-policy", where, "protected tensors are bits 6 or 8 with codebook mcg",
+                    expected={"bits": "6|8", "codebook": "mcg"}, found=entry)
+        return
+    trellis = ckpt.tensors.get(f"{prefix}.trellis")
+    if trellis is None:
+        yield error("config.protected-missing", where, "declared protected tensor has no .trellis in the checkpoint",
+                    found=f"{prefix}.trellis")
+        return
+    tensor_where = Location(file=trellis.file, tensor=trellis.name)
+    if len(trellis.shape) != 3 or trellis.shape[-1] != 16 * bits:
+        yield error("config.protected-k", tensor_where, "trellis last dim must be 16 x the declared bits",
+                    expected=16 * bits, found=trellis.shape[-1] if trellis.shape else None)
+    if f"{prefix}.mcg" not in ckpt.tensors or f"{prefix}.mul1" in ckpt.tensors:
+        yield error("config.protected-marker", tensor_where, "protected tensors carry an .mcg marker and no .mul1",
+                    expected=".mcg only", found=[m for m in (".mcg", ".mul1") if f"{prefix}{m}" in ckpt.tensors])
+    record = ((ckpt.quant_config or {}).get("tensor_storage") or {}).get(prefix)
+    if isinstance(record, dict) and record.get("bits_per_weight") != bits:
+        yield error("config.protected-k", Location(file=QUANT_CONFIG, tensor=prefix),
+                    "tensor_storage bits_per_weight differs from the declared bits", expected=bits,
+                    found=record.get("bits_per_weight"))
