@@ -100,17 +100,17 @@ def parse_header(file: str, header_bytes: bytes, header_len: int, file_size: int
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r} in header")
-        out[key] = value
+    out = dict(pairs)
+    if len(out) != len(pairs):  # the cheap test first: a production header has ~12k entries per shard
+        seen: set[str] = set()
+        duplicate = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise ValueError(f"duplicate key {duplicate!r} in header")
     return out
 
 
 def _is_int(value: object) -> bool:
-    # bool is an int subclass: `true` in a shape must not pass as 1.
-    return isinstance(value, int) and not isinstance(value, bool)
+    # `type(...) is int`, not isinstance: bool is an int subclass and `true` in a shape must not pass as 1.
+    return type(value) is int
 
 
 def _parse_entry(file: str, name: str, info: object) -> TensorEntry:
