@@ -37,6 +37,8 @@ def register(app: typer.Typer) -> None:
         layers: Annotated[Optional[str], typer.Option(help="MoE layers for the per-layer rules, e.g. 3-5,40.")] = None,
         deep: Annotated[bool, typer.Option("--deep", help="Also read tensor data of the chosen layers (finite "
                                                           "vectors, marker values, sampled tile decode).")] = False,
+        download: Annotated[bool, typer.Option("--download", help="Download the chosen layers' shards into the Hub "
+                                                                  "cache (implied by --deep).")] = False,
         checksums: Annotated[bool, typer.Option("--checksums", help="Compare sha256 with the Hub's LFS hashes or "
                                                                     "MANIFEST.sha256.")] = False,
         strict: Annotated[bool, typer.Option("--strict", help="Warnings fail too.")] = False,
@@ -46,7 +48,7 @@ def register(app: typer.Typer) -> None:
 
         chosen = parse_layer_ranges(layers) if layers else None
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
-        report = _validate(opened, chosen, deep, checksums, as_json)
+        report = _validate(opened, chosen, deep, download, checksums, as_json)
         report.context.setdefault("source", opened.describe())
         failed = not report.ok or (strict and bool(report.warnings))
         if as_json:
@@ -62,7 +64,8 @@ def register(app: typer.Typer) -> None:
                 f"{len(report.warnings)} warning(s) with --strict: {report.summary()}")
 
 
-def _validate(opened, layers: list[int] | None, deep: bool, checksums: bool, as_json: bool) -> Report:
+def _validate(opened, layers: list[int] | None, deep: bool, download: bool, checksums: bool,
+              as_json: bool) -> Report:
     from trellis_cli.checkpoint.open import open_checkpoint
     from trellis_cli.validate import run_validation
 
@@ -73,8 +76,8 @@ def _validate(opened, layers: list[int] | None, deep: bool, checksums: bool, as_
         return _single(opened, "dialect.unknown", str(e))
     except CheckFailed as e:
         return _single(opened, "checkpoint.unreadable", str(e))
-    if deep:
-        _fetch_for_deep(checkpoint, layers, as_json)
+    if deep or download:
+        _fetch_layers(checkpoint, layers, as_json)
     with output.make_progress(enabled=output.progress_enabled(as_json)) as progress:
         tasks: dict[str, object] = {}
 
@@ -92,7 +95,7 @@ def _validate(opened, layers: list[int] | None, deep: bool, checksums: bool, as_
                               checksum_progress=hashed)
 
 
-def _fetch_for_deep(checkpoint, layers: list[int] | None, as_json: bool) -> None:
+def _fetch_layers(checkpoint, layers: list[int] | None, as_json: bool) -> None:
     """A Hub source downloads only the shards of the chosen layers before their data is read."""
     from trellis_cli.sources import LocalSource
 
@@ -104,7 +107,7 @@ def _fetch_for_deep(checkpoint, layers: list[int] | None, as_json: bool) -> None
     files = sorted({f for li in chosen if li in checkpoint.layers for f in checkpoint.layers[li].files})
     if not files:
         return
-    output.log(f"downloading {len(files)} shard(s) for --deep ...")
+    output.log(f"downloading {len(files)} shard(s) ...")
     with output.progress_bar("download", None, bytes_mode=True, enabled=output.progress_enabled(as_json)) as advance:
         fetch_files(checkpoint.source, files, progress=advance)
 
