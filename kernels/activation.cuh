@@ -50,7 +50,8 @@ __global__ void activation_kernel(const TrellisMoeArgs a) {
       v[i] = gate / (1.0f + expf(-gate)) * up * suh_d[i];
     }
     hadamard128(v, lane);
-    store4_half(static_cast<__half*>(a.act) + size_t(slot) * inter + col, v);
+    const int expand = a.m_tile == 16 ? a_expand(1) : a_expand(8);  // the FC2 kernel's A layout
+    store_a_row(static_cast<__half*>(a.act) + size_t(slot) * expand * inter, col, expand, v);
   }
 }
 

@@ -98,4 +98,33 @@ __device__ __forceinline__ void decode_fragments(const TileWords& t, int off, ui
   }
 }
 
+// Split form, for small-M tiles: the format's weight is fp16(h0 + h1) of one 32-bit codebook word, and
+// y = sum x (h0 + h1) = sum x h0 + sum x h1, so the word itself can be a B register (two k rows) against
+// an activation whose columns are duplicated (expanded_col below). That drops the PRMT pairing and the
+// HADD2 of every weight, at twice the MMA work (idle at small M) and without the fp16 rounding of the sum
+// (the product is exact in the fp32 accumulator). mul1 has a single fp16 value: its word is (w, 0).
+template <int CB>
+__device__ __forceinline__ uint32_t codebook_word(uint32_t s) {
+  if (CB == 2) {
+    const uint32_t h = __dp4a(s * 0x83DCD12Du, 0x01010101u, 0x6400u);
+    return half2_bits(__hfma2(bits_half2(h), bits_half2(0x00001EEEu), bits_half2(0x0000C931u)));
+  }
+  const uint32_t x = CB == 0 ? s * 89226354u + 64248484u : s * 0xCBAC1FEDu;
+  return lop3_and_xor(x);
+}
+
+// The lane's 8 codebook words: x[j] belongs to state j (k row and n column of B fragment j / 2).
+template <int K, int CB>
+__device__ __forceinline__ void decode_words(const TileWords& t, int off, uint32_t x[8]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) x[j] = codebook_word<CB>(lane_state<K>(t, off, j));
+}
+
+// Expanded activation layout of one 16-column k tile (32 halves): first the even columns, each twice,
+// then the odd columns, each twice. The m16n8k16 A fragment of the first half pairs with B registers of
+// even states, the second half with odd states.
+__host__ __device__ constexpr int expanded_col(int col) {
+  return (col >> 4) * 32 + (col & 1) * 16 + ((col & 15) & ~1);
+}
+
 }  // namespace trellis

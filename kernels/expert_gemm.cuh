@@ -18,7 +18,11 @@
 
 namespace trellis {
 
-constexpr int kAStride = 136;  // halves per staged row: 128 + 8 of padding keeps ldmatrix conflict-free
+// Small-M tiles (R = 1) multiply split codebook words (decode.cuh) against activations stored with every
+// column twice (expanded_col); large tiles keep the merged fp16 weight and plain rows.
+__host__ __device__ constexpr int a_expand(int r) { return r == 1 ? 2 : 1; }
+// Halves per staged row: a chunk's 128 (or 256 expanded) + 8 of padding keeps ldmatrix conflict-free.
+__host__ __device__ constexpr int a_stride(int r) { return 128 * a_expand(r) + 8; }
 constexpr int kOStride = 132;  // floats per epilogue row
 constexpr int kFc1Threads = 512;
 constexpr int kFc2Threads = 256;
@@ -85,6 +89,17 @@ __device__ __forceinline__ void store4_half(__half* p, const float v[4]) {
   *reinterpret_cast<uint2*>(p) = raw;
 }
 
+// Columns col..col+3 (col % 4 == 0) of an A row: plain (expand 1) or with every column twice (expand 2).
+__device__ __forceinline__ void store_a_row(__half* row, int col, int expand, const float v[4]) {
+  if (expand == 1) {
+    store4_half(row + col, v);
+    return;
+  }
+  const float even[4] = {v[0], v[0], v[2], v[2]}, odd[4] = {v[1], v[1], v[3], v[3]};
+  store4_half(row + expanded_col(col), even);
+  store4_half(row + expanded_col(col + 1), odd);
+}
+
 // Weights and A rows of a 128-wide k chunk travel global -> shared with 16-byte cp.async through a ring of
 // STAGES buffers, so the loads of the next chunks are in flight while the current one is decoded.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -95,37 +110,130 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// Words of one stage: `runs` runs (projection x 8 k tiles) of 8 consecutive n tiles, 64K words each.
-template <int K>
-__device__ __forceinline__ void issue_weight_runs(uint32_t* dst, const uint32_t* src0, const uint32_t* src1,
-                                                  int runs_per_src, int sources, size_t kt_stride) {
-  constexpr int kPieces = 16 * K;  // 16-byte pieces in a run of 8 tiles
-  const int total = sources * runs_per_src * kPieces;
-  for (int i = threadIdx.x; i < total; i += blockDim.x) {
-    const int run = i / kPieces, piece = i - run * kPieces;
-    const int p = run / runs_per_src, kt = run - p * runs_per_src;
-    cp_async16(dst + run * 64 * K + piece * 4, (p ? src1 : src0) + kt * kt_stride + piece * 4);
-  }
-}
+// Each thread copies the same few 16-byte pieces of every chunk, from addresses that advance by a fixed
+// step from one chunk to the next. The streams below work out a thread's pieces once and keep one global
+// pointer per piece, so issuing a chunk costs a 64-bit add and a copy per piece, not a division chain.
+// Chunks must be issued in order, each once.
 
-// A rows [rows][128] fp16 of `sources` matrices (row stride `src_stride` halves) into [source][R*16][kAStride].
-template <int R>
-__device__ __forceinline__ void issue_a_rows(__half* dst, const __half* src0, const __half* src1, int sources,
-                                             size_t src_stride, int rows) {
-  const int total = sources * rows * 16;
-  for (int i = threadIdx.x; i < total; i += blockDim.x) {
-    const int p = i / (rows * 16), rest = i - p * rows * 16, r = rest >> 4, ch = rest & 15;
-    cp_async16(dst + (p * R * 16 + r) * kAStride + ch * 8, (p ? src1 : src0) + r * src_stride + ch * 8);
+// Words of one stage: SOURCES x 8 runs (projection x 8 k tiles) of 8 consecutive n tiles, 64K words each,
+// stored in that order, so piece i of the stage lands at word 4i.
+// ACTIVE false: an empty stream, for kernels that take the other path.
+template <int K, int SOURCES, int THREADS, bool ACTIVE = true>
+struct WeightStream {
+  static constexpr int kPieces = 16 * K;  // 16-byte pieces in a run of 8 tiles
+  static constexpr int kTotal = SOURCES * 8 * kPieces;
+  static constexpr int kItems = ACTIVE ? (kTotal + THREADS - 1) / THREADS : 0;
+  const uint32_t* src[kItems > 0 ? kItems : 1];
+  size_t step;  // words from one chunk to the next
+
+  __device__ __forceinline__ WeightStream(const uint32_t* first, size_t kt_stride, size_t source_stride,
+                                          size_t chunk_step)
+      : step(chunk_step) {
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int i = threadIdx.x + j * THREADS;
+      const int run = i / kPieces, piece = i - run * kPieces;
+      src[j] = first + (run >> 3) * source_stride + (run & 7) * kt_stride + piece * 4;
+    }
+  }
+  __device__ __forceinline__ void issue_next(uint32_t* stage) {
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int i = threadIdx.x + j * THREADS;
+      if (kTotal % THREADS == 0 || i < kTotal) cp_async16(stage + 4 * i, src[j]);
+      src[j] += step;
+    }
+  }
+};
+
+// A rows [rows][128 * a_expand] fp16 of SOURCES matrices (`source_stride` halves apart, rows `row_stride`
+// apart) into [source][R*16][a_stride]; rows past `rows` are never written.
+template <int R, int SOURCES, int THREADS, bool ACTIVE = true>
+struct RowStream {
+  static constexpr int kPieces = 16 * a_expand(R), kStride = a_stride(R), kPerSource = R * 16 * kPieces;
+  static constexpr int kTotal = SOURCES * kPerSource;
+  static constexpr int kItems = ACTIVE ? (kTotal + THREADS - 1) / THREADS : 0;
+  const __half* src[kItems > 0 ? kItems : 1];
+  bool live[kItems > 0 ? kItems : 1];
+
+  __device__ __forceinline__ RowStream(const __half* first, size_t source_stride, size_t row_stride, int rows) {
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int i = threadIdx.x + j * THREADS;
+      const int p = i / kPerSource, rest = i % kPerSource, r = rest / kPieces, ch = rest % kPieces;
+      live[j] = (kTotal % THREADS == 0 || i < kTotal) && r < rows;
+      src[j] = first + p * source_stride + r * row_stride + ch * 8;
+    }
+  }
+  __device__ __forceinline__ void issue_next(__half* stage) {
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int i = threadIdx.x + j * THREADS;
+      const int p = i / kPerSource, rest = i % kPerSource, r = rest / kPieces, ch = rest % kPieces;
+      if (live[j]) cp_async16(stage + (p * R * 16 + r) * kStride + ch * 8, src[j]);
+      src[j] += 128 * a_expand(R);
+    }
+  }
+};
+
+// The same copies for large tiles, which are short of registers: a 32-bit offset per piece from the
+// chunk's first word, and A-row addresses recomputed per chunk (powers of two only).
+template <int K, int SOURCES, int THREADS>
+struct WeightIssue {
+  static constexpr int kPieces = 16 * K;  // 16-byte pieces in a run of 8 tiles
+  static constexpr int kTotal = SOURCES * 8 * kPieces;
+  static constexpr int kItems = (kTotal + THREADS - 1) / THREADS;
+  uint32_t src[kItems];  // word offset from the chunk's first word of source 0
+
+  __device__ __forceinline__ WeightIssue(size_t kt_stride, size_t source_stride) {
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int i = threadIdx.x + j * THREADS;
+      const int run = i / kPieces, piece = i - run * kPieces;
+      const int p = run >> 3, kt = run & 7;
+      src[j] = uint32_t(p * source_stride + kt * kt_stride + piece * 4);
+    }
+  }
+  __device__ __forceinline__ void issue(uint32_t* dst, const uint32_t* chunk_src) const {
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int i = threadIdx.x + j * THREADS;
+      if (kTotal % THREADS == 0 || i < kTotal) cp_async16(dst + 4 * i, chunk_src + src[j]);
+    }
+  }
+};
+
+// A rows [rows][128 * a_expand] fp16 of `sources` matrices (row stride `src_stride` halves) into
+// [source][R*16][a_stride].
+// Every index is a power of two (rows past `rows` are skipped), so no runtime division.
+// ROLLED keeps the loop rolled: the all-K large-tile kernels have no registers for unrolled addresses.
+template <int R, int SOURCES, int THREADS, bool ROLLED = false>
+__device__ __forceinline__ void issue_a_rows(__half* dst, const __half* src0, const __half* src1, size_t src_stride,
+                                             int rows) {
+  constexpr int kPieces = 16 * a_expand(R), kStride = a_stride(R), kPerSource = R * 16 * kPieces;
+  constexpr int kTotal = SOURCES * kPerSource;
+  auto piece = [&](int i) {
+    const int p = i / kPerSource, rest = i % kPerSource, r = rest / kPieces, ch = rest % kPieces;
+    if ((kTotal % THREADS == 0 || i < kTotal) && r < rows)
+      cp_async16(dst + (p * R * 16 + r) * kStride + ch * 8, (p ? src1 : src0) + r * src_stride + ch * 8);
+  };
+  if (ROLLED) {
+#pragma unroll 1
+    for (int j = 0; j < (kTotal + THREADS - 1) / THREADS; ++j) piece(threadIdx.x + j * THREADS);
+  } else {
+#pragma unroll
+    for (int j = 0; j < (kTotal + THREADS - 1) / THREADS; ++j) piece(threadIdx.x + j * THREADS);
   }
 }
 
 // Rows past the tile's routes stay zero in every stage (cp.async never writes them).
 template <int R>
 __device__ __forceinline__ void zero_dead_rows(__half* a, int sources, int rows, int live) {
+  constexpr int kPieces = 16 * a_expand(R), kStride = a_stride(R);
   const int dead = live * 16 - rows;
-  for (int i = threadIdx.x; i < sources * dead * 16; i += blockDim.x) {
-    const int p = i / (dead * 16), rest = i - p * dead * 16;
-    *reinterpret_cast<uint4*>(a + (p * R * 16 + rows + (rest >> 4)) * kAStride + (rest & 15) * 8) =
+  for (int i = threadIdx.x; i < sources * dead * kPieces; i += blockDim.x) {
+    const int p = i / (dead * kPieces), rest = i - p * dead * kPieces;
+    *reinterpret_cast<uint4*>(a + (p * R * 16 + rows + rest / kPieces) * kStride + (rest % kPieces) * 8) =
         make_uint4(0u, 0u, 0u, 0u);
   }
 }
@@ -134,13 +242,28 @@ __device__ __forceinline__ void zero_dead_rows(__half* a, int sources, int rows,
 template <int K, int CB, int R>
 __device__ __forceinline__ void chunk_mma(const uint32_t* run, int ntl, const LaneWindow& win, const __half* a_tile,
                                           int live, int lane, float (&acc)[R][2][4]) {
+  constexpr int kAStride = a_stride(R);
+  // The lane's words of k tile 0; k tile kt is a constant offset away (folds into the LDS).
+  const uint32_t* w0 = run + ntl * 8 * K + win.w0;
+  const uint32_t* w1 = run + ntl * 8 * K + win.w1;
+  const uint32_t* w2 = run + ntl * 8 * K + win.w2;
 #pragma unroll
   for (int kt = 0; kt < 8; ++kt) {
-    const uint32_t* tile = run + kt * 64 * K + ntl * 8 * K;
     TileWords t;
-    t.u0 = tile[win.w0];
-    t.u1 = tile[win.w1];
-    t.u2 = K >= 5 ? tile[win.w2] : 0u;
+    t.u0 = w0[kt * 64 * K];
+    t.u1 = w1[kt * 64 * K];
+    t.u2 = K >= 5 ? w2[kt * 64 * K] : 0u;
+    if (a_expand(R) == 2) {  // split words against the expanded rows: even states, then odd states
+      uint32_t x[8], even[4], odd[4];
+      decode_words<K, CB>(t, win.off, x);
+      load_a_fragment(even, a_tile + kt * 32, kAStride, lane);
+      load_a_fragment(odd, a_tile + kt * 32 + 16, kAStride, lane);
+      mma_16816(acc[0][0], even, x[0], x[2]);
+      mma_16816(acc[0][0], odd, x[1], x[3]);
+      mma_16816(acc[0][1], even, x[4], x[6]);
+      mma_16816(acc[0][1], odd, x[5], x[7]);
+      continue;
+    }
     uint32_t b[4];
     decode_fragments<K, CB>(t, win.off, b);
 #pragma unroll
@@ -169,9 +292,9 @@ __host__ __device__ constexpr int max_k(bool fast) { return fast ? 4 : 8; }
 __host__ __device__ constexpr int fc1_stages(int r) { return r == 1 ? 3 : 2; }
 constexpr int kFc2Stages = 3;
 __host__ __device__ constexpr int fc1_stage_weight_words(bool fast) { return 2 * 8 * 64 * max_k(fast); }
-__host__ __device__ constexpr int fc1_stage_a_halves(int r) { return 2 * r * 16 * kAStride; }
+__host__ __device__ constexpr int fc1_stage_a_halves(int r) { return 2 * r * 16 * a_stride(r); }
 __host__ __device__ constexpr int fc2_stage_weight_words(bool fast) { return 8 * 64 * max_k(fast); }
-__host__ __device__ constexpr int fc2_stage_a_halves(int r) { return r * 16 * kAStride; }
+__host__ __device__ constexpr int fc2_stage_a_halves(int r) { return r * 16 * a_stride(r); }
 
 // ---------------------------------------------------------------------------------------------------
 // FC1: grid (tiles * I/128, k_split), 16 warps: warp = projection (gate 0-7, up 8-15) x n tile.
@@ -192,18 +315,26 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   const int live = (w.rows + 15) >> 4;
   const uint32_t* gate_w = projection_words<K>(a, w, 0) + size_t(nchunk) * 8 * 8 * K;
   const uint32_t* up_w = projection_words<K>(a, w, 1) + size_t(nchunk) * 8 * 8 * K;
-  const __half* xrot = static_cast<const __half*>(a.xrot) + size_t(w.start) * 2 * a.hidden;
+  constexpr int kX = a_expand(R);
+  const __half* xrot = static_cast<const __half*>(a.xrot) + size_t(w.start) * 2 * kX * a.hidden;
 
   for (int st = 0; st < kStages; ++st) zero_dead_rows<R>(s_a + st * kAHalves, 2, w.rows, live);
+  // Small tiles use the streams; large tiles the register-lean issue (the objects a kernel does not use
+  // are compiled away).
+  WeightStream<K, 2, kFc1Threads, R == 1> weight_stream(gate_w + size_t(kc0) * 8 * kt_stride, kt_stride,
+                                                size_t(up_w - gate_w), 8 * kt_stride);
+  RowStream<R, 2, kFc1Threads, R == 1> row_stream(xrot + kc0 * 128 * kX, size_t(kX) * a.hidden, size_t(2) * kX * a.hidden,
+                                          w.rows);
+  const WeightIssue<K, 2, kFc1Threads> weights(kt_stride, size_t(up_w - gate_w));
   auto issue_w = [&](int c) {
-    const int kc = kc0 + c;
-    issue_weight_runs<K>(s_w + (c % kStages) * kWeightWords, gate_w + size_t(kc) * 8 * kt_stride,
-                         up_w + size_t(kc) * 8 * kt_stride, 8, 2, kt_stride);
+    if (R == 1) weight_stream.issue_next(s_w + (c % kStages) * kWeightWords);
+    else weights.issue(s_w + (c % kStages) * kWeightWords, gate_w + size_t(kc0 + c) * 8 * kt_stride);
   };
   auto issue_a = [&](int c) {
     const int kc = kc0 + c;
-    issue_a_rows<R>(s_a + (c % kStages) * kAHalves, xrot + kc * 128, xrot + a.hidden + kc * 128, 2,
-                    size_t(2) * a.hidden, w.rows);
+    if (R == 1) row_stream.issue_next(s_a + (c % kStages) * kAHalves);
+    else issue_a_rows<R, 2, kFc1Threads, !FAST>(s_a + (c % kStages) * kAHalves, xrot + kc * 128 * kX,
+                                         xrot + kX * a.hidden + kc * 128 * kX, size_t(2) * kX * a.hidden, w.rows);
   };
   // Weights do not depend on the previous kernel: their first stages load while it drains.
 #pragma unroll
@@ -229,7 +360,7 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
     cp_async_commit();
     const int st = c % kStages;
     chunk_mma<K, CB, R>(s_w + st * kWeightWords + proj * 8 * 64 * K, ntl, win,
-                        s_a + st * kAHalves + proj * R * 16 * kAStride, live, lane, acc);
+                        s_a + st * kAHalves + proj * R * 16 * a_stride(R), live, lane, acc);
   }
   cp_async_wait<0>();
 
@@ -291,6 +422,7 @@ __global__ void __launch_bounds__(256) rotate_input_kernel(const TrellisMoeArgs 
   if (!load_work_tile(a, blockIdx.x, w)) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int col = blockIdx.y * 128 + 4 * lane;
+  const int kX = a.m_tile == 16 ? a_expand(1) : a_expand(8);  // the FC1 kernel's A layout
   const __half* suh[2] = {
       static_cast<const __half*>(a.gate_suh) + size_t(a.gate_suh_shared ? 0 : w.expert) * a.hidden,
       static_cast<const __half*>(a.up_suh) + size_t(a.up_suh_shared ? 0 : w.expert) * a.hidden};
@@ -305,7 +437,7 @@ __global__ void __launch_bounds__(256) rotate_input_kernel(const TrellisMoeArgs 
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[i] *= s[p][i];
     hadamard128(v, lane);
-    store4_half(static_cast<__half*>(a.xrot) + (size_t(w.start + r) * 2 + p) * a.hidden + col, v);
+    store_a_row(static_cast<__half*>(a.xrot) + (size_t(w.start + r) * 2 + p) * kX * a.hidden, col, kX, v);
   }
 }
 
@@ -325,15 +457,21 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   const int live = (w.rows + 15) >> 4;
   const int chunks = a.intermediate >> 7;
   const uint32_t* wsrc = projection_words<K>(a, w, 2) + size_t(nchunk) * 8 * 8 * K;
-  const __half* act = static_cast<const __half*>(a.act) + size_t(w.start) * a.intermediate;
+  constexpr int kX = a_expand(R);
+  const __half* act = static_cast<const __half*>(a.act) + size_t(w.start) * kX * a.intermediate;
 
   for (int st = 0; st < kFc2Stages; ++st) zero_dead_rows<R>(s_a + st * kAHalves, 1, w.rows, live);
+  WeightStream<K, 1, kFc2Threads, R == 1> weight_stream(wsrc, kt_stride, 0, 8 * kt_stride);  // small tiles (as in FC1)
+  RowStream<R, 1, kFc2Threads, R == 1> row_stream(act, 0, size_t(kX) * a.intermediate, w.rows);
+  const WeightIssue<K, 1, kFc2Threads> weights(kt_stride, 0);
   auto issue_w = [&](int c) {
-    issue_weight_runs<K>(s_w + (c % kFc2Stages) * kWeightWords, wsrc + size_t(c) * 8 * kt_stride, nullptr, 8, 1,
-                         kt_stride);
+    if (R == 1) weight_stream.issue_next(s_w + (c % kFc2Stages) * kWeightWords);
+    else weights.issue(s_w + (c % kFc2Stages) * kWeightWords, wsrc + size_t(c) * 8 * kt_stride);
   };
   auto issue_a = [&](int c) {
-    issue_a_rows<R>(s_a + (c % kFc2Stages) * kAHalves, act + c * 128, nullptr, 1, size_t(a.intermediate), w.rows);
+    if (R == 1) row_stream.issue_next(s_a + (c % kFc2Stages) * kAHalves);
+    else issue_a_rows<R, 1, kFc2Threads, !FAST>(s_a + (c % kFc2Stages) * kAHalves, act + c * 128 * kX, nullptr,
+                                         size_t(kX) * a.intermediate, w.rows);
   };
 #pragma unroll
   for (int c = 0; c < kFc2Stages - 1; ++c) {

@@ -14,6 +14,7 @@ import torch
 from trellis_cli.bench.synthetic import Preset, random_activations, random_routes, synthetic_pack
 from trellis_cli.codec import decode, hadamard128
 from trellis_cli.kernel.launch import FusedMoe
+from trellis_cli.kernel.plan import activation_expand, plain_columns
 from trellis_cli.reference import layer_pack_forward, pack_expert
 
 
@@ -39,17 +40,17 @@ def expected_stages(pack, x, route_expert, route_token):
     return torch.stack(fc1), torch.stack(act), torch.stack(fc2)
 
 
-def check(codebook: str, tier_k: tuple[int, int], m: int, m_tile: int | None = None) -> bool:
+def check(codebook: str, tier_k: tuple[int, int], m: int, m_tile: int | None = None, k_split: int | None = None) -> bool:
     preset = Preset("small", 512, 256, 16, 4, codebook, (12, 4), tier_k, 1)
     pack = synthetic_pack(preset, device="cuda", seed=3)
     moe = FusedMoe(pack)
     x = random_activations(m, pack.hidden, device="cuda", seed=5)
     ids, w = random_routes(m, 16, 4, device="cuda", seed=6)
     plan = moe.plan(m, 4)
-    if m_tile:
+    if m_tile or k_split:
         from trellis_cli.kernel.plan import make_plan
 
-        plan = make_plan(m, 4, pack.hidden, pack.intermediate, pack.num_combined, m_tile=m_tile)
+        plan = make_plan(m, 4, pack.hidden, pack.intermediate, pack.num_combined, m_tile=m_tile, k_split=k_split)
     out = moe.forward(x, ids, w, plan=plan)
     torch.cuda.synchronize()
     ws = moe._workspace(plan)
@@ -65,6 +66,8 @@ def check(codebook: str, tier_k: tuple[int, int], m: int, m_tile: int | None = N
     fc1, act, fc2 = expected_stages(moe.pack, x, experts, tokens)
     got_fc1 = ws["partial"].sum(0)[slots]
     got_act = ws["act"][slots]
+    if activation_expand(plan) == 2:
+        got_act = plain_columns(got_act)
     got_fc2 = ws["route_out"][routes] / w.reshape(-1)[routes][:, None]
     line = (f"{codebook:5s} K{tier_k} M={m:4d} plan=({plan.m_tile},{plan.k_split}) tiles={tiles:3d} routes={len(routes):4d}/"
             f"{m * 4}  fc1 {rel(got_fc1, fc1):.2e}  act {rel(got_act, act):.2e}  fc2 {rel(got_fc2, fc2):.2e}  "
@@ -82,6 +85,9 @@ def main() -> int:
         results.append(check("mcg", k, 7))
     results.append(check("mcg", (3, 4), 300))
     results.append(check("mcg", (3, 4), 300, m_tile=128))
+    results.append(check("mcg", (3, 4), 5, k_split=4))  # FC1 partial sums over several H ranges
+    results.append(check("mcg", (3, 4), 300, m_tile=128, k_split=2))
+    results.append(check("mcg", (5, 6), 300, m_tile=128))  # the all-K kernel with large tiles
     return 0 if all(results) else 1
 
 

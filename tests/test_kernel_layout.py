@@ -7,6 +7,7 @@ import dataclasses
 import re
 
 import pytest
+import torch
 
 
 from trellis_cli.bench.synthetic import Preset, synthetic_pack
@@ -72,3 +73,39 @@ def test_arch_names_and_source_hash():
     with pytest.raises(GpuUnavailable):
         normalize_arch("hopper")
     assert re.fullmatch(r"[0-9a-f]{64}", source_hash())
+
+
+def expanded_col(col: int) -> int:
+    """Python twin of kernels/decode.cuh expanded_col (the layout small-tile GEMMs read)."""
+    return (col >> 4) * 32 + (col & 1) * 16 + ((col & 15) & ~1)
+
+
+def test_expanded_columns_round_trip_through_plain_columns():
+    from trellis_cli.kernel.plan import plain_columns
+
+    rows = torch.randn(3, 256, dtype=torch.float64)
+    expanded = torch.zeros(3, 512, dtype=torch.float64)
+    for col in range(256):  # every column twice, as the rotation and activation kernels store it
+        expanded[:, expanded_col(col)] = rows[:, col]
+        expanded[:, expanded_col(col) + 1] = rows[:, col]
+    assert sorted(expanded_col(c) + d for c in range(256) for d in (0, 1)) == list(range(512))
+    assert torch.equal(plain_columns(expanded), rows)
+
+
+def test_workspace_width_follows_tile_size():
+    from trellis_cli.kernel.plan import make_plan, workspace_shapes
+
+    small, large = make_plan(4, 8, 6144, 512, 256), make_plan(4096, 8, 6144, 512, 256)
+    assert (small.m_tile, large.m_tile) == (16, 128)
+    assert workspace_shapes(small, 6144, 512)["xrot"][0][2] == 2 * 6144
+    assert workspace_shapes(small, 6144, 512)["act"][0][1] == 2 * 512
+    assert workspace_shapes(large, 6144, 512)["xrot"][0][2] == 6144
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 64])
+def test_fc1_ranges_hold_at_least_six_chunks(m):
+    from trellis_cli.kernel.plan import MIN_FC1_CHUNKS, make_plan
+
+    plan = make_plan(m, 8, 6144, 512, 256)
+    assert (6144 // 128) // plan.k_split >= MIN_FC1_CHUNKS
+    assert make_plan(5, 4, 512, 256, 16).k_split == 1  # 4 chunks: never split below the minimum

@@ -19,6 +19,9 @@ SMALL_TILE, LARGE_TILE = 16, 128
 HADAMARD = 128
 MAX_TIERS = 8
 TARGET_FC1_CTAS = 1024  # enough FC1 work items to keep every SM of a large GPU busy at small M
+# Each FC1 CTA walks at least this many 128-wide chunks of H: shorter runs pay their pipeline fill and
+# launch tail too often (glm52-tp4 M=1, measured: 8 ranges of 6 chunks 52.8 us, 24 ranges of 2 63.1 us).
+MIN_FC1_CHUNKS = 6
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ def choose_m_tile(numel: int, num_combined: int) -> int:
 def choose_k_split(m_tile: int, tiles: int, hidden: int, intermediate: int) -> int:
     chunks = hidden // HADAMARD
     wanted = max(1, TARGET_FC1_CTAS // max(1, tiles * (intermediate // HADAMARD)))
-    wanted = min(wanted, chunks)
+    wanted = max(1, min(wanted, chunks // MIN_FC1_CHUNKS))
     while chunks % wanted:
         wanted -= 1
     return wanted
@@ -68,9 +71,23 @@ def make_plan(m: int, top_k: int, hidden: int, intermediate: int, num_combined: 
     return LaunchPlan(m, top_k, tile, split, slot_capacity(numel, num_combined), tiles)
 
 
+def activation_expand(plan: LaunchPlan) -> int:
+    """2 when the GEMM inputs (xrot, act) hold every column twice: small tiles multiply split codebook
+    words (kernels/decode.cuh), large tiles merged weights against plain rows."""
+    return 2 if plan.m_tile == SMALL_TILE else 1
+
+
+def plain_columns(rows: torch.Tensor) -> torch.Tensor:
+    """Undo the expanded layout of the last dimension: per 16 columns, the even ones twice, then the odd
+    ones twice (kernels/decode.cuh expanded_col)."""
+    tiles = rows.reshape(*rows.shape[:-1], rows.shape[-1] // 32, 2, 8, 2)[..., 0]
+    return tiles.transpose(-1, -2).reshape(*rows.shape[:-1], rows.shape[-1] // 2)
+
+
 def workspace_shapes(plan: LaunchPlan, hidden: int, intermediate: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     slots = max(1, plan.slot_capacity)
     tiles = max(1, plan.tile_capacity)
+    expand = activation_expand(plan)
     return {
         "tile_count": ((1,), torch.int32),
         "tile_expert": ((tiles,), torch.int32),
@@ -78,8 +95,8 @@ def workspace_shapes(plan: LaunchPlan, hidden: int, intermediate: int) -> dict[s
         "tile_rows": ((tiles,), torch.int32),
         "slot_route": ((slots,), torch.int32),
         "partial": ((plan.k_split, slots, 2 * intermediate), torch.float32),
-        "xrot": ((slots, 2, hidden), torch.float16),
-        "act": ((slots, intermediate), torch.float16),
+        "xrot": ((slots, 2, expand * hidden), torch.float16),
+        "act": ((slots, expand * intermediate), torch.float16),
         "route_out": ((max(1, plan.m * plan.top_k), hidden), torch.float32),
     }
 
