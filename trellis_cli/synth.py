@@ -26,7 +26,11 @@ from typing import Callable, Iterator, Mapping, NamedTuple, Protocol
 import torch
 
 from trellis_cli.checkpoint.model import MCG_MARKER, MUL1_MARKER, PROJECTIONS
+# The hidden-side vector of each projection: gate/up read H (input side), down writes H (output side).
+from trellis_cli.checkpoint.names import H_SIDE as HIDDEN_SIDE_FIELD
+from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, TENSOR_SCHEMA, expert_key, shard_name, shared_h_key
 from trellis_cli.errors import CheckFailed, UsageError
+from trellis_cli.integrity import write_manifest
 from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter
 
 MCG_MARKER_VALUE = MCG_MARKER  # 0xCBAC1FED as int32
@@ -35,26 +39,10 @@ MUL1_MARKER_VALUE = MUL1_MARKER  # 0x83DCD12D as int32
 CODEBOOK_MARKERS = {"mcg": ("mcg", MCG_MARKER), "mul1": ("mul1", MUL1_MARKER), "3inst": None}
 ROTATION_LAYOUTS = ("per_expert_v1", "shared_h_v1")
 BITMAP_FIELDS = ("k", "bits_per_expert")
-TENSOR_SCHEMA = "model.layers.{L}.mlp.experts.{E}.{proj}.rank{r}.{trellis|suh|svh|mcg}"
-SHARED_H_TENSOR_SCHEMA = "model.layers.{L}.mlp.experts.shared_h.{proj}.rank{r}.{suh|svh}"
 FORMAT = "exl3-trellis"
 PRODUCER = "trellis synth"
-# The hidden-side vector of each projection: gate/up read H (input side), down writes H (output side).
-HIDDEN_SIDE_FIELD = {"gate_proj": "suh", "up_proj": "suh", "down_proj": "svh"}
 # suh magnitude of a converter-produced expert (RMS of an input row / (1.24371088 * g)), as in real data.
 SUH_MAGNITUDE = 0.017
-
-
-def shard_name(layer: int) -> str:
-    return f"model-layer-{layer:03d}.safetensors"
-
-
-def expert_key(layer: int, expert: int, proj: str, rank: int, field_name: str) -> str:
-    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.rank{rank}.{field_name}"
-
-
-def shared_h_key(layer: int, proj: str, rank: int) -> str:
-    return f"model.layers.{layer}.mlp.experts.shared_h.{proj}.rank{rank}.{HIDDEN_SIDE_FIELD[proj]}"
 
 
 @dataclass(frozen=True)
@@ -394,14 +382,7 @@ def _write_json(path: Path, document: dict) -> None:
 
 
 def _write_manifest(stage: Path) -> None:
-    lines = []
-    for path in sorted(p for p in stage.iterdir() if p.is_file()):
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                digest.update(block)
-        lines.append(f"{digest.hexdigest()}  {path.name}\n")
-    (stage / "MANIFEST.sha256").write_text("".join(lines), encoding="utf-8")
+    write_manifest(stage, [p.name for p in stage.iterdir() if p.is_file()])
 
 
 # ---- the checkpoint ------------------------------------------------------------------------------------

@@ -74,3 +74,22 @@ def shared_h_prefix(layer: int, projection: str, rank: int, base: str = "model."
 H_SIDE = {"gate_proj": "suh", "up_proj": "suh", "down_proj": "svh"}
 I_SIDE = {"gate_proj": "svh", "up_proj": "svh", "down_proj": "suh"}
 PROJECTIONS_BY_INDEX = ("gate_proj", "up_proj", "down_proj")
+
+# The rank-sliced TR3 contract (tr3-and-mixed-moe.md §1.3, §1.5): the exact schema strings config.json must
+# declare, and the key and shard names they describe. Written by synth and `repack --to tr3`, checked by validate.
+TENSOR_SCHEMA = "model.layers.{L}.mlp.experts.{E}.{proj}.rank{r}.{trellis|suh|svh|mcg}"
+SHARED_H_TENSOR_SCHEMA = "model.layers.{L}.mlp.experts.shared_h.{proj}.rank{r}.{suh|svh}"
+
+
+def expert_key(layer: int, expert: int, proj: str, rank: int, field_name: str) -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.rank{rank}.{field_name}"
+
+
+def shared_h_key(layer: int, proj: str, rank: int) -> str:
+    """The one shared hidden-side row of (layer, projection, rank) under shared_h_v1."""
+    return f"model.layers.{layer}.mlp.experts.shared_h.{proj}.rank{rank}.{H_SIDE[proj]}"
+
+
+def shard_name(layer: int) -> str:
+    """The TR3 shard of one MoE layer (tools resolve tensors through the index, not this name)."""
+    return f"model-layer-{layer:03d}.safetensors"

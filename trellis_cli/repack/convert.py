@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trellis_cli.checkpoint.model import MCG_MARKER, MUL1_MARKER, PROJECTIONS, Checkpoint
-from trellis_cli.checkpoint.names import H_SIDE, I_SIDE
+from trellis_cli.checkpoint.names import H_SIDE, I_SIDE, SHARED_H_TENSOR_SCHEMA, expert_key, shard_name, shared_h_key
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.header import read_local_header
+from trellis_cli.integrity import MANIFEST, write_manifest
 from trellis_cli.repack import manifest as mf
 from trellis_cli.repack.format import LayerPack, expand_ranges, split_descriptor
 from trellis_cli.repack.layer_file import read_layer_pack
@@ -30,16 +31,7 @@ from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter
 
 MARKERS = {"mcg": ("mcg", MCG_MARKER), "mul1": ("mul1", MUL1_MARKER), "3inst": None}
 ROTATION_LAYOUT = {True: "shared_h_v1", False: "per_expert_v1"}
-SHARED_H_TENSOR_SCHEMA = "model.layers.{L}.mlp.experts.shared_h.{proj}.rank{r}.{suh|svh}"
 INDEX_NAME = "model.safetensors.index.json"
-
-
-def expert_key(layer: int, expert: int, proj: str, rank: int, field: str) -> str:
-    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.rank{rank}.{field}"
-
-
-def shared_key(layer: int, proj: str, rank: int) -> str:
-    return f"model.layers.{layer}.mlp.experts.shared_h.{proj}.rank{rank}.{H_SIDE[proj]}"
 
 
 @dataclass(frozen=True)
@@ -81,7 +73,7 @@ class Tr3Layer:
                                     ("marker", rank)))
             if self.shared:
                 for p, proj in enumerate(PROJECTIONS):
-                    out.append((PlannedTensor(shared_key(self.layer, proj, rank), "F16",
+                    out.append((PlannedTensor(shared_h_key(self.layer, proj, rank), "F16",
                                               self._vec_shape(h, self.shared_ndim)), ("shared", rank, None, p)))
         return out
 
@@ -231,7 +223,7 @@ def _options(options) -> dict[str, Any]:
 def _shard_name(source_files, layer: int) -> str:
     if source_files and len(source_files) == 1:
         return source_files[0]
-    return f"model-layer-{layer:03d}.safetensors"
+    return shard_name(layer)
 
 
 def _restored_config(config: dict[str, Any], tp: int, shared: bool) -> dict[str, Any]:
@@ -348,9 +340,8 @@ class _Tr3Run:
         total = sum((stage.path / f).stat().st_size for f in set(weight_map.values()))
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (stage.path / INDEX_NAME).write_text(json.dumps(index, separators=(",", ":")), encoding="utf-8")
-        lines = [f"{mf.sha256_file(p)}  {p.name}\n" for p in sorted(stage.path.iterdir())
-                 if p.is_file() and not p.name.startswith(".") and p.name != "MANIFEST.sha256"]
-        (stage.path / "MANIFEST.sha256").write_text("".join(lines), encoding="utf-8")
+        write_manifest(stage.path, [p.name for p in stage.path.iterdir()
+                                    if p.is_file() and not p.name.startswith(".") and p.name != MANIFEST])
 
 
 def _cached_packs(load: Callable[[int], LayerPack]) -> Callable[[int], LayerPack]:

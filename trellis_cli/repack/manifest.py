@@ -14,23 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from trellis_cli.errors import CheckFailed
+from trellis_cli.integrity import sha256_file
 from trellis_cli.repack.format import MANIFEST_NAME, SCHEMA, SCHEMA_VERSION
 
 SELF_HASH_KEY = "manifest_sha256"
-HASH_BLOCK = 1 << 20
-
-
-def sha256_file(path: str | Path, on_bytes=None) -> str:
-    """Streamed sha256 of a file (1 MiB reads into one buffer: no page faults, GIL released while hashing)."""
-    digest = hashlib.sha256()
-    buffer = bytearray(HASH_BLOCK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-            if on_bytes is not None:
-                on_bytes(n)
-    return digest.hexdigest()
 
 
 def file_entry(path: Path, **extra: Any) -> dict[str, Any]:

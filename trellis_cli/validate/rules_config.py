@@ -11,10 +11,9 @@ from typing import Any, Iterator
 from trellis_cli.checkpoint.declared import layer_range
 from trellis_cli.checkpoint.dialect import QUANT_CONFIG
 from trellis_cli.checkpoint.model import DIALECT_EXL3, DIALECT_R7, Checkpoint
+from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, TENSOR_SCHEMA
 from trellis_cli.findings import Finding, Location, error, warning
 
-CANONICAL_TENSOR_SCHEMA = "model.layers.{L}.mlp.experts.{E}.{proj}.rank{r}.{trellis|suh|svh|mcg}"
-CANONICAL_SHARED_H_SCHEMA = "model.layers.{L}.mlp.experts.shared_h.{proj}.rank{r}.{suh|svh}"
 REQUIRED_TR3_KEYS = ("bits", "codebook", "experts_per_layer", "moe_layers", "tensor_schema", "tp")
 MIXED_K_RANGE = range(3, 7)
 UNIFORM_K_VALUES = {3, 4, 5, 6, 8}
@@ -55,13 +54,13 @@ def _check_tr3_contract(h: dict) -> Iterator[Finding]:
     if "moe_layers" in h and not layer_range(h["moe_layers"]):
         yield error("config.tr3-moe-layers", _where("moe_layers"), "must be [first, last] integers with "
                     "0 <= first <= last", found=h["moe_layers"])
-    if "tensor_schema" in h and h["tensor_schema"] != CANONICAL_TENSOR_SCHEMA:
+    if "tensor_schema" in h and h["tensor_schema"] != TENSOR_SCHEMA:
         yield error("config.tr3-tensor-schema", _where("tensor_schema"), "tensor_schema is not the canonical string",
-                    expected=CANONICAL_TENSOR_SCHEMA, found=h["tensor_schema"])
+                    expected=TENSOR_SCHEMA, found=h["tensor_schema"])
     shared = h.get("rotation_layout", "per_expert_v1") == "shared_h_v1"
-    if shared and h.get("shared_h_tensor_schema") != CANONICAL_SHARED_H_SCHEMA:
+    if shared and h.get("shared_h_tensor_schema") != SHARED_H_TENSOR_SCHEMA:
         yield error("config.tr3-shared-h-schema", _where("shared_h_tensor_schema"), "shared_h_v1 needs the "
-                    "canonical shared_h_tensor_schema", expected=CANONICAL_SHARED_H_SCHEMA,
+                    "canonical shared_h_tensor_schema", expected=SHARED_H_TENSOR_SCHEMA,
                     found=h.get("shared_h_tensor_schema"))
     if not shared and "shared_h_tensor_schema" in h:
         yield error("config.tr3-shared-h-schema", _where("shared_h_tensor_schema"), "shared_h_tensor_schema is only "
