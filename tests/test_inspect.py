@@ -9,7 +9,8 @@ import pytest
 
 from trellis_cli.checkpoint import open_checkpoint
 from trellis_cli.cli.app import main
-from trellis_cli.inspect_report import build_inspect, compact_ranges
+from trellis_cli.id_ranges import compact_ranges
+from trellis_cli.inspect_report import build_inspect
 from trellis_cli.synth import SynthSpec, preset, write_checkpoint
 
 

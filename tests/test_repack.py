@@ -15,7 +15,8 @@ from trellis_cli import synth
 from trellis_cli.checkpoint import open_checkpoint
 from trellis_cli.errors import CheckFailed
 from trellis_cli.repack import pack_layer, read_layer_pack, write_layer_pack
-from trellis_cli.repack.format import SCHEMA, expand_ranges, compact_ranges, split_descriptor
+from trellis_cli.id_ranges import compact_ranges, expand_ranges
+from trellis_cli.repack.format import SCHEMA, split_descriptor
 from trellis_cli.repack.run import Interrupted, RepackOptions, run_repack
 from trellis_cli.repack.verify import describe_repacked, verify_repacked
 from trellis_cli.sample import sample_path

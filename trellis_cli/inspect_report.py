@@ -11,23 +11,9 @@ from collections import Counter
 from typing import Any
 
 from trellis_cli.checkpoint.model import DIALECT_REPACKED, Checkpoint, MoeLayer
+from trellis_cli.id_ranges import compact_ranges
 
 GiB = 1024**3
-
-
-def compact_ranges(ids: list[int]) -> str:
-    """[0,1,2,3,4,5,9,12,13] -> "0-5,9,12-13"."""
-    ids = sorted(set(ids))
-    parts: list[str] = []
-    start = prev = None
-    for i in ids + [None]:
-        if i is not None and prev is not None and i == prev + 1:
-            prev = i
-            continue
-        if start is not None:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = i
-    return ",".join(parts)
 
 
 def build_inspect(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str, Any]:
@@ -274,4 +260,4 @@ def _render_route_pack(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
-__all__ = ["build_inspect", "collapse_runs", "compact_ranges", "layer_summary", "render_markdown", "render_text"]
+__all__ = ["build_inspect", "collapse_runs", "layer_summary", "render_markdown", "render_text"]

@@ -21,7 +21,8 @@ from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.header import read_local_header
 from trellis_cli.integrity import MANIFEST, write_manifest
 from trellis_cli.repack import manifest as mf
-from trellis_cli.repack.format import LayerPack, expand_ranges, split_descriptor
+from trellis_cli.id_ranges import expand_ranges
+from trellis_cli.repack.format import LayerPack, split_descriptor
 from trellis_cli.repack.layer_file import read_layer_pack
 from trellis_cli.repack.pack import layer_tiers, pack_layer
 from trellis_cli.repack.plan import parse_selection, rank_pieces

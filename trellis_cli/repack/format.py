@@ -82,32 +82,6 @@ def split_descriptor(value: int) -> tuple[int, int]:
     return value >> 8, value & 0xFF
 
 
-def compact_ranges(ids: "list[int]") -> str:
-    """Sorted ids as "0-3,7,9-10" (the manifest's form for tier membership); "" when empty."""
-    parts: list[str] = []
-    ordered = sorted(ids)
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ",".join(parts)
-
-
-def expand_ranges(text: str) -> list[int]:
-    """Inverse of compact_ranges; raises ValueError on malformed text."""
-    out: list[int] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        first, last = int(lo), int(hi) if hi else int(lo)
-        if first < 0 or last < first:
-            raise ValueError(f"bad id range {part!r}")
-        out.extend(range(first, last + 1))
-    return out
-
-
 def descriptor(tier: int, local_id: int) -> int:
     return (tier << 8) | local_id
 

@@ -138,8 +138,6 @@ def check_layer_file(path: Path, checkpoint: Checkpoint, layer: int, rank: int, 
 
 def _compare(written: _WrittenFile, checkpoint: Checkpoint, layer: int, rank: int, tp: int, shared_h: bool,
              reader: TensorReader) -> None:
-    import torch
-
     moe = checkpoint.layers[layer]
     hidden, inter = checkpoint.hidden, checkpoint.intermediate
     pieces, source_width = rank_pieces(inter, checkpoint.tp, tp, rank), inter // checkpoint.tp

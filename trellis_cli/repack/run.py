@@ -21,8 +21,8 @@ from typing import Any, Callable
 from trellis_cli.checkpoint.model import DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H, Checkpoint
 from trellis_cli.checkpoint.names import parse_expert_name
 from trellis_cli.errors import CheckFailed, UsageError, ValidationFailed
+from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.repack import manifest as mf
-from trellis_cli.repack.format import compact_ranges
 from trellis_cli.repack.layer_file import sync_file, write_layer_pack
 from trellis_cli.repack.pack import Arena, layer_tiers, pack_layer
 from trellis_cli.repack.plan import RepackPlan, make_plan

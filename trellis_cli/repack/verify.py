@@ -15,10 +15,11 @@ from typing import Any
 from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Location, Report, error, warning
 from trellis_cli.header import DTYPE_BYTES, HeaderError, read_local_header
+from trellis_cli.id_ranges import expand_ranges
 from trellis_cli.repack import manifest as mf
 from trellis_cli.repack.format import (
     DESCRIPTORS, GLOBAL_TO_COMBINED, MANIFEST_NAME, MAX_TIER_EXPERTS, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE,
-    ROT_UP_SUH, SCHEMA, SCHEMA_VERSION, TABLE_NAMES, TIER_K, TIER_SIZE, descriptor, expand_ranges, layer_file_name,
+    ROT_UP_SUH, SCHEMA, SCHEMA_VERSION, TABLE_NAMES, TIER_K, TIER_SIZE, descriptor, layer_file_name,
     tier_trellis_name, tier_trellis_shape,
 )
 

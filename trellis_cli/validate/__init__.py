@@ -13,6 +13,7 @@ from typing import Callable
 
 from trellis_cli.checkpoint.model import DIALECT_REPACKED, Checkpoint
 from trellis_cli.findings import Finding, Location, Report, Severity
+from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.validate import rules_config, rules_files, rules_tensors
 
 MAX_FINDINGS_PER_CODE = 50  # then one "... and N more" line: a missing shard must not print 12,288 lines
@@ -81,14 +82,8 @@ def _selected_layers(ckpt: Checkpoint, layers: list[int] | None, report: Report)
         if li not in ckpt.layers:
             report.findings.append(Finding("layers.not-found", Severity.WARNING, Location(layer=li),
                                            "--layers names a layer the checkpoint does not have",
-                                           expected=_ranges(list(ckpt.layers)), found=li))
+                                           expected=compact_ranges(list(ckpt.layers)), found=li))
     return [li for li in layers if li in ckpt.layers]
-
-
-def _ranges(ids: list[int]) -> str:
-    from trellis_cli.inspect_report import compact_ranges
-
-    return compact_ranges(ids)
 
 
 def _run_deep(ckpt: Checkpoint, selected: list[int], report: Report, progress) -> None:
@@ -98,7 +93,7 @@ def _run_deep(ckpt: Checkpoint, selected: list[int], report: Report, progress) -
         report.extend(rules_data.check_layer_data(ckpt, ckpt.layers[li], report.count))
         if progress is not None:
             progress("data", done, len(selected))
-    report.context["deep_layers"] = _ranges(selected)
+    report.context["deep_layers"] = compact_ranges(selected)
 
 
 def _run_checksums(ckpt: Checkpoint, report: Report, progress) -> None:
