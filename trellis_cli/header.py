@@ -108,8 +108,8 @@ def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
     return out
 
 
-def _is_int(value: object) -> bool:
-    # `type(...) is int`, not isinstance: bool is an int subclass and `true` in a shape must not pass as 1.
+def is_int(value: object) -> bool:
+    """A JSON integer: True for 3, False for 3.0 and for `true` (bool is an int subclass in Python)."""
     return type(value) is int
 
 
@@ -119,12 +119,12 @@ def _parse_entry(file: str, name: str, info: object) -> TensorEntry:
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         raise HeaderError(f"{file}: {name}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
         raise HeaderError(f"{file}: {name}: shape must be a list of non-negative integers, found {shape!r}")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(_is_int(o) and o >= 0 for o in offsets)
+        or not all(is_int(o) and o >= 0 for o in offsets)
         or offsets[0] > offsets[1]
     ):
         raise HeaderError(f"{file}: {name}: data_offsets must be [begin, end] with 0 <= begin <= end, found {offsets!r}")

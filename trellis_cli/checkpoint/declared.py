@@ -14,6 +14,7 @@ from typing import Any, Callable
 from trellis_cli.checkpoint.names import PROJECTIONS_BY_INDEX, parse_expert_name
 from trellis_cli.errors import CheckFailed, SourceUnavailable
 from trellis_cli.findings import Finding, Location, error, warning
+from trellis_cli.header import is_int
 
 TAIL_FALLBACK_K = 3  # a tail_tr3 list covering every expert means "all trellis-3" (the MTP overlay)
 
@@ -160,8 +161,8 @@ def _r7_map(data: Any) -> dict[tuple[int, str], int]:
 
 
 def layer_range(moe_layers: Any) -> list[int]:
-    if (isinstance(moe_layers, list) and len(moe_layers) == 2 and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in moe_layers) and 0 <= moe_layers[0] <= moe_layers[1]):
+    if (isinstance(moe_layers, list) and len(moe_layers) == 2 and all(is_int(v) for v in moe_layers)
+            and 0 <= moe_layers[0] <= moe_layers[1]):
         return list(range(moe_layers[0], moe_layers[1] + 1))
     return []
 

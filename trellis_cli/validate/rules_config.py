@@ -13,6 +13,7 @@ from trellis_cli.checkpoint.dialect import QUANT_CONFIG
 from trellis_cli.checkpoint.model import DIALECT_EXL3, DIALECT_R7, Checkpoint
 from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, TENSOR_SCHEMA
 from trellis_cli.findings import Finding, Location, error, warning
+from trellis_cli.header import is_int
 
 REQUIRED_TR3_KEYS = ("bits", "codebook", "experts_per_layer", "moe_layers", "tensor_schema", "tp")
 MIXED_K_RANGE = range(3, 7)
@@ -40,10 +41,6 @@ def check_config(ckpt: Checkpoint) -> Iterator[Finding]:
     yield from _check_quant_configs(ckpt)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_tr3_contract(h: dict) -> Iterator[Finding]:
     for key in REQUIRED_TR3_KEYS:
         if key not in h:
@@ -66,7 +63,7 @@ def _check_tr3_contract(h: dict) -> Iterator[Finding]:
         yield error("config.tr3-shared-h-schema", _where("shared_h_tensor_schema"), "shared_h_tensor_schema is only "
                     "allowed with rotation_layout shared_h_v1", found=h.get("rotation_layout", "per_expert_v1"))
     for key in ("experts_per_layer", "tp"):
-        if key in h and not (_is_int(h[key]) and h[key] > 0):
+        if key in h and not (is_int(h[key]) and h[key] > 0):
             yield error("config.tr3-positive-int", _where(key), "must be a positive integer", found=h[key])
     bits = h.get("bits")
     if isinstance(bits, str) and bits.lower().startswith("mixed"):
@@ -80,7 +77,7 @@ def _check_mixed(h: dict, bits: str) -> Iterator[Finding]:
         yield warning("config.tr3-bits", _where("bits"), "newer loaders accept only the exact string 'mixed'",
                       expected="mixed", found=bits)
     k_values = h.get("k_values")
-    if not isinstance(k_values, list) or not k_values or not all(_is_int(k) and k in MIXED_K_RANGE for k in k_values):
+    if not isinstance(k_values, list) or not k_values or not all(is_int(k) and k in MIXED_K_RANGE for k in k_values):
         yield error("config.tr3-k-values", _where("k_values"), "mixed bits need a non-empty k_values list within "
                     "3..6", found=k_values)
     elif len(set(k_values)) != 2:
@@ -95,7 +92,7 @@ def _check_mixed(h: dict, bits: str) -> Iterator[Finding]:
 
 
 def _check_uniform(h: dict, bits: Any) -> Iterator[Finding]:
-    if not (_is_int(bits) or (isinstance(bits, float) and bits.is_integer())):
+    if not (is_int(bits) or (isinstance(bits, float) and bits.is_integer())):
         yield error("config.tr3-bits", _where("bits"), "bits must be an integral K or 'mixed'", found=bits)
     by_layer = h.get("trellis_bits_by_layer")
     if by_layer is None:
@@ -109,7 +106,7 @@ def _check_uniform(h: dict, bits: Any) -> Iterator[Finding]:
         yield error("config.tr3-bits-by-layer", _where("trellis_bits_by_layer"), "keys must cover moe_layers exactly",
                     expected=f"{len(wanted)} layers", found=sorted(set(by_layer) ^ wanted)[:8])
     for key, k in by_layer.items():
-        if not (_is_int(k) and k in UNIFORM_K_VALUES):
+        if not (is_int(k) and k in UNIFORM_K_VALUES):
             yield error("config.tr3-bits-by-layer", _where(f"trellis_bits_by_layer.{key}"), "K must be one of "
                         "3, 4, 5, 6, 8", found=k)
 
@@ -118,7 +115,7 @@ def _check_counts(ckpt: Checkpoint, h: dict) -> Iterator[Finding]:
     declared = h.get("experts_per_layer")
     for key in ("n_routed_experts", "num_experts", "num_local_experts"):
         model = ckpt.config.get(key)
-        if _is_int(model) and _is_int(declared) and model != declared:
+        if is_int(model) and is_int(declared) and model != declared:
             yield error("config.expert-count", _where("experts_per_layer"), f"differs from config.json {key}",
                         expected=model, found=declared)
 
@@ -134,10 +131,10 @@ def check_bitmaps(ckpt: Checkpoint, h: dict) -> Iterator[Finding]:
         if ks is None:
             continue
         where = Location(file=sources.get(li, "config.json").split(":")[0], layer=li)
-        if _is_int(experts) and len(ks) != experts:
+        if is_int(experts) and len(ks) != experts:
             yield error("bitmap.length", where, "bitmap lists a different number of experts than experts_per_layer",
                         expected=experts, found=len(ks))
-        bad = sorted({repr(k) for k in ks if not (_is_int(k) and (k_values is None or k in k_values))})
+        bad = sorted({repr(k) for k in ks if not (is_int(k) and (k_values is None or k in k_values))})
         if bad:
             yield error("bitmap.k-value", where, "bitmap values outside the declared k_values", expected=k_values,
                         found=bad[:8])
@@ -155,7 +152,7 @@ def _check_r7_maps(ckpt: Checkpoint) -> Iterator[Finding]:
         if ckpt.num_experts and len(pk) != 3 * ckpt.num_experts:
             yield error("bitmap.length", where, "R7 map needs one K per (expert, projection)",
                         expected=3 * ckpt.num_experts, found=len(pk))
-        bad = sorted({repr(k) for k in pk.values() if not (_is_int(k) and k in R7_K_VALUES)})
+        bad = sorted({repr(k) for k in pk.values() if not (is_int(k) and k in R7_K_VALUES)})
         if bad:
             yield error("bitmap.k-value", where, "R7 K values must be 3, 4 or 5", found=bad[:8])
         elif ckpt.num_experts == 256 and sum(pk.values()) != R7_LAYER_SUM:
@@ -215,7 +212,7 @@ def _check_protected_entry(ckpt: Checkpoint, prefix: str, entry: Any) -> Iterato
                     found=sorted(entry) if isinstance(entry, dict) else entry)
         return
     bits = entry["bits"]
-    if not (_is_int(bits) and bits in PROTECTED_BITS) or entry["codebook"] != "mcg":
+    if not (is_int(bits) and bits in PROTECTED_BITS) or entry["codebook"] != "mcg":
         yield error("config.protected-policy", where, "protected tensors are bits 6 or 8 with codebook mcg",
                     expected={"bits": "6|8", "codebook": "mcg"}, found=entry)
         return
