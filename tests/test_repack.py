@@ -15,6 +15,7 @@ from trellis_cli import synth
 from trellis_cli.checkpoint import open_checkpoint
 from trellis_cli.errors import CheckFailed
 from trellis_cli.repack import pack_layer, read_layer_pack, write_layer_pack
+from trellis_cli.validate import run_validation
 from trellis_cli.id_ranges import compact_ranges, expand_ranges
 from trellis_cli.repack.format import SCHEMA, split_descriptor
 from trellis_cli.repack.run import Interrupted, RepackOptions, run_repack
@@ -106,6 +107,10 @@ def test_round_trip_is_bit_exact(sources, tmp_path, name):
     assert json.loads((back / "config.json").read_text()) == json.loads((sources[name] / "config.json").read_text())
     assert (back / "tier_bitmap.json").read_bytes() == (sources[name] / "tier_bitmap.json").read_bytes()
     assert open_checkpoint(back).dialect == open_checkpoint(sources[name]).dialect
+    # The TR3 written back validates exactly like its source: no finding of its own (index total_size included).
+    source_lines = {f.line() for f in run_validation(open_checkpoint(sources[name])).findings}
+    back_lines = {f.line() for f in run_validation(open_checkpoint(back)).findings}
+    assert back_lines == source_lines, sorted(back_lines ^ source_lines)
 
 
 def test_manifest_describes_tiers_sources_and_files(sources, tmp_path):

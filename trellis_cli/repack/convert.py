@@ -338,7 +338,9 @@ class _Tr3Run:
             if name.endswith(".safetensors"):
                 weight_map.update(dict.fromkeys(read_local_header(stage.path / name, name).tensors, name))
         (stage.path / "config.json").write_text(json.dumps(self.config, indent=2) + "\n", encoding="utf-8")
-        total = sum((stage.path / f).stat().st_size for f in set(weight_map.values()))
+        # total_size counts tensor data bytes, not file sizes (the index convention validate checks).
+        total = sum(entry.nbytes for f in set(weight_map.values())
+                    for entry in read_local_header(stage.path / f, f).tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (stage.path / INDEX_NAME).write_text(json.dumps(index, separators=(",", ":")), encoding="utf-8")
         write_manifest(stage.path, [p.name for p in stage.path.iterdir()
