@@ -6,7 +6,7 @@
 #pragma once
 #include <stdint.h>
 
-#define TRELLIS_ABI_VERSION 2
+#define TRELLIS_ABI_VERSION 3
 #define TRELLIS_MAX_TIERS 8
 
 // Codebook ids (format.py CODEBOOK_IDS).
@@ -73,11 +73,15 @@ typedef struct TrellisMoeArgs {
   int32_t ids_int64;
   int32_t x_dtype;
   int32_t out_dtype;
-  int32_t m_tile;  // 16 or 128 rows per work tile
+  int32_t m_tile;  // 16, 32 or 128 rows per work tile
   int32_t k_split;  // FC1 split of H into k_split ranges (divides H/128)
   int32_t slot_capacity;
   int32_t tile_capacity;
   int32_t debug_flags;
+  // 1: direct small-M mode: no route pack, work tile t is route t (one row, slot t), and FC1 rotates its
+  // own input rows (no rotation launch). Needs m_tile 16, slot and tile capacity >= m * top_k, and at
+  // most kDirectMaxChunks 128-column chunks of H per FC1 range.
+  int32_t direct;
 } TrellisMoeArgs;
 
 int trellis_abi_version(void);

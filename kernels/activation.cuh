@@ -19,15 +19,15 @@ namespace trellis {
 __global__ void activation_kernel(const TrellisMoeArgs a) {
   WorkTile w;
   if (!load_work_tile(a, blockIdx.x, w)) return;
-  after_predecessor();
   const int lane = threadIdx.x & 31, block = threadIdx.x >> 5;
   const int inter = a.intermediate;
   const int col = block * 128 + 4 * lane;
   const __half* rot = static_cast<const __half*>(a.rot_intermediate) + size_t(w.expert) * 3 * inter;
   float svh_g[4], svh_u[4], suh_d[4];
-  load4_half(rot + col, svh_g);
+  load4_half(rot + col, svh_g);  // layer inputs: read while FC1 drains
   load4_half(rot + inter + col, svh_u);
   load4_half(rot + 2 * inter + col, suh_d);
+  after_predecessor();
   const size_t split_stride = size_t(a.slot_capacity) * 2 * inter;
   for (int row = blockIdx.y; row < w.rows; row += gridDim.y) {
     const int slot = w.start + row;
@@ -50,7 +50,7 @@ __global__ void activation_kernel(const TrellisMoeArgs a) {
       v[i] = gate / (1.0f + expf(-gate)) * up * suh_d[i];
     }
     hadamard128(v, lane);
-    const int expand = a.m_tile == 16 ? a_expand(1) : a_expand(8);  // the FC2 kernel's A layout
+    const int expand = expand_of_m_tile(a.m_tile);  // the FC2 kernel's A layout
     store_a_row(static_cast<__half*>(a.act) + size_t(slot) * expand * inter, col, expand, v);
   }
 }
@@ -73,14 +73,18 @@ constexpr int kSumThreads = 256;
 
 // grid (M, ceil(H / (4 * kSumThreads))): each thread sums 4 columns of one token.
 __global__ void __launch_bounds__(kSumThreads) topk_sum_kernel(const TrellisMoeArgs a) {
-  after_predecessor();
   const int token = blockIdx.x;
   const int col = (blockIdx.y * kSumThreads + threadIdx.x) * 4;
+  // Which routes this rank serves depends on the layer inputs only: look it up while FC2 drains.
+  uint32_t served = 0;
+  for (int k = 0; k < a.top_k && k < 32; ++k)
+    if (route_combined(a, token * a.top_k + k) >= 0) served |= 1u << k;
+  after_predecessor();
   if (col >= a.hidden) return;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int k = 0; k < a.top_k; ++k) {
     const int route = token * a.top_k + k;
-    if (route_combined(a, route) < 0) continue;
+    if (k < 32 ? !((served >> k) & 1u) : route_combined(a, route) < 0) continue;
     const float4 y = *reinterpret_cast<const float4*>(static_cast<const float*>(a.route_out) + size_t(route) * a.hidden + col);
     acc.x += y.x;
     acc.y += y.y;

@@ -14,13 +14,17 @@
 
 #include "abi.h"
 #include "decode.cuh"
+#include "route_pack.cuh"
 #include "warp_ops.cuh"
 
 namespace trellis {
 
-// Small-M tiles (R = 1) multiply split codebook words (decode.cuh) against activations stored with every
-// column twice (expanded_col); large tiles keep the merged fp16 weight and plain rows.
-__host__ __device__ constexpr int a_expand(int r) { return r == 1 ? 2 : 1; }
+// Work tiles of R m16 blocks: R = 1 and 2 (16 and 32 rows, small and mid M) multiply split codebook words
+// (decode.cuh) against activations stored with every column twice (expanded_col) and stream their copies;
+// R = 8 (128 rows, large M) keeps the merged fp16 weight, plain rows and register-lean copies.
+__host__ __device__ constexpr bool small_tile(int r) { return r <= 2; }
+__host__ __device__ constexpr int a_expand(int r) { return small_tile(r) ? 2 : 1; }
+__host__ __device__ constexpr int expand_of_m_tile(int m_tile) { return m_tile <= 32 ? 2 : 1; }
 // Halves per staged row: a chunk's 128 (or 256 expanded) + 8 of padding keeps ldmatrix conflict-free.
 __host__ __device__ constexpr int a_stride(int r) { return 128 * a_expand(r) + 8; }
 constexpr int kOStride = 132;  // floats per epilogue row
@@ -31,16 +35,28 @@ struct WorkTile {
   int expert, start, rows, tier, local, k;
 };
 
+// Direct mode reads the layer inputs only, so a kernel may call it before its predecessor finishes.
 __device__ __forceinline__ bool load_work_tile(const TrellisMoeArgs& a, int tile, WorkTile& w) {
-  if (tile >= *static_cast<const int*>(a.tile_count)) return false;
-  w.expert = static_cast<const int*>(a.tile_expert)[tile];
-  w.start = static_cast<const int*>(a.tile_start)[tile];
-  w.rows = static_cast<const int*>(a.tile_rows)[tile];
+  if (a.direct) {
+    if (tile >= a.m * a.top_k || (w.expert = route_combined(a, tile)) < 0) return false;
+    w.start = tile;
+    w.rows = 1;
+  } else {
+    if (tile >= *static_cast<const int*>(a.tile_count)) return false;
+    w.expert = static_cast<const int*>(a.tile_expert)[tile];
+    w.start = static_cast<const int*>(a.tile_start)[tile];
+    w.rows = static_cast<const int*>(a.tile_rows)[tile];
+  }
   const int d = static_cast<const int*>(a.descriptors)[w.expert];
   w.tier = d >> 8;
   w.local = d & 0xFF;
   w.k = a.tier_k[w.tier];
   return true;
+}
+
+// The route computed in slot `slot`.
+__device__ __forceinline__ int slot_route_of(const TrellisMoeArgs& a, int slot) {
+  return a.direct ? slot : static_cast<const int*>(a.slot_route)[slot];
 }
 
 // Words of projection `proj` of the tile's expert (tier layout [E_t, 3, tiles, 16K] int16).
@@ -102,18 +118,25 @@ __device__ __forceinline__ void store_a_row(__half* row, int col, int expand, co
 
 // Weights and A rows of a 128-wide k chunk travel global -> shared with 16-byte cp.async through a ring of
 // STAGES buffers, so the loads of the next chunks are in flight while the current one is decoded.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {  // dst: shared-space address
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) { cp_async16(shared_address(dst), src); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// The stage after `stage` in a ring of S (no division: the chunk loop runs on the integer pipe's budget).
+template <int S>
+__device__ __forceinline__ int next_stage(int stage) { return stage + 1 == S ? 0 : stage + 1; }
+
 // Each thread copies the same few 16-byte pieces of every chunk, from addresses that advance by a fixed
 // step from one chunk to the next. The streams below work out a thread's pieces once and keep one global
-// pointer per piece, so issuing a chunk costs a 64-bit add and a copy per piece, not a division chain.
-// Chunks must be issued in order, each once.
+// pointer and one shared offset per piece, so issuing a chunk costs a 64-bit add and a copy per piece,
+// not a division chain. Chunks must be issued in order, each once; stages are shared-space addresses.
 
 // Words of one stage: SOURCES x 8 runs (projection x 8 k tiles) of 8 consecutive n tiles, 64K words each,
 // stored in that order, so piece i of the stage lands at word 4i.
@@ -136,11 +159,11 @@ struct WeightStream {
       src[j] = first + (run >> 3) * source_stride + (run & 7) * kt_stride + piece * 4;
     }
   }
-  __device__ __forceinline__ void issue_next(uint32_t* stage) {
+  __device__ __forceinline__ void issue_next(uint32_t stage) {
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
       const int i = threadIdx.x + j * THREADS;
-      if (kTotal % THREADS == 0 || i < kTotal) cp_async16(stage + 4 * i, src[j]);
+      if (kTotal % THREADS == 0 || i < kTotal) cp_async16(stage + 16u * i, src[j]);
       src[j] += step;
     }
   }
@@ -154,6 +177,7 @@ struct RowStream {
   static constexpr int kTotal = SOURCES * kPerSource;
   static constexpr int kItems = ACTIVE ? (kTotal + THREADS - 1) / THREADS : 0;
   const __half* src[kItems > 0 ? kItems : 1];
+  uint32_t dst[kItems > 0 ? kItems : 1];  // bytes from the stage's start
   bool live[kItems > 0 ? kItems : 1];
 
   __device__ __forceinline__ RowStream(const __half* first, size_t source_stride, size_t row_stride, int rows) {
@@ -163,14 +187,13 @@ struct RowStream {
       const int p = i / kPerSource, rest = i % kPerSource, r = rest / kPieces, ch = rest % kPieces;
       live[j] = (kTotal % THREADS == 0 || i < kTotal) && r < rows;
       src[j] = first + p * source_stride + r * row_stride + ch * 8;
+      dst[j] = 2u * ((p * R * 16 + r) * kStride + ch * 8);
     }
   }
-  __device__ __forceinline__ void issue_next(__half* stage) {
+  __device__ __forceinline__ void issue_next(uint32_t stage) {
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
-      const int i = threadIdx.x + j * THREADS;
-      const int p = i / kPerSource, rest = i % kPerSource, r = rest / kPieces, ch = rest % kPieces;
-      if (live[j]) cp_async16(stage + (p * R * 16 + r) * kStride + ch * 8, src[j]);
+      if (live[j]) cp_async16(stage + dst[j], src[j]);
       src[j] += 128 * a_expand(R);
     }
   }
@@ -239,9 +262,10 @@ __device__ __forceinline__ void zero_dead_rows(__half* a, int sources, int rows,
 }
 
 // Decode the 8 k tiles of n tile `ntl` from a staged run and multiply them into the live m16 blocks.
+// a_addr: this lane's ldmatrix address for m16 block 0 of k tile 0 (a_lane_address).
 template <int K, int CB, int R>
-__device__ __forceinline__ void chunk_mma(const uint32_t* run, int ntl, const LaneWindow& win, const __half* a_tile,
-                                          int live, int lane, float (&acc)[R][2][4]) {
+__device__ __forceinline__ void chunk_mma(const uint32_t* run, int ntl, const LaneWindow& win, uint32_t a_addr,
+                                          int live, float (&acc)[R][2][4]) {
   constexpr int kAStride = a_stride(R);
   // The lane's words of k tile 0; k tile kt is a constant offset away (folds into the LDS).
   const uint32_t* w0 = run + ntl * 8 * K + win.w0;
@@ -254,28 +278,40 @@ __device__ __forceinline__ void chunk_mma(const uint32_t* run, int ntl, const La
     t.u1 = w1[kt * 64 * K];
     t.u2 = K >= 5 ? w2[kt * 64 * K] : 0u;
     if (a_expand(R) == 2) {  // split words against the expanded rows: even states, then odd states
-      uint32_t x[8], even[4], odd[4];
-      decode_words<K, CB>(t, win.off, x);
-      load_a_fragment(even, a_tile + kt * 32, kAStride, lane);
-      load_a_fragment(odd, a_tile + kt * 32 + 16, kAStride, lane);
-      mma_16816(acc[0][0], even, x[0], x[2]);
-      mma_16816(acc[0][0], odd, x[1], x[3]);
-      mma_16816(acc[0][1], even, x[4], x[6]);
-      mma_16816(acc[0][1], odd, x[5], x[7]);
+      uint32_t x[8];
+      decode_words<K, CB>(t, win, x);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (r < live) {
+          uint32_t even[4], odd[4];
+          load_a_fragment(even, a_addr + 2 * (r * 16 * kAStride + kt * 32));
+          load_a_fragment(odd, a_addr + 2 * (r * 16 * kAStride + kt * 32 + 16));
+          mma_16816(acc[r][0], even, x[0], x[2]);
+          mma_16816(acc[r][0], odd, x[1], x[3]);
+          mma_16816(acc[r][1], even, x[4], x[6]);
+          mma_16816(acc[r][1], odd, x[5], x[7]);
+        }
+      }
       continue;
     }
     uint32_t b[4];
-    decode_fragments<K, CB>(t, win.off, b);
+    decode_fragments<K, CB>(t, win, b);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (r < live) {
         uint32_t af[4];
-        load_a_fragment(af, a_tile + r * 16 * kAStride + kt * 16, kAStride, lane);
+        load_a_fragment(af, a_addr + 2 * (r * 16 * kAStride + kt * 16));
         mma_16816(acc[r][0], af, b[0], b[1]);
         mma_16816(acc[r][1], af, b[2], b[3]);
       }
     }
   }
+}
+
+// The lane's ldmatrix address in a staged A tile at shared address `tile` (rows a_stride(R) halves apart).
+template <int R>
+__device__ __forceinline__ uint32_t a_lane_address(uint32_t tile, int lane) {
+  return tile + 2 * ((lane & 15) * a_stride(R) + (lane >> 4) * 8);
 }
 
 template <int R>
@@ -290,11 +326,40 @@ __device__ __forceinline__ void zero_acc(float (&acc)[R][2][4]) {
 
 __host__ __device__ constexpr int max_k(bool fast) { return fast ? 4 : 8; }
 __host__ __device__ constexpr int fc1_stages(int r) { return r == 1 ? 3 : 2; }
-constexpr int kFc2Stages = 3;
+// FC2 walks only I/128 chunks (4 at I = 512). Large K3/K4 tiles keep 2 stages, so two CTAs (16 warps)
+// share an SM: with one CTA of 8 warps per SM the 128-row FC2 was latency-bound.
+__host__ __device__ constexpr int fc2_stages(int r, bool fast) { return (r == 1 || !fast) ? 3 : 2; }
 __host__ __device__ constexpr int fc1_stage_weight_words(bool fast) { return 2 * 8 * 64 * max_k(fast); }
 __host__ __device__ constexpr int fc1_stage_a_halves(int r) { return 2 * r * 16 * a_stride(r); }
 __host__ __device__ constexpr int fc2_stage_weight_words(bool fast) { return 8 * 64 * max_k(fast); }
 __host__ __device__ constexpr int fc2_stage_a_halves(int r) { return r * 16 * a_stride(r); }
+// Direct mode keeps FC1's one input row resident in the (then unused) A ring: per projection and chunk
+// 256 expanded halves, plus one zero row that the other 15 lanes of each ldmatrix read.
+constexpr int kDirectMaxChunks = 48;
+static_assert((2 * kDirectMaxChunks + 1) * 256 <= fc1_stages(1) * fc1_stage_a_halves(1), "direct rows exceed the A ring");
+
+// Direct mode: fp16(H128(x[token] ⊙ suh_p)) of the CTA's `chunks` chunks from kc0, expanded, into
+// resident[p][chunk][256], and zeros into resident[2 * chunks][256]. One warp per (projection, chunk).
+__device__ __forceinline__ void rotate_direct_row(const TrellisMoeArgs& a, const WorkTile& w, int kc0, int chunks,
+                                                  __half* resident) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int token = w.start / a.top_k;
+  for (int item = warp; item < 2 * chunks; item += blockDim.x >> 5) {
+    const int p = item / chunks, c = item - p * chunks;
+    const int col = (kc0 + c) * 128 + 4 * lane;
+    const __half* suh = static_cast<const __half*>(p ? a.up_suh : a.gate_suh) +
+                        size_t((p ? a.up_suh_shared : a.gate_suh_shared) ? 0 : w.expert) * a.hidden;
+    float v[4], s[4];
+    load4(a, a.x, size_t(token) * a.hidden + col, v);
+    load4_half(suh + col, s);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] *= s[i];
+    hadamard128(v, lane);
+    store_a_row(resident + item * 256, 4 * lane, 2, v);
+  }
+  for (int i = threadIdx.x; i < 256 / 8; i += blockDim.x)
+    *reinterpret_cast<uint4*>(resident + 2 * chunks * 256 + 8 * i) = make_uint4(0u, 0u, 0u, 0u);
+}
 
 // ---------------------------------------------------------------------------------------------------
 // FC1: grid (tiles * I/128, k_split), 16 warps: warp = projection (gate 0-7, up 8-15) x n tile.
@@ -318,49 +383,58 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   constexpr int kX = a_expand(R);
   const __half* xrot = static_cast<const __half*>(a.xrot) + size_t(w.start) * 2 * kX * a.hidden;
 
-  for (int st = 0; st < kStages; ++st) zero_dead_rows<R>(s_a + st * kAHalves, 2, w.rows, live);
+  const bool direct = small_tile(R) && a.direct;
+  if (!direct)
+    for (int st = 0; st < kStages; ++st) zero_dead_rows<R>(s_a + st * kAHalves, 2, w.rows, live);
   // Small tiles use the streams; large tiles the register-lean issue (the objects a kernel does not use
   // are compiled away).
-  WeightStream<K, 2, kFc1Threads, R == 1> weight_stream(gate_w + size_t(kc0) * 8 * kt_stride, kt_stride,
+  WeightStream<K, 2, kFc1Threads, small_tile(R)> weight_stream(gate_w + size_t(kc0) * 8 * kt_stride, kt_stride,
                                                 size_t(up_w - gate_w), 8 * kt_stride);
-  RowStream<R, 2, kFc1Threads, R == 1> row_stream(xrot + kc0 * 128 * kX, size_t(kX) * a.hidden, size_t(2) * kX * a.hidden,
-                                          w.rows);
+  RowStream<R, 2, kFc1Threads, small_tile(R)> row_stream(xrot + kc0 * 128 * kX, size_t(kX) * a.hidden, size_t(2) * kX * a.hidden,
+                                          direct ? 0 : w.rows);
   const WeightIssue<K, 2, kFc1Threads> weights(kt_stride, size_t(up_w - gate_w));
-  auto issue_w = [&](int c) {
-    if (R == 1) weight_stream.issue_next(s_w + (c % kStages) * kWeightWords);
-    else weights.issue(s_w + (c % kStages) * kWeightWords, gate_w + size_t(kc0 + c) * 8 * kt_stride);
+  const uint32_t w_ring = shared_address(s_w), a_ring = shared_address(s_a);
+  auto issue_w = [&](int c, int stage) {
+    if (small_tile(R)) weight_stream.issue_next(w_ring + stage * kWeightWords * 4);
+    else weights.issue(s_w + stage * kWeightWords, gate_w + size_t(kc0 + c) * 8 * kt_stride);
   };
-  auto issue_a = [&](int c) {
+  auto issue_a = [&](int c, int stage) {
     const int kc = kc0 + c;
-    if (R == 1) row_stream.issue_next(s_a + (c % kStages) * kAHalves);
-    else issue_a_rows<R, 2, kFc1Threads, !FAST>(s_a + (c % kStages) * kAHalves, xrot + kc * 128 * kX,
+    if (small_tile(R)) row_stream.issue_next(a_ring + stage * kAHalves * 2);
+    else issue_a_rows<R, 2, kFc1Threads, !FAST>(s_a + stage * kAHalves, xrot + kc * 128 * kX,
                                          xrot + kX * a.hidden + kc * 128 * kX, size_t(2) * kX * a.hidden, w.rows);
   };
   // Weights do not depend on the previous kernel: their first stages load while it drains.
 #pragma unroll
   for (int c = 0; c < kStages - 1; ++c) {
-    if (c < chunks) issue_w(c);
+    if (c < chunks) issue_w(c, c);
     cp_async_commit();
   }
   after_predecessor();
+  if (direct) rotate_direct_row(a, w, kc0, chunks, s_a);  // made visible by the loop's first barrier
 #pragma unroll
   for (int c = 0; c < kStages - 1; ++c) {
-    if (c < chunks) issue_a(c);
+    if (c < chunks) issue_a(c, c);
     cp_async_commit();
   }
   float acc[R][2][4];
   zero_acc<R>(acc);
+  // Direct mode: lanes 0 and 16 read the resident row of this projection, the others the zero row.
+  const uint32_t direct_row = a_ring + 2 * ((lane & 15) ? 2 * chunks * 256 : proj * chunks * 256) + 16 * (lane >> 4);
+  int st = 0, st_issue = kStages - 1;  // stage of chunk c, and of chunk c + kStages - 1
   for (int c = 0; c < chunks; ++c) {
     cp_async_wait<kStages - 2>();
     __syncthreads();
     if (c + kStages - 1 < chunks) {
-      issue_w(c + kStages - 1);
-      issue_a(c + kStages - 1);
+      issue_w(c + kStages - 1, st_issue);
+      issue_a(c + kStages - 1, st_issue);
     }
     cp_async_commit();
-    const int st = c % kStages;
-    chunk_mma<K, CB, R>(s_w + st * kWeightWords + proj * 8 * 64 * K, ntl, win,
-                        s_a + st * kAHalves + proj * R * 16 * a_stride(R), live, lane, acc);
+    const uint32_t a_addr = direct ? direct_row + ((lane & 15) ? 0 : 512 * c)
+                                   : a_lane_address<R>(a_ring + 2 * (st * kAHalves + proj * R * 16 * a_stride(R)), lane);
+    chunk_mma<K, CB, R>(s_w + st * kWeightWords + proj * 8 * 64 * K, ntl, win, a_addr, live, acc);
+    st = next_stage<kStages>(st);
+    st_issue = next_stage<kStages>(st_issue);
   }
   cp_async_wait<0>();
 
@@ -384,7 +458,7 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
 // FAST: the tiers use only K3 and K4. Register allocation is the maximum over every compiled K, so a
 // kernel holding just those two fits 2 CTAs (32 warps) per SM where the all-K kernel fits one.
 template <int CB, int R, bool FAST>
-__global__ void __launch_bounds__(kFc1Threads, (R == 1 && FAST) ? 2 : 1) fc1_kernel(const TrellisMoeArgs a) {
+__global__ void __launch_bounds__(kFc1Threads, (small_tile(R) && FAST) ? 2 : 1) fc1_kernel(const TrellisMoeArgs a) {
   extern __shared__ __align__(16) unsigned char gemm_smem[];
   const int nchunks = a.intermediate >> 7;
   WorkTile w;
@@ -414,7 +488,8 @@ __host__ __device__ constexpr int fc1_smem_bytes(int r, bool fast) {
 
 // ---------------------------------------------------------------------------------------------------
 // Input rotation, once per route: xrot[slot][p] = fp16(H128(x[token] ⊙ suh_p)) for p = gate, up.
-// grid (tiles, H/128), 8 warps; a warp rotates one (row, projection) 128-block at a time.
+// grid (tiles, H/128), 8 warps; a warp rotates both projections of two rows per step, with the loads of
+// both rows in flight together (at large M each warp walks 16 rows, and the loads were its whole cost).
 
 __global__ void __launch_bounds__(256) rotate_input_kernel(const TrellisMoeArgs a) {
   after_predecessor();  // the tile list comes from the route pack, launched just before
@@ -422,22 +497,32 @@ __global__ void __launch_bounds__(256) rotate_input_kernel(const TrellisMoeArgs 
   if (!load_work_tile(a, blockIdx.x, w)) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int col = blockIdx.y * 128 + 4 * lane;
-  const int kX = a.m_tile == 16 ? a_expand(1) : a_expand(8);  // the FC1 kernel's A layout
+  const int kX = expand_of_m_tile(a.m_tile);  // the FC1 kernel's A layout
   const __half* suh[2] = {
       static_cast<const __half*>(a.gate_suh) + size_t(a.gate_suh_shared ? 0 : w.expert) * a.hidden,
       static_cast<const __half*>(a.up_suh) + size_t(a.up_suh_shared ? 0 : w.expert) * a.hidden};
   float s[2][4];
   load4_half(suh[0] + col, s[0]);
   load4_half(suh[1] + col, s[1]);
-  for (int item = warp; item < 2 * w.rows; item += 8) {
-    const int r = item >> 1, p = item & 1;
-    const int token = static_cast<const int*>(a.slot_route)[w.start + r] / a.top_k;
-    float v[4];
-    load4(a, a.x, size_t(token) * a.hidden + col, v);
+  const int* slot_route = static_cast<const int*>(a.slot_route) + w.start;
+  for (int r0 = warp; r0 < w.rows; r0 += 16) {
+    const int rows[2] = {r0, r0 + 8};
+    float v[2][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] *= s[p][i];
-    hadamard128(v, lane);
-    store_a_row(static_cast<__half*>(a.xrot) + (size_t(w.start + r) * 2 + p) * kX * a.hidden, col, kX, v);
+    for (int i = 0; i < 2; ++i)
+      if (rows[i] < w.rows) load4(a, a.x, size_t(slot_route[rows[i]] / a.top_k) * a.hidden + col, v[i]);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (rows[i] >= w.rows) continue;
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        float y[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) y[e] = v[i][e] * s[p][e];
+        hadamard128(y, lane);
+        store_a_row(static_cast<__half*>(a.xrot) + (size_t(w.start + rows[i]) * 2 + p) * kX * a.hidden, col, kX, y);
+      }
+    }
   }
 }
 
@@ -447,6 +532,7 @@ __global__ void __launch_bounds__(256) rotate_input_kernel(const TrellisMoeArgs 
 
 template <int CB, int R, int K, bool FAST>
 __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk, unsigned char* smem) {
+  constexpr int kFc2Stages = fc2_stages(R, FAST);
   constexpr int kWeightWords = fc2_stage_weight_words(FAST), kAHalves = fc2_stage_a_halves(R);
   uint32_t* s_w = reinterpret_cast<uint32_t*>(smem);
   __half* s_a = reinterpret_cast<__half*>(smem + kFc2Stages * kWeightWords * 4);
@@ -461,41 +547,45 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   const __half* act = static_cast<const __half*>(a.act) + size_t(w.start) * kX * a.intermediate;
 
   for (int st = 0; st < kFc2Stages; ++st) zero_dead_rows<R>(s_a + st * kAHalves, 1, w.rows, live);
-  WeightStream<K, 1, kFc2Threads, R == 1> weight_stream(wsrc, kt_stride, 0, 8 * kt_stride);  // small tiles (as in FC1)
-  RowStream<R, 1, kFc2Threads, R == 1> row_stream(act, 0, size_t(kX) * a.intermediate, w.rows);
+  WeightStream<K, 1, kFc2Threads, small_tile(R)> weight_stream(wsrc, kt_stride, 0, 8 * kt_stride);  // small tiles (as in FC1)
+  RowStream<R, 1, kFc2Threads, small_tile(R)> row_stream(act, 0, size_t(kX) * a.intermediate, w.rows);
   const WeightIssue<K, 1, kFc2Threads> weights(kt_stride, 0);
-  auto issue_w = [&](int c) {
-    if (R == 1) weight_stream.issue_next(s_w + (c % kFc2Stages) * kWeightWords);
-    else weights.issue(s_w + (c % kFc2Stages) * kWeightWords, wsrc + size_t(c) * 8 * kt_stride);
+  const uint32_t w_ring = shared_address(s_w), a_ring = shared_address(s_a);
+  auto issue_w = [&](int c, int stage) {
+    if (small_tile(R)) weight_stream.issue_next(w_ring + stage * kWeightWords * 4);
+    else weights.issue(s_w + stage * kWeightWords, wsrc + size_t(c) * 8 * kt_stride);
   };
-  auto issue_a = [&](int c) {
-    if (R == 1) row_stream.issue_next(s_a + (c % kFc2Stages) * kAHalves);
-    else issue_a_rows<R, 1, kFc2Threads, !FAST>(s_a + (c % kFc2Stages) * kAHalves, act + c * 128 * kX, nullptr,
+  auto issue_a = [&](int c, int stage) {
+    if (small_tile(R)) row_stream.issue_next(a_ring + stage * kAHalves * 2);
+    else issue_a_rows<R, 1, kFc2Threads, !FAST>(s_a + stage * kAHalves, act + c * 128 * kX, nullptr,
                                          size_t(kX) * a.intermediate, w.rows);
   };
 #pragma unroll
   for (int c = 0; c < kFc2Stages - 1; ++c) {
-    if (c < chunks) issue_w(c);
+    if (c < chunks) issue_w(c, c);
     cp_async_commit();
   }
   after_predecessor();
 #pragma unroll
   for (int c = 0; c < kFc2Stages - 1; ++c) {
-    if (c < chunks) issue_a(c);
+    if (c < chunks) issue_a(c, c);
     cp_async_commit();
   }
   float acc[R][2][4];
   zero_acc<R>(acc);
+  int st = 0, st_issue = kFc2Stages - 1;  // stage of chunk c, and of chunk c + kFc2Stages - 1
   for (int c = 0; c < chunks; ++c) {
     cp_async_wait<kFc2Stages - 2>();
     __syncthreads();
     if (c + kFc2Stages - 1 < chunks) {
-      issue_w(c + kFc2Stages - 1);
-      issue_a(c + kFc2Stages - 1);
+      issue_w(c + kFc2Stages - 1, st_issue);
+      issue_a(c + kFc2Stages - 1, st_issue);
     }
     cp_async_commit();
-    const int st = c % kFc2Stages;
-    chunk_mma<K, CB, R>(s_w + st * kWeightWords, warp, win, s_a + st * kAHalves, live, lane, acc);
+    chunk_mma<K, CB, R>(s_w + st * kWeightWords, warp, win, a_lane_address<R>(a_ring + 2 * st * kAHalves, lane), live,
+                        acc);
+    st = next_stage<kFc2Stages>(st);
+    st_issue = next_stage<kFc2Stages>(st_issue);
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -519,7 +609,7 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   float s[4];
   load4_half(svh + col, s);
   for (int row = warp; row < w.rows; row += kFc2Threads / 32) {
-    const int route = static_cast<const int*>(a.slot_route)[w.start + row];
+    const int route = slot_route_of(a, w.start + row);
     const float weight = static_cast<const float*>(a.topk_weights)[route];
     float v[4];
     const float4 o = *reinterpret_cast<const float4*>(s_o + row * kOStride + 4 * lane);
@@ -534,7 +624,7 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
 }
 
 template <int CB, int R, bool FAST>
-__global__ void __launch_bounds__(kFc2Threads, (R == 1 && FAST) ? 4 : 1) fc2_kernel(const TrellisMoeArgs a) {
+__global__ void __launch_bounds__(kFc2Threads, FAST ? (small_tile(R) ? 4 : 2) : 1) fc2_kernel(const TrellisMoeArgs a) {
   extern __shared__ __align__(16) unsigned char gemm_smem[];
   const int nchunks = a.hidden >> 7;
   WorkTile w;
@@ -559,8 +649,8 @@ __global__ void __launch_bounds__(kFc2Threads, (R == 1 && FAST) ? 4 : 1) fc2_ker
 }
 
 __host__ __device__ constexpr int fc2_smem_bytes(int r, bool fast) {
-  return (kFc2Stages * (fc2_stage_weight_words(fast) * 4 + fc2_stage_a_halves(r) * 2) > r * 16 * kOStride * 4)
-             ? kFc2Stages * (fc2_stage_weight_words(fast) * 4 + fc2_stage_a_halves(r) * 2)
+  return (fc2_stages(r, fast) * (fc2_stage_weight_words(fast) * 4 + fc2_stage_a_halves(r) * 2) > r * 16 * kOStride * 4)
+             ? fc2_stages(r, fast) * (fc2_stage_weight_words(fast) * 4 + fc2_stage_a_halves(r) * 2)
              : r * 16 * kOStride * 4;
 }
 

@@ -1,8 +1,8 @@
 // Host entry of the fused mixed-K trellis MoE: argument checks and the launch sequence.
 //
-// One call = route pack -> FC1 (gate, up) -> activation -> FC2 (down, output rotation, router weight)
-// -> fixed-order top-k sum, all on the caller's stream with no host synchronisation, so a whole call can
-// be captured in a CUDA graph. Every tier's K and size are launch scalars: one compiled object serves any
+// One call = route pack -> input rotation -> FC1 (gate, up) -> activation -> FC2 (down, output rotation,
+// router weight) -> fixed-order top-k sum; in direct small-M mode FC1 -> activation -> FC2 -> sum. All
+// run on the caller's stream with no host synchronisation, so a whole call can be captured in a CUDA graph. Every tier's K and size are launch scalars: one compiled object serves any
 // partition of any layer.
 #include <cuda_runtime.h>
 #include <stdio.h>
@@ -31,7 +31,7 @@ int check_args(const TrellisMoeArgs& a) {
     return fail("hidden and intermediate must be positive multiples of 128");
   if (a.intermediate > 32 * 128) return fail("intermediate per rank must be <= 4096");
   if (a.codebook < 0 || a.codebook > 2) return fail("codebook id must be 0 (3inst), 1 (mcg) or 2 (mul1)");
-  if (a.m_tile != 16 && a.m_tile != 128) return fail("m_tile must be 16 or 128");
+  if (a.m_tile != 16 && a.m_tile != 32 && a.m_tile != 128) return fail("m_tile must be 16, 32 or 128");
   if (a.k_split < 1 || (a.hidden / 128) % a.k_split != 0) return fail("k_split must divide hidden/128");
   if (a.m < 0 || a.top_k < 1) return fail("m must be >= 0 and top_k >= 1");
   if (a.num_combined < 1 || a.num_combined > TRELLIS_MAX_TIERS * 256) return fail("num_combined out of range");
@@ -47,6 +47,12 @@ int check_args(const TrellisMoeArgs& a) {
   if (total != a.num_combined) return fail("tier sizes do not add up to num_combined");
   const long long numel = 1LL * a.m * a.top_k;
   if (numel > (1LL << 30)) return fail("m * top_k too large");
+  if (a.direct) {  // one tile and one slot per route
+    if (a.m_tile != 16) return fail("direct mode needs m_tile 16");
+    if ((a.hidden / 128) / a.k_split > trellis::kDirectMaxChunks) return fail("direct mode: too few k_split ranges");
+    if (a.slot_capacity < numel || a.tile_capacity < numel) return fail("direct mode: capacities below m*top_k");
+    return 0;
+  }
   const long long min_slots = numel + 15LL * (numel < a.num_combined ? numel : a.num_combined);
   if (a.slot_capacity < min_slots) return fail("slot_capacity below m*top_k + 15*min(m*top_k, E_c)");
   const long long min_tiles = numel / a.m_tile + (numel < a.num_combined ? numel : a.num_combined);
@@ -97,11 +103,12 @@ cudaError_t launch_gemms(const TrellisMoeArgs& a, cudaStream_t stream, bool pdl)
   if ((err = allow_smem(fc1_kernel<CB, R, FAST>, fc1_smem)) != cudaSuccess) return err;
   if ((err = allow_smem(fc2_kernel<CB, R, FAST>, fc2_smem)) != cudaSuccess) return err;
   const int tiles = a.tile_capacity;
-  if (!(a.debug_flags & TRELLIS_SKIP_ROTATE))
+  // Direct mode: FC1 rotates its own rows and is the call's first kernel, so it launches fully serialized.
+  if (!a.direct && !(a.debug_flags & TRELLIS_SKIP_ROTATE))
     err = launch(rotate_input_kernel, dim3(tiles, a.hidden / 128), 256, 0, stream, a, pdl);
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_FC1))
     err = launch(fc1_kernel<CB, R, FAST>, dim3(tiles * (a.intermediate / 128), a.k_split), kFc1Threads, fc1_smem,
-                 stream, a, pdl);
+                 stream, a, pdl && !a.direct);
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_ACT))
     err = launch(activation_kernel, dim3(tiles, R == 1 ? 16 : 32), (a.intermediate / 128) * 32, 0, stream, a, pdl);
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_FC2))
@@ -109,11 +116,18 @@ cudaError_t launch_gemms(const TrellisMoeArgs& a, cudaStream_t stream, bool pdl)
   return err;
 }
 
+template <int CB, bool FAST>
+cudaError_t launch_for_tile(const TrellisMoeArgs& a, cudaStream_t stream, bool pdl) {
+  switch (a.m_tile) {
+    case 16: return launch_gemms<CB, 1, FAST>(a, stream, pdl);
+    case 32: return launch_gemms<CB, 2, FAST>(a, stream, pdl);
+    default: return launch_gemms<CB, 8, FAST>(a, stream, pdl);
+  }
+}
+
 template <int CB>
 cudaError_t launch_for_codebook(const TrellisMoeArgs& a, cudaStream_t stream, bool pdl) {
-  if (only_k3_k4(a))
-    return a.m_tile == 16 ? launch_gemms<CB, 1, true>(a, stream, pdl) : launch_gemms<CB, 8, true>(a, stream, pdl);
-  return a.m_tile == 16 ? launch_gemms<CB, 1, false>(a, stream, pdl) : launch_gemms<CB, 8, false>(a, stream, pdl);
+  return only_k3_k4(a) ? launch_for_tile<CB, true>(a, stream, pdl) : launch_for_tile<CB, false>(a, stream, pdl);
 }
 
 }  // namespace
@@ -133,9 +147,12 @@ extern "C" int trellis_moe_forward(const TrellisMoeArgs* args, void* stream_hand
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   cudaGetLastError();  // a stale error from unrelated work must not be blamed on this call
   const bool pdl = device_has_pdl() && !(a.debug_flags & TRELLIS_NO_PDL);
-  const int pack_smem = 3 * a.num_combined * static_cast<int>(sizeof(int));
-  route_pack_kernel<<<1, kPackThreads, pack_smem, stream>>>(a);
-  cudaError_t err = cudaGetLastError();
+  cudaError_t err = cudaSuccess;
+  if (!a.direct) {
+    const int pack_smem = 3 * a.num_combined * static_cast<int>(sizeof(int));
+    route_pack_kernel<<<1, kPackThreads, pack_smem, stream>>>(a);
+    err = cudaGetLastError();
+  }
   if (err == cudaSuccess) {
 #ifdef TRELLIS_ONLY_MCG  // experiments: one codebook compiles 3x faster
     if (a.codebook != TRELLIS_CB_MCG) return fail("this build serves the mcg codebook only");

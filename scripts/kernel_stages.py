@@ -14,7 +14,7 @@ import torch
 from trellis_cli.bench.synthetic import Preset, random_activations, random_routes, synthetic_pack
 from trellis_cli.codec import decode, hadamard128
 from trellis_cli.kernel.launch import FusedMoe
-from trellis_cli.kernel.plan import activation_expand, plain_columns
+from trellis_cli.kernel.plan import activation_expand, plain_columns, route_combined
 from trellis_cli.reference import layer_pack_forward, pack_expert
 
 
@@ -55,13 +55,20 @@ def check(codebook: str, tier_k: tuple[int, int], m: int, m_tile: int | None = N
     torch.cuda.synchronize()
     ws = moe._workspace(plan)
     ref = layer_pack_forward(moe.pack, x, ids, w)
-    tiles = int(ws["tile_count"][0])
-    slots, experts = [], []
-    for t in range(tiles):
-        e, s, r = int(ws["tile_expert"][t]), int(ws["tile_start"][t]), int(ws["tile_rows"][t])
-        slots += list(range(s, s + r))
-        experts += [e] * r
-    routes = ws["slot_route"][slots].long().tolist()
+    if plan.direct:  # tile t = slot t = route t, for every route this rank serves
+        g2c = moe.pack.global_to_combined.tolist()
+        desc, sizes = moe.pack.descriptors.tolist(), moe.pack.tier_size
+        combined = [route_combined(int(e), g2c, desc, sizes) for e in ids.reshape(-1).tolist()]
+        routes = [r for r, c in enumerate(combined) if c >= 0]
+        slots, experts, tiles = routes, [combined[r] for r in routes], len(routes)
+    else:
+        tiles = int(ws["tile_count"][0])
+        slots, experts = [], []
+        for t in range(tiles):
+            e, s, r = int(ws["tile_expert"][t]), int(ws["tile_start"][t]), int(ws["tile_rows"][t])
+            slots += list(range(s, s + r))
+            experts += [e] * r
+        routes = ws["slot_route"][slots].long().tolist()
     tokens = [r // 4 for r in routes]
     fc1, act, fc2 = expected_stages(moe.pack, x, experts, tokens)
     got_fc1 = ws["partial"].sum(0)[slots]
@@ -81,10 +88,14 @@ def main() -> int:
     results = []
     for codebook in ("mcg", "3inst", "mul1"):
         results.append(check(codebook, (3, 4), 5))
+        results.append(check(codebook, (3, 4), 2))  # direct mode: one tile per route, rotation inside FC1
+    results.append(check("mcg", (5, 6), 3))
     for k in ((1, 2), (5, 6), (7, 8)):
         results.append(check("mcg", k, 7))
     results.append(check("mcg", (3, 4), 300))
     results.append(check("mcg", (3, 4), 300, m_tile=128))
+    results.append(check("mcg", (3, 4), 300, m_tile=32))  # mid tiles: two m16 blocks of split words
+    results.append(check("3inst", (5, 6), 300, m_tile=32))
     results.append(check("mcg", (3, 4), 5, k_split=4))  # FC1 partial sums over several H ranges
     results.append(check("mcg", (3, 4), 300, m_tile=128, k_split=2))
     results.append(check("mcg", (5, 6), 300, m_tile=128))  # the all-K kernel with large tiles

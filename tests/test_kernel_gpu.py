@@ -71,6 +71,12 @@ def test_large_tile_path_on_small_layer(library):
     assert_checks(accuracy_checks(moe, "small", 700, seed=5))
 
 
+def test_mid_tile_path_on_small_layer(library):
+    moe = moe_for(small(), library)
+    assert moe.plan(100, 4).m_tile == 32
+    assert_checks(accuracy_checks(moe, "small", 100, seed=6))
+
+
 def test_dtypes_int64_ids_and_outputs(library):
     moe = moe_for(small(), library)
     x = random_activations(9, 512, device="cuda", seed=6, dtype=torch.float16)

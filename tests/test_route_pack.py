@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trellis_cli.kernel.plan import (
-    BLOCK_ROWS, LARGE_TILE, SMALL_TILE, make_plan, route_pack_reference, slot_capacity, tile_capacity,
+    BLOCK_ROWS, LARGE_TILE, MID_TILE, SMALL_TILE, make_plan, route_pack_reference, slot_capacity, tile_capacity,
 )
 from trellis_cli.repack.format import LayerPack, descriptor
 
@@ -70,7 +70,7 @@ def check_invariants(pack: LayerPack, ids: torch.Tensor, m_tile: int) -> None:
     assert len(rp.tiles) <= tile_capacity(numel, m_tile, len(desc))
 
 
-@pytest.mark.parametrize("m_tile", [SMALL_TILE, LARGE_TILE])
+@pytest.mark.parametrize("m_tile", [SMALL_TILE, MID_TILE, LARGE_TILE])
 @pytest.mark.parametrize("m", [1, 3, 64, 700])
 def test_route_pack_invariants_random_routes(m, m_tile):
     pack = tiny_pack(64, [40, 24])

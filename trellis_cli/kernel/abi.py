@@ -12,7 +12,7 @@ from pathlib import Path
 
 from trellis_cli.errors import GpuUnavailable
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 MAX_TIERS = 8
 
 DT_FP32, DT_FP16, DT_BF16 = 0, 1, 2
@@ -60,6 +60,7 @@ _SCALARS = (
     "slot_capacity",
     "tile_capacity",
     "debug_flags",
+    "direct",
 )
 
 

@@ -15,13 +15,17 @@ from trellis_cli.errors import CheckFailed
 from trellis_cli.repack.format import MAX_TIER_EXPERTS, LayerPack
 
 BLOCK_ROWS = 16  # each expert's slot segment is padded to one MMA m16 block
-SMALL_TILE, LARGE_TILE = 16, 128
+SMALL_TILE, MID_TILE, LARGE_TILE = 16, 32, 128
 HADAMARD = 128
 MAX_TIERS = 8
 TARGET_FC1_CTAS = 1024  # enough FC1 work items to keep every SM of a large GPU busy at small M
 # Each FC1 CTA walks at least this many 128-wide chunks of H: shorter runs pay their pipeline fill and
 # launch tail too often (glm52-tp4 M=1, measured: 8 ranges of 6 chunks 52.8 us, 24 ranges of 2 63.1 us).
 MIN_FC1_CHUNKS = 6
+# Direct mode (kernels/abi.h): up to this many routes each get their own one-row tile, with no route pack
+# and no rotation launch. Top-k ids of one token are distinct, so at M=1 no expert is decoded twice.
+DIRECT_MAX_ROUTES = 16
+DIRECT_MAX_CHUNKS = 48  # kDirectMaxChunks: FC1's resident input rows must fit its A ring
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class LaunchPlan:
     k_split: int
     slot_capacity: int
     tile_capacity: int
+    direct: bool = False
 
 
 def slot_capacity(numel: int, num_combined: int) -> int:
@@ -44,9 +49,14 @@ def tile_capacity(numel: int, m_tile: int, num_combined: int) -> int:
 
 
 def choose_m_tile(numel: int, num_combined: int) -> int:
-    # Large tiles reuse each decoded weight over up to 8 m16 blocks; worth it once experts average
-    # 32 or more routes.
-    return LARGE_TILE if numel >= 32 * num_combined else SMALL_TILE
+    # A work tile decodes its expert's weights once for all its rows, so an expert with more routes than
+    # one tile holds is decoded again per tile. Mid tiles (split words, like small ones) hold most experts
+    # in one tile from about 12 routes per expert on; large tiles (merged weights, 8 m16 blocks) win from
+    # about 64 (glm52-tp4 sweep on H200, docs/performance.md).
+    per_expert = numel / max(1, num_combined)
+    if per_expert >= 64:
+        return LARGE_TILE
+    return MID_TILE if per_expert >= 12 else SMALL_TILE
 
 
 def choose_k_split(m_tile: int, tiles: int, hidden: int, intermediate: int) -> int:
@@ -59,22 +69,33 @@ def choose_k_split(m_tile: int, tiles: int, hidden: int, intermediate: int) -> i
 
 
 def make_plan(m: int, top_k: int, hidden: int, intermediate: int, num_combined: int,
-              m_tile: int | None = None, k_split: int | None = None) -> LaunchPlan:
+              m_tile: int | None = None, k_split: int | None = None, direct: bool | None = None) -> LaunchPlan:
     numel = m * top_k
+    chunks = hidden // HADAMARD
+    if direct is None:
+        direct = numel <= DIRECT_MAX_ROUTES and m_tile in (None, SMALL_TILE)
+    if direct:
+        split = k_split or choose_k_split(SMALL_TILE, numel, hidden, intermediate)
+        while not k_split and (chunks // split > DIRECT_MAX_CHUNKS or chunks % split):
+            split += 1
+        if chunks % split or chunks // split > DIRECT_MAX_CHUNKS:
+            raise CheckFailed(f"k_split {split} must divide hidden/128 = {chunks} into ranges of at most "
+                              f"{DIRECT_MAX_CHUNKS} chunks (direct mode)")
+        return LaunchPlan(m, top_k, SMALL_TILE, split, numel, numel, direct=True)
     tile = m_tile or choose_m_tile(numel, num_combined)
     tiles = tile_capacity(numel, tile, num_combined)
     # Expected busy tiles: distinct experts touched, plus one extra tile per m_tile routes.
     expected = min(numel, num_combined) + numel // tile
     split = k_split or choose_k_split(tile, expected, hidden, intermediate)
-    if (hidden // HADAMARD) % split:
-        raise CheckFailed(f"k_split {split} must divide hidden/128 = {hidden // HADAMARD}")
+    if chunks % split:
+        raise CheckFailed(f"k_split {split} must divide hidden/128 = {chunks}")
     return LaunchPlan(m, top_k, tile, split, slot_capacity(numel, num_combined), tiles)
 
 
 def activation_expand(plan: LaunchPlan) -> int:
-    """2 when the GEMM inputs (xrot, act) hold every column twice: small tiles multiply split codebook
-    words (kernels/decode.cuh), large tiles merged weights against plain rows."""
-    return 2 if plan.m_tile == SMALL_TILE else 1
+    """2 when the GEMM inputs (xrot, act) hold every column twice: small and mid tiles multiply split
+    codebook words (kernels/decode.cuh), large tiles merged weights against plain rows."""
+    return 2 if plan.m_tile <= MID_TILE else 1
 
 
 def plain_columns(rows: torch.Tensor) -> torch.Tensor:
