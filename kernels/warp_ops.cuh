@@ -14,14 +14,9 @@ __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The shared-memory address this lane passes to ldmatrix for a 16x16 fp16 tile at `tile` (row-major,
-// `stride` halves per row). Tiles at constant offsets from it are `2 * offset` bytes away, which folds
-// into the instruction's immediate.
-__device__ __forceinline__ uint32_t a_fragment_address(const __half* tile, int stride, int lane) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(tile + (lane & 15) * stride + (lane >> 4) * 8));
-}
-
-// The A fragment of an mma.m16n8k16 from the lane's ldmatrix address.
+// The A fragment of an mma.m16n8k16 from the lane's ldmatrix address (shared space): lane l names row
+// l % 16 of a row-major 16x16 fp16 tile, columns 8 * (l / 16) onwards. Tiles at constant offsets from it
+// are that many bytes away, which folds into the instruction's immediate.
 __device__ __forceinline__ void load_a_fragment(uint32_t a[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])

@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--split", default="", help="k_split values to sweep (full call only)")
     parser.add_argument("--mtile", default="", help="m_tile values to sweep (full call only)")
+    parser.add_argument("--direct", default="", help="direct mode off/on (0,1) to sweep (full call only)")
     args = parser.parse_args()
     ms = [int(v) for v in args.m.split(",")]
     base = synthetic_pack(PRESETS["glm52-tp4"], device="cuda", seed=0)
@@ -57,10 +58,12 @@ def main() -> None:
                 row.append(time_graphs(graphs, args.replays, runners[0].device).median_us)
             sweeps = [("k_split", int(v)) for v in args.split.split(",") if v]
             sweeps += [("m_tile", int(v)) for v in args.mtile.split(",") if v]
+            sweeps += [("direct", int(v)) for v in args.direct.split(",") if v]
             for key, value in sweeps:
                 plan = runners[0].plan(m, 8)
-                if key == "m_tile":
-                    plan = make_plan(m, 8, base.hidden, base.intermediate, base.num_combined, m_tile=value)
+                if key in ("m_tile", "direct"):
+                    plan = make_plan(m, 8, base.hidden, base.intermediate, base.num_combined,
+                                     **{key: value if key == "m_tile" else bool(value)})
                 else:
                     plan = dataclasses.replace(plan, k_split=value)
                 graphs = [_capture(lambda r=r, o=o: r.forward(x, ids, w, out=o, plan=plan), r.device)

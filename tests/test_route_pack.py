@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from trellis_cli.errors import CheckFailed
 from trellis_cli.kernel.plan import (
     BLOCK_ROWS, LARGE_TILE, MID_TILE, SMALL_TILE, make_plan, route_pack_reference, slot_capacity, tile_capacity,
 )
@@ -106,3 +107,15 @@ def test_plan_depends_only_on_m_and_geometry():
         plan = make_plan(m, 8, 6144, 512, 256)
         assert (6144 // 128) % plan.k_split == 0
         assert plan.slot_capacity >= m * 8 and plan.tile_capacity >= 1
+
+
+def test_direct_mode_for_the_smallest_batches():
+    one, three, four = (make_plan(m, 8, 6144, 512, 256) for m in (1, 3, 4))
+    assert one.direct and three.direct and not four.direct
+    assert (one.m_tile, one.slot_capacity, one.tile_capacity) == (SMALL_TILE, 8, 8)
+    assert not make_plan(1, 8, 6144, 512, 256, m_tile=MID_TILE).direct
+    # FC1 keeps a direct route's input rows resident: at most 48 chunks of H per range
+    assert make_plan(1, 8, 16384, 512, 256, k_split=1, direct=False).k_split == 1
+    assert 128 // make_plan(1, 8, 16384, 512, 256).k_split <= 48
+    with pytest.raises(CheckFailed, match="direct mode"):
+        make_plan(1, 8, 16384, 512, 256, k_split=1)

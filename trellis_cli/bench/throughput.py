@@ -142,7 +142,7 @@ def bench_m(pool: WeightPool, m: int, *, cold: bool, replays: int, seed: int, l2
     return {
         "m": m,
         "copies": len(runners),
-        "plan": {"m_tile": plan.m_tile, "k_split": plan.k_split},
+        "plan": {"m_tile": plan.m_tile, "k_split": plan.k_split, "direct": plan.direct},
         **work,
         "fused": fused_t.as_dict(),
         "two_pass": two_t.as_dict(),

@@ -18,13 +18,15 @@ BLOCK_ROWS = 16  # each expert's slot segment is padded to one MMA m16 block
 SMALL_TILE, MID_TILE, LARGE_TILE = 16, 32, 128
 HADAMARD = 128
 MAX_TIERS = 8
-TARGET_FC1_CTAS = 1024  # enough FC1 work items to keep every SM of a large GPU busy at small M
+# Enough FC1 work items to keep every SM of a large GPU busy at small M (glm52-tp4 on H200: M=16 ran
+# 7 % faster with 2-3 H ranges than with 1; M=8 and M=32..64 are flat from 1 to 4).
+TARGET_FC1_CTAS = 1100
 # Each FC1 CTA walks at least this many 128-wide chunks of H: shorter runs pay their pipeline fill and
 # launch tail too often (glm52-tp4 M=1, measured: 8 ranges of 6 chunks 52.8 us, 24 ranges of 2 63.1 us).
 MIN_FC1_CHUNKS = 6
 # Direct mode (kernels/abi.h): up to this many routes each get their own one-row tile, with no route pack
 # and no rotation launch. Top-k ids of one token are distinct, so at M=1 no expert is decoded twice.
-DIRECT_MAX_ROUTES = 16
+DIRECT_MAX_ROUTES = 24  # M=3 at top-8: 108 us direct, 116 us packed; M=4: equal
 DIRECT_MAX_CHUNKS = 48  # kDirectMaxChunks: FC1's resident input rows must fit its A ring
 
 
