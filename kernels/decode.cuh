@@ -12,9 +12,8 @@ namespace trellis {
 
 // Where a lane's window starts inside a tile of 8K 32-bit words: the same for every tile.
 struct LaneWindow {
-  int w0, w1, w2;      // word indices (cyclic: tail-biting)
-  int off;             // bit offset of the window inside word w0, counted from its MSB
-  uint32_t off_scale;  // 2^off: a left shift by off as a multiply (FMA pipe, lane_states<3>)
+  int w0, w1, w2;  // word indices (cyclic: tail-biting)
+  int off;         // bit offset of the window inside word w0, counted from its MSB
 };
 
 template <int K>
@@ -27,7 +26,6 @@ __device__ __forceinline__ LaneWindow lane_window(int lane) {
   w.off = start & 31;
   w.w1 = (w.w0 + 1) % kWords;
   w.w2 = (w.w0 + 2) % kWords;
-  w.off_scale = 1u << w.off;
   return w;
 }
 
@@ -55,56 +53,34 @@ __device__ __forceinline__ uint32_t lane_state(const TileWords& t, int off, int 
   return (p <= 48 ? uint32_t(hi >> (48 - p)) : uint32_t(lo >> (80 - p))) & 0xFFFFu;
 }
 
-// The decode loop is bound by the integer ALU pipe (LOP3, SHF, PRMT), while the FMA pipe that runs
-// IMAD has room. So state extraction for K3 and K4 moves part of its shifts to multiplies:
-// x >> 16 as mul.hi(x, 2^16), x << n as x * 2^n, x & 0xFFFF as x - (x >> 16) * 2^16. Inline PTX keeps
-// ptxas from turning them back into shifts.
-__device__ __forceinline__ uint32_t fma_hi(uint32_t x, uint32_t scale) {  // (x * scale) >> 32
-  uint32_t r;
-  asm("mul.hi.u32 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(scale));
-  return r;
-}
-__device__ __forceinline__ uint32_t fma_hi16(uint32_t x) { return fma_hi(x, 0x10000u); }  // x >> 16
-__device__ __forceinline__ uint32_t fma_mul(uint32_t x, uint32_t scale) {  // x * scale (a shift by a power of two)
-  uint32_t r;
-  asm("mul.lo.u32 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(scale));
-  return r;
-}
-__device__ __forceinline__ uint32_t fma_madd(uint32_t x, uint32_t scale, uint32_t add) {  // x * scale + add
-  uint32_t r;
-  asm("mad.lo.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(x), "r"(scale), "r"(add));
-  return r;
-}
 // Bytes 1-2 of x as a 16-bit value: (x >> 8) & 0xFFFF in one PRMT.
 __device__ __forceinline__ uint32_t bytes12(uint32_t x) { return __byte_perm(x, 0u, 0x4421); }
 
-// All 8 states of the lane at once. K4 windows start at bit 20 of w0 in every lane, so half the states
-// are byte-aligned (one PRMT each); K3 windows start at bit 3, 11, 19 or 27 (by lane): the window is
-// left-aligned once and each state is its top 16 bits after a constant shift. Both equal lane_state
-// (checked bit for bit by the GPU tests); other K use lane_state itself.
+// All 8 states of the lane at once, in the fewest integer instructions (the decode loop is bound by their
+// total: on sm_90 the ALU and IMAD pipes share one budget, docs/kernel.md "The decode budget").
+// K4 windows start at bit 20 of w0 in every lane, so half the states are byte-aligned (one PRMT each):
+// 11 instructions for 8 states. K3 windows start at bit 3, 11, 19 or 27 (by lane): the window is
+// left-aligned once into hi:lo and each state is its top 16 bits after a constant shift: 17. Both equal
+// lane_state (the GPU stage checks compare every stage with the CPU decoder); other K use lane_state.
 template <int K>
 __device__ __forceinline__ void lane_states(const TileWords& t, const LaneWindow& win, uint32_t s[8]) {
   if (K == 4) {  // s_j = (u0:u1 >> (28 - 4j)) & 0xFFFF
-    s[3] = fma_hi16(t.u1);
-    s[7] = fma_madd(s[3], 0xFFFF0000u, t.u1);
-    const uint32_t a = fma_hi(t.u1, 1u << 28);  // u1 >> 4
-    s[6] = a & 0xFFFFu;
+    const uint32_t a = t.u1 >> 4, b = __funnelshift_r(t.u1, t.u0, 20);
+    s[0] = bytes12(b);
+    s[1] = bytes12(__funnelshift_r(t.u1, t.u0, 16));
+    s[2] = b & 0xFFFFu;
+    s[3] = t.u1 >> 16;
     s[4] = bytes12(a);
     s[5] = bytes12(t.u1);
-    s[1] = bytes12(__funnelshift_r(t.u1, t.u0, 16));
-    const uint32_t b = __funnelshift_r(t.u1, t.u0, 20);
-    s[2] = b & 0xFFFFu;
-    s[0] = bytes12(b);
+    s[6] = a & 0xFFFFu;
+    s[7] = t.u1 & 0xFFFFu;
   } else if (K == 3) {  // the window's 37 bits, left-aligned in hi:lo
-    const uint32_t hi = __funnelshift_l(t.u1, t.u0, win.off);
-    const uint32_t lo = fma_mul(t.u1, win.off_scale);
-    s[0] = fma_hi16(hi);
+    const uint32_t hi = __funnelshift_l(t.u1, t.u0, win.off), lo = t.u1 << win.off;
+    s[0] = hi >> 16;
 #pragma unroll
-    for (int j = 1; j <= 3; ++j) s[j] = (hi >> (16 - 3 * j)) & 0xFFFFu;
+    for (int j = 1; j <= 5; ++j) s[j] = (hi >> (16 - 3 * j)) & 0xFFFFu;
 #pragma unroll
-    for (int j = 4; j <= 5; ++j) s[j] = fma_hi16(fma_mul(hi, 1u << (3 * j)));
-#pragma unroll
-    for (int j = 6; j <= 7; ++j) s[j] = fma_hi16(__funnelshift_l(lo, hi, 3 * j));
+    for (int j = 6; j <= 7; ++j) s[j] = __funnelshift_l(lo, hi, 3 * j) >> 16;
   } else {
 #pragma unroll
     for (int j = 0; j < 8; ++j) s[j] = lane_state<K>(t, win.off, j);
