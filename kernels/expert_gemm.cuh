@@ -130,10 +130,10 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Runs step(c, c % S, (c + S - 1) % S) for c = 0 .. chunks-1: the chunk, its stage, and the stage of the
-// chunk issued during it. UNROLL walks whole rounds of the ring, so every stage offset
-// in step is a compile-time constant: the chunk loop runs on the same integer budget as the decode, and
-// this saves about 3 integer instructions per decoded tile (small tiles; large tiles have no registers
-// for three copies of the loop body).
+// chunk issued during it. UNROLL walks whole rounds of the ring, so every stage offset in step is a
+// compile-time constant: the chunk loop spends the same integer budget as the decode, and this saves
+// about 3 integer instructions per decoded tile (small and mid tiles; large tiles have no registers for
+// several copies of the loop body).
 template <int S, bool UNROLL, typename Step>
 __device__ __forceinline__ void chunk_loop(int chunks, Step&& step) {
   if constexpr (UNROLL) {
@@ -165,7 +165,7 @@ struct WeightStream {
   static constexpr int kTotal = SOURCES * 8 * kPieces;
   static constexpr int kItems = ACTIVE ? (kTotal + THREADS - 1) / THREADS : 0;
   const uint32_t* src[kItems > 0 ? kItems : 1];
-  uint32_t step;  // words from one chunk to the next (32-bit: one IMAD.WIDE.U32 per pointer per chunk)
+  uint32_t step;  // words from one chunk to the next (32 bits keep the pointer step to one wide multiply-add)
 
   __device__ __forceinline__ WeightStream(const uint32_t* first, size_t kt_stride, size_t source_stride,
                                           uint32_t chunk_step)
@@ -507,8 +507,8 @@ __host__ __device__ constexpr int fc1_smem_bytes(int r, bool fast) {
 
 // ---------------------------------------------------------------------------------------------------
 // Input rotation, once per route: xrot[slot][p] = fp16(H128(x[token] ⊙ suh_p)) for p = gate, up.
-// grid (tiles, H/128), 8 warps; a warp rotates both projections of two rows per step, with the loads of
-// both rows in flight together (at large M each warp walks 16 rows, and the loads were its whole cost).
+// grid (tiles, H/128), 8 warps; a warp rotates both projections of two rows per step (one load of x serves
+// both projections, and the two rows' loads are in flight together).
 
 __global__ void __launch_bounds__(256) rotate_input_kernel(const TrellisMoeArgs a) {
   after_predecessor();  // the tile list comes from the route pack, launched just before
