@@ -28,6 +28,9 @@ MIN_FC1_CHUNKS = 6
 # and no rotation launch. Top-k ids of one token are distinct, so at M=1 no expert is decoded twice.
 DIRECT_MAX_ROUTES = 24  # M=3 at top-8: 108 us direct, 116 us packed; M=4: equal
 DIRECT_MAX_CHUNKS = 48  # kDirectMaxChunks: FC1's resident input rows must fit its A ring
+# FC1 CTAs wanted in direct mode (glm52-tp4 on H200, us by H ranges: M=1 8: 43.1, 4: 43.6, 12: 47.8;
+# M=2 4: 71.4, 6: 72.0, 8: 73.8; M=3 3: 113.6, 4: 100.5, 8: 103.2).
+DIRECT_FC1_CTAS = 384
 
 
 @dataclass(frozen=True)
@@ -61,9 +64,9 @@ def choose_m_tile(numel: int, num_combined: int) -> int:
     return MID_TILE if per_expert >= 12 else SMALL_TILE
 
 
-def choose_k_split(m_tile: int, tiles: int, hidden: int, intermediate: int) -> int:
+def choose_k_split(m_tile: int, tiles: int, hidden: int, intermediate: int, target: int = TARGET_FC1_CTAS) -> int:
     chunks = hidden // HADAMARD
-    wanted = max(1, TARGET_FC1_CTAS // max(1, tiles * (intermediate // HADAMARD)))
+    wanted = max(1, target // max(1, tiles * (intermediate // HADAMARD)))
     wanted = max(1, min(wanted, chunks // MIN_FC1_CHUNKS))
     while chunks % wanted:
         wanted -= 1
@@ -77,7 +80,7 @@ def make_plan(m: int, top_k: int, hidden: int, intermediate: int, num_combined: 
     if direct is None:
         direct = numel <= DIRECT_MAX_ROUTES and m_tile in (None, SMALL_TILE)
     if direct:
-        split = k_split or choose_k_split(SMALL_TILE, numel, hidden, intermediate)
+        split = k_split or choose_k_split(SMALL_TILE, numel, hidden, intermediate, DIRECT_FC1_CTAS)
         while not k_split and (chunks // split > DIRECT_MAX_CHUNKS or chunks % split):
             split += 1
         if chunks % split or chunks // split > DIRECT_MAX_CHUNKS:
