@@ -474,8 +474,33 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   }
 }
 
-// FAST: the tiers use only K3 and K4. Register allocation is the maximum over every compiled K, so a
-// kernel holding just those two fits 2 CTAs (32 warps) per SM where the all-K kernel fits one.
+// Calls body(KConst<K>{}) for the tile's K. FAST: the tiers use only K3 and K4. Register allocation is the
+// maximum over every compiled K, so a kernel holding just those two fits 2 CTAs (32 warps) per SM where
+// the all-K kernel fits one.
+template <int K>
+struct KConst {
+  static constexpr int value = K;
+};
+template <bool FAST, typename Body>
+__device__ __forceinline__ void with_k(int k, Body&& body) {
+  if (FAST) {
+    if (k == 3) body(KConst<3>{});
+    else body(KConst<4>{});
+    return;
+  }
+  switch (k) {
+    case 1: body(KConst<1>{}); break;
+    case 2: body(KConst<2>{}); break;
+    case 3: body(KConst<3>{}); break;
+    case 4: body(KConst<4>{}); break;
+    case 5: body(KConst<5>{}); break;
+    case 6: body(KConst<6>{}); break;
+    case 7: body(KConst<7>{}); break;
+    case 8: body(KConst<8>{}); break;
+    default: break;
+  }
+}
+
 template <int CB, int R, bool FAST>
 __global__ void __launch_bounds__(kFc1Threads, (small_tile(R) && FAST) ? 2 : 1) fc1_kernel(const TrellisMoeArgs a) {
   extern __shared__ __align__(16) unsigned char gemm_smem[];
@@ -483,22 +508,7 @@ __global__ void __launch_bounds__(kFc1Threads, (small_tile(R) && FAST) ? 2 : 1) 
   WorkTile w;
   if (!load_work_tile(a, blockIdx.x / nchunks, w)) return;
   const int nchunk = blockIdx.x % nchunks;
-  if (FAST) {
-    if (w.k == 3) fc1_body<CB, R, 3, FAST>(a, w, nchunk, gemm_smem);
-    else fc1_body<CB, R, 4, FAST>(a, w, nchunk, gemm_smem);
-    return;
-  }
-  switch (w.k) {
-    case 1: fc1_body<CB, R, 1, FAST>(a, w, nchunk, gemm_smem); break;
-    case 2: fc1_body<CB, R, 2, FAST>(a, w, nchunk, gemm_smem); break;
-    case 3: fc1_body<CB, R, 3, FAST>(a, w, nchunk, gemm_smem); break;
-    case 4: fc1_body<CB, R, 4, FAST>(a, w, nchunk, gemm_smem); break;
-    case 5: fc1_body<CB, R, 5, FAST>(a, w, nchunk, gemm_smem); break;
-    case 6: fc1_body<CB, R, 6, FAST>(a, w, nchunk, gemm_smem); break;
-    case 7: fc1_body<CB, R, 7, FAST>(a, w, nchunk, gemm_smem); break;
-    case 8: fc1_body<CB, R, 8, FAST>(a, w, nchunk, gemm_smem); break;
-    default: break;
-  }
+  with_k<FAST>(w.k, [&](auto k) { fc1_body<CB, R, decltype(k)::value, FAST>(a, w, nchunk, gemm_smem); });
 }
 
 __host__ __device__ constexpr int fc1_smem_bytes(int r, bool fast) {
@@ -649,22 +659,7 @@ __global__ void __launch_bounds__(kFc2Threads, FAST ? (small_tile(R) ? 4 : 2) : 
   WorkTile w;
   if (!load_work_tile(a, blockIdx.x / nchunks, w)) return;
   const int nchunk = blockIdx.x % nchunks;
-  if (FAST) {
-    if (w.k == 3) fc2_body<CB, R, 3, FAST>(a, w, nchunk, gemm_smem);
-    else fc2_body<CB, R, 4, FAST>(a, w, nchunk, gemm_smem);
-    return;
-  }
-  switch (w.k) {
-    case 1: fc2_body<CB, R, 1, FAST>(a, w, nchunk, gemm_smem); break;
-    case 2: fc2_body<CB, R, 2, FAST>(a, w, nchunk, gemm_smem); break;
-    case 3: fc2_body<CB, R, 3, FAST>(a, w, nchunk, gemm_smem); break;
-    case 4: fc2_body<CB, R, 4, FAST>(a, w, nchunk, gemm_smem); break;
-    case 5: fc2_body<CB, R, 5, FAST>(a, w, nchunk, gemm_smem); break;
-    case 6: fc2_body<CB, R, 6, FAST>(a, w, nchunk, gemm_smem); break;
-    case 7: fc2_body<CB, R, 7, FAST>(a, w, nchunk, gemm_smem); break;
-    case 8: fc2_body<CB, R, 8, FAST>(a, w, nchunk, gemm_smem); break;
-    default: break;
-  }
+  with_k<FAST>(w.k, [&](auto k) { fc2_body<CB, R, decltype(k)::value, FAST>(a, w, nchunk, gemm_smem); });
 }
 
 __host__ __device__ constexpr int fc2_smem_bytes(int r, bool fast) {
