@@ -116,6 +116,22 @@ __device__ __forceinline__ void store_a_row(__half* row, int col, int expand, co
   store4_half(row + expanded_col(col + 1), odd);
 }
 
+// The suh row of FC1 projection p (0 gate, 1 up) for `expert`, or the layer's one shared row.
+__device__ __forceinline__ const __half* input_suh(const TrellisMoeArgs& a, int expert, int p) {
+  const bool shared = p ? a.up_suh_shared : a.gate_suh_shared;
+  return static_cast<const __half*>(p ? a.up_suh : a.gate_suh) + size_t(shared ? 0 : expert) * a.hidden;
+}
+
+// fp16(H128(x ⊙ s)) of one 128-column block into an A row; lane l holds columns 4l..4l+3 of x and s.
+__device__ __forceinline__ void store_rotated(__half* row, int col, int expand, const float x[4], const float s[4],
+                                              int lane) {
+  float v[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = x[i] * s[i];
+  hadamard128(v, lane);
+  store_a_row(row, col, expand, v);
+}
+
 // Weights and A rows of a 128-wide k chunk travel global -> shared with 16-byte cp.async through a ring of
 // STAGES buffers, so the loads of the next chunks are in flight while the current one is decoded.
 __device__ __forceinline__ uint32_t shared_address(const void* p) {
@@ -365,15 +381,10 @@ __device__ __forceinline__ void rotate_direct_row(const TrellisMoeArgs& a, const
   for (int item = warp; item < 2 * chunks; item += blockDim.x >> 5) {
     const int p = item / chunks, c = item - p * chunks;
     const int col = (kc0 + c) * 128 + 4 * lane;
-    const __half* suh = static_cast<const __half*>(p ? a.up_suh : a.gate_suh) +
-                        size_t((p ? a.up_suh_shared : a.gate_suh_shared) ? 0 : w.expert) * a.hidden;
-    float v[4], s[4];
-    load4(a, a.x, size_t(token) * a.hidden + col, v);
-    load4_half(suh + col, s);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] *= s[i];
-    hadamard128(v, lane);
-    store_a_row(resident + item * 256, 4 * lane, 2, v);
+    float x[4], s[4];
+    load4(a, a.x, size_t(token) * a.hidden + col, x);
+    load4_half(input_suh(a, w.expert, p) + col, s);
+    store_rotated(resident + item * 256, 4 * lane, 2, x, s, lane);
   }
   for (int i = threadIdx.x; i < 256 / 8; i += blockDim.x)
     *reinterpret_cast<uint4*>(resident + 2 * chunks * 256 + 8 * i) = make_uint4(0u, 0u, 0u, 0u);
@@ -527,12 +538,9 @@ __global__ void __launch_bounds__(256) rotate_input_kernel(const TrellisMoeArgs 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int col = blockIdx.y * 128 + 4 * lane;
   const int kX = expand_of_m_tile(a.m_tile);  // the FC1 kernel's A layout
-  const __half* suh[2] = {
-      static_cast<const __half*>(a.gate_suh) + size_t(a.gate_suh_shared ? 0 : w.expert) * a.hidden,
-      static_cast<const __half*>(a.up_suh) + size_t(a.up_suh_shared ? 0 : w.expert) * a.hidden};
   float s[2][4];
-  load4_half(suh[0] + col, s[0]);
-  load4_half(suh[1] + col, s[1]);
+  load4_half(input_suh(a, w.expert, 0) + col, s[0]);
+  load4_half(input_suh(a, w.expert, 1) + col, s[1]);
   const int* slot_route = static_cast<const int*>(a.slot_route) + w.start;
   for (int r0 = warp; r0 < w.rows; r0 += 16) {
     const int rows[2] = {r0, r0 + 8};
@@ -544,13 +552,9 @@ __global__ void __launch_bounds__(256) rotate_input_kernel(const TrellisMoeArgs 
     for (int i = 0; i < 2; ++i) {
       if (rows[i] >= w.rows) continue;
 #pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        float y[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) y[e] = v[i][e] * s[p][e];
-        hadamard128(y, lane);
-        store_a_row(static_cast<__half*>(a.xrot) + (size_t(w.start + rows[i]) * 2 + p) * kX * a.hidden, col, kX, y);
-      }
+      for (int p = 0; p < 2; ++p)
+        store_rotated(static_cast<__half*>(a.xrot) + (size_t(w.start + rows[i]) * 2 + p) * kX * a.hidden, col, kX,
+                      v[i], s[p], lane);
     }
   }
 }
