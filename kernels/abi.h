@@ -85,6 +85,8 @@ typedef struct TrellisMoeArgs {
 } TrellisMoeArgs;
 
 int trellis_abi_version(void);
+// 1 when large work tiles (m_tile 128) run on Hopper wgmma (an sm_90a build), 0 for mma.sync.
+int trellis_has_wgmma(void);
 int trellis_args_size(void);
 // 0 on success; otherwise a CUDA error code or -1 (bad arguments): see trellis_last_error().
 int trellis_moe_forward(const TrellisMoeArgs* args, void* stream);

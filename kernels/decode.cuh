@@ -116,11 +116,12 @@ __device__ __forceinline__ uint32_t codebook_pair(uint32_t sa, uint32_t sb) {
     xa = sa * 0xCBAC1FEDu;
     xb = sb * 0xCBAC1FEDu;
   }
-  xa = lop3_and_xor(xa);
-  xb = lop3_and_xor(xb);
-  const uint32_t lo = __byte_perm(xa, xb, 0x5410);  // low halves of xa, xb
-  const uint32_t hi = __byte_perm(xa, xb, 0x7632);  // high halves
-  return half2_bits(__hadd2(bits_half2(lo), bits_half2(hi)));
+  // h0 + h1 of each word by one HADD2 whose operands select its low and its high half (no instruction),
+  // then one PRMT pairs the two sums: 1 integer instruction per pair, where pairing the halves of both
+  // words first and adding once takes 2.
+  const __half2 ha = bits_half2(lop3_and_xor(xa)), hb = bits_half2(lop3_and_xor(xb));
+  const __half2 suma = __hadd2(__low2half2(ha), __high2half2(ha)), sumb = __hadd2(__low2half2(hb), __high2half2(hb));
+  return __byte_perm(half2_bits(suma), half2_bits(sumb), 0x5410);
 }
 
 // The lane's 8 decoded weights as B fragments: b[0], b[1] for n columns 0-7; b[2], b[3] for 8-15.

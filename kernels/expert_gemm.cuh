@@ -559,6 +559,41 @@ __global__ void __launch_bounds__(256) rotate_input_kernel(const TrellisMoeArgs 
   }
 }
 
+// The svh row of FC2's output for the tile's expert.
+__device__ __forceinline__ const __half* down_svh(const TrellisMoeArgs& a, const WorkTile& w) {
+  return static_cast<const __half*>(a.down_svh) + size_t(a.down_svh_shared ? 0 : w.expert) * a.hidden;
+}
+
+// FC2's epilogue from staged fp32 output rows s_o [rows][kOStride] (128 columns of H from nchunk * 128,
+// the tile's rows row0..row0+rows-1): H128, svh and the router weight, one route row per warp step, into
+// route_out. Optional `cached` (shared memory): the tile's routes, router weights and svh, read ahead.
+struct DownRowCache {
+  const int* route;     // [tile rows]
+  const float* weight;  // [tile rows]
+  const __half* svh;    // the columns from nchunk * 128
+};
+__device__ __forceinline__ void store_down_rows(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
+                                                const float* s_o, int row0, int rows,
+                                                const DownRowCache* cached = nullptr) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float s[4];
+  load4_half(cached ? cached->svh + 4 * lane : down_svh(a, w) + nchunk * 128 + 4 * lane, s);
+  const int col = nchunk * 128 + 4 * lane;
+  for (int row = warp; row < rows; row += blockDim.x >> 5) {
+    const int route = cached ? cached->route[row0 + row] : slot_route_of(a, w.start + row0 + row);
+    const float weight = cached ? cached->weight[row0 + row] : static_cast<const float*>(a.topk_weights)[route];
+    float v[4];
+    const float4 o = *reinterpret_cast<const float4*>(s_o + row * kOStride + 4 * lane);
+    v[0] = o.x;
+    v[1] = o.y;
+    v[2] = o.z;
+    v[3] = o.w;
+    hadamard128(v, lane);
+    float4 y = make_float4(v[0] * s[0] * weight, v[1] * s[1] * weight, v[2] * s[2] * weight, v[3] * s[3] * weight);
+    *reinterpret_cast<float4*>(static_cast<float*>(a.route_out) + size_t(route) * a.hidden + col) = y;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // FC2: grid (tiles * H/128), 8 warps = the 8 n tiles of one 128-column output block, full K = I.
 // The epilogue holds whole 128-column blocks, so it applies H128, svh and the router weight itself.
@@ -637,23 +672,7 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   }
   __syncthreads();
 
-  const __half* svh = static_cast<const __half*>(a.down_svh) + size_t(a.down_svh_shared ? 0 : w.expert) * a.hidden;
-  const int col = nchunk * 128 + 4 * lane;
-  float s[4];
-  load4_half(svh + col, s);
-  for (int row = warp; row < w.rows; row += kFc2Threads / 32) {
-    const int route = slot_route_of(a, w.start + row);
-    const float weight = static_cast<const float*>(a.topk_weights)[route];
-    float v[4];
-    const float4 o = *reinterpret_cast<const float4*>(s_o + row * kOStride + 4 * lane);
-    v[0] = o.x;
-    v[1] = o.y;
-    v[2] = o.z;
-    v[3] = o.w;
-    hadamard128(v, lane);
-    float4 y = make_float4(v[0] * s[0] * weight, v[1] * s[1] * weight, v[2] * s[2] * weight, v[3] * s[3] * weight);
-    *reinterpret_cast<float4*>(static_cast<float*>(a.route_out) + size_t(route) * a.hidden + col) = y;
-  }
+  store_down_rows(a, w, nchunk, s_o, 0, w.rows);
 }
 
 template <int CB, int R, bool FAST>

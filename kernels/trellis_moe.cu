@@ -11,6 +11,7 @@
 #include "abi.h"
 #include "activation.cuh"
 #include "expert_gemm.cuh"
+#include "expert_wgmma.cuh"
 #include "route_pack.cuh"
 
 namespace {
@@ -95,33 +96,62 @@ bool only_k3_k4(const TrellisMoeArgs& a) {
   return true;
 }
 
+// The FC1 and FC2 kernels of one tile size, with their launch shapes.
+struct GemmKernels {
+  void (*fc1)(TrellisMoeArgs);
+  void (*fc2)(TrellisMoeArgs);
+  dim3 fc1_grid;
+  int fc1_threads, fc1_smem, fc2_blocks, fc2_threads, fc2_smem;
+};
+
 template <int CB, int R, bool FAST>
-cudaError_t launch_gemms(const TrellisMoeArgs& a, cudaStream_t stream, bool pdl) {
+GemmKernels mma_sync_kernels(const TrellisMoeArgs& a) {
+  using namespace trellis;
+  return {fc1_kernel<CB, R, FAST>, fc2_kernel<CB, R, FAST>,
+          dim3(a.tile_capacity * (a.intermediate / 128), a.k_split), kFc1Threads, fc1_smem_bytes(R, FAST),
+          a.tile_capacity * (a.hidden / 128), kFc2Threads, fc2_smem_bytes(R, FAST)};
+}
+
+#ifdef TRELLIS_WGMMA  // sm_90a build: large tiles run on wgmma (expert_wgmma.cuh)
+template <int CB, bool FAST>
+GemmKernels wgmma_kernels(const TrellisMoeArgs& a) {
+  using namespace trellis;
+  return {fc1_wgmma_kernel<CB, FAST>, fc2_wgmma_kernel<CB, FAST>,
+          dim3(a.tile_capacity * 2 * (a.intermediate / kWgFeatures), a.k_split), kWgThreads, wg_smem_bytes(FAST),
+          a.tile_capacity * fc2_wgmma_groups(a.hidden), kWgThreads, wg_smem_bytes(FAST)};
+}
+#endif
+
+cudaError_t launch_gemms(const TrellisMoeArgs& a, const GemmKernels& k, int act_rows_per_block, cudaStream_t stream,
+                         bool pdl) {
   using namespace trellis;
   cudaError_t err = cudaSuccess;
-  const int fc1_smem = fc1_smem_bytes(R, FAST), fc2_smem = fc2_smem_bytes(R, FAST);
-  if ((err = allow_smem(fc1_kernel<CB, R, FAST>, fc1_smem)) != cudaSuccess) return err;
-  if ((err = allow_smem(fc2_kernel<CB, R, FAST>, fc2_smem)) != cudaSuccess) return err;
+  if ((err = allow_smem(k.fc1, k.fc1_smem)) != cudaSuccess) return err;
+  if ((err = allow_smem(k.fc2, k.fc2_smem)) != cudaSuccess) return err;
   const int tiles = a.tile_capacity;
   // Direct mode: FC1 rotates its own rows and is the call's first kernel, so it launches fully serialized.
   if (!a.direct && !(a.debug_flags & TRELLIS_SKIP_ROTATE))
     err = launch(rotate_input_kernel, dim3(tiles, a.hidden / 128), 256, 0, stream, a, pdl);
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_FC1))
-    err = launch(fc1_kernel<CB, R, FAST>, dim3(tiles * (a.intermediate / 128), a.k_split), kFc1Threads, fc1_smem,
-                 stream, a, pdl && !a.direct);
+    err = launch(k.fc1, k.fc1_grid, k.fc1_threads, k.fc1_smem, stream, a, pdl && !a.direct);
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_ACT))
-    err = launch(activation_kernel, dim3(tiles, R == 1 ? 16 : 32), (a.intermediate / 128) * 32, 0, stream, a, pdl);
+    err = launch(activation_kernel, dim3(tiles, act_rows_per_block), (a.intermediate / 128) * 32, 0, stream, a, pdl);
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_FC2))
-    err = launch(fc2_kernel<CB, R, FAST>, tiles * (a.hidden / 128), kFc2Threads, fc2_smem, stream, a, pdl);
+    err = launch(k.fc2, k.fc2_blocks, k.fc2_threads, k.fc2_smem, stream, a, pdl);
   return err;
 }
 
 template <int CB, bool FAST>
 cudaError_t launch_for_tile(const TrellisMoeArgs& a, cudaStream_t stream, bool pdl) {
   switch (a.m_tile) {
-    case 16: return launch_gemms<CB, 1, FAST>(a, stream, pdl);
-    case 32: return launch_gemms<CB, 2, FAST>(a, stream, pdl);
-    default: return launch_gemms<CB, 8, FAST>(a, stream, pdl);
+    case 16: return launch_gemms(a, mma_sync_kernels<CB, 1, FAST>(a), 16, stream, pdl);
+    case 32: return launch_gemms(a, mma_sync_kernels<CB, 2, FAST>(a), 32, stream, pdl);
+    default:
+#ifdef TRELLIS_WGMMA
+      if (a.hidden % trellis::kWgFeatures == 0 && a.intermediate % trellis::kWgFeatures == 0)
+        return launch_gemms(a, wgmma_kernels<CB, FAST>(a), 32, stream, pdl);
+#endif
+      return launch_gemms(a, mma_sync_kernels<CB, 8, FAST>(a), 32, stream, pdl);
   }
 }
 
@@ -133,6 +163,14 @@ cudaError_t launch_for_codebook(const TrellisMoeArgs& a, cudaStream_t stream, bo
 }  // namespace
 
 extern "C" int trellis_abi_version(void) { return TRELLIS_ABI_VERSION; }
+
+extern "C" int trellis_has_wgmma(void) {
+#ifdef TRELLIS_WGMMA
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 extern "C" int trellis_args_size(void) { return static_cast<int>(sizeof(TrellisMoeArgs)); }
 

@@ -1,4 +1,4 @@
-"""The nvcc build: the bundled sources compile for sm_90 (one cached build), failures are exit-4 errors."""
+"""The nvcc build: the bundled sources compile for sm_90 (one cached build, with wgmma), failures are exit-4 errors."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ def test_kernel_sources_compile_for_sm90_and_are_cached():
     assert first.path.parent == build.cache_dir()
     again = build.build_library("sm_90")
     assert again.cached and again.path == first.path and again.build_hash == first.build_hash
+    # Loading needs no GPU: the Hopper build says its large tiles run on wgmma.
+    from trellis_cli.kernel.abi import load_library
+
+    assert load_library(first.path, first.build_hash, first.arch).wgmma
 
 
 @requires_nvcc

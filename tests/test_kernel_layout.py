@@ -103,6 +103,26 @@ def test_workspace_width_follows_tile_size():
     assert workspace_shapes(large, 6144, 512)["xrot"][0][2] == 6144
 
 
+def test_large_tiles_start_earlier_on_wgmma():
+    from trellis_cli.kernel.plan import LARGE_FROM_MMA_SYNC, LARGE_FROM_WGMMA, make_plan
+
+    assert LARGE_FROM_WGMMA < LARGE_FROM_MMA_SYNC
+    # glm52-tp4 at top-8: M=1024 is 32 routes per expert, M=512 16, M=2048 64.
+    assert make_plan(1024, 8, 6144, 512, 256, wgmma=True).m_tile == 128
+    assert make_plan(1024, 8, 6144, 512, 256).m_tile == 32
+    assert make_plan(512, 8, 6144, 512, 256, wgmma=True).m_tile == 32
+    assert make_plan(2048, 8, 6144, 512, 256).m_tile == 128
+    assert make_plan(2, 8, 6144, 512, 256, wgmma=True).direct  # small M is untouched
+
+
+def test_hopper_builds_its_wgmma_target_and_other_archs_do_not():
+    from trellis_cli.kernel.build import arch_flags
+
+    assert arch_flags("sm_90") == ["-gencode=arch=compute_90a,code=sm_90a", "-DTRELLIS_WGMMA"]
+    assert arch_flags("sm_80") == ["-gencode=arch=compute_80,code=sm_80"]
+    assert arch_flags("sm_100") == ["-gencode=arch=compute_100,code=sm_100"]
+
+
 @pytest.mark.parametrize("m", [1, 3, 8, 64])
 def test_fc1_ranges_hold_at_least_six_chunks(m):
     from trellis_cli.kernel.plan import MIN_FC1_CHUNKS, make_plan

@@ -44,5 +44,6 @@ def environment(library: KernelLibrary, device: torch.device | None = None) -> d
             "arch": library.arch,
             "nvcc": library.nvcc_version,
             "path": str(library.path),
+            "large_tiles": "wgmma" if library.wgmma else "mma.sync",
         },
     }

@@ -82,6 +82,7 @@ class KernelLibrary:
     build_hash: str
     arch: str
     nvcc_version: str
+    wgmma: bool = False  # large tiles run on Hopper wgmma (kernels/expert_wgmma.cuh)
 
     def forward(self, args: TrellisMoeArgs, stream: int) -> tuple[int, str]:
         rc = int(self.handle.trellis_moe_forward(ctypes.byref(args), ctypes.c_void_p(stream)))
@@ -105,7 +106,9 @@ def load_library(path: Path, build_hash: str = "", arch: str = "", nvcc_version:
             f"kernel library {path}: ABI {version} with {size}-byte args, expected ABI {ABI_VERSION} with "
             f"{ctypes.sizeof(TrellisMoeArgs)}-byte args (stale build: delete it and rebuild)"
         )
-    return KernelLibrary(handle, Path(path), build_hash, arch, nvcc_version)
+    # Libraries built before the wgmma path lack the symbol: their large tiles use mma.sync.
+    wgmma = hasattr(handle, "trellis_has_wgmma") and bool(handle.trellis_has_wgmma())
+    return KernelLibrary(handle, Path(path), build_hash, arch, nvcc_version, wgmma)
 
 
 _LOADED: dict[str, KernelLibrary] = {}

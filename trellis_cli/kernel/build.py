@@ -106,9 +106,17 @@ def cache_dir() -> Path:
     return Path(base) / "trellis" / "kernels"
 
 
-def nvcc_command(nvcc: str, arch: str, source: Path, output: Path) -> list[str]:
+def arch_flags(arch: str) -> list[str]:
+    """Code generation for `arch`. Hopper builds its arch-specific target (sm_90a), which has wgmma: the
+    large-tile GEMM then runs on it (kernels/expert_wgmma.cuh); every other arch uses mma.sync only."""
     number = arch.removeprefix("sm_")
-    return [nvcc, *NVCC_FLAGS, f"-gencode=arch=compute_{number},code=sm_{number}", "-o", str(output), str(source)]
+    if number == "90":
+        return ["-gencode=arch=compute_90a,code=sm_90a", "-DTRELLIS_WGMMA"]
+    return [f"-gencode=arch=compute_{number},code=sm_{number}"]
+
+
+def nvcc_command(nvcc: str, arch: str, source: Path, output: Path) -> list[str]:
+    return [nvcc, *NVCC_FLAGS, *arch_flags(arch), "-o", str(output), str(source)]
 
 
 def build_library(arch: str | None = None, *, force: bool = False) -> BuiltLibrary:
@@ -118,7 +126,7 @@ def build_library(arch: str | None = None, *, force: bool = False) -> BuiltLibra
     nvcc = find_nvcc()
     version = nvcc_version(nvcc)
     key = hashlib.sha256(
-        "|".join((source_hash(source_dir), target, version, " ".join(NVCC_FLAGS))).encode()
+        "|".join((source_hash(source_dir), target, version, " ".join((*NVCC_FLAGS, *arch_flags(target))))).encode()
     ).hexdigest()[:16]
     directory = cache_dir()
     path = directory / f"{LIBRARY_STEM}-{target}-{key}.so"

@@ -54,7 +54,8 @@ class FusedMoe:
         return len(self.pack.tier_trellis)
 
     def plan(self, m: int, top_k: int) -> LaunchPlan:
-        return make_plan(m, top_k, self.pack.hidden, self.pack.intermediate, self.pack.num_combined)
+        return make_plan(m, top_k, self.pack.hidden, self.pack.intermediate, self.pack.num_combined,
+                         wgmma=self.library.wgmma)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                 out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,

@@ -16,6 +16,8 @@ from trellis_cli.repack.format import MAX_TIER_EXPERTS, LayerPack
 
 BLOCK_ROWS = 16  # each expert's slot segment is padded to one MMA m16 block
 SMALL_TILE, MID_TILE, LARGE_TILE = 16, 32, 128
+# Routes per expert from which 128-row tiles win (choose_m_tile).
+LARGE_FROM_MMA_SYNC, LARGE_FROM_WGMMA = 64, 28
 HADAMARD = 128
 MAX_TIERS = 8
 # Enough FC1 work items to keep every SM of a large GPU busy at small M (glm52-tp4 on H200: M=16 ran
@@ -53,13 +55,13 @@ def tile_capacity(numel: int, m_tile: int, num_combined: int) -> int:
     return numel // m_tile + min(numel, num_combined)
 
 
-def choose_m_tile(numel: int, num_combined: int) -> int:
+def choose_m_tile(numel: int, num_combined: int, wgmma: bool = False) -> int:
     # A work tile decodes its expert's weights once for all its rows, so an expert with more routes than
     # one tile holds is decoded again per tile. Mid tiles (split words, like small ones) hold most experts
-    # in one tile from about 12 routes per expert on; large tiles (merged weights, 8 m16 blocks) win from
-    # about 64 (glm52-tp4 sweep on H200, docs/performance.md).
+    # in one tile from about 12 routes per expert on; large tiles (merged weights, 128 rows) win from about
+    # 64 on mma.sync and from about 28 on Hopper wgmma (glm52-tp4 sweeps on H200, docs/performance.md).
     per_expert = numel / max(1, num_combined)
-    if per_expert >= 64:
+    if per_expert >= (LARGE_FROM_WGMMA if wgmma else LARGE_FROM_MMA_SYNC):
         return LARGE_TILE
     return MID_TILE if per_expert >= 12 else SMALL_TILE
 
@@ -74,7 +76,8 @@ def choose_k_split(m_tile: int, tiles: int, hidden: int, intermediate: int, targ
 
 
 def make_plan(m: int, top_k: int, hidden: int, intermediate: int, num_combined: int,
-              m_tile: int | None = None, k_split: int | None = None, direct: bool | None = None) -> LaunchPlan:
+              m_tile: int | None = None, k_split: int | None = None, direct: bool | None = None,
+              wgmma: bool = False) -> LaunchPlan:
     numel = m * top_k
     chunks = hidden // HADAMARD
     if direct is None:
@@ -87,7 +90,7 @@ def make_plan(m: int, top_k: int, hidden: int, intermediate: int, num_combined: 
             raise CheckFailed(f"k_split {split} must divide hidden/128 = {chunks} into ranges of at most "
                               f"{DIRECT_MAX_CHUNKS} chunks (direct mode)")
         return LaunchPlan(m, top_k, SMALL_TILE, split, numel, numel, direct=True)
-    tile = m_tile or choose_m_tile(numel, num_combined)
+    tile = m_tile or choose_m_tile(numel, num_combined, wgmma)
     tiles = tile_capacity(numel, tile, num_combined)
     # Expected busy tiles: distinct experts touched, plus one extra tile per m_tile routes.
     expected = min(numel, num_combined) + numel // tile

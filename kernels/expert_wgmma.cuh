@@ -1,0 +1,286 @@
+// FC1 and FC2 over large work tiles (up to 128 routes of one expert) on Hopper, with wgmma.
+//
+// The GEMM runs transposed, y^T = W^T x^T: a lane's B fragments of one decoded 16x16 weight tile
+// (decode.cuh) are, reordered, its A fragment of W^T, so the decoded weights feed wgmma straight from
+// registers, and the tile's routes are wgmma's N = 128, read by the tensor cores from shared memory. The
+// MMA is asynchronous: a warp decodes its next weight tile while the last one multiplies, so decode
+// (integer pipes) and MMA (tensor cores) overlap instead of taking turns as in the mma.sync path.
+//
+// A CTA is 4 warpgroups = 16 warps = 256 features (warp w: features 16w..16w+15) of one projection, over
+// the tile's 128 routes. The route rows are the heavy operand (128 x 2 bytes per k against 256 x ~0.4
+// bytes of codes), so the wider the feature block, the less L2 traffic per decoded weight: with 128
+// features, FC1 read 5.6 GB of rows from L2 at M=3072 and ran at 80 % of L2 throughput.
+// The k loop walks 128-wide chunks through a cp.async ring of weights and route rows, as in
+// expert_gemm.cuh; the result goes through shared memory to the same epilogues.
+#pragma once
+#include "expert_gemm.cuh"
+#include "wgmma.cuh"
+
+namespace trellis {
+
+constexpr int kWgThreads = 512;
+constexpr int kWgRows = 128;      // routes per work tile = wgmma N
+constexpr int kWgFeatures = 256;  // features per CTA: 4 warpgroups x 64
+// 3 stages of the ring for K3/K4 kernels (two chunks load while one multiplies); the all-K kernel keeps 2,
+// its weights take twice the room.
+__host__ __device__ constexpr int wg_stages(bool fast) { return fast ? 3 : 2; }
+// FC2 walks only I/128 chunks per 256 features (4 at I = 512), so each CTA takes this many feature blocks
+// of one tile in a row: the ring runs on across them, and a block's epilogue overlaps the next one's loads.
+constexpr int kFc2BlocksPerCta = 4;
+// Route rows of one chunk as wgmma's B, in the 128-byte swizzled K-major layout: two k halves of 64
+// columns, each [128 rows][128 bytes] with 16-byte piece c of row r at position c ^ (r % 8). A warp's copy
+// of 4 whole rows is then 4 full 128-byte lines in global memory and 512 contiguous bytes in shared memory
+// (the unswizzled 8x8 core-matrix layout spread each warp's copy over 8 rows and cost 2x the wavefronts).
+constexpr int kWgRowBytes = kWgRows * 128 * 2;
+constexpr int kWgHalfBytes = kWgRowBytes / 2;
+constexpr int kWgSwizzleAtomBytes = 8 * 128;  // 8 rows of 128 bytes: the stride between 8-row groups
+__host__ __device__ constexpr int wg_weight_bytes(bool fast) { return 2 * 8 * 64 * max_k(fast) * 4; }
+__host__ __device__ constexpr int wg_stage_bytes(bool fast) { return wg_weight_bytes(fast) + kWgRowBytes; }
+// The result leaves through shared memory in passes of 32 routes: [half (2)][32 routes][kOStride] fp32,
+// behind the ring.
+constexpr int kWgPassRows = 32;
+constexpr int kWgStagingBytes = 2 * kWgPassRows * kOStride * 4;
+// FC2 reads its tile's routes, router weights and svh columns into shared memory once, ahead of the
+// epilogues (loaded there, their latency stalled every pass): [128] int, [128] float, [blocks * 256] fp16.
+constexpr int kWgCacheBytes = kWgRows * 8 + kFc2BlocksPerCta * kWgFeatures * 2;
+__host__ __device__ constexpr int wg_smem_bytes(bool fast) {
+  return wg_stages(fast) * wg_stage_bytes(fast) + kWgStagingBytes + kWgCacheBytes;
+}
+
+// A chunk's route rows [rows][128] fp16 (rows `row_stride` halves apart) into the swizzled layout. Piece
+// i = threadIdx.x + 512 j is 16-byte piece i % 8 of row (i / 8) % 128 in k half i / 1024, so a thread
+// keeps its piece and copies rows r0 and r0 + 64 of both halves; rows past `rows` are never written
+// (zeroed once, below). Chunks are 128 columns apart.
+struct WgRowStream {
+  static constexpr int kItems = kWgRows * 16 / kWgThreads;  // piece j: k half j / 2, row r0 + 64 (j % 2)
+  const __half* src;
+  size_t row_step;  // 64 rows, in halves
+  uint32_t dst[2];  // bytes from the stage's rows: rows r0 and r0 + 64 of k half 0
+  bool live[2];
+
+  __device__ __forceinline__ WgRowStream(const __half* first, size_t row_stride, int rows) {
+    const int piece = threadIdx.x & 7, r0 = threadIdx.x >> 3;
+    src = first + r0 * row_stride + piece * 8;
+    row_step = 64 * row_stride;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 64 * h;
+      dst[h] = uint32_t(r * 128 + ((piece ^ (r & 7)) * 16));
+      live[h] = r < rows;
+    }
+  }
+  __device__ __forceinline__ void issue(uint32_t stage, int chunk) const {
+    const __half* chunk_src = src + chunk * 128;
+#pragma unroll
+    for (int j = 0; j < kItems; ++j)
+      if (live[j & 1])
+        cp_async16(stage + (j >> 1) * kWgHalfBytes + dst[j & 1], chunk_src + (j & 1) * row_step + (j >> 1) * 64);
+  }
+  __device__ __forceinline__ void zero_dead(unsigned char* stage) const {
+#pragma unroll
+    for (int j = 0; j < kItems; ++j)
+      if (!live[j & 1])
+        *reinterpret_cast<uint4*>(stage + (j >> 1) * kWgHalfBytes + dst[j & 1]) = make_uint4(0u, 0u, 0u, 0u);
+  }
+};
+
+#ifdef TRELLIS_DEVICE_WGMMA
+// acc[128 routes x this warp's 16 features] += the 8 k tiles of a staged chunk. Each 16x16 weight tile is
+// decoded into registers and handed to one wgmma; up to two MMAs stay in flight while the next tile's
+// words load and decode, so the tensor cores always have queued work. The chunk ends with every MMA done:
+// MMAs left in flight across the chunk loop's back edge make ptxas serialize all of them (C7515).
+template <int K, int CB>
+__device__ __forceinline__ void chunk_wgmma(const uint32_t* run, int ntl, const LaneWindow& win, uint32_t rows_addr,
+                                            float (&acc)[64]) {
+  const uint32_t* w0 = run + ntl * 8 * K + win.w0;
+  const uint32_t* w1 = run + ntl * 8 * K + win.w1;
+  const uint32_t* w2 = run + ntl * 8 * K + win.w2;
+  auto load = [&](int kt) {
+    TileWords t;
+    t.u0 = w0[kt * 64 * K];
+    t.u1 = w1[kt * 64 * K];
+    t.u2 = K >= 5 ? w2[kt * 64 * K] : 0u;
+    return t;
+  };
+  TileWords next = load(0);
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt) {
+    const TileWords t = next;
+    if (kt < 7) next = load(kt + 1);  // ahead of the MMA wait below, which the compiler may not cross
+    uint32_t b[4];
+    decode_fragments<K, CB>(t, win, b);
+    // B fragments of W (k x features) -> A fragment of W^T (features x k): rows g | g+8, k 2t | 2t+8.
+    const uint32_t a_frag[4] = {b[0], b[2], b[1], b[3]};
+    wgmma_wait<1>();  // the MMA two tiles back is done: its A registers may be reused
+    wgmma_fence();
+    const uint32_t rows_k16 = rows_addr + (kt >> 2) * kWgHalfBytes + (kt & 3) * 32;  // k half, 16 columns in it
+    wgmma_m64n128k16(acc, a_frag, swizzled_descriptor(rows_k16, kWgSwizzleAtomBytes));
+    wgmma_commit();
+  }
+  wgmma_wait<0>();  // the stage is free for the next copy once every warp passes the barrier
+}
+#endif
+
+// y^T[256 features][128 routes] for `blocks` consecutive 256-feature blocks, each over `chunks` chunks.
+// prepare() runs once the previous kernel's outputs may be read; after each block, store(block, row0,
+// s_pass) runs per pass of 32 routes from row0, with s_pass [half][32 routes][kOStride] fp32 in shared
+// memory. wsrc: block 0's weight words at chunk 0 (its second 128
+// features follow 8 n tiles later; block b is b * block_words further); rsrc: the tile's first route row.
+template <int CB, int K, bool FAST, typename Prepare, typename Store>
+__device__ void wg_gemm(const uint32_t* wsrc, size_t block_words, size_t kt_stride, const __half* rsrc,
+                        size_t row_stride, int rows, int chunks, int blocks, unsigned char* smem, Prepare&& prepare,
+                        Store&& store) {
+#ifdef TRELLIS_DEVICE_WGMMA
+  constexpr int kStages = wg_stages(FAST), kStageBytes = wg_stage_bytes(FAST), kWeightBytes = wg_weight_bytes(FAST);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const LaneWindow win = lane_window<K>(lane);
+  const uint32_t ring = shared_address(smem);
+  const WeightIssue<K, 2, kWgThreads> weights(kt_stride, 8 * 8 * K);  // "sources": the two 128-feature halves
+  const WgRowStream row_stream(rsrc, row_stride, rows);
+  for (int st = 0; st < kStages; ++st) row_stream.zero_dead(smem + st * kStageBytes + kWeightBytes);
+  auto stage_words = [&](int st) { return reinterpret_cast<uint32_t*>(smem + st * kStageBytes); };
+  const int total = blocks * chunks;
+  // The next chunk to issue: its block's weight words and its index in the block (no division per chunk).
+  const uint32_t* issue_block = wsrc;
+  int issue_c = 0;
+  auto advance_issue = [&]() {
+    if (++issue_c == chunks) {
+      issue_c = 0;
+      issue_block += block_words;
+    }
+  };
+  // Weights do not depend on the previous kernel: their first stages load while it drains.
+#pragma unroll
+  for (int g = 0; g < kStages - 1; ++g) {
+    if (g < total) weights.issue(stage_words(g), issue_block + size_t(issue_c) * 8 * kt_stride);
+    advance_issue();
+    cp_async_commit();
+  }
+  after_predecessor();
+  prepare();  // made visible by the loop's first barrier
+#pragma unroll
+  for (int g = 0; g < kStages - 1; ++g) {
+    if (g < total) row_stream.issue(ring + g * kStageBytes + kWeightBytes, g % chunks);
+    cp_async_commit();
+  }
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  const uint32_t* run = reinterpret_cast<const uint32_t*>(smem) + (warp >> 3) * 8 * 64 * K;  // this warp's half
+  float* s_pass = reinterpret_cast<float*>(smem + kStages * kStageBytes) + (warp >> 3) * kWgPassRows * kOStride;
+  const int g_row = lane >> 2, t = lane & 3, col = (warp & 7) * 16 + g_row;
+  // Chunk g = block * chunks + c loads into stage g % S, S - 1 chunks ahead, across block boundaries.
+  for (int block = 0, g = 0, st = 0, st_issue = kStages - 1; block < blocks; ++block) {
+    for (int c = 0; c < chunks; ++c, ++g) {
+      cp_async_wait<kStages - 2>();
+      wgmma_fence_shared_writes();
+      __syncthreads();  // chunk g is in, and every warp is done with chunk g - 1's stage
+      if (g + kStages - 1 < total) {
+        weights.issue(stage_words(st_issue), issue_block + size_t(issue_c) * 8 * kt_stride);
+        row_stream.issue(ring + st_issue * kStageBytes + kWeightBytes, issue_c);
+        advance_issue();
+      }
+      cp_async_commit();
+      chunk_wgmma<K, CB>(run + st * (kStageBytes / 4), warp & 7, win, ring + st * kStageBytes + kWeightBytes, acc);
+      st = st + 1 == kStages ? 0 : st + 1;
+      st_issue = st_issue + 1 == kStages ? 0 : st_issue + 1;
+    }
+    // chunk_wgmma waited for the block's MMAs: d[4i + e] is feature 16 warp + g_row (+8 for e >= 2) and
+    // route 8i + 2t (+1 for odd e).
+    wgmma_fence_accumulators(acc);
+#pragma unroll
+    for (int pass = 0; pass < kWgRows / kWgPassRows; ++pass) {
+      if (pass * kWgPassRows < rows) {
+#pragma unroll
+        for (int i = 0; i < kWgPassRows / 8; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            s_pass[(8 * i + 2 * t + (e & 1)) * kOStride + col + 8 * (e >> 1)] =
+                acc[4 * (pass * kWgPassRows / 8 + i) + e];
+        __syncthreads();
+        store(block, pass * kWgPassRows, reinterpret_cast<const float*>(smem + kStages * kStageBytes));
+        __syncthreads();
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  }
+  cp_async_wait<0>();
+#endif
+}
+
+// FC1: grid (tiles * 2I/256, k_split); block b of a tile: projection b / (I/256), features (b % (I/256)) * 256.
+template <int CB, bool FAST>
+__global__ void __launch_bounds__(kWgThreads, 1) fc1_wgmma_kernel(const TrellisMoeArgs a) {
+  extern __shared__ __align__(1024) unsigned char wg_smem[];
+  const int blocks = a.intermediate / kWgFeatures;
+  WorkTile w;
+  if (!load_work_tile(a, blockIdx.x / (2 * blocks), w)) return;
+  const int block = blockIdx.x % (2 * blocks), proj = block / blocks, nblock = block % blocks;
+  const int chunks = (a.hidden >> 7) / a.k_split, kc0 = blockIdx.y * chunks;
+  float* part = static_cast<float*>(a.partial) + size_t(blockIdx.y) * a.slot_capacity * 2 * a.intermediate +
+                size_t(w.start) * 2 * a.intermediate + proj * a.intermediate + nblock * kWgFeatures;
+  auto store = [&](int, int row0, const float* s_pass) {
+    const int lane = threadIdx.x & 31, rows = min(kWgPassRows, w.rows - row0);
+    for (int item = threadIdx.x >> 5; item < 2 * rows; item += kWgThreads / 32) {  // (row, half)
+      const int half = item & 1, row = item >> 1;
+      *reinterpret_cast<float4*>(part + size_t(row0 + row) * 2 * a.intermediate + half * 128 + 4 * lane) =
+          *reinterpret_cast<const float4*>(s_pass + (half * kWgPassRows + row) * kOStride + 4 * lane);
+    }
+  };
+  with_k<FAST>(w.k, [&](auto k) {
+    constexpr int K = decltype(k)::value;
+    const size_t kt_stride = size_t(a.intermediate >> 4) * 8 * K;
+    const uint32_t* wsrc =
+        projection_words<K>(a, w, proj) + size_t(nblock) * 16 * 8 * K + size_t(kc0) * 8 * kt_stride;
+    const __half* rows = static_cast<const __half*>(a.xrot) + (size_t(w.start) * 2 + proj) * a.hidden + kc0 * 128;
+    wg_gemm<CB, K, FAST>(wsrc, 0, kt_stride, rows, size_t(2) * a.hidden, w.rows, chunks, 1, wg_smem, [] {}, store);
+  });
+}
+
+// FC2: grid (tiles * ceil(H/256 / kFc2BlocksPerCta)): up to kFc2BlocksPerCta blocks of 256 output columns,
+// each over the whole intermediate.
+__host__ __device__ constexpr int fc2_wgmma_groups(int hidden) {
+  return (hidden / kWgFeatures + kFc2BlocksPerCta - 1) / kFc2BlocksPerCta;
+}
+
+template <int CB, bool FAST>
+__global__ void __launch_bounds__(kWgThreads, 1) fc2_wgmma_kernel(const TrellisMoeArgs a) {
+  extern __shared__ __align__(1024) unsigned char wg_smem[];
+  const int groups = fc2_wgmma_groups(a.hidden);
+  WorkTile w;
+  if (!load_work_tile(a, blockIdx.x / groups, w)) return;
+  const int block0 = (blockIdx.x % groups) * kFc2BlocksPerCta;
+  const int blocks = min(kFc2BlocksPerCta, a.hidden / kWgFeatures - block0);
+  unsigned char* cache = wg_smem + wg_smem_bytes(FAST) - kWgCacheBytes;
+  int* s_route = reinterpret_cast<int*>(cache);
+  float* s_weight = reinterpret_cast<float*>(cache + kWgRows * 4);
+  __half* s_svh = reinterpret_cast<__half*>(cache + kWgRows * 8);
+  auto prepare = [&] {
+    for (int row = threadIdx.x; row < w.rows; row += kWgThreads) {
+      s_route[row] = slot_route_of(a, w.start + row);
+      s_weight[row] = static_cast<const float*>(a.topk_weights)[s_route[row]];
+    }
+    const __half* svh = down_svh(a, w) + block0 * kWgFeatures;
+    for (int i = threadIdx.x; i < blocks * kWgFeatures / 8; i += kWgThreads)
+      reinterpret_cast<uint4*>(s_svh)[i] = reinterpret_cast<const uint4*>(svh)[i];
+  };
+  auto store = [&](int block, int row0, const float* s_pass) {
+    const int rows = min(kWgPassRows, w.rows - row0);
+    for (int half = 0; half < 2; ++half) {
+      const DownRowCache cached{s_route, s_weight, s_svh + (2 * block + half) * 128};
+      store_down_rows(a, w, 2 * (block0 + block) + half, s_pass + half * kWgPassRows * kOStride, row0, rows,
+                      &cached);
+    }
+  };
+  with_k<FAST>(w.k, [&](auto k) {
+    constexpr int K = decltype(k)::value;
+    const size_t kt_stride = size_t(a.hidden >> 4) * 8 * K;
+    const uint32_t* wsrc = projection_words<K>(a, w, 2) + size_t(block0) * 16 * 8 * K;
+    const __half* rows = static_cast<const __half*>(a.act) + size_t(w.start) * a.intermediate;
+    wg_gemm<CB, K, FAST>(wsrc, size_t(16) * 8 * K, kt_stride, rows, size_t(a.intermediate), w.rows,
+                         a.intermediate >> 7, blocks, wg_smem, prepare, store);
+  });
+}
+
+}  // namespace trellis
