@@ -113,6 +113,7 @@ def test_large_tiles_start_earlier_on_wgmma():
     assert make_plan(512, 8, 6144, 512, 256, wgmma=True).m_tile == 32
     assert make_plan(2048, 8, 6144, 512, 256).m_tile == 128
     assert make_plan(2, 8, 6144, 512, 256, wgmma=True).direct  # small M is untouched
+    assert make_plan(1024, 8, 6144, 384, 256, wgmma=True).m_tile == 32  # I % 256: mma.sync tiles
 
 
 def test_hopper_builds_its_wgmma_target_and_other_archs_do_not():

@@ -18,6 +18,9 @@ BLOCK_ROWS = 16  # each expert's slot segment is padded to one MMA m16 block
 SMALL_TILE, MID_TILE, LARGE_TILE = 16, 32, 128
 # Routes per expert from which 128-row tiles win (choose_m_tile).
 LARGE_FROM_MMA_SYNC, LARGE_FROM_WGMMA = 64, 28
+# The wgmma large-tile kernels take 256 features per CTA (kernels/expert_wgmma.cuh kWgFeatures): other
+# shapes run their 128-row tiles on mma.sync.
+WGMMA_FEATURES = 256
 HADAMARD = 128
 MAX_TIERS = 8
 # Enough FC1 work items to keep every SM of a large GPU busy at small M (glm52-tp4 on H200: M=16 ran
@@ -90,6 +93,7 @@ def make_plan(m: int, top_k: int, hidden: int, intermediate: int, num_combined: 
             raise CheckFailed(f"k_split {split} must divide hidden/128 = {chunks} into ranges of at most "
                               f"{DIRECT_MAX_CHUNKS} chunks (direct mode)")
         return LaunchPlan(m, top_k, SMALL_TILE, split, numel, numel, direct=True)
+    wgmma = wgmma and hidden % WGMMA_FEATURES == 0 and intermediate % WGMMA_FEATURES == 0
     tile = m_tile or choose_m_tile(numel, num_combined, wgmma)
     tiles = tile_capacity(numel, tile, num_combined)
     # Expected busy tiles: distinct experts touched, plus one extra tile per m_tile routes.
