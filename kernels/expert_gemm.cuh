@@ -167,6 +167,38 @@ __device__ __forceinline__ void chunk_loop(int chunks, Step&& step) {
   }
 }
 
+// The chunk pipeline of FC1 and FC2: the weights of the first S - 1 chunks are issued before the wait on
+// the previous kernel (weights never depend on it), then after_wait() runs and the A rows of those chunks
+// are issued; then, per chunk: wait for it, barrier, issue chunk c + S - 1 into the stage chunk c - 1 freed,
+// and compute(c, stage). issue_w / issue_a(c, stage) issue chunk c's copies into a stage.
+template <int S, bool UNROLL, typename IssueW, typename IssueA, typename AfterWait, typename Compute>
+__device__ __forceinline__ void staged_chunks(int chunks, IssueW&& issue_w, IssueA&& issue_a, AfterWait&& after_wait,
+                                              Compute&& compute) {
+#pragma unroll
+  for (int c = 0; c < S - 1; ++c) {
+    if (c < chunks) issue_w(c, c);
+    cp_async_commit();
+  }
+  after_predecessor();
+  after_wait();
+#pragma unroll
+  for (int c = 0; c < S - 1; ++c) {
+    if (c < chunks) issue_a(c, c);
+    cp_async_commit();
+  }
+  chunk_loop<S, UNROLL>(chunks, [&](int c, int st, int st_issue) {
+    cp_async_wait<S - 2>();
+    __syncthreads();
+    if (c + S - 1 < chunks) {
+      issue_w(c + S - 1, st_issue);
+      issue_a(c + S - 1, st_issue);
+    }
+    cp_async_commit();
+    compute(c, st);
+  });
+  cp_async_wait<0>();
+}
+
 // Each thread copies the same few 16-byte pieces of every chunk, from addresses that advance by a fixed
 // step from one chunk to the next. The streams below work out a thread's pieces once and keep one global
 // pointer and one shared offset per piece, so issuing a chunk costs a 64-bit add and a copy per piece,
@@ -433,40 +465,24 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
     else issue_a_rows<R, 2, kFc1Threads, !FAST>(s_a + stage * kAHalves, xrot + kc * 128 * kX,
                                          xrot + kX * a.hidden + kc * 128 * kX, size_t(2) * kX * a.hidden, w.rows);
   };
-  // Weights do not depend on the previous kernel: their first stages load while it drains.
-#pragma unroll
-  for (int c = 0; c < kStages - 1; ++c) {
-    if (c < chunks) issue_w(c, c);
-    cp_async_commit();
-  }
-  after_predecessor();
-  if (direct) rotate_direct_row(a, w, kc0, chunks, s_a);  // made visible by the loop's first barrier
-#pragma unroll
-  for (int c = 0; c < kStages - 1; ++c) {
-    if (c < chunks) issue_a(c, c);
-    cp_async_commit();
-  }
   float acc[R][2][4];
   zero_acc<R>(acc);
   // Direct mode: lanes 0 and 16 read the resident row of this projection, the others the zero row.
   const uint32_t direct_row = a_ring + 2 * ((lane & 15) ? 2 * chunks * 256 : proj * chunks * 256) + 16 * (lane >> 4);
   const uint32_t ring_lane = a_lane_address<R>(a_ring + 2 * proj * R * 16 * a_stride(R), lane);
-  auto step = [&](int c, int st, int st_issue) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    if (c + kStages - 1 < chunks) {
-      issue_w(c + kStages - 1, st_issue);
-      issue_a(c + kStages - 1, st_issue);
-    }
-    cp_async_commit();
-    const uint32_t a_addr =
-        direct ? direct_row + ((lane & 15) ? 0 : 512 * c)
-               : small_tile(R) ? ring_lane + 2 * st * kAHalves  // constant st: an immediate
-                               : a_lane_address<R>(a_ring + 2 * (st * kAHalves + proj * R * 16 * a_stride(R)), lane);
-    chunk_mma<K, CB, R>(s_w + st * kWeightWords + proj * 8 * 64 * K, ntl, win, a_addr, live, acc);
-  };
-  chunk_loop<kStages, small_tile(R)>(chunks, step);
-  cp_async_wait<0>();
+  staged_chunks<kStages, small_tile(R)>(
+      chunks, issue_w, issue_a,
+      [&] {
+        if (direct) rotate_direct_row(a, w, kc0, chunks, s_a);  // made visible by the loop's first barrier
+      },
+      [&](int c, int st) {
+        const uint32_t a_addr =
+            direct ? direct_row + ((lane & 15) ? 0 : 512 * c)
+            : small_tile(R)
+                ? ring_lane + 2 * st * kAHalves  // constant st: an immediate
+                : a_lane_address<R>(a_ring + 2 * (st * kAHalves + proj * R * 16 * a_stride(R)), lane);
+        chunk_mma<K, CB, R>(s_w + st * kWeightWords + proj * 8 * 64 * K, ntl, win, a_addr, live, acc);
+      });
 
   const int nt = nchunk * 8 + ntl;
   float* part = static_cast<float*>(a.partial) + size_t(blockIdx.y) * a.slot_capacity * 2 * a.intermediate;
@@ -628,34 +644,14 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
     else issue_a_rows<R, 1, kFc2Threads, !FAST>(s_a + stage * kAHalves, act + c * 128 * kX, nullptr,
                                          size_t(kX) * a.intermediate, w.rows);
   };
-#pragma unroll
-  for (int c = 0; c < kFc2Stages - 1; ++c) {
-    if (c < chunks) issue_w(c, c);
-    cp_async_commit();
-  }
-  after_predecessor();
-#pragma unroll
-  for (int c = 0; c < kFc2Stages - 1; ++c) {
-    if (c < chunks) issue_a(c, c);
-    cp_async_commit();
-  }
   float acc[R][2][4];
   zero_acc<R>(acc);
   const uint32_t ring_lane = a_lane_address<R>(a_ring, lane);
-  auto step = [&](int c, int st, int st_issue) {
-    cp_async_wait<kFc2Stages - 2>();
-    __syncthreads();
-    if (c + kFc2Stages - 1 < chunks) {
-      issue_w(c + kFc2Stages - 1, st_issue);
-      issue_a(c + kFc2Stages - 1, st_issue);
-    }
-    cp_async_commit();
+  staged_chunks<kFc2Stages, small_tile(R)>(chunks, issue_w, issue_a, [] {}, [&](int, int st) {
     const uint32_t a_addr =
         small_tile(R) ? ring_lane + 2 * st * kAHalves : a_lane_address<R>(a_ring + 2 * st * kAHalves, lane);
     chunk_mma<K, CB, R>(s_w + st * kWeightWords, warp, win, a_addr, live, acc);
-  };
-  chunk_loop<kFc2Stages, small_tile(R)>(chunks, step);
-  cp_async_wait<0>();
+  });
   __syncthreads();
 
   float* s_o = reinterpret_cast<float*>(smem);
