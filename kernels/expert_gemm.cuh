@@ -96,6 +96,35 @@ __device__ __forceinline__ void load4_half(const __half* p, float v[4]) {
   v[3] = __high2float(p1);
 }
 
+// Eight consecutive fp16 or bf16 values (16 bytes) as floats.
+__device__ __forceinline__ void load8(bool bf16, const void* p, float v[8]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (bf16) {
+      const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&words[i]);
+      v[2 * i] = __low2float(b);
+      v[2 * i + 1] = __high2float(b);
+    } else {
+      const __half2 h = *reinterpret_cast<const __half2*>(&words[i]);
+      v[2 * i] = __low2float(h);
+      v[2 * i + 1] = __high2float(h);
+    }
+  }
+}
+
+// Eight floats as fp16 (saturated) into the 16 bytes at p.
+__device__ __forceinline__ void store8_half(__half* p, const float v[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __half2 h = __halves2half2(to_half_sat(v[2 * i]), to_half_sat(v[2 * i + 1]));
+    w[i] = *reinterpret_cast<uint32_t*>(&h);
+  }
+  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 __device__ __forceinline__ void store4_half(__half* p, const float v[4]) {
   __half2 h0 = __halves2half2(to_half_sat(v[0]), to_half_sat(v[1]));
   __half2 h1 = __halves2half2(to_half_sat(v[2]), to_half_sat(v[3]));
@@ -114,6 +143,18 @@ __device__ __forceinline__ void store_a_row(__half* row, int col, int expand, co
   const float even[4] = {v[0], v[0], v[2], v[2]}, odd[4] = {v[1], v[1], v[3], v[3]};
   store4_half(row + expanded_col(col), even);
   store4_half(row + expanded_col(col + 1), odd);
+}
+
+// Columns col..col+7 (col % 8 == 0) of an A row, as store_a_row.
+__device__ __forceinline__ void store_a_row8(__half* row, int col, int expand, const float v[8]) {
+  if (expand == 1) {
+    store8_half(row + col, v);
+    return;
+  }
+  const float even[8] = {v[0], v[0], v[2], v[2], v[4], v[4], v[6], v[6]};
+  const float odd[8] = {v[1], v[1], v[3], v[3], v[5], v[5], v[7], v[7]};
+  store8_half(row + expanded_col(col), even);
+  store8_half(row + expanded_col(col + 1), odd);
 }
 
 // The suh row of FC1 projection p (0 gate, 1 up) for `expert`, or the layer's one shared row.
@@ -544,33 +585,46 @@ __host__ __device__ constexpr int fc1_smem_bytes(int r, bool fast) {
 
 // ---------------------------------------------------------------------------------------------------
 // Input rotation, once per route: xrot[slot][p] = fp16(H128(x[token] ⊙ suh_p)) for p = gate, up.
-// grid (tiles, H/128), 8 warps; a warp rotates both projections of two rows per step (one load of x serves
-// both projections, and the two rows' loads are in flight together).
+// grid (tiles, H/128), 8 warps; each half warp rotates one row per step (both projections from one load
+// of x), so a CTA step covers 16 rows with 16-byte loads and stores.
 
 __global__ void __launch_bounds__(256) rotate_input_kernel(const TrellisMoeArgs a) {
   after_predecessor();  // the tile list comes from the route pack, launched just before
   WorkTile w;
   if (!load_work_tile(a, blockIdx.x, w)) return;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int col = blockIdx.y * 128 + 4 * lane;
+  const int lane = threadIdx.x & 15, half = (threadIdx.x >> 4) & 1, warp = threadIdx.x >> 5;
+  const int col = blockIdx.y * 128 + 8 * lane;
   const int kX = expand_of_m_tile(a.m_tile);  // the FC1 kernel's A layout
-  float s[2][4];
-  load4_half(input_suh(a, w.expert, 0) + col, s[0]);
-  load4_half(input_suh(a, w.expert, 1) + col, s[1]);
+  const bool bf16 = a.x_dtype == TRELLIS_DT_BF16;
+  float s[2][8];  // suh / sqrt(128): the rotation's scale rides on the elementwise product
+#pragma unroll
+  for (int p = 0; p < 2; ++p) {
+    load8(false, input_suh(a, w.expert, p) + col, s[p]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s[p][i] *= 0.08838834764831845f;
+  }
   const int* slot_route = static_cast<const int*>(a.slot_route) + w.start;
-  for (int r0 = warp; r0 < w.rows; r0 += 16) {
-    const int rows[2] = {r0, r0 + 8};
-    float v[2][4];
+  // route / top_k: a shift for the usual power-of-two top_k (an integer division costs ~20 instructions).
+  const int topk_shift = (a.top_k & (a.top_k - 1)) ? -1 : __ffs(a.top_k) - 1;
+  const size_t row_halves = size_t(kX) * a.hidden;  // one projection's row in xrot
+  // Whole warps step together (the shuffles span the warp); a half warp past the tile's rows idles.
+  for (int r0 = 2 * warp; r0 < w.rows; r0 += 16) {
+    const int row = r0 + half;
+    const bool live = row < w.rows;
+    float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (live) {
+      const int route = slot_route[row];
+      const size_t token = topk_shift >= 0 ? route >> topk_shift : route / a.top_k;
+      load8(bf16, static_cast<const char*>(a.x) + (token * a.hidden + col) * 2, x);
+    }
+    __half* dst = static_cast<__half*>(a.xrot) + size_t(w.start + row) * 2 * row_halves;
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
-      if (rows[i] < w.rows) load4(a, a.x, size_t(slot_route[rows[i]] / a.top_k) * a.hidden + col, v[i]);
+    for (int p = 0; p < 2; ++p) {
+      float v[8];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (rows[i] >= w.rows) continue;
-#pragma unroll
-      for (int p = 0; p < 2; ++p)
-        store_rotated(static_cast<__half*>(a.xrot) + (size_t(w.start + rows[i]) * 2 + p) * kX * a.hidden, col, kX,
-                      v[i], s[p], lane);
+      for (int i = 0; i < 8; ++i) v[i] = x[i] * s[p][i];
+      hadamard128_unscaled_half(v, lane);
+      if (live) store_a_row8(dst + p * row_halves, col, kX, v);
     }
   }
 }

@@ -44,6 +44,28 @@ __device__ __forceinline__ void hadamard128(float v[4], int lane) {
   for (int i = 0; i < 4; ++i) v[i] *= scale;
 }
 
+// The same rotation, unscaled, across each half warp: lane l (0..15 of its half) holds elements
+// 8l..8l+7 of its half's row. Three butterfly stages stay in registers and four cross lanes, so a warp
+// rotates two rows with 16 shuffles per row instead of 20 for one; each butterfly is one FFMA by +-1
+// (exact, like the add or subtract it replaces).
+__device__ __forceinline__ void hadamard128_unscaled_half(float v[8], int lane) {
+#pragma unroll
+  for (int s = 1; s < 8; s <<= 1)
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (!(i & s)) {
+        const float lo = v[i], hi = v[i + s];
+        v[i] = lo + hi;
+        v[i + s] = lo - hi;
+      }
+#pragma unroll
+  for (int m = 1; m < 16; m <<= 1) {
+    const float sign = (lane & m) ? -1.0f : 1.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = fmaf(v[i], sign, __shfl_xor_sync(0xFFFFFFFFu, v[i], m));
+  }
+}
+
 // Programmatic dependent launch (sm_90): a kernel launched with the programmatic-serialization attribute
 // may start while its predecessor drains; it must wait before reading what the predecessor wrote, and it
 // lets its own dependents start only after that wait (so every earlier kernel of the call has finished).

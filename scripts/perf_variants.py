@@ -4,7 +4,8 @@
 
 Each library is loaded with its own handle; the same weight copies serve every variant. With --phases,
 each M is also timed with one phase skipped (results meaningless, time is what counts): the difference
-to the full call is that phase's cost.
+to the full call is that phase's cost. With --calls N each captured graph holds N calls in a row (each on
+the next weight copy) and times are per call: the graph's own launch is then paid once per N calls.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ from trellis_cli.kernel.plan import make_plan
 PHASES = {"full": 0, "-rot": abi.SKIP_ROTATE, "-fc1": abi.SKIP_FC1, "-act": abi.SKIP_ACT, "-fc2": abi.SKIP_FC2, "-sum": abi.SKIP_SUM, "no-pdl": abi.NO_PDL}
 
 
+def calls(runners, outs, first, count, x, ids, w, flags):
+    """`count` calls in a row, from runner `first` on, each on the next weight copy."""
+    for i in range(first, first + count):
+        runners[i % len(runners)].forward(x, ids, w, out=outs[i % len(runners)], debug_flags=flags)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("libs", nargs="+")
@@ -33,12 +40,17 @@ def main() -> None:
     parser.add_argument("--split", default="", help="k_split values to sweep (full call only)")
     parser.add_argument("--mtile", default="", help="m_tile values to sweep (full call only)")
     parser.add_argument("--direct", default="", help="direct mode off/on (0,1) to sweep (full call only)")
+    parser.add_argument("--calls", type=int, default=1,
+                        help="calls per captured graph, each on the next weight copy; times are per call")
     args = parser.parse_args()
     ms = [int(v) for v in args.m.split(",")]
     base = synthetic_pack(PRESETS["glm52-tp4"], device="cuda", seed=0)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     copies = [base]
     phases = PHASES if args.phases else {"full": 0}
+    scratch = torch.empty(1024, device="cuda")
+    floor = time_graphs([_capture(lambda: scratch.zero_(), scratch.device)], args.replays, scratch.device)
+    print(f"graph of one small kernel: {floor.median_us:.1f} us per replay; {args.calls} call(s) per graph below")
     print(f"{'variant':>10} {'M':>5} " + " ".join(f"{p:>9}" for p in phases) + "  two-pass   Gw/ms", flush=True)
     for lib_path in args.libs:
         lib = abi.load_library(Path(lib_path), Path(lib_path).stem)
@@ -53,9 +65,9 @@ def main() -> None:
             outs = [torch.empty((m, base.hidden), device="cuda") for _ in runners]
             row = []
             for flags in phases.values():
-                graphs = [_capture(lambda r=r, o=o, f=flags: r.forward(x, ids, w, out=o, debug_flags=f), r.device)
-                          for r, o in zip(runners, outs)]
-                row.append(time_graphs(graphs, args.replays, runners[0].device).median_us)
+                graphs = [_capture(lambda j=j, f=flags: calls(runners, outs, j, args.calls, x, ids, w, f), runners[0].device)
+                          for j in range(len(runners))]
+                row.append(time_graphs(graphs, args.replays, runners[0].device).median_us / args.calls)
             sweeps = [("k_split", int(v)) for v in args.split.split(",") if v]
             sweeps += [("m_tile", int(v)) for v in args.mtile.split(",") if v]
             sweeps += [("direct", int(v)) for v in args.direct.split(",") if v]
