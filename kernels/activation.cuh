@@ -15,43 +15,55 @@
 
 namespace trellis {
 
-// grid (tile_capacity, row_stride), one warp per 128-channel block of the intermediate dim.
+// grid (tile_capacity, row_steps), one warp per 128-channel block of the intermediate dim; each half warp
+// takes one route row per step (8 channels per lane, as the input rotation: the kernel is issue-bound).
 __global__ void activation_kernel(const TrellisMoeArgs a) {
   WorkTile w;
   if (!load_work_tile(a, blockIdx.x, w)) return;
-  const int lane = threadIdx.x & 31, block = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 15, half = (threadIdx.x >> 4) & 1, block = threadIdx.x >> 5;
   const int inter = a.intermediate;
-  const int col = block * 128 + 4 * lane;
+  const int col = block * 128 + 8 * lane;
   const __half* rot = static_cast<const __half*>(a.rot_intermediate) + size_t(w.expert) * 3 * inter;
-  float svh_g[4], svh_u[4], suh_d[4];
-  load4_half(rot + col, svh_g);  // layer inputs: read while FC1 drains
-  load4_half(rot + inter + col, svh_u);
-  load4_half(rot + 2 * inter + col, suh_d);
+  // Layer inputs, read while FC1 drains. Each H128 is unscaled: its 1/sqrt(128) rides on the vector
+  // that multiplies its result.
+  float svh_g[8], svh_u[8], suh_d[8];
+  load8(false, rot + col, svh_g);
+  load8(false, rot + inter + col, svh_u);
+  load8(false, rot + 2 * inter + col, suh_d);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    svh_g[i] *= kHadamardScale;
+    svh_u[i] *= kHadamardScale;
+    suh_d[i] *= kHadamardScale;
+  }
   after_predecessor();
   const size_t split_stride = size_t(a.slot_capacity) * 2 * inter;
-  for (int row = blockIdx.y; row < w.rows; row += gridDim.y) {
-    const int slot = w.start + row;
+  const int expand = expand_of_m_tile(a.m_tile);  // the FC2 kernel's A layout
+  for (int row0 = 2 * blockIdx.y; row0 < w.rows; row0 += 2 * gridDim.y) {  // whole warps step together
+    const int row = row0 + half;
+    const bool live = row < w.rows;
+    const int slot = w.start + (live ? row : row0);
     const float* part = static_cast<const float*>(a.partial) + size_t(slot) * 2 * inter + col;
-    float g[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
+    float g[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, u[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 2
     for (int s = 0; s < a.k_split; ++s) {
-      const float4 pg = *reinterpret_cast<const float4*>(part + s * split_stride);
-      const float4 pu = *reinterpret_cast<const float4*>(part + s * split_stride + inter);
-      g[0] += pg.x; g[1] += pg.y; g[2] += pg.z; g[3] += pg.w;
-      u[0] += pu.x; u[1] += pu.y; u[2] += pu.z; u[3] += pu.w;
+      const float* p = part + s * split_stride;
+      const float4 g0 = *reinterpret_cast<const float4*>(p), g1 = *reinterpret_cast<const float4*>(p + 4);
+      const float4 u0 = *reinterpret_cast<const float4*>(p + inter), u1 = *reinterpret_cast<const float4*>(p + inter + 4);
+      g[0] += g0.x; g[1] += g0.y; g[2] += g0.z; g[3] += g0.w; g[4] += g1.x; g[5] += g1.y; g[6] += g1.z; g[7] += g1.w;
+      u[0] += u0.x; u[1] += u0.y; u[2] += u0.z; u[3] += u0.w; u[4] += u1.x; u[5] += u1.y; u[6] += u1.z; u[7] += u1.w;
     }
-    hadamard128(g, lane);
-    hadamard128(u, lane);
-    float v[4];
+    hadamard128_unscaled_half(g, lane);
+    hadamard128_unscaled_half(u, lane);
+    float v[8];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 8; ++i) {
       const float gate = g[i] * svh_g[i];
       const float up = u[i] * svh_u[i];
       v[i] = gate / (1.0f + expf(-gate)) * up * suh_d[i];
     }
-    hadamard128(v, lane);
-    const int expand = expand_of_m_tile(a.m_tile);  // the FC2 kernel's A layout
-    store_a_row(static_cast<__half*>(a.act) + size_t(slot) * expand * inter, col, expand, v);
+    hadamard128_unscaled_half(v, lane);
+    if (live) store_a_row8(static_cast<__half*>(a.act) + size_t(slot) * expand * inter, col, expand, v);
   }
 }
 

@@ -66,26 +66,6 @@ __device__ __forceinline__ const uint32_t* projection_words(const TrellisMoeArgs
   return static_cast<const uint32_t*>(a.tier_trellis[w.tier]) + (size_t(w.local) * 3 + proj) * tiles * (8 * K);
 }
 
-__device__ __forceinline__ void load4(const TrellisMoeArgs& a, const void* base, size_t idx, float v[4]) {
-  if (a.x_dtype == TRELLIS_DT_BF16) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(base) + idx);
-    const __nv_bfloat162 p0 = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
-    const __nv_bfloat162 p1 = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
-    v[0] = __low2float(p0);
-    v[1] = __high2float(p0);
-    v[2] = __low2float(p1);
-    v[3] = __high2float(p1);
-  } else {
-    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const __half*>(base) + idx);
-    const __half2 p0 = *reinterpret_cast<const __half2*>(&raw.x);
-    const __half2 p1 = *reinterpret_cast<const __half2*>(&raw.y);
-    v[0] = __low2float(p0);
-    v[1] = __high2float(p0);
-    v[2] = __low2float(p1);
-    v[3] = __high2float(p1);
-  }
-}
-
 __device__ __forceinline__ void load4_half(const __half* p, float v[4]) {
   const uint2 raw = *reinterpret_cast<const uint2*>(p);
   const __half2 p0 = *reinterpret_cast<const __half2*>(&raw.x);
@@ -125,27 +105,7 @@ __device__ __forceinline__ void store8_half(__half* p, const float v[8]) {
   *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-__device__ __forceinline__ void store4_half(__half* p, const float v[4]) {
-  __half2 h0 = __halves2half2(to_half_sat(v[0]), to_half_sat(v[1]));
-  __half2 h1 = __halves2half2(to_half_sat(v[2]), to_half_sat(v[3]));
-  uint2 raw;
-  raw.x = *reinterpret_cast<uint32_t*>(&h0);
-  raw.y = *reinterpret_cast<uint32_t*>(&h1);
-  *reinterpret_cast<uint2*>(p) = raw;
-}
-
-// Columns col..col+3 (col % 4 == 0) of an A row: plain (expand 1) or with every column twice (expand 2).
-__device__ __forceinline__ void store_a_row(__half* row, int col, int expand, const float v[4]) {
-  if (expand == 1) {
-    store4_half(row + col, v);
-    return;
-  }
-  const float even[4] = {v[0], v[0], v[2], v[2]}, odd[4] = {v[1], v[1], v[3], v[3]};
-  store4_half(row + expanded_col(col), even);
-  store4_half(row + expanded_col(col + 1), odd);
-}
-
-// Columns col..col+7 (col % 8 == 0) of an A row, as store_a_row.
+// Columns col..col+7 (col % 8 == 0) of an A row: plain (expand 1) or with every column twice (expand 2).
 __device__ __forceinline__ void store_a_row8(__half* row, int col, int expand, const float v[8]) {
   if (expand == 1) {
     store8_half(row + col, v);
@@ -163,14 +123,24 @@ __device__ __forceinline__ const __half* input_suh(const TrellisMoeArgs& a, int 
   return static_cast<const __half*>(p ? a.up_suh : a.gate_suh) + size_t(shared ? 0 : expert) * a.hidden;
 }
 
-// fp16(H128(x ⊙ s)) of one 128-column block into an A row; lane l holds columns 4l..4l+3 of x and s.
-__device__ __forceinline__ void store_rotated(__half* row, int col, int expand, const float x[4], const float s[4],
-                                              int lane) {
-  float v[4];
+// H128(x ⊙ s) of one 128-column block across a half warp: lane l (0..15) holds columns 8l..8l+7 of x and
+// of s, with s already scaled by 1/sqrt(128) (input_suh8). Every lane of the warp must call it.
+__device__ __forceinline__ void rotate8(const float x[8], const float s[8], int lane, float v[8]) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = x[i] * s[i];
-  hadamard128(v, lane);
-  store_a_row(row, col, expand, v);
+  for (int i = 0; i < 8; ++i) v[i] = x[i] * s[i];
+  hadamard128_unscaled_half(v, lane);
+}
+
+// Columns col..col+7 of suh row p for `expert`, times 1/sqrt(128): the rotation's scale rides on it.
+__device__ __forceinline__ void input_suh8(const TrellisMoeArgs& a, int expert, int p, int col, float s[8]) {
+  load8(false, input_suh(a, expert, p) + col, s);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s[i] *= kHadamardScale;
+}
+
+// Columns col..col+7 of token `token`'s input row (fp16 or bf16) as floats.
+__device__ __forceinline__ void load_x8(const TrellisMoeArgs& a, size_t token, int col, float x[8]) {
+  load8(a.x_dtype == TRELLIS_DT_BF16, static_cast<const char*>(a.x) + (token * a.hidden + col) * 2, x);
 }
 
 // Weights and A rows of a 128-wide k chunk travel global -> shared with 16-byte cp.async through a ring of
@@ -446,18 +416,20 @@ constexpr int kDirectMaxChunks = 48;
 static_assert((2 * kDirectMaxChunks + 1) * 256 <= fc1_stages(1) * fc1_stage_a_halves(1), "direct rows exceed the A ring");
 
 // Direct mode: fp16(H128(x[token] ⊙ suh_p)) of the CTA's `chunks` chunks from kc0, expanded, into
-// resident[p][chunk][256], and zeros into resident[2 * chunks][256]. One warp per (projection, chunk).
+// resident[p][chunk][256], and zeros into resident[2 * chunks][256]. One half warp per (projection, chunk).
 __device__ __forceinline__ void rotate_direct_row(const TrellisMoeArgs& a, const WorkTile& w, int kc0, int chunks,
                                                   __half* resident) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 15, half = (threadIdx.x >> 4) & 1, warp = threadIdx.x >> 5;
   const int token = w.start / a.top_k;
-  for (int item = warp; item < 2 * chunks; item += blockDim.x >> 5) {
+  for (int item0 = 2 * warp; item0 < 2 * chunks; item0 += blockDim.x >> 4) {  // whole warps step together
+    const int item = item0 + half < 2 * chunks ? item0 + half : item0;  // a spare half warp redoes item0
     const int p = item / chunks, c = item - p * chunks;
-    const int col = (kc0 + c) * 128 + 4 * lane;
-    float x[4], s[4];
-    load4(a, a.x, size_t(token) * a.hidden + col, x);
-    load4_half(input_suh(a, w.expert, p) + col, s);
-    store_rotated(resident + item * 256, 4 * lane, 2, x, s, lane);
+    const int col = (kc0 + c) * 128 + 8 * lane;
+    float x[8], s[8], v[8];
+    load_x8(a, token, col, x);
+    input_suh8(a, w.expert, p, col, s);
+    rotate8(x, s, lane, v);
+    if (item == item0 + half) store_a_row8(resident + item * 256, 8 * lane, 2, v);
   }
   for (int i = threadIdx.x; i < 256 / 8; i += blockDim.x)
     *reinterpret_cast<uint4*>(resident + 2 * chunks * 256 + 8 * i) = make_uint4(0u, 0u, 0u, 0u);
@@ -595,14 +567,9 @@ __global__ void __launch_bounds__(256) rotate_input_kernel(const TrellisMoeArgs 
   const int lane = threadIdx.x & 15, half = (threadIdx.x >> 4) & 1, warp = threadIdx.x >> 5;
   const int col = blockIdx.y * 128 + 8 * lane;
   const int kX = expand_of_m_tile(a.m_tile);  // the FC1 kernel's A layout
-  const bool bf16 = a.x_dtype == TRELLIS_DT_BF16;
-  float s[2][8];  // suh / sqrt(128): the rotation's scale rides on the elementwise product
-#pragma unroll
-  for (int p = 0; p < 2; ++p) {
-    load8(false, input_suh(a, w.expert, p) + col, s[p]);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) s[p][i] *= 0.08838834764831845f;
-  }
+  float s[2][8];
+  input_suh8(a, w.expert, 0, col, s[0]);
+  input_suh8(a, w.expert, 1, col, s[1]);
   const int* slot_route = static_cast<const int*>(a.slot_route) + w.start;
   // route / top_k: a shift for the usual power-of-two top_k (an integer division costs ~20 instructions).
   const int topk_shift = (a.top_k & (a.top_k - 1)) ? -1 : __ffs(a.top_k) - 1;
@@ -614,16 +581,13 @@ __global__ void __launch_bounds__(256) rotate_input_kernel(const TrellisMoeArgs 
     float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     if (live) {
       const int route = slot_route[row];
-      const size_t token = topk_shift >= 0 ? route >> topk_shift : route / a.top_k;
-      load8(bf16, static_cast<const char*>(a.x) + (token * a.hidden + col) * 2, x);
+      load_x8(a, topk_shift >= 0 ? route >> topk_shift : route / a.top_k, col, x);
     }
     __half* dst = static_cast<__half*>(a.xrot) + size_t(w.start + row) * 2 * row_halves;
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
       float v[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = x[i] * s[p][i];
-      hadamard128_unscaled_half(v, lane);
+      rotate8(x, s[p], lane, v);
       if (live) store_a_row8(dst + p * row_halves, col, kX, v);
     }
   }

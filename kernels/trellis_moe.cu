@@ -122,7 +122,7 @@ GemmKernels wgmma_kernels(const TrellisMoeArgs& a) {
 }
 #endif
 
-cudaError_t launch_gemms(const TrellisMoeArgs& a, const GemmKernels& k, int act_rows_per_block, cudaStream_t stream,
+cudaError_t launch_gemms(const TrellisMoeArgs& a, const GemmKernels& k, int act_row_steps, cudaStream_t stream,
                          bool pdl) {
   using namespace trellis;
   cudaError_t err = cudaSuccess;
@@ -135,7 +135,7 @@ cudaError_t launch_gemms(const TrellisMoeArgs& a, const GemmKernels& k, int act_
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_FC1))
     err = launch(k.fc1, k.fc1_grid, k.fc1_threads, k.fc1_smem, stream, a, pdl && !a.direct);
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_ACT))
-    err = launch(activation_kernel, dim3(tiles, act_rows_per_block), (a.intermediate / 128) * 32, 0, stream, a, pdl);
+    err = launch(activation_kernel, dim3(tiles, act_row_steps), (a.intermediate / 128) * 32, 0, stream, a, pdl);
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_FC2))
     err = launch(k.fc2, k.fc2_blocks, k.fc2_threads, k.fc2_smem, stream, a, pdl);
   return err;
@@ -144,14 +144,14 @@ cudaError_t launch_gemms(const TrellisMoeArgs& a, const GemmKernels& k, int act_
 template <int CB, bool FAST>
 cudaError_t launch_for_tile(const TrellisMoeArgs& a, cudaStream_t stream, bool pdl) {
   switch (a.m_tile) {
-    case 16: return launch_gemms(a, mma_sync_kernels<CB, 1, FAST>(a), 16, stream, pdl);
-    case 32: return launch_gemms(a, mma_sync_kernels<CB, 2, FAST>(a), 32, stream, pdl);
+    case 16: return launch_gemms(a, mma_sync_kernels<CB, 1, FAST>(a), 8, stream, pdl);
+    case 32: return launch_gemms(a, mma_sync_kernels<CB, 2, FAST>(a), 16, stream, pdl);
     default:
 #ifdef TRELLIS_WGMMA
       if (a.hidden % trellis::kWgFeatures == 0 && a.intermediate % trellis::kWgFeatures == 0)
-        return launch_gemms(a, wgmma_kernels<CB, FAST>(a), 32, stream, pdl);
+        return launch_gemms(a, wgmma_kernels<CB, FAST>(a), 16, stream, pdl);
 #endif
-      return launch_gemms(a, mma_sync_kernels<CB, 8, FAST>(a), 32, stream, pdl);
+      return launch_gemms(a, mma_sync_kernels<CB, 8, FAST>(a), 16, stream, pdl);
   }
 }
 

@@ -23,6 +23,8 @@ __device__ __forceinline__ void load_a_fragment(uint32_t a[4], uint32_t addr) {
                : "r"(addr));
 }
 
+constexpr float kHadamardScale = 0.08838834764831845f;  // 1/sqrt(128)
+
 // 128-point Sylvester Hadamard / sqrt(128) across a warp: lane l holds elements 4l..4l+3.
 __device__ __forceinline__ void hadamard128(float v[4], int lane) {
   const float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
@@ -39,9 +41,8 @@ __device__ __forceinline__ void hadamard128(float v[4], int lane) {
       v[i] = upper ? (o - v[i]) : (v[i] + o);
     }
   }
-  const float scale = 0.08838834764831845f;  // 1/sqrt(128)
 #pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] *= scale;
+  for (int i = 0; i < 4; ++i) v[i] *= kHadamardScale;
 }
 
 // The same rotation, unscaled, across each half warp: lane l (0..15 of its half) holds elements
