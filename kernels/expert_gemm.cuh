@@ -2,9 +2,9 @@
 //
 // A work tile is up to R*16 routes of one expert (route_pack.cuh). Each warp owns one 16-column n tile
 // of one projection and walks the k dimension in 128-wide chunks: it decodes each 16x16 weight tile once
-// into B fragments and applies it to every live m16 block of the work tile, so at large M a decoded
-// weight is reused R times. The A operand (rotated input for FC1, activated intermediate for FC2) is
-// staged per chunk in shared memory as fp16.
+// into registers and applies it to every live block of routes of the work tile (chunk_mma), so at large
+// M a decoded weight is reused R times. The route rows (rotated input for FC1, activated intermediate for
+// FC2) are staged per chunk in shared memory as fp16.
 //
 // FC1 splits the hidden dimension into k_split ranges (blockIdx.y) and writes fp32 partial sums per
 // range; the activation phase adds them in a fixed order, so the result never depends on scheduling.
@@ -326,20 +326,15 @@ __device__ __forceinline__ void issue_a_rows(__half* dst, const __half* src0, co
   }
 }
 
-// Rows past the tile's routes stay zero in every stage (cp.async never writes them).
-template <int R>
-__device__ __forceinline__ void zero_dead_rows(__half* a, int sources, int rows, int live) {
-  constexpr int kPieces = 16 * a_expand(R), kStride = a_stride(R);
-  const int dead = live * 16 - rows;
-  for (int i = threadIdx.x; i < sources * dead * kPieces; i += blockDim.x) {
-    const int p = i / (dead * kPieces), rest = i - p * dead * kPieces;
-    *reinterpret_cast<uint4*>(a + (p * R * 16 + rows + rest / kPieces) * kStride + (rest % kPieces) * 8) =
-        make_uint4(0u, 0u, 0u, 0u);
-  }
-}
-
-// Decode the 8 k tiles of n tile `ntl` from a staged run and multiply them into the live m16 blocks.
-// a_addr: this lane's ldmatrix address for m16 block 0 of k tile 0 (a_lane_address).
+// Decode the 8 k tiles of n tile `ntl` from a staged run and multiply them into the live route blocks.
+//
+// Small tiles (split words) run the product transposed, y^T = W^T x^T: the lane's 8 codebook words are,
+// reordered, its A fragments of W^T (16 features x 32 expanded k: even states, then odd states), and the
+// tile's routes are the MMA's n = 8. acc[r][h] holds routes 16r + 8h .. +7 and `live` counts those 8-route
+// blocks, so a tile of up to 8 routes takes 2 MMAs per weight tile where a 16-row A block took 4.
+// Large tiles (merged fp16 weights) keep W as B against 16-row A blocks: acc[r][n] holds routes
+// 16r .. 16r + 15 and features 8n .. 8n + 7 of the n tile, and `live` counts m16 blocks.
+// a_addr: this lane's ldmatrix address for k tile 0 (a_lane_address).
 template <int K, int CB, int R>
 __device__ __forceinline__ void chunk_mma(const uint32_t* run, int ntl, const LaneWindow& win, uint32_t a_addr,
                                           int live, float (&acc)[R][2][4]) {
@@ -354,19 +349,22 @@ __device__ __forceinline__ void chunk_mma(const uint32_t* run, int ntl, const La
     t.u0 = w0[kt * 64 * K];
     t.u1 = w1[kt * 64 * K];
     t.u2 = K >= 5 ? w2[kt * 64 * K] : 0u;
-    if (a_expand(R) == 2) {  // split words against the expanded rows: even states, then odd states
+    if (a_expand(R) == 2) {
       uint32_t x[8];
       decode_words<K, CB>(t, win, x);
+      // As B, word j sat at k rows 2t | 2t+8 and n column g | g+8; as A of W^T the same words are rows
+      // g | g+8 at those k.
+      const uint32_t even[4] = {x[0], x[4], x[2], x[6]}, odd[4] = {x[1], x[5], x[3], x[7]};
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        if (r < live) {
-          uint32_t even[4], odd[4];
-          load_a_fragment(even, a_addr + 2 * (r * 16 * kAStride + kt * 32));
-          load_a_fragment(odd, a_addr + 2 * (r * 16 * kAStride + kt * 32 + 16));
-          mma_16816(acc[r][0], even, x[0], x[2]);
-          mma_16816(acc[r][0], odd, x[1], x[3]);
-          mma_16816(acc[r][1], even, x[4], x[6]);
-          mma_16816(acc[r][1], odd, x[5], x[7]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (2 * r + h < live) {
+            uint32_t routes[4];  // 8 routes x 32 expanded k: the even k16 in [0], [1], the odd in [2], [3]
+            ldmatrix_x4(routes, a_addr + 2 * ((16 * r + 8 * h) * kAStride + kt * 32));
+            mma_16816(acc[r][h], even, routes[0], routes[1]);
+            mma_16816(acc[r][h], odd, routes[2], routes[3]);
+          }
         }
       }
       continue;
@@ -377,7 +375,7 @@ __device__ __forceinline__ void chunk_mma(const uint32_t* run, int ntl, const La
     for (int r = 0; r < R; ++r) {
       if (r < live) {
         uint32_t af[4];
-        load_a_fragment(af, a_addr + 2 * (r * 16 * kAStride + kt * 16));
+        ldmatrix_x4(af, a_addr + 2 * (r * 16 * kAStride + kt * 16));
         mma_16816(acc[r][0], af, b[0], b[1]);
         mma_16816(acc[r][1], af, b[2], b[3]);
       }
@@ -385,9 +383,32 @@ __device__ __forceinline__ void chunk_mma(const uint32_t* run, int ntl, const La
   }
 }
 
-// The lane's ldmatrix address in a staged A tile at shared address `tile` (rows a_stride(R) halves apart).
+// The blocks of a tile of `rows` routes that chunk_mma multiplies: 8-route blocks for small tiles, m16
+// blocks for large ones.
+template <int R>
+__device__ __forceinline__ int live_blocks(int rows) {
+  return small_tile(R) ? (rows + 7) >> 3 : (rows + 15) >> 4;
+}
+
+// Rows past the tile's routes, up to its last live block, stay zero in every stage (cp.async never writes
+// them).
+template <int R>
+__device__ __forceinline__ void zero_dead_rows(__half* a, int sources, int rows) {
+  constexpr int kPieces = 16 * a_expand(R), kStride = a_stride(R);
+  const int dead = live_blocks<R>(rows) * (small_tile(R) ? 8 : 16) - rows;
+  for (int i = threadIdx.x; i < sources * dead * kPieces; i += blockDim.x) {
+    const int p = i / (dead * kPieces), rest = i - p * dead * kPieces;
+    *reinterpret_cast<uint4*>(a + (p * R * 16 + rows + rest / kPieces) * kStride + (rest % kPieces) * 8) =
+        make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// The lane's ldmatrix address in a staged tile of rows at shared address `tile` (rows a_stride(R) halves
+// apart). Small tiles, B of 8 routes x 32 expanded k: lane l names route l % 8, columns 8 * (l / 8) on.
+// Large tiles, A of 16 routes x 16 k: lane l names route l % 16, columns 8 * (l / 16) on.
 template <int R>
 __device__ __forceinline__ uint32_t a_lane_address(uint32_t tile, int lane) {
+  if (small_tile(R)) return tile + 2 * ((lane & 7) * a_stride(R) + (lane >> 3) * 8);
   return tile + 2 * ((lane & 15) * a_stride(R) + (lane >> 4) * 8);
 }
 
@@ -451,7 +472,7 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   const LaneWindow win = lane_window<K>(lane);
   const int chunks = (a.hidden >> 7) / a.k_split;
   const int kc0 = blockIdx.y * chunks;
-  const int live = (w.rows + 15) >> 4;
+  const int live = live_blocks<R>(w.rows);
   const uint32_t* gate_w = projection_words<K>(a, w, 0) + size_t(nchunk) * 8 * 8 * K;
   const uint32_t* up_w = projection_words<K>(a, w, 1) + size_t(nchunk) * 8 * 8 * K;
   constexpr int kX = a_expand(R);
@@ -459,7 +480,7 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
 
   const bool direct = small_tile(R) && a.direct;
   if (!direct)
-    for (int st = 0; st < kStages; ++st) zero_dead_rows<R>(s_a + st * kAHalves, 2, w.rows, live);
+    for (int st = 0; st < kStages; ++st) zero_dead_rows<R>(s_a + st * kAHalves, 2, w.rows);
   // Small tiles use the streams; large tiles the register-lean issue (the objects a kernel does not use
   // are compiled away).
   WeightStream<K, 2, kFc1Threads, small_tile(R)> weight_stream(gate_w + size_t(kc0) * 8 * kt_stride, kt_stride,
@@ -480,8 +501,9 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   };
   float acc[R][2][4];
   zero_acc<R>(acc);
-  // Direct mode: lanes 0 and 16 read the resident row of this projection, the others the zero row.
-  const uint32_t direct_row = a_ring + 2 * ((lane & 15) ? 2 * chunks * 256 : proj * chunks * 256) + 16 * (lane >> 4);
+  // Direct mode: lanes 0, 8, 16 and 24 (route 0 of each ldmatrix matrix) read the resident row of this
+  // projection, the others the zero row.
+  const uint32_t direct_row = a_ring + 2 * ((lane & 7) ? 2 * chunks * 256 : proj * chunks * 256) + 16 * (lane >> 3);
   const uint32_t ring_lane = a_lane_address<R>(a_ring + 2 * proj * R * 16 * a_stride(R), lane);
   staged_chunks<kStages, small_tile(R)>(
       chunks, issue_w, issue_a,
@@ -490,7 +512,7 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
       },
       [&](int c, int st) {
         const uint32_t a_addr =
-            direct ? direct_row + ((lane & 15) ? 0 : 512 * c)
+            direct ? direct_row + ((lane & 7) ? 0 : 512 * c)
             : small_tile(R)
                 ? ring_lane + 2 * st * kAHalves  // constant st: an immediate
                 : a_lane_address<R>(a_ring + 2 * (st * kAHalves + proj * R * 16 * a_stride(R)), lane);
@@ -500,16 +522,30 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   const int nt = nchunk * 8 + ntl;
   float* part = static_cast<float*>(a.partial) + size_t(blockIdx.y) * a.slot_capacity * 2 * a.intermediate;
   const int g = lane >> 2, q = lane & 3;
+  if constexpr (small_tile(R)) {  // acc[r][h][e]: route 16r + 8h + 2q + e % 2, feature g + 8 (e / 2)
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = r * 16 + g + 8 * h;
-      if (row >= w.rows) continue;
-      float* dst = part + size_t(w.start + row) * 2 * a.intermediate + proj * a.intermediate + nt * 16 + 2 * q;
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int n = 0; n < 2; ++n)
-        *reinterpret_cast<float2*>(dst + n * 8) = make_float2(acc[r][n][2 * h], acc[r][n][2 * h + 1]);
+        for (int e = 0; e < 4; ++e) {
+          const int row = 16 * r + 8 * h + 2 * q + (e & 1);
+          if (row < w.rows)
+            part[size_t(w.start + row) * 2 * a.intermediate + proj * a.intermediate + nt * 16 + g + 8 * (e >> 1)] =
+                acc[r][h][e];
+        }
+  } else {  // acc[r][n][e]: route 16r + g + 8 (e / 2), features 8n + 2q + e % 2
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = r * 16 + g + 8 * h;
+        if (row >= w.rows) continue;
+        float* dst = part + size_t(w.start + row) * 2 * a.intermediate + proj * a.intermediate + nt * 16 + 2 * q;
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+          *reinterpret_cast<float2*>(dst + n * 8) = make_float2(acc[r][n][2 * h], acc[r][n][2 * h + 1]);
+      }
     }
   }
 }
@@ -642,13 +678,13 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   const int n_tiles = a.hidden >> 4;
   const size_t kt_stride = size_t(n_tiles) * 8 * K;
   const LaneWindow win = lane_window<K>(lane);
-  const int live = (w.rows + 15) >> 4;
+  const int live = live_blocks<R>(w.rows);
   const int chunks = a.intermediate >> 7;
   const uint32_t* wsrc = projection_words<K>(a, w, 2) + size_t(nchunk) * 8 * 8 * K;
   constexpr int kX = a_expand(R);
   const __half* act = static_cast<const __half*>(a.act) + size_t(w.start) * kX * a.intermediate;
 
-  for (int st = 0; st < kFc2Stages; ++st) zero_dead_rows<R>(s_a + st * kAHalves, 1, w.rows, live);
+  for (int st = 0; st < kFc2Stages; ++st) zero_dead_rows<R>(s_a + st * kAHalves, 1, w.rows);
   WeightStream<K, 1, kFc2Threads, small_tile(R)> weight_stream(wsrc, kt_stride, 0, uint32_t(8 * kt_stride));  // small tiles (as in FC1)
   RowStream<R, 1, kFc2Threads, small_tile(R)> row_stream(act, 0, size_t(kX) * a.intermediate, w.rows);
   const WeightIssue<K, 1, kFc2Threads> weights(kt_stride, 0);
@@ -676,13 +712,23 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   const int g = lane >> 2, q = lane & 3;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    if (r >= live) continue;
+    if constexpr (small_tile(R)) {  // as in fc1_body
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+      for (int h = 0; h < 2; ++h) {
+        if (2 * r + h >= live) continue;
 #pragma unroll
-      for (int n = 0; n < 2; ++n)
-        *reinterpret_cast<float2*>(s_o + (r * 16 + g + 8 * h) * kOStride + warp * 16 + n * 8 + 2 * q) =
-            make_float2(acc[r][n][2 * h], acc[r][n][2 * h + 1]);
+        for (int e = 0; e < 4; ++e)
+          s_o[(16 * r + 8 * h + 2 * q + (e & 1)) * kOStride + warp * 16 + g + 8 * (e >> 1)] = acc[r][h][e];
+      }
+    } else {
+      if (r >= live) continue;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+          *reinterpret_cast<float2*>(s_o + (r * 16 + g + 8 * h) * kOStride + warp * 16 + n * 8 + 2 * q) =
+              make_float2(acc[r][n][2 * h], acc[r][n][2 * h + 1]);
+    }
   }
   __syncthreads();
 

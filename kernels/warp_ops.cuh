@@ -14,12 +14,12 @@ __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The A fragment of an mma.m16n8k16 from the lane's ldmatrix address (shared space): lane l names row
-// l % 16 of a row-major 16x16 fp16 tile, columns 8 * (l / 16) onwards. Tiles at constant offsets from it
-// are that many bytes away, which folds into the instruction's immediate.
-__device__ __forceinline__ void load_a_fragment(uint32_t a[4], uint32_t addr) {
+// Four 8x8 fp16 matrices from shared memory (ldmatrix .x4): lanes 8q..8q+7 name the 8 rows of matrix q,
+// and lane l receives, of each matrix, row l / 4 at columns 2 (l % 4) and 2 (l % 4) + 1. Matrices at
+// constant offsets from the lane's address are that many bytes away, which folds into the immediate.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t m[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "=r"(m[0]), "=r"(m[1]), "=r"(m[2]), "=r"(m[3])
                : "r"(addr));
 }
 

@@ -40,17 +40,19 @@ def expected_stages(pack, x, route_expert, route_token):
     return torch.stack(fc1), torch.stack(act), torch.stack(fc2)
 
 
-def check(codebook: str, tier_k: tuple[int, int], m: int, m_tile: int | None = None, k_split: int | None = None) -> bool:
+def check(codebook: str, tier_k: tuple[int, int], m: int, m_tile: int | None = None, k_split: int | None = None,
+          direct: bool | None = None) -> bool:
     preset = Preset("small", 512, 256, 16, 4, codebook, (12, 4), tier_k, 1)
     pack = synthetic_pack(preset, device="cuda", seed=3)
     moe = FusedMoe(pack)
     x = random_activations(m, pack.hidden, device="cuda", seed=5)
     ids, w = random_routes(m, 16, 4, device="cuda", seed=6)
     plan = moe.plan(m, 4)
-    if m_tile or k_split:
+    if m_tile or k_split or direct is not None:
         from trellis_cli.kernel.plan import make_plan
 
-        plan = make_plan(m, 4, pack.hidden, pack.intermediate, pack.num_combined, m_tile=m_tile, k_split=k_split)
+        plan = make_plan(m, 4, pack.hidden, pack.intermediate, pack.num_combined, m_tile=m_tile, k_split=k_split,
+                         direct=direct)
     out = moe.forward(x, ids, w, plan=plan)
     torch.cuda.synchronize()
     ws = moe._workspace(plan)
@@ -91,10 +93,12 @@ def main() -> int:
         results.append(check(codebook, (3, 4), 2))  # direct mode: one tile per route, rotation inside FC1
     results.append(check("mcg", (5, 6), 3))
     for k in ((1, 2), (5, 6), (7, 8)):
-        results.append(check("mcg", k, 7))
+        results.append(check("mcg", k, 13))  # 52 routes: packed 16-row tiles
+    results.append(check("mcg", (3, 4), 5, direct=False))  # packed tiles of at most 8 routes
+    results.append(check("mcg", (3, 4), 300, m_tile=16))  # full 16-row tiles: two 8-route blocks
     results.append(check("mcg", (3, 4), 300))
     results.append(check("mcg", (3, 4), 300, m_tile=128))
-    results.append(check("mcg", (3, 4), 300, m_tile=32))  # mid tiles: two m16 blocks of split words
+    results.append(check("mcg", (3, 4), 300, m_tile=32))  # mid tiles: up to four 8-route blocks
     results.append(check("3inst", (5, 6), 300, m_tile=32))
     results.append(check("mcg", (3, 4), 5, k_split=4))  # FC1 partial sums over several H ranges
     results.append(check("mcg", (3, 4), 300, m_tile=128, k_split=2))

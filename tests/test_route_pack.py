@@ -110,8 +110,8 @@ def test_plan_depends_only_on_m_and_geometry():
 
 
 def test_direct_mode_for_the_smallest_batches():
-    one, three, four = (make_plan(m, 8, 6144, 512, 256) for m in (1, 3, 4))
-    assert one.direct and three.direct and not four.direct
+    one, six, seven = (make_plan(m, 8, 6144, 512, 256) for m in (1, 6, 7))
+    assert one.direct and six.direct and not seven.direct
     assert (one.m_tile, one.slot_capacity, one.tile_capacity) == (SMALL_TILE, 8, 8)
     assert not make_plan(1, 8, 6144, 512, 256, m_tile=MID_TILE).direct
     # FC1 keeps a direct route's input rows resident: at most 48 chunks of H per range

@@ -16,7 +16,8 @@ from trellis_cli.repack.format import MAX_TIER_EXPERTS, LayerPack
 
 BLOCK_ROWS = 16  # each expert's slot segment is padded to one MMA m16 block
 SMALL_TILE, MID_TILE, LARGE_TILE = 16, 32, 128
-# Routes per expert from which 128-row tiles win (choose_m_tile).
+# Routes per expert from which 32-row and 128-row tiles win (choose_m_tile).
+MID_FROM = 14
 LARGE_FROM_MMA_SYNC, LARGE_FROM_WGMMA = 64, 28
 # The wgmma large-tile kernels take 256 features per CTA (kernels/expert_wgmma.cuh kWgFeatures): other
 # shapes run their 128-row tiles on mma.sync.
@@ -31,7 +32,9 @@ TARGET_FC1_CTAS = 1100
 MIN_FC1_CHUNKS = 6
 # Direct mode (kernels/abi.h): up to this many routes each get their own one-row tile, with no route pack
 # and no rotation launch. Top-k ids of one token are distinct, so at M=1 no expert is decoded twice.
-DIRECT_MAX_ROUTES = 24  # M=3 at top-8: 108 us direct, 116 us packed; M=4: equal
+# glm52-tp4 on H200, direct / packed us: M=3 90.0 / 101.9, M=4 114.0 / 122.2, M=5 153.8 / 153.0,
+# M=6 162.5 / 171.3, M=7 199.1 / 182.2, M=8 209.1 / 195.7 (docs/performance.md, run 45).
+DIRECT_MAX_ROUTES = 48
 DIRECT_MAX_CHUNKS = 48  # kDirectMaxChunks: FC1's resident input rows must fit its A ring
 # FC1 CTAs wanted in direct mode (glm52-tp4 on H200, us by H ranges: M=1 8: 43.1, 4: 43.6, 12: 47.8;
 # M=2 4: 71.4, 6: 72.0, 8: 73.8; M=3 3: 113.6, 4: 100.5, 8: 103.2).
@@ -61,12 +64,13 @@ def tile_capacity(numel: int, m_tile: int, num_combined: int) -> int:
 def choose_m_tile(numel: int, num_combined: int, wgmma: bool = False) -> int:
     # A work tile decodes its expert's weights once for all its rows, so an expert with more routes than
     # one tile holds is decoded again per tile. Mid tiles (split words, like small ones) hold most experts
-    # in one tile from about 12 routes per expert on; large tiles (merged weights, 128 rows) win from about
-    # 64 on mma.sync and from about 28 on Hopper wgmma (glm52-tp4 sweeps on H200, docs/performance.md).
+    # in one tile from about 14 routes per expert on (glm52-tp4, 16 / 32 rows: M=384 1023 / 1121 us,
+    # M=512 1302 / 1188); large tiles (merged weights, 128 rows) win from about 64 on mma.sync and from
+    # about 28 on Hopper wgmma (M=768 mid 1439 / large 1522 us, M=1024 1891 / 1580; docs/performance.md).
     per_expert = numel / max(1, num_combined)
     if per_expert >= (LARGE_FROM_WGMMA if wgmma else LARGE_FROM_MMA_SYNC):
         return LARGE_TILE
-    return MID_TILE if per_expert >= 12 else SMALL_TILE
+    return MID_TILE if per_expert >= MID_FROM else SMALL_TILE
 
 
 def choose_k_split(m_tile: int, tiles: int, hidden: int, intermediate: int, target: int = TARGET_FC1_CTAS) -> int:
