@@ -28,7 +28,17 @@ enum Variant : int {
   kDfmaPair,       // mcg multiply as DFMA on (2^52 + s): ptxas writes the constant high word per state
   kI2fHalfDfma,    // state -> double by I2F.F64.U16 reading a 16-bit half (no mask), then DFMA
   kI2fWordDfma,    // masked state -> double by I2F.F64.U32, then DFMA
+  kK3ImadStates,   // K3: the five shift-and-mask states as IMAD.SHL + IMAD.HI (IMAD pipe) instead of SHF + LOP3
+  kK3ImadSome,     // K3: three of them (j = 1..3)
 };
+
+// (w << n) >> 16 on the IMAD pipe: a multiply by 2^n, then the high word of a multiply by 2^16.
+__device__ __forceinline__ uint32_t top16_after_shl_imad(uint32_t w, int n) {
+  uint32_t shifted, top;
+  asm("mul.lo.u32 %0, %1, %2;" : "=r"(shifted) : "r"(w), "r"(1u << n));
+  asm("mul.hi.u32 %0, %1, %2;" : "=r"(top) : "r"(shifted), "r"(65536u));
+  return top;
+}
 
 __device__ __forceinline__ uint32_t low_word(double r) { return uint32_t(__double2loint(r)); }
 // 2^52 + s * C for an integral double s < 2^16: exact, and its low word is s * C mod 2^32. (The pair form
@@ -69,6 +79,17 @@ __device__ __forceinline__ void words(const TileWords& t, const LaneWindow& win,
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) x[j] = lop3_and_xor(mcg_by_dfma(d[j]));
+  } else if ((V == kK3ImadStates || V == kK3ImadSome) && K == 3) {
+    const uint32_t hi = __funnelshift_l(t.u1, t.u0, win.off), lo = t.u1 << win.off;
+    uint32_t s[8];
+    s[0] = hi >> 16;
+#pragma unroll
+    for (int j = 1; j <= 5; ++j)
+      s[j] = (V == kK3ImadStates || j <= 3) ? top16_after_shl_imad(hi, 3 * j) : (hi >> (16 - 3 * j)) & 0xFFFFu;
+#pragma unroll
+    for (int j = 6; j <= 7; ++j) s[j] = __funnelshift_l(lo, hi, 3 * j) >> 16;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = codebook_word<1>(s[j]);
   } else {
     decode_words<K, 1>(t, win, x);
   }
@@ -101,7 +122,7 @@ __global__ void __launch_bounds__(256) decode_loop(const uint32_t* __restrict__ 
         for (int j = 0; j < 8; ++j) dump[(tile * 32 + lane) * 8 + j] = x[j];
       if (V == kDecodeOnly) {
         folded ^= x[0] ^ x[1] ^ x[2] ^ x[3] ^ x[4] ^ x[5] ^ x[6] ^ x[7];
-      } else if (V == kSplitAsA) {
+      } else if (V == kSplitAsA || V == kK3ImadStates || V == kK3ImadSome) {
         const uint32_t even[4] = {x[0], x[4], x[2], x[6]}, odd[4] = {x[1], x[5], x[3], x[7]};
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
@@ -175,6 +196,10 @@ bool report(const Buffers& b, int warps_per_sm) {
   same("DFMA, constant-high pair", rate<K, kDfmaPair>(b, other, warps_per_sm));
   same("I2F.F64.U16 half + DFMA", rate<K, kI2fHalfDfma>(b, other, warps_per_sm));
   same("I2F.F64.U32 + DFMA", rate<K, kI2fWordDfma>(b, other, warps_per_sm));
+  if (K == 3) {
+    same("5 states on IMAD, n8 (2 MMA)", rate<K, kK3ImadStates>(b, other, warps_per_sm));
+    same("3 states on IMAD, n8 (2 MMA)", rate<K, kK3ImadSome>(b, other, warps_per_sm));
+  }
   return exact;
 }
 
