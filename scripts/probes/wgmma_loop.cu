@@ -22,7 +22,13 @@ using namespace trellis;
 
 // kDecodeAndSsMma: the decode runs as in kDecodeOnly and the MMA reads A from shared memory instead of
 // the registers (same count of m64n128k16): whether the register-sourced wgmma is what serializes.
-enum Mode : int { kDecodeAndMma, kDecodeOnly, kMmaOnly, kDecodeAndSsMma, kSsMmaOnly };
+// kLop3*, kFfma*: 40 independent-chain LOP3 or FFMA per tile instead of the decode (about its integer
+// count): whether any work overlaps the MMAs, or only some pipes.
+enum Mode : int {
+  kDecodeAndMma, kDecodeOnly, kMmaOnly, kDecodeAndSsMma, kSsMmaOnly, kLop3AndMma, kLop3Only, kFfmaAndMma, kFfmaOnly
+};
+__host__ __device__ constexpr bool lop3_mode(int m) { return m == kLop3AndMma || m == kLop3Only; }
+__host__ __device__ constexpr bool ffma_mode(int m) { return m == kFfmaAndMma || m == kFfmaOnly; }
 
 #ifdef TRELLIS_DEVICE_WGMMA
 // d += A * B with A (64 x 16) from shared memory too.
@@ -49,7 +55,7 @@ __device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[64], uint64_t a_d
 constexpr int kTiles = 64, kThreads = 512;
 constexpr int kRowBytes = 128 * 128;  // 128 routes x 64 halves: one swizzled k-half atom group
 
-template <int K, int MODE>
+template <int K, int MODE, int BATCH = 1>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(const uint32_t* __restrict__ src, float* out, int iters) {
   extern __shared__ __align__(1024) unsigned char smem[];
   uint32_t* s_w = reinterpret_cast<uint32_t*>(smem + kRowBytes);
@@ -67,6 +73,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(const uint32_t* __rest
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.f;
   uint32_t folded = 0;
+  uint32_t batch[BATCH][4];
   for (int it = 0; it < iters; ++it) {
 #pragma unroll
     for (int kt = 0; kt < 8; ++kt) {
@@ -76,19 +83,45 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(const uint32_t* __rest
       t.u1 = s_w[tile * 8 * K + win.w1];
       t.u2 = 0;
       uint32_t b[4];
-      if (MODE == kMmaOnly || MODE == kSsMmaOnly) {
+      if (lop3_mode(MODE) || ffma_mode(MODE)) {
+        uint32_t v[4] = {t.u0, t.u1, t.u0 ^ 7u, t.u1 ^ 9u};
+        float f[4] = {__uint_as_float(t.u0 & 0x3FFFFFFFu), __uint_as_float(t.u1 & 0x3FFFFFFFu), 1.f, 2.f};
+#pragma unroll
+        for (int i = 0; i < 10; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            if (lop3_mode(MODE)) asm volatile("lop3.b32 %0, %0, %1, %2, 0x6A;" : "+r"(v[j]) : "r"(t.u0), "r"(0x3B603B60u));
+            else asm volatile("fma.rn.f32 %0, %0, %1, %2;" : "+f"(f[j]) : "f"(1.0001f), "f"(0.5f));
+          }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) b[j] = lop3_mode(MODE) ? v[j] : (__float_as_uint(f[j]) & 0x3FFF3FFFu);
+      } else if (MODE == kMmaOnly || MODE == kSsMmaOnly) {
         b[0] = 0x3C003C00u ^ t.u0, b[1] = b[0] ^ 1u, b[2] = b[0] ^ 2u, b[3] = b[0] ^ 3u;
       } else {
         decode_fragments<K, 1>(t, win, b);
       }
-      if (MODE == kDecodeOnly || MODE == kDecodeAndSsMma) folded ^= b[0] ^ b[1] ^ b[2] ^ b[3];
-      if (MODE == kDecodeOnly) continue;
+      if (MODE == kDecodeOnly || MODE == kDecodeAndSsMma || MODE == kLop3Only || MODE == kFfmaOnly)
+        folded ^= b[0] ^ b[1] ^ b[2] ^ b[3];
+      if (MODE == kDecodeOnly || MODE == kLop3Only || MODE == kFfmaOnly) continue;
       if (MODE == kDecodeAndSsMma || MODE == kSsMmaOnly) {  // A: the first 64 route rows stand in
         wgmma_wait<1>();
         wgmma_fence();
         wgmma_ss_m64n128k16(acc, swizzled_descriptor(rows + (kt & 3) * 32, 1024),
                             swizzled_descriptor(rows + (kt & 3) * 32, 1024));
         wgmma_commit();
+        continue;
+      }
+      if (BATCH > 1) {  // decode BATCH tiles, then issue their MMAs as one group
+        static_assert(8 % BATCH == 0, "batches split a chunk");
+        batch[kt % BATCH][0] = b[0], batch[kt % BATCH][1] = b[2], batch[kt % BATCH][2] = b[1], batch[kt % BATCH][3] = b[3];
+        if (kt % BATCH == BATCH - 1) {
+          wgmma_wait<1>();
+          wgmma_fence();
+#pragma unroll
+          for (int j = 0; j < BATCH; ++j)
+            wgmma_m64n128k16(acc, batch[j], swizzled_descriptor(rows + ((kt - BATCH + 1 + j) & 3) * 32, 1024));
+          wgmma_commit();
+        }
         continue;
       }
       const uint32_t a_frag[4] = {b[0], b[2], b[1], b[3]};
@@ -107,18 +140,18 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(const uint32_t* __rest
 #endif
 }
 
-template <int K, int MODE>
+template <int K, int MODE, int BATCH = 1>
 double rate(const uint32_t* src, float* out) {
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   const int smem = kRowBytes + kTiles * 8 * K * 4, iters = 512;
-  cudaFuncSetAttribute(wgmma_loop<K, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  wgmma_loop<K, MODE><<<sms, kThreads, smem>>>(src, out, 4);
+  cudaFuncSetAttribute(wgmma_loop<K, MODE, BATCH>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  wgmma_loop<K, MODE, BATCH><<<sms, kThreads, smem>>>(src, out, 4);
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
   cudaEventRecord(e0);
-  for (int rep = 0; rep < 5; ++rep) wgmma_loop<K, MODE><<<sms, kThreads, smem>>>(src, out, iters);
+  for (int rep = 0; rep < 5; ++rep) wgmma_loop<K, MODE, BATCH><<<sms, kThreads, smem>>>(src, out, iters);
   cudaEventRecord(e1);
   cudaEventSynchronize(e1);
   float ms = 0;
@@ -143,6 +176,12 @@ int main() {
          rate<3, kDecodeOnly>(src, out), rate<3, kMmaOnly>(src, out));
   printf("  A from shared memory: K4 decode + wgmma %5.2f, K3 %5.2f; wgmma only %5.2f\n",
          rate<4, kDecodeAndSsMma>(src, out), rate<3, kDecodeAndSsMma>(src, out), rate<4, kSsMmaOnly>(src, out));
+  printf("  MMAs issued in groups of 2 / 4 tiles: K4 decode + wgmma %5.2f / %5.2f, K3 %5.2f / %5.2f\n",
+         rate<4, kDecodeAndMma, 2>(src, out), rate<4, kDecodeAndMma, 4>(src, out), rate<3, kDecodeAndMma, 2>(src, out),
+         rate<3, kDecodeAndMma, 4>(src, out));
+  printf("  40 LOP3 per tile: with wgmma %5.2f, alone %5.2f;  40 FFMA per tile: with wgmma %5.2f, alone %5.2f\n",
+         rate<4, kLop3AndMma>(src, out), rate<4, kLop3Only>(src, out), rate<4, kFfmaAndMma>(src, out),
+         rate<4, kFfmaOnly>(src, out));
   const cudaError_t err = cudaDeviceSynchronize();
   printf("status: %s\n", cudaGetErrorString(err));
   return err == cudaSuccess ? 0 : 1;
