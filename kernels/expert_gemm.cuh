@@ -550,29 +550,29 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   }
 }
 
-// Calls body(KConst<K>{}) for the tile's K. FAST: the tiers use only K3 and K4. Register allocation is the
+// Calls body(IntConst<K>{}) for the tile's K. FAST: the tiers use only K3 and K4. Register allocation is the
 // maximum over every compiled K, so a kernel holding just those two fits 2 CTAs (32 warps) per SM where
 // the all-K kernel fits one.
-template <int K>
-struct KConst {
-  static constexpr int value = K;
+template <int V>
+struct IntConst {
+  static constexpr int value = V;
 };
 template <bool FAST, typename Body>
 __device__ __forceinline__ void with_k(int k, Body&& body) {
   if (FAST) {
-    if (k == 3) body(KConst<3>{});
-    else body(KConst<4>{});
+    if (k == 3) body(IntConst<3>{});
+    else body(IntConst<4>{});
     return;
   }
   switch (k) {
-    case 1: body(KConst<1>{}); break;
-    case 2: body(KConst<2>{}); break;
-    case 3: body(KConst<3>{}); break;
-    case 4: body(KConst<4>{}); break;
-    case 5: body(KConst<5>{}); break;
-    case 6: body(KConst<6>{}); break;
-    case 7: body(KConst<7>{}); break;
-    case 8: body(KConst<8>{}); break;
+    case 1: body(IntConst<1>{}); break;
+    case 2: body(IntConst<2>{}); break;
+    case 3: body(IntConst<3>{}); break;
+    case 4: body(IntConst<4>{}); break;
+    case 5: body(IntConst<5>{}); break;
+    case 6: body(IntConst<6>{}); break;
+    case 7: body(IntConst<7>{}); break;
+    case 8: body(IntConst<8>{}); break;
     default: break;
   }
 }

@@ -2,9 +2,9 @@
 //
 // The GEMM runs transposed, y^T = W^T x^T: a lane's B fragments of one decoded 16x16 weight tile
 // (decode.cuh) are, reordered, its A fragment of W^T, so the decoded weights feed wgmma straight from
-// registers, and the tile's routes are wgmma's N = 128, read by the tensor cores from shared memory. The
-// MMA is asynchronous: a warp decodes its next weight tile while the last one multiplies, so decode
-// (integer pipes) and MMA (tensor cores) overlap instead of taking turns as in the mma.sync path.
+// registers, and the tile's routes are wgmma's N (up to 128), read by the tensor cores from shared
+// memory. The MMA is asynchronous: a warp decodes its next weight tile while the last one multiplies.
+// (Measured on H200, the decode and the MMAs still overlap poorly: docs/performance.md, run 52.)
 //
 // A CTA is 4 warpgroups = 16 warps = 256 features (warp w: features 16w..16w+15) of one projection, over
 // the tile's 128 routes. The route rows are the heavy operand (128 x 2 bytes per k against 256 x ~0.4
@@ -19,7 +19,7 @@
 namespace trellis {
 
 constexpr int kWgThreads = 512;
-constexpr int kWgRows = 128;      // routes per work tile = wgmma N
+constexpr int kWgRows = 128;      // routes per work tile: the largest wgmma N
 constexpr int kWgFeatures = 256;  // features per CTA: 4 warpgroups x 64
 // 3 stages of the ring for K3/K4 kernels (two chunks load while one multiplies); the all-K kernel keeps 2,
 // its weights take twice the room.
@@ -85,11 +85,11 @@ struct WgRowStream {
 };
 
 #ifdef TRELLIS_DEVICE_WGMMA
-// acc[128 routes x this warp's 16 features] += the 8 k tiles of a staged chunk. Each 16x16 weight tile is
+// acc[N routes x this warp's 16 features] += the 8 k tiles of a staged chunk. Each 16x16 weight tile is
 // decoded into registers and handed to one wgmma; up to two MMAs stay in flight while the next tile's
 // words load and decode, so the tensor cores always have queued work. The chunk ends with every MMA done:
 // MMAs left in flight across the chunk loop's back edge make ptxas serialize all of them (C7515).
-template <int K, int CB>
+template <int K, int CB, int N>
 __device__ __forceinline__ void chunk_wgmma(const uint32_t* run, int ntl, const LaneWindow& win, uint32_t rows_addr,
                                             float (&acc)[64]) {
   const uint32_t* w0 = run + ntl * 8 * K + win.w0;
@@ -114,19 +114,20 @@ __device__ __forceinline__ void chunk_wgmma(const uint32_t* run, int ntl, const 
     wgmma_wait<1>();  // the MMA two tiles back is done: its A registers may be reused
     wgmma_fence();
     const uint32_t rows_k16 = rows_addr + (kt >> 2) * kWgHalfBytes + (kt & 3) * 32;  // k half, 16 columns in it
-    wgmma_m64n128k16(acc, a_frag, swizzled_descriptor(rows_k16, kWgSwizzleAtomBytes));
+    wgmma_m64nNk16<N>(acc, a_frag, swizzled_descriptor(rows_k16, kWgSwizzleAtomBytes));
     wgmma_commit();
   }
   wgmma_wait<0>();  // the stage is free for the next copy once every warp passes the barrier
 }
 #endif
 
-// y^T[256 features][128 routes] for `blocks` consecutive 256-feature blocks, each over `chunks` chunks.
+// y^T[256 features][N routes] for `blocks` consecutive 256-feature blocks, each over `chunks` chunks (the
+// tile's `rows` <= N routes; the MMA's time is proportional to N, so callers pick the smallest, with_n).
 // prepare() runs once the previous kernel's outputs may be read; after each block, store(block, row0,
 // s_pass) runs per pass of 32 routes from row0, with s_pass [half][32 routes][kOStride] fp32 in shared
 // memory. wsrc: block 0's weight words at chunk 0 (its second 128
 // features follow 8 n tiles later; block b is b * block_words further); rsrc: the tile's first route row.
-template <int CB, int K, bool FAST, typename Prepare, typename Store>
+template <int CB, int K, bool FAST, int N, typename Prepare, typename Store>
 __device__ void wg_gemm(const uint32_t* wsrc, size_t block_words, size_t kt_stride, const __half* rsrc,
                         size_t row_stride, int rows, int chunks, int blocks, unsigned char* smem, Prepare&& prepare,
                         Store&& store) {
@@ -181,7 +182,7 @@ __device__ void wg_gemm(const uint32_t* wsrc, size_t block_words, size_t kt_stri
         advance_issue();
       }
       cp_async_commit();
-      chunk_wgmma<K, CB>(run + st * (kStageBytes / 4), warp & 7, win, ring + st * kStageBytes + kWeightBytes, acc);
+      chunk_wgmma<K, CB, N>(run + st * (kStageBytes / 4), warp & 7, win, ring + st * kStageBytes + kWeightBytes, acc);
       st = st + 1 == kStages ? 0 : st + 1;
       st_issue = st_issue + 1 == kStages ? 0 : st_issue + 1;
     }
@@ -189,7 +190,7 @@ __device__ void wg_gemm(const uint32_t* wsrc, size_t block_words, size_t kt_stri
     // route 8i + 2t (+1 for odd e).
     wgmma_fence_accumulators(acc);
 #pragma unroll
-    for (int pass = 0; pass < kWgRows / kWgPassRows; ++pass) {
+    for (int pass = 0; pass < N / kWgPassRows; ++pass) {
       if (pass * kWgPassRows < rows) {
 #pragma unroll
         for (int i = 0; i < kWgPassRows / 8; ++i)
@@ -207,6 +208,17 @@ __device__ void wg_gemm(const uint32_t* wsrc, size_t block_words, size_t kt_stri
   }
   cp_async_wait<0>();
 #endif
+}
+
+// Calls body(IntConst<N>{}) with the wgmma N for a tile of `rows` routes: the smallest of 32, 64, 96 and
+// 128 that holds them (glm52-tp4 at top-8: about 32 routes per tile at M=1024, 96 at M=3072). The all-K
+// kernel keeps N = 128 alone, which bounds its code size.
+template <bool FAST, typename Body>
+__device__ __forceinline__ void with_n(int rows, Body&& body) {
+  if (FAST && rows <= 32) body(IntConst<32>{});
+  else if (FAST && rows <= 64) body(IntConst<64>{});
+  else if (FAST && rows <= 96) body(IntConst<96>{});
+  else body(IntConst<128>{});
 }
 
 // FC1: grid (tiles * 2I/256, k_split); block b of a tile: projection b / (I/256), features (b % (I/256)) * 256.
@@ -234,7 +246,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) fc1_wgmma_kernel(const TrellisM
     const uint32_t* wsrc =
         projection_words<K>(a, w, proj) + size_t(nblock) * 16 * 8 * K + size_t(kc0) * 8 * kt_stride;
     const __half* rows = static_cast<const __half*>(a.xrot) + (size_t(w.start) * 2 + proj) * a.hidden + kc0 * 128;
-    wg_gemm<CB, K, FAST>(wsrc, 0, kt_stride, rows, size_t(2) * a.hidden, w.rows, chunks, 1, wg_smem, [] {}, store);
+    with_n<FAST>(w.rows, [&](auto n) {
+      wg_gemm<CB, K, FAST, decltype(n)::value>(wsrc, 0, kt_stride, rows, size_t(2) * a.hidden, w.rows, chunks, 1,
+                                               wg_smem, [] {}, store);
+    });
   });
 }
 
@@ -278,8 +293,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) fc2_wgmma_kernel(const TrellisM
     const size_t kt_stride = size_t(a.hidden >> 4) * 8 * K;
     const uint32_t* wsrc = projection_words<K>(a, w, 2) + size_t(block0) * 16 * 8 * K;
     const __half* rows = static_cast<const __half*>(a.act) + size_t(w.start) * a.intermediate;
-    wg_gemm<CB, K, FAST>(wsrc, size_t(16) * 8 * K, kt_stride, rows, size_t(a.intermediate), w.rows,
-                         a.intermediate >> 7, blocks, wg_smem, prepare, store);
+    with_n<FAST>(w.rows, [&](auto n) {
+      wg_gemm<CB, K, FAST, decltype(n)::value>(wsrc, size_t(16) * 8 * K, kt_stride, rows, size_t(a.intermediate),
+                                               w.rows, a.intermediate >> 7, blocks, wg_smem, prepare, store);
+    });
   });
 }
 

@@ -110,7 +110,9 @@ def test_large_tiles_start_earlier_on_wgmma():
     # glm52-tp4 at top-8: M=1024 is 32 routes per expert, M=512 16, M=2048 64.
     assert make_plan(1024, 8, 6144, 512, 256, wgmma=True).m_tile == 128
     assert make_plan(1024, 8, 6144, 512, 256).m_tile == 32
-    assert make_plan(512, 8, 6144, 512, 256, wgmma=True).m_tile == 32
+    assert make_plan(512, 8, 6144, 512, 256, wgmma=True).m_tile == 128
+    assert make_plan(384, 8, 6144, 512, 256, wgmma=True).m_tile == 16
+    assert make_plan(512, 8, 6144, 512, 256).m_tile == 32
     assert make_plan(2048, 8, 6144, 512, 256).m_tile == 128
     assert make_plan(2, 8, 6144, 512, 256, wgmma=True).direct  # small M is untouched
     assert make_plan(1024, 8, 6144, 384, 256, wgmma=True).m_tile == 32  # I % 256: mma.sync tiles
