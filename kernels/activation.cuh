@@ -27,15 +27,9 @@ __global__ void activation_kernel(const TrellisMoeArgs a) {
   // Layer inputs, read while FC1 drains. Each H128 is unscaled: its 1/sqrt(128) rides on the vector
   // that multiplies its result.
   float svh_g[8], svh_u[8], suh_d[8];
-  load8(false, rot + col, svh_g);
-  load8(false, rot + inter + col, svh_u);
-  load8(false, rot + 2 * inter + col, suh_d);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    svh_g[i] *= kHadamardScale;
-    svh_u[i] *= kHadamardScale;
-    suh_d[i] *= kHadamardScale;
-  }
+  load8_rotation_scaled(rot + col, svh_g);
+  load8_rotation_scaled(rot + inter + col, svh_u);
+  load8_rotation_scaled(rot + 2 * inter + col, suh_d);
   after_predecessor();
   const size_t split_stride = size_t(a.slot_capacity) * 2 * inter;
   const int expand = expand_of_m_tile(a.m_tile);  // the FC2 kernel's A layout

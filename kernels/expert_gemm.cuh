@@ -94,6 +94,13 @@ __device__ __forceinline__ void load8(bool bf16, const void* p, float v[8]) {
   }
 }
 
+// Eight fp16 values times 1/sqrt(128): the vectors that carry an unscaled H128's scale (suh, svh).
+__device__ __forceinline__ void load8_rotation_scaled(const __half* p, float v[8]) {
+  load8(false, p, v);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] *= kHadamardScale;
+}
+
 // Eight floats as fp16 (saturated) into the 16 bytes at p.
 __device__ __forceinline__ void store8_half(__half* p, const float v[8]) {
   uint32_t w[4];
@@ -133,9 +140,7 @@ __device__ __forceinline__ void rotate8(const float x[8], const float s[8], int 
 
 // Columns col..col+7 of suh row p for `expert`, times 1/sqrt(128): the rotation's scale rides on it.
 __device__ __forceinline__ void input_suh8(const TrellisMoeArgs& a, int expert, int p, int col, float s[8]) {
-  load8(false, input_suh(a, expert, p) + col, s);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) s[i] *= kHadamardScale;
+  load8_rotation_scaled(input_suh(a, expert, p) + col, s);
 }
 
 // Columns col..col+7 of token `token`'s input row (fp16 or bf16) as floats.
@@ -412,6 +417,11 @@ __device__ __forceinline__ uint32_t a_lane_address(uint32_t tile, int lane) {
   return tile + 2 * ((lane & 15) * a_stride(R) + (lane >> 4) * 8);
 }
 
+// Where a small tile's accumulator acc[r][h][e] (chunk_mma, transposed) belongs, for lane 4g + q: route
+// 16r + 8h + 2q + e % 2 of the tile, feature g + 8 (e / 2) of the warp's 16.
+__host__ __device__ constexpr int small_acc_route(int r, int h, int e, int q) { return 16 * r + 8 * h + 2 * q + (e & 1); }
+__host__ __device__ constexpr int small_acc_feature(int e, int g) { return g + 8 * (e >> 1); }
+
 template <int R>
 __device__ __forceinline__ void zero_acc(float (&acc)[R][2][4]) {
 #pragma unroll
@@ -522,14 +532,16 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   const int nt = nchunk * 8 + ntl;
   float* part = static_cast<float*>(a.partial) + size_t(blockIdx.y) * a.slot_capacity * 2 * a.intermediate;
   const int g = lane >> 2, q = lane & 3;
-  if constexpr (small_tile(R)) {  // acc[r][h][e]: route 16r + 8h + 2q + e % 2, feature g + 8 (e / 2)
+  if constexpr (small_tile(R)) {
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int row = 16 * r + 8 * h + 2 * q + (e & 1);
+          const int row = small_acc_route(r, h, e, q);
+          // feature nt * 16 + small_acc_feature(e, g), summed in this order: the constant 8 (e / 2) folds
+          // into the store's immediate offset
           if (row < w.rows)
             part[size_t(w.start + row) * 2 * a.intermediate + proj * a.intermediate + nt * 16 + g + 8 * (e >> 1)] =
                 acc[r][h][e];
@@ -712,13 +724,13 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   const int g = lane >> 2, q = lane & 3;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    if constexpr (small_tile(R)) {  // as in fc1_body
+    if constexpr (small_tile(R)) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if (2 * r + h >= live) continue;
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          s_o[(16 * r + 8 * h + 2 * q + (e & 1)) * kOStride + warp * 16 + g + 8 * (e >> 1)] = acc[r][h][e];
+          s_o[small_acc_route(r, h, e, q) * kOStride + warp * 16 + small_acc_feature(e, g)] = acc[r][h][e];
       }
     } else {
       if (r >= live) continue;

@@ -103,6 +103,7 @@ __device__ __forceinline__ void chunk_wgmma(const uint32_t* run, int ntl, const 
     return t;
   };
   TileWords next = load(0);
+  const uint64_t rows_desc = swizzled_descriptor(rows_addr, kWgSwizzleAtomBytes);
 #pragma unroll
   for (int kt = 0; kt < 8; ++kt) {
     const TileWords t = next;
@@ -113,8 +114,8 @@ __device__ __forceinline__ void chunk_wgmma(const uint32_t* run, int ntl, const 
     const uint32_t a_frag[4] = {b[0], b[2], b[1], b[3]};
     wgmma_wait<1>();  // the MMA two tiles back is done: its A registers may be reused
     wgmma_fence();
-    const uint32_t rows_k16 = rows_addr + (kt >> 2) * kWgHalfBytes + (kt & 3) * 32;  // k half, 16 columns in it
-    wgmma_m64nNk16<N>(acc, a_frag, swizzled_descriptor(rows_k16, kWgSwizzleAtomBytes));
+    // k half kt / 4, 16 columns in it
+    wgmma_m64nNk16<N>(acc, a_frag, descriptor_plus(rows_desc, (kt >> 2) * kWgHalfBytes + (kt & 3) * 32));
     wgmma_commit();
   }
   wgmma_wait<0>();  // the stage is free for the next copy once every warp passes the barrier

@@ -25,7 +25,9 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t m[4], uint32_t addr) {
 
 constexpr float kHadamardScale = 0.08838834764831845f;  // 1/sqrt(128)
 
-// 128-point Sylvester Hadamard / sqrt(128) across a warp: lane l holds elements 4l..4l+3.
+// 128-point Sylvester Hadamard / sqrt(128) across a warp: lane l holds elements 4l..4l+3. Each butterfly
+// across lanes is one FFMA by +-1 (exact, like the add or subtract it replaces, which took an add, a
+// subtract and a select).
 __device__ __forceinline__ void hadamard128(float v[4], int lane) {
   const float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
   v[0] = a0 + a2;
@@ -34,12 +36,9 @@ __device__ __forceinline__ void hadamard128(float v[4], int lane) {
   v[3] = a1 - a3;
 #pragma unroll
   for (int m = 1; m < 32; m <<= 1) {
-    const bool upper = (lane & m) != 0;
+    const float sign = (lane & m) ? -1.0f : 1.0f;  // the upper lane of a pair keeps partner - own
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float o = __shfl_xor_sync(0xFFFFFFFFu, v[i], m);
-      v[i] = upper ? (o - v[i]) : (v[i] + o);
-    }
+    for (int i = 0; i < 4; ++i) v[i] = fmaf(v[i], sign, __shfl_xor_sync(0xFFFFFFFFu, v[i], m));
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) v[i] *= kHadamardScale;

@@ -22,6 +22,13 @@ __device__ __forceinline__ uint64_t swizzled_descriptor(uint32_t address, uint32
          (uint64_t(1) << 62);
 }
 
+// The descriptor of `address + offset_bytes` from that of `address`: a 32-bit add on the start address
+// field (bits 0-13, 16-byte units), which never carries out since shared memory ends below 256 KB. Costs one
+// uniform add per MMA where rebuilding the descriptor took five.
+__device__ __forceinline__ uint64_t descriptor_plus(uint64_t desc, uint32_t offset_bytes) {
+  return (desc & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(desc) + (offset_bytes >> 4));
+}
+
 #ifdef TRELLIS_DEVICE_WGMMA
 // Orders the warpgroup's register writes (the decoded A) before the next wgmma reads them.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -42,71 +49,34 @@ __device__ __forceinline__ void wgmma_wait() {
 template <int N>
 __device__ __forceinline__ void wgmma_m64nNk16(float (&d)[64], const uint32_t a[4], uint64_t b_desc);
 
-template <>
-__device__ __forceinline__ void wgmma_m64nNk16<32>(float (&d)[64], const uint32_t a[4], uint64_t b_desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-      "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
-}
+// One specialization per N, from its accumulator operands (16 at a time) and the numbers of the operands
+// after them (A fragment, B descriptor, scale-d predicate): the operand list then matches the shape exactly.
+#define TRELLIS_ACC16(i)                                                                                        \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]),  \
+      "+f"(d[i + 7]), "+f"(d[i + 8]), "+f"(d[i + 9]), "+f"(d[i + 10]), "+f"(d[i + 11]), "+f"(d[i + 12]),       \
+      "+f"(d[i + 13]), "+f"(d[i + 14]), "+f"(d[i + 15])
+#define TRELLIS_ACC_NAMES_0 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define TRELLIS_ACC_NAMES_16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define TRELLIS_ACC_NAMES_32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+#define TRELLIS_ACC_NAMES_48 ", %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define TRELLIS_WGMMA_RS(N, NAMES, A0, A1, A2, A3, DESC, PRED, ...)                                            \
+  template <>                                                                                                \
+  __device__ __forceinline__ void wgmma_m64nNk16<N>(float(&d)[64], const uint32_t a[4], uint64_t b_desc) {   \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #PRED ", 0;\n"                                          \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" NAMES "}, {%" #A0 ", %" #A1      \
+                 ", %" #A2 ", %" #A3 "}, %" #DESC ", p, 1, 1, 0;\n}\n"                                         \
+                 : __VA_ARGS__                                                                                 \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));                          \
+  }
 
-template <>
-__device__ __forceinline__ void wgmma_m64nNk16<64>(float (&d)[64], const uint32_t a[4], uint64_t b_desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_m64nNk16<96>(float (&d)[64], const uint32_t a[4], uint64_t b_desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
-      "}, {%48, %49, %50, %51}, %52, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_m64nNk16<128>(float (&d)[64], const uint32_t a[4], uint64_t b_desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
-}
+TRELLIS_WGMMA_RS(32, TRELLIS_ACC_NAMES_0, 16, 17, 18, 19, 20, 21, TRELLIS_ACC16(0))
+TRELLIS_WGMMA_RS(64, TRELLIS_ACC_NAMES_0 TRELLIS_ACC_NAMES_16, 32, 33, 34, 35, 36, 37, TRELLIS_ACC16(0),
+                 TRELLIS_ACC16(16))
+TRELLIS_WGMMA_RS(96, TRELLIS_ACC_NAMES_0 TRELLIS_ACC_NAMES_16 TRELLIS_ACC_NAMES_32, 48, 49, 50, 51, 52, 53,
+                 TRELLIS_ACC16(0), TRELLIS_ACC16(16), TRELLIS_ACC16(32))
+TRELLIS_WGMMA_RS(128, TRELLIS_ACC_NAMES_0 TRELLIS_ACC_NAMES_16 TRELLIS_ACC_NAMES_32 TRELLIS_ACC_NAMES_48, 64, 65, 66,
+                 67, 68, 69, TRELLIS_ACC16(0), TRELLIS_ACC16(16), TRELLIS_ACC16(32), TRELLIS_ACC16(48))
+#undef TRELLIS_WGMMA_RS
 
 // Pins the accumulators after the last wait: the compiler must not read them before the MMAs finish.
 __device__ __forceinline__ void wgmma_fence_accumulators(float (&d)[64]) {

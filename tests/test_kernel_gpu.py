@@ -19,6 +19,7 @@ from trellis_cli.bench.smoke import (
 )
 from trellis_cli.bench.synthetic import PRESETS, Preset, random_activations, random_routes, synthetic_pack
 from trellis_cli.errors import CheckFailed
+from trellis_cli.kernel.plan import make_plan
 from trellis_cli.reference import layer_pack_forward
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
@@ -72,9 +73,20 @@ def test_large_tile_path_on_small_layer(library):
 
 
 def test_mid_tile_path_on_small_layer(library):
+    # 25 routes per expert: 32-row tiles where large tiles run on mma.sync. The Hopper wgmma build takes
+    # 128-row tiles from 14 routes per expert on (plan.py), so there the 32-row kernels run by an explicit plan.
     moe = moe_for(small(), library)
-    assert moe.plan(100, 4).m_tile == 32
-    assert_checks(accuracy_checks(moe, "small", 100, seed=6))
+    shape = (moe.pack.hidden, moe.pack.intermediate, moe.pack.num_combined)
+    assert make_plan(100, 4, *shape, wgmma=False).m_tile == 32
+    assert moe.plan(100, 4).m_tile == (128 if library.wgmma else 32)
+    plan = make_plan(100, 4, *shape, m_tile=32, wgmma=library.wgmma)
+    x = random_activations(100, 512, device="cuda", seed=6)
+    ids, w = random_routes(100, 16, 4, device="cuda", seed=7)
+    fused = moe.forward(x, ids, w, plan=plan)
+    assert rel_l2(fused, layer_pack_forward(moe.pack, x, ids, w, dtype=torch.float64)) <= REFERENCE_LIMIT
+    # two-pass on the same tiles (the default plan's merged 128-row weights round differently)
+    two_pass = sum(moe.forward(x, ids, w, tier=t, plan=plan) for t in range(moe.num_tiers))
+    assert rel_l2(fused, two_pass) <= TWO_PASS_LIMIT
 
 
 def test_dtypes_int64_ids_and_outputs(library):

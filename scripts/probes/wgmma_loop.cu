@@ -1,12 +1,14 @@
-// Decode against Hopper wgmma, alone and together (docs/performance.md, run 52): does the tensor pipe's
-// work overlap the integer decode, as the large-tile kernels (expert_wgmma.cuh) assume?
+// Decode against Hopper wgmma, alone and together (docs/performance.md, runs 52 and 56): does the tensor
+// pipe's work overlap the integer decode, as the large-tile kernels (expert_wgmma.cuh) assume?
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/wgmma_loop scripts/probes/wgmma_loop.cu && /tmp/wgmma_loop
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/wgmma_loop scripts/probes/wgmma_loop.cu && /tmp/wgmma_loop [new]
 //
 // One CTA of 4 warpgroups per SM, as the kernels run. Each warp walks 64 random 16x16 tiles (mcg, K3 or
 // K4) from shared memory, decodes each into merged fp16 A fragments of W^T and issues one
-// wgmma.m64n128k16 per tile against 128 random route rows in shared memory (at most two in flight, as
-// chunk_wgmma). Variants drop the MMA (decoded words folded by XOR) or the decode (constant fragments).
+// wgmma.m64nNk16 per tile against N random route rows in shared memory (at most two in flight, as
+// chunk_wgmma). Variants drop the MMA (decoded words folded by XOR) or the decode (constant fragments),
+// take turns to issue the MMAs (ping-pong), accumulate in fp16, change N or run two CTAs per SM; `new`
+// prints only the run-56 lines.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -24,39 +26,53 @@ using namespace trellis;
 // the registers (same count of m64n128k16): whether the register-sourced wgmma is what serializes.
 // kLop3*, kFfma*: 40 independent-chain LOP3 or FFMA per tile instead of the decode (about its integer
 // count): whether any work overlaps the MMAs, or only some pipes.
+// *Acc16: the same MMAs with fp16 accumulators (half the accumulator registers the tensor cores read and
+// write): whether the register file's traffic is what the two kinds of work share.
 enum Mode : int {
-  kDecodeAndMma, kDecodeOnly, kMmaOnly, kDecodeAndSsMma, kSsMmaOnly, kLop3AndMma, kLop3Only, kFfmaAndMma, kFfmaOnly
+  kDecodeAndMma, kDecodeOnly, kMmaOnly, kDecodeAndSsMma, kSsMmaOnly, kLop3AndMma, kLop3Only, kFfmaAndMma, kFfmaOnly,
+  kDecodeAndMmaAcc16, kMmaOnlyAcc16, kFfmaAndMmaAcc16
 };
+__host__ __device__ constexpr bool acc16_mode(int m) {
+  return m == kDecodeAndMmaAcc16 || m == kMmaOnlyAcc16 || m == kFfmaAndMmaAcc16;
+}
 __host__ __device__ constexpr bool lop3_mode(int m) { return m == kLop3AndMma || m == kLop3Only; }
-__host__ __device__ constexpr bool ffma_mode(int m) { return m == kFfmaAndMma || m == kFfmaOnly; }
+__host__ __device__ constexpr bool ffma_mode(int m) {
+  return m == kFfmaAndMma || m == kFfmaOnly || m == kFfmaAndMmaAcc16;
+}
 
 #ifdef TRELLIS_DEVICE_WGMMA
 // d += A * B with A (64 x 16) from shared memory too.
 __device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[64], uint64_t a_desc, uint64_t b_desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-      "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-      "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-      "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-      "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(a_desc), "l"(b_desc), "r"(1));
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" TRELLIS_ACC_NAMES_0 TRELLIS_ACC_NAMES_16
+               TRELLIS_ACC_NAMES_32 TRELLIS_ACC_NAMES_48 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+               : TRELLIS_ACC16(0), TRELLIS_ACC16(16), TRELLIS_ACC16(32), TRELLIS_ACC16(48)
+               : "l"(a_desc), "l"(b_desc), "r"(1));
 }
+// d += A * B with fp16 accumulators (d: 64 x 128 as 32 registers of half pairs).
+__device__ __forceinline__ void wgmma_m64n128k16_acc16(uint32_t (&d)[32], const uint32_t a[4], uint64_t b_desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f16.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+        "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
+        "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
+        "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
+}
+// Ping-pong: the warpgroups take turns to issue their MMA groups, a token passed round by named barriers
+// (barrier 1 + w is warpgroup w's turn), so one decodes while another's MMAs run.
+__device__ __forceinline__ void wait_turn(int wg) { asm volatile("bar.sync %0, 256;" ::"r"(1 + wg) : "memory"); }
+__device__ __forceinline__ void pass_turn(int next) { asm volatile("bar.arrive %0, 256;" ::"r"(1 + next) : "memory"); }
 #endif
-constexpr int kTiles = 64, kThreads = 512;
+constexpr int kTiles = 64;
 constexpr int kRowBytes = 128 * 128;  // 128 routes x 64 halves: one swizzled k-half atom group
 
-template <int K, int MODE, int BATCH = 1>
-__global__ void __launch_bounds__(kThreads, 1) wgmma_loop(const uint32_t* __restrict__ src, float* out, int iters) {
+template <int K, int MODE, int BATCH = 1, int kThreads = 512, bool RING = false, int N = 128, int CTAS = 1>
+__global__ void __launch_bounds__(kThreads, CTAS) wgmma_loop(const uint32_t* __restrict__ src, float* out, int iters) {
   extern __shared__ __align__(1024) unsigned char smem[];
   uint32_t* s_w = reinterpret_cast<uint32_t*>(smem + kRowBytes);
   for (int i = threadIdx.x; i < kRowBytes / 4; i += kThreads)  // route rows: small fp16 values
@@ -69,9 +85,13 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(const uint32_t* __rest
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const LaneWindow win = lane_window<K>(lane);
   const uint32_t rows = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int wg = warp >> 2, warpgroups = kThreads / 128;
   float acc[64];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+  uint32_t acc16[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc16[i] = 0;
   uint32_t folded = 0;
   uint32_t batch[BATCH][4];
   for (int it = 0; it < iters; ++it) {
@@ -95,7 +115,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(const uint32_t* __rest
           }
 #pragma unroll
         for (int j = 0; j < 4; ++j) b[j] = lop3_mode(MODE) ? v[j] : (__float_as_uint(f[j]) & 0x3FFF3FFFu);
-      } else if (MODE == kMmaOnly || MODE == kSsMmaOnly) {
+      } else if (MODE == kMmaOnly || MODE == kSsMmaOnly || MODE == kMmaOnlyAcc16) {
         b[0] = 0x3C003C00u ^ t.u0, b[1] = b[0] ^ 1u, b[2] = b[0] ^ 2u, b[3] = b[0] ^ 3u;
       } else {
         decode_fragments<K, 1>(t, win, b);
@@ -116,50 +136,59 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_loop(const uint32_t* __rest
         batch[kt % BATCH][0] = b[0], batch[kt % BATCH][1] = b[2], batch[kt % BATCH][2] = b[1], batch[kt % BATCH][3] = b[3];
         if (kt % BATCH == BATCH - 1) {
           wgmma_wait<1>();
+          const bool first = it == 0 && kt == BATCH - 1, last = it == iters - 1 && kt == 7;
+          if (RING && !(first && wg == 0)) wait_turn(wg);
           wgmma_fence();
 #pragma unroll
           for (int j = 0; j < BATCH; ++j)
-            wgmma_m64n128k16(acc, batch[j], swizzled_descriptor(rows + ((kt - BATCH + 1 + j) & 3) * 32, 1024));
+            wgmma_m64nNk16<N>(acc, batch[j], swizzled_descriptor(rows + ((kt - BATCH + 1 + j) & 3) * 32, 1024));
           wgmma_commit();
+          if (RING && !(last && wg == warpgroups - 1)) pass_turn((wg + 1) % warpgroups);
         }
         continue;
       }
       const uint32_t a_frag[4] = {b[0], b[2], b[1], b[3]};
       wgmma_wait<1>();
       wgmma_fence();
-      wgmma_m64n128k16(acc, a_frag, swizzled_descriptor(rows + (kt & 3) * 32, 1024));
+      if (acc16_mode(MODE)) wgmma_m64n128k16_acc16(acc16, a_frag, swizzled_descriptor(rows + (kt & 3) * 32, 1024));
+      else wgmma_m64nNk16<N>(acc, a_frag, swizzled_descriptor(rows + (kt & 3) * 32, 1024));
       wgmma_commit();
     }
     wgmma_wait<0>();  // as chunk_wgmma: every 8 tiles (a chunk) end with their MMAs done
   }
   wgmma_fence_accumulators(acc);
+#pragma unroll
+  for (int i = 0; i < 32; ++i) asm volatile("" : "+r"(acc16[i])::"memory");
   float r = float(folded & 1);
 #pragma unroll
-  for (int i = 0; i < 64; ++i) r += acc[i];
+  for (int i = 0; i < 32; ++i) r += __half2float(__ushort_as_half(acc16[i] & 0xFFFF));
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) r += acc[i];
   out[blockIdx.x * kThreads + threadIdx.x] = r;
 #endif
 }
 
-template <int K, int MODE, int BATCH = 1>
+template <int K, int MODE, int BATCH = 1, int kThreads = 512, bool RING = false, int N = 128, int CTAS = 1>
 double rate(const uint32_t* src, float* out) {
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   const int smem = kRowBytes + kTiles * 8 * K * 4, iters = 512;
-  cudaFuncSetAttribute(wgmma_loop<K, MODE, BATCH>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  wgmma_loop<K, MODE, BATCH><<<sms, kThreads, smem>>>(src, out, 4);
+  cudaFuncSetAttribute(wgmma_loop<K, MODE, BATCH, kThreads, RING, N, CTAS>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  wgmma_loop<K, MODE, BATCH, kThreads, RING, N, CTAS><<<CTAS * sms, kThreads, smem>>>(src, out, 4);
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
   cudaEventRecord(e0);
-  for (int rep = 0; rep < 5; ++rep) wgmma_loop<K, MODE, BATCH><<<sms, kThreads, smem>>>(src, out, iters);
+  for (int rep = 0; rep < 5; ++rep) wgmma_loop<K, MODE, BATCH, kThreads, RING, N, CTAS><<<CTAS * sms, kThreads, smem>>>(src, out, iters);
   cudaEventRecord(e1);
   cudaEventSynchronize(e1);
   float ms = 0;
   cudaEventElapsedTime(&ms, e0, e1);
-  return double(sms) * (kThreads / 32) * iters * 8 * 256 / (ms / 5) / 1e9;
+  return double(CTAS * sms) * (kThreads / 32) * iters * 8 * 256 / (ms / 5) / 1e9;
 }
 
-int main() {
+int main(int argc, char** argv) {
+  const bool all = argc < 2 || argv[1][0] != 'n';  // "new": the ping-pong and fp16-accumulator lines only
   const int n = kTiles * 8 * 8;
   std::vector<uint32_t> host(n);
   srand(11);
@@ -167,21 +196,45 @@ int main() {
   uint32_t* src;
   float* out;
   cudaMalloc(&src, n * 4);
-  cudaMalloc(&out, 132 * kThreads * 4);
+  cudaMalloc(&out, 132 * 512 * 4);
   cudaMemcpy(src, host.data(), n * 4, cudaMemcpyHostToDevice);
-  printf("16 warps per SM, G weights / ms (MMA time per tile = one m64n128k16 per warpgroup)\n");
-  printf("  K4  decode + wgmma %5.2f   decode only %5.2f   wgmma only %5.2f\n", rate<4, kDecodeAndMma>(src, out),
-         rate<4, kDecodeOnly>(src, out), rate<4, kMmaOnly>(src, out));
-  printf("  K3  decode + wgmma %5.2f   decode only %5.2f   wgmma only %5.2f\n", rate<3, kDecodeAndMma>(src, out),
-         rate<3, kDecodeOnly>(src, out), rate<3, kMmaOnly>(src, out));
-  printf("  A from shared memory: K4 decode + wgmma %5.2f, K3 %5.2f; wgmma only %5.2f\n",
-         rate<4, kDecodeAndSsMma>(src, out), rate<3, kDecodeAndSsMma>(src, out), rate<4, kSsMmaOnly>(src, out));
-  printf("  MMAs issued in groups of 2 / 4 tiles: K4 decode + wgmma %5.2f / %5.2f, K3 %5.2f / %5.2f\n",
-         rate<4, kDecodeAndMma, 2>(src, out), rate<4, kDecodeAndMma, 4>(src, out), rate<3, kDecodeAndMma, 2>(src, out),
-         rate<3, kDecodeAndMma, 4>(src, out));
-  printf("  40 LOP3 per tile: with wgmma %5.2f, alone %5.2f;  40 FFMA per tile: with wgmma %5.2f, alone %5.2f\n",
-         rate<4, kLop3AndMma>(src, out), rate<4, kLop3Only>(src, out), rate<4, kFfmaAndMma>(src, out),
-         rate<4, kFfmaOnly>(src, out));
+  if (all) {
+    printf("16 warps per SM, G weights / ms (MMA time per tile = one m64n128k16 per warpgroup)\n");
+    printf("  K4  decode + wgmma %5.2f   decode only %5.2f   wgmma only %5.2f\n", rate<4, kDecodeAndMma>(src, out),
+           rate<4, kDecodeOnly>(src, out), rate<4, kMmaOnly>(src, out));
+    printf("  K3  decode + wgmma %5.2f   decode only %5.2f   wgmma only %5.2f\n", rate<3, kDecodeAndMma>(src, out),
+           rate<3, kDecodeOnly>(src, out), rate<3, kMmaOnly>(src, out));
+    printf("  A from shared memory: K4 decode + wgmma %5.2f, K3 %5.2f; wgmma only %5.2f\n",
+           rate<4, kDecodeAndSsMma>(src, out), rate<3, kDecodeAndSsMma>(src, out), rate<4, kSsMmaOnly>(src, out));
+    printf("  MMAs issued in groups of 2 / 4 tiles: K4 decode + wgmma %5.2f / %5.2f, K3 %5.2f / %5.2f\n",
+           rate<4, kDecodeAndMma, 2>(src, out), rate<4, kDecodeAndMma, 4>(src, out), rate<3, kDecodeAndMma, 2>(src, out),
+           rate<3, kDecodeAndMma, 4>(src, out));
+    printf("  40 LOP3 per tile: with wgmma %5.2f, alone %5.2f;  40 FFMA per tile: with wgmma %5.2f, alone %5.2f\n",
+           rate<4, kLop3AndMma>(src, out), rate<4, kLop3Only>(src, out), rate<4, kFfmaAndMma>(src, out),
+           rate<4, kFfmaOnly>(src, out));
+  }
+  printf("ping-pong (MMA groups issued in turns), decode + wgmma: K4 4 WGs groups of 2 / 4 / 8: %5.2f / %5.2f / %5.2f\n",
+         rate<4, kDecodeAndMma, 2, 512, true>(src, out), rate<4, kDecodeAndMma, 4, 512, true>(src, out),
+         rate<4, kDecodeAndMma, 8, 512, true>(src, out));
+  printf("  K3 4 WGs groups of 4 / 8: %5.2f / %5.2f;  2 WGs (8 warps) K4 groups of 4 / 8: %5.2f / %5.2f, no turns %5.2f\n",
+         rate<3, kDecodeAndMma, 4, 512, true>(src, out), rate<3, kDecodeAndMma, 8, 512, true>(src, out),
+         rate<4, kDecodeAndMma, 4, 256, true>(src, out), rate<4, kDecodeAndMma, 8, 256, true>(src, out),
+         rate<4, kDecodeAndMma, 4, 256, false>(src, out));
+  printf("fp16 accumulators: K4 decode + wgmma %5.2f, K3 %5.2f, wgmma only %5.2f, 40 FFMA + wgmma %5.2f\n",
+         rate<4, kDecodeAndMmaAcc16>(src, out), rate<3, kDecodeAndMmaAcc16>(src, out), rate<4, kMmaOnlyAcc16>(src, out),
+         rate<4, kFfmaAndMmaAcc16>(src, out));
+  printf("by the MMA's N (routes), K4 / K3: decode + wgmma, wgmma only (G weights / ms)\n");
+  printf("  N = 32: %5.2f / %5.2f, %5.2f;  N = 64: %5.2f / %5.2f, %5.2f;  N = 96: %5.2f / %5.2f, %5.2f\n",
+         rate<4, kDecodeAndMma, 1, 512, false, 32>(src, out), rate<3, kDecodeAndMma, 1, 512, false, 32>(src, out),
+         rate<4, kMmaOnly, 1, 512, false, 32>(src, out), rate<4, kDecodeAndMma, 1, 512, false, 64>(src, out),
+         rate<3, kDecodeAndMma, 1, 512, false, 64>(src, out), rate<4, kMmaOnly, 1, 512, false, 64>(src, out),
+         rate<4, kDecodeAndMma, 1, 512, false, 96>(src, out), rate<3, kDecodeAndMma, 1, 512, false, 96>(src, out),
+         rate<4, kMmaOnly, 1, 512, false, 96>(src, out));
+  printf("N = 32, decode + wgmma K4 / K3: two CTAs (32 warps) per SM %5.2f / %5.2f, one %5.2f / %5.2f\n",
+         rate<4, kDecodeAndMma, 1, 512, false, 32, 2>(src, out), rate<3, kDecodeAndMma, 1, 512, false, 32, 2>(src, out),
+         rate<4, kDecodeAndMma, 1, 512, false, 32, 1>(src, out), rate<3, kDecodeAndMma, 1, 512, false, 32, 1>(src, out));
+  printf("  decode only K4 / K3 %5.2f / %5.2f\n", rate<4, kDecodeOnly, 1, 512, false, 32, 2>(src, out),
+         rate<3, kDecodeOnly, 1, 512, false, 32, 2>(src, out));
   const cudaError_t err = cudaDeviceSynchronize();
   printf("status: %s\n", cudaGetErrorString(err));
   return err == cudaSuccess ? 0 : 1;
