@@ -4,7 +4,8 @@
 // (decode.cuh) are, reordered, its A fragment of W^T, so the decoded weights feed wgmma straight from
 // registers, and the tile's routes are wgmma's N (up to 128), read by the tensor cores from shared
 // memory. The MMA is asynchronous: a warp decodes its next weight tile while the last one multiplies.
-// (Measured on H200, the decode and the MMAs still overlap poorly: docs/performance.md, run 52.)
+// (Measured on H200, the decode and the MMAs overlap poorly: both lean on the register file, which the
+// tensor cores use for the fp32 accumulators; docs/performance.md, runs 52 and 56.)
 //
 // A CTA is 4 warpgroups = 16 warps = 256 features (warp w: features 16w..16w+15) of one projection, over
 // the tile's 128 routes. The route rows are the heavy operand (128 x 2 bytes per k against 256 x ~0.4
