@@ -76,9 +76,10 @@ class FusedMoe:
         return out
 
     def two_pass(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """The baseline: one launch per tier (other tiers unmapped), fp32 outputs summed in tier order."""
-        parts = [self.forward(x, topk_ids, topk_weights, tier=t) for t in range(self.num_tiers)]
+                 out: torch.Tensor | None = None, plan: LaunchPlan | None = None) -> torch.Tensor:
+        """The baseline: one launch per tier (other tiers unmapped), fp32 outputs summed in tier order;
+        with `plan`, every tier runs on those tiles (as a fused call with that plan does)."""
+        parts = [self.forward(x, topk_ids, topk_weights, tier=t, plan=plan) for t in range(self.num_tiers)]
         total = parts[0] if out is None else out.copy_(parts[0])
         for part in parts[1:]:
             total.add_(part)
