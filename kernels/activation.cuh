@@ -16,7 +16,8 @@
 namespace trellis {
 
 // grid (tile_capacity, row_steps), one warp per 128-channel block of the intermediate dim; each half warp
-// takes one route row per step (8 channels per lane, as the input rotation: the kernel is issue-bound).
+// takes one route row per step (8 channels per lane, as the input rotation of small tiles: the kernel is
+// issue-bound).
 __global__ void activation_kernel(const TrellisMoeArgs a) {
   WorkTile w;
   if (!load_work_tile(a, blockIdx.x, w)) return;
@@ -47,8 +48,8 @@ __global__ void activation_kernel(const TrellisMoeArgs a) {
       g[0] += g0.x; g[1] += g0.y; g[2] += g0.z; g[3] += g0.w; g[4] += g1.x; g[5] += g1.y; g[6] += g1.z; g[7] += g1.w;
       u[0] += u0.x; u[1] += u0.y; u[2] += u0.z; u[3] += u0.w; u[4] += u1.x; u[5] += u1.y; u[6] += u1.z; u[7] += u1.w;
     }
-    hadamard128_unscaled_half(g, lane);
-    hadamard128_unscaled_half(u, lane);
+    hadamard128_unscaled<16>(g, lane);
+    hadamard128_unscaled<16>(u, lane);
     float v[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -56,7 +57,7 @@ __global__ void activation_kernel(const TrellisMoeArgs a) {
       const float up = u[i] * svh_u[i];
       v[i] = gate / (1.0f + expf(-gate)) * up * suh_d[i];
     }
-    hadamard128_unscaled_half(v, lane);
+    hadamard128_unscaled<16>(v, lane);
     if (live) store_a_row8(static_cast<__half*>(a.act) + size_t(slot) * expand * inter, col, expand, v);
   }
 }

@@ -103,13 +103,8 @@ __device__ __forceinline__ void load8_rotation_scaled(const __half* p, float v[8
 
 // Eight floats as fp16 (saturated) into the 16 bytes at p.
 __device__ __forceinline__ void store8_half(__half* p, const float v[8]) {
-  uint32_t w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    __half2 h = __halves2half2(to_half_sat(v[2 * i]), to_half_sat(v[2 * i + 1]));
-    w[i] = *reinterpret_cast<uint32_t*>(&h);
-  }
-  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+  *reinterpret_cast<uint4*>(p) = make_uint4(to_half2_sat(v[0], v[1]), to_half2_sat(v[2], v[3]),
+                                            to_half2_sat(v[4], v[5]), to_half2_sat(v[6], v[7]));
 }
 
 // Columns col..col+7 (col % 8 == 0) of an A row: plain (expand 1) or with every column twice (expand 2).
@@ -135,7 +130,7 @@ __device__ __forceinline__ const __half* input_suh(const TrellisMoeArgs& a, int 
 __device__ __forceinline__ void rotate8(const float x[8], const float s[8], int lane, float v[8]) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) v[i] = x[i] * s[i];
-  hadamard128_unscaled_half(v, lane);
+  hadamard128_unscaled<16>(v, lane);
 }
 
 // Columns col..col+7 of suh row p for `expert`, times 1/sqrt(128): the rotation's scale rides on it.
@@ -605,38 +600,60 @@ __host__ __device__ constexpr int fc1_smem_bytes(int r, bool fast) {
 
 // ---------------------------------------------------------------------------------------------------
 // Input rotation, once per route: xrot[slot][p] = fp16(H128(x[token] ⊙ suh_p)) for p = gate, up.
-// grid (tiles, H/128), 8 warps; each half warp rotates one row per step (both projections from one load
-// of x), so a CTA step covers 16 rows with 16-byte loads and stores.
-
-__global__ void __launch_bounds__(256) rotate_input_kernel(const TrellisMoeArgs a) {
+// grid (tiles, H/128), 8 warps; each group of G lanes rotates one (row, projection) per step, 128/G
+// columns per lane in runs of 8. G = 4 serves 128-row tiles: half the shuffles of G = 16 and 18 % fewer
+// instructions (the kernel is issue-bound; docs/performance.md, run 67). G = 16 serves tiles of 16 or 32
+// rows, where 4 rows per warp would leave half the warps idle. The two projections of a row sit in
+// neighbouring groups, so their loads of x meet in the same sectors.
+template <int G>
+__global__ void __launch_bounds__(256, 4) rotate_input_kernel(const TrellisMoeArgs a) {
+  constexpr int N = 128 / G, kRowsPerWarp = 16 / G;
+  // The block's suh columns of both projections, times 1/sqrt(128); the pad of 4 floats puts the two
+  // projections' 16-byte reads in different banks.
+  __shared__ __align__(16) float s_suh[2][132];
   after_predecessor();  // the tile list comes from the route pack, launched just before
   WorkTile w;
   if (!load_work_tile(a, blockIdx.x, w)) return;
-  const int lane = threadIdx.x & 15, half = (threadIdx.x >> 4) & 1, warp = threadIdx.x >> 5;
-  const int col = blockIdx.y * 128 + 8 * lane;
+  const int col0 = blockIdx.y * 128;
+  if (threadIdx.x < 32) {
+    const int p = threadIdx.x >> 4, c = 8 * (threadIdx.x & 15);
+    input_suh8(a, w.expert, p, col0 + c, &s_suh[p][c]);
+  }
+  __syncthreads();
+  const int q = threadIdx.x % G, group = threadIdx.x / G, warp = threadIdx.x >> 5;
+  const int p = group & 1;
   const int kX = expand_of_m_tile(a.m_tile);  // the FC1 kernel's A layout
-  float s[2][8];
-  input_suh8(a, w.expert, 0, col, s[0]);
-  input_suh8(a, w.expert, 1, col, s[1]);
   const int* slot_route = static_cast<const int*>(a.slot_route) + w.start;
   // route / top_k: a shift for the usual power-of-two top_k (an integer division costs ~20 instructions).
   const int topk_shift = (a.top_k & (a.top_k - 1)) ? -1 : __ffs(a.top_k) - 1;
   const size_t row_halves = size_t(kX) * a.hidden;  // one projection's row in xrot
-  // Whole warps step together (the shuffles span the warp); a half warp past the tile's rows idles.
-  for (int r0 = 2 * warp; r0 < w.rows; r0 += 16) {
-    const int row = r0 + half;
+  // Whole warps step together (the shuffles name the whole warp); a group past the tile's rows idles.
+  for (int r0 = kRowsPerWarp * warp; r0 < w.rows; r0 += 8 * kRowsPerWarp) {
+    const int row = r0 + (group >> 1) % kRowsPerWarp;
     const bool live = row < w.rows;
-    float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float v[N];
     if (live) {
       const int route = slot_route[row];
-      load_x8(a, topk_shift >= 0 ? route >> topk_shift : route / a.top_k, col, x);
-    }
-    __half* dst = static_cast<__half*>(a.xrot) + size_t(w.start + row) * 2 * row_halves;
+      const size_t token = topk_shift >= 0 ? route >> topk_shift : route / a.top_k;
 #pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      float v[8];
-      rotate8(x, s[p], lane, v);
-      if (live) store_a_row8(dst + p * row_halves, col, kX, v);
+      for (int j = 0; j < N / 8; ++j) load_x8(a, token, col0 + 8 * G * j + 8 * q, v + 8 * j);
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) v[i] = 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const float4 s = *reinterpret_cast<const float4*>(&s_suh[p][8 * G * (i / 8) + 8 * q + i % 8]);
+      v[i] *= s.x;
+      v[i + 1] *= s.y;
+      v[i + 2] *= s.z;
+      v[i + 3] *= s.w;
+    }
+    hadamard128_unscaled<G>(v, q);
+    if (live) {
+      __half* dst = static_cast<__half*>(a.xrot) + (size_t(w.start + row) * 2 + p) * row_halves;
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j) store_a_row8(dst, col0 + 8 * G * j + 8 * q, kX, v + 8 * j);
     }
   }
 }

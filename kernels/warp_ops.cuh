@@ -44,26 +44,39 @@ __device__ __forceinline__ void hadamard128(float v[4], int lane) {
   for (int i = 0; i < 4; ++i) v[i] *= kHadamardScale;
 }
 
-// The same rotation, unscaled, across each half warp: lane l (0..15 of its half) holds elements
-// 8l..8l+7 of its half's row. Three butterfly stages stay in registers and four cross lanes, so a warp
-// rotates two rows with 16 shuffles per row instead of 20 for one; each butterfly is one FFMA by +-1
-// (exact, like the add or subtract it replaces).
-__device__ __forceinline__ void hadamard128_unscaled_half(float v[8], int lane) {
+// The same rotation, unscaled, across each group of G aligned lanes (G = 4 or 16): lane q of its group
+// holds the 128/G elements 8 G j + 8 q + i (runs j of 8 consecutive elements i), so 16-byte loads and
+// stores of a group cover 8 G contiguous elements each. Index bits 0-2 are butterflies in registers, the
+// next log2(G) bits cross lanes (one FFMA by +-1 each: exact, like the add or subtract it replaces), the
+// rest are in registers again. The stages run from the lowest index bit up for every G, so every G gives
+// the same bits; G = 4 takes 2 shuffles per element where G = 16 takes 4.
+template <int G>
+__device__ __forceinline__ void hadamard128_unscaled(float v[128 / G], int lane) {
+  constexpr int N = 128 / G;
 #pragma unroll
   for (int s = 1; s < 8; s <<= 1)
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
+    for (int i = 0; i < N; ++i)
       if (!(i & s)) {
         const float lo = v[i], hi = v[i + s];
         v[i] = lo + hi;
         v[i + s] = lo - hi;
       }
 #pragma unroll
-  for (int m = 1; m < 16; m <<= 1) {
+  for (int m = 1; m < G; m <<= 1) {
     const float sign = (lane & m) ? -1.0f : 1.0f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = fmaf(v[i], sign, __shfl_xor_sync(0xFFFFFFFFu, v[i], m));
+    for (int i = 0; i < N; ++i) v[i] = fmaf(v[i], sign, __shfl_xor_sync(0xFFFFFFFFu, v[i], m));
   }
+#pragma unroll
+  for (int s = 8; s < N; s <<= 1)
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if (!(i & s)) {
+        const float lo = v[i], hi = v[i + s];
+        v[i] = lo + hi;
+        v[i + s] = lo - hi;
+      }
 }
 
 // Programmatic dependent launch (sm_90): a kernel launched with the programmatic-serialization attribute
@@ -86,9 +99,18 @@ __device__ __forceinline__ void after_predecessor() {
 
 __device__ __forceinline__ float to_float(__half h) { return __half2float(h); }
 
-// fp32 -> fp16 with saturation: an outlier must not become inf in an MMA operand.
-__device__ __forceinline__ __half to_half_sat(float f) {
-  return __float2half_rn(fminf(fmaxf(f, -65504.0f), 65504.0f));
+// Two floats -> fp16x2 (lo, hi), rounded to nearest and saturated to +-65504 (an outlier must not become
+// inf in an MMA operand; NaN stays NaN): one F2FP.SATFINITE instead of two clamps per value.
+__device__ __forceinline__ uint32_t to_half2_sat(float lo, float hi) {
+#if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 1)  // PTX ISA 8.1
+  uint32_t r;
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  auto clamp = [](float f) { return f != f ? f : fminf(fmaxf(f, -65504.0f), 65504.0f); };
+  const __half2 h = __floats2half2_rn(clamp(lo), clamp(hi));
+  return *reinterpret_cast<const uint32_t*>(&h);
+#endif
 }
 
 }  // namespace trellis

@@ -122,6 +122,23 @@ def test_out_of_range_and_negative_ids_contribute_zero(library):
     assert torch.equal(moe.forward(x, bad, w), moe.forward(x, ids, zeroed))
 
 
+def test_nan_input_stays_in_its_token(library):
+    """A NaN in one token's input makes that token's output NaN, never a finite value (the fp16 roundings
+    saturate finite outliers only), and leaves every other token bit-identical: direct mode, 16-row and
+    128-row tiles."""
+    moe = moe_for(small(), library)
+    for m in (1, 40, 700):
+        x = random_activations(m, 512, device="cuda", seed=30 + m)
+        ids, w = random_routes(m, 16, 4, device="cuda", seed=31 + m)
+        clean = moe.forward(x, ids, w)
+        poisoned = x.clone()
+        poisoned[m // 2, 7] = float("nan")
+        out = moe.forward(poisoned, ids, w)
+        assert torch.isnan(out[m // 2]).all()
+        others = torch.arange(m, device="cuda") != m // 2
+        assert torch.equal(out[others], clean[others])
+
+
 def test_determinism_graph_and_unmapped_on_small_layer(library):
     moe = moe_for(small(), library)
     for m in (1, 64, 700):
