@@ -138,9 +138,11 @@ __device__ __forceinline__ void input_suh8(const TrellisMoeArgs& a, int expert, 
   load8_rotation_scaled(input_suh(a, expert, p) + col, s);
 }
 
-// Columns col..col+7 of token `token`'s input row (fp16 or bf16) as floats.
-__device__ __forceinline__ void load_x8(const TrellisMoeArgs& a, size_t token, int col, float x[8]) {
-  load8(a.x_dtype == TRELLIS_DT_BF16, static_cast<const char*>(a.x) + (token * a.hidden + col) * 2, x);
+// Columns col..col+7 of token `token`'s input row (bf16 when `bf16`, else fp16) as floats. A kernel that
+// converts many rows takes `bf16` as a template argument: a run-time flag makes the compiler issue both
+// conversions, one of them predicated off, which still costs issue slots.
+__device__ __forceinline__ void load_x8(const TrellisMoeArgs& a, bool bf16, size_t token, int col, float x[8]) {
+  load8(bf16, static_cast<const char*>(a.x) + (token * a.hidden + col) * 2, x);
 }
 
 // Weights and A rows of a 128-wide k chunk travel global -> shared with 16-byte cp.async through a ring of
@@ -452,7 +454,7 @@ __device__ __forceinline__ void rotate_direct_row(const TrellisMoeArgs& a, const
     const int p = item / chunks, c = item - p * chunks;
     const int col = (kc0 + c) * 128 + 8 * lane;
     float x[8], s[8], v[8];
-    load_x8(a, token, col, x);
+    load_x8(a, a.x_dtype == TRELLIS_DT_BF16, token, col, x);
     input_suh8(a, w.expert, p, col, s);
     rotate8(x, s, lane, v);
     if (item == item0 + half) store_a_row8(resident + item * 256, 8 * lane, 2, v);
@@ -599,15 +601,16 @@ __host__ __device__ constexpr int fc1_smem_bytes(int r, bool fast) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Input rotation, once per route: xrot[slot][p] = fp16(H128(x[token] ⊙ suh_p)) for p = gate, up.
+// Input rotation, once per route: xrot[slot][p] = fp16(H128(x[token] ⊙ suh_p)) for p = gate, up, in the
+// FC1 kernel's A layout (kExpand: every column once, or twice for 16- and 32-row tiles).
 // grid (tiles, H/128), 8 warps; each group of G lanes rotates one (row, projection) per step, 128/G
-// columns per lane in runs of 8. G = 4 serves 128-row tiles: half the shuffles of G = 16 and 18 % fewer
-// instructions (the kernel is issue-bound; docs/performance.md, run 67). G = 16 serves tiles of 16 or 32
-// rows, where 4 rows per warp would leave half the warps idle. The two projections of a row sit in
+// columns per lane in runs of 8. G = 4 serves 128-row tiles: half the shuffles of G = 16 and fewer
+// instructions (the kernel is issue-bound; docs/performance.md, runs 67 and 70). G = 16 serves tiles of 16
+// or 32 rows, where 4 rows per warp would leave half the warps idle. The two projections of a row sit in
 // neighbouring groups, so their loads of x meet in the same sectors.
-template <int G>
+template <int kExpand, bool kBf16>
 __global__ void __launch_bounds__(256, 4) rotate_input_kernel(const TrellisMoeArgs a) {
-  constexpr int N = 128 / G, kRowsPerWarp = 16 / G;
+  constexpr int G = kExpand == 1 ? 4 : 16, N = 128 / G, kRowsPerWarp = 16 / G;
   // The block's suh columns of both projections, times 1/sqrt(128); the pad of 4 floats puts the two
   // projections' 16-byte reads in different banks.
   __shared__ __align__(16) float s_suh[2][132];
@@ -622,11 +625,10 @@ __global__ void __launch_bounds__(256, 4) rotate_input_kernel(const TrellisMoeAr
   __syncthreads();
   const int q = threadIdx.x % G, group = threadIdx.x / G, warp = threadIdx.x >> 5;
   const int p = group & 1;
-  const int kX = expand_of_m_tile(a.m_tile);  // the FC1 kernel's A layout
   const int* slot_route = static_cast<const int*>(a.slot_route) + w.start;
   // route / top_k: a shift for the usual power-of-two top_k (an integer division costs ~20 instructions).
   const int topk_shift = (a.top_k & (a.top_k - 1)) ? -1 : __ffs(a.top_k) - 1;
-  const size_t row_halves = size_t(kX) * a.hidden;  // one projection's row in xrot
+  const size_t row_halves = size_t(kExpand) * a.hidden;  // one projection's row in xrot
   // Whole warps step together (the shuffles name the whole warp); a group past the tile's rows idles.
   for (int r0 = kRowsPerWarp * warp; r0 < w.rows; r0 += 8 * kRowsPerWarp) {
     const int row = r0 + (group >> 1) % kRowsPerWarp;
@@ -636,7 +638,7 @@ __global__ void __launch_bounds__(256, 4) rotate_input_kernel(const TrellisMoeAr
       const int route = slot_route[row];
       const size_t token = topk_shift >= 0 ? route >> topk_shift : route / a.top_k;
 #pragma unroll
-      for (int j = 0; j < N / 8; ++j) load_x8(a, token, col0 + 8 * G * j + 8 * q, v + 8 * j);
+      for (int j = 0; j < N / 8; ++j) load_x8(a, kBf16, token, col0 + 8 * G * j + 8 * q, v + 8 * j);
     } else {
 #pragma unroll
       for (int i = 0; i < N; ++i) v[i] = 0.f;
@@ -653,9 +655,16 @@ __global__ void __launch_bounds__(256, 4) rotate_input_kernel(const TrellisMoeAr
     if (live) {
       __half* dst = static_cast<__half*>(a.xrot) + (size_t(w.start + row) * 2 + p) * row_halves;
 #pragma unroll
-      for (int j = 0; j < N / 8; ++j) store_a_row8(dst, col0 + 8 * G * j + 8 * q, kX, v + 8 * j);
+      for (int j = 0; j < N / 8; ++j) store_a_row8(dst, col0 + 8 * G * j + 8 * q, kExpand, v + 8 * j);
     }
   }
+}
+
+// The rotation kernel for this call's tiles and input dtype.
+inline void (*rotate_input_for(const TrellisMoeArgs& a))(TrellisMoeArgs) {
+  const bool bf16 = a.x_dtype == TRELLIS_DT_BF16;
+  if (expand_of_m_tile(a.m_tile) == 1) return bf16 ? rotate_input_kernel<1, true> : rotate_input_kernel<1, false>;
+  return bf16 ? rotate_input_kernel<2, true> : rotate_input_kernel<2, false>;
 }
 
 // The svh row of FC2's output for the tile's expert.

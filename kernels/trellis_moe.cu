@@ -131,8 +131,7 @@ cudaError_t launch_gemms(const TrellisMoeArgs& a, const GemmKernels& k, int act_
   const int tiles = a.tile_capacity;
   // Direct mode: FC1 rotates its own rows and is the call's first kernel, so it launches fully serialized.
   if (!a.direct && !(a.debug_flags & TRELLIS_SKIP_ROTATE))
-    err = launch(expand_of_m_tile(a.m_tile) == 1 ? rotate_input_kernel<4> : rotate_input_kernel<16>,
-                 dim3(tiles, a.hidden / 128), 256, 0, stream, a, pdl);
+    err = launch(rotate_input_for(a), dim3(tiles, a.hidden / 128), 256, 0, stream, a, pdl);
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_FC1))
     err = launch(k.fc1, k.fc1_grid, k.fc1_threads, k.fc1_smem, stream, a, pdl && !a.direct);
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_ACT))
