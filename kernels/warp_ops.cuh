@@ -25,36 +25,17 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t m[4], uint32_t addr) {
 
 constexpr float kHadamardScale = 0.08838834764831845f;  // 1/sqrt(128)
 
-// 128-point Sylvester Hadamard / sqrt(128) across a warp: lane l holds elements 4l..4l+3. Each butterfly
-// across lanes is one FFMA by +-1 (exact, like the add or subtract it replaces, which took an add, a
-// subtract and a select).
-__device__ __forceinline__ void hadamard128(float v[4], int lane) {
-  const float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
-  v[0] = a0 + a2;
-  v[1] = a1 + a3;
-  v[2] = a0 - a2;
-  v[3] = a1 - a3;
-#pragma unroll
-  for (int m = 1; m < 32; m <<= 1) {
-    const float sign = (lane & m) ? -1.0f : 1.0f;  // the upper lane of a pair keeps partner - own
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = fmaf(v[i], sign, __shfl_xor_sync(0xFFFFFFFFu, v[i], m));
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] *= kHadamardScale;
-}
-
-// The same rotation, unscaled, across each group of G aligned lanes (G = 4 or 16): lane q of its group
-// holds the 128/G elements 8 G j + 8 q + i (runs j of 8 consecutive elements i), so 16-byte loads and
-// stores of a group cover 8 G contiguous elements each. Index bits 0-2 are butterflies in registers, the
-// next log2(G) bits cross lanes (one FFMA by +-1 each: exact, like the add or subtract it replaces), the
-// rest are in registers again. The stages run from the lowest index bit up for every G, so every G gives
-// the same bits; G = 4 takes 2 shuffles per element where G = 16 takes 4.
+// 128-point Sylvester Hadamard, unscaled, across each group of G aligned lanes (G = 4, 16 or 32): lane q
+// of its group holds the 128/G elements R G j + R q + i, in runs j of R = min(8, 128/G) consecutive
+// elements i, so a group's 16-byte loads and stores cover R G contiguous elements each. The index bits
+// below R are butterflies in registers, the next log2(G) bits cross lanes (one FFMA by +-1 each: exact,
+// like the add or subtract it replaces, which took an add, a subtract and a select), the rest are in
+// registers again. The stages run from the lowest index bit up for every G, so every G gives the same
+// bits; fewer lanes per row take fewer shuffles per element (G = 4: 2, G = 16: 4, G = 32: 5).
 template <int G>
 __device__ __forceinline__ void hadamard128_unscaled(float v[128 / G], int lane) {
-  constexpr int N = 128 / G;
-#pragma unroll
-  for (int s = 1; s < 8; s <<= 1)
+  constexpr int N = 128 / G, R = N < 8 ? N : 8;
+  auto in_registers = [&](int s) {  // the stage of index bit log2(s), s < N
 #pragma unroll
     for (int i = 0; i < N; ++i)
       if (!(i & s)) {
@@ -62,21 +43,24 @@ __device__ __forceinline__ void hadamard128_unscaled(float v[128 / G], int lane)
         v[i] = lo + hi;
         v[i + s] = lo - hi;
       }
+  };
+#pragma unroll
+  for (int s = 1; s < R; s <<= 1) in_registers(s);
 #pragma unroll
   for (int m = 1; m < G; m <<= 1) {
-    const float sign = (lane & m) ? -1.0f : 1.0f;
+    const float sign = (lane & m) ? -1.0f : 1.0f;  // the upper lane of a pair keeps partner - own
 #pragma unroll
     for (int i = 0; i < N; ++i) v[i] = fmaf(v[i], sign, __shfl_xor_sync(0xFFFFFFFFu, v[i], m));
   }
 #pragma unroll
-  for (int s = 8; s < N; s <<= 1)
+  for (int s = R; s < N; s <<= 1) in_registers(s);
+}
+
+// The same rotation / sqrt(128) across a warp: lane l holds elements 4l..4l+3 (FC2's epilogue rows).
+__device__ __forceinline__ void hadamard128(float v[4], int lane) {
+  hadamard128_unscaled<32>(v, lane);
 #pragma unroll
-    for (int i = 0; i < N; ++i)
-      if (!(i & s)) {
-        const float lo = v[i], hi = v[i + s];
-        v[i] = lo + hi;
-        v[i + s] = lo - hi;
-      }
+  for (int i = 0; i < 4; ++i) v[i] *= kHadamardScale;
 }
 
 // Programmatic dependent launch (sm_90): a kernel launched with the programmatic-serialization attribute
