@@ -127,6 +127,8 @@ def test_nan_input_stays_in_its_token(library):
     saturate finite outliers only), and leaves every other token bit-identical: direct mode, 16-row and
     128-row tiles."""
     moe = moe_for(small(), library)
+    plans = [moe.plan(m, 4) for m in (1, 40, 700)]
+    assert [(p.direct, p.m_tile) for p in plans] == [(True, 16), (False, 16), (False, 128)]
     for m in (1, 40, 700):
         x = random_activations(m, 512, device="cuda", seed=30 + m)
         ids, w = random_routes(m, 16, 4, device="cuda", seed=31 + m)
