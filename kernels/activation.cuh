@@ -15,10 +15,27 @@
 
 namespace trellis {
 
+__device__ __forceinline__ void add4(float* v, float4 d) {
+  v[0] += d.x;
+  v[1] += d.y;
+  v[2] += d.z;
+  v[3] += d.w;
+}
+
+constexpr int kSplitBatch = 8;
+
 // grid (tile_capacity, row_steps), one warp per 128-channel block of the intermediate dim; each half warp
 // takes one route row per step (8 channels per lane, as the input rotation of small tiles: the kernel is
 // issue-bound).
+//
+// At small M (FC1 split k) this kernel sits on the call's critical path between FC1 and FC2 with about
+// one row per route, so its time is latency: kBatch > 1 loads the partial sums of that many k ranges
+// before adding the first (one L2 round trip per batch), and kWarmPass runs the row code once before the
+// wait on FC1, on the vectors already loaded, so its instructions are fetched while FC1 still runs
+// (docs/performance.md, run 77). At large M both would cost occupancy (72 registers become 210).
+template <int kBatch, bool kWarmPass>
 __global__ void activation_kernel(const TrellisMoeArgs a) {
+  TRELLIS_TIMELINE_SCOPE(kTlAct);
   WorkTile w;
   if (!load_work_tile(a, blockIdx.x, w)) return;
   const int lane = threadIdx.x & 15, half = (threadIdx.x >> 4) & 1, block = threadIdx.x >> 5;
@@ -31,35 +48,68 @@ __global__ void activation_kernel(const TrellisMoeArgs a) {
   load8_rotation_scaled(rot + col, svh_g);
   load8_rotation_scaled(rot + inter + col, svh_u);
   load8_rotation_scaled(rot + 2 * inter + col, suh_d);
-  after_predecessor();
   const size_t split_stride = size_t(a.slot_capacity) * 2 * inter;
   const int expand = expand_of_m_tile(a.m_tile);  // the FC2 kernel's A layout
-  for (int row0 = 2 * blockIdx.y; row0 < w.rows; row0 += 2 * gridDim.y) {  // whole warps step together
-    const int row = row0 + half;
-    const bool live = row < w.rows;
-    const int slot = w.start + (live ? row : row0);
-    const float* part = static_cast<const float*>(a.partial) + size_t(slot) * 2 * inter + col;
-    float g[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, u[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll 2
-    for (int s = 0; s < a.k_split; ++s) {
-      const float* p = part + s * split_stride;
-      const float4 g0 = *reinterpret_cast<const float4*>(p), g1 = *reinterpret_cast<const float4*>(p + 4);
-      const float4 u0 = *reinterpret_cast<const float4*>(p + inter), u1 = *reinterpret_cast<const float4*>(p + inter + 4);
-      g[0] += g0.x; g[1] += g0.y; g[2] += g0.z; g[3] += g0.w; g[4] += g1.x; g[5] += g1.y; g[6] += g1.z; g[7] += g1.w;
-      u[0] += u0.x; u[1] += u0.y; u[2] += u0.z; u[3] += u0.w; u[4] += u1.x; u[5] += u1.y; u[6] += u1.z; u[7] += u1.w;
-    }
-    hadamard128_unscaled<16>(g, lane);
-    hadamard128_unscaled<16>(u, lane);
-    float v[8];
+  // Pass 0 fetches the instructions (its results are dropped); pass 1 computes the rows.
+#pragma unroll 1
+  for (int pass = kWarmPass ? 0 : 1; pass < 2; ++pass) {
+    if (pass == 1) after_predecessor();
+    const int rows_end = pass ? w.rows : min(w.rows, 2 * blockIdx.y + 1);
+    for (int row0 = 2 * blockIdx.y; row0 < rows_end; row0 += 2 * gridDim.y) {  // whole warps step together
+      const int row = row0 + half;
+      const bool live = row < w.rows;
+      const int slot = w.start + (live ? row : row0);
+      const float* part = static_cast<const float*>(a.partial) + size_t(slot) * 2 * inter + col;
+      float g[8], u[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float gate = g[i] * svh_g[i];
-      const float up = u[i] * svh_u[i];
-      v[i] = gate / (1.0f + expf(-gate)) * up * suh_d[i];
+      for (int i = 0; i < 8; ++i) {
+        g[i] = pass ? 0.f : svh_g[i];
+        u[i] = pass ? 0.f : svh_u[i];
+      }
+      const int splits = pass ? a.k_split : 0;
+#pragma unroll(kBatch == 1 ? 2 : 1)
+      for (int s0 = 0; s0 < splits; s0 += kBatch) {
+        float4 pg[kBatch][2], pu[kBatch][2];
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          if (s0 + j < splits) {
+            const float* p = part + (s0 + j) * split_stride;
+            pg[j][0] = *reinterpret_cast<const float4*>(p);
+            pg[j][1] = *reinterpret_cast<const float4*>(p + 4);
+            pu[j][0] = *reinterpret_cast<const float4*>(p + inter);
+            pu[j][1] = *reinterpret_cast<const float4*>(p + inter + 4);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {  // summed in range order
+          if (s0 + j < splits) {
+            add4(g, pg[j][0]);
+            add4(g + 4, pg[j][1]);
+            add4(u, pu[j][0]);
+            add4(u + 4, pu[j][1]);
+          }
+        }
+      }
+      timeline_mark(2 * pass);
+      hadamard128_unscaled<16>(g, lane);
+      hadamard128_unscaled<16>(u, lane);
+      float v[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float gate = g[i] * svh_g[i];
+        const float up = u[i] * svh_u[i];
+        v[i] = gate / (1.0f + expf(-gate)) * up * suh_d[i];
+      }
+      hadamard128_unscaled<16>(v, lane);
+      timeline_mark(2 * pass + 1);
+      if (pass && live) store_a_row8(static_cast<__half*>(a.act) + size_t(slot) * expand * inter, col, expand, v);
     }
-    hadamard128_unscaled<16>(v, lane);
-    if (live) store_a_row8(static_cast<__half*>(a.act) + size_t(slot) * expand * inter, col, expand, v);
   }
+}
+
+// The activation kernel for this call's k ranges.
+inline void (*activation_for(const TrellisMoeArgs& a))(TrellisMoeArgs) {
+  return a.k_split > 1 ? activation_kernel<kSplitBatch, true> : activation_kernel<1, false>;
 }
 
 __device__ __forceinline__ void store_out(const TrellisMoeArgs& a, size_t idx, float4 v) {
@@ -78,27 +128,40 @@ __device__ __forceinline__ void store_out(const TrellisMoeArgs& a, size_t idx, f
 
 constexpr int kSumThreads = 256;
 
-// grid (M, ceil(H / (4 * kSumThreads))): each thread sums 4 columns of one token.
+// grid (M, ceil(H / (4 * kSumThreads))): each thread sums 4 columns of one token. kBatch routes' rows are
+// loaded before the first is added: 8 at small M, where the kernel is one round trip on the critical path;
+// 1 at large M, where 36 registers instead of 72 keep more warps streaming.
+template <int kBatch>
 __global__ void __launch_bounds__(kSumThreads) topk_sum_kernel(const TrellisMoeArgs a) {
+  TRELLIS_TIMELINE_SCOPE(kTlSum);
   const int token = blockIdx.x;
   const int col = (blockIdx.y * kSumThreads + threadIdx.x) * 4;
   // Which routes this rank serves depends on the layer inputs only: look it up while FC2 drains.
-  uint32_t served = 0;
-  for (int k = 0; k < a.top_k && k < 32; ++k)
-    if (route_combined(a, token * a.top_k + k) >= 0) served |= 1u << k;
+  const uint32_t served = served_mask(a, token * a.top_k, min(a.top_k, 32));
   after_predecessor();
   if (col >= a.hidden) return;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int k = 0; k < a.top_k; ++k) {
-    const int route = token * a.top_k + k;
-    if (k < 32 ? !((served >> k) & 1u) : route_combined(a, route) < 0) continue;
-    const float4 y = *reinterpret_cast<const float4*>(static_cast<const float*>(a.route_out) + size_t(route) * a.hidden + col);
-    acc.x += y.x;
-    acc.y += y.y;
-    acc.z += y.z;
-    acc.w += y.w;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  const float* rows = static_cast<const float*>(a.route_out) + size_t(token) * a.top_k * a.hidden + col;
+  for (int k0 = 0; k0 < a.top_k; k0 += kBatch) {
+    float4 y[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int k = k0 + j;
+      if (k < a.top_k && (k < 32 ? (served >> k) & 1u : route_combined(a, token * a.top_k + k) >= 0))
+        y[j] = *reinterpret_cast<const float4*>(rows + size_t(k) * a.hidden);
+      else
+        y[j] = make_float4(0.f, 0.f, 0.f, 0.f);  // not served here: contributes exactly zero
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) add4(acc, y[j]);  // in route order
   }
-  store_out(a, size_t(token) * a.hidden + col, acc);
+  timeline_mark(0);
+  store_out(a, size_t(token) * a.hidden + col, make_float4(acc[0], acc[1], acc[2], acc[3]));
+}
+
+// The top-k sum kernel for this call's M.
+inline void (*topk_sum_for(const TrellisMoeArgs& a))(TrellisMoeArgs) {
+  return a.m <= 64 ? topk_sum_kernel<8> : topk_sum_kernel<1>;
 }
 
 }  // namespace trellis

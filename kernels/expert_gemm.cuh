@@ -516,6 +516,7 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
       chunks, issue_w, issue_a,
       [&] {
         if (direct) rotate_direct_row(a, w, kc0, chunks, s_a);  // made visible by the loop's first barrier
+        timeline_mark(0);
       },
       [&](int c, int st) {
         const uint32_t a_addr =
@@ -524,7 +525,9 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
                 ? ring_lane + 2 * st * kAHalves  // constant st: an immediate
                 : a_lane_address<R>(a_ring + 2 * (st * kAHalves + proj * R * 16 * a_stride(R)), lane);
         chunk_mma<K, CB, R>(s_w + st * kWeightWords + proj * 8 * 64 * K, ntl, win, a_addr, live, acc);
+        if (c == 0) timeline_mark(1);
       });
+  timeline_mark(2);
 
   const int nt = nchunk * 8 + ntl;
   float* part = static_cast<float*>(a.partial) + size_t(blockIdx.y) * a.slot_capacity * 2 * a.intermediate;
@@ -588,6 +591,7 @@ __device__ __forceinline__ void with_k(int k, Body&& body) {
 
 template <int CB, int R, bool FAST>
 __global__ void __launch_bounds__(kFc1Threads, (small_tile(R) && FAST) ? 2 : 1) fc1_kernel(const TrellisMoeArgs a) {
+  TRELLIS_TIMELINE_SCOPE(kTlFc1);
   extern __shared__ __align__(16) unsigned char gemm_smem[];
   const int nchunks = a.intermediate >> 7;
   WorkTile w;
@@ -602,15 +606,23 @@ __host__ __device__ constexpr int fc1_smem_bytes(int r, bool fast) {
 
 // ---------------------------------------------------------------------------------------------------
 // Input rotation, once per route: xrot[slot][p] = fp16(H128(x[token] ⊙ suh_p)) for p = gate, up, in the
-// FC1 kernel's A layout (kExpand: every column once, or twice for 16- and 32-row tiles).
-// grid (tiles, H/128), 8 warps; each group of G lanes rotates one (row, projection) per step, 128/G
-// columns per lane in runs of 8. G = 4 serves 128-row tiles: half the shuffles of G = 16 and fewer
-// instructions (the kernel is issue-bound; docs/performance.md, runs 67 and 70). G = 16 serves tiles of 16
-// or 32 rows, where 4 rows per warp would leave half the warps idle. The two projections of a row sit in
+// FC1 kernel's A layout (every column once for 128-row tiles, twice for 16- and 32-row tiles).
+
+// The token of the route in `slot` of tile w. route / top_k is a shift for the usual power-of-two top_k
+// (an integer division costs ~20 instructions).
+__device__ __forceinline__ size_t slot_token(const TrellisMoeArgs& a, int slot) {
+  const int route = static_cast<const int*>(a.slot_route)[slot];
+  return (a.top_k & (a.top_k - 1)) ? route / a.top_k : route >> (__ffs(a.top_k) - 1);
+}
+
+// 128-row tiles: grid (tiles, H/128), 8 warps; each group of 4 lanes rotates one (row, projection) per
+// step, 32 columns per lane in runs of 8: half the shuffles of 16-lane groups and fewer instructions (the
+// kernel is issue-bound; docs/performance.md, runs 67 and 70). The two projections of a row sit in
 // neighbouring groups, so their loads of x meet in the same sectors.
-template <int kExpand, bool kBf16>
+template <bool kBf16>
 __global__ void __launch_bounds__(256, 4) rotate_input_kernel(const TrellisMoeArgs a) {
-  constexpr int G = kExpand == 1 ? 4 : 16, N = 128 / G, kRowsPerWarp = 16 / G;
+  TRELLIS_TIMELINE_SCOPE(kTlRotate);
+  constexpr int G = 4, N = 128 / G, kRowsPerWarp = 16 / G;
   // The block's suh columns of both projections, times 1/sqrt(128); the pad of 4 floats puts the two
   // projections' 16-byte reads in different banks.
   __shared__ __align__(16) float s_suh[2][132];
@@ -625,18 +637,13 @@ __global__ void __launch_bounds__(256, 4) rotate_input_kernel(const TrellisMoeAr
   __syncthreads();
   const int q = threadIdx.x % G, group = threadIdx.x / G, warp = threadIdx.x >> 5;
   const int p = group & 1;
-  const int* slot_route = static_cast<const int*>(a.slot_route) + w.start;
-  // route / top_k: a shift for the usual power-of-two top_k (an integer division costs ~20 instructions).
-  const int topk_shift = (a.top_k & (a.top_k - 1)) ? -1 : __ffs(a.top_k) - 1;
-  const size_t row_halves = size_t(kExpand) * a.hidden;  // one projection's row in xrot
   // Whole warps step together (the shuffles name the whole warp); a group past the tile's rows idles.
   for (int r0 = kRowsPerWarp * warp; r0 < w.rows; r0 += 8 * kRowsPerWarp) {
     const int row = r0 + (group >> 1) % kRowsPerWarp;
     const bool live = row < w.rows;
     float v[N];
     if (live) {
-      const int route = slot_route[row];
-      const size_t token = topk_shift >= 0 ? route >> topk_shift : route / a.top_k;
+      const size_t token = slot_token(a, w.start + row);
 #pragma unroll
       for (int j = 0; j < N / 8; ++j) load_x8(a, kBf16, token, col0 + 8 * G * j + 8 * q, v + 8 * j);
     } else {
@@ -653,18 +660,49 @@ __global__ void __launch_bounds__(256, 4) rotate_input_kernel(const TrellisMoeAr
     }
     hadamard128_unscaled<G>(v, q);
     if (live) {
-      __half* dst = static_cast<__half*>(a.xrot) + (size_t(w.start + row) * 2 + p) * row_halves;
+      __half* dst = static_cast<__half*>(a.xrot) + (size_t(w.start + row) * 2 + p) * a.hidden;
 #pragma unroll
-      for (int j = 0; j < N / 8; ++j) store_a_row8(dst, col0 + 8 * G * j + 8 * q, kExpand, v + 8 * j);
+      for (int j = 0; j < N / 8; ++j) store_a_row8(dst, col0 + 8 * G * j + 8 * q, 1, v + 8 * j);
     }
   }
 }
 
-// The rotation kernel for this call's tiles and input dtype.
-inline void (*rotate_input_for(const TrellisMoeArgs& a))(TrellisMoeArgs) {
+// 16- and 32-row tiles hold a route or two each at small M, so a CTA per (tile, 128 columns) kept most of
+// its warps idle (M=8: 3264 CTAs for 64 routes, 11 µs on the critical path; run 78). Here a CTA takes
+// kSmallRotateBlocks column blocks of one tile: grid (tiles, ceil(H / (128 * kSmallRotateBlocks))), 8
+// warps; each warp rotates one (row, column block) per step, a half warp per projection, 8 columns per lane
+// (rotate8), with its suh columns read straight from global memory.
+constexpr int kSmallRotateBlocks = 8;
+template <bool kBf16>
+__global__ void __launch_bounds__(256) rotate_small_tiles_kernel(const TrellisMoeArgs a) {
+  TRELLIS_TIMELINE_SCOPE(kTlRotate);
+  after_predecessor();  // the tile list comes from the route pack, launched just before
+  WorkTile w;
+  if (!load_work_tile(a, blockIdx.x, w)) return;
+  const int lane = threadIdx.x & 15, p = (threadIdx.x >> 4) & 1, warp = threadIdx.x >> 5;
+  const int block0 = blockIdx.y * kSmallRotateBlocks;
+  const int blocks = min(kSmallRotateBlocks, (a.hidden >> 7) - block0);
+  for (int item = warp; item < w.rows * blocks; item += 8) {  // a warp's two halves take the same item
+    const int row = item / blocks, col = (block0 + item - row * blocks) * 128 + 8 * lane;
+    float x[8], s[8], v[8];
+    load_x8(a, kBf16, slot_token(a, w.start + row), col, x);
+    input_suh8(a, w.expert, p, col, s);
+    rotate8(x, s, lane, v);
+    store_a_row8(static_cast<__half*>(a.xrot) + (size_t(w.start + row) * 2 + p) * 2 * a.hidden, col, 2, v);
+  }
+}
+
+// The rotation kernel and grid for this call's tiles and input dtype.
+struct RotationLaunch {
+  void (*kernel)(TrellisMoeArgs);
+  dim3 grid;
+};
+inline RotationLaunch rotation_for(const TrellisMoeArgs& a, int tiles) {
   const bool bf16 = a.x_dtype == TRELLIS_DT_BF16;
-  if (expand_of_m_tile(a.m_tile) == 1) return bf16 ? rotate_input_kernel<1, true> : rotate_input_kernel<1, false>;
-  return bf16 ? rotate_input_kernel<2, true> : rotate_input_kernel<2, false>;
+  if (expand_of_m_tile(a.m_tile) == 1)
+    return {bf16 ? rotate_input_kernel<true> : rotate_input_kernel<false>, dim3(tiles, a.hidden / 128)};
+  const int steps = (a.hidden / 128 + kSmallRotateBlocks - 1) / kSmallRotateBlocks;
+  return {bf16 ? rotate_small_tiles_kernel<true> : rotate_small_tiles_kernel<false>, dim3(tiles, steps)};
 }
 
 // The svh row of FC2's output for the tile's expert.
@@ -739,11 +777,13 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   float acc[R][2][4];
   zero_acc<R>(acc);
   const uint32_t ring_lane = a_lane_address<R>(a_ring, lane);
-  staged_chunks<kFc2Stages, small_tile(R)>(chunks, issue_w, issue_a, [] {}, [&](int, int st) {
+  staged_chunks<kFc2Stages, small_tile(R)>(chunks, issue_w, issue_a, [] {}, [&](int c, int st) {
     const uint32_t a_addr =
         small_tile(R) ? ring_lane + 2 * st * kAHalves : a_lane_address<R>(a_ring + 2 * st * kAHalves, lane);
     chunk_mma<K, CB, R>(s_w + st * kWeightWords, warp, win, a_addr, live, acc);
+    if (c == 0) timeline_mark(1);
   });
+  timeline_mark(2);
   __syncthreads();
 
   float* s_o = reinterpret_cast<float*>(smem);
@@ -771,10 +811,12 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   __syncthreads();
 
   store_down_rows(a, w, nchunk, s_o, 0, w.rows);
+  timeline_mark(3);
 }
 
 template <int CB, int R, bool FAST>
 __global__ void __launch_bounds__(kFc2Threads, FAST ? (small_tile(R) ? 4 : 2) : 1) fc2_kernel(const TrellisMoeArgs a) {
+  TRELLIS_TIMELINE_SCOPE(kTlFc2);
   extern __shared__ __align__(16) unsigned char gemm_smem[];
   const int nchunks = a.hidden >> 7;
   WorkTile w;

@@ -226,6 +226,7 @@ __device__ __forceinline__ void with_n(int rows, Body&& body) {
 // FC1: grid (tiles * 2I/256, k_split); block b of a tile: projection b / (I/256), features (b % (I/256)) * 256.
 template <int CB, bool FAST>
 __global__ void __launch_bounds__(kWgThreads, 1) fc1_wgmma_kernel(const TrellisMoeArgs a) {
+  TRELLIS_TIMELINE_SCOPE(kTlFc1);
   extern __shared__ __align__(1024) unsigned char wg_smem[];
   const int blocks = a.intermediate / kWgFeatures;
   WorkTile w;
@@ -263,6 +264,7 @@ __host__ __device__ constexpr int fc2_wgmma_groups(int hidden) {
 
 template <int CB, bool FAST>
 __global__ void __launch_bounds__(kWgThreads, 1) fc2_wgmma_kernel(const TrellisMoeArgs a) {
+  TRELLIS_TIMELINE_SCOPE(kTlFc2);
   extern __shared__ __align__(1024) unsigned char wg_smem[];
   const int groups = fc2_wgmma_groups(a.hidden);
   WorkTile w;

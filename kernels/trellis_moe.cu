@@ -90,6 +90,30 @@ cudaError_t launch(void (*kernel)(TrellisMoeArgs), dim3 grid, dim3 block, int sm
   return cudaLaunchKernelEx(&config, kernel, a);
 }
 
+// Dynamic shared memory for a launch of `blocks` CTAs that fits on the GPU in one wave: enough that no SM
+// takes more than ceil(blocks / SMs) of them. The block scheduler otherwise fills some SMs to the
+// kernel's limit while others get fewer, and the call waits for the fullest SM (FC2 at M=1: 384 CTAs
+// at up to 4 per SM, docs/performance.md runs 73 and 76). Returns `smem` when it cannot or need not help.
+int even_wave_smem(void (*kernel)(TrellisMoeArgs), int blocks, int threads, int smem) {
+  int device = 0, sms = 0, per_sm = 0, smem_sm = 0, reserved = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess)
+    return smem;
+  if (sms <= 0 || blocks > per_sm * sms) return smem;
+  const int cap = (blocks + sms - 1) / sms;
+  if (cap >= per_sm) return smem;
+  const int padded = ((smem_sm / (cap + 1) - reserved) / 128 + 1) * 128;  // cap + 1 CTAs no longer fit
+  if (padded <= smem || padded > optin || allow_smem(kernel, padded) != cudaSuccess) return smem;
+  int capped = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&capped, kernel, threads, padded) != cudaSuccess || capped != cap)
+    return smem;
+  return padded;
+}
+
 bool only_k3_k4(const TrellisMoeArgs& a) {
   for (int t = 0; t < a.num_tiers; ++t)
     if (a.tier_size[t] > 0 && a.tier_k[t] != 3 && a.tier_k[t] != 4) return false;
@@ -130,14 +154,19 @@ cudaError_t launch_gemms(const TrellisMoeArgs& a, const GemmKernels& k, int act_
   if ((err = allow_smem(k.fc2, k.fc2_smem)) != cudaSuccess) return err;
   const int tiles = a.tile_capacity;
   // Direct mode: FC1 rotates its own rows and is the call's first kernel, so it launches fully serialized.
-  if (!a.direct && !(a.debug_flags & TRELLIS_SKIP_ROTATE))
-    err = launch(rotate_input_for(a), dim3(tiles, a.hidden / 128), 256, 0, stream, a, pdl);
+  if (!a.direct && !(a.debug_flags & TRELLIS_SKIP_ROTATE)) {
+    const RotationLaunch rotation = rotation_for(a, tiles);
+    err = launch(rotation.kernel, rotation.grid, 256, 0, stream, a, pdl);
+  }
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_FC1))
     err = launch(k.fc1, k.fc1_grid, k.fc1_threads, k.fc1_smem, stream, a, pdl && !a.direct);
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_ACT))
-    err = launch(activation_kernel, dim3(tiles, act_row_steps), (a.intermediate / 128) * 32, 0, stream, a, pdl);
-  if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_FC2))
-    err = launch(k.fc2, k.fc2_blocks, k.fc2_threads, k.fc2_smem, stream, a, pdl);
+    err = launch(activation_for(a), dim3(tiles, act_row_steps), (a.intermediate / 128) * 32, 0, stream, a, pdl);
+  if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_FC2)) {
+    const int fc2_smem = even_wave_smem(k.fc2, k.fc2_blocks, k.fc2_threads, k.fc2_smem);
+    if ((err = allow_smem(k.fc2, fc2_smem)) == cudaSuccess)
+      err = launch(k.fc2, k.fc2_blocks, k.fc2_threads, fc2_smem, stream, a, pdl);
+  }
   return err;
 }
 
@@ -172,6 +201,17 @@ extern "C" int trellis_has_wgmma(void) {
 #endif
 }
 
+#ifdef TRELLIS_TIMELINE
+// Copies the timeline of the calls since the last read ([phase][cta][start, waited, end, sm, marks], ns) into
+// `host` (kTlPhases * kTlMaxCtas * kTlFields values) and clears it.
+extern "C" int trellis_timeline_read(unsigned long long* host) {
+  using namespace trellis;
+  if (cudaMemcpyFromSymbol(host, g_timeline, sizeof(g_timeline)) != cudaSuccess) return -1;
+  static unsigned long long zeros[kTlPhases][kTlMaxCtas][kTlFields];
+  return cudaMemcpyToSymbol(g_timeline, zeros, sizeof(g_timeline)) == cudaSuccess ? 0 : -1;
+}
+#endif
+
 extern "C" int trellis_args_size(void) { return static_cast<int>(sizeof(TrellisMoeArgs)); }
 
 extern "C" const char* trellis_last_error(void) { return g_error; }
@@ -205,7 +245,7 @@ extern "C" int trellis_moe_forward(const TrellisMoeArgs* args, void* stream_hand
   }
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_SUM)) {
     dim3 grid(a.m, (a.hidden + 4 * kSumThreads - 1) / (4 * kSumThreads));
-    err = launch(topk_sum_kernel, grid, kSumThreads, 0, stream, a, pdl);
+    err = launch(topk_sum_for(a), grid, kSumThreads, 0, stream, a, pdl);
   }
   if (err != cudaSuccess) {
     snprintf(g_error, sizeof(g_error), "CUDA launch failed: %s", cudaGetErrorString(err));

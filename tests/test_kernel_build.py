@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,21 @@ def test_kernel_sources_compile_for_sm90_and_are_cached():
     from trellis_cli.kernel.abi import load_library
 
     assert load_library(first.path, first.build_hash, first.arch).wgmma
+    # The timeline hooks (kernels/timeline.cuh) compile to nothing in the production build.
+    assert not hasattr(ctypes.CDLL(str(first.path)), "trellis_timeline_read")
+
+
+@requires_nvcc
+@pytest.mark.slow
+def test_timeline_diagnostic_build_compiles_and_exports_its_reader(tmp_path: Path):
+    # scripts/timeline.py loads a library built this way; one codebook keeps the build short.
+    target = tmp_path / "timeline.so"
+    source = build.kernel_source_dir() / build.ENTRY_SOURCE
+    command = [build.find_nvcc(), *build.NVCC_FLAGS, *build.arch_flags("sm_90"), "-DTRELLIS_ONLY_MCG",
+               "-DTRELLIS_TIMELINE", "-o", str(target), str(source)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=build.BUILD_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert hasattr(ctypes.CDLL(str(target)), "trellis_timeline_read")
 
 
 @requires_nvcc
