@@ -615,32 +615,39 @@ __device__ __forceinline__ size_t slot_token(const TrellisMoeArgs& a, int slot) 
   return (a.top_k & (a.top_k - 1)) ? route / a.top_k : route >> (__ffs(a.top_k) - 1);
 }
 
-// 128-row tiles: grid (tiles, H/128), 8 warps; each group of 4 lanes rotates one (row, projection) per
-// step, 32 columns per lane in runs of 8: half the shuffles of 16-lane groups and fewer instructions (the
-// kernel is issue-bound; docs/performance.md, runs 67 and 70). The two projections of a row sit in
-// neighbouring groups, so their loads of x meet in the same sectors.
+// 128-row tiles: grid (tiles, H / (128 * blocks)), 8 warps, each CTA `blocks` (1, 2 or 4) column blocks of
+// 128: more than one where the tiles hold few rows (M=512: about 16), so the CTA's groups have work. Each
+// group of 4 lanes rotates one (row, block, projection) per step, 32 columns per lane in runs of 8: half
+// the shuffles of 16-lane groups and fewer instructions (the kernel is issue-bound; docs/performance.md,
+// runs 67, 70 and 82). The two projections of a row sit in neighbouring groups, so their loads of x meet
+// in the same sectors.
+constexpr int kMaxRotateBlocks = 4;
 template <bool kBf16>
 __global__ void __launch_bounds__(256, 4) rotate_input_kernel(const TrellisMoeArgs a) {
   TRELLIS_TIMELINE_SCOPE(kTlRotate);
-  constexpr int G = 4, N = 128 / G, kRowsPerWarp = 16 / G;
-  // The block's suh columns of both projections, times 1/sqrt(128); the pad of 4 floats puts the two
+  constexpr int G = 4, N = 128 / G, kItemsPerWarp = 16 / G;
+  // The CTA's suh columns of both projections, times 1/sqrt(128); the pad of 4 floats puts the two
   // projections' 16-byte reads in different banks.
-  __shared__ __align__(16) float s_suh[2][132];
+  __shared__ __align__(16) float s_suh[kMaxRotateBlocks][2][132];
   after_predecessor();  // the tile list comes from the route pack, launched just before
   WorkTile w;
   if (!load_work_tile(a, blockIdx.x, w)) return;
-  const int col0 = blockIdx.y * 128;
-  if (threadIdx.x < 32) {
-    const int p = threadIdx.x >> 4, c = 8 * (threadIdx.x & 15);
-    input_suh8(a, w.expert, p, col0 + c, &s_suh[p][c]);
+  const int log2_blocks = __ffs((a.hidden >> 7) / gridDim.y) - 1;  // rotation_for: 1, 2 or 4 blocks
+  const int block0 = blockIdx.y << log2_blocks;
+  if (threadIdx.x < (32 << log2_blocks)) {
+    const int b = threadIdx.x >> 5, p = (threadIdx.x >> 4) & 1, c = 8 * (threadIdx.x & 15);
+    input_suh8(a, w.expert, p, (block0 + b) * 128 + c, &s_suh[b][p][c]);
   }
   __syncthreads();
   const int q = threadIdx.x % G, group = threadIdx.x / G, warp = threadIdx.x >> 5;
   const int p = group & 1;
-  // Whole warps step together (the shuffles name the whole warp); a group past the tile's rows idles.
-  for (int r0 = kRowsPerWarp * warp; r0 < w.rows; r0 += 8 * kRowsPerWarp) {
-    const int row = r0 + (group >> 1) % kRowsPerWarp;
-    const bool live = row < w.rows;
+  const int items = w.rows << log2_blocks;  // item = row * blocks + block
+  // Whole warps step together (the shuffles name the whole warp); a group past the tile's items idles.
+  for (int i0 = kItemsPerWarp * warp; i0 < items; i0 += 8 * kItemsPerWarp) {
+    const int item = i0 + (group >> 1) % kItemsPerWarp;
+    const bool live = item < items;
+    const int row = item >> log2_blocks, b = item & ((1 << log2_blocks) - 1);
+    const int col0 = (block0 + b) * 128;
     float v[N];
     if (live) {
       const size_t token = slot_token(a, w.start + row);
@@ -650,9 +657,10 @@ __global__ void __launch_bounds__(256, 4) rotate_input_kernel(const TrellisMoeAr
 #pragma unroll
       for (int i = 0; i < N; ++i) v[i] = 0.f;
     }
+    const float* suh = s_suh[live ? b : 0][p];
 #pragma unroll
     for (int i = 0; i < N; i += 4) {
-      const float4 s = *reinterpret_cast<const float4*>(&s_suh[p][8 * G * (i / 8) + 8 * q + i % 8]);
+      const float4 s = *reinterpret_cast<const float4*>(&suh[8 * G * (i / 8) + 8 * q + i % 8]);
       v[i] *= s.x;
       v[i + 1] *= s.y;
       v[i + 2] *= s.z;
@@ -699,8 +707,14 @@ struct RotationLaunch {
 };
 inline RotationLaunch rotation_for(const TrellisMoeArgs& a, int tiles) {
   const bool bf16 = a.x_dtype == TRELLIS_DT_BF16;
-  if (expand_of_m_tile(a.m_tile) == 1)
-    return {bf16 ? rotate_input_kernel<true> : rotate_input_kernel<false>, dim3(tiles, a.hidden / 128)};
+  if (expand_of_m_tile(a.m_tile) == 1) {
+    // Column blocks per CTA so that a tile's expected rows (routes per combined expert) times blocks fill
+    // the CTA's 32 (row, block) items per step.
+    const long long rows = (1LL * a.m * a.top_k + a.num_combined - 1) / a.num_combined;
+    int blocks = rows >= 32 ? 1 : rows >= 16 ? 2 : kMaxRotateBlocks;
+    while ((a.hidden / 128) % blocks) blocks >>= 1;
+    return {bf16 ? rotate_input_kernel<true> : rotate_input_kernel<false>, dim3(tiles, a.hidden / 128 / blocks)};
+  }
   const int steps = (a.hidden / 128 + kSmallRotateBlocks - 1) / kSmallRotateBlocks;
   return {bf16 ? rotate_small_tiles_kernel<true> : rotate_small_tiles_kernel<false>, dim3(tiles, steps)};
 }
