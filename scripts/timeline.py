@@ -14,7 +14,8 @@ median is printed, times in µs from the call's first CTA start:
 SM-busy: over the phase's window (first start to last end), the mean share of time each SM that ran the
 phase had at least one of its CTAs past its wait (the part where it can do the phase's work). Marks are
 stamps a kernel sets at points of its own (timeline_mark): the compiler may move arithmetic across them,
-so they bound where a CTA was, not what it had finished.
+so they bound where a CTA was, not what it had finished. A phase of more than 16384 CTAs (the rotation at
+M=3072) folds the rest into its last row, so its CTA count reads 16384.
 """
 
 from __future__ import annotations
