@@ -608,7 +608,7 @@ __host__ __device__ constexpr int fc1_smem_bytes(int r, bool fast) {
 // Input rotation, once per route: xrot[slot][p] = fp16(H128(x[token] ⊙ suh_p)) for p = gate, up, in the
 // FC1 kernel's A layout (every column once for 128-row tiles, twice for 16- and 32-row tiles).
 
-// The token of the route in `slot` of tile w. route / top_k is a shift for the usual power-of-two top_k
+// The token of the route in `slot`. route / top_k is a shift for the usual power-of-two top_k
 // (an integer division costs ~20 instructions).
 __device__ __forceinline__ size_t slot_token(const TrellisMoeArgs& a, int slot) {
   const int route = static_cast<const int*>(a.slot_route)[slot];
@@ -657,10 +657,9 @@ __global__ void __launch_bounds__(256, 4) rotate_input_kernel(const TrellisMoeAr
 #pragma unroll
       for (int i = 0; i < N; ++i) v[i] = 0.f;
     }
-    const float* suh = s_suh[live ? b : 0][p];
 #pragma unroll
     for (int i = 0; i < N; i += 4) {
-      const float4 s = *reinterpret_cast<const float4*>(&suh[8 * G * (i / 8) + 8 * q + i % 8]);
+      const float4 s = *reinterpret_cast<const float4*>(&s_suh[b][p][8 * G * (i / 8) + 8 * q + i % 8]);
       v[i] *= s.x;
       v[i + 1] *= s.y;
       v[i + 2] *= s.z;

@@ -90,24 +90,46 @@ cudaError_t launch(void (*kernel)(TrellisMoeArgs), dim3 grid, dim3 block, int sm
   return cudaLaunchKernelEx(&config, kernel, a);
 }
 
+// What even_wave_smem needs of a device, read once per device: it runs on every call's host path.
+struct SmLimits {
+  int sms = 0, threads = 0, smem = 0, reserved = 0, optin = 0;
+};
+bool sm_limits(SmLimits& out) {
+  constexpr int kDevices = 64;
+  static SmLimits cache[kDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) return false;
+  SmLimits& l = cache[device];
+  if (l.sms == 0) {
+    SmLimits read;
+    if (cudaDeviceGetAttribute(&read.sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&read.threads, cudaDevAttrMaxThreadsPerMultiProcessor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&read.smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&read.reserved, cudaDevAttrReservedSharedMemoryPerBlock, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&read.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+        read.sms <= 0)
+      return false;
+    l = read;
+  }
+  out = l;
+  return true;
+}
+
 // Dynamic shared memory for a launch of `blocks` CTAs that fits on the GPU in one wave: enough that no SM
 // takes more than ceil(blocks / SMs) of them. The block scheduler otherwise fills some SMs to the
 // kernel's limit while others get fewer, and the call waits for the fullest SM (FC2 at M=1: 384 CTAs
 // at up to 4 per SM, docs/performance.md runs 73 and 76). Returns `smem` when it cannot or need not help.
 int even_wave_smem(void (*kernel)(TrellisMoeArgs), int blocks, int threads, int smem) {
-  int device = 0, sms = 0, per_sm = 0, smem_sm = 0, reserved = 0, optin = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess)
+  SmLimits l;
+  if (!sm_limits(l) || blocks > (l.threads / threads) * l.sms) return smem;  // no occupancy query for large grids
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess ||
+      blocks > per_sm * l.sms)
     return smem;
-  if (sms <= 0 || blocks > per_sm * sms) return smem;
-  const int cap = (blocks + sms - 1) / sms;
+  const int cap = (blocks + l.sms - 1) / l.sms;
   if (cap >= per_sm) return smem;
-  const int padded = ((smem_sm / (cap + 1) - reserved) / 128 + 1) * 128;  // cap + 1 CTAs no longer fit
-  if (padded <= smem || padded > optin || allow_smem(kernel, padded) != cudaSuccess) return smem;
+  const int padded = ((l.smem / (cap + 1) - l.reserved) / 128 + 1) * 128;  // cap + 1 CTAs no longer fit
+  if (padded <= smem || padded > l.optin || allow_smem(kernel, padded) != cudaSuccess) return smem;
   int capped = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&capped, kernel, threads, padded) != cudaSuccess || capped != cap)
     return smem;
