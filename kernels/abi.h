@@ -51,7 +51,7 @@ typedef struct TrellisMoeArgs {
   void* tile_start;   // int32 [tile_capacity]
   void* tile_rows;    // int32 [tile_capacity]
   void* slot_route;   // int32 [slot_capacity]
-  void* partial;      // fp32 [k_split, slot_capacity, 2*I]
+  void* partial;      // fp32 [k_split * tail split (plan.py fc1_tail_split), slot_capacity, 2*I]
   void* xrot;         // fp16 [slot_capacity, 2, H]: rotated gate and up inputs per route
   void* act;          // fp16 [slot_capacity, I]
   void* route_out;    // fp32 [M*top_k, H]

@@ -1,7 +1,8 @@
 // The activation between FC1 and FC2, and the fixed-order top-k sum.
 //
-// activation: per route, add the FC1 partial sums of every k range in order, rotate gate and up back
-// (H128, svh), SiLU(gate) * up, then rotate into FC2's input basis (suh of down, H128) and store fp16.
+// activation: per route, add the FC1 partial sums of every H range in order (fc1_split.cuh), rotate gate
+// and up back (H128, svh), SiLU(gate) * up, then rotate into FC2's input basis (suh of down, H128) and
+// store fp16.
 // sum: out[t] = sum over k in order 0..top_k-1 of the routes' rotated, weighted FC2 outputs; a route
 // whose expert is not served here is skipped, so it contributes exactly zero.
 #pragma once
@@ -23,10 +24,14 @@ __device__ __forceinline__ void add4(float* v, float4 d) {
 }
 
 constexpr int kSplitBatch = 8;
+// Warps per CTA: one per 128-channel block of the intermediate dim, up to this many; grid.z covers the rest.
+// A CTA per whole intermediate dim (I/128 warps) could not launch from I = 2048 on: 32 warps of 72
+// registers, or 16 of 210, exceed an SM's 64 K registers.
+constexpr int kActWarps = 4;
 
-// grid (tile_capacity, row_steps), one warp per 128-channel block of the intermediate dim; each half warp
-// takes one route row per step (8 channels per lane, as the input rotation of small tiles: the kernel is
-// issue-bound).
+// grid (tile_capacity, row_steps, ceil(I/128 / kActWarps)), one warp per 128-channel block of the
+// intermediate dim; each half warp takes one route row per step (8 channels per lane, as the input
+// rotation of small tiles: the kernel is issue-bound).
 //
 // At small M (FC1 split k) this kernel sits on the call's critical path between FC1 and FC2 with about
 // one row per route, so its time is latency: kBatch > 1 loads the partial sums of that many k ranges
@@ -34,11 +39,14 @@ constexpr int kSplitBatch = 8;
 // wait on FC1, on the vectors already loaded, so its instructions are fetched while FC1 still runs
 // (docs/performance.md, run 77). At large M both would cost occupancy (72 registers become 210).
 template <int kBatch, bool kWarmPass>
-__global__ void activation_kernel(const TrellisMoeArgs a) {
+__global__ void __launch_bounds__(kActWarps * 32, kBatch == 1 ? 7 : 1)
+    activation_kernel(const TrellisMoeArgs a, const Fc1Pieces pieces) {
   TRELLIS_TIMELINE_SCOPE(kTlAct);
   WorkTile w;
   if (!load_work_tile(a, blockIdx.x, w)) return;
-  const int lane = threadIdx.x & 15, half = (threadIdx.x >> 4) & 1, block = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 15, half = (threadIdx.x >> 4) & 1;
+  const int block = blockIdx.z * kActWarps + (threadIdx.x >> 5);
+  if (block >= a.intermediate >> 7) return;  // whole warps
   const int inter = a.intermediate;
   const int col = block * 128 + 8 * lane;
   const __half* rot = static_cast<const __half*>(a.rot_intermediate) + size_t(w.expert) * 3 * inter;
@@ -51,9 +59,13 @@ __global__ void activation_kernel(const TrellisMoeArgs a) {
   const size_t split_stride = size_t(a.slot_capacity) * 2 * inter;
   const int expand = expand_of_m_tile(a.m_tile);  // the FC2 kernel's A layout
   // Pass 0 fetches the instructions (its results are dropped); pass 1 computes the rows.
+  int planes = 0;  // FC1's partial-sum planes of this tile
 #pragma unroll 1
   for (int pass = kWarmPass ? 0 : 1; pass < 2; ++pass) {
-    if (pass == 1) after_predecessor();
+    if (pass == 1) {
+      after_predecessor();
+      planes = fc1_tile_planes(a, pieces, blockIdx.x);
+    }
     const int rows_end = pass ? w.rows : min(w.rows, 2 * blockIdx.y + 1);
     for (int row0 = 2 * blockIdx.y; row0 < rows_end; row0 += 2 * gridDim.y) {  // whole warps step together
       const int row = row0 + half;
@@ -66,7 +78,7 @@ __global__ void activation_kernel(const TrellisMoeArgs a) {
         g[i] = pass ? 0.f : svh_g[i];
         u[i] = pass ? 0.f : svh_u[i];
       }
-      const int splits = pass ? a.k_split : 0;
+      const int splits = pass ? planes : 0;
 #pragma unroll(kBatch == 1 ? 2 : 1)
       for (int s0 = 0; s0 < splits; s0 += kBatch) {
         float4 pg[kBatch][2], pu[kBatch][2];
@@ -108,7 +120,7 @@ __global__ void activation_kernel(const TrellisMoeArgs a) {
 }
 
 // The activation kernel for this call's k ranges.
-inline void (*activation_for(const TrellisMoeArgs& a))(TrellisMoeArgs) {
+inline void (*activation_for(const TrellisMoeArgs& a))(TrellisMoeArgs, Fc1Pieces) {
   return a.k_split > 1 ? activation_kernel<kSplitBatch, true> : activation_kernel<1, false>;
 }
 
@@ -130,7 +142,9 @@ constexpr int kSumThreads = 256;
 
 // grid (M, ceil(H / (4 * kSumThreads))): each thread sums 4 columns of one token. kBatch routes' rows are
 // loaded before the first is added: 8 at small M, where the kernel is one round trip on the critical path;
-// 1 at large M, where 36 registers instead of 72 keep more warps streaming.
+// 4 at large M, where it streams the route rows: 40 registers (6 CTAs per SM) with 4 loads in flight per
+// thread beat both 72 registers with 8 (3 CTAs) and 36 with 1 (M=3072: 2059 / 2097 / 2106 us per call,
+// docs/performance.md run 88).
 template <int kBatch>
 __global__ void __launch_bounds__(kSumThreads) topk_sum_kernel(const TrellisMoeArgs a) {
   TRELLIS_TIMELINE_SCOPE(kTlSum);
@@ -161,7 +175,7 @@ __global__ void __launch_bounds__(kSumThreads) topk_sum_kernel(const TrellisMoeA
 
 // The top-k sum kernel for this call's M.
 inline void (*topk_sum_for(const TrellisMoeArgs& a))(TrellisMoeArgs) {
-  return a.m <= 64 ? topk_sum_kernel<8> : topk_sum_kernel<1>;
+  return a.m <= 64 ? topk_sum_kernel<8> : topk_sum_kernel<4>;
 }
 
 }  // namespace trellis

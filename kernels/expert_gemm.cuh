@@ -6,14 +6,16 @@
 // M a decoded weight is reused R times. The route rows (rotated input for FC1, activated intermediate for
 // FC2) are staged per chunk in shared memory as fp16.
 //
-// FC1 splits the hidden dimension into k_split ranges (blockIdx.y) and writes fp32 partial sums per
-// range; the activation phase adds them in a fixed order, so the result never depends on scheduling.
+// FC1 splits the hidden dimension into ranges, each CTA one range of one item (fc1_split.cuh), and writes
+// fp32 partial sums per range; the activation phase adds them in a fixed order, so the result never
+// depends on scheduling.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "abi.h"
 #include "decode.cuh"
+#include "fc1_split.cuh"
 #include "route_pack.cuh"
 #include "warp_ops.cuh"
 
@@ -464,10 +466,13 @@ __device__ __forceinline__ void rotate_direct_row(const TrellisMoeArgs& a, const
 }
 
 // ---------------------------------------------------------------------------------------------------
-// FC1: grid (tiles * I/128, k_split), 16 warps: warp = projection (gate 0-7, up 8-15) x n tile.
+// FC1: one CTA per piece (fc1_split.cuh), 16 warps: warp = projection (gate 0-7, up 8-15) x n tile. An
+// item is one tile's n block `nchunk` (128 features of gate and of up); fc1_body computes chunks kc0 ..
+// kc0 + chunks - 1 of it into partial-sum plane `plane`.
 
 template <int CB, int R, int K, bool FAST>
-__device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk, unsigned char* smem) {
+__device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk, int kc0, int chunks, int plane,
+                         unsigned char* smem) {
   constexpr int kStages = fc1_stages(R);
   constexpr int kWeightWords = fc1_stage_weight_words(FAST), kAHalves = fc1_stage_a_halves(R);
   uint32_t* s_w = reinterpret_cast<uint32_t*>(smem);
@@ -477,8 +482,6 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   const int n_tiles = a.intermediate >> 4;
   const size_t kt_stride = size_t(n_tiles) * 8 * K;
   const LaneWindow win = lane_window<K>(lane);
-  const int chunks = (a.hidden >> 7) / a.k_split;
-  const int kc0 = blockIdx.y * chunks;
   const int live = live_blocks<R>(w.rows);
   const uint32_t* gate_w = projection_words<K>(a, w, 0) + size_t(nchunk) * 8 * 8 * K;
   const uint32_t* up_w = projection_words<K>(a, w, 1) + size_t(nchunk) * 8 * 8 * K;
@@ -530,7 +533,7 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   timeline_mark(2);
 
   const int nt = nchunk * 8 + ntl;
-  float* part = static_cast<float*>(a.partial) + size_t(blockIdx.y) * a.slot_capacity * 2 * a.intermediate;
+  float* part = static_cast<float*>(a.partial) + size_t(plane) * a.slot_capacity * 2 * a.intermediate;
   const int g = lane >> 2, q = lane & 3;
   if constexpr (small_tile(R)) {
 #pragma unroll
@@ -590,14 +593,18 @@ __device__ __forceinline__ void with_k(int k, Body&& body) {
 }
 
 template <int CB, int R, bool FAST>
-__global__ void __launch_bounds__(kFc1Threads, (small_tile(R) && FAST) ? 2 : 1) fc1_kernel(const TrellisMoeArgs a) {
+__global__ void __launch_bounds__(kFc1Threads, (small_tile(R) && FAST) ? 2 : 1)
+    fc1_kernel(const TrellisMoeArgs a, const Fc1Pieces pieces) {
   TRELLIS_TIMELINE_SCOPE(kTlFc1);
   extern __shared__ __align__(16) unsigned char gemm_smem[];
   const int nchunks = a.intermediate >> 7;
+  Fc1Piece piece;
   WorkTile w;
-  if (!load_work_tile(a, blockIdx.x / nchunks, w)) return;
-  const int nchunk = blockIdx.x % nchunks;
-  with_k<FAST>(w.k, [&](auto k) { fc1_body<CB, R, decltype(k)::value, FAST>(a, w, nchunk, gemm_smem); });
+  if (!fc1_piece(a, pieces, piece) || !load_work_tile(a, piece.item / nchunks, w)) return;
+  with_k<FAST>(w.k, [&](auto k) {
+    fc1_body<CB, R, decltype(k)::value, FAST>(a, w, piece.item % nchunks, piece.kc0, piece.chunks, piece.plane,
+                                              gemm_smem);
+  });
 }
 
 __host__ __device__ constexpr int fc1_smem_bytes(int r, bool fast) {

@@ -22,6 +22,7 @@ namespace trellis {
 constexpr int kWgThreads = 512;
 constexpr int kWgRows = 128;      // routes per work tile: the largest wgmma N
 constexpr int kWgFeatures = 256;  // features per CTA: 4 warpgroups x 64
+static_assert(kWgFeatures == kFc1WgmmaFeatures, "FC1's items (fc1_split.cuh) are one CTA's features");
 // 3 stages of the ring for K3/K4 kernels (two chunks load while one multiplies); the all-K kernel keeps 2,
 // its weights take twice the room.
 __host__ __device__ constexpr int wg_stages(bool fast) { return fast ? 3 : 2; }
@@ -223,17 +224,19 @@ __device__ __forceinline__ void with_n(int rows, Body&& body) {
   else body(IntConst<128>{});
 }
 
-// FC1: grid (tiles * 2I/256, k_split); block b of a tile: projection b / (I/256), features (b % (I/256)) * 256.
+// FC1: one CTA per piece (fc1_split.cuh); item b of a tile: projection b / (I/256), features
+// (b % (I/256)) * 256.
 template <int CB, bool FAST>
-__global__ void __launch_bounds__(kWgThreads, 1) fc1_wgmma_kernel(const TrellisMoeArgs a) {
+__global__ void __launch_bounds__(kWgThreads, 1) fc1_wgmma_kernel(const TrellisMoeArgs a, const Fc1Pieces pieces) {
   TRELLIS_TIMELINE_SCOPE(kTlFc1);
   extern __shared__ __align__(1024) unsigned char wg_smem[];
   const int blocks = a.intermediate / kWgFeatures;
+  Fc1Piece piece;
   WorkTile w;
-  if (!load_work_tile(a, blockIdx.x / (2 * blocks), w)) return;
-  const int block = blockIdx.x % (2 * blocks), proj = block / blocks, nblock = block % blocks;
-  const int chunks = (a.hidden >> 7) / a.k_split, kc0 = blockIdx.y * chunks;
-  float* part = static_cast<float*>(a.partial) + size_t(blockIdx.y) * a.slot_capacity * 2 * a.intermediate +
+  if (!fc1_piece(a, pieces, piece) || !load_work_tile(a, piece.item / (2 * blocks), w)) return;
+  const int block = piece.item % (2 * blocks), proj = block / blocks, nblock = block % blocks;
+  const int chunks = piece.chunks, kc0 = piece.kc0;
+  float* part = static_cast<float*>(a.partial) + size_t(piece.plane) * a.slot_capacity * 2 * a.intermediate +
                 size_t(w.start) * 2 * a.intermediate + proj * a.intermediate + nblock * kWgFeatures;
   auto store = [&](int, int row0, const float* s_pass) {
     const int lane = threadIdx.x & 31, rows = min(kWgPassRows, w.rows - row0);

@@ -58,6 +58,8 @@ int check_args(const TrellisMoeArgs& a) {
   if (a.slot_capacity < min_slots) return fail("slot_capacity below m*top_k + 15*min(m*top_k, E_c)");
   const long long min_tiles = numel / a.m_tile + (numel < a.num_combined ? numel : a.num_combined);
   if (a.tile_capacity < min_tiles) return fail("tile_capacity below m*top_k/m_tile + min(m*top_k, E_c)");
+  if (1LL * a.tile_capacity * trellis::fc1_items_per_tile(a) * (a.hidden / 128) >= (1LL << 31))
+    return fail("m * top_k too large: FC1's pieces exceed 2^31");
   return 0;
 }
 
@@ -75,8 +77,9 @@ bool device_has_pdl() {
   return major >= 9;
 }
 
-cudaError_t launch(void (*kernel)(TrellisMoeArgs), dim3 grid, dim3 block, int smem, cudaStream_t stream,
-                   const TrellisMoeArgs& a, bool pdl) {
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream, bool pdl,
+                   const Args&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
@@ -87,7 +90,7 @@ cudaError_t launch(void (*kernel)(TrellisMoeArgs), dim3 grid, dim3 block, int sm
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, a);
+  return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
 // What even_wave_smem needs of a device, read once per device: it runs on every call's host path.
@@ -136,6 +139,50 @@ int even_wave_smem(void (*kernel)(TrellisMoeArgs), int blocks, int threads, int 
   return padded;
 }
 
+// CTAs of FC1's kernel that fit on one SM, per device (cached: it runs on every call's host path).
+int ctas_per_sm(void (*kernel)(TrellisMoeArgs, trellis::Fc1Pieces), int threads, int smem) {
+  struct Entry {
+    void (*kernel)(TrellisMoeArgs, trellis::Fc1Pieces);
+    int device, threads, smem, per_sm;
+  };
+  constexpr int kEntries = 64;
+  static Entry cache[kEntries];
+  static int used = 0;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 1;
+  for (int i = 0; i < used; ++i)
+    if (cache[i].kernel == kernel && cache[i].device == device && cache[i].threads == threads && cache[i].smem == smem)
+      return cache[i].per_sm;
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess || per_sm < 1)
+    per_sm = 1;
+  if (used < kEntries) {  // not locked: a racing call at worst sizes FC1's tail from a stale entry
+    cache[used] = {kernel, device, threads, smem, per_sm};
+    ++used;
+  }
+  return per_sm;
+}
+
+// FC1's cut (fc1_split.cuh): the tail is the items of half a wave of the CTAs that fit at once (of the
+// plan's k_split ranges each), in whole tiles.
+trellis::Fc1Pieces fc1_pieces(const TrellisMoeArgs& a, void (*kernel)(TrellisMoeArgs, trellis::Fc1Pieces),
+                              int threads, int smem) {
+  const int per_tile = trellis::fc1_items_per_tile(a);
+  SmLimits l;
+  if (a.direct || !sm_limits(l)) return {0, 1};
+  const int half_wave = (l.sms * ctas_per_sm(kernel, threads, smem) + 1) / 2;
+  const int items = (half_wave + a.k_split - 1) / a.k_split;
+  return {(items + per_tile - 1) / per_tile * per_tile, trellis::fc1_tail_split(a)};
+}
+
+// One CTA per piece: direct mode (items, ranges); otherwise every range of every item the tiles can hold,
+// and the tail's finer pieces.
+dim3 fc1_grid(const TrellisMoeArgs& a, const trellis::Fc1Pieces& p) {
+  const int items = a.tile_capacity * trellis::fc1_items_per_tile(a);
+  if (a.direct) return dim3(items, a.k_split);
+  return dim3(items * a.k_split + p.tail_items * a.k_split * (p.tail_split - 1));
+}
+
 bool only_k3_k4(const TrellisMoeArgs& a) {
   for (int t = 0; t < a.num_tiers; ++t)
     if (a.tier_size[t] > 0 && a.tier_k[t] != 3 && a.tier_k[t] != 4) return false;
@@ -144,17 +191,15 @@ bool only_k3_k4(const TrellisMoeArgs& a) {
 
 // The FC1 and FC2 kernels of one tile size, with their launch shapes.
 struct GemmKernels {
-  void (*fc1)(TrellisMoeArgs);
+  void (*fc1)(TrellisMoeArgs, trellis::Fc1Pieces);
   void (*fc2)(TrellisMoeArgs);
-  dim3 fc1_grid;
   int fc1_threads, fc1_smem, fc2_blocks, fc2_threads, fc2_smem;
 };
 
 template <int CB, int R, bool FAST>
 GemmKernels mma_sync_kernels(const TrellisMoeArgs& a) {
   using namespace trellis;
-  return {fc1_kernel<CB, R, FAST>, fc2_kernel<CB, R, FAST>,
-          dim3(a.tile_capacity * (a.intermediate / 128), a.k_split), kFc1Threads, fc1_smem_bytes(R, FAST),
+  return {fc1_kernel<CB, R, FAST>, fc2_kernel<CB, R, FAST>, kFc1Threads, fc1_smem_bytes(R, FAST),
           a.tile_capacity * (a.hidden / 128), kFc2Threads, fc2_smem_bytes(R, FAST)};
 }
 
@@ -162,8 +207,7 @@ GemmKernels mma_sync_kernels(const TrellisMoeArgs& a) {
 template <int CB, bool FAST>
 GemmKernels wgmma_kernels(const TrellisMoeArgs& a) {
   using namespace trellis;
-  return {fc1_wgmma_kernel<CB, FAST>, fc2_wgmma_kernel<CB, FAST>,
-          dim3(a.tile_capacity * 2 * (a.intermediate / kWgFeatures), a.k_split), kWgThreads, wg_smem_bytes(FAST),
+  return {fc1_wgmma_kernel<CB, FAST>, fc2_wgmma_kernel<CB, FAST>, kWgThreads, wg_smem_bytes(FAST),
           a.tile_capacity * fc2_wgmma_groups(a.hidden), kWgThreads, wg_smem_bytes(FAST)};
 }
 #endif
@@ -178,16 +222,20 @@ cudaError_t launch_gemms(const TrellisMoeArgs& a, const GemmKernels& k, int act_
   // Direct mode: FC1 rotates its own rows and is the call's first kernel, so it launches fully serialized.
   if (!a.direct && !(a.debug_flags & TRELLIS_SKIP_ROTATE)) {
     const RotationLaunch rotation = rotation_for(a, tiles);
-    err = launch(rotation.kernel, rotation.grid, 256, 0, stream, a, pdl);
+    err = launch(rotation.kernel, rotation.grid, 256, 0, stream, pdl, a);
   }
+  const Fc1Pieces pieces = fc1_pieces(a, k.fc1, k.fc1_threads, k.fc1_smem);
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_FC1))
-    err = launch(k.fc1, k.fc1_grid, k.fc1_threads, k.fc1_smem, stream, a, pdl && !a.direct);
-  if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_ACT))
-    err = launch(activation_for(a), dim3(tiles, act_row_steps), (a.intermediate / 128) * 32, 0, stream, a, pdl);
+    err = launch(k.fc1, fc1_grid(a, pieces), k.fc1_threads, k.fc1_smem, stream, pdl && !a.direct, a, pieces);
+  if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_ACT)) {
+    const int act_blocks = a.intermediate / 128, act_warps = act_blocks < kActWarps ? act_blocks : kActWarps;
+    const dim3 act_grid(tiles, act_row_steps, (act_blocks + act_warps - 1) / act_warps);
+    err = launch(activation_for(a), act_grid, act_warps * 32, 0, stream, pdl, a, pieces);
+  }
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_FC2)) {
     const int fc2_smem = even_wave_smem(k.fc2, k.fc2_blocks, k.fc2_threads, k.fc2_smem);
     if ((err = allow_smem(k.fc2, fc2_smem)) == cudaSuccess)
-      err = launch(k.fc2, k.fc2_blocks, k.fc2_threads, fc2_smem, stream, a, pdl);
+      err = launch(k.fc2, k.fc2_blocks, k.fc2_threads, fc2_smem, stream, pdl, a);
   }
   return err;
 }
@@ -199,8 +247,7 @@ cudaError_t launch_for_tile(const TrellisMoeArgs& a, cudaStream_t stream, bool p
     case 32: return launch_gemms(a, mma_sync_kernels<CB, 2, FAST>(a), 16, stream, pdl);
     default:
 #ifdef TRELLIS_WGMMA
-      if (a.hidden % trellis::kWgFeatures == 0 && a.intermediate % trellis::kWgFeatures == 0)
-        return launch_gemms(a, wgmma_kernels<CB, FAST>(a), 16, stream, pdl);
+      if (trellis::gemms_on_wgmma(a)) return launch_gemms(a, wgmma_kernels<CB, FAST>(a), 16, stream, pdl);
 #endif
       return launch_gemms(a, mma_sync_kernels<CB, 8, FAST>(a), 16, stream, pdl);
   }
@@ -249,9 +296,17 @@ extern "C" int trellis_moe_forward(const TrellisMoeArgs* args, void* stream_hand
   const bool pdl = device_has_pdl() && !(a.debug_flags & TRELLIS_NO_PDL);
   cudaError_t err = cudaSuccess;
   if (!a.direct) {
-    const int pack_smem = 3 * a.num_combined * static_cast<int>(sizeof(int));
-    route_pack_kernel<<<1, kPackThreads, pack_smem, stream>>>(a);
-    err = cudaGetLastError();
+    // The call's first kernel, launched without PDL: it starts once the previous call has finished.
+    const int numel = a.m * a.top_k, per_expert = a.num_combined * static_cast<int>(sizeof(int));
+    if (numel >= kWidePackFrom) {
+      const int ctas = (numel + kPackThreads - 1) / kPackThreads;
+      route_count_kernel<<<ctas, kPackThreads, per_expert, stream>>>(a);
+      err = cudaGetLastError();
+      if (err == cudaSuccess) err = launch(route_scatter_kernel, ctas, kPackThreads, 4 * per_expert, stream, pdl, a);
+    } else {
+      route_pack_kernel<<<1, kPackThreads, 3 * per_expert, stream>>>(a);
+      err = cudaGetLastError();
+    }
   }
   if (err == cudaSuccess) {
 #ifdef TRELLIS_ONLY_MCG  // experiments: one codebook compiles 3x faster
@@ -267,7 +322,7 @@ extern "C" int trellis_moe_forward(const TrellisMoeArgs* args, void* stream_hand
   }
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_SUM)) {
     dim3 grid(a.m, (a.hidden + 4 * kSumThreads - 1) / (4 * kSumThreads));
-    err = launch(topk_sum_for(a), grid, kSumThreads, 0, stream, a, pdl);
+    err = launch(topk_sum_for(a), grid, kSumThreads, 0, stream, pdl, a);
   }
   if (err != cudaSuccess) {
     snprintf(g_error, sizeof(g_error), "CUDA launch failed: %s", cudaGetErrorString(err));

@@ -53,6 +53,9 @@ def check(codebook: str, tier_k: tuple[int, int], m: int, m_tile: int | None = N
 
         plan = make_plan(m, 4, pack.hidden, pack.intermediate, pack.num_combined, m_tile=m_tile, k_split=k_split,
                          direct=direct)
+    # FC1 writes only the partial-sum planes of each tile's pieces (fc1_split.cuh): start from zeros so the
+    # sum over planes below is the tile's FC1
+    moe._workspace(plan)["partial"].zero_()
     out = moe.forward(x, ids, w, plan=plan)
     torch.cuda.synchronize()
     ws = moe._workspace(plan)
@@ -102,6 +105,7 @@ def main() -> int:
     results.append(check("3inst", (5, 6), 300, m_tile=32))
     results.append(check("mcg", (3, 4), 5, k_split=4))  # FC1 partial sums over several H ranges
     results.append(check("mcg", (3, 4), 300, m_tile=128, k_split=2))
+    results.append(check("mcg", (3, 4), 1100, m_tile=128))  # 4400 routes: the route pack over many CTAs
     results.append(check("mcg", (5, 6), 300, m_tile=128))  # the all-K kernel with large tiles
     return 0 if all(results) else 1
 

@@ -2,7 +2,7 @@
 
     nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -lineinfo -DTRELLIS_WGMMA -DTRELLIS_ONLY_MCG -DTRELLIS_TIMELINE \
         -gencode=arch=compute_90a,code=sm_90a -o TL.so kernels/trellis_moe.cu
-    python3 scripts/timeline.py TL.so [--m 1,8,64] [--replays 20] [--warm] [--dump FILE.json]
+    python3 scripts/timeline.py TL.so [--m 1,8,64] [--replays 20] [--warm] [--split N] [--dump FILE.json]
 
 Each call runs as a captured CUDA graph on the production shape (glm52-tp4 192/64), cold L2 (replays cycle
 weight copies). The library built with -DTRELLIS_TIMELINE stamps %globaltimer (ns) when each CTA starts,
@@ -21,6 +21,7 @@ M=3072) folds the rest into its last row, so its CTA count reads 16384.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ctypes
 import json
 import statistics
@@ -94,6 +95,7 @@ def main() -> None:
     parser.add_argument("--m", default="1,8,64")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--warm", action="store_true", help="one weight copy: code and weights stay in L2")
+    parser.add_argument("--split", type=int, default=0, help="k_split (FC1 planes) for packed calls, in place of the plan's")
     parser.add_argument("--dump", default="", help="write the median replays' raw rows and routes to this JSON file")
     args = parser.parse_args()
     lib = abi.load_library(Path(args.lib), Path(args.lib).stem)
@@ -109,7 +111,11 @@ def main() -> None:
             copies.append(clone_weights(base))
         runners = [FusedMoe(p, lib) for p in copies[:need]]
         outs = [torch.empty((m, base.hidden), device="cuda") for _ in runners]
-        graphs = [_capture(lambda r=r, o=o: r.forward(x, ids, w, out=o), r.device) for r, o in zip(runners, outs)]
+        plan = runners[0].plan(m, 8)
+        if args.split and not plan.direct:
+            plan = dataclasses.replace(plan, k_split=args.split)
+        graphs = [_capture(lambda r=r, o=o: r.forward(x, ids, w, out=o, plan=plan), r.device)
+                  for r, o in zip(runners, outs)]
         for g in graphs * 2:  # warm-up: code and descriptors resident, weights cycle
             g.replay()
         torch.cuda.synchronize()

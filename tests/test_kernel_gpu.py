@@ -88,6 +88,30 @@ def test_mid_tile_path_on_small_layer(library):
     assert rel_l2(fused, moe.two_pass(x, ids, w, plan=plan)) <= TWO_PASS_LIMIT
 
 
+@pytest.mark.parametrize("m", [16, 64, 700])
+def test_fc1_tail_pieces(library, m):
+    # hidden 6144 = 48 chunks of 128: with one or two H ranges per item FC1 cuts the ranges of its last
+    # half wave in 4 pieces (M=700 runs large tiles, which have no tail), each piece into its own plane of
+    # partial sums that the activation adds in order.
+    moe = moe_for(Preset("wide-h", 6144, 256, 64, 4, "mcg", (48, 16), (3, 4), 1), library)
+    assert_checks(accuracy_checks(moe, "wide-h", m, seed=m))
+    x = random_activations(m, 6144, device="cuda", seed=m + 1)
+    ids, w = random_routes(m, 64, 4, device="cuda", seed=m + 2)
+    ref = layer_pack_forward(moe.pack, x, ids, w, dtype=torch.float64)
+    for k_split in (1, 2):
+        plan = dataclasses.replace(moe.plan(m, 4), k_split=k_split)
+        assert rel_l2(moe.forward(x, ids, w, plan=plan), ref) <= REFERENCE_LIMIT
+
+
+@pytest.mark.parametrize("hidden, intermediate", [(1536, 2048), (512, 4096)])
+@pytest.mark.parametrize("m", [1, 64])
+def test_wide_intermediate(library, hidden, intermediate, m):
+    # 2048 or 4096 intermediate channels per rank (GLM at TP2 or TP1) take 16 or 32 warps of activation per
+    # route row, more than one CTA has registers for: the kernel spreads them over several CTAs.
+    moe = moe_for(Preset("wide-i", hidden, intermediate, 8, 4, "mcg", (6, 2), (3, 4), 1), library)
+    assert_checks(accuracy_checks(moe, f"I={intermediate}", m, seed=m))
+
+
 def test_dtypes_int64_ids_and_outputs(library):
     moe = moe_for(small(), library)
     x = random_activations(9, 512, device="cuda", seed=6, dtype=torch.float16)

@@ -133,3 +133,21 @@ def test_fc1_ranges_hold_at_least_six_chunks(m):
     plan = make_plan(m, 8, 6144, 512, 256)
     assert (6144 // 128) // plan.k_split >= MIN_FC1_CHUNKS
     assert make_plan(5, 4, 512, 256, 16).k_split == 1  # 4 chunks: never split below the minimum
+
+
+def test_fc1_tail_planes_follow_the_kernel_rule():
+    # kernels/fc1_split.cuh fc1_tail_split: small and mid tiles whose H ranges hold at least 24 chunks cut
+    # the ranges of their last half wave in 4 or 2 pieces of at least 6; a partial-sum plane per piece.
+    from trellis_cli.kernel.plan import fc1_tail_split, make_plan, workspace_shapes
+
+    glm = (6144, 512, 256)
+    plans = [make_plan(m, 8, *glm, wgmma=True) for m in (1, 8, 16, 64, 512)]
+    assert [p.k_split for p in plans] == [8, 4, 2, 1, 1]
+    assert [fc1_tail_split(p, 6144) for p in plans] == [1, 1, 4, 4, 1]  # direct; 12-chunk ranges; large tiles
+    assert fc1_tail_split(make_plan(512, 8, *glm), 6144) == 4  # 32-row tiles of mma.sync builds
+    assert fc1_tail_split(make_plan(64, 8, 3072, 512, 256, k_split=1), 3072) == 4  # 24 chunks: 4 x 6
+    assert fc1_tail_split(make_plan(64, 8, 4096, 512, 256, k_split=1), 4096) == 4  # 32 chunks: 4 x 8
+    assert fc1_tail_split(make_plan(64, 8, 2560, 512, 256, k_split=1), 2560) == 1  # 20 chunks
+    assert fc1_tail_split(make_plan(64, 8, 512, 256, 16), 512) == 1  # 4 chunks
+    assert workspace_shapes(plans[3], 6144, 512)["partial"][0][0] == 4
+    assert workspace_shapes(plans[4], 6144, 512)["partial"][0][0] == 1

@@ -39,6 +39,7 @@ DIRECT_MAX_CHUNKS = 48  # kDirectMaxChunks: FC1's resident input rows must fit i
 # FC1 CTAs wanted in direct mode (glm52-tp4 on H200, us by H ranges: M=1 8: 43.1, 4: 43.6, 12: 47.8;
 # M=2 4: 71.4, 6: 72.0, 8: 73.8; M=3 3: 113.6, 4: 100.5, 8: 103.2).
 DIRECT_FC1_CTAS = 384
+FC1_TAIL_FROM_CHUNKS, FC1_MIN_TAIL_CHUNKS = 24, 6  # kFc1TailFromChunks, kFc1MinTailChunks
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,19 @@ def make_plan(m: int, top_k: int, hidden: int, intermediate: int, num_combined: 
     return LaunchPlan(m, top_k, tile, split, slot_capacity(numel, num_combined), tiles)
 
 
+def fc1_tail_split(plan: LaunchPlan, hidden: int) -> int:
+    """How many times finer FC1 cuts the H ranges of its last half wave of items (kernels/fc1_split.cuh
+    fc1_tail_split): small and mid tiles whose ranges hold at least 24 chunks, in the largest of 4 and 2
+    pieces of at least 6 chunks, else 1. The partial sums hold k_split times this many planes."""
+    rng = hidden // HADAMARD // plan.k_split
+    if plan.direct or plan.m_tile > MID_TILE or rng < FC1_TAIL_FROM_CHUNKS:
+        return 1
+    for split in (4, 2):
+        if rng % split == 0 and rng // split >= FC1_MIN_TAIL_CHUNKS:
+            return split
+    return 1
+
+
 def activation_expand(plan: LaunchPlan) -> int:
     """2 when the GEMM inputs (xrot, act) hold every column twice: small and mid tiles multiply split
     codebook words (kernels/decode.cuh), large tiles merged weights against plain rows."""
@@ -132,7 +146,7 @@ def workspace_shapes(plan: LaunchPlan, hidden: int, intermediate: int) -> dict[s
         "tile_start": ((tiles,), torch.int32),
         "tile_rows": ((tiles,), torch.int32),
         "slot_route": ((slots,), torch.int32),
-        "partial": ((plan.k_split, slots, 2 * intermediate), torch.float32),
+        "partial": ((plan.k_split * fc1_tail_split(plan, hidden), slots, 2 * intermediate), torch.float32),
         "xrot": ((slots, 2, expand * hidden), torch.float16),
         "act": ((slots, expand * intermediate), torch.float16),
         "route_out": ((max(1, plan.m * plan.top_k), hidden), torch.float32),
