@@ -118,6 +118,32 @@ bool sm_limits(SmLimits& out) {
   return true;
 }
 
+// CTAs of `kernel` that fit on one SM with `smem` bytes of dynamic shared memory (0 when the query fails),
+// per device. Cached: even_wave_smem and fc1_pieces ask on every call's host path.
+template <typename Kernel>
+int ctas_per_sm(Kernel kernel, int threads, int smem) {
+  struct Entry {
+    const void* kernel;
+    int device, threads, smem, per_sm;
+  };
+  constexpr int kEntries = 64;
+  static Entry cache[kEntries];
+  static int used = 0;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  const void* key = reinterpret_cast<const void*>(kernel);
+  for (int i = 0; i < used; ++i)
+    if (cache[i].kernel == key && cache[i].device == device && cache[i].threads == threads && cache[i].smem == smem)
+      return cache[i].per_sm;
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess) return 0;
+  if (used < kEntries) {  // not locked: a racing call at worst queries again
+    cache[used] = {key, device, threads, smem, per_sm};
+    ++used;
+  }
+  return per_sm;
+}
+
 // Dynamic shared memory for a launch of `blocks` CTAs that fits on the GPU in one wave: enough that no SM
 // takes more than ceil(blocks / SMs) of them. The block scheduler otherwise fills some SMs to the
 // kernel's limit while others get fewer, and the call waits for the fullest SM (FC2 at M=1: 384 CTAs
@@ -125,42 +151,13 @@ bool sm_limits(SmLimits& out) {
 int even_wave_smem(void (*kernel)(TrellisMoeArgs), int blocks, int threads, int smem) {
   SmLimits l;
   if (!sm_limits(l) || blocks > (l.threads / threads) * l.sms) return smem;  // no occupancy query for large grids
-  int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess ||
-      blocks > per_sm * l.sms)
-    return smem;
+  const int per_sm = ctas_per_sm(kernel, threads, smem);
+  if (blocks > per_sm * l.sms) return smem;
   const int cap = (blocks + l.sms - 1) / l.sms;
   if (cap >= per_sm) return smem;
   const int padded = ((l.smem / (cap + 1) - l.reserved) / 128 + 1) * 128;  // cap + 1 CTAs no longer fit
   if (padded <= smem || padded > l.optin || allow_smem(kernel, padded) != cudaSuccess) return smem;
-  int capped = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&capped, kernel, threads, padded) != cudaSuccess || capped != cap)
-    return smem;
-  return padded;
-}
-
-// CTAs of FC1's kernel that fit on one SM, per device (cached: it runs on every call's host path).
-int ctas_per_sm(void (*kernel)(TrellisMoeArgs, trellis::Fc1Pieces), int threads, int smem) {
-  struct Entry {
-    void (*kernel)(TrellisMoeArgs, trellis::Fc1Pieces);
-    int device, threads, smem, per_sm;
-  };
-  constexpr int kEntries = 64;
-  static Entry cache[kEntries];
-  static int used = 0;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 1;
-  for (int i = 0; i < used; ++i)
-    if (cache[i].kernel == kernel && cache[i].device == device && cache[i].threads == threads && cache[i].smem == smem)
-      return cache[i].per_sm;
-  int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess || per_sm < 1)
-    per_sm = 1;
-  if (used < kEntries) {  // not locked: a racing call at worst sizes FC1's tail from a stale entry
-    cache[used] = {kernel, device, threads, smem, per_sm};
-    ++used;
-  }
-  return per_sm;
+  return ctas_per_sm(kernel, threads, padded) == cap ? padded : smem;
 }
 
 // FC1's cut (fc1_split.cuh): the tail is the items of half a wave of the CTAs that fit at once (of the
@@ -170,7 +167,8 @@ trellis::Fc1Pieces fc1_pieces(const TrellisMoeArgs& a, void (*kernel)(TrellisMoe
   const int per_tile = trellis::fc1_items_per_tile(a);
   SmLimits l;
   if (a.direct || !sm_limits(l)) return {0, 1};
-  const int half_wave = (l.sms * ctas_per_sm(kernel, threads, smem) + 1) / 2;
+  const int per_sm = ctas_per_sm(kernel, threads, smem);
+  const int half_wave = (l.sms * (per_sm > 0 ? per_sm : 1) + 1) / 2;
   const int items = (half_wave + a.k_split - 1) / a.k_split;
   return {(items + per_tile - 1) / per_tile * per_tile, trellis::fc1_tail_split(a)};
 }
