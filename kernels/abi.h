@@ -26,6 +26,8 @@
 #define TRELLIS_SKIP_SUM 8
 #define TRELLIS_SKIP_ROTATE 16
 #define TRELLIS_NO_PDL 32  // launch every phase fully serialized (comparison only)
+// FC2 CTAs of small tiles take the most output blocks allowed, whatever the grid (tests: results unchanged).
+#define TRELLIS_FC2_WIDE_SPAN 64
 
 #ifdef __cplusplus
 extern "C" {

@@ -186,9 +186,14 @@ __device__ __forceinline__ void chunk_loop(int chunks, Step&& step) {
 // the previous kernel (weights never depend on it), then after_wait() runs and the A rows of those chunks
 // are issued; then, per chunk: wait for it, barrier, issue chunk c + S - 1 into the stage chunk c - 1 freed,
 // and compute(c, stage). issue_w / issue_a(c, stage) issue chunk c's copies into a stage.
-template <int S, bool UNROLL, typename IssueW, typename IssueA, typename AfterWait, typename Compute>
-__device__ __forceinline__ void staged_chunks(int chunks, IssueW&& issue_w, IssueA&& issue_a, AfterWait&& after_wait,
-                                              Compute&& compute) {
+// The chunks may form `blocks` blocks of `block_chunks` (FC2's output blocks): finish(b, stage) runs after
+// block b's last chunk, `stage` being the one that chunk used, while the ring already loads the next
+// block. Each block must start at stage 0 (one block, or S dividing block_chunks), so the unrolled loop's
+// stages stay compile-time constants.
+template <int S, bool UNROLL, typename IssueW, typename IssueA, typename AfterWait, typename Compute, typename Finish>
+__device__ __forceinline__ void staged_blocks(int blocks, int block_chunks, IssueW&& issue_w, IssueA&& issue_a,
+                                              AfterWait&& after_wait, Compute&& compute, Finish&& finish) {
+  const int chunks = blocks * block_chunks;
 #pragma unroll
   for (int c = 0; c < S - 1; ++c) {
     if (c < chunks) issue_w(c, c);
@@ -201,17 +206,28 @@ __device__ __forceinline__ void staged_chunks(int chunks, IssueW&& issue_w, Issu
     if (c < chunks) issue_a(c, c);
     cp_async_commit();
   }
-  chunk_loop<S, UNROLL>(chunks, [&](int c, int st, int st_issue) {
-    cp_async_wait<S - 2>();
-    __syncthreads();
-    if (c + S - 1 < chunks) {
-      issue_w(c + S - 1, st_issue);
-      issue_a(c + S - 1, st_issue);
-    }
-    cp_async_commit();
-    compute(c, st);
-  });
+  for (int b = 0; b < blocks; ++b) {
+    const int first = b * block_chunks;
+    chunk_loop<S, UNROLL>(block_chunks, [&](int kc, int st, int st_issue) {
+      const int c = first + kc;
+      cp_async_wait<S - 2>();
+      __syncthreads();
+      if (c + S - 1 < chunks) {
+        issue_w(c + S - 1, st_issue);
+        issue_a(c + S - 1, st_issue);
+      }
+      cp_async_commit();
+      compute(c, st);
+    });
+    finish(b, (block_chunks - 1) % S);
+  }
   cp_async_wait<0>();
+}
+
+template <int S, bool UNROLL, typename IssueW, typename IssueA, typename AfterWait, typename Compute>
+__device__ __forceinline__ void staged_chunks(int chunks, IssueW&& issue_w, IssueA&& issue_a, AfterWait&& after_wait,
+                                              Compute&& compute) {
+  staged_blocks<S, UNROLL>(1, chunks, issue_w, issue_a, after_wait, compute, [](int, int) {});
 }
 
 // Each thread copies the same few 16-byte pieces of every chunk, from addresses that advance by a fixed
@@ -229,10 +245,11 @@ struct WeightStream {
   static constexpr int kItems = ACTIVE ? (kTotal + THREADS - 1) / THREADS : 0;
   const uint32_t* src[kItems > 0 ? kItems : 1];
   uint32_t step;  // words from one chunk to the next (32 bits keep the pointer step to one wide multiply-add)
+  int32_t block_step;  // FC2: words from a block's last chunk to the next block's first
 
   __device__ __forceinline__ WeightStream(const uint32_t* first, size_t kt_stride, size_t source_stride,
-                                          uint32_t chunk_step)
-      : step(chunk_step) {
+                                          uint32_t chunk_step, int32_t next_block_step = 0)
+      : step(chunk_step), block_step(next_block_step) {
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
       const int i = threadIdx.x + j * THREADS;
@@ -246,6 +263,16 @@ struct WeightStream {
       const int i = threadIdx.x + j * THREADS;
       if (kTotal % THREADS == 0 || i < kTotal) cp_async16(stage + 16u * i, src[j]);
       src[j] += step;
+    }
+  }
+  // FC2: after a block's last chunk, on to the next block's first.
+  __device__ __forceinline__ void issue_next(uint32_t stage, bool block_ends) {
+    const int32_t next = block_ends ? block_step : int32_t(step);
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int i = threadIdx.x + j * THREADS;
+      if (kTotal % THREADS == 0 || i < kTotal) cp_async16(stage + 16u * i, src[j]);
+      src[j] += next;
     }
   }
 };
@@ -276,6 +303,15 @@ struct RowStream {
     for (int j = 0; j < kItems; ++j) {
       if (live[j]) cp_async16(stage + dst[j], src[j]);
       src[j] += 128 * a_expand(R);
+    }
+  }
+  // FC2: after a block's last chunk, back to the first, the same rows serving the next output block.
+  __device__ __forceinline__ void issue_next(uint32_t stage, bool block_ends, int block_chunks) {
+    const int next = block_ends ? (1 - block_chunks) * 128 * a_expand(R) : 128 * a_expand(R);
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      if (live[j]) cp_async16(stage + dst[j], src[j]);
+      src[j] += next;
     }
   }
 };
@@ -431,11 +467,20 @@ __device__ __forceinline__ void zero_acc(float (&acc)[R][2][4]) {
       for (int i = 0; i < 4; ++i) acc[r][n][i] = 0.f;
 }
 
+// Hides how v was computed, so the compiler keeps it in a register instead of recomputing it from the lane
+// index at every use (which it does inside FC2's block loop: 4 instructions per ldmatrix).
+template <typename T>
+__device__ __forceinline__ void opaque(T& v) {
+  asm volatile("" : "+r"(v));
+}
+
 __host__ __device__ constexpr int max_k(bool fast) { return fast ? 4 : 8; }
 __host__ __device__ constexpr int fc1_stages(int r) { return r == 1 ? 3 : 2; }
-// FC2 walks only I/128 chunks (4 at I = 512). Large K3/K4 tiles keep 2 stages, so two CTAs (16 warps)
-// share an SM: with one CTA of 8 warps per SM the 128-row FC2 was latency-bound.
-__host__ __device__ constexpr int fc2_stages(int r, bool fast) { return (r == 1 || !fast) ? 3 : 2; }
+// FC2 walks only I/128 chunks per output block (4 at I = 512). K3/K4 tiles keep 2 stages: large ones so
+// that two CTAs (16 warps) share an SM (one CTA of 8 warps per SM left the 128-row FC2 latency-bound),
+// 16-row ones so that an output block's 4 chunks start at stage 0 and a CTA can walk several blocks with
+// its stages known at compile time (fc2_body).
+__host__ __device__ constexpr int fc2_stages(int r, bool fast) { return fast ? 2 : 3; }
 __host__ __device__ constexpr int fc1_stage_weight_words(bool fast) { return 2 * 8 * 64 * max_k(fast); }
 __host__ __device__ constexpr int fc1_stage_a_halves(int r) { return 2 * r * 16 * a_stride(r); }
 __host__ __device__ constexpr int fc2_stage_weight_words(bool fast) { return 8 * 64 * max_k(fast); }
@@ -761,11 +806,32 @@ __device__ __forceinline__ void store_down_rows(const TrellisMoeArgs& a, const W
 }
 
 // ---------------------------------------------------------------------------------------------------
-// FC2: grid (tiles * H/128), 8 warps = the 8 n tiles of one 128-column output block, full K = I.
+// FC2: 8 warps = the 8 n tiles of one 128-column output block, full K = I.
 // The epilogue holds whole 128-column blocks, so it applies H128, svh and the router weight itself.
+// Small tiles: a CTA computes `span` consecutive blocks of its tile (trellis_moe.cu fc2_span), the copy
+// ring running on from one block into the next. A block is only I/128 chunks (4 at I = 512), and a CTA
+// of one block spent as long on its tile lookups, first copies and epilogue as on its chunks
+// (docs/performance.md, run 99); a span pays the first two once and hides the epilogues behind copies.
+
+// A small tile's accumulators (rows below `rows` only) as fp32 rows [rows][kOStride] in s_o.
+template <int R>
+__device__ __forceinline__ void stage_small_acc(const float (&acc)[R][2][4], float* s_o, int warp, int lane, int rows) {
+  const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int route = small_acc_route(r, h, e, q);
+        if (route < rows) s_o[route * kOStride + warp * 16 + small_acc_feature(e, g)] = acc[r][h][e];
+      }
+}
+static_assert(kOStride * 4 == a_stride(1) * 2 && kOStride * 4 == a_stride(2) * 2,
+              "a small tile's epilogue rows must fit the A rows of one stage");
 
 template <int CB, int R, int K, bool FAST>
-__device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk, unsigned char* smem) {
+__device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_block, int span, unsigned char* smem) {
   constexpr int kFc2Stages = fc2_stages(R, FAST);
   constexpr int kWeightWords = fc2_stage_weight_words(FAST), kAHalves = fc2_stage_a_halves(R);
   uint32_t* s_w = reinterpret_cast<uint32_t*>(smem);
@@ -773,52 +839,68 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n_tiles = a.hidden >> 4;
   const size_t kt_stride = size_t(n_tiles) * 8 * K;
-  const LaneWindow win = lane_window<K>(lane);
+  LaneWindow win = lane_window<K>(lane);
+  opaque(win.w0), opaque(win.w1), opaque(win.off);
   const int live = live_blocks<R>(w.rows);
-  const int chunks = a.intermediate >> 7;
-  const uint32_t* wsrc = projection_words<K>(a, w, 2) + size_t(nchunk) * 8 * 8 * K;
+  const int block_chunks = a.intermediate >> 7;
+  const uint32_t* wsrc = projection_words<K>(a, w, 2) + size_t(first_block) * 8 * 8 * K;
   constexpr int kX = a_expand(R);
   const __half* act = static_cast<const __half*>(a.act) + size_t(w.start) * kX * a.intermediate;
 
   for (int st = 0; st < kFc2Stages; ++st) zero_dead_rows<R>(s_a + st * kAHalves, 1, w.rows);
-  WeightStream<K, 1, kFc2Threads, small_tile(R)> weight_stream(wsrc, kt_stride, 0, uint32_t(8 * kt_stride));  // small tiles (as in FC1)
+  // Small tiles (as in FC1); after a block's last chunk the weights go on 128 columns, from k = 0.
+  WeightStream<K, 1, kFc2Threads, small_tile(R)> weight_stream(
+      wsrc, kt_stride, 0, uint32_t(8 * kt_stride), int32_t(8 * 8 * K) - int32_t((block_chunks - 1) * 8 * kt_stride));
   RowStream<R, 1, kFc2Threads, small_tile(R)> row_stream(act, 0, size_t(kX) * a.intermediate, w.rows);
   const WeightIssue<K, 1, kFc2Threads> weights(kt_stride, 0);
   const uint32_t w_ring = shared_address(s_w), a_ring = shared_address(s_a);
+  // Spans exist only where I/128 is a power of two (fc2_span), so the test needs no division; otherwise the
+  // mask is all ones and no chunk ends a block early.
+  const int block_mask = (block_chunks & (block_chunks - 1)) ? -1 : block_chunks - 1;
+  auto block_ends = [&](int c) { return ((c + 1) & block_mask) == 0; };
   auto issue_w = [&](int c, int stage) {
-    if (small_tile(R)) weight_stream.issue_next(w_ring + stage * kWeightWords * 4);
+    if (small_tile(R)) weight_stream.issue_next(w_ring + stage * kWeightWords * 4, block_ends(c));
     else weights.issue(s_w + stage * kWeightWords, wsrc + size_t(c) * 8 * kt_stride);
   };
   auto issue_a = [&](int c, int stage) {
-    if (small_tile(R)) row_stream.issue_next(a_ring + stage * kAHalves * 2);
-    else issue_a_rows<R, 1, kFc2Threads, !FAST>(s_a + stage * kAHalves, act + c * 128 * kX, nullptr,
-                                         size_t(kX) * a.intermediate, w.rows);
+    if (small_tile(R)) {
+      row_stream.issue_next(a_ring + stage * kAHalves * 2, block_ends(c), block_chunks);
+    } else {
+      issue_a_rows<R, 1, kFc2Threads, !FAST>(s_a + stage * kAHalves, act + c * 128 * kX, nullptr,
+                                             size_t(kX) * a.intermediate, w.rows);
+    }
   };
   float acc[R][2][4];
   zero_acc<R>(acc);
-  const uint32_t ring_lane = a_lane_address<R>(a_ring, lane);
-  staged_chunks<kFc2Stages, small_tile(R)>(chunks, issue_w, issue_a, [] {}, [&](int c, int st) {
+  uint32_t ring_lane = a_lane_address<R>(a_ring, lane);
+  opaque(ring_lane);
+  auto compute = [&](int c, int st) {
     const uint32_t a_addr =
         small_tile(R) ? ring_lane + 2 * st * kAHalves : a_lane_address<R>(a_ring + 2 * st * kAHalves, lane);
     chunk_mma<K, CB, R>(s_w + st * kWeightWords, warp, win, a_addr, live, acc);
     if (c == 0) timeline_mark(1);
-  });
-  timeline_mark(2);
-  __syncthreads();
-
-  float* s_o = reinterpret_cast<float*>(smem);
-  const int g = lane >> 2, q = lane & 3;
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
+  };
+  // Small tiles: each block's epilogue, staged in the A rows of the stage its last chunk used (the ring is
+  // still loading the next block into the other stages); the CTA's last block, with no copy in flight, at
+  // the start of shared memory, which measured faster (docs/performance.md, run 105).
+  auto finish = [&](int b, int st) {
     if constexpr (small_tile(R)) {
+      float* s_o = reinterpret_cast<float*>(b + 1 == span ? smem : reinterpret_cast<unsigned char*>(s_a + st * kAHalves));
+      __syncthreads();  // every warp is past its MMAs on stage st
+      stage_small_acc<R>(acc, s_o, warp, lane, w.rows);
+      __syncthreads();
+      store_down_rows(a, w, first_block + b, s_o, 0, w.rows);
+      zero_acc<R>(acc);
+    }
+  };
+  staged_blocks<kFc2Stages, small_tile(R)>(span, block_chunks, issue_w, issue_a, [] {}, compute, finish);
+  timeline_mark(2);
+  if constexpr (!small_tile(R)) {  // one block: the epilogue takes the whole ring
+    __syncthreads();
+    float* s_o = reinterpret_cast<float*>(smem);
+    const int g = lane >> 2, q = lane & 3;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (2 * r + h >= live) continue;
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          s_o[small_acc_route(r, h, e, q) * kOStride + warp * 16 + small_acc_feature(e, g)] = acc[r][h][e];
-      }
-    } else {
+    for (int r = 0; r < R; ++r) {
       if (r >= live) continue;
 #pragma unroll
       for (int h = 0; h < 2; ++h)
@@ -827,22 +909,22 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
           *reinterpret_cast<float2*>(s_o + (r * 16 + g + 8 * h) * kOStride + warp * 16 + n * 8 + 2 * q) =
               make_float2(acc[r][n][2 * h], acc[r][n][2 * h + 1]);
     }
+    __syncthreads();
+    store_down_rows(a, w, first_block, s_o, 0, w.rows);
   }
-  __syncthreads();
-
-  store_down_rows(a, w, nchunk, s_o, 0, w.rows);
   timeline_mark(3);
 }
 
+// Grid (tiles, groups): blockIdx.x is the tile, blockIdx.y its group of `span` = (H/128) / gridDim.y output
+// blocks (always 1 for large tiles: the host sizes the grid).
 template <int CB, int R, bool FAST>
 __global__ void __launch_bounds__(kFc2Threads, FAST ? (small_tile(R) ? 4 : 2) : 1) fc2_kernel(const TrellisMoeArgs a) {
   TRELLIS_TIMELINE_SCOPE(kTlFc2);
   extern __shared__ __align__(16) unsigned char gemm_smem[];
-  const int nchunks = a.hidden >> 7;
   WorkTile w;
-  if (!load_work_tile(a, blockIdx.x / nchunks, w)) return;
-  const int nchunk = blockIdx.x % nchunks;
-  with_k<FAST>(w.k, [&](auto k) { fc2_body<CB, R, decltype(k)::value, FAST>(a, w, nchunk, gemm_smem); });
+  if (!load_work_tile(a, blockIdx.x, w)) return;
+  const int span = (a.hidden >> 7) / gridDim.y;
+  with_k<FAST>(w.k, [&](auto k) { fc2_body<CB, R, decltype(k)::value, FAST>(a, w, blockIdx.y * span, span, gemm_smem); });
 }
 
 __host__ __device__ constexpr int fc2_smem_bytes(int r, bool fast) {

@@ -5,8 +5,11 @@
 // run on the caller's stream with no host synchronisation, so a whole call can be captured in a CUDA graph. Every tier's K and size are launch scalars: one compiled object serves any
 // partition of any layer.
 #include <cuda_runtime.h>
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
+
+#include <algorithm>
 
 #include "abi.h"
 #include "activation.cuh"
@@ -191,14 +194,41 @@ bool only_k3_k4(const TrellisMoeArgs& a) {
 struct GemmKernels {
   void (*fc1)(TrellisMoeArgs, trellis::Fc1Pieces);
   void (*fc2)(TrellisMoeArgs);
-  int fc1_threads, fc1_smem, fc2_blocks, fc2_threads, fc2_smem;
+  int fc1_threads, fc1_smem;
+  dim3 fc2_grid;
+  int fc2_threads, fc2_smem;
 };
+
+// FC2's output blocks per CTA for small tiles (expert_gemm.cuh, fc2_body): the most, up to 4, that still
+// leave kFc2SpanWaves waves of CTAs on the GPU, counting the tiles that uniform routing would fill (the
+// tile capacity is far above them at small M); 1 in direct mode (one wave). A span needs I/128 to be a power
+// of two and a multiple of the ring's stages. Only the launch shape depends on it, never a result.
+// docs/performance.md, runs 99-107: 4 blocks per CTA saved 1-3 % of the call at M = 64-256.
+constexpr int kFc2SpanWaves = 4, kFc2MaxSpan = 4;
+template <int R, bool FAST>
+int fc2_span(const TrellisMoeArgs& a, void (*kernel)(TrellisMoeArgs)) {
+  const int block_chunks = a.intermediate / 128, blocks = a.hidden / 128;
+  if (a.direct || !trellis::small_tile(R) || block_chunks % trellis::fc2_stages(R, FAST) != 0 ||
+      (block_chunks & (block_chunks - 1)) != 0)
+    return 1;
+  SmLimits l;
+  const bool wide = (a.debug_flags & TRELLIS_FC2_WIDE_SPAN) != 0;
+  if (!wide && !sm_limits(l)) return 1;
+  const int slots = wide ? 0 : l.sms * ctas_per_sm(kernel, trellis::kFc2Threads, trellis::fc2_smem_bytes(R, FAST));
+  const double routes = double(a.m) * a.top_k, experts = a.num_experts > 0 ? a.num_experts : 1;
+  const double touched = a.num_combined * (1.0 - pow(1.0 - 1.0 / experts, routes));
+  const double tiles = std::min(touched + routes * a.num_combined / experts / a.m_tile, double(a.tile_capacity));
+  int span = kFc2MaxSpan;
+  while (span > 1 && (blocks % span != 0 || tiles * blocks / span < double(kFc2SpanWaves) * slots)) span /= 2;
+  return span;
+}
 
 template <int CB, int R, bool FAST>
 GemmKernels mma_sync_kernels(const TrellisMoeArgs& a) {
   using namespace trellis;
+  const int span = fc2_span<R, FAST>(a, fc2_kernel<CB, R, FAST>);
   return {fc1_kernel<CB, R, FAST>, fc2_kernel<CB, R, FAST>, kFc1Threads, fc1_smem_bytes(R, FAST),
-          a.tile_capacity * (a.hidden / 128), kFc2Threads, fc2_smem_bytes(R, FAST)};
+          dim3(a.tile_capacity, a.hidden / 128 / span), kFc2Threads, fc2_smem_bytes(R, FAST)};
 }
 
 #ifdef TRELLIS_WGMMA  // sm_90a build: large tiles run on wgmma (expert_wgmma.cuh)
@@ -206,7 +236,7 @@ template <int CB, bool FAST>
 GemmKernels wgmma_kernels(const TrellisMoeArgs& a) {
   using namespace trellis;
   return {fc1_wgmma_kernel<CB, FAST>, fc2_wgmma_kernel<CB, FAST>, kWgThreads, wg_smem_bytes(FAST),
-          a.tile_capacity * fc2_wgmma_groups(a.hidden), kWgThreads, wg_smem_bytes(FAST)};
+          dim3(a.tile_capacity * fc2_wgmma_groups(a.hidden)), kWgThreads, wg_smem_bytes(FAST)};
 }
 #endif
 
@@ -231,9 +261,10 @@ cudaError_t launch_gemms(const TrellisMoeArgs& a, const GemmKernels& k, int act_
     err = launch(activation_for(a), act_grid, act_warps * 32, 0, stream, pdl, a, pieces);
   }
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_FC2)) {
-    const int fc2_smem = even_wave_smem(k.fc2, k.fc2_blocks, k.fc2_threads, k.fc2_smem);
+    const int blocks = static_cast<int>(k.fc2_grid.x * k.fc2_grid.y);
+    const int fc2_smem = even_wave_smem(k.fc2, blocks, k.fc2_threads, k.fc2_smem);
     if ((err = allow_smem(k.fc2, fc2_smem)) == cudaSuccess)
-      err = launch(k.fc2, k.fc2_blocks, k.fc2_threads, fc2_smem, stream, pdl, a);
+      err = launch(k.fc2, k.fc2_grid, k.fc2_threads, fc2_smem, stream, pdl, a);
   }
   return err;
 }
