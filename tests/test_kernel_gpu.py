@@ -113,17 +113,17 @@ def test_wide_intermediate(library, hidden, intermediate, m):
 
 
 @pytest.mark.parametrize("intermediate", [256, 384, 512])
-@pytest.mark.parametrize("m", [16, 48])
-def test_fc2_output_blocks_per_cta_leave_results_unchanged(library, intermediate, m):
-    # FC2 CTAs of 16-row tiles walk up to 4 output blocks of their tile, the copy ring running on from one
-    # block into the next, where the grid has waves to spare (trellis_moe.cu fc2_span); the debug flag
-    # forces the widest span on this small layer (H/128 = 8 blocks: 2 CTAs per tile). I/128 = 3 is no
+@pytest.mark.parametrize("m, m_tile", [(16, 16), (48, 16), (100, 32)])
+def test_fc2_output_blocks_per_cta_leave_results_unchanged(library, intermediate, m, m_tile):
+    # FC2 CTAs of 16- and 32-row tiles walk up to 4 output blocks of their tile, the copy ring running on
+    # from one block into the next, where the grid has waves to spare (trellis_moe.cu fc2_span); the debug
+    # flag forces the widest span on this small layer (H/128 = 8 blocks: 2 CTAs per tile). I/128 = 3 is no
     # power of two: one block per CTA there.
     from trellis_cli.kernel import abi
 
     moe = moe_for(Preset("span", 1024, intermediate, 16, 4, "mcg", (12, 4), (3, 4), 1), library)
-    plan = moe.plan(m, 4)
-    assert plan.m_tile == 16 and not plan.direct
+    plan = make_plan(m, 4, 1024, intermediate, 16, m_tile=m_tile, wgmma=library.wgmma)
+    assert plan.m_tile == m_tile and not plan.direct
     x = random_activations(m, 1024, device="cuda", seed=m)
     ids, w = random_routes(m, 16, 4, device="cuda", seed=m + 1)
     one = moe.forward(x, ids, w, plan=plan)
