@@ -457,6 +457,22 @@ __device__ __forceinline__ uint32_t a_lane_address(uint32_t tile, int lane) {
 __host__ __device__ constexpr int small_acc_route(int r, int h, int e, int q) { return 16 * r + 8 * h + 2 * q + (e & 1); }
 __host__ __device__ constexpr int small_acc_feature(int e, int g) { return g + 8 * (e >> 1); }
 
+// Calls f(route, feature, value) for each of the lane's accumulators of a small tile whose route is below
+// `rows`: the route within the tile, the feature within the warp's 16.
+template <int R, typename F>
+__device__ __forceinline__ void for_each_small_acc(const float (&acc)[R][2][4], int lane, int rows, F&& f) {
+  const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int route = small_acc_route(r, h, e, q);
+        if (route < rows) f(route, small_acc_feature(e, g), acc[r][h][e]);
+      }
+}
+
 template <int R>
 __device__ __forceinline__ void zero_acc(float (&acc)[R][2][4]) {
 #pragma unroll
@@ -581,19 +597,10 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   float* part = static_cast<float*>(a.partial) + size_t(plane) * a.slot_capacity * 2 * a.intermediate;
   const int g = lane >> 2, q = lane & 3;
   if constexpr (small_tile(R)) {
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = small_acc_route(r, h, e, q);
-          // feature nt * 16 + small_acc_feature(e, g), summed in this order: the constant 8 (e / 2) folds
-          // into the store's immediate offset
-          if (row < w.rows)
-            part[size_t(w.start + row) * 2 * a.intermediate + proj * a.intermediate + nt * 16 + g + 8 * (e >> 1)] =
-                acc[r][h][e];
-        }
+    // feature nt * 16 + f, summed in this order: f's constant 8 (e / 2) folds into the store's immediate offset
+    for_each_small_acc<R>(acc, lane, w.rows, [&](int row, int f, float v) {
+      part[size_t(w.start + row) * 2 * a.intermediate + proj * a.intermediate + nt * 16 + f] = v;
+    });
   } else {  // acc[r][n][e]: route 16r + g + 8 (e / 2), features 8n + 2q + e % 2
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -813,20 +820,6 @@ __device__ __forceinline__ void store_down_rows(const TrellisMoeArgs& a, const W
 // of one block spent as long on its tile lookups, first copies and epilogue as on its chunks
 // (docs/performance.md, run 99); a span pays the first two once and hides the epilogues behind copies.
 
-// A small tile's accumulators (rows below `rows` only) as fp32 rows [rows][kOStride] in s_o.
-template <int R>
-__device__ __forceinline__ void stage_small_acc(const float (&acc)[R][2][4], float* s_o, int warp, int lane, int rows) {
-  const int g = lane >> 2, q = lane & 3;
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int route = small_acc_route(r, h, e, q);
-        if (route < rows) s_o[route * kOStride + warp * 16 + small_acc_feature(e, g)] = acc[r][h][e];
-      }
-}
 static_assert(kOStride * 4 == a_stride(1) * 2 && kOStride * 4 == a_stride(2) * 2,
               "a small tile's epilogue rows must fit the A rows of one stage");
 
@@ -887,7 +880,8 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_b
     if constexpr (small_tile(R)) {
       float* s_o = reinterpret_cast<float*>(b + 1 == span ? smem : reinterpret_cast<unsigned char*>(s_a + st * kAHalves));
       __syncthreads();  // every warp is past its MMAs on stage st
-      stage_small_acc<R>(acc, s_o, warp, lane, w.rows);
+      for_each_small_acc<R>(acc, lane, w.rows,
+                            [&](int route, int f, float v) { s_o[route * kOStride + warp * 16 + f] = v; });
       __syncthreads();
       store_down_rows(a, w, first_block + b, s_o, 0, w.rows);
       zero_acc<R>(acc);
