@@ -257,17 +257,15 @@ struct WeightStream {
       src[j] = first + (run >> 3) * source_stride + (run & 7) * kt_stride + piece * 4;
     }
   }
-  __device__ __forceinline__ void issue_next(uint32_t stage) {
-#pragma unroll
-    for (int j = 0; j < kItems; ++j) {
-      const int i = threadIdx.x + j * THREADS;
-      if (kTotal % THREADS == 0 || i < kTotal) cp_async16(stage + 16u * i, src[j]);
-      src[j] += step;
-    }
-  }
+  __device__ __forceinline__ void issue_next(uint32_t stage) { issue_then_step(stage, step); }
   // FC2: after a block's last chunk, on to the next block's first.
   __device__ __forceinline__ void issue_next(uint32_t stage, bool block_ends) {
-    const int32_t next = block_ends ? block_step : int32_t(step);
+    issue_then_step(stage, block_ends ? block_step : int32_t(step));
+  }
+
+ private:
+  template <typename Step>
+  __device__ __forceinline__ void issue_then_step(uint32_t stage, Step next) {
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
       const int i = threadIdx.x + j * THREADS;
@@ -298,15 +296,8 @@ struct RowStream {
       dst[j] = 2u * ((p * R * 16 + r) * kStride + ch * 8);
     }
   }
-  __device__ __forceinline__ void issue_next(uint32_t stage) {
-#pragma unroll
-    for (int j = 0; j < kItems; ++j) {
-      if (live[j]) cp_async16(stage + dst[j], src[j]);
-      src[j] += 128 * a_expand(R);
-    }
-  }
-  // FC2: after a block's last chunk, back to the first, the same rows serving the next output block.
-  __device__ __forceinline__ void issue_next(uint32_t stage, bool block_ends, int block_chunks) {
+  // block_ends (FC2): after a block's last chunk, back to the first, the same rows serving the next block.
+  __device__ __forceinline__ void issue_next(uint32_t stage, bool block_ends = false, int block_chunks = 0) {
     const int next = block_ends ? (1 - block_chunks) * 128 * a_expand(R) : 128 * a_expand(R);
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
