@@ -282,11 +282,15 @@ struct RowStream {
   static constexpr int kPieces = 16 * a_expand(R), kStride = a_stride(R), kPerSource = R * 16 * kPieces;
   static constexpr int kTotal = SOURCES * kPerSource;
   static constexpr int kItems = ACTIVE ? (kTotal + THREADS - 1) / THREADS : 0;
+  static constexpr int kStep = 128 * a_expand(R);  // halves from one chunk to the next
   const __half* src[kItems > 0 ? kItems : 1];
   uint32_t dst[kItems > 0 ? kItems : 1];  // bytes from the stage's start
   bool live[kItems > 0 ? kItems : 1];
+  int32_t block_step;  // FC2: halves from a block's last chunk back to its first (the next block's rows)
 
-  __device__ __forceinline__ RowStream(const __half* first, size_t source_stride, size_t row_stride, int rows) {
+  __device__ __forceinline__ RowStream(const __half* first, size_t source_stride, size_t row_stride, int rows,
+                                       int block_chunks = 1)
+      : block_step((1 - block_chunks) * kStep) {
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
       const int i = threadIdx.x + j * THREADS;
@@ -297,8 +301,8 @@ struct RowStream {
     }
   }
   // block_ends (FC2): after a block's last chunk, back to the first, the same rows serving the next block.
-  __device__ __forceinline__ void issue_next(uint32_t stage, bool block_ends = false, int block_chunks = 0) {
-    const int next = block_ends ? (1 - block_chunks) * 128 * a_expand(R) : 128 * a_expand(R);
+  __device__ __forceinline__ void issue_next(uint32_t stage, bool block_ends = false) {
+    const int32_t next = block_ends ? block_step : kStep;
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
       if (live[j]) cp_async16(stage + dst[j], src[j]);
@@ -835,7 +839,7 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_b
   // Small tiles (as in FC1); after a block's last chunk the weights go on 128 columns, from k = 0.
   WeightStream<K, 1, kFc2Threads, small_tile(R)> weight_stream(
       wsrc, kt_stride, 0, uint32_t(8 * kt_stride), int32_t(8 * 8 * K) - int32_t((block_chunks - 1) * 8 * kt_stride));
-  RowStream<R, 1, kFc2Threads, small_tile(R)> row_stream(act, 0, size_t(kX) * a.intermediate, w.rows);
+  RowStream<R, 1, kFc2Threads, small_tile(R)> row_stream(act, 0, size_t(kX) * a.intermediate, w.rows, block_chunks);
   const WeightIssue<K, 1, kFc2Threads> weights(kt_stride, 0);
   const uint32_t w_ring = shared_address(s_w), a_ring = shared_address(s_a);
   // Spans exist only where I/128 is a power of two (fc2_span), so the test needs no division; otherwise the
@@ -848,7 +852,7 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_b
   };
   auto issue_a = [&](int c, int stage) {
     if (small_tile(R)) {
-      row_stream.issue_next(a_ring + stage * kAHalves * 2, block_ends(c), block_chunks);
+      row_stream.issue_next(a_ring + stage * kAHalves * 2, block_ends(c));
     } else {
       issue_a_rows<R, 1, kFc2Threads, !FAST>(s_a + stage * kAHalves, act + c * 128 * kX, nullptr,
                                              size_t(kX) * a.intermediate, w.rows);
