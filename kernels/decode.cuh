@@ -14,6 +14,7 @@ namespace trellis {
 struct LaneWindow {
   int w0, w1, w2;  // word indices (cyclic: tail-biting)
   int off;         // bit offset of the window inside word w0, counted from its MSB
+  int off5;        // off + 5 (K3: where the window's last 32 bits start; 32 for the lanes with off 27)
 };
 
 template <int K>
@@ -26,6 +27,7 @@ __device__ __forceinline__ LaneWindow lane_window(int lane) {
   w.off = start & 31;
   w.w1 = (w.w0 + 1) % kWords;
   w.w2 = (w.w0 + 2) % kWords;
+  w.off5 = w.off + 5;
   return w;
 }
 
@@ -59,8 +61,9 @@ __device__ __forceinline__ uint32_t bytes12(uint32_t x) { return __byte_perm(x, 
 // All 8 states of the lane at once, in the fewest integer instructions (the decode loop is bound by their
 // total: on sm_90 the ALU and IMAD pipes share one budget, docs/kernel.md "The decode budget").
 // K4 windows start at bit 20 of w0 in every lane, so half the states are byte-aligned (one PRMT each):
-// 11 instructions for 8 states. K3 windows start at bit 3, 11, 19 or 27 (by lane): the window is
-// left-aligned once into hi:lo and each state is its top 16 bits after a constant shift: 17. Both equal
+// 11 instructions for 8 states. K3 windows (37 bits) start at bit 3, 11, 19 or 27 (by lane): two funnel
+// shifts give its first and its last 32 bits, states 0-1 are a shift and a mask of the first and states
+// 2-7 of the last, state 7 a mask alone: 16 (left-aligning the window into hi:lo took 17). Both equal
 // lane_state (the GPU stage checks compare every stage with the CPU decoder); other K use lane_state.
 template <int K>
 __device__ __forceinline__ void lane_states(const TileWords& t, const LaneWindow& win, uint32_t s[8]) {
@@ -74,13 +77,13 @@ __device__ __forceinline__ void lane_states(const TileWords& t, const LaneWindow
     s[5] = bytes12(t.u1);
     s[6] = a & 0xFFFFu;
     s[7] = t.u1 & 0xFFFFu;
-  } else if (K == 3) {  // the window's 37 bits, left-aligned in hi:lo
-    const uint32_t hi = __funnelshift_l(t.u1, t.u0, win.off), lo = t.u1 << win.off;
-    s[0] = hi >> 16;
+  } else if (K == 3) {  // s_j = window bits 3j .. 3j + 15
+    const uint32_t head = __funnelshift_l(t.u1, t.u0, win.off);    // window bits 0 .. 31
+    const uint32_t tail = __funnelshift_lc(t.u1, t.u0, win.off5);  // bits 5 .. 36 (clamped: off5 may be 32)
+    s[0] = head >> 16;
+    s[1] = (head >> 13) & 0xFFFFu;
 #pragma unroll
-    for (int j = 1; j <= 5; ++j) s[j] = (hi >> (16 - 3 * j)) & 0xFFFFu;
-#pragma unroll
-    for (int j = 6; j <= 7; ++j) s[j] = __funnelshift_l(lo, hi, 3 * j) >> 16;
+    for (int j = 2; j <= 7; ++j) s[j] = (tail >> (21 - 3 * j)) & 0xFFFFu;
   } else {
 #pragma unroll
     for (int j = 0; j < 8; ++j) s[j] = lane_state<K>(t, win.off, j);
