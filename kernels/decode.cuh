@@ -14,7 +14,6 @@ namespace trellis {
 struct LaneWindow {
   int w0, w1, w2;  // word indices (cyclic: tail-biting)
   int off;         // bit offset of the window inside word w0, counted from its MSB
-  int off5;        // off + 5 (K3: where the window's last 32 bits start; 32 for the lanes with off 27)
 };
 
 template <int K>
@@ -27,7 +26,6 @@ __device__ __forceinline__ LaneWindow lane_window(int lane) {
   w.off = start & 31;
   w.w1 = (w.w0 + 1) % kWords;
   w.w2 = (w.w0 + 2) % kWords;
-  w.off5 = w.off + 5;
   return w;
 }
 
@@ -78,8 +76,8 @@ __device__ __forceinline__ void lane_states(const TileWords& t, const LaneWindow
     s[6] = a & 0xFFFFu;
     s[7] = t.u1 & 0xFFFFu;
   } else if (K == 3) {  // s_j = window bits 3j .. 3j + 15
-    const uint32_t head = __funnelshift_l(t.u1, t.u0, win.off);    // window bits 0 .. 31
-    const uint32_t tail = __funnelshift_lc(t.u1, t.u0, win.off5);  // bits 5 .. 36 (clamped: off5 may be 32)
+    const uint32_t head = __funnelshift_l(t.u1, t.u0, win.off);       // window bits 0 .. 31
+    const uint32_t tail = __funnelshift_lc(t.u1, t.u0, win.off + 5);  // bits 5 .. 36 (clamped: off + 5 may be 32)
     s[0] = head >> 16;
     s[1] = (head >> 13) & 0xFFFFu;
 #pragma unroll
