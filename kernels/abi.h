@@ -6,7 +6,7 @@
 #pragma once
 #include <stdint.h>
 
-#define TRELLIS_ABI_VERSION 3
+#define TRELLIS_ABI_VERSION 4
 #define TRELLIS_MAX_TIERS 8
 
 // Codebook ids (format.py CODEBOOK_IDS).
@@ -57,6 +57,8 @@ typedef struct TrellisMoeArgs {
   void* xrot;         // fp16 [slot_capacity, 2, H]: rotated gate and up inputs per route
   void* act;          // fp16 [slot_capacity, I]
   void* route_out;    // fp32 [M*top_k, H]
+  void* direct_sync;  // int32 [3, tile_capacity]: direct mode's per-route hand-over counters
+                      // (direct_sync.cuh); zero when allocated, and zero again after every call
   // Scalars.
   int32_t tier_k[TRELLIS_MAX_TIERS];
   int32_t tier_size[TRELLIS_MAX_TIERS];

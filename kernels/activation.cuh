@@ -63,7 +63,14 @@ __global__ void __launch_bounds__(kActWarps * 32, kBatch == 1 ? 7 : 1)
 #pragma unroll 1
   for (int pass = kWarmPass ? 0 : 1; pass < 2; ++pass) {
     if (pass == 1) {
-      after_predecessor();
+      if (routed_handover(a)) {  // wait for this route's FC1 pieces only (direct_sync.cuh)
+        allow_dependents();
+        if (!(a.debug_flags & TRELLIS_SKIP_FC1))
+          wait_count<true>(direct_sync(a).fc1_done + w.start, fc1_items_per_tile(a) * a.k_split);
+        timeline_waited();
+      } else {
+        after_predecessor();
+      }
       planes = fc1_tile_planes(a, pieces, blockIdx.x);
     }
     const int rows_end = pass ? w.rows : min(w.rows, 2 * blockIdx.y + 1);
@@ -116,6 +123,10 @@ __global__ void __launch_bounds__(kActWarps * 32, kBatch == 1 ? 7 : 1)
       timeline_mark(2 * pass + 1);
       if (pass && live) store_a_row8(static_cast<__half*>(a.act) + size_t(slot) * expand * inter, col, expand, v);
     }
+  }
+  if (routed_handover(a)) {  // this warp's block of the route's one row is stored
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) count_done(direct_sync(a).act_done + w.start);
   }
 }
 

@@ -58,19 +58,20 @@ __device__ __forceinline__ uint32_t bytes12(uint32_t x) { return __byte_perm(x, 
 
 // All 8 states of the lane at once, in the fewest integer instructions (the decode loop is bound by their
 // total: on sm_90 the ALU and IMAD pipes share one budget, docs/kernel.md "The decode budget").
-// K4 windows start at bit 20 of w0 in every lane, so half the states are byte-aligned (one PRMT each):
-// 11 instructions for 8 states. K3 windows (37 bits) start at bit 3, 11, 19 or 27 (by lane): two funnel
-// shifts give its first and its last 32 bits, states 0-1 are a shift and a mask of the first and states
-// 2-7 of the last, state 7 a mask alone: 16 (left-aligning the window into hi:lo took 17). Both equal
-// lane_state (the GPU stage checks compare every stage with the CPU decoder); other K use lane_state.
+// K4 windows start at bit 20 of w0 in every lane, so half the states are byte-aligned (one PRMT each, the
+// one across the two words with the zero bytes of state 3): 10 instructions for 8 states. K3 windows (37
+// bits) start at bit 3, 11, 19 or 27 (by lane): two funnel shifts give its first and its last 32 bits,
+// states 0-1 are a shift and a mask of the first and states 2-7 of the last, state 7 a mask alone: 16
+// (left-aligning the window into hi:lo took 17). Both equal lane_state (the GPU stage checks compare
+// every stage with the CPU decoder); other K use lane_state.
 template <int K>
 __device__ __forceinline__ void lane_states(const TileWords& t, const LaneWindow& win, uint32_t s[8]) {
   if (K == 4) {  // s_j = (u0:u1 >> (28 - 4j)) & 0xFFFF
     const uint32_t a = t.u1 >> 4, b = __funnelshift_r(t.u1, t.u0, 20);
     s[0] = bytes12(b);
-    s[1] = bytes12(__funnelshift_r(t.u1, t.u0, 16));
-    s[2] = b & 0xFFFFu;
     s[3] = t.u1 >> 16;
+    s[1] = __byte_perm(s[3], t.u0, 0x3241);  // u1's byte 3, u0's byte 0, then s3's two zero bytes
+    s[2] = b & 0xFFFFu;
     s[4] = bytes12(a);
     s[5] = bytes12(t.u1);
     s[6] = a & 0xFFFFu;

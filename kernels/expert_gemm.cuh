@@ -15,6 +15,7 @@
 
 #include "abi.h"
 #include "decode.cuh"
+#include "direct_sync.cuh"
 #include "fc1_split.cuh"
 #include "route_pack.cuh"
 #include "warp_ops.cuh"
@@ -199,8 +200,7 @@ __device__ __forceinline__ void staged_blocks(int blocks, int block_chunks, Issu
     if (c < chunks) issue_w(c, c);
     cp_async_commit();
   }
-  after_predecessor();
-  after_wait();
+  after_wait();  // waits for the previous phase first
 #pragma unroll
   for (int c = 0; c < S - 1; ++c) {
     if (c < chunks) issue_a(c, c);
@@ -574,6 +574,7 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   staged_chunks<kStages, small_tile(R)>(
       chunks, issue_w, issue_a,
       [&] {
+        after_predecessor();
         if (direct) rotate_direct_row(a, w, kc0, chunks, s_a);  // made visible by the loop's first barrier
         timeline_mark(0);
       },
@@ -652,6 +653,10 @@ __global__ void __launch_bounds__(kFc1Threads, (small_tile(R) && FAST) ? 2 : 1)
     fc1_body<CB, R, decltype(k)::value, FAST>(a, w, piece.item % nchunks, piece.kc0, piece.chunks, piece.plane,
                                               gemm_smem);
   });
+  if (small_tile(R) && routed_handover(a)) {  // the piece's partial sums are stored: count it for its route
+    __syncthreads();
+    if (threadIdx.x == 0) count_done(direct_sync(a).fc1_done + w.start);
+  }
 }
 
 __host__ __device__ constexpr int fc1_smem_bytes(int r, bool fast) {
@@ -882,7 +887,26 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_b
       zero_acc<R>(acc);
     }
   };
-  staged_blocks<kFc2Stages, small_tile(R)>(span, block_chunks, issue_w, issue_a, [] {}, compute, finish);
+  // Direct mode from two tokens on: wait for this route's activation only (direct_sync.cuh).
+  auto wait = [&] {
+    if (!(small_tile(R) && routed_handover(a))) {
+      after_predecessor();
+      return;
+    }
+    allow_dependents();
+    if (threadIdx.x == 0) {
+      const DirectSync sync = direct_sync(a);
+      if (!(a.debug_flags & TRELLIS_SKIP_ACT)) wait_count<false>(sync.act_done + w.start, a.intermediate >> 7);
+      if (atomicAdd(sync.fc2_passed + w.start, 1) == int(gridDim.y) - 1) {  // the route's last FC2 CTA
+        sync.fc1_done[w.start] = 0;
+        sync.act_done[w.start] = 0;
+        sync.fc2_passed[w.start] = 0;
+      }
+    }
+    __syncthreads();
+    timeline_waited();
+  };
+  staged_blocks<kFc2Stages, small_tile(R)>(span, block_chunks, issue_w, issue_a, wait, compute, finish);
   timeline_mark(2);
   if constexpr (!small_tile(R)) {  // one block: the epilogue takes the whole ring
     __syncthreads();

@@ -13,6 +13,7 @@
 // equal chunks are not equal time (K3 and K4, two CTAs sharing an SM; run 89).
 #pragma once
 #include "abi.h"
+#include "direct_sync.cuh"
 
 namespace trellis {
 
@@ -71,12 +72,15 @@ __device__ __forceinline__ int fc1_tail_start(const TrellisMoeArgs& a, const Fc1
   return max(0, items - p.tail_items);
 }
 
-// Piece `index` of the grid (direct mode: blockIdx.x is the item and blockIdx.y the range); false past the
+// Piece `index` of the grid (direct mode: blockIdx.x is the item and blockIdx.y the range, or the other way
+// round from two tokens on, so that a route's pieces are placed together: direct_sync.cuh); false past the
 // last piece.
 __device__ __forceinline__ bool fc1_piece(const TrellisMoeArgs& a, const Fc1Pieces& p, Fc1Piece& out) {
   const int chunks = a.hidden >> 7, ranges = a.k_split;
   if (a.direct) {
-    out = {int(blockIdx.x), int(blockIdx.y) * (chunks / ranges), chunks / ranges, int(blockIdx.y)};
+    const bool by_route = routed_handover(a);
+    const int item = by_route ? blockIdx.y : blockIdx.x, range = by_route ? blockIdx.x : blockIdx.y;
+    out = {item, range * (chunks / ranges), chunks / ranges, range};
     return true;
   }
   const int items = fc1_tiles(a) * fc1_items_per_tile(a), head = max(0, items - p.tail_items);

@@ -31,7 +31,7 @@ def test_ctypes_struct_mirrors_abi_header_field_for_field():
     assert f"#define TRELLIS_ABI_VERSION {abi.ABI_VERSION}" in text
     assert f"#define TRELLIS_MAX_TIERS {abi.MAX_TIERS}" in text
     # pointers first, then int32 scalars: no padding between the two, only at the end (to 8 bytes)
-    packed = 8 * (abi.MAX_TIERS + 19) + 4 * (2 * abi.MAX_TIERS + 21)
+    packed = 8 * (abi.MAX_TIERS + 20) + 4 * (2 * abi.MAX_TIERS + 21)
     assert ctypes.sizeof(abi.TrellisMoeArgs) == -(-packed // 8) * 8
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from trellis_cli.errors import GpuUnavailable
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 MAX_TIERS = 8
 
 DT_FP32, DT_FP16, DT_BF16 = 0, 1, 2
@@ -39,6 +39,7 @@ _POINTERS = (
     "xrot",
     "act",
     "route_out",
+    "direct_sync",
 )
 _SCALARS = (
     "abi_version",
