@@ -33,7 +33,9 @@ MIN_FC1_CHUNKS = 6
 # Direct mode (kernels/abi.h): up to this many routes each get their own one-row tile, with no route pack
 # and no rotation launch. Top-k ids of one token are distinct, so at M=1 no expert is decoded twice.
 # glm52-tp4 on H200, direct / packed us: M=3 90.0 / 101.9, M=4 114.0 / 122.2, M=5 153.8 / 153.0,
-# M=6 162.5 / 171.3, M=7 199.1 / 182.2, M=8 209.1 / 195.7 (docs/performance.md, run 45).
+# M=6 162.5 / 171.3, M=7 199.1 / 182.2, M=8 209.1 / 195.7 (docs/performance.md, run 45); with direct
+# mode's hand-over by route, M=5 131.4 / 145.1, M=6 151.0 / 162.5, M=7 184.0 / 174.0, M=8 197.8 / 186.0
+# (run 158).
 DIRECT_MAX_ROUTES = 48
 DIRECT_MAX_CHUNKS = 48  # kDirectMaxChunks: FC1's resident input rows must fit its A ring
 # FC1 CTAs wanted in direct mode (glm52-tp4 on H200, us by H ranges: M=1 8: 43.1, 4: 43.6, 12: 47.8;
