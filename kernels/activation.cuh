@@ -29,7 +29,7 @@ constexpr int kSplitBatch = 8;
 // registers, or 16 of 210, exceed an SM's 64 K registers.
 constexpr int kActWarps = 4;
 
-// grid (tile_capacity, row_steps, ceil(I/128 / kActWarps)), one warp per 128-channel block of the
+// grid (tile_capacity, activation_row_steps, ceil(I/128 / kActWarps)), one warp per 128-channel block of the
 // intermediate dim; each half warp takes one route row per step (8 channels per lane, as the input
 // rotation of small tiles: the kernel is issue-bound).
 //
@@ -63,15 +63,15 @@ __global__ void __launch_bounds__(kActWarps * 32, kBatch == 1 ? 7 : 1)
 #pragma unroll 1
   for (int pass = kWarmPass ? 0 : 1; pass < 2; ++pass) {
     if (pass == 1) {
-      if (routed_handover(a)) {  // wait for this route's FC1 pieces only (direct_sync.cuh)
+      planes = fc1_tile_planes(a, pieces, blockIdx.x);
+      if (tile_handover(a)) {  // wait for this tile's FC1 pieces only (handover.cuh), if the CTA has rows
         allow_dependents();
-        if (!(a.debug_flags & TRELLIS_SKIP_FC1))
-          wait_count<true>(direct_sync(a).fc1_done + w.start, fc1_items_per_tile(a) * a.k_split);
+        if (!(a.debug_flags & TRELLIS_SKIP_FC1) && 2 * int(blockIdx.y) < w.rows)
+          wait_count<true>(handover(a).fc1_done + blockIdx.x, fc1_items_per_tile(a) * planes);
         timeline_waited();
       } else {
         after_predecessor();
       }
-      planes = fc1_tile_planes(a, pieces, blockIdx.x);
     }
     const int rows_end = pass ? w.rows : min(w.rows, 2 * blockIdx.y + 1);
     for (int row0 = 2 * blockIdx.y; row0 < rows_end; row0 += 2 * gridDim.y) {  // whole warps step together
@@ -124,9 +124,9 @@ __global__ void __launch_bounds__(kActWarps * 32, kBatch == 1 ? 7 : 1)
       if (pass && live) store_a_row8(static_cast<__half*>(a.act) + size_t(slot) * expand * inter, col, expand, v);
     }
   }
-  if (routed_handover(a)) {  // this warp's block of the route's one row is stored
+  if (tile_handover(a)) {  // this warp's block of its rows of the tile is stored
     __syncwarp();
-    if ((threadIdx.x & 31) == 0) count_done(direct_sync(a).act_done + w.start);
+    if ((threadIdx.x & 31) == 0) count_done(handover(a).act_done + blockIdx.x);
   }
 }
 

@@ -15,7 +15,7 @@
 
 #include "abi.h"
 #include "decode.cuh"
-#include "direct_sync.cuh"
+#include "handover.cuh"
 #include "fc1_split.cuh"
 #include "route_pack.cuh"
 #include "warp_ops.cuh"
@@ -653,9 +653,9 @@ __global__ void __launch_bounds__(kFc1Threads, (small_tile(R) && FAST) ? 2 : 1)
     fc1_body<CB, R, decltype(k)::value, FAST>(a, w, piece.item % nchunks, piece.kc0, piece.chunks, piece.plane,
                                               gemm_smem);
   });
-  if (small_tile(R) && routed_handover(a)) {  // the piece's partial sums are stored: count it for its route
+  if (small_tile(R) && tile_handover(a)) {  // the piece's partial sums are stored: count it for its tile
     __syncthreads();
-    if (threadIdx.x == 0) count_done(direct_sync(a).fc1_done + w.start);
+    if (threadIdx.x == 0) count_done(handover(a).fc1_done + piece.item / nchunks);
   }
 }
 
@@ -887,20 +887,22 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_b
       zero_acc<R>(acc);
     }
   };
-  // Direct mode from two tokens on: wait for this route's activation only (direct_sync.cuh).
+  // Wait for this tile's activation only (handover.cuh).
   auto wait = [&] {
-    if (!(small_tile(R) && routed_handover(a))) {
+    if (!(small_tile(R) && tile_handover(a))) {
       after_predecessor();
       return;
     }
     allow_dependents();
     if (threadIdx.x == 0) {
-      const DirectSync sync = direct_sync(a);
-      if (!(a.debug_flags & TRELLIS_SKIP_ACT)) wait_count<false>(sync.act_done + w.start, a.intermediate >> 7);
-      if (atomicAdd(sync.fc2_passed + w.start, 1) == int(gridDim.y) - 1) {  // the route's last FC2 CTA
-        sync.fc1_done[w.start] = 0;
-        sync.act_done[w.start] = 0;
-        sync.fc2_passed[w.start] = 0;
+      const Handover sync = handover(a);
+      const int tile = blockIdx.x;
+      if (!(a.debug_flags & TRELLIS_SKIP_ACT))
+        wait_count<false>(sync.act_done + tile, activation_row_steps(a) * (a.intermediate >> 7));
+      if (atomicAdd(sync.fc2_passed + tile, 1) == int(gridDim.y) - 1) {  // the tile's last FC2 CTA
+        sync.fc1_done[tile] = 0;
+        sync.act_done[tile] = 0;
+        sync.fc2_passed[tile] = 0;
       }
     }
     __syncthreads();

@@ -13,7 +13,7 @@
 // equal chunks are not equal time (K3 and K4, two CTAs sharing an SM; run 89).
 #pragma once
 #include "abi.h"
-#include "direct_sync.cuh"
+#include "handover.cuh"
 
 namespace trellis {
 
@@ -72,28 +72,29 @@ __device__ __forceinline__ int fc1_tail_start(const TrellisMoeArgs& a, const Fc1
   return max(0, items - p.tail_items);
 }
 
-// Piece `index` of the grid (direct mode: blockIdx.x is the item and blockIdx.y the range, or the other way
-// round from two tokens on, so that a route's pieces are placed together: direct_sync.cuh); false past the
-// last piece.
+// Piece `index` of the grid; false past the last piece. Listed range by range, or item by item where the
+// phases hand over per tile (handover.cuh), so that a tile's pieces are placed together. Direct mode:
+// blockIdx.x is the item and blockIdx.y the range, or the other way round.
 __device__ __forceinline__ bool fc1_piece(const TrellisMoeArgs& a, const Fc1Pieces& p, Fc1Piece& out) {
   const int chunks = a.hidden >> 7, ranges = a.k_split;
   if (a.direct) {
-    const bool by_route = routed_handover(a);
-    const int item = by_route ? blockIdx.y : blockIdx.x, range = by_route ? blockIdx.x : blockIdx.y;
+    const bool by_item = tile_handover(a);
+    const int item = by_item ? blockIdx.y : blockIdx.x, range = by_item ? blockIdx.x : blockIdx.y;
     out = {item, range * (chunks / ranges), chunks / ranges, range};
     return true;
   }
   const int items = fc1_tiles(a) * fc1_items_per_tile(a), head = max(0, items - p.tail_items);
-  const int index = blockIdx.x;  // range by range, as a (items, ranges) grid runs
+  const int index = blockIdx.x;
+  const bool by_item = tile_handover(a);
   if (index < head * ranges) {
-    const int r = index / head;
-    out = {index - r * head, r * (chunks / ranges), chunks / ranges, r};
+    const int r = by_item ? index % ranges : index / head, item = by_item ? index / ranges : index - r * head;
+    out = {item, r * (chunks / ranges), chunks / ranges, r};
     return true;
   }
-  const int tail = items - head, fine = ranges * p.tail_split, q = index - head * ranges;
+  const int tail = items - head, fine = ranges * p.tail_split, q = index - head * ranges;  // the tail's pieces
   if (q >= tail * fine) return false;
-  const int r = q / tail;
-  out = {head + q - r * tail, r * (chunks / fine), chunks / fine, r};
+  const int r = by_item ? q % fine : q / tail, item = head + (by_item ? q / fine : q - r * tail);
+  out = {item, r * (chunks / fine), chunks / fine, r};
   return true;
 }
 

@@ -1,8 +1,8 @@
 // Host entry of the fused mixed-K trellis MoE: argument checks and the launch sequence.
 //
 // One call = route pack -> input rotation -> FC1 (gate, up) -> activation -> FC2 (down, output rotation,
-// router weight) -> fixed-order top-k sum; in direct small-M mode FC1 -> activation -> FC2 -> sum, handed
-// over per route from two tokens on (direct_sync.cuh). All
+// router weight) -> fixed-order top-k sum; in direct small-M mode FC1 -> activation -> FC2 -> sum. Tiles of
+// 16 and 32 rows go from FC1 to the activation to FC2 one by one (handover.cuh). All
 // run on the caller's stream with no host synchronisation, so a whole call can be captured in a CUDA graph. Every tier's K and size are launch scalars: one compiled object serves any
 // partition of any layer.
 #include <cuda_runtime.h>
@@ -50,13 +50,13 @@ int check_args(const TrellisMoeArgs& a) {
     total += a.tier_size[t];
   }
   if (total != a.num_combined) return fail("tier sizes do not add up to num_combined");
+  if (trellis::tile_handover(a) && a.handover == nullptr) return fail("missing handover workspace");
   const long long numel = 1LL * a.m * a.top_k;
   if (numel > (1LL << 30)) return fail("m * top_k too large");
   if (a.direct) {  // one tile and one slot per route
     if (a.m_tile != 16) return fail("direct mode needs m_tile 16");
     if ((a.hidden / 128) / a.k_split > trellis::kDirectMaxChunks) return fail("direct mode: too few k_split ranges");
     if (a.slot_capacity < numel || a.tile_capacity < numel) return fail("direct mode: capacities below m*top_k");
-    if (a.direct_sync == nullptr) return fail("direct mode: no direct_sync workspace");
     return 0;
   }
   const long long min_slots = numel + 15LL * (numel < a.num_combined ? numel : a.num_combined);
@@ -182,7 +182,7 @@ trellis::Fc1Pieces fc1_pieces(const TrellisMoeArgs& a, void (*kernel)(TrellisMoe
 // and the tail's finer pieces.
 dim3 fc1_grid(const TrellisMoeArgs& a, const trellis::Fc1Pieces& p) {
   const int items = a.tile_capacity * trellis::fc1_items_per_tile(a);
-  if (a.direct) return trellis::routed_handover(a) ? dim3(a.k_split, items) : dim3(items, a.k_split);
+  if (a.direct) return trellis::tile_handover(a) ? dim3(a.k_split, items) : dim3(items, a.k_split);
   return dim3(items * a.k_split + p.tail_items * a.k_split * (p.tail_split - 1));
 }
 
@@ -242,8 +242,7 @@ GemmKernels wgmma_kernels(const TrellisMoeArgs& a) {
 }
 #endif
 
-cudaError_t launch_gemms(const TrellisMoeArgs& a, const GemmKernels& k, int act_row_steps, cudaStream_t stream,
-                         bool pdl) {
+cudaError_t launch_gemms(const TrellisMoeArgs& a, const GemmKernels& k, cudaStream_t stream, bool pdl) {
   using namespace trellis;
   cudaError_t err = cudaSuccess;
   if ((err = allow_smem(k.fc1, k.fc1_smem)) != cudaSuccess) return err;
@@ -259,7 +258,7 @@ cudaError_t launch_gemms(const TrellisMoeArgs& a, const GemmKernels& k, int act_
     err = launch(k.fc1, fc1_grid(a, pieces), k.fc1_threads, k.fc1_smem, stream, pdl && !a.direct, a, pieces);
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_ACT)) {
     const int act_blocks = a.intermediate / 128, act_warps = act_blocks < kActWarps ? act_blocks : kActWarps;
-    const dim3 act_grid(tiles, a.direct ? 1 : act_row_steps, (act_blocks + act_warps - 1) / act_warps);
+    const dim3 act_grid(tiles, activation_row_steps(a), (act_blocks + act_warps - 1) / act_warps);
     err = launch(activation_for(a), act_grid, act_warps * 32, 0, stream, pdl, a, pieces);
   }
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_FC2)) {
@@ -274,13 +273,13 @@ cudaError_t launch_gemms(const TrellisMoeArgs& a, const GemmKernels& k, int act_
 template <int CB, bool FAST>
 cudaError_t launch_for_tile(const TrellisMoeArgs& a, cudaStream_t stream, bool pdl) {
   switch (a.m_tile) {
-    case 16: return launch_gemms(a, mma_sync_kernels<CB, 1, FAST>(a), 8, stream, pdl);
-    case 32: return launch_gemms(a, mma_sync_kernels<CB, 2, FAST>(a), 16, stream, pdl);
+    case 16: return launch_gemms(a, mma_sync_kernels<CB, 1, FAST>(a), stream, pdl);
+    case 32: return launch_gemms(a, mma_sync_kernels<CB, 2, FAST>(a), stream, pdl);
     default:
 #ifdef TRELLIS_WGMMA
-      if (trellis::gemms_on_wgmma(a)) return launch_gemms(a, wgmma_kernels<CB, FAST>(a), 16, stream, pdl);
+      if (trellis::gemms_on_wgmma(a)) return launch_gemms(a, wgmma_kernels<CB, FAST>(a), stream, pdl);
 #endif
-      return launch_gemms(a, mma_sync_kernels<CB, 8, FAST>(a), 16, stream, pdl);
+      return launch_gemms(a, mma_sync_kernels<CB, 8, FAST>(a), stream, pdl);
   }
 }
 
@@ -355,10 +354,10 @@ extern "C" int trellis_moe_forward(const TrellisMoeArgs* args, void* stream_hand
     dim3 grid(a.m, (a.hidden + 4 * kSumThreads - 1) / (4 * kSumThreads));
     err = launch(topk_sum_for(a), grid, kSumThreads, 0, stream, pdl, a);
   }
-  // A skipped phase (timing variants) leaves direct mode's counters short of their reset: clear them.
-  if (err == cudaSuccess && trellis::routed_handover(a) &&
+  // A skipped phase (timing variants) leaves the hand-over counters short of their reset: clear them.
+  if (err == cudaSuccess && trellis::tile_handover(a) &&
       (a.debug_flags & (TRELLIS_SKIP_FC1 | TRELLIS_SKIP_ACT | TRELLIS_SKIP_FC2)))
-    err = cudaMemsetAsync(a.direct_sync, 0, 3 * sizeof(int) * a.tile_capacity, stream);
+    err = cudaMemsetAsync(a.handover, 0, 3 * sizeof(int) * a.tile_capacity, stream);
   if (err != cudaSuccess) {
     snprintf(g_error, sizeof(g_error), "CUDA launch failed: %s", cudaGetErrorString(err));
     return static_cast<int>(err);

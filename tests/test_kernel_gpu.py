@@ -132,24 +132,25 @@ def test_fc2_output_blocks_per_cta_leave_results_unchanged(library, intermediate
     assert rel_l2(wide, layer_pack_forward(moe.pack, x, ids, w, dtype=torch.float64)) <= REFERENCE_LIMIT
 
 
-@pytest.mark.parametrize("m", [2, 5, 20])
-def test_direct_mode_hands_over_per_route(library, m):
-    # From two tokens on, direct mode hands each route from FC1 to the activation to FC2 as soon as that
-    # route's work is stored, through counters in the workspace (kernels/direct_sync.cuh). Every call must
-    # leave them at zero, also one that skipped a phase, or the next call would read a route too early.
-    # M=20 (80 routes) is past the plan's own direct-mode limit: the counters follow the tile capacity.
+@pytest.mark.parametrize("m, m_tile, direct", [(2, 16, True), (5, 16, True), (20, 16, True), (20, 16, False),
+                                                (100, 32, False)])
+def test_tiles_hand_over_one_by_one(library, m, m_tile, direct):
+    # 16- and 32-row tiles (and direct mode from two tokens on) go from FC1 to the activation to FC2 tile by
+    # tile, through counters in the workspace (kernels/handover.cuh). Every call must leave them at zero,
+    # also one that skipped a phase, or the next call would read a tile too early. M=20 in direct mode
+    # (80 routes) is past the plan's own direct-mode limit: the counters follow the tile capacity.
     from trellis_cli.kernel import abi
 
     moe = moe_for(small(), library)
     x = random_activations(m, 512, device="cuda", seed=m)
     ids, w = random_routes(m, 16, 4, device="cuda", seed=m + 1)
     ref = layer_pack_forward(moe.pack, x, ids, w, dtype=torch.float64)
-    for k_split in (1, 4):  # FC1 pieces per route: 2 items x k_split H ranges
-        plan = make_plan(m, 4, 512, 256, 16, k_split=k_split, direct=True, wgmma=library.wgmma)
-        assert plan.direct and plan.k_split == k_split
+    for k_split in (1, 4):  # FC1 pieces per tile: 2 items x k_split H ranges
+        plan = make_plan(m, 4, 512, 256, 16, m_tile=m_tile, k_split=k_split, direct=direct, wgmma=library.wgmma)
+        assert (plan.direct, plan.m_tile, plan.k_split) == (direct, m_tile, k_split)
         first = moe.forward(x, ids, w, plan=plan)
         assert rel_l2(first, ref) <= REFERENCE_LIMIT
-        counters = moe._workspace(plan)["direct_sync"]
+        counters = moe._workspace(plan)["handover"]
         for flags in (0, abi.SKIP_FC1, abi.SKIP_ACT, abi.SKIP_FC2, 0):
             out = moe.forward(x, ids, w, plan=plan, debug_flags=flags)
             torch.cuda.synchronize()

@@ -39,7 +39,7 @@ _POINTERS = (
     "xrot",
     "act",
     "route_out",
-    "direct_sync",
+    "handover",
 )
 _SCALARS = (
     "abi_version",

@@ -117,8 +117,8 @@ class FusedMoe:
             self._workspaces[plan] = {
                 name: torch.empty(shape, dtype=dtype, device=self.device) for name, (shape, dtype) in shapes.items()
             }
-            # direct mode's hand-over counters start at zero; every call leaves them at zero again
-            self._workspaces[plan]["direct_sync"].zero_()
+            # the hand-over counters start at zero; every call leaves them at zero again (kernels/handover.cuh)
+            self._workspaces[plan]["handover"].zero_()
         return self._workspaces[plan]
 
     def _global_map(self, tier: int | None) -> torch.Tensor:

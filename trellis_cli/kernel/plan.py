@@ -152,7 +152,7 @@ def workspace_shapes(plan: LaunchPlan, hidden: int, intermediate: int) -> dict[s
         "xrot": ((slots, 2, expand * hidden), torch.float16),
         "act": ((slots, expand * intermediate), torch.float16),
         "route_out": ((max(1, plan.m * plan.top_k), hidden), torch.float32),
-        "direct_sync": ((3, tiles), torch.int32),
+        "handover": ((3, tiles), torch.int32),
     }
 
 

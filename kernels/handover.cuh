@@ -1,0 +1,81 @@
+// The hand-over from FC1 to the activation to FC2 per work tile, instead of per grid (16- and 32-row
+// tiles, and direct mode from two tokens on).
+//
+// A grid-wide wait makes every tile wait for FC1's last CTA, and FC1's last wave leaves SMs idle (of two
+// CTAs sharing an SM the first placed runs ahead). FC1's pieces are listed tile by tile, so tiles finish
+// FC1 in turn, and each phase counts, per tile, the work it has stored:
+//   FC1 piece stored      -> fc1_done[tile] += 1    the tile's activation waits for items x planes
+//   activation warp       -> act_done[tile] += 1    the tile's FC2 CTAs wait for row steps x I / 128
+//   FC2 CTA past its wait -> fc2_passed[tile] += 1  the tile's last FC2 CTA sets all three back to zero
+// so a tile's activation and FC2 run while FC1 still works on later tiles (docs/performance.md, runs
+// 149-159). Every counter is zero again when a call ends (the host clears them after a call that skipped
+// a phase). A phase is launched only once every CTA of the phase before it is resident (programmatic
+// dependent launch), so whatever a CTA waits for is already running: the waits cannot deadlock.
+// Not at one token in direct mode: there the routes placed last leave too little FC2 work to spread over
+// the GPU, and one grid-wide hand-over measured faster. Not for 128-row tiles (one CTA per SM, no
+// second CTA to run ahead).
+#pragma once
+#include <stdint.h>
+
+#include "abi.h"
+
+namespace trellis {
+
+__host__ __device__ inline bool tile_handover(const TrellisMoeArgs& a) {
+  return a.m_tile <= 32 && (!a.direct || a.m > 1);
+}
+
+// Rows per activation warp step over a tile (the activation grid's y): one in direct mode (one row per
+// tile), 8 or 16 for 16- or 32-row tiles (two rows per warp step).
+__host__ __device__ inline int activation_row_steps(const TrellisMoeArgs& a) {
+  return a.direct ? 1 : a.m_tile == 16 ? 8 : 16;
+}
+
+struct Handover {
+  int* fc1_done;
+  int* act_done;
+  int* fc2_passed;
+};
+__device__ __forceinline__ Handover handover(const TrellisMoeArgs& a) {
+  int* base = static_cast<int*>(a.handover);
+  return {base, base + a.tile_capacity, base + 2 * a.tile_capacity};
+}
+
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// One thread, after a barrier that orders its group's stores before it: count the group's work stored.
+__device__ __forceinline__ void count_done(int* counter) {
+  __threadfence();
+  atomicAdd(counter, 1);
+}
+
+// A counter that has not reached its target after this long means the protocol is broken: stop the
+// kernel with an error rather than hang the GPU.
+constexpr unsigned long long kWaitLimitNs = 10'000'000'000ull;
+
+__device__ __forceinline__ unsigned long long wait_clock_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Until `counter` reaches `target`. Warp-wide (every lane calls it, the loop's exit is warp-uniform, so
+// the warp stays converged for the shuffles after it) or by one thread before a CTA barrier.
+template <bool kWarp>
+__device__ __forceinline__ void wait_count(const int* counter, int target) {
+  const unsigned long long start = wait_clock_ns();
+  unsigned sleep_ns = 32;
+  for (;;) {
+    const bool reached = load_acquire(counter) >= target;
+    if (kWarp ? __all_sync(0xffffffffu, reached) : reached) return;
+    if (wait_clock_ns() - start > kWaitLimitNs) __trap();
+    __nanosleep(sleep_ns);
+    if (sleep_ns < 256) sleep_ns *= 2;
+  }
+}
+
+}  // namespace trellis
