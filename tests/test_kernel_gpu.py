@@ -151,11 +151,12 @@ def test_tiles_hand_over_one_by_one(library, m, m_tile, direct):
         first = moe.forward(x, ids, w, plan=plan)
         assert rel_l2(first, ref) <= REFERENCE_LIMIT
         counters = moe._workspace(plan)["handover"]
-        for flags in (0, abi.SKIP_FC1, abi.SKIP_ACT, abi.SKIP_FC2, 0):
+        for flags in (0, abi.SKIP_FC1, abi.SKIP_ACT, abi.SKIP_FC2, abi.NO_PDL, 0):
             out = moe.forward(x, ids, w, plan=plan, debug_flags=flags)
             torch.cuda.synchronize()
             assert not counters.any(), (k_split, flags)
-        assert torch.equal(out, first)
+            if flags in (0, abi.NO_PDL):  # phases one after another: the counters are full before anyone waits
+                assert torch.equal(out, first), (k_split, flags)
 
 
 def test_dtypes_int64_ids_and_outputs(library):
