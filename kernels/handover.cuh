@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include "abi.h"
+#include "timeline.cuh"
 
 namespace trellis {
 
@@ -57,22 +58,16 @@ __device__ __forceinline__ void count_done(int* counter) {
 // kernel with an error rather than hang the GPU.
 constexpr unsigned long long kWaitLimitNs = 10'000'000'000ull;
 
-__device__ __forceinline__ unsigned long long wait_clock_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // Until `counter` reaches `target`. Warp-wide (every lane calls it, the loop's exit is warp-uniform, so
 // the warp stays converged for the shuffles after it) or by one thread before a CTA barrier.
 template <bool kWarp>
 __device__ __forceinline__ void wait_count(const int* counter, int target) {
-  const unsigned long long start = wait_clock_ns();
+  const unsigned long long start = global_ns();
   unsigned sleep_ns = 32;
   for (;;) {
     const bool reached = load_acquire(counter) >= target;
     if (kWarp ? __all_sync(0xffffffffu, reached) : reached) return;
-    if (wait_clock_ns() - start > kWaitLimitNs) __trap();
+    if (global_ns() - start > kWaitLimitNs) __trap();
     __nanosleep(sleep_ns);
     if (sleep_ns < 256) sleep_ns *= 2;
   }

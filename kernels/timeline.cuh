@@ -8,18 +8,19 @@ namespace trellis {
 
 enum TimelinePhase { kTlPack, kTlRotate, kTlFc1, kTlAct, kTlFc2, kTlSum, kTlPhases };
 
+// The GPU's global clock in ns (also the hand-over's wait limit, handover.cuh).
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+
 #ifdef TRELLIS_TIMELINE
 constexpr int kTlMaxCtas = 16384;
 constexpr int kTlFields = 8;
 // [phase][cta]: start (thread 0), waited (thread 0, after griddepcontrol.wait), end (latest warp), SM id,
 // then up to 4 marks (thread 0, timeline_mark) at points each kernel names.
 __device__ unsigned long long g_timeline[kTlPhases][kTlMaxCtas][kTlFields];
-
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-  return t;
-}
 __device__ __forceinline__ int timeline_cta() {
   const int cta = blockIdx.x + blockIdx.y * gridDim.x;
   return cta < kTlMaxCtas ? cta : kTlMaxCtas - 1;
