@@ -505,7 +505,7 @@ static_assert((2 * kDirectMaxChunks + 1) * 256 <= fc1_stages(1) * fc1_stage_a_ha
 // resident[p][chunk][256], and zeros into resident[2 * chunks][256]. One half warp per (projection, chunk).
 __device__ __forceinline__ void rotate_direct_row(const TrellisMoeArgs& a, const WorkTile& w, int kc0, int chunks,
                                                   __half* resident) {
-  const int lane = threadIdx.x & 15, half = (threadIdx.x >> 4) & 1, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 15, half = (threadIdx.x >> 4) & 1, warp = warp_index();
   const int token = w.start / a.top_k;
   for (int item0 = 2 * warp; item0 < 2 * chunks; item0 += blockDim.x >> 4) {  // whole warps step together
     const int item = item0 + half < 2 * chunks ? item0 + half : item0;  // a spare half warp redoes item0
@@ -698,7 +698,7 @@ __global__ void __launch_bounds__(256, 4) rotate_input_kernel(const TrellisMoeAr
     input_suh8(a, w.expert, p, (block0 + b) * 128 + c, &s_suh[b][p][c]);
   }
   __syncthreads();
-  const int q = threadIdx.x % G, group = threadIdx.x / G, warp = threadIdx.x >> 5;
+  const int q = threadIdx.x % G, group = threadIdx.x / G, warp = warp_index();
   const int p = group & 1;
   const int items = w.rows << log2_blocks;  // item = row * blocks + block
   // Whole warps step together (the shuffles name the whole warp); a group past the tile's items idles.
@@ -745,7 +745,7 @@ __global__ void __launch_bounds__(256) rotate_small_tiles_kernel(const TrellisMo
   after_predecessor();  // the tile list comes from the route pack, launched just before
   WorkTile w;
   if (!load_work_tile(a, blockIdx.x, w)) return;
-  const int lane = threadIdx.x & 15, p = (threadIdx.x >> 4) & 1, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 15, p = (threadIdx.x >> 4) & 1, warp = warp_index();
   const int block0 = blockIdx.y * kSmallRotateBlocks;
   const int blocks = min(kSmallRotateBlocks, (a.hidden >> 7) - block0);
   for (int item = warp; item < w.rows * blocks; item += 8) {  // a warp's two halves take the same item
@@ -793,7 +793,7 @@ struct DownRowCache {
 __device__ __forceinline__ void store_down_rows(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
                                                 const float* s_o, int row0, int rows,
                                                 const DownRowCache* cached = nullptr) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, warp = warp_index();
   float s[4];
   load4_half(cached ? cached->svh + 4 * lane : down_svh(a, w) + nchunk * 128 + 4 * lane, s);
   const int col = nchunk * 128 + 4 * lane;

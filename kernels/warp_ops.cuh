@@ -73,6 +73,12 @@ __device__ __forceinline__ void wait_for_predecessor() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
+// The warp's index in its CTA as a value ptxas knows every lane shares: loops that step whole warps by it
+// keep their shuffles single instructions (from threadIdx.x >> 5, each shuffle in them became a
+// WARPSYNC / SHFL / ENDCOLLECTIVE loop: FC2's wgmma epilogue 18.5 K -> 13.2 K instructions, the input
+// rotation 1072 -> 672; docs/performance.md run 164).
+__device__ __forceinline__ int warp_index() { return __shfl_sync(0xffffffffu, int(threadIdx.x >> 5), 0); }
+
 __device__ __forceinline__ void allow_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" :::);
