@@ -894,17 +894,7 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_b
       return;
     }
     allow_dependents();
-    if (threadIdx.x == 0) {
-      const Handover sync = handover(a);
-      const int tile = blockIdx.x;
-      if (!(a.debug_flags & TRELLIS_SKIP_ACT))
-        wait_count<false>(sync.act_done + tile, activation_row_steps(a) * (a.intermediate >> 7));
-      if (atomicAdd(sync.fc2_passed + tile, 1) == int(gridDim.y) - 1) {  // the tile's last FC2 CTA
-        sync.fc1_done[tile] = 0;
-        sync.act_done[tile] = 0;
-        sync.fc2_passed[tile] = 0;
-      }
-    }
+    if (threadIdx.x == 0) fc2_takes_tile(a, blockIdx.x, gridDim.y);  // grid (tiles, the tile's CTAs)
     __syncthreads();
     timeline_waited();
   };

@@ -73,4 +73,17 @@ __device__ __forceinline__ void wait_count(const int* counter, int target) {
   }
 }
 
+// FC2, thread 0 of a CTA of `tile`, one of the tile's `ctas`: wait for the tile's activation (unless the
+// call skips it), then count the CTA past; the tile's last one puts the tile's counters back to zero.
+__device__ __forceinline__ void fc2_takes_tile(const TrellisMoeArgs& a, int tile, int ctas) {
+  const Handover sync = handover(a);
+  if (!(a.debug_flags & TRELLIS_SKIP_ACT))
+    wait_count<false>(sync.act_done + tile, activation_row_steps(a) * (a.intermediate >> 7));
+  if (atomicAdd(sync.fc2_passed + tile, 1) == ctas - 1) {
+    sync.fc1_done[tile] = 0;
+    sync.act_done[tile] = 0;
+    sync.fc2_passed[tile] = 0;
+  }
+}
+
 }  // namespace trellis
