@@ -59,7 +59,7 @@ constexpr int kPackThreads = 1024;
 // caller syncs before and after): slot_base[i], tile_base[i], and the tile count into *tile_total unless null.
 __device__ __forceinline__ void pack_prefix(const TrellisMoeArgs& a, const int* count, int* slot_base,
                                             int* tile_base, int* tile_total) {
-  if (threadIdx.x >= 32) return;
+  if (warp_index() != 0) return;  // warp-uniform, so the shuffles below stay single instructions
   const int lane = threadIdx.x, num_combined = a.num_combined, m_tile = a.m_tile;
   int slot_run = 0, tile_run = 0;
   for (int c0 = 0; c0 < num_combined; c0 += 32) {  // 32 experts at a time
