@@ -28,6 +28,9 @@ namespace trellis {
 __host__ __device__ constexpr bool small_tile(int r) { return r <= 2; }
 __host__ __device__ constexpr int a_expand(int r) { return small_tile(r) ? 2 : 1; }
 __host__ __device__ constexpr int expand_of_m_tile(int m_tile) { return m_tile <= 32 ? 2 : 1; }
+// 16- and 32-row tiles keep FC1's rotated input rows per route, not per slot (rotate_routes_kernel), so
+// the rotation needs no tile list and runs beside the route pack instead of after it.
+__host__ __device__ constexpr bool route_rows(int m_tile, bool direct) { return m_tile <= 32 && !direct; }
 // Halves per staged row: a chunk's 128 (or 256 expanded) + 8 of padding keeps ldmatrix conflict-free.
 __host__ __device__ constexpr int a_stride(int r) { return 128 * a_expand(r) + 8; }
 constexpr int kOStride = 132;  // floats per epilogue row
@@ -312,6 +315,15 @@ struct RowStream {
       dst[j] = 2u * ((p * R * 16 + r) * kStride + ch * 8);
     }
   }
+  // Rows kept per route (route_rows): row r of the tile is route slot_route[first_slot + r], `row_stride`
+  // halves per route. Called once the route pack has finished.
+  __device__ __forceinline__ void rows_by_route(const int* slot_route, int first_slot, size_t row_stride) {
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int i = threadIdx.x + j * THREADS, r = (i % kPerSource) / kPieces;
+      if (live[j]) src[j] += (ptrdiff_t(slot_route[first_slot + r]) - r) * ptrdiff_t(row_stride);
+    }
+  }
   // block_ends (FC2): after a block's last chunk, back to the first, the same rows serving the next block.
   __device__ __forceinline__ void issue_next(uint32_t stage, bool block_ends = false) {
     const int32_t next = block_ends ? block_step : kStep;
@@ -555,7 +567,8 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   const uint32_t* gate_w = projection_words<K>(a, w, 0) + size_t(nchunk) * 8 * 8 * K;
   const uint32_t* up_w = projection_words<K>(a, w, 1) + size_t(nchunk) * 8 * 8 * K;
   constexpr int kX = a_expand(R);
-  const __half* xrot = static_cast<const __half*>(a.xrot) + size_t(w.start) * 2 * kX * a.hidden;
+  const bool by_route = small_tile(R) && route_rows(a.m_tile, a.direct);
+  const __half* xrot = static_cast<const __half*>(a.xrot) + (by_route ? 0 : size_t(w.start) * 2 * kX * a.hidden);
 
   const bool direct = small_tile(R) && a.direct;
   if (!direct)
@@ -588,6 +601,8 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
       chunks, issue_w, issue_a,
       [&] {
         after_predecessor();
+        if (by_route)
+          row_stream.rows_by_route(static_cast<const int*>(a.slot_route), w.start, size_t(2) * kX * a.hidden);
         if (direct) rotate_direct_row(a, w, kc0, chunks, s_a);  // made visible by the loop's first barrier
         timeline_mark(0);
       },
@@ -748,27 +763,26 @@ __global__ void __launch_bounds__(256, 4) rotate_input_kernel(const TrellisMoeAr
 
 // 16- and 32-row tiles hold a route or two each at small M, so a CTA per (tile, 128 columns) kept most of
 // its warps idle (M=8: 3264 CTAs for 64 routes, 11 µs on the critical path; run 78). Here a CTA takes
-// kSmallRotateBlocks column blocks of one tile: grid (tiles, ceil(H / (128 * kSmallRotateBlocks))), 8
-// warps; each warp rotates one (row, column block) per step, a half warp per projection, 8 columns per lane
-// (rotate8), with its suh columns read straight from global memory.
+// kSmallRotateBlocks column blocks of one route: grid (routes, ceil(H / (128 * kSmallRotateBlocks))), 8
+// warps, one column block each, a half warp per projection, 8 columns per lane (rotate8), suh read
+// straight from global memory. Rows are kept per route (route_rows), so the kernel needs nothing from the
+// route pack: it rotates while the pack runs and waits for the pack only before it lets FC1 launch (FC1
+// reads the tile list before its own wait). docs/performance.md, run 174.
 constexpr int kSmallRotateBlocks = 8;
 template <bool kBf16>
-__global__ void __launch_bounds__(256) rotate_small_tiles_kernel(const TrellisMoeArgs a) {
+__global__ void __launch_bounds__(256) rotate_routes_kernel(const TrellisMoeArgs a) {
   TRELLIS_TIMELINE_SCOPE(kTlRotate);
-  after_predecessor();  // the tile list comes from the route pack, launched just before
-  WorkTile w;
-  if (!load_work_tile(a, blockIdx.x, w)) return;
-  const int lane = threadIdx.x & 15, p = (threadIdx.x >> 4) & 1, warp = warp_index();
-  const int block0 = blockIdx.y * kSmallRotateBlocks;
-  const int blocks = min(kSmallRotateBlocks, (a.hidden >> 7) - block0);
-  for (int item = warp; item < w.rows * blocks; item += 8) {  // a warp's two halves take the same item
-    const int row = item / blocks, col = (block0 + item - row * blocks) * 128 + 8 * lane;
+  const int route = blockIdx.x, lane = threadIdx.x & 15, p = (threadIdx.x >> 4) & 1, warp = warp_index();
+  const int col = (blockIdx.y * kSmallRotateBlocks + warp) * 128 + 8 * lane;
+  const int expert = route_combined(a, route);
+  if (col < a.hidden && expert >= 0) {  // a route not served here: FC1 never reads its row
     float x[8], s[8], v[8];
-    load_x8(a, kBf16, slot_token(a, w.start + row), col, x);
-    input_suh8(a, w.expert, p, col, s);
+    load_x8(a, kBf16, route / a.top_k, col, x);
+    input_suh8(a, expert, p, col, s);
     rotate8(x, s, lane, v);
-    store_a_row8(static_cast<__half*>(a.xrot) + (size_t(w.start + row) * 2 + p) * 2 * a.hidden, col, 2, v);
+    store_a_row8(static_cast<__half*>(a.xrot) + (size_t(route) * 2 + p) * 2 * a.hidden, col, 2, v);
   }
+  after_predecessor();
 }
 
 // The rotation kernel and grid for this call's tiles and input dtype.
@@ -787,7 +801,7 @@ inline RotationLaunch rotation_for(const TrellisMoeArgs& a, int tiles) {
     return {bf16 ? rotate_input_kernel<true> : rotate_input_kernel<false>, dim3(tiles, a.hidden / 128 / blocks)};
   }
   const int steps = (a.hidden / 128 + kSmallRotateBlocks - 1) / kSmallRotateBlocks;
-  return {bf16 ? rotate_small_tiles_kernel<true> : rotate_small_tiles_kernel<false>, dim3(tiles, steps)};
+  return {bf16 ? rotate_routes_kernel<true> : rotate_routes_kernel<false>, dim3(a.m * a.top_k, steps)};
 }
 
 // The svh row of FC2's output for the tile's expert.
