@@ -160,17 +160,6 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {  // 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) { cp_async16(shared_address(dst), src); }
-// Weights are read once per call, so their copies ask L2 to evict them first: the small data the phases
-// hand each other (tile lists, rotated rows, partial sums, activations, route rows) and the layer's own
-// tables then stay in L2 while the codes stream past them (docs/performance.md, run 170).
-__device__ __forceinline__ uint64_t evict_first_policy() {
-  uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
-__device__ __forceinline__ void cp_async16_streaming(uint32_t dst, const void* src, uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "l"(policy));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
@@ -280,11 +269,10 @@ struct WeightStream {
  private:
   template <typename Step>
   __device__ __forceinline__ void issue_then_step(uint32_t stage, Step next) {
-    const uint64_t policy = evict_first_policy();
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
       const int i = threadIdx.x + j * THREADS;
-      if (kTotal % THREADS == 0 || i < kTotal) cp_async16_streaming(stage + 16u * i, src[j], policy);
+      if (kTotal % THREADS == 0 || i < kTotal) cp_async16(stage + 16u * i, src[j]);
       src[j] += next;
     }
   }
@@ -354,11 +342,10 @@ struct WeightIssue {
     }
   }
   __device__ __forceinline__ void issue(uint32_t* dst, const uint32_t* chunk_src) const {
-    const uint64_t policy = evict_first_policy();
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
       const int i = threadIdx.x + j * THREADS;
-      if (kTotal % THREADS == 0 || i < kTotal) cp_async16_streaming(shared_address(dst + 4 * i), chunk_src + src[j], policy);
+      if (kTotal % THREADS == 0 || i < kTotal) cp_async16(dst + 4 * i, chunk_src + src[j]);
     }
   }
 };
