@@ -23,6 +23,7 @@ from trellis_cli.kernel.launch import FusedMoe
 from trellis_cli.kernel.plan import make_plan
 
 PHASES = {"full": 0, "-rot": abi.SKIP_ROTATE, "-fc1": abi.SKIP_FC1, "-act": abi.SKIP_ACT, "-fc2": abi.SKIP_FC2, "-sum": abi.SKIP_SUM, "no-pdl": abi.NO_PDL}
+FLAGS = {"wide-span": abi.FC2_WIDE_SPAN}  # --flags: same results, another launch shape
 
 
 def calls(runners, outs, first, count, x, ids, w, flags):
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("libs", nargs="+")
     parser.add_argument("--m", default="1,8,64,512,3072")
     parser.add_argument("--phases", action="store_true")
+    parser.add_argument("--flags", default="", help="also time the full call with these debug flags (" + ", ".join(FLAGS) + ")")
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--split", default="", help="k_split values to sweep (full call only)")
     parser.add_argument("--mtile", default="", help="m_tile values to sweep (full call only)")
@@ -47,7 +49,8 @@ def main() -> None:
     base = synthetic_pack(PRESETS["glm52-tp4"], device="cuda", seed=0)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     copies = [base]
-    phases = PHASES if args.phases else {"full": 0}
+    phases = dict(PHASES) if args.phases else {"full": 0}
+    phases.update({name: FLAGS[name] for name in args.flags.split(",") if name})
     scratch = torch.empty(1024, device="cuda")
     floor = time_graphs([_capture(lambda: scratch.zero_(), scratch.device)], args.replays, scratch.device)
     print(f"graph of one small kernel: {floor.median_us:.1f} us per replay; {args.calls} call(s) per graph below")
