@@ -16,6 +16,7 @@
 #include "activation.cuh"
 #include "expert_gemm.cuh"
 #include "expert_wgmma.cuh"
+#include "launch.cuh"
 #include "route_pack.cuh"
 
 namespace {
@@ -80,22 +81,6 @@ bool device_has_pdl() {
   if (cudaGetDevice(&device) != cudaSuccess) return false;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
   return major >= 9;
-}
-
-template <typename... Params, typename... Args>
-cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream, bool pdl,
-                   const Args&... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = static_cast<size_t>(smem);
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
 // What even_wave_smem needs of a device, read once per device: it runs on every call's host path.

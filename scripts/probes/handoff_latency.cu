@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "../../kernels/launch.cuh"
+
 #define CHECK(x)                                                                        \
   do {                                                                                  \
     cudaError_t e = (x);                                                                \
@@ -82,16 +84,7 @@ int main() {
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
   auto launch_reader = [&](bool pdl) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(1);
-    config.blockDim = dim3(32);
-    config.stream = stream;
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[0].val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = attribute;
-    config.numAttrs = pdl ? 1 : 0;
-    return cudaLaunchKernelEx(&config, reader, (const float*)buf, (const int*)chain, out, pdl ? 1 : 0);
+    return trellis::launch(reader, dim3(1), dim3(32), 0, stream, pdl, buf, chain, out, pdl ? 1 : 0);
   };
   const char* names[] = {"fresh, PDL wait", "fresh, plain launch", "again (L2)", "after 512 MB (DRAM)",
                          "fresh, 512 MB streaming beside"};
