@@ -779,7 +779,7 @@ struct RotationLaunch {
 };
 inline RotationLaunch rotation_for(const TrellisMoeArgs& a, int tiles) {
   const bool bf16 = a.x_dtype == TRELLIS_DT_BF16;
-  if (expand_of_m_tile(a.m_tile) == 1) {
+  if (!route_rows(a.m_tile, a.direct)) {  // the rows FC1 reads per slot (fc1_body), plain columns
     // Column blocks per CTA so that a tile's expected rows (routes per combined expert) times blocks fill
     // the CTA's 32 (row, block) items per step.
     const long long rows = (1LL * a.m * a.top_k + a.num_combined - 1) / a.num_combined;
