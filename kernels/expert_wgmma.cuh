@@ -193,7 +193,7 @@ __device__ void wg_gemm(const uint32_t* wsrc, size_t block_words, size_t kt_stri
     // route 8i + 2t (+1 for odd e).
     wgmma_fence_accumulators(acc);
 #pragma unroll
-    for (int pass = 0; pass < N / kWgPassRows; ++pass) {
+    for (int pass = 0; pass < (N + kWgPassRows - 1) / kWgPassRows; ++pass) {
       if (pass * kWgPassRows < rows) {
 #pragma unroll
         for (int i = 0; i < kWgPassRows / 8; ++i)
@@ -213,14 +213,19 @@ __device__ void wg_gemm(const uint32_t* wsrc, size_t block_words, size_t kt_stri
 #endif
 }
 
-// Calls body(IntConst<N>{}) with the wgmma N for a tile of `rows` routes: the smallest of 32, 64, 96 and
-// 128 that holds them (glm52-tp4 at top-8: about 32 routes per tile at M=1024, 96 at M=3072). The all-K
-// kernel keeps N = 128 alone, which bounds its code size.
+// Calls body(IntConst<N>{}) with the wgmma N for a tile of `rows` routes: the smallest multiple of 16 that
+// holds them (glm52-tp4 at top-8: about 16 routes per tile at M=512, 32 at M=1024, 96 at M=3072; steps of
+// 32 took up to 2.5 % longer at M = 448-2048, docs/performance.md runs 188-189). The all-K kernel keeps
+// N = 128 alone, which bounds its code size.
 template <bool FAST, typename Body>
 __device__ __forceinline__ void with_n(int rows, Body&& body) {
-  if (FAST && rows <= 32) body(IntConst<32>{});
+  if (FAST && rows <= 16) body(IntConst<16>{});
+  else if (FAST && rows <= 32) body(IntConst<32>{});
+  else if (FAST && rows <= 48) body(IntConst<48>{});
   else if (FAST && rows <= 64) body(IntConst<64>{});
+  else if (FAST && rows <= 80) body(IntConst<80>{});
   else if (FAST && rows <= 96) body(IntConst<96>{});
+  else if (FAST && rows <= 112) body(IntConst<112>{});
   else body(IntConst<128>{});
 }
 

@@ -44,8 +44,8 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
-// d += A * B for N = 32, 64, 96 or 128 routes (d[0 .. N/2 - 1]; the rest untouched). The accumulators stay
-// bound to their registers from one wgmma to the next (same shape).
+// d += A * B for N = 16, 32, 48, 64, 80, 96, 112 or 128 routes (d[0 .. N/2 - 1]; the rest untouched). The
+// accumulators stay bound to their registers from one wgmma to the next (same shape).
 template <int N>
 __device__ __forceinline__ void wgmma_m64nNk16(float (&d)[64], const uint32_t a[4], uint64_t b_desc);
 
@@ -55,10 +55,17 @@ __device__ __forceinline__ void wgmma_m64nNk16(float (&d)[64], const uint32_t a[
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]),  \
       "+f"(d[i + 7]), "+f"(d[i + 8]), "+f"(d[i + 9]), "+f"(d[i + 10]), "+f"(d[i + 11]), "+f"(d[i + 12]),       \
       "+f"(d[i + 13]), "+f"(d[i + 14]), "+f"(d[i + 15])
+#define TRELLIS_ACC8(i)                                                                                         \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]),  \
+      "+f"(d[i + 7])
 #define TRELLIS_ACC_NAMES_0 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
 #define TRELLIS_ACC_NAMES_16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define TRELLIS_ACC_NAMES_32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
 #define TRELLIS_ACC_NAMES_48 ", %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define TRELLIS_ACC_NAMES8_0 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define TRELLIS_ACC_NAMES8_16 ", %16, %17, %18, %19, %20, %21, %22, %23"
+#define TRELLIS_ACC_NAMES8_32 ", %32, %33, %34, %35, %36, %37, %38, %39"
+#define TRELLIS_ACC_NAMES8_48 ", %48, %49, %50, %51, %52, %53, %54, %55"
 #define TRELLIS_WGMMA_RS(N, NAMES, A0, A1, A2, A3, DESC, PRED, ...)                                            \
   template <>                                                                                                \
   __device__ __forceinline__ void wgmma_m64nNk16<N>(float(&d)[64], const uint32_t a[4], uint64_t b_desc) {   \
@@ -69,11 +76,18 @@ __device__ __forceinline__ void wgmma_m64nNk16(float (&d)[64], const uint32_t a[
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));                          \
   }
 
+TRELLIS_WGMMA_RS(16, TRELLIS_ACC_NAMES8_0, 8, 9, 10, 11, 12, 13, TRELLIS_ACC8(0))
 TRELLIS_WGMMA_RS(32, TRELLIS_ACC_NAMES_0, 16, 17, 18, 19, 20, 21, TRELLIS_ACC16(0))
+TRELLIS_WGMMA_RS(48, TRELLIS_ACC_NAMES_0 TRELLIS_ACC_NAMES8_16, 24, 25, 26, 27, 28, 29, TRELLIS_ACC16(0),
+                 TRELLIS_ACC8(16))
 TRELLIS_WGMMA_RS(64, TRELLIS_ACC_NAMES_0 TRELLIS_ACC_NAMES_16, 32, 33, 34, 35, 36, 37, TRELLIS_ACC16(0),
                  TRELLIS_ACC16(16))
+TRELLIS_WGMMA_RS(80, TRELLIS_ACC_NAMES_0 TRELLIS_ACC_NAMES_16 TRELLIS_ACC_NAMES8_32, 40, 41, 42, 43, 44, 45,
+                 TRELLIS_ACC16(0), TRELLIS_ACC16(16), TRELLIS_ACC8(32))
 TRELLIS_WGMMA_RS(96, TRELLIS_ACC_NAMES_0 TRELLIS_ACC_NAMES_16 TRELLIS_ACC_NAMES_32, 48, 49, 50, 51, 52, 53,
                  TRELLIS_ACC16(0), TRELLIS_ACC16(16), TRELLIS_ACC16(32))
+TRELLIS_WGMMA_RS(112, TRELLIS_ACC_NAMES_0 TRELLIS_ACC_NAMES_16 TRELLIS_ACC_NAMES_32 TRELLIS_ACC_NAMES8_48, 56, 57,
+                 58, 59, 60, 61, TRELLIS_ACC16(0), TRELLIS_ACC16(16), TRELLIS_ACC16(32), TRELLIS_ACC8(48))
 TRELLIS_WGMMA_RS(128, TRELLIS_ACC_NAMES_0 TRELLIS_ACC_NAMES_16 TRELLIS_ACC_NAMES_32 TRELLIS_ACC_NAMES_48, 64, 65, 66,
                  67, 68, 69, TRELLIS_ACC16(0), TRELLIS_ACC16(16), TRELLIS_ACC16(32), TRELLIS_ACC16(48))
 #undef TRELLIS_WGMMA_RS

@@ -72,6 +72,26 @@ def test_large_tile_path_on_small_layer(library):
     assert_checks(accuracy_checks(moe, "small", 700, seed=5))
 
 
+@pytest.mark.parametrize("tier_k", [(3, 4), (2, 5)])
+def test_large_tiles_of_every_route_count(library, tier_k):
+    # On Hopper a 128-row tile multiplies as many route columns as its routes rounded up to a multiple of
+    # 16 (kernels/expert_wgmma.cuh with_n; the all-K kernel always 128). Here the 16 experts get 1, 16, 17,
+    # 32, ..., 113 and 128 routes: every width, at both ends of its range.
+    counts = [1, 16, 17, 32, 33, 48, 49, 64, 65, 80, 81, 96, 97, 112, 113, 128]
+    moe = moe_for(small(tier_k=tier_k), library)
+    m = sum(counts) // 4
+    assert moe.plan(m, 4).m_tile == 128
+    x = random_activations(m, 512, device="cuda", seed=8)
+    _, w = random_routes(m, 16, 4, device="cuda", seed=9)
+    # route r = slot * m + token, in expert order: an expert's routes (at most 128 < m) go to distinct tokens
+    experts = torch.repeat_interleave(torch.arange(16), torch.tensor(counts))
+    ids = experts.view(4, m).t().contiguous().to(device="cuda", dtype=torch.int32)
+    assert torch.equal(torch.bincount(ids.flatten().long(), minlength=16).cpu(), torch.tensor(counts))
+    fused = moe.forward(x, ids, w)
+    assert rel_l2(fused, layer_pack_forward(moe.pack, x, ids, w, dtype=torch.float64)) <= REFERENCE_LIMIT
+    assert rel_l2(fused, moe.two_pass(x, ids, w)) <= TWO_PASS_LIMIT
+
+
 def test_mid_tile_path_on_small_layer(library):
     # 25 routes per expert: 32-row tiles where large tiles run on mma.sync. The Hopper wgmma build takes
     # 128-row tiles from 14 routes per expert on (plan.py), so there the 32-row kernels run by an explicit plan.
