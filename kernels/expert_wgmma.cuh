@@ -33,11 +33,15 @@ constexpr int kFc2BlocksPerCta = 4;
 // columns, each [128 rows][128 bytes] with 16-byte piece c of row r at position c ^ (r % 8). A warp's copy
 // of 4 whole rows is then 4 full 128-byte lines in global memory and 512 contiguous bytes in shared memory
 // (the unswizzled 8x8 core-matrix layout spread each warp's copy over 8 rows and cost 2x the wavefronts).
-constexpr int kWgRowBytes = kWgRows * 128 * 2;
-constexpr int kWgHalfBytes = kWgRowBytes / 2;
+// Narrow kernels stage 32 of a tile's rows per pass instead of 128 (wg_gemm's ROWS): half the registers
+// and under half the shared memory, so two CTAs share an SM (K3/K4 tiles, few routes per expert).
+constexpr int kWgNarrowRows = 32;
+__host__ __device__ constexpr int wg_half_bytes(int rows) { return rows * 128; }  // one k half of the rows
 constexpr int kWgSwizzleAtomBytes = 8 * 128;  // 8 rows of 128 bytes: the stride between 8-row groups
 __host__ __device__ constexpr int wg_weight_bytes(bool fast) { return 2 * 8 * 64 * max_k(fast) * 4; }
-__host__ __device__ constexpr int wg_stage_bytes(bool fast) { return wg_weight_bytes(fast) + kWgRowBytes; }
+__host__ __device__ constexpr int wg_stage_bytes(bool fast, int rows) {
+  return wg_weight_bytes(fast) + 2 * wg_half_bytes(rows);
+}
 // The result leaves through shared memory in passes of 32 routes: [half (2)][32 routes][kOStride] fp32,
 // behind the ring.
 constexpr int kWgPassRows = 32;
@@ -45,30 +49,39 @@ constexpr int kWgStagingBytes = 2 * kWgPassRows * kOStride * 4;
 // FC2 reads its tile's routes, router weights and svh columns into shared memory once, ahead of the
 // epilogues (loaded there, their latency stalled every pass): [128] int, [128] float, [blocks * 256] fp16.
 constexpr int kWgCacheBytes = kWgRows * 8 + kFc2BlocksPerCta * kWgFeatures * 2;
-__host__ __device__ constexpr int wg_smem_bytes(bool fast) {
-  return wg_stages(fast) * wg_stage_bytes(fast) + kWgStagingBytes + kWgCacheBytes;
+__host__ __device__ constexpr int wg_smem_bytes(bool fast, int rows) {
+  return wg_stages(fast) * wg_stage_bytes(fast, rows) + kWgStagingBytes + kWgCacheBytes;
 }
 
-// A chunk's route rows [rows][128] fp16 (rows `row_stride` halves apart) into the swizzled layout. Piece
-// i = threadIdx.x + 512 j is 16-byte piece i % 8 of row (i / 8) % 128 in k half i / 1024, so a thread
-// keeps its piece and copies rows r0 and r0 + 64 of both halves; rows past `rows` are never written
-// (zeroed once, below). Chunks are 128 columns apart.
+// A chunk's route rows [rows][128] fp16 (rows `row_stride` halves apart) into the swizzled layout of ROWS
+// rows. Piece i = threadIdx.x + 512 j is 16-byte piece i % 8 of row (i / 8) % ROWS in k half (i / 8) / ROWS,
+// so a thread keeps its piece: of 128 rows it copies rows r0 and r0 + 64 of both halves, of 32 one row of
+// one half. Rows past `rows` are never written (zeroed once, below). Chunks are 128 columns apart.
+template <int ROWS>
 struct WgRowStream {
-  static constexpr int kItems = kWgRows * 16 / kWgThreads;  // piece j: k half j / 2, row r0 + 64 (j % 2)
+  static constexpr int kItems = ROWS * 16 / kWgThreads;  // 128 rows: piece j is k half j / 2, row r0 + 64 (j % 2)
+  static_assert(kItems == 4 || kItems == 1, "128 or 32 rows");
   const __half* src;
   size_t row_step;  // 64 rows, in halves
-  uint32_t dst[2];  // bytes from the stage's rows: rows r0 and r0 + 64 of k half 0
+  uint32_t dst[2];  // bytes from the stage's rows: rows r0 and r0 + 64 of k half 0 (128 rows)
   bool live[2];
 
   __device__ __forceinline__ WgRowStream(const __half* first, size_t row_stride, int rows) {
     const int piece = threadIdx.x & 7, r0 = threadIdx.x >> 3;
-    src = first + r0 * row_stride + piece * 8;
     row_step = 64 * row_stride;
+    if constexpr (kItems == 1) {  // 32 rows: row r0 % 32 of k half r0 / 32
+      const int r = r0 % ROWS, half = r0 / ROWS;
+      src = first + r * row_stride + half * 64 + piece * 8;
+      dst[0] = dst[1] = uint32_t(half * wg_half_bytes(ROWS) + r * 128 + ((piece ^ (r & 7)) * 16));
+      live[0] = live[1] = r < rows;
+    } else {
+      src = first + r0 * row_stride + piece * 8;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = r0 + 64 * h;
-      dst[h] = uint32_t(r * 128 + ((piece ^ (r & 7)) * 16));
-      live[h] = r < rows;
+      for (int h = 0; h < 2; ++h) {
+        const int r = r0 + 64 * h;
+        dst[h] = uint32_t(r * 128 + ((piece ^ (r & 7)) * 16));
+        live[h] = r < rows;
+      }
     }
   }
   __device__ __forceinline__ void issue(uint32_t stage, int chunk) const {
@@ -76,13 +89,14 @@ struct WgRowStream {
 #pragma unroll
     for (int j = 0; j < kItems; ++j)
       if (live[j & 1])
-        cp_async16(stage + (j >> 1) * kWgHalfBytes + dst[j & 1], chunk_src + (j & 1) * row_step + (j >> 1) * 64);
+        cp_async16(stage + (j >> 1) * wg_half_bytes(ROWS) + dst[j & 1],
+                   chunk_src + (j & 1) * row_step + (j >> 1) * 64);
   }
   __device__ __forceinline__ void zero_dead(unsigned char* stage) const {
 #pragma unroll
     for (int j = 0; j < kItems; ++j)
       if (!live[j & 1])
-        *reinterpret_cast<uint4*>(stage + (j >> 1) * kWgHalfBytes + dst[j & 1]) = make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(stage + (j >> 1) * wg_half_bytes(ROWS) + dst[j & 1]) = make_uint4(0u, 0u, 0u, 0u);
   }
 };
 
@@ -91,7 +105,7 @@ struct WgRowStream {
 // decoded into registers and handed to one wgmma; up to two MMAs stay in flight while the next tile's
 // words load and decode, so the tensor cores always have queued work. The chunk ends with every MMA done:
 // MMAs left in flight across the chunk loop's back edge make ptxas serialize all of them (C7515).
-template <int K, int CB, int N>
+template <int K, int CB, int N, int ROWS>
 __device__ __forceinline__ void chunk_wgmma(const uint32_t* run, int ntl, const LaneWindow& win, uint32_t rows_addr,
                                             float (&acc)[64]) {
   const uint32_t* w0 = run + ntl * 8 * K + win.w0;
@@ -117,7 +131,7 @@ __device__ __forceinline__ void chunk_wgmma(const uint32_t* run, int ntl, const 
     wgmma_wait<1>();  // the MMA two tiles back is done: its A registers may be reused
     wgmma_fence();
     // k half kt / 4, 16 columns in it
-    wgmma_m64nNk16<N>(acc, a_frag, descriptor_plus(rows_desc, (kt >> 2) * kWgHalfBytes + (kt & 3) * 32));
+    wgmma_m64nNk16<N>(acc, a_frag, descriptor_plus(rows_desc, (kt >> 2) * wg_half_bytes(ROWS) + (kt & 3) * 32));
     wgmma_commit();
   }
   wgmma_wait<0>();  // the stage is free for the next copy once every warp passes the barrier
@@ -130,17 +144,18 @@ __device__ __forceinline__ void chunk_wgmma(const uint32_t* run, int ntl, const 
 // s_pass) runs per pass of 32 routes from row0, with s_pass [half][32 routes][kOStride] fp32 in shared
 // memory. wsrc: block 0's weight words at chunk 0 (its second 128
 // features follow 8 n tiles later; block b is b * block_words further); rsrc: the tile's first route row.
-template <int CB, int K, bool FAST, int N, typename Prepare, typename Store>
+template <int CB, int K, bool FAST, int N, int ROWS, typename Prepare, typename Store>
 __device__ void wg_gemm(const uint32_t* wsrc, size_t block_words, size_t kt_stride, const __half* rsrc,
                         size_t row_stride, int rows, int chunks, int blocks, unsigned char* smem, Prepare&& prepare,
                         Store&& store) {
 #ifdef TRELLIS_DEVICE_WGMMA
-  constexpr int kStages = wg_stages(FAST), kStageBytes = wg_stage_bytes(FAST), kWeightBytes = wg_weight_bytes(FAST);
+  constexpr int kStages = wg_stages(FAST), kStageBytes = wg_stage_bytes(FAST, ROWS);
+  constexpr int kWeightBytes = wg_weight_bytes(FAST);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const LaneWindow win = lane_window<K>(lane);
   const uint32_t ring = shared_address(smem);
   const WeightIssue<K, 2, kWgThreads> weights(kt_stride, 8 * 8 * K);  // "sources": the two 128-feature halves
-  const WgRowStream row_stream(rsrc, row_stride, rows);
+  const WgRowStream<ROWS> row_stream(rsrc, row_stride, rows);
   for (int st = 0; st < kStages; ++st) row_stream.zero_dead(smem + st * kStageBytes + kWeightBytes);
   auto stage_words = [&](int st) { return reinterpret_cast<uint32_t*>(smem + st * kStageBytes); };
   const int total = blocks * chunks;
@@ -185,7 +200,8 @@ __device__ void wg_gemm(const uint32_t* wsrc, size_t block_words, size_t kt_stri
         advance_issue();
       }
       cp_async_commit();
-      chunk_wgmma<K, CB, N>(run + st * (kStageBytes / 4), warp & 7, win, ring + st * kStageBytes + kWeightBytes, acc);
+      chunk_wgmma<K, CB, N, ROWS>(run + st * (kStageBytes / 4), warp & 7, win, ring + st * kStageBytes + kWeightBytes,
+                                  acc);
       st = st + 1 == kStages ? 0 : st + 1;
       st_issue = st_issue + 1 == kStages ? 0 : st_issue + 1;
     }
@@ -217,22 +233,42 @@ __device__ void wg_gemm(const uint32_t* wsrc, size_t block_words, size_t kt_stri
 // holds them (glm52-tp4 at top-8: about 16 routes per tile at M=512, 32 at M=1024, 96 at M=3072; steps of
 // 32 took up to 2.5 % longer at M = 448-2048, docs/performance.md runs 188-189). The all-K kernel keeps
 // N = 128 alone, which bounds its code size.
-template <bool FAST, typename Body>
+template <bool FAST, int ROWS, typename Body>
 __device__ __forceinline__ void with_n(int rows, Body&& body) {
-  if (FAST && rows <= 16) body(IntConst<16>{});
-  else if (FAST && rows <= 32) body(IntConst<32>{});
-  else if (FAST && rows <= 48) body(IntConst<48>{});
-  else if (FAST && rows <= 64) body(IntConst<64>{});
-  else if (FAST && rows <= 80) body(IntConst<80>{});
-  else if (FAST && rows <= 96) body(IntConst<96>{});
-  else if (FAST && rows <= 112) body(IntConst<112>{});
-  else body(IntConst<128>{});
+  if constexpr (!FAST) {
+    body(IntConst<128>{});
+  } else if constexpr (ROWS < kWgRows) {  // a narrow pass holds at most 32 rows
+    if (rows <= 16) body(IntConst<16>{});
+    else body(IntConst<32>{});
+  } else {
+    if (rows <= 16) body(IntConst<16>{});
+    else if (rows <= 32) body(IntConst<32>{});
+    else if (rows <= 48) body(IntConst<48>{});
+    else if (rows <= 64) body(IntConst<64>{});
+    else if (rows <= 80) body(IntConst<80>{});
+    else if (rows <= 96) body(IntConst<96>{});
+    else if (rows <= 112) body(IntConst<112>{});
+    else body(IntConst<128>{});
+  }
+}
+
+// Calls pass(row0, rows) for the tile's rows in passes of at most ROWS: once for the 128-row kernels, and in
+// the narrow ones once more (decoding the weights again) for each 32 routes past the first, which few
+// tiles have where the host picks them.
+template <int ROWS, typename Pass>
+__device__ __forceinline__ void for_row_passes(int rows, Pass&& pass) {
+  if constexpr (ROWS >= kWgRows) {
+    pass(0, rows);
+  } else {
+    for (int row0 = 0; row0 < rows; row0 += ROWS) pass(row0, min(ROWS, rows - row0));
+  }
 }
 
 // FC1: one CTA per piece (fc1_split.cuh); item b of a tile: projection b / (I/256), features
 // (b % (I/256)) * 256.
-template <int CB, bool FAST>
-__global__ void __launch_bounds__(kWgThreads, 1) fc1_wgmma_kernel(const TrellisMoeArgs a, const Fc1Pieces pieces) {
+template <int CB, bool FAST, int ROWS>
+__global__ void __launch_bounds__(kWgThreads, ROWS < kWgRows ? 2 : 1)
+    fc1_wgmma_kernel(const TrellisMoeArgs a, const Fc1Pieces pieces) {
   TRELLIS_TIMELINE_SCOPE(kTlFc1);
   extern __shared__ __align__(1024) unsigned char wg_smem[];
   const int blocks = a.intermediate / kWgFeatures;
@@ -243,7 +279,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) fc1_wgmma_kernel(const TrellisM
   const int chunks = piece.chunks, kc0 = piece.kc0;
   float* part = static_cast<float*>(a.partial) + size_t(piece.plane) * a.slot_capacity * 2 * a.intermediate +
                 size_t(w.start) * 2 * a.intermediate + proj * a.intermediate + nblock * kWgFeatures;
+  int pass_row0 = 0;  // the rows of this pass (for_row_passes)
   auto store = [&](int, int row0, const float* s_pass) {
+    row0 += pass_row0;
     const int lane = threadIdx.x & 31, rows = min(kWgPassRows, w.rows - row0);
     for (int item = threadIdx.x >> 5; item < 2 * rows; item += kWgThreads / 32) {  // (row, half)
       const int half = item & 1, row = item >> 1;
@@ -257,9 +295,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) fc1_wgmma_kernel(const TrellisM
     const uint32_t* wsrc =
         projection_words<K>(a, w, proj) + size_t(nblock) * 16 * 8 * K + size_t(kc0) * 8 * kt_stride;
     const __half* rows = static_cast<const __half*>(a.xrot) + (size_t(w.start) * 2 + proj) * a.hidden + kc0 * 128;
-    with_n<FAST>(w.rows, [&](auto n) {
-      wg_gemm<CB, K, FAST, decltype(n)::value>(wsrc, 0, kt_stride, rows, size_t(2) * a.hidden, w.rows, chunks, 1,
-                                               wg_smem, [] {}, store);
+    for_row_passes<ROWS>(w.rows, [&](int row0, int pass_rows) {
+      pass_row0 = row0;
+      with_n<FAST, ROWS>(pass_rows, [&](auto n) {
+        wg_gemm<CB, K, FAST, decltype(n)::value, ROWS>(wsrc, 0, kt_stride, rows + size_t(row0) * 2 * a.hidden,
+                                                       size_t(2) * a.hidden, pass_rows, chunks, 1, wg_smem, [] {},
+                                                       store);
+      });
     });
   });
 }
@@ -270,8 +312,8 @@ __host__ __device__ constexpr int fc2_wgmma_groups(int hidden) {
   return (hidden / kWgFeatures + kFc2BlocksPerCta - 1) / kFc2BlocksPerCta;
 }
 
-template <int CB, bool FAST>
-__global__ void __launch_bounds__(kWgThreads, 1) fc2_wgmma_kernel(const TrellisMoeArgs a) {
+template <int CB, bool FAST, int ROWS>
+__global__ void __launch_bounds__(kWgThreads, ROWS < kWgRows ? 2 : 1) fc2_wgmma_kernel(const TrellisMoeArgs a) {
   TRELLIS_TIMELINE_SCOPE(kTlFc2);
   extern __shared__ __align__(1024) unsigned char wg_smem[];
   const int groups = fc2_wgmma_groups(a.hidden);
@@ -279,7 +321,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) fc2_wgmma_kernel(const TrellisM
   if (!load_work_tile(a, blockIdx.x / groups, w)) return;
   const int block0 = (blockIdx.x % groups) * kFc2BlocksPerCta;
   const int blocks = min(kFc2BlocksPerCta, a.hidden / kWgFeatures - block0);
-  unsigned char* cache = wg_smem + wg_smem_bytes(FAST) - kWgCacheBytes;
+  unsigned char* cache = wg_smem + wg_smem_bytes(FAST, ROWS) - kWgCacheBytes;
   int* s_route = reinterpret_cast<int*>(cache);
   float* s_weight = reinterpret_cast<float*>(cache + kWgRows * 4);
   __half* s_svh = reinterpret_cast<__half*>(cache + kWgRows * 8);
@@ -292,7 +334,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) fc2_wgmma_kernel(const TrellisM
     for (int i = threadIdx.x; i < blocks * kWgFeatures / 8; i += kWgThreads)
       reinterpret_cast<uint4*>(s_svh)[i] = reinterpret_cast<const uint4*>(svh)[i];
   };
+  int pass_row0 = 0;  // the rows of this pass (for_row_passes)
   auto store = [&](int block, int row0, const float* s_pass) {
+    row0 += pass_row0;
     const int rows = min(kWgPassRows, w.rows - row0);
     for (int half = 0; half < 2; ++half) {
       const DownRowCache cached{s_route, s_weight, s_svh + (2 * block + half) * 128};
@@ -305,9 +349,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) fc2_wgmma_kernel(const TrellisM
     const size_t kt_stride = size_t(a.hidden >> 4) * 8 * K;
     const uint32_t* wsrc = projection_words<K>(a, w, 2) + size_t(block0) * 16 * 8 * K;
     const __half* rows = static_cast<const __half*>(a.act) + size_t(w.start) * a.intermediate;
-    with_n<FAST>(w.rows, [&](auto n) {
-      wg_gemm<CB, K, FAST, decltype(n)::value>(wsrc, size_t(16) * 8 * K, kt_stride, rows, size_t(a.intermediate),
-                                               w.rows, a.intermediate >> 7, blocks, wg_smem, prepare, store);
+    for_row_passes<ROWS>(w.rows, [&](int row0, int pass_rows) {
+      pass_row0 = row0;
+      with_n<FAST, ROWS>(pass_rows, [&](auto n) {
+        wg_gemm<CB, K, FAST, decltype(n)::value, ROWS>(wsrc, size_t(16) * 8 * K, kt_stride,
+                                                       rows + size_t(row0) * a.intermediate, size_t(a.intermediate),
+                                                       pass_rows, a.intermediate >> 7, blocks, wg_smem, prepare,
+                                                       store);
+      });
     });
   });
 }

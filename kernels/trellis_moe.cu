@@ -219,11 +219,29 @@ GemmKernels mma_sync_kernels(const TrellisMoeArgs& a) {
 }
 
 #ifdef TRELLIS_WGMMA  // sm_90a build: large tiles run on wgmma (expert_wgmma.cuh)
+// K3/K4 layers whose experts average fewer routes than this (M * top_k / E) run the narrow wgmma kernels:
+// passes of 32 routes, two CTAs per SM (docs/performance.md, run 193). A tile of more routes takes one
+// pass per 32, decoding its weights again, which few tiles need below this mean.
+constexpr double kNarrowBelowRoutes = 24;
+bool narrow_large_tiles(const TrellisMoeArgs& a) {
+  if (a.debug_flags & (TRELLIS_WGMMA_NARROW | TRELLIS_WGMMA_WIDE))
+    return (a.debug_flags & TRELLIS_WGMMA_NARROW) != 0;
+  return double(a.m) * a.top_k < kNarrowBelowRoutes * std::max(a.num_experts, 1);
+}
+
 template <int CB, bool FAST>
 GemmKernels wgmma_kernels(const TrellisMoeArgs& a) {
   using namespace trellis;
-  return {fc1_wgmma_kernel<CB, FAST>, fc2_wgmma_kernel<CB, FAST>, kWgThreads, wg_smem_bytes(FAST),
-          dim3(a.tile_capacity * fc2_wgmma_groups(a.hidden)), kWgThreads, wg_smem_bytes(FAST)};
+  const dim3 fc2_grid(a.tile_capacity * fc2_wgmma_groups(a.hidden));
+  if constexpr (FAST) {
+    if (narrow_large_tiles(a)) {
+      constexpr int kSmem = wg_smem_bytes(true, kWgNarrowRows);
+      return {fc1_wgmma_kernel<CB, true, kWgNarrowRows>, fc2_wgmma_kernel<CB, true, kWgNarrowRows>, kWgThreads,
+              kSmem, fc2_grid, kWgThreads, kSmem};
+    }
+  }
+  return {fc1_wgmma_kernel<CB, FAST, kWgRows>, fc2_wgmma_kernel<CB, FAST, kWgRows>, kWgThreads,
+          wg_smem_bytes(FAST, kWgRows), fc2_grid, kWgThreads, wg_smem_bytes(FAST, kWgRows)};
 }
 #endif
 

@@ -23,7 +23,8 @@ from trellis_cli.kernel.launch import FusedMoe
 from trellis_cli.kernel.plan import make_plan
 
 PHASES = {"full": 0, "-rot": abi.SKIP_ROTATE, "-fc1": abi.SKIP_FC1, "-act": abi.SKIP_ACT, "-fc2": abi.SKIP_FC2, "-sum": abi.SKIP_SUM, "no-pdl": abi.NO_PDL}
-FLAGS = {"wide-span": abi.FC2_WIDE_SPAN}  # --flags: same results, another launch shape
+# --flags: same results, another launch shape
+FLAGS = {"wide-span": abi.FC2_WIDE_SPAN, "narrow": abi.WGMMA_NARROW, "wide": abi.WGMMA_WIDE}
 
 
 def calls(runners, outs, first, count, x, ids, w, flags):

@@ -75,8 +75,12 @@ def test_large_tile_path_on_small_layer(library):
 @pytest.mark.parametrize("tier_k", [(3, 4), (2, 5)])
 def test_large_tiles_of_every_route_count(library, tier_k):
     # On Hopper a 128-row tile multiplies as many route columns as its routes rounded up to a multiple of
-    # 16 (kernels/expert_wgmma.cuh with_n; the all-K kernel always 128). Here the 16 experts get 1, 16, 17,
-    # 32, ..., 113 and 128 routes: every width, at both ends of its range.
+    # 16 (kernels/expert_wgmma.cuh with_n; the all-K kernel always 128), and where experts average few routes
+    # K3/K4 layers run the narrow kernels, 32 routes per pass (a tile of more takes several). Here the 16
+    # experts get 1, 16, 17, 32, ..., 113 and 128 routes: every width at both ends of its range, and 1 to 4
+    # narrow passes. Both kinds of kernel must give the same bits.
+    from trellis_cli.kernel import abi
+
     counts = [1, 16, 17, 32, 33, 48, 49, 64, 65, 80, 81, 96, 97, 112, 113, 128]
     moe = moe_for(small(tier_k=tier_k), library)
     m = sum(counts) // 4
@@ -90,11 +94,13 @@ def test_large_tiles_of_every_route_count(library, tier_k):
     fused = moe.forward(x, ids, w)
     assert rel_l2(fused, layer_pack_forward(moe.pack, x, ids, w, dtype=torch.float64)) <= REFERENCE_LIMIT
     assert rel_l2(fused, moe.two_pass(x, ids, w)) <= TWO_PASS_LIMIT
+    for flags in (abi.WGMMA_NARROW, abi.WGMMA_WIDE):
+        assert torch.equal(moe.forward(x, ids, w, debug_flags=flags), fused), flags
 
 
 def test_mid_tile_path_on_small_layer(library):
     # 25 routes per expert: 32-row tiles where large tiles run on mma.sync. The Hopper wgmma build takes
-    # 128-row tiles from 14 routes per expert on (plan.py), so there the 32-row kernels run by an explicit plan.
+    # 128-row tiles from 12 routes per expert on (plan.py), so there the 32-row kernels run by an explicit plan.
     moe = moe_for(small(), library)
     shape = (moe.pack.hidden, moe.pack.intermediate, moe.pack.num_combined)
     assert make_plan(100, 4, *shape, wgmma=False).m_tile == 32

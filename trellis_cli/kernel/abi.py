@@ -18,6 +18,7 @@ MAX_TIERS = 8
 DT_FP32, DT_FP16, DT_BF16 = 0, 1, 2
 SKIP_FC1, SKIP_ACT, SKIP_FC2, SKIP_SUM, SKIP_ROTATE, NO_PDL = 1, 2, 4, 8, 16, 32
 FC2_WIDE_SPAN = 64  # FC2 CTAs of small tiles walk the most output blocks allowed (kernels/abi.h); same results
+WGMMA_NARROW, WGMMA_WIDE = 256, 512  # 128-row tiles on Hopper: force the narrow or the wide kernels; same results
 
 _POINTERS = (
     "global_to_combined",
