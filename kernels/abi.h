@@ -28,7 +28,7 @@
 #define TRELLIS_NO_PDL 32  // launch every phase fully serialized (comparison only)
 // FC2 CTAs of small tiles take the most output blocks allowed, whatever the grid (tests: results unchanged).
 #define TRELLIS_FC2_WIDE_SPAN 64
-// 128-row tiles on Hopper: the narrow wgmma kernels (passes of 32 routes, two CTAs per SM), or the wide
+// 128-row tiles on Hopper: the narrow wgmma kernels (passes of 64 routes, two CTAs per SM), or the wide
 // ones, whatever the routes per expert (comparison and tests: results unchanged).
 #define TRELLIS_WGMMA_NARROW 256
 #define TRELLIS_WGMMA_WIDE 512

@@ -23,9 +23,10 @@ constexpr int kWgThreads = 512;
 constexpr int kWgRows = 128;      // routes per work tile: the largest wgmma N
 constexpr int kWgFeatures = 256;  // features per CTA: 4 warpgroups x 64
 static_assert(kWgFeatures == kFc1WgmmaFeatures, "FC1's items (fc1_split.cuh) are one CTA's features");
-// 3 stages of the ring for K3/K4 kernels (two chunks load while one multiplies); the all-K kernel keeps 2,
-// its weights take twice the room.
-__host__ __device__ constexpr int wg_stages(bool fast) { return fast ? 3 : 2; }
+// 3 stages of the ring for the wide K3/K4 kernels (two chunks load while one multiplies); the all-K kernel
+// keeps 2, its weights take twice the room, and so do the narrow kernels, so that two CTAs' rings fit in
+// one SM's shared memory.
+__host__ __device__ constexpr int wg_stages(bool fast, int rows) { return fast && rows == 128 ? 3 : 2; }
 // FC2 walks only I/128 chunks per 256 features (4 at I = 512), so each CTA takes this many feature blocks
 // of one tile in a row: the ring runs on across them, and a block's epilogue overlaps the next one's loads.
 constexpr int kFc2BlocksPerCta = 4;
@@ -33,9 +34,9 @@ constexpr int kFc2BlocksPerCta = 4;
 // columns, each [128 rows][128 bytes] with 16-byte piece c of row r at position c ^ (r % 8). A warp's copy
 // of 4 whole rows is then 4 full 128-byte lines in global memory and 512 contiguous bytes in shared memory
 // (the unswizzled 8x8 core-matrix layout spread each warp's copy over 8 rows and cost 2x the wavefronts).
-// Narrow kernels stage 32 of a tile's rows per pass instead of 128 (wg_gemm's ROWS): half the registers
-// and under half the shared memory, so two CTAs share an SM (K3/K4 tiles, few routes per expert).
-constexpr int kWgNarrowRows = 32;
+// Narrow kernels stage 64 of a tile's rows per pass instead of 128 (wg_gemm's ROWS): half the accumulators
+// and, with 2 stages, 100 KB of shared memory, so two CTAs share an SM (K3/K4 tiles, few routes per expert).
+constexpr int kWgNarrowRows = 64;
 __host__ __device__ constexpr int wg_half_bytes(int rows) { return rows * 128; }  // one k half of the rows
 constexpr int kWgSwizzleAtomBytes = 8 * 128;  // 8 rows of 128 bytes: the stride between 8-row groups
 __host__ __device__ constexpr int wg_weight_bytes(bool fast) { return 2 * 8 * 64 * max_k(fast) * 4; }
@@ -50,53 +51,49 @@ constexpr int kWgStagingBytes = 2 * kWgPassRows * kOStride * 4;
 // epilogues (loaded there, their latency stalled every pass): [128] int, [128] float, [blocks * 256] fp16.
 constexpr int kWgCacheBytes = kWgRows * 8 + kFc2BlocksPerCta * kWgFeatures * 2;
 __host__ __device__ constexpr int wg_smem_bytes(bool fast, int rows) {
-  return wg_stages(fast) * wg_stage_bytes(fast, rows) + kWgStagingBytes + kWgCacheBytes;
+  return wg_stages(fast, rows) * wg_stage_bytes(fast, rows) + kWgStagingBytes + kWgCacheBytes;
 }
 
 // A chunk's route rows [rows][128] fp16 (rows `row_stride` halves apart) into the swizzled layout of ROWS
 // rows. Piece i = threadIdx.x + 512 j is 16-byte piece i % 8 of row (i / 8) % ROWS in k half (i / 8) / ROWS,
-// so a thread keeps its piece: of 128 rows it copies rows r0 and r0 + 64 of both halves, of 32 one row of
-// one half. Rows past `rows` are never written (zeroed once, below). Chunks are 128 columns apart.
+// so a thread keeps its piece: of 128 rows it copies rows r0 and r0 + 64 of both halves, of 64 row r0 of
+// both. Rows past `rows` are never written (zeroed once, below). Chunks are 128 columns apart.
 template <int ROWS>
 struct WgRowStream {
-  static constexpr int kItems = ROWS * 16 / kWgThreads;  // 128 rows: piece j is k half j / 2, row r0 + 64 (j % 2)
-  static_assert(kItems == 4 || kItems == 1, "128 or 32 rows");
+  static constexpr int kItems = ROWS * 16 / kWgThreads;  // pieces per thread: 4 of 128 rows, 2 of 64
+  static_assert(ROWS == 128 || ROWS == 64, "128 or 64 rows");
   const __half* src;
   size_t row_step;  // 64 rows, in halves
-  uint32_t dst[2];  // bytes from the stage's rows: rows r0 and r0 + 64 of k half 0 (128 rows)
+  uint32_t dst[2];  // bytes from the stage's rows: rows r0 and r0 + 64 of k half 0
   bool live[2];
 
   __device__ __forceinline__ WgRowStream(const __half* first, size_t row_stride, int rows) {
     const int piece = threadIdx.x & 7, r0 = threadIdx.x >> 3;
+    src = first + r0 * row_stride + piece * 8;
     row_step = 64 * row_stride;
-    if constexpr (kItems == 1) {  // 32 rows: row r0 % 32 of k half r0 / 32
-      const int r = r0 % ROWS, half = r0 / ROWS;
-      src = first + r * row_stride + half * 64 + piece * 8;
-      dst[0] = dst[1] = uint32_t(half * wg_half_bytes(ROWS) + r * 128 + ((piece ^ (r & 7)) * 16));
-      live[0] = live[1] = r < rows;
-    } else {
-      src = first + r0 * row_stride + piece * 8;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = r0 + 64 * h;
-        dst[h] = uint32_t(r * 128 + ((piece ^ (r & 7)) * 16));
-        live[h] = r < rows;
-      }
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 64 * h;
+      dst[h] = uint32_t(r * 128 + ((piece ^ (r & 7)) * 16));
+      live[h] = r < rows;
     }
   }
+  // Item j: row r0 + 64 (j % 2) of k half j / 2 (128 rows), row r0 of k half j (64 rows).
   __device__ __forceinline__ void issue(uint32_t stage, int chunk) const {
     const __half* chunk_src = src + chunk * 128;
 #pragma unroll
-    for (int j = 0; j < kItems; ++j)
-      if (live[j & 1])
-        cp_async16(stage + (j >> 1) * wg_half_bytes(ROWS) + dst[j & 1],
-                   chunk_src + (j & 1) * row_step + (j >> 1) * 64);
+    for (int j = 0; j < kItems; ++j) {
+      const int h = ROWS == 128 ? j & 1 : 0, half = ROWS == 128 ? j >> 1 : j;
+      if (live[h]) cp_async16(stage + half * wg_half_bytes(ROWS) + dst[h], chunk_src + h * row_step + half * 64);
+    }
   }
   __device__ __forceinline__ void zero_dead(unsigned char* stage) const {
 #pragma unroll
-    for (int j = 0; j < kItems; ++j)
-      if (!live[j & 1])
-        *reinterpret_cast<uint4*>(stage + (j >> 1) * wg_half_bytes(ROWS) + dst[j & 1]) = make_uint4(0u, 0u, 0u, 0u);
+    for (int j = 0; j < kItems; ++j) {
+      const int h = ROWS == 128 ? j & 1 : 0, half = ROWS == 128 ? j >> 1 : j;
+      if (!live[h])
+        *reinterpret_cast<uint4*>(stage + half * wg_half_bytes(ROWS) + dst[h]) = make_uint4(0u, 0u, 0u, 0u);
+    }
   }
 };
 
@@ -149,7 +146,7 @@ __device__ void wg_gemm(const uint32_t* wsrc, size_t block_words, size_t kt_stri
                         size_t row_stride, int rows, int chunks, int blocks, unsigned char* smem, Prepare&& prepare,
                         Store&& store) {
 #ifdef TRELLIS_DEVICE_WGMMA
-  constexpr int kStages = wg_stages(FAST), kStageBytes = wg_stage_bytes(FAST, ROWS);
+  constexpr int kStages = wg_stages(FAST, ROWS), kStageBytes = wg_stage_bytes(FAST, ROWS);
   constexpr int kWeightBytes = wg_weight_bytes(FAST);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const LaneWindow win = lane_window<K>(lane);
@@ -237,9 +234,11 @@ template <bool FAST, int ROWS, typename Body>
 __device__ __forceinline__ void with_n(int rows, Body&& body) {
   if constexpr (!FAST) {
     body(IntConst<128>{});
-  } else if constexpr (ROWS < kWgRows) {  // a narrow pass holds at most 32 rows
+  } else if constexpr (ROWS < kWgRows) {  // a narrow pass holds at most 64 rows
     if (rows <= 16) body(IntConst<16>{});
-    else body(IntConst<32>{});
+    else if (rows <= 32) body(IntConst<32>{});
+    else if (rows <= 48) body(IntConst<48>{});
+    else body(IntConst<64>{});
   } else {
     if (rows <= 16) body(IntConst<16>{});
     else if (rows <= 32) body(IntConst<32>{});
@@ -253,7 +252,7 @@ __device__ __forceinline__ void with_n(int rows, Body&& body) {
 }
 
 // Calls pass(row0, rows) for the tile's rows in passes of at most ROWS: once for the 128-row kernels, and in
-// the narrow ones once more (decoding the weights again) for each 32 routes past the first, which few
+// the narrow ones once more (decoding the weights again) for each 64 routes past the first, which few
 // tiles have where the host picks them.
 template <int ROWS, typename Pass>
 __device__ __forceinline__ void for_row_passes(int rows, Pass&& pass) {
@@ -279,9 +278,9 @@ __global__ void __launch_bounds__(kWgThreads, ROWS < kWgRows ? 2 : 1)
   const int chunks = piece.chunks, kc0 = piece.kc0;
   float* part = static_cast<float*>(a.partial) + size_t(piece.plane) * a.slot_capacity * 2 * a.intermediate +
                 size_t(w.start) * 2 * a.intermediate + proj * a.intermediate + nblock * kWgFeatures;
-  int pass_row0 = 0;  // the rows of this pass (for_row_passes)
+  int pass_row0 = 0;  // the narrow kernels' pass (for_row_passes)
   auto store = [&](int, int row0, const float* s_pass) {
-    row0 += pass_row0;
+    if constexpr (ROWS < kWgRows) row0 += pass_row0;
     const int lane = threadIdx.x & 31, rows = min(kWgPassRows, w.rows - row0);
     for (int item = threadIdx.x >> 5; item < 2 * rows; item += kWgThreads / 32) {  // (row, half)
       const int half = item & 1, row = item >> 1;
@@ -334,9 +333,9 @@ __global__ void __launch_bounds__(kWgThreads, ROWS < kWgRows ? 2 : 1) fc2_wgmma_
     for (int i = threadIdx.x; i < blocks * kWgFeatures / 8; i += kWgThreads)
       reinterpret_cast<uint4*>(s_svh)[i] = reinterpret_cast<const uint4*>(svh)[i];
   };
-  int pass_row0 = 0;  // the rows of this pass (for_row_passes)
+  int pass_row0 = 0;  // the narrow kernels' pass (for_row_passes)
   auto store = [&](int block, int row0, const float* s_pass) {
-    row0 += pass_row0;
+    if constexpr (ROWS < kWgRows) row0 += pass_row0;
     const int rows = min(kWgPassRows, w.rows - row0);
     for (int half = 0; half < 2; ++half) {
       const DownRowCache cached{s_route, s_weight, s_svh + (2 * block + half) * 128};

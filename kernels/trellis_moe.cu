@@ -220,9 +220,10 @@ GemmKernels mma_sync_kernels(const TrellisMoeArgs& a) {
 
 #ifdef TRELLIS_WGMMA  // sm_90a build: large tiles run on wgmma (expert_wgmma.cuh)
 // K3/K4 layers whose experts average fewer routes than this (M * top_k / E) run the narrow wgmma kernels:
-// passes of 32 routes, two CTAs per SM (docs/performance.md, run 193). A tile of more routes takes one
-// pass per 32, decoding its weights again, which few tiles need below this mean.
-constexpr double kNarrowBelowRoutes = 24;
+// passes of 64 routes, two CTAs per SM (docs/performance.md, runs 193-199: glm52-tp4 M = 352-1024 −7 to
+// −11 %; at 40-48 routes, M = 1280-1536, even; slower from 56). A tile of more routes takes one pass per
+// 64, decoding its weights again, which few tiles need below this mean.
+constexpr double kNarrowBelowRoutes = 40;
 bool narrow_large_tiles(const TrellisMoeArgs& a) {
   if (a.debug_flags & (TRELLIS_WGMMA_NARROW | TRELLIS_WGMMA_WIDE))
     return (a.debug_flags & TRELLIS_WGMMA_NARROW) != 0;

@@ -76,8 +76,8 @@ def test_large_tile_path_on_small_layer(library):
 def test_large_tiles_of_every_route_count(library, tier_k):
     # On Hopper a 128-row tile multiplies as many route columns as its routes rounded up to a multiple of
     # 16 (kernels/expert_wgmma.cuh with_n; the all-K kernel always 128), and where experts average few routes
-    # K3/K4 layers run the narrow kernels, 32 routes per pass (a tile of more takes several). Here the 16
-    # experts get 1, 16, 17, 32, ..., 113 and 128 routes: every width at both ends of its range, and 1 to 4
+    # K3/K4 layers run the narrow kernels, 64 routes per pass (a tile of more takes two). Here the 16
+    # experts get 1, 16, 17, 32, ..., 113 and 128 routes: every width at both ends of its range, and 1 or 2
     # narrow passes. Both kinds of kernel must give the same bits.
     from trellis_cli.kernel import abi
 
@@ -100,7 +100,7 @@ def test_large_tiles_of_every_route_count(library, tier_k):
 
 def test_mid_tile_path_on_small_layer(library):
     # 25 routes per expert: 32-row tiles where large tiles run on mma.sync. The Hopper wgmma build takes
-    # 128-row tiles from 12 routes per expert on (plan.py), so there the 32-row kernels run by an explicit plan.
+    # 128-row tiles from 11 routes per expert on (plan.py), so there the 32-row kernels run by an explicit plan.
     moe = moe_for(small(), library)
     shape = (moe.pack.hidden, moe.pack.intermediate, moe.pack.num_combined)
     assert make_plan(100, 4, *shape, wgmma=False).m_tile == 32

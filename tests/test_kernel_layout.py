@@ -111,8 +111,8 @@ def test_large_tiles_start_earlier_on_wgmma():
     assert make_plan(1024, 8, 6144, 512, 256, wgmma=True).m_tile == 128
     assert make_plan(1024, 8, 6144, 512, 256).m_tile == 32
     assert make_plan(512, 8, 6144, 512, 256, wgmma=True).m_tile == 128
-    assert make_plan(352, 8, 6144, 512, 256, wgmma=True).m_tile == 16
-    assert make_plan(384, 8, 6144, 512, 256, wgmma=True).m_tile == 128
+    assert make_plan(320, 8, 6144, 512, 256, wgmma=True).m_tile == 16
+    assert make_plan(352, 8, 6144, 512, 256, wgmma=True).m_tile == 128
     assert make_plan(512, 8, 6144, 512, 256).m_tile == 32
     assert make_plan(2048, 8, 6144, 512, 256).m_tile == 128
     assert make_plan(2, 8, 6144, 512, 256, wgmma=True).direct  # small M is untouched

@@ -18,7 +18,7 @@ BLOCK_ROWS = 16  # each expert's slot segment is padded to one MMA m16 block
 SMALL_TILE, MID_TILE, LARGE_TILE = 16, 32, 128
 # Routes per expert from which 32-row and 128-row tiles win (choose_m_tile).
 MID_FROM = 14
-LARGE_FROM_MMA_SYNC, LARGE_FROM_WGMMA = 64, 12
+LARGE_FROM_MMA_SYNC, LARGE_FROM_WGMMA = 64, 11
 # The wgmma large-tile kernels take 256 features per CTA (kernels/expert_wgmma.cuh kWgFeatures): other
 # shapes run their 128-row tiles on mma.sync.
 WGMMA_FEATURES = 256
@@ -70,7 +70,7 @@ def choose_m_tile(numel: int, num_combined: int, wgmma: bool = False) -> int:
     # in one tile from about 14 routes per expert on (glm52-tp4, 16 / 32 rows: M=384 1023 / 1121 us,
     # M=512 1302 / 1188); large tiles (merged weights, 128 rows) win from about 64 on mma.sync, and on
     # Hopper wgmma, whose MMA N follows the tile's routes and whose narrow kernels run two CTAs per SM, from
-    # 12 (16 / 128 rows: M=352 904 / 942 us, M=384 970 / 961, M=416 1029 / 968; docs/performance.md, run 194).
+    # 11 (16 / 128 rows: M=320 879 / 904 us, M=352 926 / 903, M=384 989 / 924; docs/performance.md, run 197).
     per_expert = numel / max(1, num_combined)
     if per_expert >= (LARGE_FROM_WGMMA if wgmma else LARGE_FROM_MMA_SYNC):
         return LARGE_TILE
