@@ -38,7 +38,8 @@ __host__ __device__ __forceinline__ int fc1_items_per_tile(const TrellisMoeArgs&
 // kFc1MinTailChunks (plan.MIN_FC1_CHUNKS). Shorter ranges end their wave soon anyway: M=8's 12-chunk
 // ranges lost 1 % cut in 2 or 4 (docs/performance.md, runs 92-93). Only small and mid tiles (two CTAs per
 // SM) have a tail: large tiles run one CTA per SM, which pays each piece's pipeline fill alone (wgmma with
-// 2 pieces: M=512 +2 %, M = 1024-3072 unchanged; run 91). Direct mode has none either.
+// 2 pieces: M=512 +2 %, M = 1024-3072 unchanged; run 91; the narrow wgmma kernels' two CTAs per SM came
+// later and are untried with a tail). Direct mode has none either.
 // trellis_cli/kernel/plan.py fc1_tail_split mirrors this for the planes of partial sums.
 constexpr int kFc1MaxTailSplit = 4;
 constexpr int kFc1TailFromChunks = 24;

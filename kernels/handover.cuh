@@ -13,7 +13,7 @@
 // dependent launch), so whatever a CTA waits for is already running: the waits cannot deadlock.
 // Not at one token in direct mode: there the routes placed last leave too little FC2 work to spread over
 // the GPU, and one grid-wide hand-over measured faster. Not for 128-row tiles (one CTA per SM, no
-// second CTA to run ahead).
+// second CTA to run ahead; the narrow wgmma kernels' two per SM came later and are untried with it).
 #pragma once
 #include <stdint.h>
 
