@@ -10,14 +10,7 @@
 #include <cuda_runtime.h>
 #include <stdio.h>
 
-#define CHECK(x)                                                         \
-  do {                                                                   \
-    cudaError_t e = (x);                                                 \
-    if (e != cudaSuccess) {                                              \
-      printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));   \
-      return 1;                                                          \
-    }                                                                    \
-  } while (0)
+#include "check.cuh"
 
 constexpr int kThreads = 512, kSmem = 99840, kMaxSms = 1024;
 

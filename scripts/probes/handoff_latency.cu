@@ -14,15 +14,7 @@
 #include <stdio.h>
 
 #include "../../kernels/launch.cuh"
-
-#define CHECK(x)                                                                        \
-  do {                                                                                  \
-    cudaError_t e = (x);                                                                \
-    if (e != cudaSuccess) {                                                             \
-      printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));                \
-      return 1;                                                                         \
-    }                                                                                   \
-  } while (0)
+#include "check.cuh"
 
 constexpr int kFloats = 8 * 8 * 1024;  // 8 planes of 8 K floats (256 KB)
 
