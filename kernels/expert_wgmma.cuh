@@ -234,15 +234,11 @@ template <bool FAST, int ROWS, typename Body>
 __device__ __forceinline__ void with_n(int rows, Body&& body) {
   if constexpr (!FAST) {
     body(IntConst<128>{});
-  } else if constexpr (ROWS < kWgRows) {  // a narrow pass holds at most 64 rows
-    if (rows <= 16) body(IntConst<16>{});
-    else if (rows <= 32) body(IntConst<32>{});
-    else if (rows <= 48) body(IntConst<48>{});
-    else body(IntConst<64>{});
   } else {
     if (rows <= 16) body(IntConst<16>{});
     else if (rows <= 32) body(IntConst<32>{});
     else if (rows <= 48) body(IntConst<48>{});
+    else if constexpr (ROWS < kWgRows) body(IntConst<64>{});  // a narrow pass holds at most 64 rows
     else if (rows <= 64) body(IntConst<64>{});
     else if (rows <= 80) body(IntConst<80>{});
     else if (rows <= 96) body(IntConst<96>{});
