@@ -6,7 +6,7 @@
 #pragma once
 #include <stdint.h>
 
-#define TRELLIS_ABI_VERSION 4
+#define TRELLIS_ABI_VERSION 5
 #define TRELLIS_MAX_TIERS 8
 
 // Codebook ids (format.py CODEBOOK_IDS).
@@ -57,7 +57,7 @@ typedef struct TrellisMoeArgs {
   void* tile_start;   // int32 [tile_capacity]
   void* tile_rows;    // int32 [tile_capacity]
   void* slot_route;   // int32 [slot_capacity]
-  void* partial;      // fp32 [k_split * tail split (plan.py fc1_tail_split), slot_capacity, 2*I]
+  void* partial;      // fp32 [k_split * fc1_tail_split, slot_capacity, 2*I]
   void* xrot;         // fp16 [slot_capacity, 2, H]: rotated gate and up inputs per route
   void* act;          // fp16 [slot_capacity, I]
   void* route_out;    // fp32 [M*top_k, H]
@@ -90,6 +90,10 @@ typedef struct TrellisMoeArgs {
   // own input rows (no rotation launch). Needs m_tile 16, slot and tile capacity >= m * top_k, and at
   // most kDirectMaxChunks 128-column chunks of H per FC1 range.
   int32_t direct;
+  // FC1 cuts the H ranges of its last half wave of items this many times finer (1, 2 or 4; dividing each
+  // range), where two or more of its CTAs share an SM (fc1_split.cuh); the partial sums hold k_split *
+  // fc1_tail_split planes. Chosen by trellis_cli/kernel/plan.py choose_fc1_tail_split.
+  int32_t fc1_tail_split;
 } TrellisMoeArgs;
 
 int trellis_abi_version(void);

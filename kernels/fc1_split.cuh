@@ -8,9 +8,12 @@
 // The block scheduler hands pieces to SMs in grid order as SMs free up, so what it cannot balance is the
 // last wave: with the plan's k_split ranges per item the SMs' last CTAs ended up to 26 us apart at M=16 and
 // 50 us at M=256 (docs/performance.md, run 87). The pieces of the last half wave are therefore
-// `tail_split` times shorter (M = 16-256: -2 to -5 %, runs 91-93). Cutting every item that fine pays a
-// pipeline fill per piece instead; an equal run of chunks per CTA (stream-K) was slower still, because
-// equal chunks are not equal time (K3 and K4, two CTAs sharing an SM; run 89).
+// `tail_split` times shorter where two or more CTAs share an SM (16- and 32-row tiles, M = 16-256: -2 to
+// -5 %, runs 91-93; the narrow wgmma kernels, M = 512-1024: -1 to -2 %, run 201). The plan picks the cut
+// (args.fc1_tail_split, plan.py choose_fc1_tail_split) and sizes the planes of partial sums for it.
+// Cutting every item that fine pays a pipeline fill per piece instead; an equal run of chunks per CTA
+// (stream-K) was slower still, because equal chunks are not equal time (K3 and K4, two CTAs sharing an
+// SM; run 89).
 #pragma once
 #include "abi.h"
 #include "handover.cuh"
@@ -33,26 +36,7 @@ __host__ __device__ __forceinline__ int fc1_items_per_tile(const TrellisMoeArgs&
   return gemms_on_wgmma(a) ? 2 * (a.intermediate / kFc1WgmmaFeatures) : a.intermediate / 128;
 }
 
-// Pieces of the tail: each of the plan's k_split ranges of a tail item is cut in this many, where the
-// ranges hold at least kFc1TailFromChunks chunks, the chunks divide, and each piece keeps at least
-// kFc1MinTailChunks (plan.MIN_FC1_CHUNKS). Shorter ranges end their wave soon anyway: M=8's 12-chunk
-// ranges lost 1 % cut in 2 or 4 (docs/performance.md, runs 92-93). Only small and mid tiles (two CTAs per
-// SM) have a tail: large tiles run one CTA per SM, which pays each piece's pipeline fill alone (wgmma with
-// 2 pieces: M=512 +2 %, M = 1024-3072 unchanged; run 91; the narrow wgmma kernels' two CTAs per SM came
-// later and are untried with a tail). Direct mode has none either.
-// trellis_cli/kernel/plan.py fc1_tail_split mirrors this for the planes of partial sums.
-constexpr int kFc1MaxTailSplit = 4;
-constexpr int kFc1TailFromChunks = 24;
-constexpr int kFc1MinTailChunks = 6;
-__host__ __device__ __forceinline__ int fc1_tail_split(const TrellisMoeArgs& a) {
-  const int range = (a.hidden >> 7) / a.k_split;
-  if (a.direct || a.m_tile > 32 || range < kFc1TailFromChunks) return 1;
-  for (int s = kFc1MaxTailSplit; s > 1; s >>= 1)
-    if (range % s == 0 && range / s >= kFc1MinTailChunks) return s;
-  return 1;
-}
-
-// Chosen per call on the host (trellis_moe.cu fc1_pieces).
+// Chosen per call on the host (trellis_moe.cu fc1_pieces): tail_split is args.fc1_tail_split or 1.
 struct Fc1Pieces {
   int tail_items;  // items at the end of the list cut tail_split times finer: whole tiles' items
   int tail_split;

@@ -39,6 +39,9 @@ int check_args(const TrellisMoeArgs& a) {
   if (a.codebook < 0 || a.codebook > 2) return fail("codebook id must be 0 (3inst), 1 (mcg) or 2 (mul1)");
   if (a.m_tile != 16 && a.m_tile != 32 && a.m_tile != 128) return fail("m_tile must be 16, 32 or 128");
   if (a.k_split < 1 || (a.hidden / 128) % a.k_split != 0) return fail("k_split must divide hidden/128");
+  if ((a.fc1_tail_split != 1 && a.fc1_tail_split != 2 && a.fc1_tail_split != 4) ||
+      (a.hidden / 128 / a.k_split) % a.fc1_tail_split != 0)
+    return fail("fc1_tail_split must be 1, 2 or 4 and divide each k_split range of hidden/128");
   if (a.m < 0 || a.top_k < 1) return fail("m must be >= 0 and top_k >= 1");
   if (a.num_combined < 1 || a.num_combined > TRELLIS_MAX_TIERS * 256) return fail("num_combined out of range");
   if (a.x_dtype != TRELLIS_DT_FP16 && a.x_dtype != TRELLIS_DT_BF16) return fail("x must be fp16 or bf16");
@@ -151,7 +154,9 @@ int even_wave_smem(void (*kernel)(TrellisMoeArgs), int blocks, int threads, int 
 }
 
 // FC1's cut (fc1_split.cuh): the tail is the items of half a wave of the CTAs that fit at once (of the
-// plan's k_split ranges each), in whole tiles.
+// plan's k_split ranges each), in whole tiles, cut as the plan allows where two or more CTAs share an SM
+// (small and mid tiles, the narrow wgmma kernels). A kernel of one CTA per SM pays each piece's pipeline
+// fill alone: the wide wgmma kernels cut in 2 took 2 % longer at M=512 (docs/performance.md, run 91).
 trellis::Fc1Pieces fc1_pieces(const TrellisMoeArgs& a, void (*kernel)(TrellisMoeArgs, trellis::Fc1Pieces),
                               int threads, int smem) {
   const int per_tile = trellis::fc1_items_per_tile(a);
@@ -160,7 +165,7 @@ trellis::Fc1Pieces fc1_pieces(const TrellisMoeArgs& a, void (*kernel)(TrellisMoe
   const int per_sm = ctas_per_sm(kernel, threads, smem);
   const int half_wave = (l.sms * (per_sm > 0 ? per_sm : 1) + 1) / 2;
   const int items = (half_wave + a.k_split - 1) / a.k_split;
-  return {(items + per_tile - 1) / per_tile * per_tile, trellis::fc1_tail_split(a)};
+  return {(items + per_tile - 1) / per_tile * per_tile, per_sm >= 2 ? a.fc1_tail_split : 1};
 }
 
 // One CTA per piece: direct mode (items, ranges); otherwise every range of every item the tiles can hold,

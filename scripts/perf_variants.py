@@ -11,7 +11,6 @@ the next weight copy) and times are per call: the graph's own launch is then pai
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -76,12 +75,12 @@ def main() -> None:
             sweeps += [("m_tile", int(v)) for v in args.mtile.split(",") if v]
             sweeps += [("direct", int(v)) for v in args.direct.split(",") if v]
             for key, value in sweeps:
-                plan = runners[0].plan(m, 8)
-                if key in ("m_tile", "direct"):
-                    plan = make_plan(m, 8, base.hidden, base.intermediate, base.num_combined,
-                                     **{key: value if key == "m_tile" else bool(value)})
-                else:
-                    plan = dataclasses.replace(plan, k_split=value)
+                # a new plan, so that what follows from the swept value (FC1's tail) follows it too
+                default = runners[0].plan(m, 8)
+                options = {"m_tile": value} if key == "m_tile" else {"direct": bool(value)} if key == "direct" \
+                    else {"k_split": value, "m_tile": default.m_tile, "direct": default.direct}
+                plan = make_plan(m, 8, base.hidden, base.intermediate, base.num_combined,
+                                 wgmma=runners[0].library.wgmma, **options)
                 graphs = [_capture(lambda r=r, o=o: r.forward(x, ids, w, out=o, plan=plan), r.device)
                           for r, o in zip(runners, outs)]
                 print(f"    {key}={value} (plan {plan.m_tile},{plan.k_split}): "

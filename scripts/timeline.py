@@ -21,7 +21,6 @@ M=3072) folds the rest into its last row, so its CTA count reads 16384.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import ctypes
 import json
 import statistics
@@ -33,6 +32,7 @@ from trellis_cli.bench.synthetic import PRESETS, clone_weights, random_activatio
 from trellis_cli.bench.throughput import _capture, copies_needed, touched
 from trellis_cli.kernel import abi
 from trellis_cli.kernel.launch import FusedMoe
+from trellis_cli.kernel.plan import make_plan
 
 PHASES = ("pack", "rotate", "fc1", "act", "fc2", "sum")
 MAX_CTAS, FIELDS = 16384, 8  # kTlMaxCtas, kTlFields in kernels/timeline.cuh
@@ -113,7 +113,8 @@ def main() -> None:
         outs = [torch.empty((m, base.hidden), device="cuda") for _ in runners]
         plan = runners[0].plan(m, 8)
         if args.split and not plan.direct:
-            plan = dataclasses.replace(plan, k_split=args.split)
+            plan = make_plan(m, 8, base.hidden, base.intermediate, base.num_combined, m_tile=plan.m_tile,
+                             k_split=args.split, wgmma=runners[0].library.wgmma)
         graphs = [_capture(lambda r=r, o=o: r.forward(x, ids, w, out=o, plan=plan), r.device)
                   for r, o in zip(runners, outs)]
         for g in graphs * 2:  # warm-up: code and descriptors resident, weights cycle

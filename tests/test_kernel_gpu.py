@@ -114,19 +114,29 @@ def test_mid_tile_path_on_small_layer(library):
     assert rel_l2(fused, moe.two_pass(x, ids, w, plan=plan)) <= TWO_PASS_LIMIT
 
 
-@pytest.mark.parametrize("m", [16, 64, 700])
+@pytest.mark.parametrize("m", [16, 64, 400, 700])
 def test_fc1_tail_pieces(library, m):
     # hidden 6144 = 48 chunks of 128: with one or two H ranges per item FC1 cuts the ranges of its last
-    # half wave in 4 pieces (M=700 runs large tiles, which have no tail), each piece into its own plane of
-    # partial sums that the activation adds in order.
+    # half wave in 4 pieces, each piece into its own plane of partial sums that the activation adds in
+    # order. Small and mid tiles and, on Hopper, the narrow wgmma kernels (M=400: 25 routes per expert)
+    # have a tail; wgmma at M=700 (44 routes) has none.
     moe = moe_for(Preset("wide-h", 6144, 256, 64, 4, "mcg", (48, 16), (3, 4), 1), library)
     assert_checks(accuracy_checks(moe, "wide-h", m, seed=m))
     x = random_activations(m, 6144, device="cuda", seed=m + 1)
     ids, w = random_routes(m, 64, 4, device="cuda", seed=m + 2)
     ref = layer_pack_forward(moe.pack, x, ids, w, dtype=torch.float64)
     for k_split in (1, 2):
-        plan = dataclasses.replace(moe.plan(m, 4), k_split=k_split)
-        assert rel_l2(moe.forward(x, ids, w, plan=plan), ref) <= REFERENCE_LIMIT
+        plan = make_plan(m, 4, 6144, 256, 64, k_split=k_split, wgmma=library.wgmma)
+        assert plan.fc1_tail_split == (1 if m == 700 and library.wgmma else 4)
+        fused = moe.forward(x, ids, w, plan=plan)
+        assert rel_l2(fused, ref) <= REFERENCE_LIMIT
+        whole = moe.forward(x, ids, w, plan=dataclasses.replace(plan, fc1_tail_split=1))
+        if plan.fc1_tail_split > 1:
+            # the same products added in another order, which moves some fp16 roundings of the activation
+            # by one step (about 1e-4 here), far inside the reference limit
+            assert 0 < rel_l2(fused, whole) <= REFERENCE_LIMIT / 4
+        else:
+            assert torch.equal(fused, whole)
 
 
 @pytest.mark.parametrize("hidden, intermediate", [(1536, 2048), (512, 4096)])
@@ -206,6 +216,10 @@ def test_bad_inputs_are_named_errors(library):
         moe.forward(x, ids, w.half())
     with pytest.raises(CheckFailed, match="x:"):
         moe.forward(x.cpu(), ids, w)
+    # a plan the library cannot follow is refused before anything launches (4 chunks of H: no 3-way cut)
+    plan = dataclasses.replace(moe.plan(2, 4), fc1_tail_split=3)
+    with pytest.raises(CheckFailed, match="fc1_tail_split"):
+        moe.forward(x, ids, w, plan=plan)
 
 
 def test_out_of_range_and_negative_ids_contribute_zero(library):

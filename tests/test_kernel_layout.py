@@ -136,19 +136,25 @@ def test_fc1_ranges_hold_at_least_six_chunks(m):
     assert make_plan(5, 4, 512, 256, 16).k_split == 1  # 4 chunks: never split below the minimum
 
 
-def test_fc1_tail_planes_follow_the_kernel_rule():
-    # kernels/fc1_split.cuh fc1_tail_split: small and mid tiles whose H ranges hold at least 24 chunks cut
-    # the ranges of their last half wave in 4 or 2 pieces of at least 6; a partial-sum plane per piece.
-    from trellis_cli.kernel.plan import fc1_tail_split, make_plan, workspace_shapes
+def test_fc1_tail_follows_two_ctas_per_sm():
+    # plan.choose_fc1_tail_split: where two FC1 CTAs share an SM (small and mid tiles, 128-row tiles on the
+    # narrow wgmma kernels below 32 routes per expert) and the H ranges hold at least 24 chunks, the ranges
+    # of the last half wave are cut in 4 or 2 pieces of at least 6; a partial-sum plane per piece.
+    from trellis_cli.kernel.plan import make_plan, workspace_shapes
 
     glm = (6144, 512, 256)
-    plans = [make_plan(m, 8, *glm, wgmma=True) for m in (1, 8, 16, 64, 512)]
-    assert [p.k_split for p in plans] == [8, 4, 2, 1, 1]
-    assert [fc1_tail_split(p, 6144) for p in plans] == [1, 1, 4, 4, 1]  # direct; 12-chunk ranges; large tiles
-    assert fc1_tail_split(make_plan(512, 8, *glm), 6144) == 4  # 32-row tiles of mma.sync builds
-    assert fc1_tail_split(make_plan(64, 8, 3072, 512, 256, k_split=1), 3072) == 4  # 24 chunks: 4 x 6
-    assert fc1_tail_split(make_plan(64, 8, 4096, 512, 256, k_split=1), 4096) == 4  # 32 chunks: 4 x 8
-    assert fc1_tail_split(make_plan(64, 8, 2560, 512, 256, k_split=1), 2560) == 1  # 20 chunks
-    assert fc1_tail_split(make_plan(64, 8, 512, 256, 16), 512) == 1  # 4 chunks
+    plans = [make_plan(m, 8, *glm, wgmma=True) for m in (1, 8, 16, 64, 512, 1016, 1024, 3072)]
+    assert [p.k_split for p in plans] == [8, 4, 2, 1, 1, 1, 1, 1]
+    assert [p.m_tile for p in plans] == [16, 16, 16, 16, 128, 128, 128, 128]
+    # direct; 12-chunk ranges; small tiles; 128-row tiles below 32 routes per expert (M < 1024); above
+    assert [p.fc1_tail_split for p in plans] == [1, 1, 4, 4, 4, 4, 1, 1]
+    assert make_plan(512, 8, *glm).fc1_tail_split == 4  # 32-row tiles of mma.sync builds
+    assert make_plan(64, 8, 3072, 512, 256, k_split=1).fc1_tail_split == 4  # 24 chunks: 4 x 6
+    assert make_plan(64, 8, 4096, 512, 256, k_split=1).fc1_tail_split == 4  # 32 chunks: 4 x 8
+    assert make_plan(64, 8, 2560, 512, 256, k_split=1).fc1_tail_split == 1  # 20 chunks
+    assert make_plan(64, 8, 512, 256, 16).fc1_tail_split == 1  # 4 chunks
+    assert make_plan(512, 8, 6144, 384, 256, wgmma=True).fc1_tail_split == 4  # I % 256: 32-row mma.sync tiles
+    assert make_plan(4096, 8, *glm).fc1_tail_split == 1  # 128-row tiles on mma.sync
     assert workspace_shapes(plans[3], 6144, 512)["partial"][0][0] == 4
-    assert workspace_shapes(plans[4], 6144, 512)["partial"][0][0] == 1
+    assert workspace_shapes(plans[4], 6144, 512)["partial"][0][0] == 4
+    assert workspace_shapes(plans[7], 6144, 512)["partial"][0][0] == 1

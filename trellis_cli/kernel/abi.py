@@ -12,7 +12,7 @@ from pathlib import Path
 
 from trellis_cli.errors import GpuUnavailable
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 MAX_TIERS = 8
 
 DT_FP32, DT_FP16, DT_BF16 = 0, 1, 2
@@ -64,6 +64,7 @@ _SCALARS = (
     "tile_capacity",
     "debug_flags",
     "direct",
+    "fc1_tail_split",
 )
 
 

@@ -158,7 +158,7 @@ class FusedMoe:
             "ids_int64": int(topk_ids.dtype == torch.int64), "x_dtype": _X_DTYPES[x.dtype],
             "out_dtype": _OUT_DTYPES[out.dtype], "m_tile": plan.m_tile, "k_split": plan.k_split,
             "slot_capacity": plan.slot_capacity, "tile_capacity": plan.tile_capacity, "debug_flags": debug_flags,
-            "direct": int(plan.direct),
+            "direct": int(plan.direct), "fc1_tail_split": plan.fc1_tail_split,
         }
         for name, value in scalars.items():
             setattr(a, name, int(value))

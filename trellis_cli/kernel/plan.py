@@ -41,7 +41,15 @@ DIRECT_MAX_CHUNKS = 48  # kDirectMaxChunks: FC1's resident input rows must fit i
 # FC1 CTAs wanted in direct mode (glm52-tp4 on H200, us by H ranges: M=1 8: 43.1, 4: 43.6, 12: 47.8;
 # M=2 4: 71.4, 6: 72.0, 8: 73.8; M=3 3: 113.6, 4: 100.5, 8: 103.2).
 DIRECT_FC1_CTAS = 384
-FC1_TAIL_FROM_CHUNKS, FC1_MIN_TAIL_CHUNKS = 24, 6  # kFc1TailFromChunks, kFc1MinTailChunks
+# FC1 cuts the H ranges of its last half wave of items in 4 or 2 pieces (kernels/fc1_split.cuh) where the
+# ranges hold at least this many chunks and each piece keeps at least MIN_FC1_CHUNKS: shorter ranges end
+# their wave soon anyway (M=8's 12-chunk ranges lost 1 % cut in 2 or 4; docs/performance.md, runs 91-93).
+FC1_TAIL_FROM_CHUNKS = 24
+# 128-row tiles on Hopper take the tail where their experts average fewer routes than this: the narrow wgmma
+# kernels (two CTAs per SM) run below 40 (kernels/trellis_moe.cu kNarrowBelowRoutes), and the tail bought
+# -1.5 % at 16-24 routes (glm52-tp4 M = 512-768), nothing at 32 and cost 1.8 % at 39 (docs/performance.md,
+# run 202).
+FC1_TAIL_LARGE_BELOW_ROUTES = 32
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,7 @@ class LaunchPlan:
     slot_capacity: int
     tile_capacity: int
     direct: bool = False
+    fc1_tail_split: int = 1  # the partial sums hold k_split * fc1_tail_split planes
 
 
 def slot_capacity(numel: int, num_combined: int) -> int:
@@ -109,18 +118,22 @@ def make_plan(m: int, top_k: int, hidden: int, intermediate: int, num_combined: 
     split = k_split or choose_k_split(tile, expected, hidden, intermediate)
     if chunks % split:
         raise CheckFailed(f"k_split {split} must divide hidden/128 = {chunks}")
-    return LaunchPlan(m, top_k, tile, split, slot_capacity(numel, num_combined), tiles)
+    tail = choose_fc1_tail_split(tile, chunks // split, numel, num_combined, wgmma)
+    return LaunchPlan(m, top_k, tile, split, slot_capacity(numel, num_combined), tiles, fc1_tail_split=tail)
 
 
-def fc1_tail_split(plan: LaunchPlan, hidden: int) -> int:
-    """How many times finer FC1 cuts the H ranges of its last half wave of items (kernels/fc1_split.cuh
-    fc1_tail_split): small and mid tiles whose ranges hold at least 24 chunks, in the largest of 4 and 2
-    pieces of at least 6 chunks, else 1. The partial sums hold k_split times this many planes."""
-    rng = hidden // HADAMARD // plan.k_split
-    if plan.direct or plan.m_tile > MID_TILE or rng < FC1_TAIL_FROM_CHUNKS:
+def choose_fc1_tail_split(m_tile: int, range_chunks: int, numel: int, num_combined: int, wgmma: bool) -> int:
+    """How many times finer FC1 cuts the H ranges of its last half wave of items: where two of its CTAs
+    share an SM (small and mid tiles; 128-row tiles on the narrow wgmma kernels, below
+    FC1_TAIL_LARGE_BELOW_ROUTES) and the ranges hold at least FC1_TAIL_FROM_CHUNKS chunks, the largest of 4
+    and 2 that leaves MIN_FC1_CHUNKS per piece, else 1. The kernel takes whole ranges where one CTA fills
+    an SM. (glm52-tp4 on H200: M = 16-256 -2 to -5 %, M = 512-768 -1.5 %; docs/performance.md, runs 91-93,
+    201-202.)"""
+    two_per_sm = m_tile <= MID_TILE or (wgmma and numel < FC1_TAIL_LARGE_BELOW_ROUTES * max(1, num_combined))
+    if not two_per_sm or range_chunks < FC1_TAIL_FROM_CHUNKS:
         return 1
     for split in (4, 2):
-        if rng % split == 0 and rng // split >= FC1_MIN_TAIL_CHUNKS:
+        if range_chunks % split == 0 and range_chunks // split >= MIN_FC1_CHUNKS:
             return split
     return 1
 
@@ -148,7 +161,7 @@ def workspace_shapes(plan: LaunchPlan, hidden: int, intermediate: int) -> dict[s
         "tile_start": ((tiles,), torch.int32),
         "tile_rows": ((tiles,), torch.int32),
         "slot_route": ((slots,), torch.int32),
-        "partial": ((plan.k_split * fc1_tail_split(plan, hidden), slots, 2 * intermediate), torch.float32),
+        "partial": ((plan.k_split * plan.fc1_tail_split, slots, 2 * intermediate), torch.float32),
         "xrot": ((slots, 2, expand * hidden), torch.float16),
         "act": ((slots, expand * intermediate), torch.float16),
         "route_out": ((max(1, plan.m * plan.top_k), hidden), torch.float32),
