@@ -61,7 +61,7 @@ typedef struct TrellisMoeArgs {
   void* xrot;         // fp16 [slot_capacity, 2, H]: rotated gate and up inputs per route
   void* act;          // fp16 [slot_capacity, I]
   void* route_out;    // fp32 [M*top_k, H]
-  void* handover;     // int32 [3, tile_capacity]: per-tile hand-over counters of 16- and 32-row tiles
+  void* handover;     // int32 [3, tile_capacity]: per-tile hand-over counters (16-, 32-, narrow 128-row tiles)
                       // (handover.cuh); zero when allocated, and zero again after every call
   // Scalars.
   int32_t tier_k[TRELLIS_MAX_TIERS];

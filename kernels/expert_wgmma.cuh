@@ -137,7 +137,8 @@ __device__ __forceinline__ void chunk_wgmma(const uint32_t* run, int ntl, const 
 
 // y^T[256 features][N routes] for `blocks` consecutive 256-feature blocks, each over `chunks` chunks (the
 // tile's `rows` <= N routes; the MMA's time is proportional to N, so callers pick the smallest, with_n).
-// prepare() runs once the previous kernel's outputs may be read; after each block, store(block, row0,
+// prepare() runs once the first weight stages are issued: it waits for what the route rows need (the
+// previous kernel, or the tile's hand-over) and may read it; after each block, store(block, row0,
 // s_pass) runs per pass of 32 routes from row0, with s_pass [half][32 routes][kOStride] fp32 in shared
 // memory. wsrc: block 0's weight words at chunk 0 (its second 128
 // features follow 8 n tiles later; block b is b * block_words further); rsrc: the tile's first route row.
@@ -172,7 +173,6 @@ __device__ void wg_gemm(const uint32_t* wsrc, size_t block_words, size_t kt_stri
     advance_issue();
     cp_async_commit();
   }
-  after_predecessor();
   prepare();  // made visible by the loop's first barrier
 #pragma unroll
   for (int g = 0; g < kStages - 1; ++g) {
@@ -294,11 +294,16 @@ __global__ void __launch_bounds__(kWgThreads, ROWS < kWgRows ? 2 : 1)
       pass_row0 = row0;
       with_n<FAST, ROWS>(pass_rows, [&](auto n) {
         wg_gemm<CB, K, FAST, decltype(n)::value, ROWS>(wsrc, 0, kt_stride, rows + size_t(row0) * 2 * a.hidden,
-                                                       size_t(2) * a.hidden, pass_rows, chunks, 1, wg_smem, [] {},
-                                                       store);
+                                                       size_t(2) * a.hidden, pass_rows, chunks, 1, wg_smem,
+                                                       [] { after_predecessor(); }, store);
       });
     });
   });
+  // The narrow kernels hand over by tile (the host launches them exactly where handover.cuh tile_handover
+  // holds): the piece's partial sums are stored, ordered by wg_gemm's last barrier.
+  if constexpr (ROWS < kWgRows) {
+    if (threadIdx.x == 0) count_done(handover(a).fc1_done + piece.item / (2 * blocks));
+  }
 }
 
 // FC2: grid (tiles * ceil(H/256 / kFc2BlocksPerCta)): up to kFc2BlocksPerCta blocks of 256 output columns,
@@ -320,7 +325,18 @@ __global__ void __launch_bounds__(kWgThreads, ROWS < kWgRows ? 2 : 1) fc2_wgmma_
   int* s_route = reinterpret_cast<int*>(cache);
   float* s_weight = reinterpret_cast<float*>(cache + kWgRows * 4);
   __half* s_svh = reinterpret_cast<__half*>(cache + kWgRows * 8);
+  int pass_row0 = 0;  // the narrow kernels' pass (for_row_passes)
   auto prepare = [&] {
+    if constexpr (ROWS < kWgRows) {  // hand-over by tile (as in FC1): this tile's activation, once per CTA
+      if (pass_row0 == 0) {
+        allow_dependents();
+        if (threadIdx.x == 0) fc2_takes_tile(a, blockIdx.x / groups, groups);
+        __syncthreads();
+        timeline_waited();
+      }
+    } else {
+      after_predecessor();
+    }
     for (int row = threadIdx.x; row < w.rows; row += kWgThreads) {
       s_route[row] = slot_route_of(a, w.start + row);
       s_weight[row] = static_cast<const float*>(a.topk_weights)[s_route[row]];
@@ -329,7 +345,6 @@ __global__ void __launch_bounds__(kWgThreads, ROWS < kWgRows ? 2 : 1) fc2_wgmma_
     for (int i = threadIdx.x; i < blocks * kWgFeatures / 8; i += kWgThreads)
       reinterpret_cast<uint4*>(s_svh)[i] = reinterpret_cast<const uint4*>(svh)[i];
   };
-  int pass_row0 = 0;  // the narrow kernels' pass (for_row_passes)
   auto store = [&](int block, int row0, const float* s_pass) {
     if constexpr (ROWS < kWgRows) row0 += pass_row0;
     const int rows = min(kWgPassRows, w.rows - row0);

@@ -17,20 +17,9 @@
 #pragma once
 #include "abi.h"
 #include "handover.cuh"
+#include "tile_kernels.cuh"
 
 namespace trellis {
-
-// Features per FC1 item on wgmma (expert_wgmma.cuh kWgFeatures).
-constexpr int kFc1WgmmaFeatures = 256;
-
-// Whether FC1 and FC2 of this call run on the wgmma kernels (trellis_moe.cu launch_for_tile).
-__host__ __device__ __forceinline__ bool gemms_on_wgmma(const TrellisMoeArgs& a) {
-#ifdef TRELLIS_WGMMA
-  return a.m_tile == 128 && a.hidden % kFc1WgmmaFeatures == 0 && a.intermediate % kFc1WgmmaFeatures == 0;
-#else
-  return false;
-#endif
-}
 
 __host__ __device__ __forceinline__ int fc1_items_per_tile(const TrellisMoeArgs& a) {
   return gemms_on_wgmma(a) ? 2 * (a.intermediate / kFc1WgmmaFeatures) : a.intermediate / 128;

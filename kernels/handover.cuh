@@ -1,5 +1,5 @@
 // The hand-over from FC1 to the activation to FC2 per work tile, instead of per grid (16- and 32-row
-// tiles, and direct mode from two tokens on).
+// tiles, direct mode from two tokens on, and 128-row tiles on the narrow wgmma kernels).
 //
 // A grid-wide wait makes every tile wait for FC1's last CTA, and FC1's last wave leaves SMs idle (of two
 // CTAs sharing an SM the first placed runs ahead). FC1's pieces are listed tile by tile, so tiles finish
@@ -12,22 +12,23 @@
 // a phase). A phase is launched only once every CTA of the phase before it is resident (programmatic
 // dependent launch), so whatever a CTA waits for is already running: the waits cannot deadlock.
 // Not at one token in direct mode: there the routes placed last leave too little FC2 work to spread over
-// the GPU, and one grid-wide hand-over measured faster. Not for 128-row tiles (one CTA per SM, no
-// second CTA to run ahead; the narrow wgmma kernels' two per SM came later and are untried with it).
+// the GPU, and one grid-wide hand-over measured faster. Not for the wide wgmma kernels (one CTA per SM, no
+// second CTA to run ahead) nor the mma.sync kernels of 128-row tiles.
 #pragma once
 #include <stdint.h>
 
 #include "abi.h"
+#include "tile_kernels.cuh"
 #include "timeline.cuh"
 
 namespace trellis {
 
 __host__ __device__ inline bool tile_handover(const TrellisMoeArgs& a) {
-  return a.m_tile <= 32 && (!a.direct || a.m > 1);
+  return (a.m_tile <= 32 && (!a.direct || a.m > 1)) || narrow_wgmma_tiles(a);
 }
 
 // Rows per activation warp step over a tile (the activation grid's y): one in direct mode (one row per
-// tile), 8 or 16 for 16- or 32-row tiles (two rows per warp step).
+// tile), 8 for 16-row tiles, 16 for 32- and 128-row tiles (two rows per warp step).
 __host__ __device__ inline int activation_row_steps(const TrellisMoeArgs& a) {
   return a.direct ? 1 : a.m_tile == 16 ? 8 : 16;
 }

@@ -2,8 +2,9 @@
 //
 // One call = route pack -> input rotation -> FC1 (gate, up) -> activation -> FC2 (down, output rotation,
 // router weight) -> fixed-order top-k sum; in direct small-M mode FC1 -> activation -> FC2 -> sum. Tiles of
-// 16 and 32 rows go from FC1 to the activation to FC2 one by one (handover.cuh). All
-// run on the caller's stream with no host synchronisation, so a whole call can be captured in a CUDA graph. Every tier's K and size are launch scalars: one compiled object serves any
+// 16 and 32 rows, and 128-row tiles on the narrow wgmma kernels, go from FC1 to the activation to FC2 one
+// by one (handover.cuh). All run on the caller's stream with no host synchronisation, so a whole call can
+// be captured in a CUDA graph. Every tier's K and size are launch scalars: one compiled object serves any
 // partition of any layer.
 #include <cuda_runtime.h>
 #include <math.h>
@@ -176,12 +177,6 @@ dim3 fc1_grid(const TrellisMoeArgs& a, const trellis::Fc1Pieces& p) {
   return dim3(items * a.k_split + p.tail_items * a.k_split * (p.tail_split - 1));
 }
 
-bool only_k3_k4(const TrellisMoeArgs& a) {
-  for (int t = 0; t < a.num_tiers; ++t)
-    if (a.tier_size[t] > 0 && a.tier_k[t] != 3 && a.tier_k[t] != 4) return false;
-  return true;
-}
-
 // The FC1 and FC2 kernels of one tile size, with their launch shapes.
 struct GemmKernels {
   void (*fc1)(TrellisMoeArgs, trellis::Fc1Pieces);
@@ -224,23 +219,13 @@ GemmKernels mma_sync_kernels(const TrellisMoeArgs& a) {
 }
 
 #ifdef TRELLIS_WGMMA  // sm_90a build: large tiles run on wgmma (expert_wgmma.cuh)
-// K3/K4 layers whose experts average fewer routes than this (M * top_k / E) run the narrow wgmma kernels:
-// passes of 64 routes, two CTAs per SM (docs/performance.md, runs 193-199: glm52-tp4 M = 352-1024 −7 to
-// −11 %; at 40-48 routes, M = 1280-1536, even; slower from 56). A tile of more routes takes one pass per
-// 64, decoding its weights again, which few tiles need below this mean.
-constexpr double kNarrowBelowRoutes = 40;
-bool narrow_large_tiles(const TrellisMoeArgs& a) {
-  if (a.debug_flags & (TRELLIS_WGMMA_NARROW | TRELLIS_WGMMA_WIDE))
-    return (a.debug_flags & TRELLIS_WGMMA_NARROW) != 0;
-  return double(a.m) * a.top_k < kNarrowBelowRoutes * std::max(a.num_experts, 1);
-}
 
 template <int CB, bool FAST>
 GemmKernels wgmma_kernels(const TrellisMoeArgs& a) {
   using namespace trellis;
   const dim3 fc2_grid(a.tile_capacity * fc2_wgmma_groups(a.hidden));
   if constexpr (FAST) {
-    if (narrow_large_tiles(a)) {
+    if (narrow_wgmma_tiles(a)) {  // tile_kernels.cuh
       constexpr int kSmem = wg_smem_bytes(true, kWgNarrowRows);
       return {fc1_wgmma_kernel<CB, true, kWgNarrowRows>, fc2_wgmma_kernel<CB, true, kWgNarrowRows>, kWgThreads,
               kSmem, fc2_grid, kWgThreads, kSmem};
@@ -294,7 +279,8 @@ cudaError_t launch_for_tile(const TrellisMoeArgs& a, cudaStream_t stream, bool p
 
 template <int CB>
 cudaError_t launch_for_codebook(const TrellisMoeArgs& a, cudaStream_t stream, bool pdl) {
-  return only_k3_k4(a) ? launch_for_tile<CB, true>(a, stream, pdl) : launch_for_tile<CB, false>(a, stream, pdl);
+  return trellis::only_k3_k4(a) ? launch_for_tile<CB, true>(a, stream, pdl)
+                                : launch_for_tile<CB, false>(a, stream, pdl);
 }
 
 }  // namespace

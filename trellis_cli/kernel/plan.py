@@ -46,7 +46,7 @@ DIRECT_FC1_CTAS = 384
 # their wave soon anyway (M=8's 12-chunk ranges lost 1 % cut in 2 or 4; docs/performance.md, runs 91-93).
 FC1_TAIL_FROM_CHUNKS = 24
 # 128-row tiles on Hopper take the tail where their experts average fewer routes than this: the narrow wgmma
-# kernels (two CTAs per SM) run below 40 (kernels/trellis_moe.cu kNarrowBelowRoutes), and the tail bought
+# kernels (two CTAs per SM) run below 52 (kernels/tile_kernels.cuh kNarrowBelowRoutes), and the tail bought
 # -1.5 % at 16-24 routes (glm52-tp4 M = 512-768), nothing at 32 and cost 1.8 % at 39 (docs/performance.md,
 # run 202).
 FC1_TAIL_LARGE_BELOW_ROUTES = 32
