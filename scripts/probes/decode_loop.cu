@@ -15,6 +15,7 @@
 
 #include "../../kernels/decode.cuh"
 #include "../../kernels/warp_ops.cuh"
+#include "staged_tiles.cuh"
 
 using namespace trellis;
 
@@ -95,7 +96,6 @@ __device__ __forceinline__ void words(const TileWords& t, const LaneWindow& win,
   }
 }
 
-constexpr int kTiles = 64;
 
 template <int K, int V, int NB>
 __global__ void __launch_bounds__(256) decode_loop(const uint32_t* __restrict__ src, float* out, int iters,
@@ -105,17 +105,15 @@ __global__ void __launch_bounds__(256) decode_loop(const uint32_t* __restrict__ 
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const LaneWindow win = lane_window<K>(lane);
-  const uint32_t rows[4] = {0x3C003C00u ^ lane, 0x3C00BC00u, 0xBC003C00u + lane, 0x38003800u};
+  uint32_t rows[4];
+  route_stand_ins(lane, rows);
   float acc[2][4] = {};
   uint32_t folded = 0;
   for (int it = 0; it < iters; ++it) {
 #pragma unroll 8
     for (int kt = 0; kt < kTiles; ++kt) {
-      const int tile = (kt + warp) & (kTiles - 1);
-      TileWords t;
-      t.u0 = s_w[tile * 8 * K + win.w0];
-      t.u1 = s_w[tile * 8 * K + win.w1];
-      t.u2 = 0;
+      const int tile = warp_tile(kt, warp);
+      const TileWords t = staged_tile<K>(s_w, tile, win);
       uint32_t x[8];
       words<K, V>(t, win, x);
       if (dump && it == 0 && blockIdx.x == 0 && warp == 0)

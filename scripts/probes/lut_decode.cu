@@ -22,10 +22,10 @@
 #include "../../kernels/decode.cuh"
 #include "../../kernels/warp_ops.cuh"
 #include "check.cuh"
+#include "staged_tiles.cuh"
 
 using namespace trellis;
 
-constexpr int kTiles = 64;
 constexpr int kTableBytes = 65536 * 2;
 
 __device__ __forceinline__ uint32_t merged(uint32_t word) {
@@ -79,16 +79,14 @@ __global__ void __launch_bounds__(1024, 1)
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const LaneWindow win = lane_window<K>(lane);
-  const uint32_t rows[4] = {0x3C003C00u ^ lane, 0x3C00BC00u, 0xBC003C00u + lane, 0x38003800u};
+  uint32_t rows[4];
+  route_stand_ins(lane, rows);
   float acc[2][4] = {};
   for (int it = 0; it < iters; ++it) {
 #pragma unroll 8
     for (int kt = 0; kt < kTiles; ++kt) {
-      const int tile = (kt + warp) & (kTiles - 1);
-      TileWords t;
-      t.u0 = s_w[tile * 8 * K + win.w0];
-      t.u1 = s_w[tile * 8 * K + win.w1];
-      t.u2 = 0;
+      const int tile = warp_tile(kt, warp);
+      const TileWords t = staged_tile<K>(s_w, tile, win);
       uint32_t x[8];
       lane_states<K>(t, win, x);
 #pragma unroll
