@@ -76,9 +76,13 @@ def main() -> None:
             sweeps += [("direct", int(v)) for v in args.direct.split(",") if v]
             for key, value in sweeps:
                 # a new plan, so that what follows from the swept value (FC1's tail) follows it too
-                default = runners[0].plan(m, 8)
-                options = {"m_tile": value} if key == "m_tile" else {"direct": bool(value)} if key == "direct" \
-                    else {"k_split": value, "m_tile": default.m_tile, "direct": default.direct}
+                if key == "m_tile":
+                    options = {"m_tile": value}
+                elif key == "direct":
+                    options = {"direct": bool(value)}
+                else:  # the default plan's tiles, cut another way
+                    default = runners[0].plan(m, 8)
+                    options = {"k_split": value, "m_tile": default.m_tile, "direct": default.direct}
                 plan = make_plan(m, 8, base.hidden, base.intermediate, base.num_combined,
                                  wgmma=runners[0].library.wgmma, **options)
                 graphs = [_capture(lambda r=r, o=o: r.forward(x, ids, w, out=o, plan=plan), r.device)
