@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -54,7 +55,9 @@ def read_lines(path: str) -> tuple[str, list[Line]]:
     with open(path, newline="") as f:
         rows = list(csv.reader(row for row in f if row.startswith('"')))
     kernel = next((row[1] for row in rows if row and row[0] == "Kernel Name"), "?")
-    header = next(row for row in rows if row and row[0] == "Address")
+    header = next((row for row in rows if row and row[0] == "Address"), None)
+    if header is None:
+        sys.exit(f"{path}: no ncu source page (a header row starting with \"Address\"); see this script's usage")
     col = {name: i for i, name in enumerate(header)}
     lines = []
     for row in rows:

@@ -62,3 +62,11 @@ def test_command_reports_instructions_per_weight(tmp_path: Path):
     opcode_rows = {line.split()[0]: line.split()[1:] for line in lines[lines.index("") + 2:] if line.strip()}
     assert opcode_rows["LOP3"] == ["1.000", "14.3"]  # 1,000 x 32 / 32,000; 5 of 35 stall samples
     assert opcode_rows["BAR"] == ["0.010", "57.1"]
+
+
+def test_command_names_a_file_that_is_no_source_page(tmp_path: Path):
+    path = tmp_path / "log.csv"
+    path.write_text("==PROF== Connected to process 1\n==ERROR== the profiled process failed\n")
+    run = subprocess.run([sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True)
+    assert run.returncode == 1
+    assert f"{path}: no ncu source page" in run.stderr and "Traceback" not in run.stderr
