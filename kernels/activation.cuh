@@ -163,6 +163,15 @@ __global__ void __launch_bounds__(kSumThreads) topk_sum_kernel(const TrellisMoeA
   const int col = (blockIdx.y * kSumThreads + threadIdx.x) * 4;
   // Which routes this rank serves depends on the layer inputs only: look it up while FC2 drains.
   const uint32_t served = served_mask(a, token * a.top_k, min(a.top_k, 32));
+  // Shared-H packs: FC2 left the route rows unrotated (expert_gemm.cuh store_down_rows), and the sum
+  // applies H128 and the one svh row. Warps hold whole 128-column blocks (H is a multiple of 128).
+  const bool rotate = a.down_svh_shared && col < a.hidden;
+  float svh[4];
+  if (rotate) {
+    const __half2* p = reinterpret_cast<const __half2*>(static_cast<const __half*>(a.down_svh) + col);
+    const __half2 p0 = p[0], p1 = p[1];
+    svh[0] = __low2float(p0), svh[1] = __high2float(p0), svh[2] = __low2float(p1), svh[3] = __high2float(p1);
+  }
   after_predecessor();
   if (col >= a.hidden) return;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -179,6 +188,11 @@ __global__ void __launch_bounds__(kSumThreads) topk_sum_kernel(const TrellisMoeA
     }
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) add4(acc, y[j]);  // in route order
+  }
+  if (rotate) {
+    hadamard128(acc, threadIdx.x & 31);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] *= svh[i];
   }
   timeline_mark(0);
   store_out(a, size_t(token) * a.hidden + col, make_float4(acc[0], acc[1], acc[2], acc[3]));

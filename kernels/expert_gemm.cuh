@@ -31,6 +31,13 @@ __host__ __device__ constexpr int expand_of_m_tile(int m_tile) { return m_tile <
 // 16- and 32-row tiles keep FC1's rotated input rows per route, not per slot (rotate_routes_kernel), so
 // the rotation needs no tile list and runs beside the route pack instead of after it.
 __host__ __device__ constexpr bool route_rows(int m_tile, bool direct) { return m_tile <= 32 && !direct; }
+// Shared-H packs (one gate and one up suh row for every expert): all routes of a token have the same
+// rotated input, so the rotation runs once per token and FC1 reads row `route / top_k`, wherever it gathers
+// its rows by index anyway: route rows, and the wgmma 128-row tiles (expert_wgmma.cuh). A top_k-th of the
+// rotation's work and writes (glm52-tp4 M=3072: 578 MB of rotated rows per call otherwise).
+__host__ __device__ __forceinline__ bool rows_by_token(const TrellisMoeArgs& a) {
+  return a.gate_suh_shared && a.up_suh_shared && (route_rows(a.m_tile, a.direct) || gemms_on_wgmma(a));
+}
 // Halves per staged row: a chunk's 128 (or 256 expanded) + 8 of padding keeps ldmatrix conflict-free.
 __host__ __device__ constexpr int a_stride(int r) { return 128 * a_expand(r) + 8; }
 constexpr int kOStride = 132;  // floats per epilogue row
@@ -304,12 +311,14 @@ struct RowStream {
     }
   }
   // Rows kept per route (route_rows): row r of the tile is route slot_route[first_slot + r], `row_stride`
-  // halves per route. Called once the route pack has finished.
-  __device__ __forceinline__ void rows_by_route(const int* slot_route, int first_slot, size_t row_stride) {
+  // halves per route, or per token (rows_by_token: `top_k` routes per row). Called once the route pack
+  // has finished.
+  __device__ __forceinline__ void rows_by_route(const int* slot_route, int first_slot, size_t row_stride,
+                                                int top_k = 1) {
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
       const int i = threadIdx.x + j * THREADS, r = (i % kPerSource) / kPieces;
-      if (live[j]) src[j] += (ptrdiff_t(slot_route[first_slot + r]) - r) * ptrdiff_t(row_stride);
+      if (live[j]) src[j] += (ptrdiff_t(slot_route[first_slot + r] / top_k) - r) * ptrdiff_t(row_stride);
     }
   }
   // block_ends (FC2): after a block's last chunk, back to the first, the same rows serving the next block.
@@ -589,7 +598,8 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
       [&] {
         after_predecessor();
         if (by_route)
-          row_stream.rows_by_route(static_cast<const int*>(a.slot_route), w.start, size_t(2) * kX * a.hidden);
+          row_stream.rows_by_route(static_cast<const int*>(a.slot_route), w.start, size_t(2) * kX * a.hidden,
+                                   rows_by_token(a) ? a.top_k : 1);
         if (direct) rotate_direct_row(a, w, kc0, chunks, s_a);  // made visible by the loop's first barrier
         timeline_mark(0);
       },
@@ -754,20 +764,23 @@ __global__ void __launch_bounds__(256, 4) rotate_input_kernel(const TrellisMoeAr
 // warps, one column block each, a half warp per projection, 8 columns per lane (rotate8), suh read
 // straight from global memory. Rows are kept per route (route_rows), so the kernel needs nothing from the
 // route pack: it rotates while the pack runs and waits for the pack only before it lets FC1 launch (FC1
-// reads the tile list before its own wait). docs/performance.md, run 174.
+// reads the tile list before its own wait). docs/performance.md, run 174. With rows_by_token the grid's x
+// is the token and the rows are plain for 128-row tiles.
 constexpr int kSmallRotateBlocks = 8;
 template <bool kBf16>
 __global__ void __launch_bounds__(256) rotate_routes_kernel(const TrellisMoeArgs a) {
   TRELLIS_TIMELINE_SCOPE(kTlRotate);
-  const int route = blockIdx.x, lane = threadIdx.x & 15, p = (threadIdx.x >> 4) & 1, warp = warp_index();
+  const int row = blockIdx.x, lane = threadIdx.x & 15, p = (threadIdx.x >> 4) & 1, warp = warp_index();
   const int col = (blockIdx.y * kSmallRotateBlocks + warp) * 128 + 8 * lane;
-  const int expert = route_combined(a, route);
+  const bool by_token = rows_by_token(a);
+  const int expert = by_token ? 0 : route_combined(a, row);  // by token: the shared suh rows
+  const int expand = expand_of_m_tile(a.m_tile);
   if (col < a.hidden && expert >= 0) {  // a route not served here: FC1 never reads its row
     float x[8], s[8], v[8];
-    load_x8(a, kBf16, route / a.top_k, col, x);
+    load_x8(a, kBf16, by_token ? row : row / a.top_k, col, x);
     input_suh8(a, expert, p, col, s);
     rotate8(x, s, lane, v);
-    store_a_row8(static_cast<__half*>(a.xrot) + (size_t(route) * 2 + p) * 2 * a.hidden, col, 2, v);
+    store_a_row8(static_cast<__half*>(a.xrot) + (size_t(row) * 2 + p) * expand * a.hidden, col, expand, v);
   }
   after_predecessor();
 }
@@ -779,16 +792,18 @@ struct RotationLaunch {
 };
 inline RotationLaunch rotation_for(const TrellisMoeArgs& a, int tiles) {
   const bool bf16 = a.x_dtype == TRELLIS_DT_BF16;
-  if (!route_rows(a.m_tile, a.direct)) {  // the rows FC1 reads per slot (fc1_body), plain columns
-    // Column blocks per CTA so that a tile's expected rows (routes per combined expert) times blocks fill
-    // the CTA's 32 (row, block) items per step.
-    const long long rows = (1LL * a.m * a.top_k + a.num_combined - 1) / a.num_combined;
+  if (!route_rows(a.m_tile, a.direct) && !rows_by_token(a)) {  // the rows FC1 reads per slot (fc1_body), plain columns
+    // Column blocks per CTA so that a tile's expected rows (routes per expert: plan.py routes_per_expert)
+    // times blocks fill the CTA's 32 (row, block) items per step.
+    const int experts = a.num_experts > 1 ? a.num_experts : 1;
+    const long long rows = (1LL * a.m * a.top_k + experts - 1) / experts;
     int blocks = rows >= 32 ? 1 : rows >= 16 ? 2 : kMaxRotateBlocks;
     while ((a.hidden / 128) % blocks) blocks >>= 1;
     return {bf16 ? rotate_input_kernel<true> : rotate_input_kernel<false>, dim3(tiles, a.hidden / 128 / blocks)};
   }
   const int steps = (a.hidden / 128 + kSmallRotateBlocks - 1) / kSmallRotateBlocks;
-  return {bf16 ? rotate_routes_kernel<true> : rotate_routes_kernel<false>, dim3(a.m * a.top_k, steps)};
+  return {bf16 ? rotate_routes_kernel<true> : rotate_routes_kernel<false>,
+          dim3(rows_by_token(a) ? a.m : a.m * a.top_k, steps)};
 }
 
 // The svh row of FC2's output for the tile's expert.
@@ -799,6 +814,9 @@ __device__ __forceinline__ const __half* down_svh(const TrellisMoeArgs& a, const
 // FC2's epilogue from staged fp32 output rows s_o [rows][kOStride] (128 columns of H from nchunk * 128,
 // the tile's rows row0..row0+rows-1): H128, svh and the router weight, one route row per warp step, into
 // route_out. Optional `cached` (shared memory): the tile's routes, router weights and svh, read ahead.
+// Where every expert shares one svh row (shared-H packs), the output rotation is the same linear map for
+// all routes, so it commutes with the top-k sum: the rows leave unrotated, scaled by the router weight
+// alone, and the sum rotates once per token (activation.cuh topk_sum_kernel), a top_k-th of the work.
 struct DownRowCache {
   const int* route;     // [tile rows]
   const float* weight;  // [tile rows]
@@ -808,8 +826,9 @@ __device__ __forceinline__ void store_down_rows(const TrellisMoeArgs& a, const W
                                                 const float* s_o, int row0, int rows,
                                                 const DownRowCache* cached = nullptr) {
   const int lane = threadIdx.x & 31, warp = warp_index();
-  float s[4];
-  load4_half(cached ? cached->svh + 4 * lane : down_svh(a, w) + nchunk * 128 + 4 * lane, s);
+  const bool rotate = !a.down_svh_shared;
+  float s[4] = {1.f, 1.f, 1.f, 1.f};  // times 1 is exact: unrotated rows are the MMA's sums times the weight
+  if (rotate) load4_half(cached ? cached->svh + 4 * lane : down_svh(a, w) + nchunk * 128 + 4 * lane, s);
   const int col = nchunk * 128 + 4 * lane;
   for (int row = warp; row < rows; row += blockDim.x >> 5) {
     const int route = cached ? cached->route[row0 + row] : slot_route_of(a, w.start + row0 + row);
@@ -820,7 +839,7 @@ __device__ __forceinline__ void store_down_rows(const TrellisMoeArgs& a, const W
     v[1] = o.y;
     v[2] = o.z;
     v[3] = o.w;
-    hadamard128(v, lane);
+    if (rotate) hadamard128(v, lane);
     float4 y = make_float4(v[0] * s[0] * weight, v[1] * s[1] * weight, v[2] * s[2] * weight, v[3] * s[3] * weight);
     *reinterpret_cast<float4*>(static_cast<float*>(a.route_out) + size_t(route) * a.hidden + col) = y;
   }

@@ -58,33 +58,46 @@ __host__ __device__ constexpr int wg_smem_bytes(bool fast, int rows) {
 // rows. Piece i = threadIdx.x + 512 j is 16-byte piece i % 8 of row (i / 8) % ROWS in k half (i / 8) / ROWS,
 // so a thread keeps its piece: of 128 rows it copies rows r0 and r0 + 64 of both halves, of 64 row r0 of
 // both. Rows past `rows` are never written (zeroed once, below). Chunks are 128 columns apart.
+// Rows gathered by token (rows_by_token, FC1 of shared-H packs): row r of the tile is row
+// slot_route[slot + r] / top_k of `base`, `stride` halves per token. base == nullptr: rows in place.
+struct WgRowGather {
+  const __half* base = nullptr;
+  const int* slot_route = nullptr;
+  int slot = 0, top_k = 1;
+  size_t stride = 0;
+};
+
 template <int ROWS>
 struct WgRowStream {
   static constexpr int kItems = ROWS * 16 / kWgThreads;  // pieces per thread: 4 of 128 rows, 2 of 64
   static_assert(ROWS == 128 || ROWS == 64, "128 or 64 rows");
-  const __half* src;
-  size_t row_step;  // 64 rows, in halves
+  const __half* src[2];  // rows r0 and r0 + 64 (of 128), at this thread's piece
   uint32_t dst[2];  // bytes from the stage's rows: rows r0 and r0 + 64 of k half 0
   bool live[2];
 
   __device__ __forceinline__ WgRowStream(const __half* first, size_t row_stride, int rows) {
     const int piece = threadIdx.x & 7, r0 = threadIdx.x >> 3;
-    src = first + r0 * row_stride + piece * 8;
-    row_step = 64 * row_stride;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = r0 + 64 * h;
+      src[h] = first + r * row_stride + piece * 8;
       dst[h] = uint32_t(r * 128 + ((piece ^ (r & 7)) * 16));
       live[h] = r < rows;
     }
   }
+  // Called once the route pack has finished (the slot list is its output).
+  __device__ __forceinline__ void gather(const WgRowGather& g) {
+    const int piece = threadIdx.x & 7, r0 = threadIdx.x >> 3;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (live[h]) src[h] = g.base + size_t(g.slot_route[g.slot + r0 + 64 * h] / g.top_k) * g.stride + piece * 8;
+  }
   // Item j: row r0 + 64 (j % 2) of k half j / 2 (128 rows), row r0 of k half j (64 rows).
   __device__ __forceinline__ void issue(uint32_t stage, int chunk) const {
-    const __half* chunk_src = src + chunk * 128;
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
       const int h = ROWS == 128 ? j & 1 : 0, half = ROWS == 128 ? j >> 1 : j;
-      if (live[h]) cp_async16(stage + half * wg_half_bytes(ROWS) + dst[h], chunk_src + h * row_step + half * 64);
+      if (live[h]) cp_async16(stage + half * wg_half_bytes(ROWS) + dst[h], src[h] + chunk * 128 + half * 64);
     }
   }
   __device__ __forceinline__ void zero_dead(unsigned char* stage) const {
@@ -145,7 +158,7 @@ __device__ __forceinline__ void chunk_wgmma(const uint32_t* run, int ntl, const 
 template <int CB, int K, bool FAST, int N, int ROWS, typename Prepare, typename Store>
 __device__ void wg_gemm(const uint32_t* wsrc, size_t block_words, size_t kt_stride, const __half* rsrc,
                         size_t row_stride, int rows, int chunks, int blocks, unsigned char* smem, Prepare&& prepare,
-                        Store&& store) {
+                        Store&& store, const WgRowGather& gather = WgRowGather{}) {
 #ifdef TRELLIS_DEVICE_WGMMA
   constexpr int kStages = wg_stages(FAST, ROWS), kStageBytes = wg_stage_bytes(FAST, ROWS);
   constexpr int kWeightBytes = wg_weight_bytes(FAST);
@@ -153,7 +166,7 @@ __device__ void wg_gemm(const uint32_t* wsrc, size_t block_words, size_t kt_stri
   const LaneWindow win = lane_window<K>(lane);
   const uint32_t ring = shared_address(smem);
   const WeightIssue<K, 2, kWgThreads> weights(kt_stride, 8 * 8 * K);  // "sources": the two 128-feature halves
-  const WgRowStream<ROWS> row_stream(rsrc, row_stride, rows);
+  WgRowStream<ROWS> row_stream(rsrc, row_stride, rows);
   for (int st = 0; st < kStages; ++st) row_stream.zero_dead(smem + st * kStageBytes + kWeightBytes);
   auto stage_words = [&](int st) { return reinterpret_cast<uint32_t*>(smem + st * kStageBytes); };
   const int total = blocks * chunks;
@@ -174,6 +187,7 @@ __device__ void wg_gemm(const uint32_t* wsrc, size_t block_words, size_t kt_stri
     cp_async_commit();
   }
   prepare();  // made visible by the loop's first barrier
+  if (gather.base) row_stream.gather(gather);
 #pragma unroll
   for (int g = 0; g < kStages - 1; ++g) {
     if (g < total) row_stream.issue(ring + g * kStageBytes + kWeightBytes, g % chunks);
@@ -290,12 +304,20 @@ __global__ void __launch_bounds__(kWgThreads, ROWS < kWgRows ? 2 : 1)
     const uint32_t* wsrc =
         projection_words<K>(a, w, proj) + size_t(nblock) * 16 * 8 * K + size_t(kc0) * 8 * kt_stride;
     const __half* rows = static_cast<const __half*>(a.xrot) + (size_t(w.start) * 2 + proj) * a.hidden + kc0 * 128;
+    WgRowGather by_token;  // shared-H: rows per token (rows_by_token)
+    if (rows_by_token(a)) {
+      by_token.base = static_cast<const __half*>(a.xrot) + proj * a.hidden + kc0 * 128;
+      by_token.slot_route = static_cast<const int*>(a.slot_route);
+      by_token.top_k = a.top_k;
+      by_token.stride = size_t(2) * a.hidden;
+    }
     for_row_passes<ROWS>(w.rows, [&](int row0, int pass_rows) {
       pass_row0 = row0;
+      by_token.slot = w.start + row0;
       with_n<FAST, ROWS>(pass_rows, [&](auto n) {
         wg_gemm<CB, K, FAST, decltype(n)::value, ROWS>(wsrc, 0, kt_stride, rows + size_t(row0) * 2 * a.hidden,
                                                        size_t(2) * a.hidden, pass_rows, chunks, 1, wg_smem,
-                                                       [] { after_predecessor(); }, store);
+                                                       [] { after_predecessor(); }, store, by_token);
       });
     });
   });

@@ -23,7 +23,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def expected_stages(pack, x, route_expert, route_token):
-    """Per route: FC1 gate/up sums (before the output rotation), activated input of FC2, FC2 output."""
+    """Per route: FC1 gate/up sums (before the output rotation), activated input of FC2, FC2 output (left
+    unrotated where every expert shares one svh row: the top-k sum rotates once per token)."""
+    shared_down = pack.down_svh.shape[0] == 1
     fc1, act, fc2 = [], [], []
     for combined, token in zip(route_expert, route_token):
         (tg, sg, vg), (tu, su, vu), (td, sd, vd) = pack_expert(pack, combined)
@@ -36,13 +38,13 @@ def expected_stages(pack, x, route_expert, route_token):
         a = hadamard128((torch.nn.functional.silu(gate) * up * sd.double())[None])[0]
         act.append(a)
         y = a.half().double() @ decode(td, pack.codebook).double()
-        fc2.append(hadamard128(y[None])[0] * vd.double())
+        fc2.append(y if shared_down else hadamard128(y[None])[0] * vd.double())
     return torch.stack(fc1), torch.stack(act), torch.stack(fc2)
 
 
 def check(codebook: str, tier_k: tuple[int, int], m: int, m_tile: int | None = None, k_split: int | None = None,
-          direct: bool | None = None) -> bool:
-    preset = Preset("small", 512, 256, 16, 4, codebook, (12, 4), tier_k, 1)
+          direct: bool | None = None, shared_h: bool = False) -> bool:
+    preset = Preset("small", 512, 256, 16, 4, codebook, (12, 4), tier_k, 1, shared_h=shared_h)
     pack = synthetic_pack(preset, device="cuda", seed=3)
     moe = FusedMoe(pack)
     x = random_activations(m, pack.hidden, device="cuda", seed=5)
@@ -81,7 +83,7 @@ def check(codebook: str, tier_k: tuple[int, int], m: int, m_tile: int | None = N
     if activation_expand(plan) == 2:
         got_act = plain_columns(got_act)
     got_fc2 = ws["route_out"][routes] / w.reshape(-1)[routes][:, None]
-    line = (f"{codebook:5s} K{tier_k} M={m:4d} plan=({plan.m_tile},{plan.k_split}) tiles={tiles:3d} routes={len(routes):4d}/"
+    line = (f"{codebook:5s} K{tier_k}{' shared-H' if shared_h else ''} M={m:4d} plan=({plan.m_tile},{plan.k_split}) tiles={tiles:3d} routes={len(routes):4d}/"
             f"{m * 4}  fc1 {rel(got_fc1, fc1):.2e}  act {rel(got_act, act):.2e}  fc2 {rel(got_fc2, fc2):.2e}  "
             f"out {rel(out, ref):.2e}")
     ok = len(routes) == m * 4 and rel(out, ref) < 1e-3
@@ -107,6 +109,8 @@ def main() -> int:
     results.append(check("mcg", (3, 4), 300, m_tile=128, k_split=2))
     results.append(check("mcg", (3, 4), 1100, m_tile=128))  # 4400 routes: the route pack over many CTAs
     results.append(check("mcg", (5, 6), 300, m_tile=128))  # the all-K kernel with large tiles
+    for m, m_tile in ((2, None), (13, None), (300, 32), (300, 128)):  # one svh row: FC2's rows stay unrotated
+        results.append(check("mcg", (3, 4), m, m_tile=m_tile, shared_h=True))
     return 0 if all(results) else 1
 
 

@@ -1,6 +1,6 @@
 """Time kernel library variants and their phases on the production shape (glm52-tp4 192/64, cold L2).
 
-    python3 scripts/perf_variants.py LIB.so [LIB.so ...] [--m 1,8,64,512,3072] [--phases]
+    python3 scripts/perf_variants.py LIB.so [LIB.so ...] [--m 1,8,64,512,3072] [--phases] [--preset NAME]
 
 Each library is loaded with its own handle; the same weight copies serve every variant. With --phases,
 each M is also timed with one phase skipped (results meaningless, time is what counts): the difference
@@ -36,6 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("libs", nargs="+")
     parser.add_argument("--m", default="1,8,64,512,3072")
+    parser.add_argument("--preset", default="glm52-tp4", choices=sorted(PRESETS))
     parser.add_argument("--phases", action="store_true")
     parser.add_argument("--flags", default="", help="also time the full call with these debug flags (" + ", ".join(FLAGS) + ")")
     parser.add_argument("--replays", type=int, default=100)
@@ -46,7 +47,7 @@ def main() -> None:
                         help="calls per captured graph, each on the next weight copy; times are per call")
     args = parser.parse_args()
     ms = [int(v) for v in args.m.split(",")]
-    base = synthetic_pack(PRESETS["glm52-tp4"], device="cuda", seed=0)
+    base = synthetic_pack(PRESETS[args.preset], device="cuda", seed=0)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     copies = [base]
     phases = dict(PHASES) if args.phases else {"full": 0}

@@ -25,8 +25,8 @@ from trellis_cli.reference import layer_pack_forward
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
 
-def small(codebook="mcg", tier_k=(3, 4), partition=(12, 4)) -> Preset:
-    return Preset("small", 512, 256, 16, 4, codebook, partition, tier_k, 1)
+def small(codebook="mcg", tier_k=(3, 4), partition=(12, 4), shared_h=False) -> Preset:
+    return Preset("small", 512, 256, 16, 4, codebook, partition, tier_k, 1, shared_h=shared_h)
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +96,42 @@ def test_large_tiles_of_every_route_count(library, tier_k):
     assert rel_l2(fused, moe.two_pass(x, ids, w)) <= TWO_PASS_LIMIT
     for flags in (abi.WGMMA_NARROW, abi.WGMMA_WIDE):
         assert torch.equal(moe.forward(x, ids, w, debug_flags=flags), fused), flags
+
+
+@pytest.mark.parametrize("m, m_tile, direct", [(1, 16, True), (5, 16, True), (20, 16, False), (100, 32, False),
+                                                (300, 128, False), (700, 128, False)])
+def test_shared_h_on_every_tile_kind(library, m, m_tile, direct):
+    # One svh row for all experts: FC2 leaves its rows unrotated and the top-k sum applies H128 and svh once
+    # per token (kernels/expert_gemm.cuh store_down_rows), on every kind of tile and in direct mode.
+    moe = moe_for(small(shared_h=True), library)
+    assert moe.pack.down_svh.shape[0] == 1 and moe.pack.gate_suh.shape[0] == 1
+    x = random_activations(m, 512, device="cuda", seed=m + 30)
+    ids, w = random_routes(m, 16, 4, device="cuda", seed=m + 31)
+    plan = make_plan(m, 4, 512, 256, 16, m_tile=m_tile, direct=direct, wgmma=library.wgmma)
+    fused = moe.forward(x, ids, w, plan=plan)
+    assert rel_l2(fused, layer_pack_forward(moe.pack, x, ids, w, dtype=torch.float64)) <= REFERENCE_LIMIT
+    assert rel_l2(fused, moe.two_pass(x, ids, w, plan=plan)) <= TWO_PASS_LIMIT
+    assert torch.equal(moe.forward(x, ids, w, plan=plan), fused)
+
+
+@pytest.mark.parametrize("shared", ["gate_up", "down"])
+@pytest.mark.parametrize("m, m_tile", [(20, 16), (300, 128)])
+def test_partly_shared_rotation_rows(library, shared, m, m_tile):
+    # The input side (gate and up suh) and the output side (down svh) take the per-token paths independently.
+    from trellis_cli.kernel.launch import FusedMoe
+
+    pack = synthetic_pack(small(), device="cuda", seed=40)
+    if shared == "gate_up":
+        pack = dataclasses.replace(pack, gate_suh=pack.gate_suh[:1].clone(), up_suh=pack.up_suh[:1].clone())
+    else:
+        pack = dataclasses.replace(pack, down_svh=pack.down_svh[:1].clone())
+    moe = FusedMoe(pack, library)
+    x = random_activations(m, 512, device="cuda", seed=41)
+    ids, w = random_routes(m, 16, 4, device="cuda", seed=42)
+    plan = make_plan(m, 4, 512, 256, 16, m_tile=m_tile, wgmma=library.wgmma)
+    fused = moe.forward(x, ids, w, plan=plan)
+    assert rel_l2(fused, layer_pack_forward(moe.pack, x, ids, w, dtype=torch.float64)) <= REFERENCE_LIMIT
+    assert rel_l2(fused, moe.two_pass(x, ids, w, plan=plan)) <= TWO_PASS_LIMIT
 
 
 def test_mid_tile_path_on_small_layer(library):
@@ -286,7 +322,7 @@ def test_production_shape_large_m_is_numerically_safe(library):
     assert_checks(accuracy_checks(moe, "glm52-tp4 192/64", 1, seed=23))
     assert_checks(determinism_checks(moe, "glm52-tp4 192/64", 3072, seed=24))
     del moe
-    shared = synthetic_pack(PRESETS["glm52-tp4"], device="cuda", seed=25)
-    shared = dataclasses.replace(shared, gate_suh=shared.gate_suh[:1].clone(), up_suh=shared.up_suh[:1].clone(),
-                                 down_svh=shared.down_svh[:1].clone())
-    assert_checks(accuracy_checks(FusedMoe(shared, library), "glm52-tp4 shared-H", 64, seed=26))
+    shared = FusedMoe(synthetic_pack(PRESETS["glm52-tp4-shared-h"], device="cuda", seed=25), library)
+    for m in (1, 64, 3072):
+        assert_checks(accuracy_checks(shared, "glm52-tp4 shared-H", m, seed=26 + m))
+    assert_checks(determinism_checks(shared, "glm52-tp4 shared-H", 3072, seed=27))

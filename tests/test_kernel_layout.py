@@ -65,6 +65,18 @@ def test_shared_h_rows_are_accepted():
                                           down_svh=pack.down_svh[:1]))
 
 
+def test_shared_h_preset_has_one_row_per_hidden_table():
+    from trellis_cli.bench.synthetic import PRESETS
+
+    per_expert, shared = PRESETS["glm52-tp4"], PRESETS["glm52-tp4-shared-h"]
+    assert dataclasses.replace(shared, name=per_expert.name, shared_h=False) == per_expert
+    pack = synthetic_pack(dataclasses.replace(SMALL, shared_h=True), device="cpu", seed=1)
+    check_pack_layout(pack)
+    assert pack.shared_h and pack.rotation == "shared_h"
+    assert [t.shape[0] for t in (pack.gate_suh, pack.up_suh, pack.down_svh)] == [1, 1, 1]
+    assert pack.rot_intermediate.shape[0] == pack.num_combined  # intermediate-side rows stay per expert
+
+
 def test_arch_names_and_source_hash():
     assert normalize_arch("sm_90") == normalize_arch("90") == normalize_arch("9.0") == "sm_90"
     assert normalize_arch("compute_80") == "sm_80"
@@ -134,6 +146,25 @@ def test_fc1_ranges_hold_at_least_six_chunks(m):
     plan = make_plan(m, 8, 6144, 512, 256)
     assert (6144 // 128) // plan.k_split >= MIN_FC1_CHUNKS
     assert make_plan(5, 4, 512, 256, 16).k_split == 1  # 4 chunks: never split below the minimum
+
+
+@pytest.mark.parametrize("m", [1, 8, 64, 200, 512, 1024, 1700, 3072])
+def test_plan_expects_routes_per_expert_of_the_layer(m):
+    # A pack serving 64 of the layer's 256 experts (expert parallelism) sees a quarter of the routes over a
+    # quarter of the experts: the same routes per expert, so the same tiles and, for ranges of the same
+    # length, the same FC1 tail as the whole layer, by the measure the kernel's narrow/wide choice uses
+    # (numel / E). Its fewer tiles may take more H ranges; the workspace is sized for E_c.
+    from trellis_cli.kernel.plan import make_plan, routes_per_expert
+
+    whole = make_plan(m, 8, 6144, 512, 256, wgmma=True, num_experts=256)
+    part = make_plan(m, 8, 6144, 512, 64, wgmma=True, num_experts=256)
+    assert (part.m_tile, part.direct) == (whole.m_tile, whole.direct)
+    assert part.k_split >= whole.k_split
+    same_ranges = make_plan(m, 8, 6144, 512, 64, wgmma=True, num_experts=256, k_split=whole.k_split)
+    assert same_ranges.fc1_tail_split == whole.fc1_tail_split
+    assert part.slot_capacity <= whole.slot_capacity and part.tile_capacity <= whole.tile_capacity
+    assert make_plan(m, 8, 6144, 512, 256, wgmma=True) == whole  # E defaults to E_c
+    assert routes_per_expert(m * 8, 256) == m / 32
 
 
 def test_fc1_tail_follows_two_ctas_per_sm():

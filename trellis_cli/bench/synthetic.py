@@ -31,10 +31,12 @@ class Preset:
     partition: tuple[int, ...]  # experts per tier, ascending K
     tier_k: tuple[int, ...]
     tp: int
+    shared_h: bool = False  # one gate suh, up suh and down svh row for every expert (format.md, shared-H)
 
 
 PRESETS = {
     "glm52-tp4": Preset("glm52-tp4", 6144, 512, 256, 8, "mcg", (192, 64), (3, 4), 4),
+    "glm52-tp4-shared-h": Preset("glm52-tp4-shared-h", 6144, 512, 256, 8, "mcg", (192, 64), (3, 4), 4, shared_h=True),
 }
 
 
@@ -84,13 +86,14 @@ def synthetic_pack(preset: Preset, partition: tuple[int, ...] | None = None, tie
     inter_scale = 1.0 / (CODEBOOK_RMS * math.sqrt(inter))
     rot = torch.stack([_scales((combined, inter), 1.0, gen, device), _scales((combined, inter), 1.0, gen, device),
                        _scales((combined, inter), inter_scale, gen, device)], dim=1)
+    h_rows = 1 if preset.shared_h else combined
     return LayerPack(
         layer=0, rank=0, tp=preset.tp, hidden=hidden, intermediate=inter, codebook=codebook or preset.codebook,
         tier_k=[k for _, k in kept], tier_trellis=trellis, global_to_combined=g2c.to(device),
         descriptors=torch.tensor(descriptors, dtype=torch.int32, device=device), rot_intermediate=rot.contiguous(),
-        gate_suh=_scales((combined, hidden), hidden_scale, gen, device),
-        up_suh=_scales((combined, hidden), hidden_scale, gen, device),
-        down_svh=_scales((combined, hidden), 1.0, gen, device),
+        gate_suh=_scales((h_rows, hidden), hidden_scale, gen, device),
+        up_suh=_scales((h_rows, hidden), hidden_scale, gen, device),
+        down_svh=_scales((h_rows, hidden), 1.0, gen, device),
     )
 
 

@@ -55,7 +55,7 @@ class FusedMoe:
 
     def plan(self, m: int, top_k: int) -> LaunchPlan:
         return make_plan(m, top_k, self.pack.hidden, self.pack.intermediate, self.pack.num_combined,
-                         wgmma=self.library.wgmma)
+                         wgmma=self.library.wgmma, num_experts=int(self.pack.global_to_combined.shape[0]))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                 out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,

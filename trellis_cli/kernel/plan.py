@@ -73,14 +73,22 @@ def tile_capacity(numel: int, m_tile: int, num_combined: int) -> int:
     return numel // m_tile + min(numel, num_combined)
 
 
-def choose_m_tile(numel: int, num_combined: int, wgmma: bool = False) -> int:
+def routes_per_expert(numel: int, num_experts: int) -> float:
+    """Routes each served expert expects under uniform routing: numel / E for the layer's E experts, however
+    many of them this rank serves (under expert parallelism a rank sees numel * E_c / E of the routes, over
+    its E_c experts). The kernel decides between its narrow and wide wgmma kernels on the same measure
+    (kernels/tile_kernels.cuh narrow_wgmma_tiles)."""
+    return numel / max(1, num_experts)
+
+
+def choose_m_tile(numel: int, num_experts: int, wgmma: bool = False) -> int:
     # A work tile decodes its expert's weights once for all its rows, so an expert with more routes than
     # one tile holds is decoded again per tile. Mid tiles (split words, like small ones) hold most experts
     # in one tile from about 14 routes per expert on (glm52-tp4, 16 / 32 rows: M=384 1023 / 1121 us,
     # M=512 1302 / 1188); large tiles (merged weights, 128 rows) win from about 64 on mma.sync, and on
     # Hopper wgmma, whose MMA N follows the tile's routes and whose narrow kernels run two CTAs per SM, from
     # 11 (16 / 128 rows: M=320 879 / 904 us, M=352 926 / 903, M=384 989 / 924; docs/performance.md, run 197).
-    per_expert = numel / max(1, num_combined)
+    per_expert = routes_per_expert(numel, num_experts)
     if per_expert >= (LARGE_FROM_WGMMA if wgmma else LARGE_FROM_MMA_SYNC):
         return LARGE_TILE
     return MID_TILE if per_expert >= MID_FROM else SMALL_TILE
@@ -97,8 +105,11 @@ def choose_k_split(m_tile: int, tiles: int, hidden: int, intermediate: int, targ
 
 def make_plan(m: int, top_k: int, hidden: int, intermediate: int, num_combined: int,
               m_tile: int | None = None, k_split: int | None = None, direct: bool | None = None,
-              wgmma: bool = False) -> LaunchPlan:
+              wgmma: bool = False, num_experts: int | None = None) -> LaunchPlan:
+    """num_combined: the experts this pack serves (E_c, which bounds the workspace); num_experts: the
+    layer's E (len(global_to_combined); E_c when omitted), which sets the expected routes per expert."""
     numel = m * top_k
+    num_experts = num_experts or num_combined
     chunks = hidden // HADAMARD
     if direct is None:
         direct = numel <= DIRECT_MAX_ROUTES and m_tile in (None, SMALL_TILE)
@@ -111,25 +122,27 @@ def make_plan(m: int, top_k: int, hidden: int, intermediate: int, num_combined: 
                               f"{DIRECT_MAX_CHUNKS} chunks (direct mode)")
         return LaunchPlan(m, top_k, SMALL_TILE, split, numel, numel, direct=True)
     wgmma = wgmma and hidden % WGMMA_FEATURES == 0 and intermediate % WGMMA_FEATURES == 0
-    tile = m_tile or choose_m_tile(numel, num_combined, wgmma)
+    tile = m_tile or choose_m_tile(numel, num_experts, wgmma)
     tiles = tile_capacity(numel, tile, num_combined)
-    # Expected busy tiles: distinct experts touched, plus one extra tile per m_tile routes.
-    expected = min(numel, num_combined) + numel // tile
+    # Expected busy tiles: distinct experts touched, plus one extra tile per m_tile routes (of the routes
+    # this pack serves).
+    served = numel * min(num_combined, num_experts) // num_experts
+    expected = min(served, num_combined) + served // tile
     split = k_split or choose_k_split(tile, expected, hidden, intermediate)
     if chunks % split:
         raise CheckFailed(f"k_split {split} must divide hidden/128 = {chunks}")
-    tail = choose_fc1_tail_split(tile, chunks // split, numel, num_combined, wgmma)
+    tail = choose_fc1_tail_split(tile, chunks // split, numel, num_experts, wgmma)
     return LaunchPlan(m, top_k, tile, split, slot_capacity(numel, num_combined), tiles, fc1_tail_split=tail)
 
 
-def choose_fc1_tail_split(m_tile: int, range_chunks: int, numel: int, num_combined: int, wgmma: bool) -> int:
+def choose_fc1_tail_split(m_tile: int, range_chunks: int, numel: int, num_experts: int, wgmma: bool) -> int:
     """How many times finer FC1 cuts the H ranges of its last half wave of items: where two of its CTAs
     share an SM (small and mid tiles; 128-row tiles on the narrow wgmma kernels, below
     FC1_TAIL_LARGE_BELOW_ROUTES) and the ranges hold at least FC1_TAIL_FROM_CHUNKS chunks, the largest of 4
     and 2 that leaves MIN_FC1_CHUNKS per piece, else 1. The kernel takes whole ranges where one CTA fills
     an SM. (glm52-tp4 on H200: M = 16-256 -2 to -5 %, M = 512-768 -1.5 %; docs/performance.md, runs 91-93,
     201-202.)"""
-    two_per_sm = m_tile <= MID_TILE or (wgmma and numel < FC1_TAIL_LARGE_BELOW_ROUTES * max(1, num_combined))
+    two_per_sm = m_tile <= MID_TILE or (wgmma and routes_per_expert(numel, num_experts) < FC1_TAIL_LARGE_BELOW_ROUTES)
     if not two_per_sm or range_chunks < FC1_TAIL_FROM_CHUNKS:
         return 1
     for split in (4, 2):
