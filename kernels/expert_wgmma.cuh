@@ -54,10 +54,6 @@ __host__ __device__ constexpr int wg_smem_bytes(bool fast, int rows) {
   return wg_stages(fast, rows) * wg_stage_bytes(fast, rows) + kWgStagingBytes + kWgCacheBytes;
 }
 
-// A chunk's route rows [rows][128] fp16 (rows `row_stride` halves apart) into the swizzled layout of ROWS
-// rows. Piece i = threadIdx.x + 512 j is 16-byte piece i % 8 of row (i / 8) % ROWS in k half (i / 8) / ROWS,
-// so a thread keeps its piece: of 128 rows it copies rows r0 and r0 + 64 of both halves, of 64 row r0 of
-// both. Rows past `rows` are never written (zeroed once, below). Chunks are 128 columns apart.
 // Rows gathered by token (rows_by_token, FC1 of shared-H packs): row r of the tile is row
 // slot_route[slot + r] / top_k of `base`, `stride` halves per token. base == nullptr: rows in place.
 struct WgRowGather {
@@ -67,6 +63,10 @@ struct WgRowGather {
   size_t stride = 0;
 };
 
+// A chunk's route rows [rows][128] fp16 (rows `row_stride` halves apart) into the swizzled layout of ROWS
+// rows. Piece i = threadIdx.x + 512 j is 16-byte piece i % 8 of row (i / 8) % ROWS in k half (i / 8) / ROWS,
+// so a thread keeps its piece: of 128 rows it copies rows r0 and r0 + 64 of both halves, of 64 row r0 of
+// both. Rows past `rows` are never written (zeroed once, below). Chunks are 128 columns apart.
 template <int ROWS>
 struct WgRowStream {
   static constexpr int kItems = ROWS * 16 / kWgThreads;  // pieces per thread: 4 of 128 rows, 2 of 64

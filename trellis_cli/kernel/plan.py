@@ -142,7 +142,8 @@ def choose_fc1_tail_split(m_tile: int, range_chunks: int, numel: int, num_expert
     and 2 that leaves MIN_FC1_CHUNKS per piece, else 1. The kernel takes whole ranges where one CTA fills
     an SM. (glm52-tp4 on H200: M = 16-256 -2 to -5 %, M = 512-768 -1.5 %; docs/performance.md, runs 91-93,
     201-202.)"""
-    two_per_sm = m_tile <= MID_TILE or (wgmma and routes_per_expert(numel, num_experts) < FC1_TAIL_LARGE_BELOW_ROUTES)
+    narrow = wgmma and routes_per_expert(numel, num_experts) < FC1_TAIL_LARGE_BELOW_ROUTES
+    two_per_sm = m_tile <= MID_TILE or narrow
     if not two_per_sm or range_chunks < FC1_TAIL_FROM_CHUNKS:
         return 1
     for split in (4, 2):
