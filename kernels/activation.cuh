@@ -167,11 +167,7 @@ __global__ void __launch_bounds__(kSumThreads) topk_sum_kernel(const TrellisMoeA
   // applies H128 and the one svh row. Warps hold whole 128-column blocks (H is a multiple of 128).
   const bool rotate = a.down_svh_shared && col < a.hidden;
   float svh[4];
-  if (rotate) {
-    const __half2* p = reinterpret_cast<const __half2*>(static_cast<const __half*>(a.down_svh) + col);
-    const __half2 p0 = p[0], p1 = p[1];
-    svh[0] = __low2float(p0), svh[1] = __high2float(p0), svh[2] = __low2float(p1), svh[3] = __high2float(p1);
-  }
+  if (rotate) load4_half(static_cast<const __half*>(a.down_svh) + col, svh);
   after_predecessor();
   if (col >= a.hidden) return;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};

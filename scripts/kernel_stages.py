@@ -83,8 +83,9 @@ def check(codebook: str, tier_k: tuple[int, int], m: int, m_tile: int | None = N
     if activation_expand(plan) == 2:
         got_act = plain_columns(got_act)
     got_fc2 = ws["route_out"][routes] / w.reshape(-1)[routes][:, None]
-    line = (f"{codebook:5s} K{tier_k}{' shared-H' if shared_h else ''} M={m:4d} plan=({plan.m_tile},{plan.k_split}) tiles={tiles:3d} routes={len(routes):4d}/"
-            f"{m * 4}  fc1 {rel(got_fc1, fc1):.2e}  act {rel(got_act, act):.2e}  fc2 {rel(got_fc2, fc2):.2e}  "
+    layout = " shared-H" if shared_h else ""
+    line = (f"{codebook:5s} K{tier_k}{layout} M={m:4d} plan=({plan.m_tile},{plan.k_split}) tiles={tiles:3d} "
+            f"routes={len(routes):4d}/{m * 4}  fc1 {rel(got_fc1, fc1):.2e}  act {rel(got_act, act):.2e}  fc2 {rel(got_fc2, fc2):.2e}  "
             f"out {rel(out, ref):.2e}")
     ok = len(routes) == m * 4 and rel(out, ref) < 1e-3
     print(("ok   " if ok else "FAIL ") + line, flush=True)

@@ -9,6 +9,7 @@ published checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -34,9 +35,10 @@ class Preset:
     shared_h: bool = False  # one gate suh, up suh and down svh row for every expert (format.md, shared-H)
 
 
+GLM52_TP4 = Preset("glm52-tp4", 6144, 512, 256, 8, "mcg", (192, 64), (3, 4), 4)
 PRESETS = {
-    "glm52-tp4": Preset("glm52-tp4", 6144, 512, 256, 8, "mcg", (192, 64), (3, 4), 4),
-    "glm52-tp4-shared-h": Preset("glm52-tp4-shared-h", 6144, 512, 256, 8, "mcg", (192, 64), (3, 4), 4, shared_h=True),
+    GLM52_TP4.name: GLM52_TP4,
+    "glm52-tp4-shared-h": dataclasses.replace(GLM52_TP4, name="glm52-tp4-shared-h", shared_h=True),
 }
 
 
