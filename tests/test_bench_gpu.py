@@ -41,3 +41,20 @@ def test_cli_json_production_shape(capsys):
     assert doc["environment"]["kernel"]["build_hash"] and doc["cold"] is False
     assert [r["m"] for r in doc["rows"]] == [1, 64]
     assert doc["rows"][0]["experts"] == 8
+
+
+
+@pytest.mark.parametrize("variant, shared", [("tr3", False), ("tr3-shared-h", True)])
+def test_smoke_on_the_bundled_samples(capsys, variant, shared):
+    # Real quantized experts through the kernel, per-expert and shared-H (one suh/svh row: the rotation per
+    # token and the output rotation after the top-k sum), against the float64 oracle.
+    from trellis_cli.bench.source import load_bench_source
+    from trellis_cli.sample import sample_path
+
+    source = str(sample_path(variant))
+    pack = load_bench_source(source, synthetic=None, partition=None, layer=None, rank=0, device="cpu").pack
+    assert pack.shared_h == shared
+    code, out, _ = run(["bench", source, "--smoke", "--json"], capsys)
+    doc = json.loads(out)
+    assert code == 0 and doc["passed"], [c for c in doc["checks"] if not c["passed"]]
+    assert any("M=3072" in c["case"] for c in doc["checks"])
