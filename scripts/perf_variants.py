@@ -11,6 +11,7 @@ the next weight copy) and times are per call: the graph's own launch is then pai
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ def main() -> None:
     parser.add_argument("--split", default="", help="k_split values to sweep (full call only)")
     parser.add_argument("--mtile", default="", help="m_tile values to sweep (full call only)")
     parser.add_argument("--direct", default="", help="direct mode off/on (0,1) to sweep (full call only)")
+    parser.add_argument("--tail", default="", help="FC1 tail splits (1,2,4) to sweep on the default plan (full call only)")
     parser.add_argument("--calls", type=int, default=1,
                         help="calls per captured graph, each on the next weight copy; times are per call")
     args = parser.parse_args()
@@ -75,20 +77,23 @@ def main() -> None:
             sweeps = [("k_split", int(v)) for v in args.split.split(",") if v]
             sweeps += [("m_tile", int(v)) for v in args.mtile.split(",") if v]
             sweeps += [("direct", int(v)) for v in args.direct.split(",") if v]
+            sweeps += [("fc1_tail_split", int(v)) for v in args.tail.split(",") if v]
             for key, value in sweeps:
-                # a new plan, so that what follows from the swept value (FC1's tail) follows it too
-                if key == "m_tile":
-                    options = {"m_tile": value}
-                elif key == "direct":
-                    options = {"direct": bool(value)}
-                else:  # the default plan's tiles, cut another way
-                    default = runners[0].plan(m, 8)
-                    options = {"k_split": value, "m_tile": default.m_tile, "direct": default.direct}
-                plan = make_plan(m, 8, base.hidden, base.intermediate, base.num_combined,
-                                 wgmma=runners[0].library.wgmma, **options)
+                default = runners[0].plan(m, 8)
+                if key == "fc1_tail_split":  # the default plan, its FC1 tail cut another way
+                    plan = dataclasses.replace(default, fc1_tail_split=value)
+                else:  # a new plan, so that what follows from the swept value (FC1's tail) follows it too
+                    if key == "m_tile":
+                        options = {"m_tile": value}
+                    elif key == "direct":
+                        options = {"direct": bool(value)}
+                    else:  # the default plan's tiles, cut another way
+                        options = {"k_split": value, "m_tile": default.m_tile, "direct": default.direct}
+                    plan = make_plan(m, 8, base.hidden, base.intermediate, base.num_combined,
+                                     wgmma=runners[0].library.wgmma, **options)
                 graphs = [_capture(lambda r=r, o=o: r.forward(x, ids, w, out=o, plan=plan), r.device)
                           for r, o in zip(runners, outs)]
-                print(f"    {key}={value} (plan {plan.m_tile},{plan.k_split}): "
+                print(f"    {key}={value} (plan {plan.m_tile},{plan.k_split},{plan.fc1_tail_split}): "
                       f"{time_graphs(graphs, args.replays, runners[0].device).median_us:.1f} us")
             graphs = [_capture(lambda r=r, o=o: r.two_pass(x, ids, w, out=o), r.device) for r, o in zip(runners, outs)]
             two = time_graphs(graphs, args.replays, runners[0].device).median_us
