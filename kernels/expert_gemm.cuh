@@ -38,6 +38,12 @@ __host__ __device__ constexpr bool route_rows(int m_tile, bool direct) { return 
 __host__ __device__ __forceinline__ bool rows_by_token(const TrellisMoeArgs& a) {
   return a.gate_suh_shared && a.up_suh_shared && (route_rows(a.m_tile, a.direct) || gemms_on_wgmma(a));
 }
+// The token of the route in `slot`. route / top_k is a shift for the usual power-of-two top_k
+// (an integer division costs ~20 instructions).
+__device__ __forceinline__ size_t slot_token(const TrellisMoeArgs& a, int slot) {
+  const int route = static_cast<const int*>(a.slot_route)[slot];
+  return (a.top_k & (a.top_k - 1)) ? route / a.top_k : route >> (__ffs(a.top_k) - 1);
+}
 // Halves per staged row: a chunk's 128 (or 256 expanded) + 8 of padding keeps ldmatrix conflict-free.
 __host__ __device__ constexpr int a_stride(int r) { return 128 * a_expand(r) + 8; }
 constexpr int kOStride = 132;  // floats per epilogue row
@@ -310,15 +316,16 @@ struct RowStream {
       dst[j] = 2u * ((p * R * 16 + r) * kStride + ch * 8);
     }
   }
-  // Rows kept per route (route_rows): row r of the tile is route slot_route[first_slot + r], `row_stride`
-  // halves per route, or per token (rows_by_token: `top_k` routes per row). Called once the route pack
-  // has finished.
-  __device__ __forceinline__ void rows_by_route(const int* slot_route, int first_slot, size_t row_stride,
-                                                int top_k = 1) {
+  // Rows kept per route (route_rows): row r of the tile is route slot_route[first_slot + r], or its token
+  // (rows_by_token), `row_stride` halves per row. Called once the route pack has finished.
+  __device__ __forceinline__ void rows_by_route(const TrellisMoeArgs& a, int first_slot, size_t row_stride) {
+    const bool by_token = rows_by_token(a);
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
-      const int i = threadIdx.x + j * THREADS, r = (i % kPerSource) / kPieces;
-      if (live[j]) src[j] += (ptrdiff_t(slot_route[first_slot + r] / top_k) - r) * ptrdiff_t(row_stride);
+      const int i = threadIdx.x + j * THREADS, r = (i % kPerSource) / kPieces, slot = first_slot + r;
+      if (!live[j]) continue;
+      const size_t row = by_token ? slot_token(a, slot) : size_t(static_cast<const int*>(a.slot_route)[slot]);
+      src[j] += (ptrdiff_t(row) - r) * ptrdiff_t(row_stride);
     }
   }
   // block_ends (FC2): after a block's last chunk, back to the first, the same rows serving the next block.
@@ -598,8 +605,7 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
       [&] {
         after_predecessor();
         if (by_route)
-          row_stream.rows_by_route(static_cast<const int*>(a.slot_route), w.start, size_t(2) * kX * a.hidden,
-                                   rows_by_token(a) ? a.top_k : 1);
+          row_stream.rows_by_route(a, w.start, size_t(2) * kX * a.hidden);
         if (direct) rotate_direct_row(a, w, kc0, chunks, s_a);  // made visible by the loop's first barrier
         timeline_mark(0);
       },
@@ -691,13 +697,6 @@ __host__ __device__ constexpr int fc1_smem_bytes(int r, bool fast) {
 // ---------------------------------------------------------------------------------------------------
 // Input rotation, once per route: xrot[slot][p] = fp16(H128(x[token] ⊙ suh_p)) for p = gate, up, in the
 // FC1 kernel's A layout (every column once for 128-row tiles, twice for 16- and 32-row tiles).
-
-// The token of the route in `slot`. route / top_k is a shift for the usual power-of-two top_k
-// (an integer division costs ~20 instructions).
-__device__ __forceinline__ size_t slot_token(const TrellisMoeArgs& a, int slot) {
-  const int route = static_cast<const int*>(a.slot_route)[slot];
-  return (a.top_k & (a.top_k - 1)) ? route / a.top_k : route >> (__ffs(a.top_k) - 1);
-}
 
 // 128-row tiles: grid (tiles, H / (128 * blocks)), 8 warps, each CTA `blocks` (1, 2 or 4) column blocks of
 // 128: more than one where the tiles hold few rows (M=512: about 16), so the CTA's groups have work. Each

@@ -55,12 +55,12 @@ __host__ __device__ constexpr int wg_smem_bytes(bool fast, int rows) {
 }
 
 // Rows gathered by token (rows_by_token, FC1 of shared-H packs): row r of the tile is row
-// slot_route[slot + r] / top_k of `base`, `stride` halves per token. base == nullptr: rows in place.
+// slot_token(*args, slot + r) of `base`, `stride` halves per token. base == nullptr: rows in place.
 struct WgRowGather {
   const __half* base = nullptr;
-  const int* slot_route = nullptr;
-  int slot = 0, top_k = 1;
   size_t stride = 0;
+  const TrellisMoeArgs* args = nullptr;
+  int slot = 0;
 };
 
 // A chunk's route rows [rows][128] fp16 (rows `row_stride` halves apart) into the swizzled layout of ROWS
@@ -90,7 +90,7 @@ struct WgRowStream {
     const int piece = threadIdx.x & 7, r0 = threadIdx.x >> 3;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      if (live[h]) src[h] = g.base + size_t(g.slot_route[g.slot + r0 + 64 * h] / g.top_k) * g.stride + piece * 8;
+      if (live[h]) src[h] = g.base + slot_token(*g.args, g.slot + r0 + 64 * h) * g.stride + piece * 8;
   }
   // Item j: row r0 + 64 (j % 2) of k half j / 2 (128 rows), row r0 of k half j (64 rows).
   __device__ __forceinline__ void issue(uint32_t stage, int chunk) const {
@@ -307,9 +307,8 @@ __global__ void __launch_bounds__(kWgThreads, ROWS < kWgRows ? 2 : 1)
     WgRowGather by_token;  // shared-H: rows per token (rows_by_token)
     if (rows_by_token(a)) {
       by_token.base = static_cast<const __half*>(a.xrot) + proj * a.hidden + kc0 * 128;
-      by_token.slot_route = static_cast<const int*>(a.slot_route);
-      by_token.top_k = a.top_k;
       by_token.stride = size_t(2) * a.hidden;
+      by_token.args = &a;
     }
     for_row_passes<ROWS>(w.rows, [&](int row0, int pass_rows) {
       pass_row0 = row0;
