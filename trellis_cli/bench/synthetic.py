@@ -1,6 +1,6 @@
 """Synthetic route packs at production geometry, built directly on the GPU, and random routes.
 
-Every bit pattern is a valid trellis (exl3-format.md §2.3), so random int16 codes are a faithful stand-in
+Every bit pattern is a valid trellis (docs/exl3-format.md §2.3), so random int16 codes are a faithful stand-in
 for real weights as far as speed and the oracle are concerned. Rotation scales are chosen so that every
 intermediate stays O(1) (decoded weights have RMS ~1.24 and H128 is orthonormal), like a real layer.
 Tier membership is a seeded random subset of global ids, so K3 and K4 experts interleave as in the

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-# The EXL3 per-linear fields (exl3-format.md §1); anything else under a linear is kept as "extra".
+# The EXL3 per-linear fields (docs/exl3-format.md §1); anything else under a linear is kept as "extra".
 LINEAR_FIELDS = frozenset({"trellis", "suh", "svh", "su", "sv", "mcg", "mul1"})
 PROJECTION_ALIASES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
                       "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -75,8 +75,9 @@ H_SIDE = {"gate_proj": "suh", "up_proj": "suh", "down_proj": "svh"}
 I_SIDE = {"gate_proj": "svh", "up_proj": "svh", "down_proj": "suh"}
 PROJECTIONS_BY_INDEX = ("gate_proj", "up_proj", "down_proj")
 
-# The rank-sliced TR3 contract (tr3-and-mixed-moe.md §1.3, §1.5): the exact schema strings config.json must
-# declare, and the key and shard names they describe. Written by synth and `repack --to tr3`, checked by validate.
+# The rank-sliced TR3 contract (docs/checkpoint-dialects.md, "TR3 rank-sliced"): the exact schema strings
+# config.json must declare, and the key and shard names they describe. Written by synth and `repack --to tr3`,
+# checked by validate.
 TENSOR_SCHEMA = "model.layers.{L}.mlp.experts.{E}.{proj}.rank{r}.{trellis|suh|svh|mcg}"
 SHARED_H_TENSOR_SCHEMA = "model.layers.{L}.mlp.experts.shared_h.{proj}.rank{r}.{suh|svh}"
 

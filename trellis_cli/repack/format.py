@@ -10,7 +10,7 @@ Per (layer, rank), tensors (names are the safetensors keys):
         Experts of tier t in combined order. Projection p = 0 gate, 1 up, 2 down. Each projection is the
         checkpoint's own `.trellis` bytes unchanged: gate/up tiles in [kt over H/16][nt over I_r/16]
         row-major order, down tiles in [kt over I_r/16][nt over H/16] row-major order; 16*K int16 words
-        per 16x16 tile (exl3-format.md §2).
+        per 16x16 tile (docs/exl3-format.md §2).
   global_to_combined     int32 [E]        checkpoint expert id -> combined id, -1 = not served here
   descriptors            int32 [E_c]      by combined id: (tier << 8) | local id, -1 = skip
   tier_k                 int32 [T]        K of each tier, ascending
