@@ -159,12 +159,14 @@ def route_pack_to_tr3(root: Path, out: Path, options, *, on_bytes=None, on_total
         raise UsageError(f"{root} is already a route pack; pass --to tr3 to convert it back to TR3")
     if options.tp is not None or options.ranks is not None:
         raise UsageError("--tp and --ranks apply when reading a TR3 checkpoint; repack the TR3 source instead")
+    # Verification also checks every key and name of the manifest, so what follows can index it freely and
+    # every name it joins onto OUT stays inside OUT.
     report = verify_repacked(root)
     if not report.ok:
         raise CheckFailed(f"{root}: the route pack does not verify: {report.errors[0].line()}")
     doc, _ = mf.read_manifest(root)
     tp = doc["tp"]
-    if sorted(doc["ranks"]) != list(range(tp)):
+    if len(doc["ranks"]) != tp:  # distinct ranks below tp (verified): all of them when there are tp
         raise UsageError(f"{root}: holds ranks {doc['ranks']} of {tp}; a TR3 shard needs every rank")
     layers = parse_selection(options.layers, [int(k) for k in doc["layers"]], "layers")
     shared = doc["rotation"] == "shared_h" or options.shared_h
@@ -297,6 +299,7 @@ class _Tr3Run:
                 names = [t.name for t, _ in spec.slots()] + [t.name for t, _ in extra]
             else:
                 packs = _cached_packs(lambda rank, layer=layer: self.packs(layer, rank))
+                (stage.path / name).parent.mkdir(parents=True, exist_ok=True)
                 names = write_tr3_layer(stage.path / name, spec, packs, extra, self.on_bytes)
                 check_tr3_layer(stage.path / name, spec, packs, extra)
                 stage.record(name, mf.file_entry(stage.path / name))
@@ -332,6 +335,7 @@ class _Tr3Run:
         shards = set(self.shard_names.values())
         for shard, path in self.extra_from.items():  # extras whose shard held no experts we rebuilt
             if shard not in shards:
+                (stage.path / shard).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, stage.path / shard)
                 self.copy_from[shard] = path
         for name in self.copy_from:

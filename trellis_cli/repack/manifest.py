@@ -10,12 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from trellis_cli.errors import CheckFailed
 from trellis_cli.integrity import sha256_file
 from trellis_cli.repack.format import MANIFEST_NAME, SCHEMA, SCHEMA_VERSION
+from trellis_cli.sources import safe_relative
 
 SELF_HASH_KEY = "manifest_sha256"
 
@@ -67,6 +69,32 @@ def read_manifest(directory: Path, name: str = MANIFEST_NAME) -> tuple[dict[str,
     if doc.get(SELF_HASH_KEY) != self_hash(doc):
         problems.append(f"{SELF_HASH_KEY} does not match the content (content changed)")
     return doc, problems
+
+
+def safe_name(name: Any) -> bool:
+    """A file name a manifest may carry: a string naming a path inside the directory (nothing else is opened)."""
+    return isinstance(name, str) and "\0" not in name and safe_relative(name)
+
+
+_ID_RANGE = re.compile(r"(\d+)(?:-(\d+))?", re.ASCII)
+
+
+def id_range_bounds(text: str) -> list[tuple[int, int]]:
+    """"0,2-4" -> [(0, 0), (2, 4)], without expanding (a manifest may say "0-99999999999").
+
+    Raises ValueError unless the ranges are well formed, ascending and disjoint, as compact_ranges writes them.
+    """
+    bounds: list[tuple[int, int]] = []
+    for part in text.split(",") if text else []:
+        match = _ID_RANGE.fullmatch(part)
+        if match is None:
+            raise ValueError(f"{part!r} is not an id or a range like 2-4")
+        first = int(match[1])
+        last = int(match[2]) if match[2] is not None else first
+        if last < first or (bounds and first <= bounds[-1][1]):
+            raise ValueError(f"{part!r} is not ascending after the ranges before it")
+        bounds.append((first, last))
+    return bounds
 
 
 def is_route_pack(directory: str | Path) -> bool:

@@ -1,0 +1,139 @@
+"""Hostile or broken input to repack, and to validate / inspect of a route pack: a named error, never a
+traceback, a hang, a write outside OUT or a read outside the pack."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from trellis_cli import synth
+from trellis_cli.cli.app import main
+from trellis_cli.repack.manifest import write_manifest
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str]:
+    """Exit code and stdout + stderr of one in-process `trellis` run."""
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out, err = capsys.readouterr()
+    return code, out + err
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return synth.write_checkpoint(tmp_path_factory.mktemp("robust") / "src", synth.preset("tiny"))
+
+
+@pytest.fixture(scope="module")
+def pack(source) -> Path:
+    from trellis_cli.repack.run import run_repack
+
+    return run_repack(source, source.parent / "pack").out
+
+
+def edited_pack(pack: Path, target: Path, edit) -> Path:
+    """A copy of `pack` whose manifest `edit(doc)` changed, rewritten with a matching self-hash."""
+    shutil.copytree(pack, target)
+    doc = json.loads((target / "manifest.json").read_text(encoding="utf-8"))
+    edit(doc)
+    write_manifest(target, doc)
+    return target
+
+
+def assert_refused_everywhere(capsys, root: Path, out: Path, code: str, key: str) -> None:
+    """validate names the finding, inspect and `repack --to tr3` refuse; nothing is written anywhere."""
+    status, text = run_cli(capsys, "validate", str(root))
+    assert status == 1 and code in text and key in text and "Traceback" not in text, text
+    status, text = run_cli(capsys, "inspect", str(root))
+    assert status == 1 and key in text and "Traceback" not in text, text
+    status, text = run_cli(capsys, "repack", str(root), str(out), "--to", "tr3")
+    assert status == 1 and key in text and "Traceback" not in text, text
+    assert not out.exists() and not out.with_name(out.name + ".partial").exists()
+
+
+def _set_source_files(names):
+    return lambda doc: doc["layers"]["3"].__setitem__("source_files", names)
+
+
+def _add_file(name, **entry):
+    return lambda doc: doc["files"].__setitem__(name, {"sha256": "0" * 64, "size": 1, **entry})
+
+
+@pytest.mark.parametrize("edit, key", [
+    (_set_source_files(["ABSOLUTE"]), "source_files[0]"),
+    (_set_source_files(["../victim.safetensors"]), "source_files[0]"),
+    (_set_source_files(["a\\..\\..\\victim.safetensors"]), "source_files[0]"),
+    (_set_source_files(["victim\0.safetensors"]), "source_files[0]"),
+    (_add_file("../../../../etc/passwd", role="copied"), "../../../../etc/passwd"),
+    (_add_file("extra/x.safetensors", role="extra", source_file="../victim.safetensors"), "source_file"),
+], ids=["absolute", "dotdot", "backslash", "nul", "files-key", "extra-source-file"])
+def test_manifest_names_outside_the_pack_are_refused_before_writing(capsys, pack, tmp_path, edit, key):
+    victim = tmp_path / "PWNED.safetensors"
+
+    def resolved(doc):  # the absolute case points at a real path next to OUT
+        edit(doc)
+        files = doc["layers"]["3"]["source_files"]
+        doc["layers"]["3"]["source_files"] = [str(victim) if n == "ABSOLUTE" else n for n in files]
+
+    root = edited_pack(pack, tmp_path / "p", resolved)
+    assert_refused_everywhere(capsys, root, tmp_path / "out", "path.escape", key)
+    assert not victim.exists() and not (tmp_path / "victim.safetensors").exists()
+
+
+def test_a_listed_file_linking_out_of_the_pack_is_not_read(capsys, pack, tmp_path):
+    root = tmp_path / "p"
+    shutil.copytree(pack, root)
+    outside = tmp_path / "secret.json"
+    outside.write_text("{}")
+    (root / "tier_bitmap.json").unlink()
+    os.symlink(outside, root / "tier_bitmap.json")
+    status, text = run_cli(capsys, "validate", str(root))
+    assert status == 1 and "path.escape" in text and "tier_bitmap.json" in text
+    assert "hash-mismatch" not in text  # refused before hashing what the link points at
+
+
+def _set(path: tuple, value):
+    def edit(doc):
+        node = doc
+        for part in path[:-1]:
+            node = node[part]
+        node[path[-1]] = value
+    return edit
+
+
+def _delete(path: tuple):
+    def edit(doc):
+        node = doc
+        for part in path[:-1]:
+            node = node[part]
+        del node[path[-1]]
+    return edit
+
+
+@pytest.mark.parametrize("edit, key", [
+    (lambda doc: doc["layers"].__setitem__("abc", doc["layers"]["3"]), "layers['abc']"),
+    (_set(("files", "x"), 5), "files['x']"),
+    (_set(("layers", "3", "tiers", 0), 7), "layers['3'].tiers[0]"),
+    (_set(("source",), []), "source"),
+    (_delete(("layers", "3", "tiers", 0, "size")), "layers['3'].tiers[0].size"),
+    (_set(("layers", "3", "tiers", 0, "experts"), "0-99999999999"), "layers['3'].tiers[0].experts"),
+    (_set(("layers", "3", "tiers", 0, "experts"), "0-3"), "layers['3'].tiers[0].experts"),
+    (_set(("layers", "3", "tiers", 0, "k"), True), "layers['3'].tiers[0].k"),
+    (_set(("ranks",), [0, 99999999999]), "ranks"),
+    (_set(("tp",), "2"), "tp"),
+    (_set(("geometry", "num_experts"), None), "geometry.num_experts"),
+    (_set(("codebook",), "nope"), "codebook"),
+    (_set(("source", "vector_ndim"), 5), "source.vector_ndim"),
+    (_set(("files", "config.json", "size"), "1"), "files['config.json'].size"),
+], ids=["layer-key", "file-entry", "tier", "source", "tier-size", "huge-experts", "experts-count", "bool-k",
+        "ranks", "tp", "num-experts", "codebook", "vector-ndim", "file-size"])
+def test_malformed_manifest_is_a_named_finding(capsys, pack, tmp_path, edit, key):
+    root = edited_pack(pack, tmp_path / "p", edit)
+    assert_refused_everywhere(capsys, root, tmp_path / "out", "repack.manifest-field", key)
