@@ -137,3 +137,28 @@ def _delete(path: tuple):
 def test_malformed_manifest_is_a_named_finding(capsys, pack, tmp_path, edit, key):
     root = edited_pack(pack, tmp_path / "p", edit)
     assert_refused_everywhere(capsys, root, tmp_path / "out", "repack.manifest-field", key)
+
+
+def test_overlapping_tensor_offsets_in_a_layer_file_are_a_finding(capsys, pack, tmp_path):
+    """Same file size, but tier_k's header entry points at tier_size's bytes: safetensors refuses to open it."""
+    import struct
+
+    from trellis_cli.repack.manifest import file_entry
+
+    root = tmp_path / "p"
+    shutil.copytree(pack, root)
+    layer_file = root / "layer-003-rank-0.safetensors"
+    raw = layer_file.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    header["tier_k"]["data_offsets"] = header["tier_size"]["data_offsets"]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    layer_file.write_bytes(raw[:8] + text.ljust(n, b" ") + raw[8 + n:])  # padded: the header length is unchanged
+    doc = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
+    doc["files"][layer_file.name] = file_entry(layer_file, layer=3, rank=0)
+    write_manifest(root, doc)
+    status, text = run_cli(capsys, "validate", str(root))
+    assert status == 1 and "file.overlap" in text and layer_file.name in text and "Traceback" not in text, text
+    status, text = run_cli(capsys, "repack", str(root), str(tmp_path / "out"), "--to", "tr3")
+    assert status == 1 and "file." in text and layer_file.name in text and "Traceback" not in text, text
+    assert not (tmp_path / "out").exists()

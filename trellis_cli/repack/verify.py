@@ -12,13 +12,12 @@ and nothing after that reads a key or opens a name it has not vouched for.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Location, Report, error, warning
-from trellis_cli.header import DTYPE_BYTES, HeaderError, is_int, read_local_header
+from trellis_cli.header import HeaderError, is_int, read_local_header
 from trellis_cli.id_ranges import expand_ranges
 from trellis_cli.repack import manifest as mf
 from trellis_cli.repack.format import (
@@ -27,6 +26,7 @@ from trellis_cli.repack.format import (
     layer_file_name, tier_trellis_name, tier_trellis_shape,
 )
 from trellis_cli.sources import LocalSource
+from trellis_cli.validate.rules_files import check_shard
 
 REQUIRED_KEYS = ("schema", "schema_version", "source", "geometry", "tp", "ranks", "codebook", "rotation", "layers",
                  "files")
@@ -279,6 +279,10 @@ def _check_layer_file(root: Path, doc: dict, layer: int, rank: int, entry: dict,
     except HeaderError as e:
         report.findings.append(error("repack.layer-header", where, str(e)))
         return
+    layout = list(check_shard(name, header))
+    if layout:  # overlapping, misplaced or mis-sized byte ranges: safetensors would refuse to open the file
+        report.extend(layout)
+        return
     report.count("layer files")
     findings = _LayerChecks(path, doc, layer, rank, entry, header).run()
     report.extend(findings)
@@ -309,9 +313,8 @@ class _LayerChecks:
             self.fail("repack.unexpected-tensor", "tensor not in the format", tensor=extra)
         if expected - names:
             return self.findings
-        self._entries()
         self._shapes(tiers)
-        if not any(f.code in ("repack.shape", "repack.dtype", "repack.entry") for f in self.findings):
+        if not any(f.code in ("repack.shape", "repack.dtype") for f in self.findings):
             self._tables(tiers)
         return self.findings
 
@@ -324,12 +327,6 @@ class _LayerChecks:
         for key, value in want.items():
             if meta.get(key) != value:
                 self.fail("repack.metadata", f"__metadata__ {key} disagrees with the manifest", value, meta.get(key))
-
-    def _entries(self) -> None:
-        """Each tensor's byte range must match its dtype and shape (the header parser leaves that to us)."""
-        for name, e in self.header.tensors.items():
-            if e.nbytes != math.prod(e.shape) * DTYPE_BYTES.get(e.dtype, 0):
-                self.fail("repack.entry", "byte range does not match dtype and shape", tensor=name)
 
     def _shapes(self, tiers: list) -> None:
         h, i_r = self.geometry["hidden"], self.geometry["intermediate_rank"]
