@@ -162,3 +162,27 @@ def test_overlapping_tensor_offsets_in_a_layer_file_are_a_finding(capsys, pack, 
     status, text = run_cli(capsys, "repack", str(root), str(tmp_path / "out"), "--to", "tr3")
     assert status == 1 and "file." in text and layer_file.name in text and "Traceback" not in text, text
     assert not (tmp_path / "out").exists()
+
+
+def test_a_source_at_or_inside_the_staging_directory_is_never_deleted(capsys, source, tmp_path):
+    at_stage = tmp_path / "ck.partial"
+    shutil.copytree(source, at_stage)
+    inside_stage = tmp_path / "ck2.partial" / "src"
+    shutil.copytree(source, inside_stage)
+    for src, out in ((at_stage, tmp_path / "ck"), (inside_stage, tmp_path / "ck2")):
+        before = sorted(p.name for p in src.iterdir())
+        status, text = run_cli(capsys, "repack", str(src), str(out), "--overwrite")
+        assert status == 2 and f"{out}.partial" in text and str(src) in text and "Traceback" not in text, text
+        assert sorted(p.name for p in src.iterdir()) == before and not out.exists()
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]], ids=["plain", "overwrite"])
+def test_a_staging_path_that_is_a_file_or_a_link_is_refused(capsys, source, pack, tmp_path, overwrite):
+    (tmp_path / "o.partial").write_text("not mine")
+    status, text = run_cli(capsys, "repack", str(source), str(tmp_path / "o"), *overwrite)
+    assert status == 2 and "o.partial" in text and "not a directory" in text and "Traceback" not in text, text
+    assert (tmp_path / "o.partial").read_text() == "not mine"
+    os.symlink(source, tmp_path / "t.partial")  # --to tr3 from a route pack: the link leads to another directory
+    status, text = run_cli(capsys, "repack", str(pack), str(tmp_path / "t"), "--to", "tr3", *overwrite)
+    assert status == 2 and "t.partial" in text and "symbolic link" in text and "Traceback" not in text, text
+    assert (source / "config.json").is_file()

@@ -24,8 +24,16 @@ STAGE_SUFFIX = ".partial"
 HEADROOM_BYTES = 64 << 20  # headers, JSON files, the manifest, temporary names
 
 
+def stage_path(out: Path) -> Path:
+    """OUT.partial, next to OUT as given (not resolved), so the final rename stays on one filesystem."""
+    out = out.absolute()
+    return out.with_name(out.name + STAGE_SUFFIX)
+
+
 def check_target(out: Path, source_root: Path | None, overwrite: bool) -> None:
-    """Refuse an OUT that is (inside) the source, contains the source, is a file, or is non-empty."""
+    """Refuse an OUT that is (inside) the source, contains the source, is a file, or is non-empty, and an
+    OUT.partial that holds the source or is not a plain directory: the stage is deleted and rebuilt."""
+    stage = stage_path(out)
     out = out.resolve()
     if source_root is not None:
         src = source_root.resolve()
@@ -33,6 +41,13 @@ def check_target(out: Path, source_root: Path | None, overwrite: bool) -> None:
             raise UsageError(f"{out}: is inside the source checkpoint {src}; refusing to write into the source")
         if src.is_relative_to(out):
             raise UsageError(f"{out}: contains the source checkpoint {src}; refusing to replace it")
+        real_stage = stage.resolve()
+        if real_stage == src or src.is_relative_to(real_stage) or real_stage.is_relative_to(src):
+            raise UsageError(f"{stage}: the staging directory of {out} overlaps the source checkpoint {src}; "
+                             f"refusing (it is deleted and rebuilt); choose another OUT or move the source")
+    if stage.is_symlink() or (stage.exists() and not stage.is_dir()):
+        what = "a symbolic link" if stage.is_symlink() else "not a directory"
+        raise UsageError(f"{stage}: the staging directory of {out} exists and is {what} (remove it)")
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
@@ -55,7 +70,7 @@ class Stage:
 
     def __init__(self, out: Path, fingerprint: dict[str, Any], overwrite: bool) -> None:
         self.out = out.absolute()
-        self.path = self.out.with_name(self.out.name + STAGE_SUFFIX)
+        self.path = stage_path(out)
         self.fingerprint = fingerprint
         self._lock = threading.Lock()
         self.done: dict[str, dict[str, Any]] = {}
