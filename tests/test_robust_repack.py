@@ -186,3 +186,25 @@ def test_a_staging_path_that_is_a_file_or_a_link_is_refused(capsys, source, pack
     status, text = run_cli(capsys, "repack", str(pack), str(tmp_path / "t"), "--to", "tr3", *overwrite)
     assert status == 2 and "t.partial" in text and "symbolic link" in text and "Traceback" not in text, text
     assert (source / "config.json").is_file()
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--tp", "0"], "--tp 0"),
+    (["--tp", "-2"], "--tp -2"),
+    (["--tp", "0", "--to", "tr3"], "--tp 0"),
+    (["--ranks", "0-99999999999"], "--ranks"),
+    (["--layers", "0-99999999999"], "--layers"),
+], ids=["tp-zero", "tp-negative", "tp-zero-tr3", "huge-ranks", "huge-layers"])
+def test_bad_tp_and_huge_selections_are_usage_errors(capsys, source, tmp_path, args, named):
+    status, text = run_cli(capsys, "repack", str(source), str(tmp_path / "o"), *args)
+    assert status == 2 and named in text and "Traceback" not in text, text
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_selection_names_the_missing_ids_without_expanding_the_range():
+    from trellis_cli.errors import UsageError
+    from trellis_cli.repack.plan import parse_selection
+
+    with pytest.raises(UsageError, match=r"--layers: \[5, 6, 7, 8, 9\] not in the source \(it has 3-4\)"):
+        parse_selection("3-99999999999", [3, 4], "layers")
+    assert parse_selection("3-4", [3, 4, 40], "layers") == [3, 4]

@@ -25,7 +25,7 @@ from trellis_cli.id_ranges import expand_ranges
 from trellis_cli.repack.format import LayerPack, split_descriptor
 from trellis_cli.repack.layer_file import read_layer_pack
 from trellis_cli.repack.pack import layer_tiers, pack_layer
-from trellis_cli.repack.plan import parse_selection, rank_pieces
+from trellis_cli.repack.plan import parse_selection, rank_pieces, resolve_target_tp
 from trellis_cli.repack.readback import same_bits
 from trellis_cli.repack.staging import Stage, check_free_space, check_target
 from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter
@@ -192,7 +192,7 @@ def tr3_to_tr3(checkpoint: Checkpoint, out: Path, options, *, on_bytes=None, on_
 
     if options.ranks is not None:
         raise UsageError("--ranks does not apply with --to tr3 (a TR3 shard holds every rank)")
-    tp = options.tp or checkpoint.tp
+    tp = resolve_target_tp(options.tp, checkpoint.tp)
     inter = checkpoint.intermediate
     rank_pieces(inter, checkpoint.tp, tp, 0)  # refuses an inexpressible --tp before anything is written
     layers = parse_selection(options.layers, [li for li, m in checkpoint.layers.items() if m.experts], "layers")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from trellis_cli.checkpoint.model import DIALECT_TR3_SHARED_H, PROJECTIONS, Checkpoint, LinearRef, MoeLayer
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.repack.format import MAX_TIER_EXPERTS, LayerPack, descriptor, tier_trellis_shape
-from trellis_cli.repack.plan import Piece, is_identity, rank_pieces
+from trellis_cli.repack.plan import Piece, is_identity, rank_pieces, resolve_target_tp
 from trellis_cli.repack.source_bytes import TensorReader
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ def pack_layer(checkpoint: Checkpoint, layer: int, rank: int, *, device: str = "
     own_reader = reader is None
     reader = reader or TensorReader(checkpoint.source)
     try:
-        pack = _pack(checkpoint, layer, rank, tp or checkpoint.tp, shared_h, reader, arena)
+        pack = _pack(checkpoint, layer, rank, resolve_target_tp(tp, checkpoint.tp), shared_h, reader, arena)
     finally:
         if own_reader:
             reader.close()

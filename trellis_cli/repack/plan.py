@@ -58,7 +58,9 @@ def parse_selection(text: str | None, available: list[int], what: str) -> list[i
     """`--layers 3-5,40` -> [3, 4, 5, 40]; None selects everything; ids not available are refused."""
     if text is None or text.strip() == "":
         return sorted(available)
+    have = set(available)
     chosen: set[int] = set()
+    missing: list[int] = []
     for part in (p.strip() for p in text.split(",")):
         lo, sep, hi = part.partition("-")
         try:
@@ -67,11 +69,25 @@ def parse_selection(text: str | None, available: list[int], what: str) -> list[i
             raise UsageError(f"--{what}: {part!r} is not a number or a range like 3-5") from None
         if last < first:
             raise UsageError(f"--{what}: empty range {part!r}")
-        chosen.update(range(first, last + 1))
-    missing = sorted(chosen - set(available))
+        # Walk the available ids, never the range: 0-99999999999 must not be materialized.
+        inside = {i for i in have if first <= i <= last}
+        chosen |= inside
+        if len(inside) < last - first + 1:
+            missing += _first_missing(first, last, have, 5)
     if missing:
-        raise UsageError(f"--{what}: {missing[:5]} not in the source (it has {_span(available)})")
+        raise UsageError(f"--{what}: {sorted(missing)[:5]} not in the source (it has {_span(available)})")
     return sorted(chosen)
+
+
+def _first_missing(first: int, last: int, have: set[int], count: int) -> list[int]:
+    """Up to `count` ids of [first, last] not in `have`; at most len(have) + count steps."""
+    out: list[int] = []
+    i = first
+    while i <= last and len(out) < count:
+        if i not in have:
+            out.append(i)
+        i += 1
+    return out
 
 
 def _span(ids: list[int]) -> str:
@@ -121,20 +137,30 @@ def _prod(shape: tuple[int, ...]) -> int:
     return out
 
 
+def resolve_target_tp(requested: int | None, source_tp: int) -> int:
+    """The TP degree to write: the source's when not given. 0 is refused, not taken as "not given"."""
+    if requested is None:
+        return source_tp
+    if requested < 1:
+        raise UsageError(f"--tp {requested}: must be at least 1 (leave --tp out to keep the source's TP "
+                         f"{source_tp})")
+    return requested
+
+
 def make_plan(checkpoint: Checkpoint, *, layers: str | None, ranks: str | None, tp: int | None,
               shared_h: bool) -> RepackPlan:
     """Select layers and ranks, check the re-slicing is expressible, and list the output files."""
     if checkpoint.hidden is None or checkpoint.intermediate is None:
         raise UsageError("the source declares no hidden or intermediate size; nothing to repack")
-    target_tp = tp or checkpoint.tp
-    if target_tp != checkpoint.tp:
-        rank_pieces(checkpoint.intermediate, checkpoint.tp, target_tp, 0)  # raises if inexpressible
+    tp = resolve_target_tp(tp, checkpoint.tp)
+    if tp != checkpoint.tp:
+        rank_pieces(checkpoint.intermediate, checkpoint.tp, tp, 0)  # raises if inexpressible
     with_experts = [li for li, moe in checkpoint.layers.items() if moe.experts]  # declared-only layers hold nothing
     chosen_layers = parse_selection(layers, with_experts, "layers")
-    chosen_ranks = parse_selection(ranks, list(range(target_tp)), "ranks")
-    plan = RepackPlan(chosen_layers, chosen_ranks, checkpoint.tp, target_tp, shared_h)
+    chosen_ranks = parse_selection(ranks, list(range(tp)), "ranks")
+    plan = RepackPlan(chosen_layers, chosen_ranks, checkpoint.tp, tp, shared_h)
     for layer in chosen_layers:
-        size = layer_rank_bytes(checkpoint, layer, target_tp, shared_h)
+        size = layer_rank_bytes(checkpoint, layer, tp, shared_h)
         for rank in chosen_ranks:
             plan.jobs.append(LayerRankJob(layer, rank, layer_file_name(layer, rank), size))
     return plan
