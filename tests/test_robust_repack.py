@@ -208,3 +208,27 @@ def test_selection_names_the_missing_ids_without_expanding_the_range():
     with pytest.raises(UsageError, match=r"--layers: \[5, 6, 7, 8, 9\] not in the source \(it has 3-4\)"):
         parse_selection("3-99999999999", [3, 4], "layers")
     assert parse_selection("3-4", [3, 4, 40], "layers") == [3, 4]
+
+
+def _edited_source(source: Path, target: Path, **tail) -> Path:
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text(encoding="utf-8"))
+    config["hybrid_tr3_tail"].update(tail)
+    (target / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return target
+
+
+def test_an_invalid_source_is_refused_with_its_errors_listed(capsys, source, tmp_path):
+    bad = _edited_source(source, tmp_path / "bad", codebook="x")
+    status, text = run_cli(capsys, "repack", str(bad), str(tmp_path / "o"))
+    assert status == 1 and "FAIL" in text and "Traceback" not in text, text
+    assert "error[config.tr3-codebook] config.json:hybrid_tr3_tail.codebook" in text and "more" not in text, text
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_many_errors_are_cut_short_with_a_pointer_to_validate(capsys, source, tmp_path):
+    bad = _edited_source(source, tmp_path / "bad", tp=True)  # every rank-1 slice is then out of range
+    status, text = run_cli(capsys, "repack", str(bad), str(tmp_path / "o"))
+    listed = [line for line in text.splitlines() if line.startswith("  error[")]
+    assert status == 1 and len(listed) == 10, text
+    assert f"more; run `trellis validate {bad}`" in text

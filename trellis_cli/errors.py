@@ -48,8 +48,27 @@ class UnknownDialect(CheckFailed):
 
 
 class ValidationFailed(CheckFailed):
-    """Raised by stages that require a valid checkpoint (repack, bench) when validation found errors."""
+    """Raised when validation found errors: by `validate` (which has printed the report already) and by
+    stages that require a valid checkpoint (repack), which pass `list_errors=True` so that the message's
+    following lines say what is wrong."""
 
-    def __init__(self, report) -> None:  # report: findings.Report (not imported: this module is a leaf)
-        super().__init__(report.summary())
+    MAX_LISTED = 10
+
+    def __init__(self, report, *, list_errors: bool = False) -> None:  # report: findings.Report (a leaf module)
+        lines = [report.summary()]
+        if list_errors:
+            errors = report.errors
+            lines += [f"  {finding.line()}" for finding in errors[:self.MAX_LISTED]]
+            if len(errors) > self.MAX_LISTED:
+                lines.append(f"  ... and {len(errors) - self.MAX_LISTED} more; run `trellis validate "
+                             f"{_source_of(report)}` for the full report")
+        super().__init__("\n".join(lines))
         self.report = report
+
+
+def _source_of(report) -> str:
+    """What to pass to `trellis validate` again: the local path or Hub repo id the report was made for."""
+    source = report.context.get("source")
+    if isinstance(source, dict):
+        return str(source.get("path") or source.get("repo_id") or "SOURCE")
+    return "SOURCE"

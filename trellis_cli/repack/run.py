@@ -79,7 +79,7 @@ def validate_first(checkpoint: Checkpoint) -> None:
         return
     report = run_validation(checkpoint)
     if not report.ok:
-        raise ValidationFailed(report)
+        raise ValidationFailed(report, list_errors=True)
 
 
 def run_repack(source: Any, out: str | Path, options: RepackOptions | None = None, *,
