@@ -232,3 +232,23 @@ def test_many_errors_are_cut_short_with_a_pointer_to_validate(capsys, source, tm
     listed = [line for line in text.splitlines() if line.startswith("  error[")]
     assert status == 1 and len(listed) == 10, text
     assert f"more; run `trellis validate {bad}`" in text
+
+
+@pytest.mark.parametrize("content, named", [(None, "files['config.json']"), ("[1]", "config.json"),
+                                            ("{bad", "config.json")], ids=["absent", "list", "not-json"])
+def test_a_missing_or_broken_pack_config_is_refused_by_to_tr3(capsys, pack, tmp_path, content, named):
+    from trellis_cli.repack.manifest import file_entry
+
+    root = tmp_path / "p"
+    shutil.copytree(pack, root)
+    doc = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
+    if content is None:
+        (root / "config.json").unlink()
+        del doc["files"]["config.json"]
+    else:  # listed with its true hash: only its content is wrong
+        (root / "config.json").write_text(content, encoding="utf-8")
+        doc["files"]["config.json"] = file_entry(root / "config.json", role="config")
+    write_manifest(root, doc)
+    status, text = run_cli(capsys, "repack", str(root), str(tmp_path / "out"), "--to", "tr3")
+    assert status == 1 and named in text and "Traceback" not in text, text
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()

@@ -28,6 +28,7 @@ from trellis_cli.repack.pack import layer_tiers, pack_layer
 from trellis_cli.repack.plan import parse_selection, rank_pieces, resolve_target_tp
 from trellis_cli.repack.readback import same_bits
 from trellis_cli.repack.staging import Stage, check_free_space, check_target
+from trellis_cli.sources import LocalSource
 from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter
 
 MARKERS = {"mcg": ("mcg", MCG_MARKER), "mul1": ("mul1", MUL1_MARKER), "3inst": None}
@@ -178,7 +179,7 @@ def route_pack_to_tr3(root: Path, out: Path, options, *, on_bytes=None, on_total
                                 doc["codebook"], shared, ndim.get("per_expert", 1), ndim.get("shared_h", 1))
     run = _Tr3Run(out, options, specs, lambda layer, rank: read_layer_pack(root, layer, rank), on_bytes, on_total, log)
     run.shard_names = {layer: _shard_name(doc["layers"][str(layer)].get("source_files"), layer) for layer in layers}
-    run.config = _restored_config(json.loads((root / "config.json").read_text(encoding="utf-8")), tp, shared)
+    run.config = _restored_config(_pack_config(root), tp, shared)
     run.copy_from = {n: root / n for n, e in doc["files"].items() if e.get("role") == "copied"}
     run.extra_from = {e["source_file"]: root / n for n, e in doc["files"].items() if e.get("role") == "extra"}
     run.source_root = root
@@ -217,6 +218,14 @@ def tr3_to_tr3(checkpoint: Checkpoint, out: Path, options, *, on_bytes=None, on_
                      and (not n.endswith(".safetensors") or n not in expert_files)}
     run.extra_checkpoint = checkpoint
     return run.run(fingerprint={"source": checkpoint.source.describe(), "options": _options(options)})
+
+
+def _pack_config(root: Path) -> dict[str, Any]:
+    """The route pack's config.json (verified against the manifest's hash, but still any JSON)."""
+    config = LocalSource(root).read_json("config.json")
+    if not isinstance(config, dict):
+        raise CheckFailed(f"{root / 'config.json'}: a JSON {type(config).__name__}, expected an object")
+    return config
 
 
 def _options(options) -> dict[str, Any]:

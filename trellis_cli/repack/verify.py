@@ -31,6 +31,7 @@ from trellis_cli.validate.rules_files import check_shard
 REQUIRED_KEYS = ("schema", "schema_version", "source", "geometry", "tp", "ranks", "codebook", "rotation", "layers",
                  "files")
 FILE_ROLES = ("config", "copied", "extra")
+CONFIG_NAME = "config.json"
 TABLE_DTYPES = {GLOBAL_TO_COMBINED: "I32", DESCRIPTORS: "I32", TIER_K: "I32", TIER_SIZE: "I32",
                 ROT_INTERMEDIATE: "F16", ROT_GATE_SUH: "F16", ROT_UP_SUH: "F16", ROT_DOWN_SVH: "F16"}
 
@@ -207,6 +208,8 @@ class _ManifestShape:
         if not isinstance(files, dict):
             self.bad("files", "an object", files)
             return
+        if CONFIG_NAME not in files:  # every pack has one; --to tr3 restores the source's from it
+            self.bad(f"files[{CONFIG_NAME!r}]", "present", "absent")
         for name, entry in files.items():
             key = f"files[{name!r}]"
             if not self._name(f"{key} key", name):
