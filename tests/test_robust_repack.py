@@ -119,6 +119,7 @@ def _delete(path: tuple):
 
 @pytest.mark.parametrize("edit, key", [
     (lambda doc: doc["layers"].__setitem__("abc", doc["layers"]["3"]), "layers['abc']"),
+    (lambda doc: doc["layers"].__setitem__("9" * 5000, doc["layers"]["3"]), "layers['99999"),
     (_set(("files", "x"), 5), "files['x']"),
     (_set(("layers", "3", "tiers", 0), 7), "layers['3'].tiers[0]"),
     (_set(("source",), []), "source"),
@@ -132,8 +133,8 @@ def _delete(path: tuple):
     (_set(("codebook",), "nope"), "codebook"),
     (_set(("source", "vector_ndim"), 5), "source.vector_ndim"),
     (_set(("files", "config.json", "size"), "1"), "files['config.json'].size"),
-], ids=["layer-key", "file-entry", "tier", "source", "tier-size", "huge-experts", "experts-count", "bool-k",
-        "ranks", "tp", "num-experts", "codebook", "vector-ndim", "file-size"])
+], ids=["layer-key", "huge-layer-key", "file-entry", "tier", "source", "tier-size", "huge-experts",
+        "experts-count", "bool-k", "ranks", "tp", "num-experts", "codebook", "vector-ndim", "file-size"])
 def test_malformed_manifest_is_a_named_finding(capsys, pack, tmp_path, edit, key):
     root = edited_pack(pack, tmp_path / "p", edit)
     assert_refused_everywhere(capsys, root, tmp_path / "out", "repack.manifest-field", key)

@@ -12,6 +12,7 @@ and nothing after that reads a key or opens a name it has not vouched for.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from trellis_cli.validate.rules_files import check_shard
 
 REQUIRED_KEYS = ("schema", "schema_version", "source", "geometry", "tp", "ranks", "codebook", "rotation", "layers",
                  "files")
+_LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,8}")  # as str(layer) writes it; bounded, so int() stays cheap
 FILE_ROLES = ("config", "copied", "extra")
 CONFIG_NAME = "config.json"
 TABLE_DTYPES = {GLOBAL_TO_COMBINED: "I32", DESCRIPTORS: "I32", TIER_K: "I32", TIER_SIZE: "I32",
@@ -159,8 +161,8 @@ class _ManifestShape:
             self.bad("layers", "an object", layers)
             return
         for layer, entry in layers.items():
-            key = f"layers[{layer!r}]"
-            if not (layer.isascii() and layer.isdigit() and layer == str(int(layer))):
+            key = f"layers[{_quoted(layer)}]"
+            if not _LAYER_KEY.fullmatch(layer):
                 self.bad(f"{key} key", "a layer number such as \"3\"", layer)
             elif not isinstance(entry, dict) or not isinstance(entry.get("tiers"), list) or not entry["tiers"]:
                 self.bad(f"{key}.tiers", "a non-empty list of tiers", entry.get("tiers") if isinstance(entry, dict)
@@ -211,7 +213,7 @@ class _ManifestShape:
         if CONFIG_NAME not in files:  # every pack has one; --to tr3 restores the source's from it
             self.bad(f"files[{CONFIG_NAME!r}]", "present", "absent")
         for name, entry in files.items():
-            key = f"files[{name!r}]"
+            key = f"files[{_quoted(name)}]"
             if not self._name(f"{key} key", name):
                 continue
             if not isinstance(entry, dict):
@@ -229,6 +231,12 @@ class _ManifestShape:
                 self.bad(f"{key}.role", f"one of {list(FILE_ROLES)}", role)
             if role == "extra":
                 self._name(f"{key}.source_file", entry.get("source_file"), suffix=".safetensors")
+
+
+def _quoted(key: str) -> str:
+    """A manifest key as it appears in a finding's key path, cut short like `_shown`."""
+    text = repr(key)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _shown(value: Any) -> str:
