@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
 
         if as_json and markdown:
             raise UsageError("--json and --markdown are exclusive: choose one output format")
-        chosen = parse_layer_ranges(layers) if layers else None
+        chosen = parse_layer_ranges(layers) if layers is not None else None
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         output.log(f"reading headers of {opened.description} ...")
         document = build_inspect(open_checkpoint(opened), chosen)

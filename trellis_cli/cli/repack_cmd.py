@@ -56,6 +56,13 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     ) -> None:
         from trellis_cli.repack.run import RepackOptions, run_repack
+        from trellis_cli.selection import parse_layer_ranges
+
+        # Checked here with the syntax validate and inspect use, before the plan expands the ranges: an
+        # empty text or a range like 0-99999999999 is a usage error, not "everything" or a hang.
+        for option, text in (("--layers", layers), ("--ranks", ranks)):
+            if text is not None:
+                parse_layer_ranges(text, option=option)
 
         options = RepackOptions(layers=layers, ranks=ranks, tp=tp, shared_h=shared_h, to=to.value, jobs=jobs,
                                 overwrite=overwrite, copy_other=not experts_only)

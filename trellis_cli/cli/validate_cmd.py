@@ -46,7 +46,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from trellis_cli.selection import parse_layer_ranges
 
-        chosen = parse_layer_ranges(layers) if layers else None
+        chosen = parse_layer_ranges(layers) if layers is not None else None
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         report = _validate(opened, chosen, deep, download, checksums, as_json)
         report.context.setdefault("source", opened.describe())
