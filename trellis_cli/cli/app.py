@@ -61,22 +61,29 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, prog_name="trellis", standalone_mode=True)
     except TrellisError as err:
-        _report_error(err)
+        _report_trellis_error(err)
         raise SystemExit(err.exit_code) from None
     except KeyboardInterrupt:
         output.stderr.print("interrupted", style="bold red")
         raise SystemExit(130) from None
 
 
-def _report_error(err: TrellisError) -> None:
-    # markup=False: messages carry shapes like [256, 128] that rich would take for tags.
-    message = str(err).splitlines()[0] if str(err) else type(err).__name__
-    output.stderr.print(f"error: {message}", style="bold red", markup=False, highlight=False)
+def _report_trellis_error(err: TrellisError) -> None:
+    message = str(err) or type(err).__name__
+    first, *details = message.split("\n") if err.multiline else [message]
+    _report_error(first)
+    if not output.state.debug:
+        # Multi-line details (a compiler log) follow the one-line summary; the traceback replaces them.
+        for line in details:
+            output.print_line(line, err=True)
+
+
+def _report_error(message: str) -> None:
+    """`error: <message>` on stderr, escaped (messages quote names from the checkpoint); the traceback
+    of the exception being handled follows with --debug."""
+    output.print_line(f"error: {message}", style="bold red", err=True)
     if output.state.debug:
         output.stderr.print_exception()
-    elif len(str(err).splitlines()) > 1:
-        # Multi-line details (a compiler log, a list of findings) follow the one-line summary.
-        output.stderr.print("\n".join(str(err).splitlines()[1:]), markup=False, highlight=False)
 
 
 __all__ = ["app", "main", "EXIT_USAGE"]

@@ -50,4 +50,4 @@ def register(app: typer.Typer) -> None:
             return
         lines = render_markdown(document) if markdown else render_text(document)
         for line in lines:
-            output.stdout.print(line, markup=False, highlight=False)
+            output.print_line(line)

@@ -81,7 +81,6 @@ def register(app: typer.Typer) -> None:
         if as_json:
             output.emit_json(summary)
             return
-        output.stdout.print(
+        output.print_line(
             f"wrote {summary['out']} ({options.to}): {result.files_written} file(s) written and verified, "
-            f"{result.files_resumed} resumed, {result.bytes_written:,} bytes in {summary['seconds']} s",
-            markup=False, highlight=False)
+            f"{result.files_resumed} resumed, {result.bytes_written:,} bytes in {summary['seconds']} s")

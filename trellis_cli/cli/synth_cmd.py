@@ -181,4 +181,5 @@ def _print_summary(doc: dict) -> None:
         f"  tiers     {'; '.join(tiers)}",
         f"  bytes     {doc['tensor_bytes']:,} tensor data",
     ]
-    output.stdout.print("\n".join(lines), markup=False, highlight=False)
+    for line in lines:
+        output.print_line(line)

@@ -125,9 +125,8 @@ def render_report(report: Report) -> None:
     """Findings (errors first), then the one-line verdict, on stdout."""
     order = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.INFO: 2}
     for finding in sorted(report.findings, key=lambda f: order[f.severity]):
-        output.stdout.print(finding.line(), style=_STYLE[finding.severity], markup=False, highlight=False)
+        output.print_line(finding.line(), style=_STYLE[finding.severity])
     context = report.context
     if context.get("dialect"):
-        output.stdout.print(f"dialect: {context['dialect']}", markup=False, highlight=False)
-    output.stdout.print(report.summary(), style="bold green" if report.ok else "bold red", markup=False,
-                        highlight=False)
+        output.print_line(f"dialect: {context['dialect']}")
+    output.print_line(report.summary(), style="bold green" if report.ok else "bold red")
