@@ -9,7 +9,7 @@ import typer
 
 from trellis_cli import __version__
 from trellis_cli.cli import output
-from trellis_cli.errors import EXIT_USAGE, TrellisError
+from trellis_cli.errors import EXIT_FINDINGS, EXIT_USAGE, TrellisError
 
 app = typer.Typer(
     name="trellis",
@@ -57,7 +57,7 @@ _register_commands()
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: runs the app and maps expected failures to exit codes."""
+    """Console-script entry point: runs the app and maps failures to one line and an exit code."""
     try:
         app(args=argv, prog_name="trellis", standalone_mode=True)
     except TrellisError as err:
@@ -66,6 +66,15 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         output.stderr.print("interrupted", style="bold red")
         raise SystemExit(130) from None
+    except OSError as err:
+        # Permission denied, disk full, a file vanishing: the system's reason and the file are enough.
+        _report_error(output.describe_os_error(err))
+        raise SystemExit(EXIT_FINDINGS) from None
+    except Exception as err:
+        # A bug, not bad input: still one line, with the way to get the traceback.
+        what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        _report_error(f"internal error: {what} (run with --debug for the traceback)")
+        raise SystemExit(EXIT_FINDINGS) from None
 
 
 def _report_trellis_error(err: TrellisError) -> None:

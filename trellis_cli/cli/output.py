@@ -68,6 +68,14 @@ def print_line(text: object, *, style: str | None = None, err: bool = False) -> 
     (stderr if err else stdout).print(printable(text), style=style)
 
 
+def describe_os_error(err: OSError) -> str:
+    """`<file>: <reason>` for an error the operating system reported (`<file> -> <file2>` for a rename)."""
+    reason = err.strerror or str(err)
+    names = [os.fsdecode(n) if isinstance(n, (bytes, os.PathLike)) else str(n)
+             for n in (err.filename, err.filename2) if n is not None]
+    return f"{' -> '.join(names)}: {reason}" if names else reason
+
+
 def emit_json(document: Any) -> None:
     """Print one JSON document on stdout, nothing else (no colour, no markup)."""
     sys.stdout.write(json.dumps(document, indent=2, sort_keys=False, default=str) + "\n")
