@@ -17,6 +17,9 @@ class TrellisError(Exception):
     """An expected failure: shown as one line (no traceback unless --debug), mapped to an exit code."""
 
     exit_code = EXIT_FINDINGS
+    # Whether lines after the first are details worth showing (a compiler log). Otherwise a line break in
+    # the message came from data, such as a tensor name, and is shown escaped so the error stays one line.
+    multiline = False
 
 
 class CheckFailed(TrellisError):
@@ -38,9 +41,10 @@ class SourceUnavailable(TrellisError):
 
 
 class GpuUnavailable(TrellisError):
-    """No CUDA device, no nvcc, or the kernel build failed."""
+    """No CUDA device, no nvcc, or the kernel build failed (the compiler's output follows the first line)."""
 
     exit_code = EXIT_GPU
+    multiline = True
 
 
 class UnknownDialect(CheckFailed):

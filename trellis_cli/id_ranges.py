@@ -5,6 +5,14 @@ The form tier membership takes in inspect output and in the route-pack manifest.
 
 from __future__ import annotations
 
+import re
+
+# Far more experts or layers than any model has (GLM-5.2: 256 experts); bounds what expand_ranges builds.
+MAX_IDS = 1 << 20
+
+# ASCII digits only: str.isdigit() and int() accept other scripts' digits and superscripts differently.
+_RANGE = re.compile(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?")
+
 
 def compact_ranges(ids: "list[int]") -> str:
     """Ids (any order, duplicates ignored) as "0-3,9,12-13"; "" when empty."""
@@ -20,13 +28,24 @@ def compact_ranges(ids: "list[int]") -> str:
     return ",".join(parts)
 
 
-def expand_ranges(text: str) -> list[int]:
-    """Inverse of compact_ranges; raises ValueError on malformed text."""
+def expand_ranges(text: str, *, limit: int = MAX_IDS) -> list[int]:
+    """Inverse of compact_ranges; raises ValueError on malformed text or when it names more than `limit` ids
+    (the text may come from an untrusted manifest, where "0-99999999999" must not exhaust memory)."""
     out: list[int] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        first, last = int(lo), int(hi) if hi else int(lo)
-        if first < 0 or last < first:
-            raise ValueError(f"bad id range {part!r}")
+        first, last = parse_range(part)
+        if len(out) + (last - first + 1) > limit:
+            raise ValueError(f"id ranges name more than {limit} ids (at {part!r})")
         out.extend(range(first, last + 1))
     return out
+
+
+def parse_range(part: str) -> tuple[int, int]:
+    """"3-5" -> (3, 5), "7" -> (7, 7); ValueError unless ASCII digits, low to high."""
+    match = _RANGE.fullmatch(part)
+    if not match:
+        raise ValueError(f"{part!r} is not an id or a range like 3-5")
+    first, last = int(match[1]), int(match[2] or match[1])
+    if last < first:
+        raise ValueError(f"range {part!r} runs backwards")
+    return first, last

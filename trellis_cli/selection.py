@@ -13,23 +13,32 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from trellis_cli.errors import SourceUnavailable, UsageError
+from trellis_cli.id_ranges import parse_range
 from trellis_cli.sources import HubSource, LocalSource, Source
 
 MAX_PARALLEL_DOWNLOADS = 4
 
 
-def parse_layer_ranges(text: str) -> list[int]:
-    """"3-5,40" -> [3, 4, 5, 40] (sorted, no duplicates). Bad syntax raises UsageError naming the part."""
+# Far above any model's layer count or TP degree. Ranges are expanded to lists of ids, so they need a bound:
+# `--layers 0-99999999999` is refused at once instead of filling memory.
+MAX_ID = 1 << 16
+
+
+def parse_layer_ranges(text: str, *, option: str = "--layers", limit: int = MAX_ID) -> list[int]:
+    """"3-5,40" -> [3, 4, 5, 40] (sorted, no duplicates). Bad syntax, an empty text or an id at or above
+    `limit` raises UsageError naming `option` and the part."""
+    if not text.strip():
+        raise UsageError(f"{option} is empty (expected ids or ranges, e.g. 3-5,40; omit it to select all)")
     layers: set[int] = set()
     for part in (p.strip() for p in text.split(",")):
         if not part:
-            raise UsageError(f"--layers {text!r}: empty entry (expected e.g. 3-5,40)")
-        first, sep, last = part.partition("-")
-        if not first.strip().isdigit() or (sep and not last.strip().isdigit()):
-            raise UsageError(f"--layers {text!r}: {part!r} is not a layer number or a range like 3-5")
-        lo, hi = int(first), int(last) if sep else int(first)
-        if hi < lo:
-            raise UsageError(f"--layers {text!r}: range {part!r} runs backwards")
+            raise UsageError(f"{option} {text!r}: empty entry (expected e.g. 3-5,40)")
+        try:
+            lo, hi = parse_range(part)
+        except ValueError as err:
+            raise UsageError(f"{option} {text!r}: {err}") from None
+        if hi >= limit:
+            raise UsageError(f"{option} {text!r}: {hi} is out of range (ids must be below {limit})")
         layers.update(range(lo, hi + 1))
     return sorted(layers)
 

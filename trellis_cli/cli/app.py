@@ -9,7 +9,7 @@ import typer
 
 from trellis_cli import __version__
 from trellis_cli.cli import output
-from trellis_cli.errors import EXIT_USAGE, TrellisError
+from trellis_cli.errors import EXIT_FINDINGS, EXIT_USAGE, TrellisError
 
 app = typer.Typer(
     name="trellis",
@@ -57,26 +57,42 @@ _register_commands()
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: runs the app and maps expected failures to exit codes."""
+    """Console-script entry point: runs the app and maps failures to one line and an exit code."""
     try:
         app(args=argv, prog_name="trellis", standalone_mode=True)
     except TrellisError as err:
-        _report_error(err)
+        _report_trellis_error(err)
         raise SystemExit(err.exit_code) from None
     except KeyboardInterrupt:
         output.stderr.print("interrupted", style="bold red")
         raise SystemExit(130) from None
+    except OSError as err:
+        # Permission denied, disk full, a file vanishing: the system's reason and the file are enough.
+        _report_error(output.describe_os_error(err))
+        raise SystemExit(EXIT_FINDINGS) from None
+    except Exception as err:
+        # A bug, not bad input: still one line, with the way to get the traceback.
+        what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        _report_error(f"internal error: {what} (run with --debug for the traceback)")
+        raise SystemExit(EXIT_FINDINGS) from None
 
 
-def _report_error(err: TrellisError) -> None:
-    # markup=False: messages carry shapes like [256, 128] that rich would take for tags.
-    message = str(err).splitlines()[0] if str(err) else type(err).__name__
-    output.stderr.print(f"error: {message}", style="bold red", markup=False, highlight=False)
+def _report_trellis_error(err: TrellisError) -> None:
+    message = str(err) or type(err).__name__
+    first, *details = message.split("\n") if err.multiline else [message]
+    _report_error(first)
+    if not output.state.debug:
+        # Multi-line details (a compiler log) follow the one-line summary; the traceback replaces them.
+        for line in details:
+            output.print_line(line, err=True)
+
+
+def _report_error(message: str) -> None:
+    """`error: <message>` on stderr, escaped (messages quote names from the checkpoint); the traceback
+    of the exception being handled follows with --debug."""
+    output.print_line(f"error: {message}", style="bold red", err=True)
     if output.state.debug:
         output.stderr.print_exception()
-    elif len(str(err).splitlines()) > 1:
-        # Multi-line details (a compiler log, a list of findings) follow the one-line summary.
-        output.stderr.print("\n".join(str(err).splitlines()[1:]), markup=False, highlight=False)
 
 
 __all__ = ["app", "main", "EXIT_USAGE"]

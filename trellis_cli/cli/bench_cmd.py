@@ -84,8 +84,7 @@ def _compile_only(arch: str | None, as_json: bool) -> None:
         output.emit_json(doc)
     else:
         state = "cached" if built.cached else "built"
-        output.stdout.print(f"{state} {built.arch} kernel {built.build_hash} (nvcc {built.nvcc_version}): {built.path}",
-                            markup=False, highlight=False)
+        output.print_line(f"{state} {built.arch} kernel {built.build_hash} (nvcc {built.nvcc_version}): {built.path}")
 
 
 def _smoke_packs(bench, synthetic: str | None, seed: int):
@@ -142,7 +141,7 @@ def _print_smoke(checks) -> None:
     for c in checks:
         value = "" if c.value is None else f"{c.value:.3e}"
         limit = "" if c.limit is None else f"{c.limit:.0e}"
-        table.add_row(c.name, c.case, value, limit, "PASS" if c.passed else "FAIL")
+        table.add_row(output.cell(c.name), output.cell(c.case), value, limit, "PASS" if c.passed else "FAIL")
     output.stdout.print(table)
 
 
@@ -162,7 +161,7 @@ def _print_throughput(result: dict, description: str) -> None:
     from rich.table import Table
 
     mode = "cold" if result["cold"] else "warm"
-    table = Table(title=f"{description}, {mode} L2, copy {result['copy_gbps']:.0f} GB/s")
+    table = Table(title=output.cell(f"{description}, {mode} L2, copy {result['copy_gbps']:.0f} GB/s"))
     for column in ("M", "fused med µs", "min", "max", "two-pass µs", "fused/2p", "experts", "MB", "GB/s",
                    "% copy", "TFLOP/s", "Gw/ms"):
         table.add_column(column, justify="right")

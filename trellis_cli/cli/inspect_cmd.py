@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
 
         if as_json and markdown:
             raise UsageError("--json and --markdown are exclusive: choose one output format")
-        chosen = parse_layer_ranges(layers) if layers else None
+        chosen = parse_layer_ranges(layers) if layers is not None else None
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         output.log(f"reading headers of {opened.description} ...")
         document = build_inspect(open_checkpoint(opened), chosen)
@@ -50,4 +50,4 @@ def register(app: typer.Typer) -> None:
             return
         lines = render_markdown(document) if markdown else render_text(document)
         for line in lines:
-            output.stdout.print(line, markup=False, highlight=False)
+            output.print_line(line)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
+from rich.text import Text
 
 
 @dataclass
@@ -32,9 +34,46 @@ class State:
 
 state = State()
 
-# Wide enough for tensor names; rich falls back to 80 columns when not a terminal.
-stdout = Console(soft_wrap=True)
-stderr = Console(stderr=True, soft_wrap=True)
+# Wide enough for tensor names; rich falls back to 80 columns when not a terminal. Text we print carries
+# checkpoint-derived names, so rich must not read `[bold]` as markup, `:x:` as an emoji or colour numbers.
+stdout = Console(soft_wrap=True, markup=False, emoji=False, highlight=False)
+stderr = Console(stderr=True, soft_wrap=True, markup=False, emoji=False, highlight=False)
+
+# Characters a terminal acts on rather than shows: C0 and C1 controls (newline, ESC, CR...), DEL, lone
+# surrogates (not encodable), line/paragraph separators and bidi overrides (reorder what is displayed).
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: object) -> str:
+    """`text` safe for a terminal: every character it would act on becomes a visible \\xNN or \\uXXXX escape.
+
+    Names in a checkpoint (tensors, files, JSON keys) are untrusted; a name holding "\\n\\x1b[2K\\rPASS" must
+    not forge a line of output.
+    """
+    return _UNPRINTABLE.sub(_escape, str(text))
+
+
+def _escape(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def cell(text: object) -> Text:
+    """A rich table cell or title that is shown as is: escaped, never parsed as markup."""
+    return Text(printable(text))
+
+
+def print_line(text: object, *, style: str | None = None, err: bool = False) -> None:
+    """One line of data on stdout (or stderr), escaped."""
+    (stderr if err else stdout).print(printable(text), style=style)
+
+
+def describe_os_error(err: OSError) -> str:
+    """`<file>: <reason>` for an error the operating system reported (`<file> -> <file2>` for a rename)."""
+    reason = err.strerror or str(err)
+    names = [os.fsdecode(n) if isinstance(n, (bytes, os.PathLike)) else str(n)
+             for n in (err.filename, err.filename2) if n is not None]
+    return f"{' -> '.join(names)}: {reason}" if names else reason
 
 
 def emit_json(document: Any) -> None:
@@ -46,7 +85,7 @@ def emit_json(document: Any) -> None:
 def log(message: str) -> None:
     """A progress/log line on stderr (silenced by --quiet)."""
     if not state.quiet:
-        stderr.print(message, markup=False, highlight=False)
+        print_line(message, err=True)
 
 
 def progress_enabled(as_json: bool = False) -> bool:
@@ -55,7 +94,7 @@ def progress_enabled(as_json: bool = False) -> bool:
 
 def make_progress(*, bytes_mode: bool = False, enabled: bool = True) -> Progress:
     """A rich progress bar on stderr; disabled when quiet, in JSON mode or not on a terminal."""
-    columns: list = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn()]
+    columns: list = [SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn()]
     if bytes_mode:
         columns += [DownloadColumn(), TransferSpeedColumn()]
     else:

@@ -10,6 +10,7 @@ import typer
 
 from trellis_cli.cli import output
 from trellis_cli.cli.options import CacheDirOpt, EndpointOpt, OfflineOpt, RevisionOpt, TokenOpt, open_cli_source
+from trellis_cli.errors import TrellisError
 
 
 class Target(str, Enum):
@@ -56,15 +57,25 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     ) -> None:
         from trellis_cli.repack.run import RepackOptions, run_repack
+        from trellis_cli.selection import parse_layer_ranges
+
+        # Checked here with the syntax validate and inspect use, before the plan expands the ranges: an
+        # empty text or a range like 0-99999999999 is a usage error, not "everything" or a hang.
+        for option, text in (("--layers", layers), ("--ranks", ranks)):
+            if text is not None:
+                parse_layer_ranges(text, option=option)
 
         options = RepackOptions(layers=layers, ranks=ranks, tp=tp, shared_h=shared_h, to=to.value, jobs=jobs,
                                 overwrite=overwrite, copy_other=not experts_only)
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         with output.make_progress(bytes_mode=True, enabled=output.progress_enabled(as_json)) as progress:
             task = progress.add_task("repack", total=None)
-            result = run_repack(opened, out, options,
-                                on_bytes=lambda n: progress.advance(task, n),
-                                on_total=lambda n: progress.update(task, total=n), log=output.log)
+            try:
+                result = run_repack(opened, out, options,
+                                    on_bytes=lambda n: progress.advance(task, n),
+                                    on_total=lambda n: progress.update(task, total=n), log=output.log)
+            except OSError as err:
+                raise _write_failed(err, out) from err
         summary = {
             "out": str(result.out), "to": options.to, "files_written": result.files_written,
             "files_resumed": result.files_resumed, "bytes_written": result.bytes_written,
@@ -74,7 +85,18 @@ def register(app: typer.Typer) -> None:
         if as_json:
             output.emit_json(summary)
             return
-        output.stdout.print(
+        output.print_line(
             f"wrote {summary['out']} ({options.to}): {result.files_written} file(s) written and verified, "
-            f"{result.files_resumed} resumed, {result.bytes_written:,} bytes in {summary['seconds']} s",
-            markup=False, highlight=False)
+            f"{result.files_resumed} resumed, {result.bytes_written:,} bytes in {summary['seconds']} s")
+
+
+def _write_failed(err: OSError, out: Path) -> TrellisError:
+    """An I/O error (disk full, permission denied) keeps OUT.partial and its record of verified files, so
+    the message says how to continue rather than only what broke."""
+    from trellis_cli.repack.staging import STAGE_SUFFIX
+
+    stage = out.absolute().with_name(out.name + STAGE_SUFFIX)
+    message = output.describe_os_error(err)
+    if stage.is_dir():
+        message += f" (the partial output {stage} is kept: fix the cause and rerun the same command to resume)"
+    return TrellisError(message)

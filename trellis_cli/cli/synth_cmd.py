@@ -36,17 +36,10 @@ class BitmapField(str, Enum):
 
 
 def parse_layers(text: str) -> tuple[int, ...]:
-    """"3-78" -> 3..78; "3,5,7" -> those; "3-5,9" -> 3,4,5,9."""
-    layers: list[int] = []
-    for part in text.split(","):
-        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
-        if not match:
-            raise UsageError(f"--layers: cannot read {text!r} (expected e.g. 3-78 or 3,5)")
-        first, last = int(match[1]), int(match[2] or match[1])
-        if last < first:
-            raise UsageError(f"--layers: range {part.strip()!r} runs backwards")
-        layers.extend(range(first, last + 1))
-    return tuple(sorted(set(layers)))
+    """"3-78" -> 3..78; "3,5,7" -> those; "3-5,9" -> 3,4,5,9 (the syntax of every --layers)."""
+    from trellis_cli.selection import parse_layer_ranges
+
+    return tuple(parse_layer_ranges(text))
 
 
 def parse_partition(text: str) -> tuple[int, int]:
@@ -188,4 +181,5 @@ def _print_summary(doc: dict) -> None:
         f"  tiers     {'; '.join(tiers)}",
         f"  bytes     {doc['tensor_bytes']:,} tensor data",
     ]
-    output.stdout.print("\n".join(lines), markup=False, highlight=False)
+    for line in lines:
+        output.print_line(line)

@@ -46,7 +46,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from trellis_cli.selection import parse_layer_ranges
 
-        chosen = parse_layer_ranges(layers) if layers else None
+        chosen = parse_layer_ranges(layers) if layers is not None else None
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         report = _validate(opened, chosen, deep, download, checksums, as_json)
         report.context.setdefault("source", opened.describe())
@@ -125,9 +125,8 @@ def render_report(report: Report) -> None:
     """Findings (errors first), then the one-line verdict, on stdout."""
     order = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.INFO: 2}
     for finding in sorted(report.findings, key=lambda f: order[f.severity]):
-        output.stdout.print(finding.line(), style=_STYLE[finding.severity], markup=False, highlight=False)
+        output.print_line(finding.line(), style=_STYLE[finding.severity])
     context = report.context
     if context.get("dialect"):
-        output.stdout.print(f"dialect: {context['dialect']}", markup=False, highlight=False)
-    output.stdout.print(report.summary(), style="bold green" if report.ok else "bold red", markup=False,
-                        highlight=False)
+        output.print_line(f"dialect: {context['dialect']}")
+    output.print_line(report.summary(), style="bold green" if report.ok else "bold red")

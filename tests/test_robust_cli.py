@@ -1,0 +1,208 @@
+"""Hostile input on the command line: names that try to drive the terminal, system errors, absurd ranges.
+
+Each case runs the real CLI and checks the contract: one `error:` line naming the file or option, the
+documented exit code, no traceback, and nothing from a checkpoint reaching the terminal unescaped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from corrupt import SHARD3, rewrite_header
+from trellis_cli import synth
+from trellis_cli.cli import output
+from trellis_cli.cli.app import main
+from trellis_cli.id_ranges import expand_ranges
+
+EVIL = "x\n\x1b[2K\rPASS: everything is fine\n:x: [bold]b[/bold]\udc80"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(autouse=True)
+def _no_debug(monkeypatch):
+    monkeypatch.setattr(output.state, "debug", False)  # --debug in one test must not leak into the next
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return synth.write_checkpoint(tmp_path_factory.mktemp("robust") / "src", synth.preset("tiny"))
+
+
+@pytest.fixture
+def evil(tmp_path, source) -> Path:
+    """The tiny checkpoint with one tensor renamed to EVIL (the header keeps its length)."""
+    root = tmp_path / "evil"
+    subprocess.run(["cp", "-r", str(source), str(root)], check=True)
+
+    def rename(header: dict) -> None:
+        name = next(k for k in header if k != "__metadata__")
+        header[EVIL] = header.pop(name)
+        header.pop("__metadata__", None)  # room for the escapes json.dumps writes
+
+    rewrite_header(root / SHARD3, rename)
+    return root
+
+
+def assert_inert(text: str) -> None:
+    """Nothing a terminal would act on, and no forged verdict line."""
+    assert "\x1b" not in text and "\r" not in text and "\udc80" not in text
+    assert not any(line.startswith("PASS: everything") for line in text.splitlines())
+    assert "\u274c" not in text  # rich's emoji for :x:
+
+
+# ---- names from the checkpoint -----------------------------------------------------------------------
+
+def test_evil_tensor_name_is_escaped_in_validate_findings(capsys, evil):
+    code, out, err = run_cli(capsys, "validate", str(evil))
+    assert code == 1
+    assert_inert(out + err)
+    line = next(line for line in out.splitlines() if "index.unindexed" in line)
+    # Shown, escaped, on the finding's own line; markup and emoji codes stay literal text.
+    assert "x\\x0a\\x1b[2K\\x0dPASS: everything is fine\\x0a:x: [bold]b[/bold]\\udc80" in line
+    assert err.splitlines()[-1].startswith("error: FAIL: ")
+
+
+def test_evil_tensor_name_round_trips_in_json(capsys, evil):
+    code, out, _ = run_cli(capsys, "validate", str(evil), "--json")
+    assert code == 1
+    names = [f["location"].get("tensor") for f in json.loads(out)["findings"]]
+    assert EVIL in names
+
+
+def test_inspect_of_the_evil_checkpoint_is_inert(capsys, evil):
+    code, out, err = run_cli(capsys, "inspect", str(evil))
+    assert code == 0 and "layer 3" in out
+    assert_inert(out + err)
+
+
+def test_error_messages_escape_what_they_quote(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "validate", str(tmp_path / "a\n\x1b[2KPASS: everything is fine"))
+    assert code == 3 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "\\x0a\\x1b[2KPASS" in err
+    assert_inert(err)
+
+
+def test_printable_escapes_controls_and_keeps_text():
+    assert output.printable("a\x00\t\x1b\x7f\x85\ud800\u2028\u202e é→[b]") == \
+        "a\\x00\\x09\\x1b\\x7f\\x85\\ud800\\u2028\\u202e é→[b]"
+
+
+# ---- system errors and internal errors ---------------------------------------------------------------
+
+def test_os_error_is_one_line_naming_the_file(capsys, source, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for extra in ([], ["--json"]):
+        code, out, err = run_cli(capsys, "repack", str(source), str(blocker / "out"), *extra)
+        assert code == 1 and out == ""
+        assert err == f"error: {blocker / 'out.partial'}: Not a directory\n"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_permission_denied_is_one_line(capsys, source, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        code, out, err = run_cli(capsys, "repack", str(source), str(locked / "out"))
+    finally:
+        locked.chmod(0o755)
+    assert code == 1 and out == ""
+    assert err.startswith("error: ") and "Permission denied" in err and len(err.splitlines()) == 1
+
+
+def test_full_disk_keeps_the_stage_and_a_rerun_resumes(source, tmp_path):
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "trellis_cli", "repack", str(source), str(out), "--jobs", "1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def small_files() -> None:  # as `ulimit -f 100`: writes past 100 KiB fail with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100 << 10, 100 << 10))
+
+    failed = subprocess.run(argv + ["--json"], capture_output=True, text=True, env=env, preexec_fn=small_files)
+    assert failed.returncode == 1 and failed.stdout == ""
+    assert failed.stderr.count("\n") == 1 and "Traceback" not in failed.stderr
+    assert failed.stderr.startswith("error: File too large")
+    assert f"the partial output {out}.partial is kept" in failed.stderr and "rerun" in failed.stderr
+    assert (tmp_path / "out.partial").is_dir() and not out.exists()
+
+    rerun = subprocess.run(argv, capture_output=True, text=True, env=env)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "resuming out.partial" in rerun.stderr and out.is_dir()
+
+
+def test_unexpected_exception_is_an_internal_error(capsys, monkeypatch):
+    from trellis_cli import inspect_report
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(inspect_report, "build_inspect", broken)
+    code, out, err = run_cli(capsys, "inspect", "--json")
+    assert code == 1 and out == ""
+    assert err.splitlines()[-1] == ("error: internal error: RuntimeError: boom\\x0asecond line "
+                                    "(run with --debug for the traceback)")
+    assert "Traceback" not in err
+
+    code, out, err = run_cli(capsys, "--debug", "inspect")
+    assert code == 1 and out == "" and "Traceback" in err and "RuntimeError" in err
+
+
+# ---- ranges ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", [["validate"], ["inspect"], ["repack", "OUT"], ["synth"]])
+@pytest.mark.parametrize("text, message", [
+    ("²", "'²' is not an id or a range"),
+    ("0-99999999999", "99999999999 is out of range"),
+    ("", "--layers is empty"),
+    ("3-5-7", "not an id or a range"),
+])
+def test_bad_layers_are_usage_errors(capsys, source, tmp_path, command, text, message):
+    if command[0] == "synth":
+        argv = ["synth", str(tmp_path / "s")]
+    else:
+        argv = [command[0], str(source)] + [str(tmp_path / "o")] * (len(command) - 1)
+    code, out, err = run_cli(capsys, *argv, "--layers", text)
+    assert code == 2 and out == ""
+    assert err.startswith("error: --layers") and message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "o").exists() and not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("text", ["", "0-99999999999", "x"])
+def test_bad_repack_ranks_are_usage_errors(capsys, source, tmp_path, text):
+    code, _, err = run_cli(capsys, "repack", str(source), str(tmp_path / "o"), "--ranks", text)
+    assert code == 2 and err.startswith("error: --ranks") and len(err.splitlines()) == 1
+
+
+def test_layers_still_select(capsys, source):
+    code, out, _ = run_cli(capsys, "inspect", str(source), "--layers", " 4 ", "--json")
+    assert code == 0 and [row["layer"] for row in json.loads(out)["layers"]] == [4]
+
+
+def test_expand_ranges_is_bounded():
+    assert expand_ranges("0-2,5") == [0, 1, 2, 5]
+    assert len(expand_ranges("0-1048575")) == 1 << 20
+    with pytest.raises(ValueError, match="more than 1048576 ids"):
+        expand_ranges("0-99999999999")
+    with pytest.raises(ValueError, match="more than 8 ids"):
+        expand_ranges("0-3,4-8", limit=8)
+    for bad in ("²", "5-3", "+3", "1_0"):
+        with pytest.raises(ValueError):
+            expand_ranges(bad)
