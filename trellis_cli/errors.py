@@ -57,12 +57,13 @@ class ValidationFailed(CheckFailed):
     following lines say what is wrong."""
 
     MAX_LISTED = 10
+    multiline = True  # the listed findings follow the summary; their own line breaks are escaped below
 
     def __init__(self, report, *, list_errors: bool = False) -> None:  # report: findings.Report (a leaf module)
         lines = [report.summary()]
         if list_errors:
             errors = report.errors
-            lines += [f"  {finding.line()}" for finding in errors[:self.MAX_LISTED]]
+            lines += [f"  {finding.line()}".replace("\n", "\\n") for finding in errors[:self.MAX_LISTED]]
             if len(errors) > self.MAX_LISTED:
                 lines.append(f"  ... and {len(errors) - self.MAX_LISTED} more; run `trellis validate "
                              f"{_source_of(report)}` for the full report")
