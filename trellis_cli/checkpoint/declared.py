@@ -65,7 +65,7 @@ def _load_bitmap(out: Declared, ref: Any, read_json, files, experts: Any, layers
     try:
         bitmap = read_json(name)
     except (CheckFailed, SourceUnavailable) as e:
-        out.findings.append(error("bitmap.unreadable", Location(file=name), str(e)))
+        out.findings.append(error("bitmap.unreadable", Location(file=name), str(e).split(": ", 1)[-1]))
         return
     if not isinstance(bitmap, dict):
         out.findings.append(error("bitmap.unreadable", Location(file=name), "bitmap is not a JSON object",
@@ -133,7 +133,7 @@ def r7_declared(r7: dict, read_json: Callable[[str], Any], files: dict[str, int]
         try:
             data = read_json(name)
         except (CheckFailed, SourceUnavailable) as e:
-            out.findings.append(error("bitmap.unreadable", Location(file=name), str(e)))
+            out.findings.append(error("bitmap.unreadable", Location(file=name), str(e).split(": ", 1)[-1]))
             continue
         layer = int(data.get("layer", m.group(1))) if isinstance(data, dict) else int(m.group(1))
         out.projection_k[layer] = _r7_map(data)

@@ -10,7 +10,6 @@ file-name patterns.
 from __future__ import annotations
 
 import gc
-import json
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -36,6 +35,8 @@ from trellis_cli.checkpoint.names import (
 )
 from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Finding, Location, error, warning
+from trellis_cli.header import JsonError, load_json, open_regular, os_reason
+from trellis_cli.integrity import MANIFEST
 from trellis_cli.sources import safe_relative
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -68,9 +69,13 @@ def paused_gc() -> Iterator[None]:
 
 def _open(source: Any) -> Checkpoint:
     files = source.list_files()
-    findings: list[Finding] = []
+    findings: list[Finding] = list(_listing_findings(source))
     config = _read_config(source, files)
     quant_config = _read_optional_json(source, files, QUANT_CONFIG, findings, optional=True)
+    if quant_config is not None and not isinstance(quant_config, dict):
+        findings.append(warning("json.unreadable", Location(file=QUANT_CONFIG), "not a JSON object: ignored",
+                                expected="object", found=type(quant_config).__name__))
+        quant_config = None
     info = detect_dialect(files, config, quant_config, source.read_json)
     ckpt = Checkpoint(source=source, dialect=info.dialect, config=config or {}, hidden=None, intermediate=None,
                       num_experts=None, tp=info.tp, codebook=info.codebook, rotation_layout=info.rotation_layout,
@@ -95,7 +100,22 @@ def _as_source(source: Any) -> Any:
     return source
 
 
+def _listing_findings(source: Any) -> Iterator[Finding]:
+    """What a local listing left out: special files (never opened) and subdirectories it could not list."""
+    for name, kind in getattr(source, "special", {}).items():
+        # A FIFO or device where a shard, a JSON file or the manifest belongs means the checkpoint is broken.
+        needed = name.endswith((".safetensors", ".json")) or name == MANIFEST
+        make = error if needed else warning
+        yield make("path.special", Location(file=name), "not a regular file: left out and never opened",
+                   expected="a regular file", found=kind)
+    for name, reason in getattr(source, "unlistable", {}).items():
+        yield error("file.unreadable", Location(file=name), f"directory cannot be listed ({reason})")
+
+
 def _read_config(source: Any, files: dict[str, int]) -> dict | None:
+    special = getattr(source, "special", {})
+    if CONFIG in special:
+        raise CheckFailed(f"{CONFIG}: {special[CONFIG]}, not a regular file")
     if CONFIG not in files:
         return None
     config = source.read_json(CONFIG)  # unreadable config.json stops parsing: nothing else can be trusted
@@ -128,7 +148,8 @@ def _read_headers(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:
             ckpt.parse_findings.append(error("path.escape", Location(file=name),
                                              "file resolves outside the checkpoint directory (symlink or path)"))
         elif size < 0:
-            ckpt.parse_findings.append(error("path.dangling", Location(file=name), "file is a dangling link"))
+            ckpt.parse_findings.append(error("path.dangling", Location(file=name),
+                                             "file is a dangling link (or a symlink loop)"))
         else:
             readable.append(name)
     prefetch = getattr(source, "prefetch_headers", None)
@@ -143,7 +164,9 @@ def _read_headers(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:
 
 def _header_finding(name: str, message: str) -> Finding:
     detail = message[len(name) + 2:] if message.startswith(name + ": ") else message
-    if "shorter than the 8-byte" in detail:
+    if detail.startswith("cannot read the file"):
+        code = "file.unreadable"
+    elif "shorter than the 8-byte" in detail:
         code = "file.truncated"
     elif "header length" in detail:
         code = "file.header-length"
@@ -180,11 +203,13 @@ def _read_index_json(source: Any, files: dict[str, int], name: str, findings: li
                               expected=f"<= {MAX_INDEX_BYTES} bytes", found=f"{size} bytes"))
         return None
     try:
-        with open(source.local_path(name), "rb") as f:
-            return json.loads(f.read(MAX_INDEX_BYTES + 1).decode("utf-8"))
-    except (CheckFailed, OSError, UnicodeDecodeError, ValueError) as e:
-        findings.append(error("json.unreadable", Location(file=name), f"cannot read the index ({e})"))
-        return None
+        with open_regular(source.local_path(name)) as f:
+            return load_json(f.read(MAX_INDEX_BYTES + 1))
+    except OSError as e:
+        findings.append(error("json.unreadable", Location(file=name), f"cannot read the file ({os_reason(e)})"))
+    except (CheckFailed, JsonError) as e:
+        findings.append(error("json.unreadable", Location(file=name), str(e)))
+    return None
 
 
 def _collect_tensors(ckpt: Checkpoint) -> None:
