@@ -220,3 +220,25 @@ def test_lone_surrogate_in_a_tensor_name_is_a_header_finding(ckpt, capsys):
 def test_valid_surrogate_pairs_are_accepted():
     body = json.dumps({"__metadata__": {"note": "\U0001F600"}}).encode()  # escaped as a surrogate pair
     assert parse_header("x.safetensors", body, len(body), None).metadata == {"note": "\U0001F600"}
+
+
+# ---- wrong JSON types, empty tensors ------------------------------------------------------------------
+
+def test_quantization_config_that_is_a_list_is_a_named_warning(ckpt, capsys):
+    edit_json(ckpt / "config.json", lambda c: c.pop("hybrid_tr3_tail"))
+    (ckpt / "quantization_config.json").write_text("[]")
+    code, found = findings(ckpt, capsys)
+    bad = named(found, "json.unreadable", "quantization_config.json")
+    assert code == 0 and bad[0]["severity"] == "warning" and (bad[0]["expected"], bad[0]["found"]) == ("object", "list")
+
+
+def test_deep_on_a_zero_row_trellis_reports_instead_of_crashing(ckpt, capsys):
+    name = key(3, 0, "gate_proj", 0, "trellis")
+
+    def mutate(header: dict) -> None:
+        header[name].update(shape=[0, 8, 48], data_offsets=[0, 0])
+
+    rewrite_header(ckpt / SHARD3, mutate)
+    code, found = findings(ckpt, capsys, "--deep")
+    geometry = [f for f in found if f["code"] == "tensor.geometry" and f["location"].get("tensor") == name]
+    assert code == 1 and geometry[0]["found"] == [0, 8]
