@@ -242,3 +242,55 @@ def test_deep_on_a_zero_row_trellis_reports_instead_of_crashing(ckpt, capsys):
     code, found = findings(ckpt, capsys, "--deep")
     geometry = [f for f in found if f["code"] == "tensor.geometry" and f["location"].get("tensor") == name]
     assert code == 1 and geometry[0]["found"] == [0, 8]
+
+
+# ---- declared counts far above what the files hold ----------------------------------------------------
+
+def _declare(root: Path, **values) -> None:
+    edit_json(root / "config.json", lambda c: c["hybrid_tr3_tail"].update(values))
+
+
+@pytest.mark.parametrize("field,value,count", [
+    ("tp", 1_000_000, 1_000_000),
+    ("experts_per_layer", 100_000_000, 100_000_000),
+    ("moe_layers", [3, 1_000_000_000], 999_999_998),
+])
+def test_huge_declared_counts_are_one_finding(ckpt, capsys, field, value, count):
+    _declare(ckpt, **{field: value})
+    code, found = findings(ckpt, capsys)
+    implausible = [f for f in found if f["code"] == "count.implausible"]
+    assert code == 1 and len(implausible) == 1 and len(found) < 10, found
+    assert implausible[0]["location"] == {"file": "config.json", "tensor": f"hybrid_tr3_tail.{field}"}
+    assert implausible[0]["found"] == count
+    assert run(["inspect", str(ckpt)], capsys)[0] in (0, 1)  # returns: no per-layer objects for a billion layers
+
+
+@pytest.mark.parametrize("old,new,code", [
+    ("experts.0.", "experts.99999999999.", "expert.extra"),
+    (".rank1.", ".rank999999999.", "rank.extra"),
+])
+def test_huge_ids_in_plain_exl3_names_are_one_finding(ckpt, capsys, old, new, code):
+    edit_json(ckpt / "config.json", lambda c: (c.pop("hybrid_tr3_tail"), c.pop("n_routed_experts")))
+    name = key(3, 0, "gate_proj", 1, "trellis")
+
+    def mutate(header: dict) -> None:
+        header.pop("__metadata__", None)  # room for the longer name
+        header[name.replace(old, new)] = header.pop(name)
+
+    rewrite_header(ckpt / SHARD3, mutate)
+    status, found = findings(ckpt, capsys)
+    implausible = [f for f in found if f["code"] == "count.implausible"]
+    assert status == 1 and len(implausible) == 1 and len(found) < 20, found
+    assert implausible[0]["location"] == {"tensor": name.replace(old, new).rsplit(".", 1)[0]}
+    assert [f for f in found if f["code"] == code]
+
+
+def test_missing_items_are_capped_per_layer_with_a_total(ckpt, capsys):
+    _declare(ckpt, experts_per_layer=4000, tp=300)  # within the limit, so checked item by item
+    edit_json(ckpt / "config.json", lambda c: c.update(n_routed_experts=4000))
+    code, found = findings(ckpt, capsys)
+    experts = [f for f in found if f["code"] == "expert.missing" and f["location"] == {"layer": 3}]
+    ranks = [f for f in found if f["code"] == "rank.missing" and f["location"] == {"layer": 3}]
+    assert code == 1 and "3942 more missing experts" in experts[0]["message"]  # 4000 - 8 present - 50 shown
+    assert ranks and ranks[0]["found"] == f"{8 * 3 * 298} missing"
+    assert len(found) < 400

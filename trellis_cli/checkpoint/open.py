@@ -295,8 +295,8 @@ def _add_other_expert_tensor(layers: dict[int, MoeLayer], name: str, ref: Tensor
 def _apply_declarations(ckpt: Checkpoint, info: DialectInfo, source: Any, files: dict[str, int]) -> None:
     hybrid = info.declared.get("hybrid_tr3_tail")
     if hybrid is not None:
-        d = decl.tr3_declared(hybrid, source.read_json, files)
-        for layer in decl.layer_range(hybrid.get("moe_layers")):
+        d = decl.tr3_declared(hybrid, source.read_json, files, ckpt.count_limit)
+        for layer in decl.layer_range(hybrid.get("moe_layers"), ckpt.count_limit):
             ckpt.layers.setdefault(layer, MoeLayer(layer))
     elif info.dialect == DIALECT_R7:
         d = decl.r7_declared(info.declared["r7_routed_experts"], source.read_json, files)
@@ -314,16 +314,32 @@ def _apply_declarations(ckpt: Checkpoint, info: DialectInfo, source: Any, files:
 
 
 def _fill_geometry(ckpt: Checkpoint, info: DialectInfo) -> None:
-    """H, I and E from config.json, or from the first complete expert when the config does not say."""
+    """H, I and E from config.json, or from the first complete expert when the config does not say.
+
+    A count above `ckpt.count_limit` (declared, or inferred from one tensor name) is reported once as
+    `count.implausible` and replaced by what the tensors present support, so no later stage iterates or
+    allocates by it; ids beyond the limit stay in the model, where validate reports them as extras.
+    """
     config, hybrid = ckpt.config, info.declared.get("hybrid_tr3_tail") or {}
+    limit = ckpt.count_limit
     ckpt.hidden = _int(config.get("hidden_size"))
     ckpt.intermediate = _int(config.get("moe_intermediate_size"))
-    ckpt.num_experts = _int(hybrid.get("experts_per_layer")) or next(
-        (_int(config[k]) for k in EXPERT_COUNT_KEYS if _int(config.get(k))), None)
+    span = len(decl.layer_range(hybrid.get("moe_layers")))
+    if span > limit:
+        _implausible(ckpt, Location(file=CONFIG, tensor="hybrid_tr3_tail.moe_layers"), "MoE layers", span)
+    declared = [("hybrid_tr3_tail.experts_per_layer", hybrid.get("experts_per_layer")),
+                *((key, config.get(key)) for key in EXPERT_COUNT_KEYS)]
+    key, ckpt.num_experts = next(((k, _int(v)) for k, v in declared if _int(v)), (None, None))
+    if ckpt.num_experts is not None and ckpt.num_experts > limit:
+        _implausible(ckpt, Location(file=CONFIG, tensor=key), "experts per layer", ckpt.num_experts)
+        ckpt.num_experts = None  # inferred from the expert ids below
     if info.dialect in (DIALECT_EXL3, DIALECT_R7):
-        ranks = [r for layer in ckpt.layers.values() if layer.rank_sliced for projs in layer.experts.values()
-                 for by_rank in projs.values() for r in by_rank]
-        ckpt.tp = max(ranks, default=0) + 1
+        ranks = _ids(ckpt, "rank")
+        ckpt.tp = _plausible_max(ckpt, ranks, "ranks", limit) + 1 if ranks else 1
+    elif ckpt.tp > limit:
+        _implausible(ckpt, Location(file=CONFIG, tensor="hybrid_tr3_tail.tp"), "ranks", ckpt.tp)
+        ranks = _ids(ckpt, "rank")
+        ckpt.tp = max((r for r in ranks if r < limit), default=0) + 1
     inferred = []
     sample = _first_gate(ckpt)
     if ckpt.hidden is None and sample is not None and sample.in_features:
@@ -333,10 +349,38 @@ def _fill_geometry(ckpt: Checkpoint, info: DialectInfo) -> None:
         ckpt.intermediate = sample.out_features * ckpt.tp
         inferred.append("intermediate")
     if ckpt.num_experts is None:
-        ids = [e for layer in ckpt.layers.values() for e in layer.experts]
-        ckpt.num_experts = max(ids) + 1 if ids else None
+        experts = _ids(ckpt, "expert")
+        ckpt.num_experts = _plausible_max(ckpt, experts, "experts per layer", limit) + 1 if experts else None
         inferred.append("num_experts")
     ckpt.declared["inferred"] = inferred
+
+
+def _ids(ckpt: Checkpoint, kind: str) -> dict[int, str]:
+    """Every expert id (kind "expert") or rank-slice id ("rank") present, with one linear's name holding it."""
+    found: dict[int, str] = {}
+    for layer in ckpt.layers.values():
+        for expert, projs in layer.experts.items():
+            for by_rank in projs.values():
+                for rank, lin in by_rank.items():
+                    if kind == "expert":
+                        found.setdefault(expert, lin.prefix)
+                    elif layer.rank_sliced:
+                        found.setdefault(rank, lin.prefix)
+    return found
+
+
+def _plausible_max(ckpt: Checkpoint, ids: dict[int, str], what: str, limit: int) -> int:
+    """The largest id below `limit`; the largest id at or above it is reported, naming its tensor."""
+    top = max(ids)
+    if top >= limit:
+        _implausible(ckpt, Location(tensor=ids[top]), what, top + 1)
+    return max((i for i in ids if i < limit), default=0)
+
+
+def _implausible(ckpt: Checkpoint, where: Location, what: str, count: int) -> None:
+    ckpt.parse_findings.append(error(
+        "count.implausible", where, f"{what}: far more than these files can hold (reported once, not per "
+        f"missing item)", expected=f"<= {ckpt.count_limit} ({len(ckpt.tensors)} tensors present)", found=count))
 
 
 def _first_gate(ckpt: Checkpoint) -> LinearRef | None:

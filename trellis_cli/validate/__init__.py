@@ -17,6 +17,7 @@ from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.validate import rules_config, rules_files, rules_tensors
 
 MAX_FINDINGS_PER_CODE = 50  # then one "... and N more" line: a missing shard must not print 12,288 lines
+SUMMARY_PREFIX = "... and "
 
 CHECKSUM_CODES = {  # integrity status -> (code, severity, message)
     "mismatch": ("checksum.mismatch", Severity.ERROR, "sha256 differs from the recorded hash"),
@@ -124,15 +125,22 @@ def _validate_route_pack(ckpt: Checkpoint, checksums: bool) -> Report:
 
 
 def cap_findings(findings: list[Finding], limit: int = MAX_FINDINGS_PER_CODE) -> list[Finding]:
-    """Keep the first `limit` findings of each code, then one summary finding of the same code and severity."""
+    """Keep the first `limit` findings of each code, then one summary finding of the same code and severity.
+
+    Summaries the rules already made (`... and N more ...`, one per layer with the true total) are always kept.
+    """
     seen: Counter[str] = Counter()
     kept: list[Finding] = []
     for f in findings:
+        if f.message.startswith(SUMMARY_PREFIX):
+            kept.append(f)
+            continue
         seen[f.code] += 1
         if seen[f.code] <= limit:
             kept.append(f)
     for code, n in seen.items():
         if n > limit:
             first = next(f for f in findings if f.code == code)
-            kept.append(Finding(code, first.severity, Location(), f"... and {n - limit} more {code} finding(s)"))
+            message = f"{SUMMARY_PREFIX}{n - limit} more {code} finding(s)"
+            kept.append(Finding(code, first.severity, Location(), message))
     return kept
