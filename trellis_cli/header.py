@@ -5,6 +5,8 @@ The rules follow the safetensors format: u64 little-endian header length N, N by
 then the data buffer; `data_offsets` are [begin, end) relative to the buffer start.
 Structural problems that make the header unusable raise HeaderError; problems between entries
 (overlaps, holes, size mismatches) are left to validate, which reports them as findings.
+Also the two guards every local read of checkpoint bytes shares: `load_json` (depth and Unicode checks for any
+JSON file) and `open_regular` (never blocks on a FIFO or reads a device).
 """
 
 from __future__ import annotations
