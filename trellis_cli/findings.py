@@ -90,6 +90,24 @@ def _jsonable(value: Any) -> Any:
         return str(value)
 
 
+MAX_MISSING_SHOWN = 50  # per kind and layer; then one finding with the total
+
+
+def missing_ids(ids: range, present, limit: int = MAX_MISSING_SHOWN) -> tuple[list[int], int]:
+    """The first `limit` ids of `ids` not in `present` (a set or dict), and how many are missing in all.
+
+    Costs O(len(present) + limit), not O(len(ids)): `ids` comes from a declared count, which can be huge.
+    """
+    first: list[int] = []
+    if limit > 0:
+        for i in ids:
+            if i not in present:
+                first.append(i)
+                if len(first) == limit:
+                    break
+    return first, len(ids) - sum(1 for p in present if p in ids)
+
+
 def error(code: str, where: Location, message: str, expected: Any = None, found: Any = None) -> Finding:
     return Finding(code, Severity.ERROR, where, message, expected, found)
 

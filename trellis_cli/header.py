@@ -5,14 +5,20 @@ The rules follow the safetensors format: u64 little-endian header length N, N by
 then the data buffer; `data_offsets` are [begin, end) relative to the buffer start.
 Structural problems that make the header unusable raise HeaderError; problems between entries
 (overlaps, holes, size mismatches) are left to validate, which reports them as findings.
+Also the two guards every local read of checkpoint bytes shares: `load_json` (depth and Unicode checks for any
+JSON file) and `open_regular` (never blocks on a FIFO or reads a device).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import stat
 import struct
 from dataclasses import dataclass, field
+from typing import Any, BinaryIO
 
 # The Hub's own parser refuses headers above 25 MB; the safetensors reader above 100 MB. A production
 # MoE layer shard (12,288 tensors) has a header of about 1.5 MB.
@@ -28,6 +34,77 @@ DTYPE_BYTES = {
 
 class HeaderError(ValueError):
     """The header cannot be parsed; the message says what was expected and what was found."""
+
+
+class JsonError(ValueError):
+    """Bytes that load_json refuses; the message says why (no file name: callers add it)."""
+
+
+class NotRegularFile(OSError):
+    """A FIFO, socket or device where a file was expected: never read (a FIFO would block forever)."""
+
+
+# A lone surrogate can only come from a \uD800-\uDFFF escape (UTF-8 cannot encode one): search for the escape
+# before walking the document, so ordinary files pay one regex scan.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def load_json(data: bytes | str, object_pairs_hook=None) -> Any:
+    """json.loads for checkpoint files: JsonError for bytes that are not UTF-8, not JSON, nested too deeply
+    for the parser, or strings that are not valid Unicode (a lone surrogate escape; safetensors refuses them)."""
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+        value = json.loads(text, object_pairs_hook=object_pairs_hook)
+    except UnicodeDecodeError as e:
+        raise JsonError(f"not UTF-8 ({e.reason} at byte {e.start})") from e
+    except json.JSONDecodeError as e:
+        raise JsonError(f"not valid JSON ({e.msg} at byte {e.pos})") from e
+    except RecursionError as e:
+        raise JsonError("invalid JSON (nested too deeply)") from e
+    if _SURROGATE_ESCAPE.search(text):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = text_escape(e.object[e.start:e.end])
+            raise JsonError(f"not valid Unicode (a string holds the lone surrogate {bad})") from e
+    return value
+
+
+def text_escape(text: str) -> str:
+    """`text` with non-ASCII characters escaped (`\\ud800`): safe to show whatever it holds."""
+    return text.encode("ascii", "backslashreplace").decode("ascii")
+
+
+def open_regular(path: str | os.PathLike) -> BinaryIO:
+    """Open a file for reading, refusing FIFOs, sockets and devices without blocking on them.
+
+    O_NONBLOCK makes opening a FIFO return at once (it changes nothing for regular files); fstat then
+    checks what was really opened, so a file swapped after the directory was listed is refused too.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(f"{file_kind(mode)}, not a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "a special file"
+
+
+def os_reason(e: OSError) -> str:
+    """The OS's words for an error (`Permission denied`), without the path it may carry."""
+    return e.strerror or str(e)
 
 
 @dataclass(frozen=True)
@@ -81,11 +158,9 @@ def parse_header(file: str, header_bytes: bytes, header_len: int, file_size: int
     if len(header_bytes) != header_len:
         raise HeaderError(f"{file}: header truncated: expected {header_len} bytes, read {len(header_bytes)}")
     try:
-        raw = json.loads(header_bytes.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
-    except UnicodeDecodeError as e:
-        raise HeaderError(f"{file}: header is not UTF-8 ({e.reason})") from e
-    except json.JSONDecodeError as e:
-        raise HeaderError(f"{file}: header is not valid JSON ({e.msg} at byte {e.pos})") from e
+        raw = load_json(header_bytes, object_pairs_hook=_reject_duplicate_keys)
+    except JsonError as e:
+        raise HeaderError(f"{file}: header is {e}") from e
     except ValueError as e:  # duplicate key
         raise HeaderError(f"{file}: {e}") from e
     if not isinstance(raw, dict):
@@ -132,10 +207,9 @@ def _parse_entry(file: str, name: str, info: object) -> TensorEntry:
 
 
 def read_local_header(path, rel_name: str) -> Header:
-    """Read and parse the header of a local file, reading only the header bytes."""
-    import os
-
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    """Read and parse the header of a local file, reading only the header bytes. OSError when it cannot be
+    read (NotRegularFile for a FIFO or device)."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
         n = header_length(f.read(8), rel_name, size)
         return parse_header(rel_name, f.read(n), n, size)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
 
 from trellis_cli.errors import CheckFailed
+from trellis_cli.header import open_regular, os_reason, text_escape
 from trellis_cli.sources import HubSource, LocalSource, Source, safe_relative
 
 MANIFEST = "MANIFEST.sha256"
@@ -33,19 +34,23 @@ MISSING = "missing"  # listed with a hash, but the file is not there
 UNLISTED = "unlisted"  # the file is there, but no hash is recorded for it
 NO_MANIFEST = "no-manifest"  # a local directory without MANIFEST.sha256: nothing to compare
 NOT_CACHED = "not-cached"  # Hub file not in the local cache and downloading was not allowed
-UNSAFE_PATH = "unsafe-path"  # a manifest line naming a path outside the checkpoint
+UNSAFE_PATH = "unsafe-path"  # a manifest line naming a path outside the checkpoint, or the manifest a link out
+MALFORMED = "malformed"  # a MANIFEST.sha256 line that cannot be used (the other lines still count)
+UNREADABLE = "unreadable"  # the file (or the manifest) cannot be read: permissions, I/O error, not a regular file
 
 ProgressCallback = Callable[[int], None]
 _MANIFEST_LINE = re.compile(r"([0-9a-fA-F]{64}) [ *](.+)")
 
 
 class ChecksumResult(NamedTuple):
-    """One file's verdict. `expected`/`found` are sha256 hex, or git blob sha1 (40 hex) for non-LFS Hub files."""
+    """One file's verdict. `expected`/`found` are sha256 hex, or git blob sha1 (40 hex) for non-LFS Hub files;
+    `detail` says what went wrong where a status alone does not (which manifest line, which OS error)."""
 
     file: str
     expected: str | None
     found: str | None
     status: str
+    detail: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -54,11 +59,13 @@ class ChecksumResult(NamedTuple):
 
 def verify_checksums(source: Source, files: Iterable[str] | None = None, progress: ProgressCallback | None = None,
                      *, download: bool = True, download_progress: ProgressCallback | None = None,
-                     ) -> list[ChecksumResult]:
+                     strict_manifest: bool = True) -> list[ChecksumResult]:
     """Hash `files` (default: every file with a recorded hash) and compare; results sorted by file name.
 
     `progress(n)` receives bytes hashed. A Hub source downloads missing files into the cache first
     (reporting to `download_progress`) unless `download=False`, which reports them as not-cached.
+    A malformed or unreadable MANIFEST.sha256 raises CheckFailed naming the line, unless
+    `strict_manifest=False`: then each bad line is a `malformed` result and the other lines are checked.
     """
     if isinstance(source, HubSource):
         expected = _hub_expected(source, files)
@@ -66,10 +73,15 @@ def verify_checksums(source: Source, files: Iterable[str] | None = None, progres
         extra: list[ChecksumResult] = []
         missing = NOT_CACHED
     elif isinstance(source, LocalSource):
-        manifest = read_manifest(source)
-        if manifest is None:
+        loaded = read_manifest(source)
+        if loaded is None:
             return [ChecksumResult(MANIFEST, None, None, NO_MANIFEST)]
+        manifest, problems = loaded
+        if strict_manifest and any(p.status != UNSAFE_PATH for p in problems):
+            first = next(p for p in problems if p.status != UNSAFE_PATH)
+            raise CheckFailed(f"{first.file}: {first.detail}")
         expected, paths, extra = _local_plan(source, manifest, files)
+        extra += problems
         missing = MISSING
     else:
         raise TypeError(f"verify_checksums: unsupported source {type(source).__name__}")
@@ -95,25 +107,51 @@ def _hub_local(source: HubSource, name: str, download: bool, progress: ProgressC
     return source.local_path(name, progress=progress)
 
 
-def read_manifest(source: LocalSource) -> dict[str, str] | None:
-    """MANIFEST.sha256 as {name: sha256}, or None when the checkpoint has none. Malformed lines raise."""
-    path = source.root / MANIFEST
-    if not path.is_file():
-        return None
-    if path.stat().st_size > MAX_MANIFEST_BYTES:
-        raise CheckFailed(f"{MANIFEST}: larger than the {MAX_MANIFEST_BYTES}-byte limit")
+def read_manifest(source: LocalSource) -> tuple[dict[str, str], list[ChecksumResult]] | None:
+    """MANIFEST.sha256 as ({name: sha256}, problems), or None when the checkpoint has none.
+
+    The manifest is opened through the source's path checks: one that is a link leaving the checkpoint is
+    refused unread (an `unsafe-path` problem). Each line that cannot be used (not `<64 hex>  <name>`, not
+    UTF-8, a name listed twice) is a `malformed` problem naming the line; the other lines still count.
+    """
+    if MANIFEST not in source.list_files():
+        return None  # absent (a FIFO of that name is left out of the listing, and validate reports it)
+    if source.escapes(MANIFEST):
+        return {}, [ChecksumResult(MANIFEST, None, None, UNSAFE_PATH,
+                                   "the manifest is a link that resolves outside the checkpoint: not read")]
+    try:
+        with open_regular(source.resolve(MANIFEST)) as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+    except (CheckFailed, OSError) as e:
+        reason = os_reason(e) if isinstance(e, OSError) else str(e).split(": ", 1)[-1]
+        return {}, [ChecksumResult(MANIFEST, None, None, UNREADABLE, f"cannot read the file ({reason})")]
+    if len(data) > MAX_MANIFEST_BYTES:
+        return {}, [ChecksumResult(MANIFEST, None, None, UNREADABLE,
+                                   f"larger than the {MAX_MANIFEST_BYTES}-byte limit")]
     entries: dict[str, str] = {}
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    problems: list[ChecksumResult] = []
+    for number, raw in enumerate(data.splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8").rstrip()
+        except UnicodeDecodeError:
+            problems.append(_bad_line(number, "the line is not UTF-8", raw.decode("latin-1")))
+            continue
         if not line.strip() or line.startswith("#"):
             continue
-        match = _MANIFEST_LINE.fullmatch(line.rstrip())
+        match = _MANIFEST_LINE.fullmatch(line)
         if match is None:
-            raise CheckFailed(f"{MANIFEST}:{number}: expected '<64 hex>  <file name>', found {line[:80]!r}")
-        name = match.group(2)
-        if name in entries:
-            raise CheckFailed(f"{MANIFEST}:{number}: {name} is listed twice")
-        entries[name] = match.group(1).lower()
-    return entries
+            problems.append(_bad_line(number, "expected '<64 hex>  <file name>'", line))
+        elif match.group(2) in entries:
+            problems.append(_bad_line(number, f"{text_escape(match.group(2))} is listed twice", line))
+        else:
+            entries[match.group(2)] = match.group(1).lower()
+    return entries, problems
+
+
+def _bad_line(number: int, what: str, line: str) -> ChecksumResult:
+    # Named `MANIFEST.sha256:<line>`, the way compilers name a line; the text is escaped, never echoed raw.
+    found = text_escape(repr(line[:80]))
+    return ChecksumResult(f"{MANIFEST}:{number}", None, None, MALFORMED, f"{what}, found {found}")
 
 
 def _local_plan(source: LocalSource, manifest: dict[str, str], files: Iterable[str] | None):
@@ -149,7 +187,10 @@ def _hash_all(expected: dict[str, str | None], paths: dict[str, Path | None],
             return ChecksumResult(name, want, None, missing_status)
         if want is None:
             return ChecksumResult(name, None, None, UNLISTED)
-        found = git_blob_sha1(path, report) if len(want) == 40 else sha256_file(path, report)
+        try:
+            found = git_blob_sha1(path, report) if len(want) == 40 else sha256_file(path, report)
+        except OSError as e:
+            return ChecksumResult(name, want, None, UNREADABLE, f"cannot read the file ({os_reason(e)})")
         return ChecksumResult(name, want, found, OK if found == want.lower() else MISMATCH)
 
     with ThreadPoolExecutor(max_workers=HASH_WORKERS) as pool:
@@ -180,7 +221,7 @@ def _digest(digest, path, progress: ProgressCallback | None) -> str:
     # times the hashing itself (measured in repack's read-back).
     buffer = bytearray(READ_BYTES)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path) as f:
         while n := f.readinto(buffer):
             digest.update(view[:n])
             if progress is not None:

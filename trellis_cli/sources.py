@@ -14,15 +14,26 @@ the error mapping and the 1.x/2.x differences), so local work never pays for it.
 
 from __future__ import annotations
 
-import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Protocol
 
 from trellis_cli.errors import CheckFailed, SourceUnavailable, UsageError
-from trellis_cli.header import Header, HeaderError, header_length, parse_header, read_local_header
+from trellis_cli.header import (
+    Header,
+    HeaderError,
+    JsonError,
+    file_kind,
+    header_length,
+    load_json,
+    open_regular,
+    os_reason,
+    parse_header,
+    read_local_header,
+)
 
 # config.json of a 256-expert model is a few KB; tier_bitmap.json for 76 layers is about 200 KB.
 MAX_JSON_BYTES = 64 * 1024 * 1024
@@ -46,20 +57,27 @@ class Source(Protocol):
 
 
 def safe_relative(name: str) -> bool:
-    """True when `name` stays inside the checkpoint: relative, no `..`, no backslashes or drive letters."""
-    if not name or "\\" in name or name.startswith("/") or re.match(r"^[A-Za-z]:", name):
+    """True when `name` stays inside the checkpoint: relative, no `..`, no backslashes, drive letters or NUL."""
+    if not name or "\\" in name or "\0" in name or name.startswith("/") or re.match(r"^[A-Za-z]:", name):
         return False
     return ".." not in PurePosixPath(name).parts
 
 
 @dataclass
 class LocalSource:
-    """A checkpoint directory on local disk. Symlinks that leave the directory are refused."""
+    """A checkpoint directory on local disk. Symlinks that leave the directory are refused.
+
+    Only regular files (or links to them) are listed: FIFOs, sockets and devices are never opened (a FIFO
+    blocks its reader forever) and go to `special` instead; subdirectories that cannot be listed go to
+    `unlistable` (the root itself raises SourceUnavailable).
+    """
 
     root: Path
     revision: str | None = None
     description: str = ""
     _files: dict[str, int] | None = field(default=None, repr=False)
+    special: dict[str, str] = field(default_factory=dict)  # name -> what it is ("a FIFO"), never opened
+    unlistable: dict[str, str] = field(default_factory=dict)  # subdirectory -> the OS's reason
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -68,57 +86,71 @@ class LocalSource:
         if not self.root.is_dir():
             raise SourceUnavailable(f"{self.root}: not a directory (a checkpoint is a directory of files)")
         self.description = self.description or f"local directory {self.root}"
+        self._real_root = self.root.resolve()
 
     def list_files(self) -> dict[str, int]:
         if self._files is None:
             files: dict[str, int] = {}
-            for dirpath, dirnames, filenames in os.walk(self.root):
+            for dirpath, dirnames, filenames in os.walk(self.root, onerror=self._unlistable):
                 # Hidden folders (.cache/huggingface from local_dir downloads, .git) are not checkpoint content.
                 dirnames[:] = [d for d in dirnames if not d.startswith(".")]
                 for name in filenames:
                     path = Path(dirpath) / name
                     rel = path.relative_to(self.root).as_posix()
                     try:
-                        files[rel] = path.stat().st_size
-                    except OSError:
-                        files[rel] = -1  # dangling symlink: reported by validate
+                        st = path.stat()
+                    except (OSError, RuntimeError):
+                        files[rel] = -1  # dangling link or link loop: reported by validate
+                        continue
+                    if stat.S_ISREG(st.st_mode):
+                        files[rel] = st.st_size
+                    else:
+                        self.special[rel] = file_kind(st.st_mode)
             self._files = dict(sorted(files.items()))
         return self._files
 
+    def _unlistable(self, e: OSError) -> None:
+        """os.walk's error hook: it would otherwise skip an unreadable directory silently."""
+        path = Path(e.filename or self.root)
+        if path == self.root:
+            raise SourceUnavailable(f"{self.root}: cannot list the directory ({os_reason(e)})") from e
+        self.unlistable[path.relative_to(self.root).as_posix()] = os_reason(e)
+
     def resolve(self, name: str) -> Path:
-        """The real path of `name`, refusing anything that leaves the checkpoint directory."""
+        """The path of `name`, refusing anything that leaves the checkpoint directory or cannot be resolved."""
         if not safe_relative(name):
             raise CheckFailed(f"{name}: path leaves the checkpoint directory")
         path = self.root / name
-        real = path.resolve()
-        if not real.is_relative_to(self.root.resolve()):
+        real = self._real(name)
+        if real is None:
+            raise CheckFailed(f"{name}: cannot be resolved (symlink loop)")
+        if not real.is_relative_to(self._real_root):
             raise CheckFailed(f"{name}: resolves to {real}, outside the checkpoint directory")
         return path
 
     def escapes(self, name: str) -> bool:
-        try:
-            self.resolve(name)
-            return False
-        except CheckFailed:
+        """True when `name` leaves the directory. A symlink loop does not: it is listed as dangling (size -1)."""
+        if not safe_relative(name):
             return True
+        real = self._real(name)
+        return real is not None and not real.is_relative_to(self._real_root)
+
+    def _real(self, name: str) -> Path | None:
+        try:
+            return (self.root / name).resolve()
+        except (OSError, RuntimeError):  # a symlink loop: RuntimeError before Python 3.13, OSError since
+            return None
 
     def read_json(self, name: str) -> Any:
-        path = self.resolve(name)
-        if not path.is_file():
-            raise SourceUnavailable(f"{name}: not found in {self.root}")
-        size = path.stat().st_size
-        if size > MAX_JSON_BYTES:
-            raise CheckFailed(f"{name}: {size} bytes, larger than the {MAX_JSON_BYTES}-byte limit for JSON files")
-        try:
-            return json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckFailed(f"{name}: not valid JSON ({e})") from e
+        return read_json_file(self.resolve(name), name)
 
     def read_header(self, name: str) -> Header:
         try:
             return read_local_header(self.resolve(name), name)
         except HeaderError as e:
             raise CheckFailed(str(e)) from e
+        except OSError as e:
+            raise CheckFailed(f"{name}: cannot read the file ({os_reason(e)})") from e
 
     def local_path(self, name: str, *, progress: Callable[[int], None] | None = None) -> Path:
         # Already local: nothing to fetch, so `progress` is never called.
@@ -129,6 +161,22 @@ class LocalSource:
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "local", "path": str(self.root), "revision": None}
+
+
+def read_json_file(path: Path, name: str) -> Any:
+    """A JSON file of at most MAX_JSON_BYTES; CheckFailed naming `name` and the reason when it cannot be used."""
+    try:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_JSON_BYTES:
+                raise CheckFailed(f"{name}: {size} bytes, larger than the {MAX_JSON_BYTES}-byte limit for JSON files")
+            return load_json(f.read(MAX_JSON_BYTES + 1))
+    except FileNotFoundError as e:
+        raise SourceUnavailable(f"{name}: not found in {path.parent}") from e
+    except OSError as e:
+        raise CheckFailed(f"{name}: cannot read the file ({os_reason(e)})") from e
+    except JsonError as e:
+        raise CheckFailed(f"{name}: {e}") from e
 
 
 # ---- the Hub -------------------------------------------------------------------------------------------
@@ -270,13 +318,7 @@ class HubSource:
         size = self.file_info(name).size
         if size > MAX_JSON_BYTES:
             raise CheckFailed(f"{name}: {size} bytes, larger than the {MAX_JSON_BYTES}-byte limit for JSON files")
-        path = self.local_path(name)
-        if path.stat().st_size > MAX_JSON_BYTES:
-            raise CheckFailed(f"{name}: larger than the {MAX_JSON_BYTES}-byte limit for JSON files")
-        try:
-            return json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckFailed(f"{name}: not valid JSON ({e})") from e
+        return read_json_file(self.local_path(name), name)
 
     def prefetch_headers(self, names: list[str], workers: int = 8) -> None:
         """Read many headers concurrently (each is two small round trips); read_header then answers from memory."""
@@ -311,6 +353,8 @@ class HubSource:
             return self._read_remote_header(name, size if size >= 0 else None)
         except HeaderError as e:
             raise CheckFailed(str(e)) from e
+        except OSError as e:  # the cached copy cannot be read
+            raise CheckFailed(f"{name}: cannot read the file ({os_reason(e)})") from e
 
     def _read_remote_header(self, name: str, size: int | None) -> Header:
         # HfFileSystem with cache_type="none" fetches exactly the bytes asked for (8, then N): no tensor data.

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from trellis_cli.checkpoint.names import PROJECTIONS_BY_INDEX, parse_expert_name
 from trellis_cli.errors import CheckFailed, SourceUnavailable
-from trellis_cli.findings import Finding, Location, error, warning
+from trellis_cli.findings import Finding, Location, error, missing_ids, warning
 from trellis_cli.header import is_int
 
 TAIL_FALLBACK_K = 3  # a tail_tr3 list covering every expert means "all trellis-3" (the MTP overlay)
@@ -29,29 +29,31 @@ class Declared:
         self.findings: list[Finding] = []
 
 
-def tr3_declared(hybrid: dict, read_json: Callable[[str], Any], files: dict[str, int]) -> Declared:
+def tr3_declared(hybrid: dict, read_json: Callable[[str], Any], files: dict[str, int], limit: int) -> Declared:
+    """`limit`: Checkpoint.count_limit. Counts above it are reported by open.py; here they declare nothing."""
     out = Declared()
     bits = hybrid.get("bits")
     experts = hybrid.get("experts_per_layer")
-    layers = layer_range(hybrid.get("moe_layers"))
+    experts = experts if is_int(experts) and experts <= limit else None
+    layers = layer_range(hybrid.get("moe_layers"), limit)
     if isinstance(bits, str) and bits.lower().startswith("mixed"):
         _load_bitmap(out, hybrid.get("bits_per_expert"), read_json, files, experts, layers)
         return out
     by_layer = hybrid.get("trellis_bits_by_layer")
     if isinstance(by_layer, dict):
         for key, k in by_layer.items():
-            if isinstance(key, str) and key.isdecimal() and isinstance(experts, int) and experts > 0:
+            if isinstance(key, str) and key.isdecimal() and experts is not None and experts > 0:
                 out.expert_k[int(key)] = [k] * experts
                 out.k_source[int(key)] = "trellis_bits_by_layer"
         return out
-    if _is_integral(bits) and isinstance(experts, int) and experts > 0:
+    if _is_integral(bits) and experts is not None and experts > 0:
         for layer in layers:
             out.expert_k[layer] = [int(bits)] * experts
             out.k_source[layer] = "bits"
     return out
 
 
-def _load_bitmap(out: Declared, ref: Any, read_json, files, experts: Any, layers: list[int]) -> None:
+def _load_bitmap(out: Declared, ref: Any, read_json, files, experts: int | None, layers: range) -> None:
     where = Location(file="config.json", tensor="hybrid_tr3_tail.bits_per_expert")
     if not isinstance(ref, str) or ":" not in ref:
         out.findings.append(error("bitmap.reference", where, "bits_per_expert must be a 'file.json:field' reference",
@@ -65,7 +67,7 @@ def _load_bitmap(out: Declared, ref: Any, read_json, files, experts: Any, layers
     try:
         bitmap = read_json(name)
     except (CheckFailed, SourceUnavailable) as e:
-        out.findings.append(error("bitmap.unreadable", Location(file=name), str(e)))
+        out.findings.append(error("bitmap.unreadable", Location(file=name), str(e).split(": ", 1)[-1]))
         return
     if not isinstance(bitmap, dict):
         out.findings.append(error("bitmap.unreadable", Location(file=name), "bitmap is not a JSON object",
@@ -91,10 +93,15 @@ def _load_bitmap(out: Declared, ref: Any, read_json, files, experts: Any, layers
             out.findings.append(error("bitmap.field", Location(file=name, layer=layer),
                                       f"layer entry has no {fieldname!r} list (nor a full tail_tr3 list)",
                                       expected=fieldname, found=sorted(entry)))
-    for layer in layers:
-        if str(layer) not in bitmap:
-            out.findings.append(error("bitmap.layer-missing", Location(file=name, layer=layer),
-                                      "moe_layers includes this layer but the bitmap has no entry for it"))
+    listed = {int(key) for key in bitmap if isinstance(key, str) and key.isdecimal()}
+    first, total = missing_ids(layers, listed)
+    for layer in first:
+        out.findings.append(error("bitmap.layer-missing", Location(file=name, layer=layer),
+                                  "moe_layers includes this layer but the bitmap has no entry for it"))
+    if total > len(first):
+        out.findings.append(error("bitmap.layer-missing", Location(file=name), f"... and {total - len(first)} more "
+                                  "moe_layers without a bitmap entry", expected=f"{len(layers)} layers",
+                                  found=f"{len(layers) - total} listed"))
 
 
 def exl3_declared(quant_config: dict | None) -> Declared:
@@ -133,7 +140,7 @@ def r7_declared(r7: dict, read_json: Callable[[str], Any], files: dict[str, int]
         try:
             data = read_json(name)
         except (CheckFailed, SourceUnavailable) as e:
-            out.findings.append(error("bitmap.unreadable", Location(file=name), str(e)))
+            out.findings.append(error("bitmap.unreadable", Location(file=name), str(e).split(": ", 1)[-1]))
             continue
         layer = int(data.get("layer", m.group(1))) if isinstance(data, dict) else int(m.group(1))
         out.projection_k[layer] = _r7_map(data)
@@ -160,11 +167,13 @@ def _r7_map(data: Any) -> dict[tuple[int, str], int]:
     return result
 
 
-def layer_range(moe_layers: Any) -> list[int]:
+def layer_range(moe_layers: Any, limit: int | None = None) -> range:
+    """`moe_layers` [first, last] as a lazy range; empty when malformed, or longer than `limit`."""
     if (isinstance(moe_layers, list) and len(moe_layers) == 2 and all(is_int(v) for v in moe_layers)
             and 0 <= moe_layers[0] <= moe_layers[1]):
-        return list(range(moe_layers[0], moe_layers[1] + 1))
-    return []
+        layers = range(moe_layers[0], moe_layers[1] + 1)
+        return layers if limit is None or len(layers) <= limit else range(0)
+    return range(0)
 
 
 def _is_integral(value: Any) -> bool:

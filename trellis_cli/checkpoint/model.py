@@ -24,6 +24,9 @@ DIALECT_EXL3 = "exl3"  # plain exllamav3: per-tensor experts, no rank slices
 DIALECT_R7 = "r7"  # per-projection K maps (recognized and inspected)
 DIALECT_REPACKED = "trellis-route-pack"  # output of `trellis repack`
 
+# Floor of Checkpoint.count_limit, so a checkpoint whose shards are absent still gets per-item findings.
+MIN_COUNT_LIMIT = 4096
+
 
 class TensorRef(NamedTuple):
     """One tensor in one safetensors file, as its header describes it.
@@ -145,6 +148,16 @@ class Checkpoint:
     index: dict[str, str] | None = None  # model.safetensors.index.json weight_map, when present
     index_file: str | None = None
     quant_config: dict[str, Any] | None = None  # quantization_config.json, when present
+
+    @property
+    def count_limit(self) -> int:
+        """The largest count of MoE layers, experts per layer or ranks these files can describe.
+
+        Each declared item needs tensors of its own, so a count above the number of tensors present is
+        implausible: it is reported once (`count.implausible`) instead of being expanded into one finding,
+        or one object, per item.
+        """
+        return max(len(self.tensors), MIN_COUNT_LIMIT)
 
     @property
     def intermediate_per_rank(self) -> int | None:

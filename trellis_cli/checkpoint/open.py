@@ -10,7 +10,6 @@ file-name patterns.
 from __future__ import annotations
 
 import gc
-import json
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -36,6 +35,8 @@ from trellis_cli.checkpoint.names import (
 )
 from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Finding, Location, error, warning
+from trellis_cli.header import JsonError, load_json, open_regular, os_reason
+from trellis_cli.integrity import MANIFEST
 from trellis_cli.sources import safe_relative
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -68,9 +69,13 @@ def paused_gc() -> Iterator[None]:
 
 def _open(source: Any) -> Checkpoint:
     files = source.list_files()
-    findings: list[Finding] = []
+    findings: list[Finding] = list(_listing_findings(source))
     config = _read_config(source, files)
     quant_config = _read_optional_json(source, files, QUANT_CONFIG, findings, optional=True)
+    if quant_config is not None and not isinstance(quant_config, dict):
+        findings.append(warning("json.unreadable", Location(file=QUANT_CONFIG), "not a JSON object: ignored",
+                                expected="object", found=type(quant_config).__name__))
+        quant_config = None
     info = detect_dialect(files, config, quant_config, source.read_json)
     ckpt = Checkpoint(source=source, dialect=info.dialect, config=config or {}, hidden=None, intermediate=None,
                       num_experts=None, tp=info.tp, codebook=info.codebook, rotation_layout=info.rotation_layout,
@@ -95,7 +100,22 @@ def _as_source(source: Any) -> Any:
     return source
 
 
+def _listing_findings(source: Any) -> Iterator[Finding]:
+    """What a local listing left out: special files (never opened) and subdirectories it could not list."""
+    for name, kind in getattr(source, "special", {}).items():
+        # A FIFO or device where a shard, a JSON file or the manifest belongs means the checkpoint is broken.
+        needed = name.endswith((".safetensors", ".json")) or name == MANIFEST
+        make = error if needed else warning
+        yield make("path.special", Location(file=name), "not a regular file: left out and never opened",
+                   expected="a regular file", found=kind)
+    for name, reason in getattr(source, "unlistable", {}).items():
+        yield error("file.unreadable", Location(file=name), f"directory cannot be listed ({reason})")
+
+
 def _read_config(source: Any, files: dict[str, int]) -> dict | None:
+    special = getattr(source, "special", {})
+    if CONFIG in special:
+        raise CheckFailed(f"{CONFIG}: {special[CONFIG]}, not a regular file")
     if CONFIG not in files:
         return None
     config = source.read_json(CONFIG)  # unreadable config.json stops parsing: nothing else can be trusted
@@ -128,7 +148,8 @@ def _read_headers(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:
             ckpt.parse_findings.append(error("path.escape", Location(file=name),
                                              "file resolves outside the checkpoint directory (symlink or path)"))
         elif size < 0:
-            ckpt.parse_findings.append(error("path.dangling", Location(file=name), "file is a dangling link"))
+            ckpt.parse_findings.append(error("path.dangling", Location(file=name),
+                                             "file is a dangling link (or a symlink loop)"))
         else:
             readable.append(name)
     prefetch = getattr(source, "prefetch_headers", None)
@@ -143,7 +164,9 @@ def _read_headers(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:
 
 def _header_finding(name: str, message: str) -> Finding:
     detail = message[len(name) + 2:] if message.startswith(name + ": ") else message
-    if "shorter than the 8-byte" in detail:
+    if detail.startswith("cannot read the file"):
+        code = "file.unreadable"
+    elif "shorter than the 8-byte" in detail:
         code = "file.truncated"
     elif "header length" in detail:
         code = "file.header-length"
@@ -180,11 +203,13 @@ def _read_index_json(source: Any, files: dict[str, int], name: str, findings: li
                               expected=f"<= {MAX_INDEX_BYTES} bytes", found=f"{size} bytes"))
         return None
     try:
-        with open(source.local_path(name), "rb") as f:
-            return json.loads(f.read(MAX_INDEX_BYTES + 1).decode("utf-8"))
-    except (CheckFailed, OSError, UnicodeDecodeError, ValueError) as e:
-        findings.append(error("json.unreadable", Location(file=name), f"cannot read the index ({e})"))
-        return None
+        with open_regular(source.local_path(name)) as f:
+            return load_json(f.read(MAX_INDEX_BYTES + 1))
+    except OSError as e:
+        findings.append(error("json.unreadable", Location(file=name), f"cannot read the file ({os_reason(e)})"))
+    except (CheckFailed, JsonError) as e:
+        findings.append(error("json.unreadable", Location(file=name), str(e)))
+    return None
 
 
 def _collect_tensors(ckpt: Checkpoint) -> None:
@@ -270,8 +295,8 @@ def _add_other_expert_tensor(layers: dict[int, MoeLayer], name: str, ref: Tensor
 def _apply_declarations(ckpt: Checkpoint, info: DialectInfo, source: Any, files: dict[str, int]) -> None:
     hybrid = info.declared.get("hybrid_tr3_tail")
     if hybrid is not None:
-        d = decl.tr3_declared(hybrid, source.read_json, files)
-        for layer in decl.layer_range(hybrid.get("moe_layers")):
+        d = decl.tr3_declared(hybrid, source.read_json, files, ckpt.count_limit)
+        for layer in decl.layer_range(hybrid.get("moe_layers"), ckpt.count_limit):
             ckpt.layers.setdefault(layer, MoeLayer(layer))
     elif info.dialect == DIALECT_R7:
         d = decl.r7_declared(info.declared["r7_routed_experts"], source.read_json, files)
@@ -289,16 +314,32 @@ def _apply_declarations(ckpt: Checkpoint, info: DialectInfo, source: Any, files:
 
 
 def _fill_geometry(ckpt: Checkpoint, info: DialectInfo) -> None:
-    """H, I and E from config.json, or from the first complete expert when the config does not say."""
+    """H, I and E from config.json, or from the first complete expert when the config does not say.
+
+    A count above `ckpt.count_limit` (declared, or inferred from one tensor name) is reported once as
+    `count.implausible` and replaced by what the tensors present support, so no later stage iterates or
+    allocates by it; ids beyond the limit stay in the model, where validate reports them as extras.
+    """
     config, hybrid = ckpt.config, info.declared.get("hybrid_tr3_tail") or {}
+    limit = ckpt.count_limit
     ckpt.hidden = _int(config.get("hidden_size"))
     ckpt.intermediate = _int(config.get("moe_intermediate_size"))
-    ckpt.num_experts = _int(hybrid.get("experts_per_layer")) or next(
-        (_int(config[k]) for k in EXPERT_COUNT_KEYS if _int(config.get(k))), None)
+    span = len(decl.layer_range(hybrid.get("moe_layers")))
+    if span > limit:
+        _implausible(ckpt, Location(file=CONFIG, tensor="hybrid_tr3_tail.moe_layers"), "MoE layers", span)
+    declared = [("hybrid_tr3_tail.experts_per_layer", hybrid.get("experts_per_layer")),
+                *((key, config.get(key)) for key in EXPERT_COUNT_KEYS)]
+    key, ckpt.num_experts = next(((k, _int(v)) for k, v in declared if _int(v)), (None, None))
+    if ckpt.num_experts is not None and ckpt.num_experts > limit:
+        _implausible(ckpt, Location(file=CONFIG, tensor=key), "experts per layer", ckpt.num_experts)
+        ckpt.num_experts = None  # inferred from the expert ids below
     if info.dialect in (DIALECT_EXL3, DIALECT_R7):
-        ranks = [r for layer in ckpt.layers.values() if layer.rank_sliced for projs in layer.experts.values()
-                 for by_rank in projs.values() for r in by_rank]
-        ckpt.tp = max(ranks, default=0) + 1
+        ranks = _ids(ckpt, "rank")
+        ckpt.tp = _plausible_max(ckpt, ranks, "ranks", limit) + 1 if ranks else 1
+    elif ckpt.tp > limit:
+        _implausible(ckpt, Location(file=CONFIG, tensor="hybrid_tr3_tail.tp"), "ranks", ckpt.tp)
+        ranks = _ids(ckpt, "rank")
+        ckpt.tp = max((r for r in ranks if r < limit), default=0) + 1
     inferred = []
     sample = _first_gate(ckpt)
     if ckpt.hidden is None and sample is not None and sample.in_features:
@@ -308,10 +349,38 @@ def _fill_geometry(ckpt: Checkpoint, info: DialectInfo) -> None:
         ckpt.intermediate = sample.out_features * ckpt.tp
         inferred.append("intermediate")
     if ckpt.num_experts is None:
-        ids = [e for layer in ckpt.layers.values() for e in layer.experts]
-        ckpt.num_experts = max(ids) + 1 if ids else None
+        experts = _ids(ckpt, "expert")
+        ckpt.num_experts = _plausible_max(ckpt, experts, "experts per layer", limit) + 1 if experts else None
         inferred.append("num_experts")
     ckpt.declared["inferred"] = inferred
+
+
+def _ids(ckpt: Checkpoint, kind: str) -> dict[int, str]:
+    """Every expert id (kind "expert") or rank-slice id ("rank") present, with one linear's name holding it."""
+    found: dict[int, str] = {}
+    for layer in ckpt.layers.values():
+        for expert, projs in layer.experts.items():
+            for by_rank in projs.values():
+                for rank, lin in by_rank.items():
+                    if kind == "expert":
+                        found.setdefault(expert, lin.prefix)
+                    elif layer.rank_sliced:
+                        found.setdefault(rank, lin.prefix)
+    return found
+
+
+def _plausible_max(ckpt: Checkpoint, ids: dict[int, str], what: str, limit: int) -> int:
+    """The largest id below `limit`; the largest id at or above it is reported, naming its tensor."""
+    top = max(ids)
+    if top >= limit:
+        _implausible(ckpt, Location(tensor=ids[top]), what, top + 1)
+    return max((i for i in ids if i < limit), default=0)
+
+
+def _implausible(ckpt: Checkpoint, where: Location, what: str, count: int) -> None:
+    ckpt.parse_findings.append(error(
+        "count.implausible", where, f"{what}: far more than these files can hold (reported once, not per "
+        f"missing item)", expected=f"<= {ckpt.count_limit} ({len(ckpt.tensors)} tensors present)", found=count))
 
 
 def _first_gate(ckpt: Checkpoint) -> LinearRef | None:

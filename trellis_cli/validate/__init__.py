@@ -17,11 +17,14 @@ from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.validate import rules_config, rules_files, rules_tensors
 
 MAX_FINDINGS_PER_CODE = 50  # then one "... and N more" line: a missing shard must not print 12,288 lines
+SUMMARY_PREFIX = "... and "
 
 CHECKSUM_CODES = {  # integrity status -> (code, severity, message)
     "mismatch": ("checksum.mismatch", Severity.ERROR, "sha256 differs from the recorded hash"),
     "missing": ("checksum.missing", Severity.ERROR, "a hash is recorded but the file is absent"),
     "unsafe-path": ("path.escape", Severity.ERROR, "the checksum manifest names a path outside the checkpoint"),
+    "malformed": ("checksum.manifest", Severity.ERROR, "MANIFEST.sha256 line cannot be used"),
+    "unreadable": ("file.unreadable", Severity.ERROR, "the file cannot be read"),
     "unlisted": ("checksum.unlisted", Severity.WARNING, "no hash is recorded for this file"),
     "no-manifest": ("checksum.unavailable", Severity.WARNING, "no MANIFEST.sha256: nothing to compare against"),
     "not-cached": ("checksum.not-cached", Severity.WARNING, "not in the local cache, so not hashed"),
@@ -99,14 +102,14 @@ def _run_deep(ckpt: Checkpoint, selected: list[int], report: Report, progress) -
 def _run_checksums(ckpt: Checkpoint, report: Report, progress) -> None:
     from trellis_cli.integrity import verify_checksums
 
-    results = verify_checksums(ckpt.source, progress=progress)
+    results = verify_checksums(ckpt.source, progress=progress, strict_manifest=False)
     report.count("checksums", sum(r.ok for r in results))
     for r in results:
         if r.ok:
             continue
         code, severity, message = CHECKSUM_CODES.get(r.status, ("checksum.mismatch", Severity.ERROR, r.status))
-        report.findings.append(Finding(code, severity, Location(file=r.file), message, expected=r.expected,
-                                       found=r.found))
+        report.findings.append(Finding(code, severity, Location(file=r.file), r.detail or message,
+                                       expected=r.expected, found=r.found))
 
 
 def _validate_route_pack(ckpt: Checkpoint, checksums: bool) -> Report:
@@ -122,15 +125,22 @@ def _validate_route_pack(ckpt: Checkpoint, checksums: bool) -> Report:
 
 
 def cap_findings(findings: list[Finding], limit: int = MAX_FINDINGS_PER_CODE) -> list[Finding]:
-    """Keep the first `limit` findings of each code, then one summary finding of the same code and severity."""
+    """Keep the first `limit` findings of each code, then one summary finding of the same code and severity.
+
+    Summaries the rules already made (`... and N more ...`, one per layer with the true total) are always kept.
+    """
     seen: Counter[str] = Counter()
     kept: list[Finding] = []
     for f in findings:
+        if f.message.startswith(SUMMARY_PREFIX):
+            kept.append(f)
+            continue
         seen[f.code] += 1
         if seen[f.code] <= limit:
             kept.append(f)
     for code, n in seen.items():
         if n > limit:
             first = next(f for f in findings if f.code == code)
-            kept.append(Finding(code, first.severity, Location(), f"... and {n - limit} more {code} finding(s)"))
+            message = f"{SUMMARY_PREFIX}{n - limit} more {code} finding(s)"
+            kept.append(Finding(code, first.severity, Location(), message))
     return kept

@@ -31,7 +31,7 @@ def _where(key: str) -> Location:
 def check_config(ckpt: Checkpoint) -> Iterator[Finding]:
     hybrid = ckpt.declared.get("hybrid_tr3_tail")
     if hybrid is not None:
-        yield from _check_tr3_contract(hybrid)
+        yield from _check_tr3_contract(hybrid, ckpt.count_limit)
         yield from _check_counts(ckpt, hybrid)
         yield from check_bitmaps(ckpt, hybrid)
         if "protected_tensor_policy" in hybrid:
@@ -41,7 +41,7 @@ def check_config(ckpt: Checkpoint) -> Iterator[Finding]:
     yield from _check_quant_configs(ckpt)
 
 
-def _check_tr3_contract(h: dict) -> Iterator[Finding]:
+def _check_tr3_contract(h: dict, limit: int) -> Iterator[Finding]:
     for key in REQUIRED_TR3_KEYS:
         if key not in h:
             yield error("config.tr3-key-missing", _where(key), "required hybrid_tr3_tail key is missing")
@@ -69,7 +69,7 @@ def _check_tr3_contract(h: dict) -> Iterator[Finding]:
     if isinstance(bits, str) and bits.lower().startswith("mixed"):
         yield from _check_mixed(h, bits)
     elif "bits" in h:
-        yield from _check_uniform(h, bits)
+        yield from _check_uniform(h, bits, limit)
 
 
 def _check_mixed(h: dict, bits: str) -> Iterator[Finding]:
@@ -91,7 +91,7 @@ def _check_mixed(h: dict, bits: str) -> Iterator[Finding]:
                     "bits 'mixed'")
 
 
-def _check_uniform(h: dict, bits: Any) -> Iterator[Finding]:
+def _check_uniform(h: dict, bits: Any, limit: int) -> Iterator[Finding]:
     if not (is_int(bits) or (isinstance(bits, float) and bits.is_integer())):
         yield error("config.tr3-bits", _where("bits"), "bits must be an integral K or 'mixed'", found=bits)
     by_layer = h.get("trellis_bits_by_layer")
@@ -101,7 +101,7 @@ def _check_uniform(h: dict, bits: Any) -> Iterator[Finding]:
         yield error("config.tr3-bits-by-layer", _where("trellis_bits_by_layer"), "must be an object",
                     found=type(by_layer).__name__)
         return
-    wanted = {str(layer) for layer in layer_range(h.get("moe_layers"))}
+    wanted = {str(layer) for layer in layer_range(h.get("moe_layers"), limit)}
     if wanted and set(by_layer) != wanted:
         yield error("config.tr3-bits-by-layer", _where("trellis_bits_by_layer"), "keys must cover moe_layers exactly",
                     expected=f"{len(wanted)} layers", found=sorted(set(by_layer) ^ wanted)[:8])

@@ -109,6 +109,8 @@ def _check_sampled_decode(ckpt: Checkpoint, layer: MoeLayer, count) -> Iterator[
                 continue  # malformed trellis tensors are header findings already
             if lin.mcg is not None and lin.mul1 is not None:
                 continue  # marker.both: the codebook is ambiguous
+            if 0 in lin.trellis.shape:
+                continue  # no tiles to decode; the header rules report its geometry
             at = Location(layer=layer.index, expert=expert, projection=proj, rank=0, tensor=lin.trellis.name)
             try:
                 rows = read_rows(ckpt, lin.trellis, 0, min(SAMPLED_TILE_ROWS, lin.trellis.shape[0]))

@@ -36,7 +36,7 @@ def _check_paths(ckpt: Checkpoint) -> Iterator[Finding]:
         if not safe_relative(name) or (escapes is not None and escapes(name)):
             yield error("path.escape", Location(file=name), "file resolves outside the checkpoint directory")
         elif size < 0:
-            yield error("path.dangling", Location(file=name), "file is a dangling link")
+            yield error("path.dangling", Location(file=name), "file is a dangling link (or a symlink loop)")
 
 
 def check_shard(file: str, header) -> Iterator[Finding]:

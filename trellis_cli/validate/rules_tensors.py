@@ -20,7 +20,7 @@ from trellis_cli.checkpoint.model import (
     MoeLayer,
 )
 from trellis_cli.checkpoint.names import H_SIDE
-from trellis_cli.findings import Finding, Location, error, warning
+from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, missing_ids, warning
 
 TR3_DIALECTS = (DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H)
 MAX_TIER_EXPERTS = 256  # local expert ids are 8 bits in the mixed kernel
@@ -67,22 +67,27 @@ def check_layer(ckpt: Checkpoint, layer: MoeLayer) -> Iterator[Finding]:
                     "known schema")
     yield from _check_membership(ctx, layer)
     ranks = range(ctx.tp) if (ctx.tr3 or layer.rank_sliced) else range(1)
+    shown = missing = 0  # rank slices: the first MAX_MISSING_SHOWN of the layer, then one total
     for expert, projs in layer.experts.items():
         for proj in PROJECTIONS:
             if proj not in projs:
                 yield error("projection.missing", Location(layer=layer.index, expert=expert, projection=proj),
                             "projection has no tensors")
         for proj, by_rank in projs.items():
-            for rank in ranks:
-                if rank not in by_rank:
-                    yield error("rank.missing", Location(layer=layer.index, expert=expert, projection=proj, rank=rank),
-                                "rank slice is missing", expected=f"ranks 0-{ctx.tp - 1}", found=sorted(by_rank))
+            first, total = missing_ids(ranks, by_rank, MAX_MISSING_SHOWN - shown)
+            for rank in first:
+                yield error("rank.missing", Location(layer=layer.index, expert=expert, projection=proj, rank=rank),
+                            "rank slice is missing", expected=f"ranks 0-{ctx.tp - 1}", found=sorted(by_rank))
+            shown, missing = shown + len(first), missing + total
             for rank, lin in by_rank.items():
                 if rank not in ranks:
                     yield error("rank.extra", Location(layer=layer.index, expert=expert, projection=proj, rank=rank),
                                 "rank outside the declared tp", expected=f"< {ctx.tp}", found=rank)
                 yield from check_linear(ctx, expert, proj, rank, lin)
         yield from _check_expert_k(ckpt, ctx, layer, expert, projs)
+    if missing > shown:
+        yield error("rank.missing", here, f"... and {missing - shown} more missing rank slices in this layer",
+                    expected=f"ranks 0-{ctx.tp - 1}", found=f"{missing} missing")
     if ctx.shared or layer.shared_h:
         yield from _check_shared_h(ctx, layer)
     yield from _check_tiers(ctx, layer)
@@ -93,10 +98,13 @@ def check_layer(ckpt: Checkpoint, layer: MoeLayer) -> Iterator[Finding]:
 def _check_membership(ctx: LayerContext, layer: MoeLayer) -> Iterator[Finding]:
     if ctx.experts is None:
         return
-    for expert in range(ctx.experts):
-        if expert not in layer.experts:
-            yield error("expert.missing", Location(layer=layer.index, expert=expert), "expert has no tensors",
-                        expected=f"experts 0-{ctx.experts - 1}", found=f"{len(layer.experts)} experts")
+    first, total = missing_ids(range(ctx.experts), layer.experts)
+    for expert in first:
+        yield error("expert.missing", Location(layer=layer.index, expert=expert), "expert has no tensors",
+                    expected=f"experts 0-{ctx.experts - 1}", found=f"{len(layer.experts)} experts")
+    if total > len(first):
+        yield error("expert.missing", Location(layer=layer.index), f"... and {total - len(first)} more missing "
+                    "experts in this layer", expected=f"experts 0-{ctx.experts - 1}", found=f"{total} missing")
     for expert in layer.experts:
         if expert >= ctx.experts:
             yield error("expert.extra", Location(layer=layer.index, expert=expert), "expert id outside the declared "
@@ -221,13 +229,17 @@ def _check_shared_h(ctx: LayerContext, layer: MoeLayer) -> Iterator[Finding]:
                             "checkpoint whose rotation_layout is not shared_h_v1")
         return
     for proj in PROJECTIONS:
-        for rank in range(ctx.tp):
-            fields = layer.shared_h.get((proj, rank), {})
-            ref = fields.get(H_SIDE[proj])
-            where = Location(layer=layer.index, projection=proj, rank=rank)
-            if ref is None:
-                yield error("shared-h.missing", where, f"no shared {H_SIDE[proj]} row for this projection and rank")
-            elif ref.dtype != "F16" or (ctx.hidden and ref.shape not in ((ctx.hidden,), (1, ctx.hidden))):
+        present = {rank for (p, rank), fields in layer.shared_h.items() if p == proj and H_SIDE[proj] in fields}
+        first, total = missing_ids(range(ctx.tp), present)
+        for rank in first:
+            yield error("shared-h.missing", Location(layer=layer.index, projection=proj, rank=rank),
+                        f"no shared {H_SIDE[proj]} row for this projection and rank")
+        if total > len(first):
+            yield error("shared-h.missing", Location(layer=layer.index, projection=proj), f"... and "
+                        f"{total - len(first)} more ranks without a shared {H_SIDE[proj]} row")
+        for rank in sorted(r for r in present if r < ctx.tp):
+            ref = layer.shared_h[(proj, rank)][H_SIDE[proj]]
+            if ref.dtype != "F16" or (ctx.hidden and ref.shape not in ((ctx.hidden,), (1, ctx.hidden))):
                 yield error("shared-h.shape", Location(layer=layer.index, tensor=ref.name), "shared row must be fp16 "
                             "[H] or [1, H]", expected=f"F16 [{ctx.hidden}]", found=f"{ref.dtype} {list(ref.shape)}")
     for (proj, rank), fields in layer.shared_h.items():
