@@ -21,7 +21,8 @@ from trellis_cli.cli import output
 from trellis_cli.cli.app import main
 from trellis_cli.id_ranges import expand_ranges
 
-EVIL = "x\n\x1b[2K\rPASS: everything is fine\n:x: [bold]b[/bold]\udc80"
+# A lone surrogate is refused by the header parser itself (test_robust_sources.py), so it is not in here.
+EVIL = "x\n\x1b[2K\rPASS: everything is fine\n:x: [bold]b[/bold]\u202e"
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -62,7 +63,7 @@ def evil(tmp_path, source) -> Path:
 
 def assert_inert(text: str) -> None:
     """Nothing a terminal would act on, and no forged verdict line."""
-    assert "\x1b" not in text and "\r" not in text and "\udc80" not in text
+    assert "\x1b" not in text and "\r" not in text and "\u202e" not in text
     assert not any(line.startswith("PASS: everything") for line in text.splitlines())
     assert "\u274c" not in text  # rich's emoji for :x:
 
@@ -75,7 +76,7 @@ def test_evil_tensor_name_is_escaped_in_validate_findings(capsys, evil):
     assert_inert(out + err)
     line = next(line for line in out.splitlines() if "index.unindexed" in line)
     # Shown, escaped, on the finding's own line; markup and emoji codes stay literal text.
-    assert "x\\x0a\\x1b[2K\\x0dPASS: everything is fine\\x0a:x: [bold]b[/bold]\\udc80" in line
+    assert "x\\x0a\\x1b[2K\\x0dPASS: everything is fine\\x0a:x: [bold]b[/bold]\\u202e" in line
     assert err.splitlines()[-1].startswith("error: FAIL: ")
 
 

@@ -55,6 +55,15 @@ def test_bundled_samples_pass(name):
     assert report.ok and not report.warnings, [f.line() for f in report.findings]
 
 
+def test_r7_manifest_layer_that_is_not_a_number_is_a_finding(tmp_path):
+    root = to_r7(synth(tmp_path))
+    name = sorted(root.glob("r7-experts-layer-*.json"))[0]
+    (root / name.name).write_text(json.dumps({"layer": "three", "bits": json.loads(name.read_text())}))
+    report = validate(root)
+    bad = [f for f in report.findings if f.code == "bitmap.unreadable"]
+    assert bad and bad[0].where.file == name.name and "three" in str(bad[0].found)
+
+
 def test_plain_exl3_and_r7_pass(tmp_path):
     assert validate(to_plain_exl3(synth(tmp_path, "a", tp=1)), deep=True).ok
     assert validate(to_r7(synth(tmp_path, "b")), deep=True).ok

@@ -49,3 +49,17 @@ def parse_range(part: str) -> tuple[int, int]:
     if last < first:
         raise ValueError(f"range {part!r} runs backwards")
     return first, last
+
+
+def range_bounds(text: str) -> list[tuple[int, int]]:
+    """"0,2-4" -> [(0, 0), (2, 4)] without expanding them (an untrusted manifest may say "0-99999999999").
+
+    Raises ValueError unless the ranges are well formed, ascending and disjoint, as compact_ranges writes them.
+    """
+    bounds: list[tuple[int, int]] = []
+    for part in text.split(",") if text else []:
+        first, last = parse_range(part)
+        if bounds and first <= bounds[-1][1]:
+            raise ValueError(f"{part!r} is not ascending after the ranges before it")
+        bounds.append((first, last))
+    return bounds

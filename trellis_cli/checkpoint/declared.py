@@ -142,7 +142,13 @@ def r7_declared(r7: dict, read_json: Callable[[str], Any], files: dict[str, int]
         except (CheckFailed, SourceUnavailable) as e:
             out.findings.append(error("bitmap.unreadable", Location(file=name), str(e).split(": ", 1)[-1]))
             continue
-        layer = int(data.get("layer", m.group(1))) if isinstance(data, dict) else int(m.group(1))
+        layer = data.get("layer", m.group(1)) if isinstance(data, dict) else m.group(1)
+        if isinstance(layer, str) and layer.isascii() and layer.isdecimal():
+            layer = int(layer)
+        if not is_int(layer) or layer < 0:  # the file's own "layer" wins over its name, so it must be a number
+            out.findings.append(error("bitmap.unreadable", Location(file=name), "\"layer\" is not a layer number",
+                                      "a decimal layer index", repr(layer)[:60]))
+            continue
         out.projection_k[layer] = _r7_map(data)
         out.k_source[layer] = name
     return out

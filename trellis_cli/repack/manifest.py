@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -74,27 +73,6 @@ def read_manifest(directory: Path, name: str = MANIFEST_NAME) -> tuple[dict[str,
 def safe_name(name: Any) -> bool:
     """A file name a manifest may carry: a string naming a path inside the directory (nothing else is opened)."""
     return isinstance(name, str) and "\0" not in name and safe_relative(name)
-
-
-_ID_RANGE = re.compile(r"(\d+)(?:-(\d+))?", re.ASCII)
-
-
-def id_range_bounds(text: str) -> list[tuple[int, int]]:
-    """"0,2-4" -> [(0, 0), (2, 4)], without expanding (a manifest may say "0-99999999999").
-
-    Raises ValueError unless the ranges are well formed, ascending and disjoint, as compact_ranges writes them.
-    """
-    bounds: list[tuple[int, int]] = []
-    for part in text.split(",") if text else []:
-        match = _ID_RANGE.fullmatch(part)
-        if match is None:
-            raise ValueError(f"{part!r} is not an id or a range like 2-4")
-        first = int(match[1])
-        last = int(match[2]) if match[2] is not None else first
-        if last < first or (bounds and first <= bounds[-1][1]):
-            raise ValueError(f"{part!r} is not ascending after the ranges before it")
-        bounds.append((first, last))
-    return bounds
 
 
 def is_route_pack(directory: str | Path) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Location, Report, error, warning
 from trellis_cli.header import HeaderError, is_int, read_local_header
-from trellis_cli.id_ranges import expand_ranges
+from trellis_cli.id_ranges import expand_ranges, range_bounds
 from trellis_cli.repack import manifest as mf
 from trellis_cli.repack.format import (
     CODEBOOK_IDS, DESCRIPTORS, GLOBAL_TO_COMBINED, MANIFEST_NAME, MAX_TIER_EXPERTS, ROT_DOWN_SVH, ROT_GATE_SUH,
@@ -180,7 +180,7 @@ class _ManifestShape:
         size_ok = self._positive_int(f"{key}.size", tier.get("size"), MAX_TIER_EXPERTS)
         experts, num_experts = tier.get("experts"), self.doc["geometry"]["num_experts"]
         try:
-            bounds = mf.id_range_bounds(experts) if isinstance(experts, str) else None
+            bounds = range_bounds(experts) if isinstance(experts, str) else None
         except ValueError:
             bounds = None
         if bounds is None:
