@@ -100,6 +100,24 @@ def test_error_messages_escape_what_they_quote(capsys, tmp_path):
     assert_inert(err)
 
 
+def test_piped_tables_keep_their_numbers(capsys, monkeypatch):
+    """Without a terminal rich would fit a table into 80 columns and cut "184.3" to "18…"."""
+    from rich.table import Table
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    console = output._console(sys.stdout)  # as the module builds its own when stdout is not a terminal
+
+    columns = ("M", "fused med µs", "min", "max", "two-pass µs", "fused/2p", "experts", "MB", "GB/s", "% copy",
+               "TFLOP/s", "Gw/ms")
+    table = Table()
+    for column in columns:
+        table.add_column(column)
+    table.add_row("8", "184.3", "183.1", "185.0", "207.9", "0.89", "57", "225.4", "1223", "28.6", "6.6", "2.92")
+    console.print(table)
+    out = capsys.readouterr().out
+    assert "…" not in out and "184.3" in out and "fused med µs" in out
+
+
 def test_printable_escapes_controls_and_keeps_text():
     assert output.printable("a\x00\t\x1b\x7f\x85\ud800\u2028\u202e é→[b]") == \
         "a\\x00\\x09\\x1b\\x7f\\x85\\ud800\\u2028\\u202e é→[b]"

@@ -34,10 +34,17 @@ class State:
 
 state = State()
 
-# Wide enough for tensor names; rich falls back to 80 columns when not a terminal. Text we print carries
-# checkpoint-derived names, so rich must not read `[bold]` as markup, `:x:` as an emoji or colour numbers.
-stdout = Console(soft_wrap=True, markup=False, emoji=False, highlight=False)
-stderr = Console(stderr=True, soft_wrap=True, markup=False, emoji=False, highlight=False)
+
+def _console(stream, **kwargs) -> Console:
+    # Text we print carries checkpoint-derived names, so rich must not read `[bold]` as markup, `:x:` as an
+    # emoji or colour numbers. Lines soft-wrap (tensor names stay whole). Piped into a log, rich would fit
+    # tables into 80 columns and cut their numbers to "184…"; without a terminal (or COLUMNS) they get 200.
+    width = None if stream.isatty() or os.environ.get("COLUMNS") else 200
+    return Console(soft_wrap=True, markup=False, emoji=False, highlight=False, width=width, **kwargs)
+
+
+stdout = _console(sys.stdout)
+stderr = _console(sys.stderr, stderr=True)
 
 # Characters a terminal acts on rather than shows: C0 and C1 controls (newline, ESC, CR...), DEL, lone
 # surrogates (not encodable), line/paragraph separators and bidi overrides (reorder what is displayed).
