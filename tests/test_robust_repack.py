@@ -253,3 +253,50 @@ def test_a_missing_or_broken_pack_config_is_refused_by_to_tr3(capsys, pack, tmp_
     status, text = run_cli(capsys, "repack", str(root), str(tmp_path / "out"), "--to", "tr3")
     assert status == 1 and named in text and "Traceback" not in text, text
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_a_link_planted_in_a_stage_to_resume_is_refused_before_anything_is_written(capsys, source, tmp_path):
+    """Resuming writes config.json into the stage: through a planted link it would change a file outside OUT."""
+    from trellis_cli.repack.run import Interrupted, RepackOptions, run_repack
+
+    out = tmp_path / "out"
+    with pytest.raises(Interrupted):
+        run_repack(source, out, RepackOptions(jobs=1, fail_after=1))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("ORIGINAL")
+    (tmp_path / "out.partial" / "config.json").symlink_to(victim)
+    status, text = run_cli(capsys, "repack", str(source), str(out))
+    assert status == 2 and "config.json" in text and "refusing to resume" in text, text
+    assert victim.read_text() == "ORIGINAL" and not out.exists()
+
+
+def test_a_layer_file_entry_must_say_the_layer_and_rank_its_name_says(capsys, pack, tmp_path):
+    def swap_ranks(doc):
+        doc["files"]["layer-003-rank-0.safetensors"]["rank"] = 1
+        doc["files"]["layer-003-rank-1.safetensors"]["rank"] = 0
+
+    root = edited_pack(pack, tmp_path / "swapped", swap_ranks)
+    status, text = run_cli(capsys, "validate", str(root))
+    assert status == 1 and "repack.manifest-field" in text and "layer-003-rank-0.safetensors" in text, text
+
+
+def test_to_tr3_lists_nested_shards_in_its_checksum_manifest(capsys, source, tmp_path):
+    """A source may keep shards in folders; the TR3 written back must still hash every file it holds."""
+    from trellis_cli.integrity import MANIFEST, write_manifest as write_checksums
+
+    nested = tmp_path / "nested"
+    shutil.copytree(source, nested)
+    (nested / "shards").mkdir()
+    index_path = nested / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text(encoding="utf-8"))
+    for shard in sorted({f for f in index["weight_map"].values()}):
+        (nested / shard).rename(nested / "shards" / shard)
+    index["weight_map"] = {k: f"shards/{v}" for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index), encoding="utf-8")
+    write_checksums(nested, [p.relative_to(nested).as_posix() for p in nested.rglob("*")
+                             if p.is_file() and p.name != MANIFEST])
+    assert run_cli(capsys, "repack", str(nested), str(tmp_path / "pack"))[0] == 0
+    assert run_cli(capsys, "repack", str(tmp_path / "pack"), str(tmp_path / "back"), "--to", "tr3")[0] == 0
+    status, text = run_cli(capsys, "validate", str(tmp_path / "back"), "--checksums")
+    assert status == 0 and "checksum.unlisted" not in text, text
+    assert (tmp_path / "back" / "shards").is_dir()

@@ -115,10 +115,17 @@ class SafetensorsWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.finish()
-        else:
+        try:
+            if exc_type is None:
+                self.finish()
+                return
             self.abort()
+        except OSError as e:
+            exc = e
+            raise
+        finally:
+            if isinstance(exc, OSError) and exc.filename is None:
+                exc.filename = str(self.path)  # a failed write() or fsync() names no file
 
 
 def write_file(path: str | Path, tensors: dict[str, "torch.Tensor"], metadata: dict[str, str] | None = None) -> Path:

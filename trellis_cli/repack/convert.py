@@ -356,8 +356,10 @@ class _Tr3Run:
                     for entry in read_local_header(stage.path / f, f).tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (stage.path / INDEX_NAME).write_text(json.dumps(index, separators=(",", ":")), encoding="utf-8")
-        write_manifest(stage.path, [p.name for p in stage.path.iterdir()
-                                    if p.is_file() and not p.name.startswith(".") and p.name != MANIFEST])
+        # Every file of the output, nested shard folders included (as the source may have them).
+        names = (p.relative_to(stage.path) for p in stage.path.rglob("*") if p.is_file())
+        write_manifest(stage.path, sorted(n.as_posix() for n in names
+                                          if not any(part.startswith(".") for part in n.parts) and str(n) != MANIFEST))
 
 
 def _cached_packs(load: Callable[[int], LayerPack]) -> Callable[[int], LayerPack]:

@@ -43,8 +43,10 @@ def write_layer_pack(path: str | Path, pack: LayerPack, *, on_bytes=None, durabl
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:
+            e.filename = str(path)  # a failed write() names no file; "File too large" alone says too little
         raise
     return path
 

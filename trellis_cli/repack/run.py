@@ -201,6 +201,7 @@ class _RoutePackRun:
         self.used = used_source_files(checkpoint, self.plan.layers, options.copy_other)
         self.result = RepackResult(out)
         self._local = threading.local()
+        self._counts = threading.Lock()  # worker threads add to the result's counters
 
     def _output_shared(self) -> bool:
         return self.opt.shared_h or self.ck.rotation_layout == "shared_h_v1"
@@ -296,10 +297,12 @@ class _RoutePackRun:
         del pack
         digest = check_layer_file(path, self.ck, job.layer, job.rank, tp=self.plan.target_tp,
                                   shared_h=self.plan.shared_h, reader=reader)
-        stage.record(job.file, {"sha256": digest, "size": path.stat().st_size, "layer": job.layer, "rank": job.rank})
-        self.result.files_written += 1
-        self.result.bytes_written += path.stat().st_size
-        finished[0] += 1
+        size = path.stat().st_size
+        stage.record(job.file, {"sha256": digest, "size": size, "layer": job.layer, "rank": job.rank})
+        with self._counts:  # `+=` on shared counters is not atomic across threads
+            self.result.files_written += 1
+            self.result.bytes_written += size
+            finished[0] += 1
 
     def _finish(self, stage: Stage, hashes: dict[str, str]) -> dict[str, Any]:
         ck, plan = self.ck, self.plan

@@ -65,6 +65,15 @@ def check_free_space(out: Path, needed: int) -> None:
                           f"{(needed + HEADROOM_BYTES) / 1e9:.2f} GB")
 
 
+def _refuse_links(stage: Path) -> None:
+    """A stage to resume holds only what repack wrote: plain files and folders. Writing config.json or a copied
+    file through a link planted there would change a file outside OUT before the final check saw the link."""
+    for path in sorted(stage.rglob("*")):
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            raise UsageError(f"{path}: the staging directory holds a link or a special file that repack did not "
+                             f"write; refusing to resume (remove {stage} and rerun)")
+
+
 class Stage:
     """OUT.partial and its resume state. Thread-safe `record`."""
 
@@ -85,6 +94,7 @@ class Stage:
                 raise UsageError(f"{self.path}: exists and was not made by trellis repack (remove it or pass "
                                  f"--overwrite)")
             if state is not None and state.get("fingerprint") == self.fingerprint:
+                _refuse_links(self.path)
                 self.done = dict(state.get("files", {}))
                 self.resumed = True
             else:
