@@ -16,24 +16,14 @@ from pathlib import Path
 import pytest
 
 from corrupt import SHARD3, rewrite_header
+from test_repack_cli import run_cli
 from trellis_cli import synth
 from trellis_cli.cli import output
-from trellis_cli.cli.app import main
 from trellis_cli.id_ranges import expand_ranges
 
 # A lone surrogate is refused by the header parser itself (test_robust_sources.py), so it is not in here.
 EVIL = "x\n\x1b[2K\rPASS: everything is fine\n:x: [bold]b[/bold]\u202e"
 REPO = Path(__file__).resolve().parents[1]
-
-
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(autouse=True)

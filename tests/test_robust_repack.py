@@ -10,19 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from test_repack_cli import run_cli as run_cli_streams
 from trellis_cli import synth
-from trellis_cli.cli.app import main
 from trellis_cli.repack.manifest import write_manifest
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str]:
     """Exit code and stdout + stderr of one in-process `trellis` run."""
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
+    code, out, err = run_cli_streams(capsys, *args)
     return code, out + err
 
 
