@@ -59,8 +59,8 @@ def register(app: typer.Typer) -> None:
         from trellis_cli.repack.run import RepackOptions, run_repack
         from trellis_cli.selection import parse_layer_ranges
 
-        # Checked here with the syntax validate and inspect use, before the plan expands the ranges: an
-        # empty text or a range like 0-99999999999 is a usage error, not "everything" or a hang.
+        # The syntax and id bound validate and inspect use: an empty text or a range like 0-99999999999 is a
+        # usage error here, where the plan alone would take "" for "everything".
         for option, text in (("--layers", layers), ("--ranks", ranks)):
             if text is not None:
                 parse_layer_ranges(text, option=option)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.errors import UsageError
+from trellis_cli.id_ranges import parse_range
 from trellis_cli.repack.format import layer_file_name, tier_trellis_shape
 
 HADAMARD_BLOCK = 128
@@ -62,13 +63,10 @@ def parse_selection(text: str | None, available: list[int], what: str) -> list[i
     chosen: set[int] = set()
     missing: list[int] = []
     for part in (p.strip() for p in text.split(",")):
-        lo, sep, hi = part.partition("-")
         try:
-            first, last = int(lo), int(hi) if sep else int(lo)
-        except ValueError:
-            raise UsageError(f"--{what}: {part!r} is not a number or a range like 3-5") from None
-        if last < first:
-            raise UsageError(f"--{what}: empty range {part!r}")
+            first, last = parse_range(part)
+        except ValueError as err:
+            raise UsageError(f"--{what}: {err}") from None
         # Walk the available ids, never the range: 0-99999999999 must not be materialized.
         inside = {i for i in have if first <= i <= last}
         chosen |= inside
