@@ -128,8 +128,12 @@ def _delete(path: tuple):
     (_set(("codebook",), "nope"), "codebook"),
     (_set(("source", "vector_ndim"), 5), "source.vector_ndim"),
     (_set(("files", "config.json", "size"), "1"), "files['config.json'].size"),
+    (lambda doc: doc["layers"]["3"]["tiers"].reverse(), "layers['3'].tiers[*].k"),
+    (lambda doc: doc["layers"]["3"].__setitem__("tiers", doc["layers"]["3"]["tiers"][:1] * 20000),
+     "at most 8 tiers"),
 ], ids=["layer-key", "huge-layer-key", "file-entry", "tier", "source", "tier-size", "huge-experts",
-        "experts-count", "bool-k", "ranks", "tp", "num-experts", "codebook", "vector-ndim", "file-size"])
+        "experts-count", "bool-k", "ranks", "tp", "num-experts", "codebook", "vector-ndim", "file-size",
+        "descending-k", "too-many-tiers"])
 def test_malformed_manifest_is_a_named_finding(capsys, pack, tmp_path, edit, key):
     root = edited_pack(pack, tmp_path / "p", edit)
     assert_refused_everywhere(capsys, root, tmp_path / "out", "repack.manifest-field", key)

@@ -38,13 +38,26 @@ class DialectInfo:
     declared: dict[str, Any] = field(default_factory=dict)
 
 
+def route_pack_info(files: dict[str, int], read_json: Callable[[str], Any]) -> DialectInfo | None:
+    """The route-pack dialect when `manifest.json` says so, else None; needs no config.json.
+
+    Decided before config.json is read: a pack's config.json is one of its hashed files, so a damaged one is
+    the route-pack verifier's finding, not a reason to stop.
+    """
+    if MANIFEST not in files:
+        return None
+    manifest = read_json(MANIFEST)
+    if isinstance(manifest, dict) and manifest.get("schema") == DIALECT_REPACKED:
+        return DialectInfo(DIALECT_REPACKED, "n/a", _positive_int(manifest.get("tp")) or 1,
+                           manifest.get("codebook"), {"manifest": manifest})
+    return None
+
+
 def detect_dialect(files: dict[str, int], config: dict | None, quant_config: dict | None,
                    read_json: Callable[[str], Any]) -> DialectInfo:
-    if MANIFEST in files:
-        manifest = read_json(MANIFEST)
-        if isinstance(manifest, dict) and manifest.get("schema") == DIALECT_REPACKED:
-            return DialectInfo(DIALECT_REPACKED, "n/a", _positive_int(manifest.get("tp")) or 1,
-                               manifest.get("codebook"), {"manifest": manifest})
+    pack = route_pack_info(files, read_json)
+    if pack is not None:
+        return pack
     if config is None:
         raise UnknownDialect(_nothing_found(files, "no config.json"))
     embedded = config.get("quantization_config")

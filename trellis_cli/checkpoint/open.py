@@ -1,8 +1,9 @@
 """open_checkpoint: fill the checkpoint model from JSON files and safetensors headers, never tensor data.
 
-Fail-closed but tolerant: an unknown dialect or an unreadable config.json raises; everything else that is
-wrong (a shard whose header cannot be parsed, a path leaving the directory, an unreadable bitmap) becomes a
-finding in `checkpoint.parse_findings` and parsing continues, so validate can report every problem at once.
+Fail-closed but tolerant: an unknown dialect or an unreadable config.json raises (a route pack's config.json
+is left to the route-pack verifier, which holds its hash); everything else that is wrong (a shard whose header
+cannot be parsed, a path leaving the directory, an unreadable bitmap) becomes a finding in
+`checkpoint.parse_findings` and parsing continues, so validate can report every problem at once.
 Tensors are resolved through the headers of every safetensors file (and the index when present), never by
 file-name patterns.
 """
@@ -15,11 +16,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from trellis_cli.checkpoint import declared as decl
-from trellis_cli.checkpoint.dialect import CONFIG, QUANT_CONFIG, DialectInfo, detect_dialect
+from trellis_cli.checkpoint.dialect import CONFIG, QUANT_CONFIG, DialectInfo, detect_dialect, route_pack_info
 from trellis_cli.checkpoint.model import (
     DIALECT_EXL3,
     DIALECT_R7,
-    DIALECT_REPACKED,
     Checkpoint,
     LinearRef,
     MoeLayer,
@@ -70,6 +70,11 @@ def paused_gc() -> Iterator[None]:
 def _open(source: Any) -> Checkpoint:
     files = source.list_files()
     findings: list[Finding] = list(_listing_findings(source))
+    pack = route_pack_info(files, source.read_json)
+    if pack is not None:  # the route-pack verifier owns its own parsing, config.json included
+        return Checkpoint(source=source, dialect=pack.dialect, config={}, hidden=None, intermediate=None,
+                          num_experts=None, tp=pack.tp, codebook=pack.codebook, rotation_layout=pack.rotation_layout,
+                          declared=pack.declared, parse_findings=findings, files=dict(files))
     config = _read_config(source, files)
     quant_config = _read_optional_json(source, files, QUANT_CONFIG, findings, optional=True)
     if quant_config is not None and not isinstance(quant_config, dict):
@@ -81,8 +86,6 @@ def _open(source: Any) -> Checkpoint:
                       num_experts=None, tp=info.tp, codebook=info.codebook, rotation_layout=info.rotation_layout,
                       declared=info.declared, parse_findings=findings, files=dict(files),
                       quant_config=quant_config)
-    if info.dialect == DIALECT_REPACKED:
-        return ckpt  # the route-pack verifier owns its own parsing
     _read_headers(ckpt, source, files)
     _read_index(ckpt, source, files)
     _collect_tensors(ckpt)

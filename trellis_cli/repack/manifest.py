@@ -13,10 +13,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from trellis_cli.errors import CheckFailed
+from trellis_cli.errors import CheckFailed, SourceUnavailable
+from trellis_cli.header import JsonError, load_json, open_regular, os_reason
 from trellis_cli.integrity import sha256_file
 from trellis_cli.repack.format import MANIFEST_NAME, SCHEMA, SCHEMA_VERSION
-from trellis_cli.sources import safe_relative
+from trellis_cli.sources import MAX_JSON_BYTES, read_json_file, safe_relative
 
 SELF_HASH_KEY = "manifest_sha256"
 
@@ -51,15 +52,18 @@ def write_manifest(directory: Path, doc: dict[str, Any], name: str = MANIFEST_NA
 def read_manifest(directory: Path, name: str = MANIFEST_NAME) -> tuple[dict[str, Any], list[str]]:
     """(document, integrity problems). Raises CheckFailed only when there is no usable JSON object."""
     path = directory / name
-    try:
-        raw = path.read_bytes()
+    try:  # never a FIFO or a device, never more than the JSON limit (the manifest is untrusted input)
+        with open_regular(path) as f:
+            raw = f.read(MAX_JSON_BYTES + 1)
     except OSError as e:
-        raise CheckFailed(f"{name}: cannot be read ({e.strerror})") from e
+        raise CheckFailed(f"{name}: cannot be read ({os_reason(e)})") from e
+    if len(raw) > MAX_JSON_BYTES:
+        raise CheckFailed(f"{name}: larger than the {MAX_JSON_BYTES}-byte limit for JSON files")
     try:
-        text = raw.decode("utf-8")
-        doc = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckFailed(f"{name}: not valid JSON ({e})") from e
+        doc = load_json(raw)
+    except JsonError as e:
+        raise CheckFailed(f"{name}: {e}") from e
+    text = raw.decode("utf-8")
     if not isinstance(doc, dict):
         raise CheckFailed(f"{name}: a JSON {type(doc).__name__}, expected an object")
     problems = []
@@ -81,8 +85,8 @@ def is_route_pack(directory: str | Path) -> bool:
     if not path.is_file():
         return False
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        doc = read_json_file(path, MANIFEST_NAME)
+    except (CheckFailed, SourceUnavailable):
         return False
     return isinstance(doc, dict) and doc.get("schema") == SCHEMA
 

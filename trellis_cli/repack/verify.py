@@ -5,35 +5,35 @@ self-consistent (tier K ascending and matching the slab shapes, tier sizes <= 25
 (tier << 8) | local id in combined order, global_to_combined a bijection onto the combined ids, rotation
 tables shaped for the geometry). Every problem is a finding with a stable `repack.*` code.
 
-The manifest is untrusted input: its structure, types and file names are checked first (`manifest_findings`),
-and nothing after that reads a key or opens a name it has not vouched for.
+The manifest is untrusted input: its structure, types and file names are checked first (`manifest_findings`,
+repack/manifest_shape.py), and nothing after that reads a key or opens a name it has not vouched for. The
+work done is bounded by what the directory holds, not by what the manifest declares: a count of listed files
+or of (layer, rank) pairs above that is one `count.implausible`, and missing items are listed up to a cap
+while they are found, then counted.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from trellis_cli.errors import CheckFailed
-from trellis_cli.findings import Location, Report, error, warning
-from trellis_cli.header import HeaderError, is_int, read_local_header
-from trellis_cli.id_ranges import expand_ranges, range_bounds
+from trellis_cli.checkpoint.model import MIN_COUNT_LIMIT
+from trellis_cli.errors import CheckFailed, SourceUnavailable
+from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, Report, error, missing_ids, warning
+from trellis_cli.header import HeaderError, read_local_header
+from trellis_cli.id_ranges import expand_ranges
 from trellis_cli.repack import manifest as mf
 from trellis_cli.repack.format import (
-    CODEBOOK_IDS, DESCRIPTORS, GLOBAL_TO_COMBINED, MANIFEST_NAME, MAX_TIER_EXPERTS, ROT_DOWN_SVH, ROT_GATE_SUH,
-    ROT_INTERMEDIATE, ROT_UP_SUH, ROTATIONS, SCHEMA, SCHEMA_VERSION, TABLE_NAMES, TIER_K, TIER_SIZE, descriptor,
-    layer_file_name, tier_trellis_name, tier_trellis_shape,
+    DESCRIPTORS, GLOBAL_TO_COMBINED, MANIFEST_NAME, MAX_TIER_EXPERTS, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE,
+    ROT_UP_SUH, SCHEMA, SCHEMA_VERSION, TABLE_NAMES, TIER_K, TIER_SIZE, descriptor, layer_file_name,
+    tier_trellis_name, tier_trellis_shape,
 )
-from trellis_cli.sources import LocalSource
+from trellis_cli.repack.manifest_shape import CONFIG_NAME, manifest_findings
+from trellis_cli.sources import LocalSource, read_json_file
 from trellis_cli.validate.rules_files import check_shard
 
-REQUIRED_KEYS = ("schema", "schema_version", "source", "geometry", "tp", "ranks", "codebook", "rotation", "layers",
-                 "files")
-_LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,8}")  # as str(layer) writes it; bounded, so int() stays cheap
-FILE_ROLES = ("config", "copied", "extra")
-CONFIG_NAME = "config.json"
+_LAYER_FILE = re.compile(r"layer-([0-9]{1,9})-rank-([0-9]{1,9})\.safetensors")  # layer_file_name's form
 TABLE_DTYPES = {GLOBAL_TO_COMBINED: "I32", DESCRIPTORS: "I32", TIER_K: "I32", TIER_SIZE: "I32",
                 ROT_INTERMEDIATE: "F16", ROT_GATE_SUH: "F16", ROT_UP_SUH: "F16", ROT_DOWN_SVH: "F16"}
 
@@ -64,10 +64,14 @@ def verify_repacked(source: Any, *, check_hashes: bool = True) -> Report:
         return report
     report.context.update({"schema": doc["schema"], "schema_version": doc["schema_version"],
                            "source": _source_label(doc["source"])})
-    _check_files(root, doc, report, check_hashes)
-    for layer, entry in sorted(doc["layers"].items(), key=lambda kv: int(kv[0])):
-        for rank in doc["ranks"]:
-            _check_layer_file(root, doc, int(layer), rank, entry, report)
+    on_disk = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
+    # Each listed file, and each declared (layer, rank), needs a file of its own: a count above what the
+    # directory holds is one `count.implausible`, never one finding (or one object) per missing item.
+    limit = max(len(on_disk), MIN_COUNT_LIMIT)
+    pack = LocalSource(root)
+    _check_files(pack, doc, report, check_hashes, on_disk, limit)
+    _check_config(pack, report)
+    _check_layer_files(pack, doc, report, limit, len(on_disk))
     return report
 
 
@@ -90,204 +94,128 @@ def _check_schema(doc: dict[str, Any], report: Report) -> bool:
     return not structure
 
 
-def manifest_findings(doc: dict[str, Any]) -> list:
-    """Every key the readers use, with the type and range they rely on; names must stay inside the pack.
-
-    Checked once, before anything else reads the manifest, so the rest of the code can index it freely.
-    """
-    return _ManifestShape(doc).run()
+def _implausible(key: str, what: str, count: int, limit: int, present: int) -> Finding:
+    return error("count.implausible", Location(file=MANIFEST_NAME, tensor=key), f"{what}: far more than the "
+                 "directory holds (reported once, not per missing file)",
+                 expected=f"<= {limit} ({present} files present)", found=count)
 
 
-class _ManifestShape:
-    """Structure and types of a schema-1 manifest; collects `repack.manifest-field` and `path.escape` findings."""
-
-    def __init__(self, doc: dict[str, Any]) -> None:
-        self.doc = doc
-        self.findings: list = []
-
-    def bad(self, key: str, expected: str, found: Any) -> None:
-        self.findings.append(error("repack.manifest-field", Location(file=MANIFEST_NAME), f"{key}: wrong type or "
-                                   "value", expected, _shown(found)))
-
-    def escape(self, key: str, name: Any) -> None:
-        self.findings.append(error("path.escape", Location(file=MANIFEST_NAME), f"{key}: names a path outside the "
-                                   "route pack", "a relative path inside the directory", _shown(name)))
-
-    def run(self) -> list:
-        doc = self.doc
-        missing = [k for k in REQUIRED_KEYS if k not in doc]
-        if missing:
-            self.bad(missing[0], "present", "absent")
-            return self.findings
-        if isinstance(doc["geometry"], dict):
-            for key in ("hidden", "intermediate_rank", "num_experts"):
-                self._positive_int(f"geometry.{key}", doc["geometry"].get(key))
-        else:
-            self.bad("geometry", "an object", doc["geometry"])
-        self._positive_int("tp", doc["tp"])
-        for key, allowed in (("codebook", sorted(CODEBOOK_IDS)), ("rotation", list(ROTATIONS))):
-            if doc[key] not in allowed:
-                self.bad(key, f"one of {allowed}", doc[key])
-        self._source(doc["source"])
-        if self.findings:
-            return self.findings  # ranks, layers and files are checked against tp and geometry
-        self._ranks(doc["ranks"])
-        self._layers(doc["layers"])
-        self._files(doc["files"])
-        return self.findings
-
-    def _positive_int(self, key: str, value: Any, limit: int | None = None) -> bool:
-        if not is_int(value) or value < 1 or (limit is not None and value > limit):
-            self.bad(key, "an integer >= 1" if limit is None else f"an integer 1..{limit}", value)
-            return False
-        return True
-
-    def _source(self, source: Any) -> None:
-        if not isinstance(source, dict):
-            self.bad("source", "an object", source)
-            return
-        ndim = source.get("vector_ndim", {})
-        if not isinstance(ndim, dict) or any(ndim.get(k, 1) not in (1, 2) for k in ("per_expert", "shared_h")):
-            self.bad("source.vector_ndim", "{per_expert, shared_h} each 1 or 2", ndim)
-
-    def _ranks(self, ranks: Any) -> None:
-        tp = self.doc["tp"]
-        if not isinstance(ranks, list) or not all(is_int(r) and 0 <= r < tp for r in ranks) \
-                or len(set(ranks)) != len(ranks):
-            self.bad("ranks", f"a list of distinct ranks in 0..{tp - 1}", ranks)
-
-    def _layers(self, layers: Any) -> None:
-        if not isinstance(layers, dict):
-            self.bad("layers", "an object", layers)
-            return
-        for layer, entry in layers.items():
-            key = f"layers[{_quoted(layer)}]"
-            if not _LAYER_KEY.fullmatch(layer):
-                self.bad(f"{key} key", "a layer number such as \"3\"", layer)
-            elif not isinstance(entry, dict) or not isinstance(entry.get("tiers"), list) or not entry["tiers"]:
-                self.bad(f"{key}.tiers", "a non-empty list of tiers", entry.get("tiers") if isinstance(entry, dict)
-                         else entry)
-            else:
-                for t, tier in enumerate(entry["tiers"]):
-                    self._tier(f"{key}.tiers[{t}]", tier)
-                self._names(f"{key}.source_files", entry.get("source_files", []))
-
-    def _tier(self, key: str, tier: Any) -> None:
-        if not isinstance(tier, dict):
-            self.bad(key, "an object {k, size, experts}", tier)
-            return
-        k_ok = self._positive_int(f"{key}.k", tier.get("k"), 8)
-        size_ok = self._positive_int(f"{key}.size", tier.get("size"), MAX_TIER_EXPERTS)
-        experts, num_experts = tier.get("experts"), self.doc["geometry"]["num_experts"]
-        try:
-            bounds = range_bounds(experts) if isinstance(experts, str) else None
-        except ValueError:
-            bounds = None
-        if bounds is None:
-            self.bad(f"{key}.experts", "ascending expert ids as ranges, e.g. \"0,2-4\"", experts)
-        elif bounds and bounds[-1][1] >= num_experts:
-            self.bad(f"{key}.experts", f"expert ids below geometry.num_experts {num_experts}", experts)
-        elif k_ok and size_ok and sum(last - first + 1 for first, last in bounds) != tier["size"]:
-            self.bad(f"{key}.experts", f"{tier['size']} ids (the tier's size)", experts)
-
-    def _names(self, key: str, names: Any) -> None:
-        if not isinstance(names, list):
-            self.bad(key, "a list of file names", names)
-            return
-        for i, name in enumerate(names):
-            self._name(f"{key}[{i}]", name, suffix=".safetensors")
-
-    def _name(self, key: str, name: Any, suffix: str = "") -> bool:
-        if isinstance(name, str) and not mf.safe_name(name):
-            self.escape(key, name)
-            return False
-        if not isinstance(name, str) or not name.endswith(suffix):
-            self.bad(key, f"a file name ending in {suffix}" if suffix else "a file name", name)
-            return False
-        return True
-
-    def _files(self, files: Any) -> None:
-        if not isinstance(files, dict):
-            self.bad("files", "an object", files)
-            return
-        if CONFIG_NAME not in files:  # every pack has one; --to tr3 restores the source's from it
-            self.bad(f"files[{CONFIG_NAME!r}]", "present", "absent")
-        for name, entry in files.items():
-            key = f"files[{_quoted(name)}]"
-            if not self._name(f"{key} key", name):
-                continue
-            if not isinstance(entry, dict):
-                self.bad(key, "an object {sha256, size, ...}", entry)
-                continue
-            if not isinstance(entry.get("sha256"), str):
-                self.bad(f"{key}.sha256", "a hex string", entry.get("sha256"))
-            if not is_int(entry.get("size")) or entry["size"] < 0:
-                self.bad(f"{key}.size", "an integer >= 0", entry.get("size"))
-            for field in ("layer", "rank"):
-                if field in entry and (not is_int(entry[field]) or entry[field] < 0):
-                    self.bad(f"{key}.{field}", "an integer >= 0", entry[field])
-            layer, rank = entry.get("layer"), entry.get("rank")
-            if is_int(layer) and is_int(rank) and layer >= 0 and rank >= 0 and name != layer_file_name(layer, rank):
-                # The name is what readers open for (layer, rank); the entry must say the same.
-                self.bad(f"{key}.layer, .rank", f"the layer and rank its name says", {"layer": layer, "rank": rank})
-            role = entry.get("role")
-            if role is not None and role not in FILE_ROLES:
-                self.bad(f"{key}.role", f"one of {list(FILE_ROLES)}", role)
-            if role == "extra":
-                self._name(f"{key}.source_file", entry.get("source_file"), suffix=".safetensors")
-
-
-def _quoted(key: str) -> str:
-    """A manifest key as it appears in a finding's key path, cut short like `_shown`."""
-    text = repr(key)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _shown(value: Any) -> str:
-    """A manifest value as it appears in the JSON, cut short (a hostile value may be large)."""
-    text = json.dumps(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _check_files(root: Path, doc: dict[str, Any], report: Report, check_hashes: bool) -> None:
+def _check_files(pack: LocalSource, doc: dict[str, Any], report: Report, check_hashes: bool, on_disk: set[str],
+                 limit: int) -> None:
     listed = doc["files"]
-    pack = LocalSource(root)
-    for name, entry in sorted(listed.items()):
-        path = root / name
-        where = Location(file=name)
-        if pack.escapes(name):  # a link out of the directory: never read what it points at
-            report.findings.append(error("path.escape", where, "file resolves outside the route pack",
-                                         "a file inside the directory", str(path.resolve())))
-            continue
-        if not path.is_file():
-            report.findings.append(error("repack.missing-file", where, "listed in the manifest but absent"))
-            continue
-        size = path.stat().st_size
-        if size != entry.get("size"):
-            report.findings.append(error("repack.size-mismatch", where, "size differs from the manifest",
-                                         entry.get("size"), size))
-            continue
-        if check_hashes:
-            digest = mf.sha256_file(path)
-            report.count("bytes hashed", size)
-            if digest != entry.get("sha256"):
-                report.findings.append(error("repack.hash-mismatch", where, "sha256 differs from the manifest",
-                                             entry.get("sha256"), digest))
-        report.count("files")
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = path.relative_to(root).as_posix()
-        if rel != MANIFEST_NAME and rel not in listed:
-            report.findings.append(warning("repack.unlisted-file", Location(file=rel), "not listed in the manifest"))
+    names = sorted(listed)
+    if len(listed) > limit:  # only what is there is checked; the rest is this one finding
+        report.findings.append(_implausible("files", f"{len(listed)} files listed", len(listed), limit,
+                                            len(on_disk)))
+        names = [n for n in names if n in on_disk]
+    absent = [n for n in names if not _check_listed_file(pack, n, listed[n], report, check_hashes)]
+    report.extend(_capped(absent, lambda n: error("repack.missing-file", Location(file=n), "listed in the "
+                                                  "manifest but absent"), "repack.missing-file",
+                          "files listed in the manifest but absent"))
+    unlisted = sorted(rel for rel in on_disk if rel != MANIFEST_NAME and rel not in listed)
+    report.extend(_capped(unlisted, lambda n: warning("repack.unlisted-file", Location(file=n), "not listed in "
+                                                      "the manifest"), "repack.unlisted-file",
+                          "files not listed in the manifest", make=warning))
 
 
-def _check_layer_file(root: Path, doc: dict, layer: int, rank: int, entry: dict, report: Report) -> None:
+def _capped(items: list, make_one, code: str, what: str, make=error) -> Iterator[Finding]:
+    """The first MAX_MISSING_SHOWN items as findings, then one finding with how many more there are."""
+    for item in items[:MAX_MISSING_SHOWN]:
+        yield make_one(item)
+    if len(items) > MAX_MISSING_SHOWN:
+        yield make(code, Location(file=MANIFEST_NAME), f"... and {len(items) - MAX_MISSING_SHOWN} more {what} "
+                   f"({len(items)} in all)")
+
+
+def _check_listed_file(pack: LocalSource, name: str, entry: dict, report: Report, check_hashes: bool) -> bool:
+    """Size and hash of one listed file; False when it is absent (the caller reports those, capped)."""
+    path = pack.root / name
+    where = Location(file=name)
+    if pack.escapes(name):  # a link out of the directory: never read what it points at
+        report.findings.append(error("path.escape", where, "file resolves outside the route pack",
+                                     "a file inside the directory", str(path.resolve())))
+        return True
+    if not path.is_file():
+        return False
+    size = path.stat().st_size
+    if size != entry.get("size"):
+        report.findings.append(error("repack.size-mismatch", where, "size differs from the manifest",
+                                     entry.get("size"), size))
+        return True
+    if check_hashes:
+        digest = mf.sha256_file(path)
+        report.count("bytes hashed", size)
+        if digest != entry.get("sha256"):
+            report.findings.append(error("repack.hash-mismatch", where, "sha256 differs from the manifest",
+                                         entry.get("sha256"), digest))
+    report.count("files")
+    return True
+
+
+def _check_config(pack: LocalSource, report: Report) -> None:
+    """config.json must be a JSON object: the loader and `repack --to tr3` read it, and a hash matching the
+    manifest only says it is what the writer listed. Absent, or outside the pack: already reported."""
+    path = pack.root / CONFIG_NAME
+    if pack.escapes(CONFIG_NAME) or not path.is_file():
+        return
+    try:
+        config = read_json_file(path, CONFIG_NAME)
+    except (CheckFailed, SourceUnavailable) as e:
+        report.findings.append(error("repack.config", Location(file=CONFIG_NAME), str(e).split(": ", 1)[-1]))
+        return
+    if not isinstance(config, dict):
+        report.findings.append(error("repack.config", Location(file=CONFIG_NAME), "not a JSON object",
+                                     "object", type(config).__name__))
+
+
+def _check_layer_files(pack: LocalSource, doc: dict, report: Report, limit: int, present: int) -> None:
+    """Every declared (layer, rank) needs a listed layer file; each listed one is checked.
+
+    Costs O(files listed + MAX_MISSING_SHOWN), never O(layers x ranks): the declared pairs are numbered
+    (layer position * ranks + rank position) and only the listed ones are looked at.
+    """
+    layers, ranks = sorted(int(k) for k in doc["layers"]), doc["ranks"]
+    declared = len(layers) * len(ranks)
+    listed = _listed_pairs(doc["files"], layers, ranks)
+    if declared > limit:
+        report.findings.append(_implausible("layers, ranks", f"{len(layers)} layers x {len(ranks)} ranks declare "
+                                            f"{declared} layer files", declared, limit, present))
+    else:
+        first, total = missing_ids(range(declared), listed)
+        for pair in first:
+            layer, rank = layers[pair // len(ranks)], ranks[pair % len(ranks)]
+            report.findings.append(error("repack.missing-file", Location(file=layer_file_name(layer, rank),
+                                         layer=layer, rank=rank), "layer file not listed in the manifest"))
+        if total > len(first):
+            report.findings.append(error("repack.missing-file", Location(file=MANIFEST_NAME), f"... and "
+                                         f"{total - len(first)} more layer files not listed in the manifest",
+                                         f"{declared} ({len(layers)} layers x {len(ranks)} ranks)",
+                                         f"{total} not listed"))
+    for pair in sorted(listed):
+        layer, rank = layers[pair // len(ranks)], ranks[pair % len(ranks)]
+        _check_layer_file(pack, doc, layer, rank, doc["layers"][str(layer)], report)
+
+
+def _listed_pairs(files: dict, layers: list[int], ranks: list[int]) -> set[int]:
+    """The declared (layer, rank) pairs whose layer file the manifest lists, numbered as in _check_layer_files."""
+    layer_at = {layer: i for i, layer in enumerate(layers)}
+    rank_at = {rank: i for i, rank in enumerate(ranks)}
+    pairs = set()
+    for name in files:
+        match = _LAYER_FILE.fullmatch(name)
+        if match is None:
+            continue
+        layer, rank = int(match[1]), int(match[2])
+        if layer in layer_at and rank in rank_at and name == layer_file_name(layer, rank):
+            pairs.add(layer_at[layer] * len(ranks) + rank_at[rank])
+    return pairs
+
+
+def _check_layer_file(pack: LocalSource, doc: dict, layer: int, rank: int, entry: dict, report: Report) -> None:
     name = layer_file_name(layer, rank)
     where = Location(file=name, layer=layer, rank=rank)
-    if name not in doc["files"]:
-        report.findings.append(error("repack.missing-file", where, "layer file not listed in the manifest"))
-        return
-    path = root / name
-    if not path.is_file():
+    path = pack.root / name
+    if pack.escapes(name) or not path.is_file():
         return  # already reported by _check_files
     try:
         header = read_local_header(path, name)
@@ -399,11 +327,11 @@ class _LayerChecks:
             self.fail("repack.route-map", "global_to_combined is not a bijection from served ids onto 0..E_c-1",
                       found=f"{len(combined)} mapped ids for {served} combined slots", tensor=GLOBAL_TO_COMBINED)
             return
+        by_combined = [g for _, g in sorted((c, g) for g, c in enumerate(g2c) if c != -1)]  # one pass, not per tier
         start = 0
         for t, tier in enumerate(tiers):
             ids = expand_ranges(tier["experts"])  # bounded: manifest_findings checked it holds `size` ids
-            got = [g for g, c in enumerate(g2c) if start <= c < start + len(ids)]
-            order = sorted(got, key=lambda g: g2c[g])
+            order = by_combined[start:start + len(ids)]
             if order != ids:
                 self.fail("repack.tier-experts", f"tier {t}: the experts global_to_combined places there are not "
                           f"the manifest's, in ascending order", tier.get("experts"), order[:8])
@@ -418,7 +346,7 @@ def describe_repacked(source: Any) -> dict[str, Any]:
         raise CheckFailed(f"{root}: {MANIFEST_NAME} schema {doc.get('schema')!r}, expected {SCHEMA!r}")
     structure = manifest_findings(doc)
     if structure:
-        more = f" (and {len(structure) - 1} more; run `trellis validate {root}`)" if len(structure) > 1 else ""
+        more = f" (and more; run `trellis validate {root}`)" if len(structure) > 1 else ""  # the list is capped
         raise CheckFailed(f"{root}: {structure[0].line()}{more}")
     files = doc["files"]
     layer_bytes = sum(e["size"] for e in files.values() if "layer" in e)
