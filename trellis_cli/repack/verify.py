@@ -33,7 +33,8 @@ from trellis_cli.repack.manifest_shape import CONFIG_NAME, manifest_findings
 from trellis_cli.sources import LocalSource, read_json_file
 from trellis_cli.validate.rules_files import check_shard
 
-_LAYER_FILE = re.compile(r"layer-([0-9]{1,9})-rank-([0-9]{1,9})\.safetensors")  # layer_file_name's form
+# layer_file_name's form; bounded like manifest layer keys (ranks only by tp), so int() stays cheap
+_LAYER_FILE = re.compile(r"layer-([0-9]{1,9})-rank-([0-9]{1,40})\.safetensors")
 TABLE_DTYPES = {GLOBAL_TO_COMBINED: "I32", DESCRIPTORS: "I32", TIER_K: "I32", TIER_SIZE: "I32",
                 ROT_INTERMEDIATE: "F16", ROT_GATE_SUH: "F16", ROT_UP_SUH: "F16", ROT_DOWN_SVH: "F16"}
 
@@ -110,21 +111,20 @@ def _check_files(pack: LocalSource, doc: dict[str, Any], report: Report, check_h
         names = [n for n in names if n in on_disk]
     absent = [n for n in names if not _check_listed_file(pack, n, listed[n], report, check_hashes)]
     report.extend(_capped(absent, lambda n: error("repack.missing-file", Location(file=n), "listed in the "
-                                                  "manifest but absent"), "repack.missing-file",
-                          "files listed in the manifest but absent"))
+                                                  "manifest but absent"), "files listed in the manifest but absent"))
     unlisted = sorted(rel for rel in on_disk if rel != MANIFEST_NAME and rel not in listed)
     report.extend(_capped(unlisted, lambda n: warning("repack.unlisted-file", Location(file=n), "not listed in "
-                                                      "the manifest"), "repack.unlisted-file",
-                          "files not listed in the manifest", make=warning))
+                                                      "the manifest"), "files not listed in the manifest"))
 
 
-def _capped(items: list, make_one, code: str, what: str, make=error) -> Iterator[Finding]:
-    """The first MAX_MISSING_SHOWN items as findings, then one finding with how many more there are."""
+def _capped(items: list, make_one, what: str, where: Location = Location(file=MANIFEST_NAME)) -> Iterator[Finding]:
+    """The first MAX_MISSING_SHOWN items as findings, then one finding of the same code with how many more."""
     for item in items[:MAX_MISSING_SHOWN]:
-        yield make_one(item)
+        last = make_one(item)
+        yield last
     if len(items) > MAX_MISSING_SHOWN:
-        yield make(code, Location(file=MANIFEST_NAME), f"... and {len(items) - MAX_MISSING_SHOWN} more {what} "
-                   f"({len(items)} in all)")
+        yield Finding(last.code, last.severity, where, f"... and {len(items) - MAX_MISSING_SHOWN} more {what} "
+                      f"({len(items)} in all)")
 
 
 def _check_listed_file(pack: LocalSource, name: str, entry: dict, report: Report, check_hashes: bool) -> bool:
@@ -250,10 +250,11 @@ class _LayerChecks:
         tiers = self.entry["tiers"]  # shape checked by manifest_findings
         names = set(self.header.tensors)
         expected = {tier_trellis_name(t) for t in range(len(tiers))} | set(TABLE_NAMES)
-        for missing in sorted(expected - names):
+        for missing in sorted(expected - names):  # at most 8 tiers and the tables
             self.fail("repack.missing-tensor", "tensor absent", tensor=missing)
-        for extra in sorted(names - expected):
-            self.fail("repack.unexpected-tensor", "tensor not in the format", tensor=extra)
+        self.findings.extend(_capped(sorted(names - expected), lambda extra: error(  # as many as the header holds
+            "repack.unexpected-tensor", self.where(extra), "tensor not in the format"), "tensors not in the format",
+            self.where()))
         if expected - names:
             return self.findings
         self._shapes(tiers)
