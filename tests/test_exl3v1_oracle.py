@@ -107,3 +107,34 @@ def test_b12x_pair_alignment_four_is_refused(capsys, tmp_path):
     synth.write_exl3_checkpoint(tmp_path / "b12x", config)
     code, out = run_cli(capsys, "validate", str(tmp_path / "b12x"), "--json")
     assert code == 1 and {f["code"] for f in json.loads(out)["findings"]} == {"exl3v1.pair-alignment"}
+
+
+def test_b12x_reassembles_the_tr3_source_tiles(capsys, tmp_path):
+    """TR3 (TP2, uniform K3, hidden-side equal across ranks) -> exl3-v1 by trellis; b12x's reader (verify_sha),
+    adapter and slot assembler give back every rank's gate, up and down trellis bit for bit."""
+    import torch
+    from safetensors import safe_open
+
+    from trellis_cli.checkpoint.names import expert_key
+    from b12x.moe.fused_moe.trellis_layout import assemble_uniform_slots
+
+    from trellis_cli.exl3v1.synth import write_exl3v1_checkpoint
+
+    spec = SynthSpec(hidden=256, intermediate=1024, experts=4, tp=1, layers=(3,), uniform_k=3, top_k=2)
+    seed = write_exl3v1_checkpoint(tmp_path / "seed", spec)
+    assert run_cli(capsys, "repack", str(seed), str(tmp_path / "tr3"), "--to", "tr3", "--tp", "2")[0] == 0
+    code, out = run_cli(capsys, "repack", str(tmp_path / "tr3"), str(tmp_path / "exl3"), "--to", "exl3-v1")
+    assert code == 0, out
+    manifest = b12x_exl3.read_exl3_manifest(tmp_path / "exl3")
+    with safe_open(str(tmp_path / "tr3" / "model-layer-003.safetensors"), framework="pt") as tr3:
+        for rank in range(2):
+            layer = b12x_exl3.read_exl3_layer(tmp_path / "exl3", manifest, 3, first_slot=16 * rank, slot_count=16,
+                                              verify_sha=True)
+            _, weights = b12x_exl3.trellis_from_exl3(layer)
+            w13, w2 = assemble_uniform_slots(weights.codes, num_experts=4, hidden_size=256, bits=3, device="cpu")
+            for e in range(4):
+                for proj, tiles in (("gate_proj", w13[0, e]), ("up_proj", w13[1, e]), ("down_proj", w2[e])):
+                    want = tr3.get_tensor(expert_key(3, e, proj, rank, "trellis"))
+                    assert torch.equal(tiles.reshape(want.shape), want), (rank, e, proj)
+                svh = tr3.get_tensor(expert_key(3, e, "gate_proj", rank, "svh"))
+                assert torch.equal(layer.rotations[:, e, 0].reshape(-1).view(torch.int16), svh.view(torch.int16))
