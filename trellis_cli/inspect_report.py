@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from trellis_cli.checkpoint.model import DIALECT_REPACKED, Checkpoint, MoeLayer
+from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, Checkpoint, MoeLayer
 from trellis_cli.id_ranges import compact_ranges
 
 GiB = 1024**3
@@ -22,6 +22,8 @@ def build_inspect(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str
 
         return {"dialect": DIALECT_REPACKED, "source": _describe_source(ckpt), "route_pack": describe_repacked(ckpt.source)}
     chosen = [li for li in (layers if layers is not None else ckpt.layers) if li in ckpt.layers]
+    if ckpt.dialect == DIALECT_EXL3V1:
+        return _exl3v1_document(ckpt, chosen)
     rows = [layer_summary(ckpt, ckpt.layers[li]) for li in chosen]
     return {
         "dialect": ckpt.dialect,
@@ -35,6 +37,23 @@ def build_inspect(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str
         "totals": _totals(ckpt, rows),
         "parse_findings": [f.to_dict() for f in ckpt.parse_findings],
     }
+
+
+def _exl3v1_document(ckpt: Checkpoint, chosen: list[int]) -> dict[str, Any]:
+    from trellis_cli.inspect_exl3v1 import exl3v1_rows, exl3v1_section
+
+    rows = exl3v1_rows(ckpt, chosen)
+    runs = collapse_runs(rows)
+    for run in runs:  # bytes per rank at each TP degree: the same across a run (same stride)
+        run["rank_bytes"] = next(r["rank_bytes"] for r in rows if r["layer"] == run["layers"][0])
+    return {"dialect": ckpt.dialect, "source": _describe_source(ckpt),
+            "geometry": {"hidden": ckpt.hidden, "intermediate": ckpt.intermediate,
+                         "intermediate_per_rank": ckpt.intermediate, "experts": ckpt.num_experts, "tp": 1,
+                         "codebook": ckpt.codebook, "rotation_layout": ckpt.rotation_layout},
+            "declared": {}, "exl3v1": exl3v1_section(ckpt), "layers": rows, "runs": runs,
+            "totals": {**_totals(ckpt, rows), "tensors": sum(r["tensors"] for r in rows),
+                       "tensor_bytes": sum(e.nbytes for h in ckpt.headers.values() for e in h.tensors.values())},
+            "parse_findings": [f.to_dict() for f in ckpt.parse_findings]}
 
 
 def _describe_source(ckpt: Checkpoint) -> dict[str, Any]:
@@ -217,6 +236,10 @@ def render_text(doc: dict[str, Any]) -> list[str]:
               f"(trellis {human_bytes(t['routed_trellis_bytes_per_rank'])})",
               f"  whole checkpoint: {human_bytes(t['checkpoint_bytes'])}",
               f"  weights per rank (estimate): {human_bytes(t['weights_per_rank_bytes'])}"]
+    if doc.get("exl3v1"):
+        from trellis_cli.inspect_exl3v1 import render_exl3v1
+
+        lines += ["", *render_exl3v1(doc)]
     if doc["parse_findings"]:
         lines.append(f"note: {len(doc['parse_findings'])} problem(s) while parsing; run `trellis validate`")
     return lines

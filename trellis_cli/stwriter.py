@@ -91,6 +91,31 @@ class SafetensorsWriter:
             self._file.write(data)
         self._next += 1
 
+    def write_parts(self, name: str, parts) -> None:
+        """Append the next tensor's bytes from an iterable of byte chunks (e.g. one row at a time)."""
+        planned_tensor = self._expect(name)
+        total = 0
+        for part in parts:
+            total += len(part)
+            if total > planned_tensor.nbytes:
+                break
+            self._file.write(part)
+        if total != planned_tensor.nbytes:
+            raise ValueError(f"{self.path.name}: {name}: {total} bytes or more, planned {planned_tensor.nbytes}")
+        self._next += 1
+
+    def skip(self, name: str) -> None:
+        """Leave the next tensor unwritten (a hole that reads as zeros)."""
+        self._file.seek(self._expect(name).nbytes, os.SEEK_CUR)
+        self._holes = True
+        self._next += 1
+
+    def _expect(self, name: str) -> PlannedTensor:
+        if self._next >= len(self.tensors) or self.tensors[self._next].name != name:
+            expected = self.tensors[self._next].name if self._next < len(self.tensors) else "no more tensors"
+            raise ValueError(f"{self.path.name}: tensor {name!r} written out of order (expected {expected})")
+        return self.tensors[self._next]
+
     def skip_all(self) -> None:
         """Sparse files: mark every tensor as written without data (the holes read as zeros)."""
         self._next = len(self.tensors)
@@ -98,7 +123,7 @@ class SafetensorsWriter:
     def finish(self) -> Path:
         if self._next != len(self.tensors):
             raise ValueError(f"{self.path.name}: {len(self.tensors) - self._next} planned tensors never written")
-        if self.sparse:
+        if self.sparse or getattr(self, "_holes", False):
             self._file.truncate(self.file_size)
         self._file.flush()
         os.fsync(self._file.fileno())

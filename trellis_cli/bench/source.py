@@ -80,5 +80,12 @@ def _checkpoint(source: str, layer: int | None, rank: int, device: str) -> Bench
     if chosen not in checkpoint.layers:
         raise UsageError(f"--layer {chosen}: not a MoE layer of {source} (has {min(checkpoint.layers)}.."
                          f"{max(checkpoint.layers)})")
+    if checkpoint.dialect == "exl3-v1":  # one rank of its slot extents
+        from trellis_cli.exl3v1.to_tr3 import default_tp, exl3v1_pack
+        from trellis_cli.repack.pack import to_device
+
+        tp = default_tp(checkpoint)
+        pack = to_device(exl3v1_pack(checkpoint, chosen, rank, tp), device)
+        return BenchSource(f"exl3-v1 {source} layer {chosen} rank {rank} of tp {tp}", pack, "checkpoint")
     pack = pack_layer(checkpoint, chosen, rank, device=device)
     return BenchSource(f"checkpoint {source} layer {chosen} rank {rank} (repacked in memory)", pack, "checkpoint")

@@ -2,9 +2,10 @@
 
 Order (fail closed, never guessed):
 1. `manifest.json` with schema "trellis-route-pack" -> the repacked layout;
-2. `config.json["hybrid_tr3_tail"]` with format "exl3-trellis" -> TR3 rank-sliced (per_expert_v1 / shared_h_v1);
-3. `r7_routed_experts` in the embedded or external quantization config -> R7 per-projection maps;
-4. quant_method "exl3" in the embedded or external quantization config -> plain exllamav3;
+2. a JSON manifest with kind "exl3-manifest" and schema "exl3-v1" -> the exl3-v1 container (exl3v1/);
+3. `config.json["hybrid_tr3_tail"]` with format "exl3-trellis" -> TR3 rank-sliced (per_expert_v1 / shared_h_v1);
+4. `r7_routed_experts` in the embedded or external quantization config -> R7 per-projection maps;
+5. quant_method "exl3" in the embedded or external quantization config -> plain exllamav3;
 anything else raises UnknownDialect naming what was found.
 """
 
@@ -15,6 +16,7 @@ from typing import Any, Callable
 
 from trellis_cli.checkpoint.model import (
     DIALECT_EXL3,
+    DIALECT_EXL3V1,
     DIALECT_R7,
     DIALECT_REPACKED,
     DIALECT_TR3_PER_EXPERT,
@@ -27,6 +29,8 @@ ROTATION_LAYOUTS = {"per_expert_v1": DIALECT_TR3_PER_EXPERT, "shared_h_v1": DIAL
 MANIFEST = "manifest.json"
 CONFIG = "config.json"
 QUANT_CONFIG = "quantization_config.json"
+EXL3V1_MANIFEST = "exl3-manifest.json"  # where b12x's reader looks; config.json may name another
+EXL3V1_KIND, EXL3V1_SCHEMA = "exl3-manifest", "exl3-v1"
 
 
 @dataclass
@@ -58,6 +62,9 @@ def detect_dialect(files: dict[str, int], config: dict | None, quant_config: dic
     pack = route_pack_info(files, read_json)
     if pack is not None:
         return pack
+    exl3v1 = _exl3v1(files, config, read_json)
+    if exl3v1 is not None:
+        return exl3v1
     if config is None:
         raise UnknownDialect(_nothing_found(files, "no config.json"))
     embedded = config.get("quantization_config")
@@ -73,6 +80,32 @@ def detect_dialect(files: dict[str, int], config: dict | None, quant_config: dic
         return DialectInfo(DIALECT_EXL3, "n/a", 1, _codebook(embedded, quant_config), {})
     found = f"quant_method {methods[0]!r}" if methods else "no quantization_config"
     raise UnknownDialect(_nothing_found(files, f"config.json has {found} and no hybrid_tr3_tail"))
+
+
+def _exl3v1(files: dict[str, int], config: dict | None, read_json: Callable[[str], Any]) -> DialectInfo | None:
+    """exl3-v1, decided by the manifest's own identity strings (the layer files' names decide nothing)."""
+    name = _exl3v1_manifest_name(config)
+    if name not in files:
+        return None
+    doc = read_json(name)
+    if not isinstance(doc, dict) or (doc.get("kind") != EXL3V1_KIND and doc.get("schema") != EXL3V1_SCHEMA):
+        return None
+    if doc.get("kind") != EXL3V1_KIND or doc.get("schema") != EXL3V1_SCHEMA:
+        raise UnknownDialect(f"{name}: kind {doc.get('kind')!r}, schema {doc.get('schema')!r}; trellis reads "
+                             f"kind {EXL3V1_KIND!r} with schema {EXL3V1_SCHEMA!r}")
+    codebook = doc.get("codebook")
+    return DialectInfo(DIALECT_EXL3V1, "n/a", 1, codebook if isinstance(codebook, str) else None,
+                       {"exl3v1_manifest": doc, "exl3v1_manifest_file": name})
+
+
+def _exl3v1_manifest_name(config: dict | None) -> str:
+    """config.json's `quantization_config.exl3.manifest` when it names a file, else the reader's default."""
+    quant = (config or {}).get("quantization_config")
+    exl3 = quant.get("exl3") if isinstance(quant, dict) else None
+    name = exl3.get("manifest") if isinstance(exl3, dict) else None
+    from trellis_cli.sources import safe_relative
+
+    return name if isinstance(name, str) and safe_relative(name) else EXL3V1_MANIFEST
 
 
 def _tr3(hybrid: Any, embedded: dict | None) -> DialectInfo:
@@ -114,4 +147,4 @@ def _nothing_found(files: dict[str, int], what: str) -> str:
     shown = ", ".join(list(files)[:6]) + (", ..." if len(files) > 6 else "")
     return (f"not a checkpoint dialect trellis understands: {what} "
             f"(found {len(files)} file(s): {shown or 'none'}); expected a TR3 hybrid_tr3_tail contract, "
-            "an exl3 quantization_config, R7 metadata or a route-pack manifest.json")
+            "an exl3 quantization_config, R7 metadata, an exl3-v1 manifest or a route-pack manifest.json")

@@ -23,6 +23,7 @@ DIALECT_TR3_SHARED_H = "tr3/shared_h_v1"
 DIALECT_EXL3 = "exl3"  # plain exllamav3: per-tensor experts, no rank slices
 DIALECT_R7 = "r7"  # per-projection K maps (recognized and inspected)
 DIALECT_REPACKED = "trellis-route-pack"  # output of `trellis repack`
+DIALECT_EXL3V1 = "exl3-v1"  # b12x's slot-major container (exl3-manifest.json + one file per layer)
 
 # Floor of Checkpoint.count_limit, so a checkpoint whose shards are absent still gets per-item findings.
 MIN_COUNT_LIMIT = 4096

@@ -19,6 +19,7 @@ from trellis_cli.checkpoint import declared as decl
 from trellis_cli.checkpoint.dialect import CONFIG, QUANT_CONFIG, DialectInfo, detect_dialect, route_pack_info
 from trellis_cli.checkpoint.model import (
     DIALECT_EXL3,
+    DIALECT_EXL3V1,
     DIALECT_R7,
     Checkpoint,
     LinearRef,
@@ -86,6 +87,12 @@ def _open(source: Any) -> Checkpoint:
                       num_experts=None, tp=info.tp, codebook=info.codebook, rotation_layout=info.rotation_layout,
                       declared=info.declared, parse_findings=findings, files=dict(files),
                       quant_config=quant_config)
+    if info.dialect == DIALECT_EXL3V1:
+        from trellis_cli.exl3v1.container import fill_checkpoint
+
+        manifest = info.declared.pop("exl3v1_manifest")
+        fill_checkpoint(ckpt, source, files, info.declared["exl3v1_manifest_file"], manifest)
+        return ckpt
     _read_headers(ckpt, source, files)
     _read_index(ckpt, source, files)
     _collect_tensors(ckpt)

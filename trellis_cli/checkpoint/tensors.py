@@ -45,6 +45,13 @@ def read_rows(checkpoint: Checkpoint, ref: TensorRef, start: int, stop: int) -> 
     return _read(checkpoint, ref, start * row_bytes, (stop - start) * row_bytes, (stop - start, *ref.shape[1:]))
 
 
+def read_bytes(checkpoint: Checkpoint, ref: TensorRef, offset: int, length: int) -> bytes:
+    """`length` stored bytes of a tensor from byte `offset` of its data (e.g. the padding tail of one row)."""
+    if not 0 <= offset <= offset + length <= ref.nbytes:
+        raise CheckFailed(f"{ref.file}: {ref.name}: bytes [{offset}, {offset + length}) outside its {ref.nbytes}")
+    return bytes(_read(checkpoint, ref._replace(dtype="U8"), offset, length, (length,)).numpy())
+
+
 def _itemsize(ref: TensorRef) -> int:
     if ref.dtype not in DTYPE_BYTES or ref.dtype not in _TORCH_DTYPES:
         raise CheckFailed(f"{ref.file}: {ref.name}: dtype {ref.dtype} cannot be read")

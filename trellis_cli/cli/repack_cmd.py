@@ -16,6 +16,7 @@ from trellis_cli.errors import TrellisError
 class Target(str, Enum):
     route_pack = "route-pack"
     tr3 = "tr3"
+    exl3_v1 = "exl3-v1"
 
 
 HELP = (
@@ -25,6 +26,9 @@ HELP = (
     "Built in OUT.partial and moved into place only when every file was read back and matched its source "
     "bit for bit; rerunning after an interruption resumes. --tp re-slices and --shared-h collapses "
     "hidden-side rotations only where that is exact, and refuses otherwise.\n\n"
+    "--to exl3-v1 writes b12x's slot-major container from TR3 (refused, before anything is written, unless "
+    "every rank's hidden-side vectors are byte-identical); an exl3-v1 SOURCE converts back with --to tr3 at "
+    "any --tp its slot layout allows.\n\n"
     "Examples:\n\n"
     "  trellis repack ./GLM-TR3 ./GLM-TR3-routepack --jobs 4\n\n"
     "  trellis repack org/model@main ./packed --layers 3-5 --ranks 0\n\n"
@@ -36,7 +40,8 @@ def register(app: typer.Typer) -> None:
     @app.command("repack", help=HELP)
     def repack_command(
         source: Annotated[str, typer.Argument(
-            help="TR3 checkpoint (a directory, or a Hub id org/name or org/name@rev) or a route pack.")],
+            help="TR3 checkpoint (a directory, or a Hub id org/name or org/name@rev), a route pack or an exl3-v1 "
+                 "checkpoint.")],
         out: Annotated[Path, typer.Argument(help="Output directory (must not exist or be empty).")],
         revision: RevisionOpt = None,
         token: TokenOpt = None,

@@ -30,6 +30,11 @@ class Codebook(str, Enum):
     inst3 = "3inst"
 
 
+class Format(str, Enum):
+    tr3 = "tr3"
+    exl3_v1 = "exl3-v1"
+
+
 class BitmapField(str, Enum):
     k = "k"
     bits_per_expert = "bits_per_expert"
@@ -146,6 +151,8 @@ def register(app: typer.Typer) -> None:
         top_k: Annotated[Optional[int], typer.Option("--top-k", help="Experts per token.")] = None,
         seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
         sparse: Annotated[bool, typer.Option("--sparse", help="Headers only, data left as holes.")] = False,
+        fmt: Annotated[Format, typer.Option("--format", help="tr3 (rank-sliced shards) or exl3-v1 (b12x's "
+                                                             "slot-major container; --tp is then ignored).")] = Format.tr3,
         overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     ) -> None:
@@ -156,6 +163,9 @@ def register(app: typer.Typer) -> None:
         spec = build_spec(preset_name.value, overrides, partition, k_values, bitmap, uniform)
         spec = dataclasses.replace(spec, codebook=codebook.value, bitmap_field=bitmap_field.value, seed=seed,
                                    sparse=sparse, rotation_layout="shared_h_v1" if shared_h else "per_expert_v1")
+        if fmt is Format.exl3_v1:
+            _write_exl3v1(out, spec, overwrite, as_json)
+            return
         size = synth.checkpoint_bytes(spec)
         output.log(f"writing {out}: {len(spec.layers)} layer shards, {size / 1e9:.2f} GB of tensor data"
                    + (" (sparse: headers only)" if sparse else ""))
@@ -166,6 +176,24 @@ def register(app: typer.Typer) -> None:
             output.emit_json(doc)
             return
         _print_summary(doc)
+
+
+def _write_exl3v1(out: Path, spec, overwrite: bool, as_json: bool) -> None:
+    from trellis_cli.exl3v1 import synth as synth_exl3v1
+
+    size = synth_exl3v1.checkpoint_bytes(spec)
+    output.log(f"writing {out}: exl3-v1, {len(spec.layers)} layer files, {size / 1e9:.2f} GB of tensor data"
+               + (" (sparse: rate tables only)" if spec.sparse else ""))
+    with output.progress_bar("synth layers", len(spec.layers), enabled=output.progress_enabled(as_json)) as advance:
+        synth_exl3v1.write_exl3v1_checkpoint(out, spec, lambda _layer: advance(), overwrite=overwrite)
+    doc = synth_exl3v1.summary(spec, out)
+    if as_json:
+        output.emit_json(doc)
+        return
+    rates = f"uniform K{doc['bits']}" if doc["structure"] == "uniform" else f"per_expert_pair {doc['pair_kinds']}"
+    output.print_line(f"wrote {doc['path']} (exl3-v1{', sparse' if doc['sparse'] else ''}): {len(doc['layers'])} "
+                      f"layers, H {doc['hidden']}, I {doc['intermediate']} ({doc['num_slots']} slots), "
+                      f"{doc['experts']} experts, {rates}, {doc['tensor_bytes']:,} bytes of tensor data")
 
 
 def _print_summary(doc: dict) -> None:

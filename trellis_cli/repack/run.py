@@ -88,8 +88,8 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
     """Repack `source` (a Source, a path, or an opened Checkpoint) into `out`; see the module docstring."""
     options = options or RepackOptions()
     log = log or (lambda _m: None)
-    if options.to not in ("route-pack", "tr3"):
-        raise UsageError(f"--to {options.to!r}: expected route-pack or tr3")
+    if options.to not in ("route-pack", "tr3", "exl3-v1"):
+        raise UsageError(f"--to {options.to!r}: expected route-pack, tr3 or exl3-v1")
     if options.jobs < 1:
         raise UsageError(f"--jobs {options.jobs}: must be at least 1")
     from trellis_cli.repack.manifest import is_route_pack
@@ -100,6 +100,11 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
 
         return route_pack_to_tr3(root, Path(out), options, on_bytes=on_bytes, on_total=on_total, log=log)
     checkpoint = source if isinstance(source, Checkpoint) else open_repack_source(source)
+    from trellis_cli.exl3v1 import repack as exl3v1_repack  # exl3-v1 in or out: its own drivers
+
+    if exl3v1_repack.handles(checkpoint, options.to):
+        return exl3v1_repack.run_exl3v1_repack(checkpoint, Path(out), options, on_bytes=on_bytes, on_total=on_total,
+                                               log=log)
     if checkpoint.dialect not in TR3_DIALECTS:
         raise UsageError(f"repack reads rank-sliced TR3 checkpoints ({', '.join(TR3_DIALECTS)}); the source is "
                          f"{checkpoint.dialect}")

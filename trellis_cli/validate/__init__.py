@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Callable
 
-from trellis_cli.checkpoint.model import DIALECT_REPACKED, Checkpoint
+from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, Checkpoint
 from trellis_cli.findings import Finding, Location, Report, Severity
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.validate import rules_config, rules_files, rules_tensors
@@ -43,6 +43,13 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
     from trellis_cli.checkpoint.open import paused_gc
 
     report = Report(subject=_subject(checkpoint), context=_context(checkpoint))
+    if checkpoint.dialect == DIALECT_EXL3V1:
+        from trellis_cli.validate.rules_exl3v1 import check_exl3v1
+
+        check_exl3v1(checkpoint, report, _selected_layers(checkpoint, layers, report), deep=deep,
+                     checksums=checksums, progress=progress, checksum_progress=checksum_progress)
+        report.findings = cap_findings(report.findings)
+        return report
     with paused_gc():
         report.extend(checkpoint.parse_findings)
         report.extend(rules_files.check_files(checkpoint))

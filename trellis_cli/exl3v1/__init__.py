@@ -1,0 +1,8 @@
+"""The `exl3-v1` MoE container: `exl3-manifest.json` plus one safetensors file per MoE layer, experts stored
+slot-major (32 intermediate channels per slot), one set of hidden-side tables per layer.
+
+Modules, in the order data flows: schema (the manifest, parsed strictly into findings), layout (byte
+arithmetic of rows, bundles, planes and TP extents), container (the layer files' headers and small tables),
+pack (a layer's TP extent as a route-pack LayerPack), write (layer files and the manifest), synth (synthetic
+checkpoints), convert (repack to and from TR3). docs/checkpoint-dialects.md describes the container.
+"""

@@ -1,0 +1,145 @@
+"""An exl3-v1 checkpoint in the normalized model: the manifest, each layer file's header, and its rate tables.
+
+`fill_checkpoint` runs inside open_checkpoint once the dialect is known. It reads the manifest (already read
+for detection) and the header of every layer file the manifest names, and nothing else: layer files hold
+tensors with the same names ("codes", "rotations", ...), so they are kept per layer (`Exl3Layer.tensors`)
+instead of in `Checkpoint.tensors`. Rate tables are tensor data, but tiny ([num_slots/8, E] bytes): they are
+read on first use by `layer_rates`, from local files only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from trellis_cli.checkpoint.model import Checkpoint, MoeLayer, TensorRef
+from trellis_cli.errors import CheckFailed
+from trellis_cli.exl3v1.layout import LayerRates, uniform_rates
+from trellis_cli.exl3v1.schema import SLOTS_PER_PAIR, Manifest, parse_manifest
+from trellis_cli.findings import Location, error
+
+CODES, ROTATIONS, RATES_FC1, RATES_FC2, SIGN_PATTERN = "codes", "rotations", "rates_fc1", "rates_fc2", "sign_pattern"
+HIDDEN_TABLES = ("gate_suh", "up_suh", "down_svh")  # matrix order: gate, up, down
+METADATA_KEYS = ("schema", "codebook", "layer", "num_experts", "hidden_size", "intermediate_size", "slot_channels")
+
+
+@dataclass
+class Exl3Layer:
+    index: int
+    file: str
+    sha256: str
+    tensors: dict[str, TensorRef] = field(default_factory=dict)  # by name inside the layer file
+    metadata: dict[str, str] | None = None
+    readable: bool = False  # the header parsed
+
+    def ref(self, name: str) -> TensorRef | None:
+        return self.tensors.get(name)
+
+
+@dataclass
+class Exl3Container:
+    manifest_file: str
+    manifest: Manifest | None
+    layers: dict[int, Exl3Layer] = field(default_factory=dict)
+    rates: dict[int, LayerRates | None] = field(default_factory=dict)  # cache of layer_rates
+
+
+def container(ckpt: Checkpoint) -> Exl3Container:
+    return ckpt.declared["exl3v1"]
+
+
+def expected_metadata(m: Manifest, layer: int) -> dict[str, str]:
+    """The identity keys a layer file's safetensors metadata must carry, as strings."""
+    return {"schema": "exl3-v1", "codebook": m.codebook, "layer": str(layer), "num_experts": str(m.num_experts),
+            "hidden_size": str(m.hidden), "intermediate_size": str(m.intermediate), "slot_channels": "32"}
+
+
+def fill_checkpoint(ckpt: Checkpoint, source: Any, files: dict[str, int], manifest_file: str, doc: Any) -> None:
+    manifest, findings = parse_manifest(doc, manifest_file)
+    ckpt.parse_findings.extend(findings)
+    box = Exl3Container(manifest_file, manifest)
+    ckpt.declared["exl3v1"] = box
+    if manifest is None:
+        return
+    ckpt.hidden, ckpt.intermediate, ckpt.num_experts = manifest.hidden, manifest.intermediate, manifest.num_experts
+    ckpt.codebook = manifest.codebook
+    ckpt.rotation_layout = "per_expert_v1" if manifest.per_expert_input_rotations else "shared_h_v1"
+    for index, entry in manifest.layers.items():
+        layer = box.layers[index] = Exl3Layer(index, entry.file, entry.sha256)
+        ckpt.layers[index] = MoeLayer(index, files={entry.file})
+        _read_layer_header(ckpt, source, files, layer)
+    ckpt.layers = dict(sorted(ckpt.layers.items()))
+
+
+def _read_layer_header(ckpt: Checkpoint, source: Any, files: dict[str, int], layer: Exl3Layer) -> None:
+    where = Location(file=layer.file, layer=layer.index)
+    escapes = getattr(source, "escapes", None)
+    if escapes is not None and escapes(layer.file):
+        ckpt.parse_findings.append(error("path.escape", where, "the layer file resolves outside the checkpoint "
+                                         "directory (symlink)"))
+        return
+    if layer.file not in files:
+        ckpt.parse_findings.append(error("exl3v1.layer-file-missing", where, "the manifest names a layer file "
+                                         "that is not in the checkpoint"))
+        return
+    if files[layer.file] < 0:
+        ckpt.parse_findings.append(error("path.dangling", where, "the layer file is a dangling link"))
+        return
+    try:
+        header = source.read_header(layer.file)
+    except CheckFailed as e:
+        ckpt.parse_findings.append(error("file.header", where, str(e)))
+        return
+    ckpt.headers[layer.file] = header
+    layer.readable = True
+    layer.metadata = header.metadata if isinstance(header.metadata, dict) else None
+    for name, e in header.tensors.items():
+        layer.tensors[name] = TensorRef(name, layer.file, e.dtype, e.shape, e.begin, e.end, header.data_start)
+
+
+def rate_table_shape(m: Manifest) -> tuple[int, int]:
+    return (m.num_slots // SLOTS_PER_PAIR, m.num_experts)
+
+
+def layer_rates(ckpt: Checkpoint, index: int) -> LayerRates | None:
+    """The layer's rate bytes; None when the tables are absent, malformed or not readable here."""
+    box = container(ckpt)
+    m = box.manifest
+    if m is None or index not in box.layers:
+        return None
+    if not m.pair_structure:
+        return uniform_rates(m.bits)
+    if index not in box.rates:
+        box.rates[index] = _read_rates(ckpt, m, box.layers[index])
+    return box.rates[index]
+
+
+def _read_rates(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer) -> LayerRates | None:
+    from trellis_cli.checkpoint.tensors import read_tensor
+
+    tables = []
+    for name in (RATES_FC1, RATES_FC2):
+        ref = layer.ref(name)
+        if ref is None or ref.dtype != "U8" or tuple(ref.shape) != rate_table_shape(m) or not local_file(ckpt, ref):
+            return None
+        try:
+            tables.append(tuple(tuple(row) for row in read_tensor(ckpt, ref).tolist()))
+        except CheckFailed:
+            return None
+    return LayerRates(None, tables[0], tables[1])
+
+
+def local_file(ckpt: Checkpoint, ref: TensorRef) -> bool:
+    """True when the file's bytes are on this machine (a local directory, or a Hub file already cached)."""
+    if getattr(ckpt.source, "root", None) is not None:
+        return True
+    cached = getattr(ckpt.source, "cached_path", None)
+    return cached is not None and cached(ref.file) is not None
+
+
+def finding_where(layer: Exl3Layer, tensor: str | None = None) -> Location:
+    return Location(file=layer.file, layer=layer.index, tensor=tensor)
+
+
+__all__ = ["CODES", "Exl3Container", "Exl3Layer", "HIDDEN_TABLES", "METADATA_KEYS", "ROTATIONS", "container",
+           "expected_metadata", "fill_checkpoint", "layer_rates"]

@@ -1,0 +1,214 @@
+"""`trellis repack TR3 OUT --to exl3-v1`: rank-sliced TR3 -> one exl3-v1 layer file per MoE layer.
+
+Exact or refused. exl3-v1 holds one hidden-side vector per layer (and expert, for per_expert_v1), with no
+rank axis, so every rank's gate/up suh and down svh must be byte-identical; that is checked for every
+selected layer before anything is written. Uniform K -> `uniform` rates; several K -> `per_expert_pair`
+with P{K}{K} in every pair of an expert, in record-major placement. Per layer: the intermediate vectors
+(small) first, then the codes rows one rank at a time from that rank's LayerPack (memory: one layer-rank),
+then the written file is read back through the exl3-v1 reader and compared with the source rank by rank.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint
+from trellis_cli.errors import CheckFailed, UsageError
+from trellis_cli.exl3v1.container import HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS, Exl3Layer
+from trellis_cli.exl3v1.layout import LayerRates, slot_channels
+from trellis_cli.exl3v1.pack import pack_rows, read_extent_pack
+from trellis_cli.exl3v1.schema import (MANIFEST_FILE, PER_EXPERT_PAIR, SLOT_CHANNELS, SLOTS_PER_PAIR, UNIFORM,
+                                       LayerEntry, Manifest)
+from trellis_cli.exl3v1.write import layer_file_name, row_stride, write_layer, write_manifest
+from trellis_cli.repack.pack import HIDDEN_SIDE, expected_hidden, expected_intermediate, layer_tiers, pack_layer
+from trellis_cli.repack.plan import parse_selection, rank_pieces
+from trellis_cli.repack.readback import same_bits
+from trellis_cli.repack.source_bytes import TensorReader
+from trellis_cli.repack.staging import Stage, check_free_space, check_target
+
+NOTE_KEY = "trellis_exl3v1"  # in the carried config.json: what restoring the TR3 layout needs
+PAIR_K = (2, 3, 4)
+
+
+def target_manifest(ck: Checkpoint, tiers: dict[int, list[tuple[int, list[int]]]]) -> Manifest:
+    ks = sorted({k for layer_tiers_ in tiers.values() for k, _ in layer_tiers_})
+    codebooks = {lin.codebook for li in tiers for projs in ck.layers[li].experts.values() for ranks in projs.values()
+                 for lin in ranks.values()}
+    if codebooks != {"mcg"}:
+        raise UsageError(f"--to exl3-v1: the experts use codebook(s) {sorted(codebooks)}; exl3-v1 names mcg only")
+    per_rank = ck.intermediate // ck.tp
+    mixed = len(ks) > 1
+    if mixed and (per_rank % (SLOTS_PER_PAIR * SLOT_CHANNELS) or any(k not in PAIR_K for k in ks)):
+        raise UsageError(f"--to exl3-v1: mixed K {ks} needs per_expert_pair rates: K2..K4 and whole 256-channel "
+                         f"pairs per rank ({per_rank} intermediate channels per rank)")
+    if not mixed and ks[0] not in range(2, 7):
+        raise UsageError(f"--to exl3-v1: K{ks[0]} is outside the 2..6 that exl3-v1 rates allow")
+    return Manifest(codebook="mcg", num_experts=ck.num_experts, hidden=ck.hidden, intermediate=ck.intermediate,
+                    num_slots=ck.intermediate // SLOT_CHANNELS, layer_indices=tuple(tiers),
+                    structure=PER_EXPERT_PAIR if mixed else UNIFORM, bits=None if mixed else ks[0],
+                    pair_kinds=tuple(f"P{k}{k}" for k in ks) if mixed else (), intermediate_hadamard=False,
+                    per_expert_input_rotations=ck.rotation_layout == "per_expert_v1", pre_block=None,
+                    post_block=None, row_alignment=4096, extent_alignment=SLOTS_PER_PAIR if mixed else 4,
+                    barriers=(), codebook_seed=None)
+
+
+def rates_for(m: Manifest, tiers: list[tuple[int, list[int]]]) -> LayerRates:
+    if not m.pair_structure:
+        return LayerRates((m.bits << 4) | m.bits)
+    k_of = {e: k for k, ids in tiers for e in ids}
+    row = tuple(17 * k_of[e] for e in range(m.num_experts))
+    return LayerRates(None, (row,) * m.pairs, (row,) * m.pairs)
+
+
+def check_hidden_side_equal(ck: Checkpoint, layers: list[int]) -> None:
+    """Refuse (before writing) the first layer, expert, projection and rank whose hidden-side vector differs."""
+    import torch
+
+    shared = ck.rotation_layout == "shared_h_v1"
+    with TensorReader(ck.source) as reader:
+        for li in layers:
+            moe = ck.layers[li]
+            for e in ([0] if shared else sorted(moe.experts)):
+                for proj in PROJECTIONS:
+                    first = expected_hidden(reader, moe, e, proj, rank_pieces(ck.intermediate, ck.tp, ck.tp, 0),
+                                            ck.hidden, shared).view(torch.int16)
+                    for rank in range(1, ck.tp):
+                        pieces = rank_pieces(ck.intermediate, ck.tp, ck.tp, rank)
+                        other = expected_hidden(reader, moe, e, proj, pieces, ck.hidden, shared).view(torch.int16)
+                        if not torch.equal(first, other):
+                            at = int((first != other).nonzero()[0])
+                            who = f"layer {li}" + ("" if shared else f" expert {e}")
+                            raise CheckFailed(
+                                f"[exl3v1.h-side-differs] {who} {proj} {HIDDEN_SIDE[proj]}: rank {rank} differs from "
+                                f"rank 0 (first at element {at}); exl3-v1 holds one hidden-side vector per "
+                                f"{'layer' if shared else 'layer and expert'}, and each rank's trellis codes were "
+                                "chosen under its own vector, so only re-quantization could merge them (refused, "
+                                "nothing written)")
+
+
+def _small_tables(ck: Checkpoint, m: Manifest, li: int, tiers) -> dict[str, Any]:
+    """rotations [S, E, 3, 32] from every rank's intermediate vectors, hidden-side tables from rank 0."""
+    import torch
+
+    moe, shared = ck.layers[li], ck.rotation_layout == "shared_h_v1"
+    width = ck.intermediate // ck.tp
+    count = width // SLOT_CHANNELS
+    channels = torch.tensor([c for j in range(count) for c in slot_channels(m, j)])
+    rotations = torch.empty((m.num_slots, m.num_experts, 3, SLOT_CHANNELS), dtype=torch.float16)
+    rows = m.num_experts if m.per_expert_input_rotations else 1
+    hidden = {name: torch.empty((rows, m.hidden), dtype=torch.float16) for name in HIDDEN_TABLES}
+    with TensorReader(ck.source) as reader:
+        for rank in range(ck.tp):
+            pieces = rank_pieces(ck.intermediate, ck.tp, ck.tp, rank)
+            for e in range(m.num_experts):
+                for p, proj in enumerate(PROJECTIONS):
+                    vec = expected_intermediate(reader, moe, e, proj, pieces, width, shared)
+                    rotations[rank * count:(rank + 1) * count, e, p] = vec[channels].view(count, SLOT_CHANNELS)
+                    if rank == 0 and e < rows:
+                        hidden[HIDDEN_TABLES[p]][e] = expected_hidden(reader, moe, e, proj, pieces, m.hidden, shared)
+    tables = {ROTATIONS: rotations}
+    tables.update({n: t if m.per_expert_input_rotations else t.reshape(m.hidden) for n, t in hidden.items()})
+    return tables
+
+
+def write_converted_layer(ck: Checkpoint, m: Manifest, li: int, tiers, path: Path, on_bytes) -> None:
+    rates = rates_for(m, tiers)
+    stride = row_stride(m, rates)
+    tables = _small_tables(ck, m, li, tiers)
+    if m.pair_structure:
+        import torch
+
+        tables[RATES_FC1] = torch.tensor(rates.fc1, dtype=torch.uint8)
+        tables[RATES_FC2] = torch.tensor(rates.fc2, dtype=torch.uint8)
+
+    def rows():
+        with TensorReader(ck.source) as reader:
+            for rank in range(ck.tp):
+                pack = pack_layer(ck, li, rank, reader=reader)
+                for row in pack_rows(m, rates, pack, stride):
+                    yield row
+                    on_bytes(len(row))
+                del pack
+
+    write_layer(path, m, li, stride, tables.get, rows())
+    verify_layer_file(ck, m, li, rates, path)
+
+
+def verify_layer_file(ck: Checkpoint, m: Manifest, li: int, rates: LayerRates, path: Path) -> None:
+    """Read the written file back through the exl3-v1 reader; every rank's pack must equal the source's."""
+    from trellis_cli.checkpoint.model import TensorRef
+    from trellis_cli.header import read_local_header
+    from trellis_cli.sources import LocalSource
+
+    header = read_local_header(path, path.name)
+    layer = Exl3Layer(li, path.name, "", {n: TensorRef(n, path.name, e.dtype, e.shape, e.begin, e.end,
+                                                       header.data_start) for n, e in header.tensors.items()},
+                      header.metadata, True)
+    with TensorReader(LocalSource(path.parent)) as written, TensorReader(ck.source) as source:
+        for rank in range(ck.tp):
+            got = read_extent_pack(m, layer, rates, written, ck.tp, rank)
+            want = pack_layer(ck, li, rank, reader=source)
+            pairs = [("tier_k", got.tier_k == want.tier_k), ("global_to_combined", same_bits(
+                got.global_to_combined, want.global_to_combined)), ("descriptors", same_bits(
+                got.descriptors, want.descriptors)), ("rot.intermediate", same_bits(
+                got.rot_intermediate, want.rot_intermediate))]
+            pairs += [(f"tier{t}.trellis", same_bits(a, b)) for t, (a, b) in
+                      enumerate(zip(got.tier_trellis, want.tier_trellis))]
+            pairs += [(n, same_bits(getattr(got, n), getattr(want, n))) for n in HIDDEN_TABLES]
+            bad = [name for name, ok in pairs if not ok]
+            if bad:
+                raise CheckFailed(f"{path.name}: rank {rank}: {bad[0]} read back differs from the TR3 source")
+
+
+def tr3_to_exl3v1(ck: Checkpoint, out: Path, options, *, on_bytes=None, on_total=None, log=None):
+    from trellis_cli.exl3v1.carry import carried_files, write_carried
+    from trellis_cli.repack.run import RepackResult, source_root, vector_ndim
+    from trellis_cli.repack.manifest import file_entry
+
+    if options.tp is not None or options.ranks is not None or options.shared_h:
+        raise UsageError("--tp, --ranks and --shared-h do not apply with --to exl3-v1 (it has no rank axis)")
+    start = time.perf_counter()
+    layers = parse_selection(options.layers, [li for li, moe in ck.layers.items() if moe.experts], "layers")
+    tiers = {li: layer_tiers(ck, li) for li in layers}
+    m = target_manifest(ck, tiers)
+    copies = carried_files(ck, options.copy_other)
+    check_hidden_side_equal(ck, layers)
+    check_target(out, source_root(ck), options.overwrite)
+    stage = Stage(out, {"source": ck.source.describe(), "to": "exl3-v1", "layers": layers}, options.overwrite)
+    total = sum(ck.headers[f].data_end for li in layers for f in ck.layers[li].files if f in ck.headers)
+    check_free_space(out, total - stage.bytes_done())
+    (on_total or (lambda _n: None))(total)
+    result = RepackResult(out)
+    with stage.discard_on_refusal():
+        for li in layers:
+            name = layer_file_name(li)
+            if not stage.completed(name):
+                write_converted_layer(ck, m, li, tiers[li], stage.path / name, on_bytes or (lambda _n: None))
+                stage.record(name, file_entry(stage.path / name))
+                result.files_written += 1
+                result.bytes_written += (stage.path / name).stat().st_size
+            else:
+                result.files_resumed += 1
+            m.layers[li] = LayerEntry(name, stage.done[name]["sha256"])
+        note = {"source_dialect": ck.dialect, "tp": ck.tp, "vector_ndim": vector_ndim(ck),
+                "shard_names": {str(li): sorted(ck.layers[li].files)[0] for li in layers}}
+        write_carried(ck, stage.path, copies, NOTE_KEY, note)
+        write_manifest(stage.path, m, MANIFEST_FILE)
+        _final_check(stage.path)
+    stage.move_into_place()
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _final_check(root: Path) -> None:
+    from trellis_cli.checkpoint import open_checkpoint
+    from trellis_cli.validate import run_validation
+
+    report = run_validation(open_checkpoint(root))
+    if not report.ok:
+        raise CheckFailed(f"{root}: the staged exl3-v1 output does not validate: {report.errors[0].line()}")
+
+
+__all__ = ["NOTE_KEY", "check_hidden_side_equal", "tr3_to_exl3v1"]

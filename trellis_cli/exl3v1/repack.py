@@ -1,0 +1,31 @@
+"""Where `trellis repack` sends exl3-v1 work: TR3 -> exl3-v1 (from_tr3.py) and exl3-v1 -> TR3 (to_tr3.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H, Checkpoint
+from trellis_cli.errors import UsageError
+
+
+def handles(checkpoint: Checkpoint, to: str) -> bool:
+    return checkpoint.dialect == DIALECT_EXL3V1 or to == "exl3-v1"
+
+
+def run_exl3v1_repack(checkpoint: Checkpoint, out: Path, options, **progress):
+    if checkpoint.dialect == DIALECT_EXL3V1:
+        if options.to != "tr3":
+            raise UsageError(f"the source is exl3-v1: --to {options.to} is not a conversion of it; use --to tr3 "
+                             "(then `trellis repack` that TR3 checkpoint for a route pack; `trellis bench` runs "
+                             "an exl3-v1 checkpoint directly)")
+        from trellis_cli.exl3v1.to_tr3 import exl3v1_to_tr3
+
+        return exl3v1_to_tr3(checkpoint, out, options, **progress)
+    if checkpoint.dialect not in (DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H):
+        raise UsageError(f"--to exl3-v1 reads rank-sliced TR3 checkpoints; the source is {checkpoint.dialect}")
+    from trellis_cli.exl3v1.from_tr3 import tr3_to_exl3v1
+    from trellis_cli.repack.run import validate_first
+
+    if options.validate:
+        validate_first(checkpoint)
+    return tr3_to_exl3v1(checkpoint, out, options, **progress)

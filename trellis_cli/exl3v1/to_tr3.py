@@ -1,0 +1,113 @@
+"""exl3-v1 as a source: `trellis repack EXL3 OUT --to tr3 [--tp N]`, and one (layer, rank) for `trellis bench`.
+
+Each TR3 shard is written by repack's TR3 writer (repack/convert.py) from one LayerPack per rank, read from
+the rank's slot extent (pack.py), and read back against those packs. Any `--tp` the slot layout allows works
+(default: the TP recorded when the checkpoint was converted from TR3, else the largest allowed degree up to
+4); hidden-side tables are replicated per rank. config.json: the carried one when the checkpoint came from
+TR3 (its note restores shard names and vector shapes), else one written from the manifest, with
+tier_bitmap.json for mixed K.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.checkpoint.names import shard_name
+from trellis_cli.errors import CheckFailed, UsageError
+from trellis_cli.exl3v1.container import container, layer_rates
+from trellis_cli.exl3v1.from_tr3 import NOTE_KEY
+from trellis_cli.exl3v1.layout import tp_degrees
+from trellis_cli.exl3v1.pack import check_convertible, expert_tiers, read_extent_pack
+from trellis_cli.repack.convert import Tr3Layer, _options, _restored_config, _Tr3Run
+from trellis_cli.repack.format import LayerPack
+from trellis_cli.repack.plan import parse_selection
+from trellis_cli.repack.source_bytes import TensorReader
+
+DEFAULT_MAX_TP = 4
+
+
+def exl3v1_pack(ck: Checkpoint, layer: int, rank: int, tp: int) -> LayerPack:
+    """One (layer, rank) of an exl3-v1 checkpoint in the route-pack layout (what bench runs)."""
+    box = container(ck)
+    if box.manifest is None or layer not in box.layers or not box.layers[layer].readable:
+        raise CheckFailed(f"layer {layer}: not readable in this exl3-v1 checkpoint (run `trellis validate`)")
+    rates = layer_rates(ck, layer)
+    if rates is None:
+        raise CheckFailed(f"layer {layer}: the rate tables cannot be read (run `trellis validate`)")
+    if not 0 <= rank < tp:
+        raise UsageError(f"rank {rank} is outside 0..{tp - 1}")
+    with TensorReader(ck.source) as reader:
+        return read_extent_pack(box.manifest, box.layers[layer], rates, reader, tp, rank)
+
+
+def default_tp(ck: Checkpoint) -> int:
+    note = ck.config.get(NOTE_KEY) if isinstance(ck.config, dict) else None
+    allowed = tp_degrees(container(ck).manifest)
+    if isinstance(note, dict) and note.get("tp") in allowed:
+        return note["tp"]
+    return max((tp for tp in allowed if tp <= DEFAULT_MAX_TP), default=1)
+
+
+class _FromExl3(_Tr3Run):
+    extra_json: dict[str, Any] = {}
+
+    def _write_rest(self, stage, weight_map) -> None:
+        for name, doc in self.extra_json.items():
+            (stage.path / name).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        super()._write_rest(stage, weight_map)
+
+
+def exl3v1_to_tr3(ck: Checkpoint, out: Path, options, *, on_bytes=None, on_total=None, log=None):
+    from trellis_cli.exl3v1.carry import carried_files
+    from trellis_cli.repack.run import source_root, validate_first
+
+    if options.ranks is not None or options.shared_h:
+        raise UsageError("--ranks and --shared-h do not apply when converting exl3-v1 to TR3")
+    if options.validate:
+        validate_first(ck)
+    m = container(ck).manifest
+    tp = options.tp if options.tp is not None else default_tp(ck)
+    check_convertible(m, tp)
+    layers = parse_selection(options.layers, list(container(ck).layers), "layers")
+    if layers != list(range(layers[0], layers[-1] + 1)):
+        raise UsageError(f"--to tr3: layers {layers} are not contiguous; TR3 declares its MoE layers as one span")
+    tiers = {li: expert_tiers(m, layer_rates(ck, li), li) for li in layers}
+    note = ck.config.get(NOTE_KEY) if isinstance(ck.config.get(NOTE_KEY), dict) else {}
+    ndim = note.get("vector_ndim", {})
+    shared = not m.per_expert_input_rotations
+    specs = {li: Tr3Layer(li, {e: k for k, ids in tiers[li] for e in ids}, tp, m.hidden, m.intermediate // tp, "mcg",
+                          shared, ndim.get("per_expert", 1), ndim.get("shared_h", 1)) for li in layers}
+    run = _FromExl3(out, options, specs, lambda li, rank: exl3v1_pack(ck, li, rank, tp), on_bytes, on_total, log)
+    names = note.get("shard_names", {})
+    run.shard_names = {li: names.get(str(li), shard_name(li)) for li in layers}
+    run.source_root = source_root(ck)
+    run.copy_from = carried_files(ck, options.copy_other, frozenset({container(ck).manifest_file}))
+    hybrid = ck.config.get("hybrid_tr3_tail")
+    if isinstance(hybrid, dict):
+        run.config = _restored_config({k: v for k, v in ck.config.items() if k != NOTE_KEY}, tp, shared)
+    else:
+        run.config, run.extra_json = _tr3_config(m, tiers, tp, shared)
+        run.copy_from.pop("tier_bitmap.json", None)
+    return run.run(fingerprint={"source": ck.source.describe(), "options": _options(options), "tp": tp})
+
+
+def _tr3_config(m, tiers, tp: int, shared: bool) -> tuple[dict, dict]:
+    """config.json (and tier_bitmap.json when K is mixed) for a checkpoint that never was TR3."""
+    from trellis_cli import synth
+
+    layers = tuple(tiers)
+    bitmap = {li: tuple(k for e in range(m.num_experts) for k, ids in tiers[li] if e in ids) for li in layers}
+    ks = {k for per in bitmap.values() for k in per}
+    choice = {"uniform_k": ks.pop()} if len(ks) == 1 else {"bitmap": bitmap}
+    try:
+        spec = synth.SynthSpec(hidden=m.hidden, intermediate=m.intermediate, experts=m.num_experts, tp=tp,
+                               layers=layers, top_k=min(8, m.num_experts),
+                               rotation_layout="shared_h_v1" if shared else "per_expert_v1", **choice)
+    except UsageError as e:
+        raise UsageError(f"--to tr3: this geometry has no TR3 form ({str(e).removeprefix('synth: ')})") from None
+    config = synth.config_json(spec)
+    config["hybrid_tr3_tail"]["producer_version"] = "trellis repack (from exl3-v1)"
+    return config, ({"tier_bitmap.json": synth.tier_bitmap_json(spec)} if spec.mixed else {})

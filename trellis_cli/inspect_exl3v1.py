@@ -1,0 +1,91 @@
+"""`trellis inspect` of an exl3-v1 checkpoint: the same per-layer rows as TR3 (partition, bpw, tiers, bytes per
+rank), plus the container's slot layout: the TP degrees its extents allow and the bytes one rank reads at each.
+
+K per expert comes from the rate tables (uniform: the manifest's bits); an expert whose records use several
+bit widths (P24, P43, or P33 in one pair and P44 in another) is counted under "mixed".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.exl3v1.container import CODES, container, layer_rates
+from trellis_cli.exl3v1.layout import hidden_table_bytes, rank_bytes, row_payload, tp_degrees
+from trellis_cli.exl3v1.schema import SLOT_CHANNELS
+from trellis_cli.id_ranges import compact_ranges
+
+MIXED = "mixed"
+
+
+def exl3v1_section(ckpt: Checkpoint) -> dict[str, Any] | None:
+    m = container(ckpt).manifest
+    if m is None:
+        return None
+    return {"manifest": container(ckpt).manifest_file, "structure": m.structure, "bits": m.bits,
+            "pair_kinds": list(m.pair_kinds), "num_slots": m.num_slots, "row_alignment": m.row_alignment,
+            "extent_alignment_slots": m.extent_alignment, "extent_barriers": list(m.barriers),
+            "per_expert_input_rotations": m.per_expert_input_rotations,
+            "intermediate_hadamard": m.intermediate_hadamard, "tp_degrees": tp_degrees(m),
+            "hidden_table_bytes": hidden_table_bytes(m)}
+
+
+def exl3v1_rows(ckpt: Checkpoint, chosen: list[int]) -> list[dict[str, Any]]:
+    box = container(ckpt)
+    m = box.manifest
+    if m is None:
+        return []
+    degrees = tp_degrees(m)
+    rows = []
+    for index in chosen:
+        layer = box.layers[index]
+        codes = layer.ref(CODES)
+        stride = codes.shape[1] if codes is not None and len(codes.shape) == 2 else 0
+        rates = layer_rates(ckpt, index)
+        tiers: dict[Any, list[int]] = {}
+        bpw = None
+        if rates is not None:
+            for e in range(m.num_experts):
+                k = rates.expert_k(e, m.num_slots)
+                tiers.setdefault(k if k is not None else MIXED, []).append(e)
+            bpw = round(sum(rates.expert_bpw(e, m.num_slots) for e in range(m.num_experts)) / m.num_experts, 3)
+        ordered = sorted(tiers.items(), key=lambda kv: (isinstance(kv[0], str), kv[0]))
+        payload = max((row_payload(m, rates, s) for s in range(m.num_slots)), default=0) if rates else None
+        rows.append({
+            "layer": index,
+            "partition": "/".join(str(len(ids)) for _, ids in ordered) if ordered else "-",
+            "k_values": [k for k, _ in ordered],
+            "experts": m.num_experts,
+            "bpw": bpw,
+            "tiers": {(f"K{k}" if k != MIXED else MIXED): compact_ranges(ids) for k, ids in ordered},
+            "projection_k": None,
+            "declared_projection_k": None,
+            "bytes_per_rank": rank_bytes(m, stride, 1),
+            "trellis_bytes_per_rank": m.num_slots * stride,
+            "rank_bytes": {str(tp): rank_bytes(m, stride, tp) for tp in degrees},
+            "row_stride": stride,
+            "row_payload": payload,
+            "bytes_per_slot": stride + m.num_experts * 3 * SLOT_CHANNELS * 2,
+            "ranks": 1,
+            "rotation": ckpt.rotation_layout,
+            "shards": [layer.file],
+            "tensors": len(layer.tensors),
+        })
+    return rows
+
+
+def render_exl3v1(doc: dict[str, Any]) -> list[str]:
+    """Lines added to the text rendering: the slot layout and the bytes one rank reads per allowed TP."""
+    x = doc.get("exl3v1")
+    if not x:
+        return []
+    rates = f"uniform K{x['bits']}" if x["structure"] == "uniform" else f"per_expert_pair {x['pair_kinds']}"
+    lines = [f"exl3-v1: {x['num_slots']} slots of 32 channels, rates {rates}, row alignment {x['row_alignment']}, "
+             f"extent alignment {x['extent_alignment_slots']} slots, barriers {x['extent_barriers'] or 'none'}",
+             f"TP degrees the slot layout allows: {', '.join(map(str, x['tp_degrees'])) or 'none'}"]
+    from trellis_cli.inspect_report import human_bytes
+
+    for run in doc["runs"]:
+        per_tp = ", ".join(f"tp{tp} {human_bytes(n)}" for tp, n in (run.get("rank_bytes") or {}).items())
+        lines.append(f"  {run['layer_range']}: bytes per rank: {per_tp or '-'}")
+    return lines
