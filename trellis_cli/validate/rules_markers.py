@@ -31,8 +31,9 @@ def layer_markers(ckpt: Checkpoint, layers: Iterable[int]) -> Iterator[tuple[Ten
                 for rank, lin in by_rank.items():
                     for kind in MARKER_VALUES:
                         ref = getattr(lin, kind)
-                        if ref is not None and ref.dtype == "I32" and ref.shape == () and ref.nbytes == MARKER_BYTES:
-                            yield ref, kind, Location(layer=li, expert=expert, projection=proj, rank=rank, tensor=ref.name)
+                        if ref is not None and (ref.dtype, ref.shape, ref.nbytes) == ("I32", (), MARKER_BYTES):
+                            where = Location(layer=li, expert=expert, projection=proj, rank=rank, tensor=ref.name)
+                            yield ref, kind, where
 
 
 def check_marker_values(ckpt: Checkpoint, layers: Iterable[int], count) -> Iterator[Finding]:
