@@ -65,13 +65,13 @@ def test_r7_manifest_layer_that_is_not_a_number_is_a_finding(tmp_path):
 
 
 def test_plain_exl3_and_r7_pass(tmp_path):
-    # exllamav3 (the default profile of plain exl3) fuses a layer's experts per projection: one K for all
-    assert validate(to_plain_exl3(synth(tmp_path, "a", tp=1, partition=None, uniform_k=4)), deep=True).ok
+    assert validate(to_plain_exl3(synth(tmp_path, "a", tp=1)), deep=True).ok  # the format rules: no profile
     assert validate(to_r7(synth(tmp_path, "b")), deep=True).ok
 
 
 def test_plain_exl3_with_per_expert_k_is_refused_by_exllamav3(tmp_path):
-    report = validate(to_plain_exl3(synth(tmp_path, tp=1)))
+    # exllamav3 (the default profile of plain exl3) fuses a layer's experts per projection: one K for all
+    report = validate(to_plain_exl3(synth(tmp_path, tp=1)), engine="default")
     refused = [f for f in report.errors if f.code == "engine.k-per-projection"]
     assert refused and refused[0].engine == "exllamav3" and refused[0].found["K"] == [3, 4]
 

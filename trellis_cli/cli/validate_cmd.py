@@ -78,6 +78,7 @@ def _validate(opened, layers: list[int] | None, deep: bool, download: bool, chec
               as_json: bool, engine: str | None) -> Report:
     from trellis_cli.checkpoint.open import open_checkpoint
     from trellis_cli.validate import run_validation
+    from trellis_cli.validate.engines import DEFAULT
 
     output.log(f"reading {opened.description} ...")
     try:
@@ -101,8 +102,8 @@ def _validate(opened, layers: list[int] | None, deep: bool, download: bool, chec
                 tasks["hash"] = progress.add_task("hashing bytes", total=None)
             progress.advance(tasks["hash"], n)
 
-        return run_validation(checkpoint, deep=deep, layers=layers, checksums=checksums, engine=engine,
-                              progress=advance, checksum_progress=hashed)
+        return run_validation(checkpoint, deep=deep, layers=layers, checksums=checksums,
+                              engine=engine or DEFAULT, progress=advance, checksum_progress=hashed)
 
 
 def _fetch_layers(checkpoint, layers: list[int] | None, as_json: bool) -> None:
@@ -148,6 +149,9 @@ def render_report(report: Report) -> None:
         enforced = next((v for v in report.engines if v["enforced"]), {})
         how = "default" if enforced.get("default") else "--engine"
         output.print_line(f"engine rules enforced: {context['engine']} ({how})")
+    elif "engine" in context:
+        output.print_line("engine rules enforced: none (no profiled loader reads this dialect; --engine NAME "
+                          "enforces one)")
     output.print_line(report.summary(), style="bold green" if report.ok else "bold red")
     if report.engines:
         output.print_line(compatibility_line(report.engines, context.get("markers") != "not read"))

@@ -40,12 +40,12 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
                    checksum_progress: Callable[[int], None] | None = None) -> Report:
     """Validate `checkpoint`; `layers` limits the per-layer rules (file and config rules always run).
 
-    `engine` names the loader profile to enforce (validate/engines.py); None enforces the default for the
-    dialect. `progress(stage, done, total)` is called as layers complete; `checksum_progress(n)` with bytes
-    hashed.
+    `engine` names the loader profile to enforce (validate/engines.py): `engines.DEFAULT` (what the CLI passes
+    without --engine) enforces the dialect's default; None enforces none (the format rules alone decide, as for
+    repack's check of its source); either way every profile's verdict is in `report.engines`.
+    `progress(stage, done, total)` is called as layers complete; `checksum_progress(n)` with bytes hashed.
     """
-    enforced = engines.engine_named(engine).name if engine is not None else engines.default_engine(
-        checkpoint.dialect)
+    enforced = engines.enforced_name(engine, checkpoint.dialect)
     if checkpoint.dialect == DIALECT_REPACKED:
         report = _validate_route_pack(checkpoint, checksums)
         engines.assess(checkpoint, [], report, enforced)

@@ -46,6 +46,7 @@ ENGINES: tuple[Engine, ...] = (
 )
 BY_NAME = {e.name: e for e in ENGINES}
 NEWEST_RANK_SLICED = "vllm-exl3-shared-h"
+DEFAULT = "default"  # run_validation(engine=DEFAULT): the dialect's default profile
 # The default profile per dialect: the newest rank-sliced loader for TR3, each other container's own reader.
 # A dialect with no profiled reader (R7, a route pack) gets no enforced profile; its verdicts are reported.
 DEFAULT_BY_DIALECT = {DIALECT_EXL3: "exllamav3", r.DIALECT_EXL3_V1: "b12x-exl3-v1"} | {
@@ -61,6 +62,13 @@ def engine_named(name: str) -> Engine:
 
 def default_engine(dialect: str) -> str | None:
     return DEFAULT_BY_DIALECT.get(dialect)
+
+
+def enforced_name(engine: str | None, dialect: str) -> str | None:
+    """`DEFAULT` -> the dialect's default profile; None -> no profile enforced; else the named one."""
+    if engine is None:
+        return None
+    return default_engine(dialect) if engine == DEFAULT else engine_named(engine).name
 
 
 def refusals(engine: Engine, ckpt: Checkpoint, layers: list[int]) -> list[r.Refusal]:

@@ -22,22 +22,20 @@ SPAN_GAP = 64 * 1024  # markers closer than this are read in one span
 SPAN_MAX = 4 * 1024 * 1024  # but no span longer than this (bounded memory)
 
 
-def layer_markers(ckpt: Checkpoint, layers: Iterable[int]) -> Iterator[tuple[TensorRef, str, Location]]:
-    """(marker, kind, location) for every well-formed marker of the chosen layers (malformed ones are header
-    findings already)."""
+def layer_markers(ckpt: Checkpoint, layers: Iterable[int]) -> Iterator[tuple[TensorRef, str, tuple]]:
+    """(marker, kind, (layer, expert, projection, rank)) for every well-formed marker of the chosen layers
+    (malformed ones are header findings already)."""
     for li in layers:
         for expert, projs in ckpt.layers[li].experts.items():
             for proj, by_rank in projs.items():
                 for rank, lin in by_rank.items():
-                    for kind in MARKER_VALUES:
-                        ref = getattr(lin, kind)
+                    for kind, ref in (("mcg", lin.mcg), ("mul1", lin.mul1)):
                         if ref is not None and (ref.dtype, ref.shape, ref.nbytes) == ("I32", (), MARKER_BYTES):
-                            where = Location(layer=li, expert=expert, projection=proj, rank=rank, tensor=ref.name)
-                            yield ref, kind, where
+                            yield ref, kind, (li, expert, proj, rank)
 
 
 def check_marker_values(ckpt: Checkpoint, layers: Iterable[int], count) -> Iterator[Finding]:
-    by_file: dict[str, list[tuple[TensorRef, str, Location]]] = defaultdict(list)
+    by_file: dict[str, list[tuple[TensorRef, str, tuple]]] = defaultdict(list)
     for item in layer_markers(ckpt, layers):
         by_file[item[0].file].append(item)
     for file, items in sorted(by_file.items()):
@@ -45,9 +43,10 @@ def check_marker_values(ckpt: Checkpoint, layers: Iterable[int], count) -> Itera
         if problem is not None:
             yield problem
         count("markers read", len(values))
-        for ref, kind, where in items:
+        for ref, kind, (li, expert, proj, rank) in items:
             value = values.get(ref.name)
             if value is not None and value != MARKER_VALUES[kind]:
+                where = Location(layer=li, expert=expert, projection=proj, rank=rank, tensor=ref.name)
                 yield error("marker.value", where, f".{kind} marker holds the wrong value (the loaders refuse it)",
                             expected=hex(MARKER_VALUES[kind] & 0xFFFFFFFF), found=hex(value & 0xFFFFFFFF))
 
@@ -63,16 +62,17 @@ def _read_scalars(ckpt: Checkpoint, file: str, refs: list[TensorRef]) -> tuple[d
     try:
         path = ckpt.source.local_path(file)
         size = os.path.getsize(path)
-        inside = sorted((ref for ref in refs if ref.absolute_range[1] <= size), key=lambda ref: ref.absolute_range)
+        starts = sorted((ref.data_start + ref.begin, ref.name) for ref in refs)
+        inside = [(begin, name) for begin, name in starts if begin + MARKER_BYTES <= size]
         with open(path, "rb") as f:
             for span in _spans(inside):
-                begin, end = span[0].absolute_range[0], span[-1].absolute_range[1]
+                begin = span[0][0]
                 f.seek(begin)
-                data = f.read(end - begin)
-                for ref in span:
-                    at = ref.absolute_range[0] - begin
-                    if at + MARKER_BYTES <= len(data):
-                        values[ref.name] = int.from_bytes(data[at:at + MARKER_BYTES], "little", signed=True)
+                data = f.read(span[-1][0] + MARKER_BYTES - begin)
+                for at, name in span:
+                    chunk = data[at - begin:at - begin + MARKER_BYTES]
+                    if len(chunk) == MARKER_BYTES:
+                        values[name] = int.from_bytes(chunk, "little", signed=True)
     except OSError as e:
         return values, error("data.unreadable", Location(file=file), f"cannot read the codebook markers "
                              f"({e.strerror or e})")
@@ -83,13 +83,13 @@ def _read_scalars(ckpt: Checkpoint, file: str, refs: list[TensorRef]) -> tuple[d
     return values, None
 
 
-def _spans(refs: list[TensorRef]) -> Iterator[list[TensorRef]]:
-    span: list[TensorRef] = []
-    for ref in refs:
-        if span and (ref.absolute_range[0] - span[-1].absolute_range[1] > SPAN_GAP
-                     or ref.absolute_range[1] - span[0].absolute_range[0] > SPAN_MAX):
+def _spans(starts: list[tuple[int, str]]) -> Iterator[list[tuple[int, str]]]:
+    """Runs of (offset, name), in file order, close enough to be read at once."""
+    span: list[tuple[int, str]] = []
+    for item in starts:
+        if span and (item[0] - span[-1][0] > SPAN_GAP or item[0] - span[0][0] > SPAN_MAX):
             yield span
             span = []
-        span.append(ref)
+        span.append(item)
     if span:
         yield span
