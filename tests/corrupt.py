@@ -190,7 +190,7 @@ CORPUS: dict[str, tuple[Callable[[Path], str], bool]] = {  # name -> (corruptor,
     "missing-expert": (missing_expert, False),
     "missing-rank": (missing_rank, False),
     "nan-in-suh": (nan_in_suh, True),
-    "wrong-marker-value": (wrong_marker_value, True),
+    "wrong-marker-value": (wrong_marker_value, False),  # loaders read markers at load: so does the default
     "both-markers": (both_markers, False),
     "index-entry-outside": (index_entry_outside, False),
     "symlink-escape": (symlink_escape, False),

@@ -28,7 +28,8 @@ def run(argv, capsys) -> tuple[int, str, str]:
 def test_pristine_checkpoint_passes(pristine, capsys):
     code, out, err = run(["validate", str(pristine), "--deep"], capsys)
     assert code == 0, out
-    assert out.strip().splitlines()[-1].startswith("PASS")
+    verdict, engines = out.strip().splitlines()[-2:]
+    assert verdict.startswith("PASS") and engines.startswith("loads on: vllm-exl3 (shared-H rules) ✓")
 
 
 @pytest.mark.parametrize("case", sorted(CORPUS))
@@ -49,5 +50,6 @@ def test_corrupt_checkpoint_gives_named_finding_and_exit_1(case, pristine, tmp_p
     code, out, err = run(["validate", str(root)] + (["--deep"] if deep else []), capsys)
     assert code == 1
     assert f"[{expected_code}]" in out
-    assert out.strip().splitlines()[-1].startswith("FAIL")
+    verdict, engines = out.strip().splitlines()[-2:]
+    assert verdict.startswith("FAIL") and engines.startswith("loads on: vllm-exl3 (shared-H rules) ✗")
     assert err.strip().splitlines()[-1].startswith("error:") and "Traceback" not in err

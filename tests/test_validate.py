@@ -65,8 +65,15 @@ def test_r7_manifest_layer_that_is_not_a_number_is_a_finding(tmp_path):
 
 
 def test_plain_exl3_and_r7_pass(tmp_path):
-    assert validate(to_plain_exl3(synth(tmp_path, "a", tp=1)), deep=True).ok
+    assert validate(to_plain_exl3(synth(tmp_path, "a", tp=1)), deep=True).ok  # the format rules: no profile
     assert validate(to_r7(synth(tmp_path, "b")), deep=True).ok
+
+
+def test_plain_exl3_with_per_expert_k_is_refused_by_exllamav3(tmp_path):
+    # exllamav3 (the default profile of plain exl3) fuses a layer's experts per projection: one K for all
+    report = validate(to_plain_exl3(synth(tmp_path, tp=1)), engine="default")
+    refused = [f for f in report.errors if f.code == "engine.k-per-projection"]
+    assert refused and refused[0].engine == "exllamav3" and refused[0].found["K"] == [3, 4]
 
 
 def test_tensor_count_formula_matches_production_numbers():
@@ -150,7 +157,7 @@ def test_missing_marker_and_unexpected_fields(tmp_path):
     rebuild_shard(root, SHARD3, edit)
     report = validate(root)
     assert {"marker.missing", "tensor.bias"} <= codes(report)
-    assert "tensor.unexpected" in codes(report, Severity.WARNING)
+    assert "tensor.scale-ignored" in codes(report, Severity.WARNING)
 
 
 def test_index_disagreements_both_ways(tmp_path):
@@ -212,7 +219,10 @@ def test_strict_fails_on_warnings(tmp_path, capsys):
 
 def test_default_source_is_the_bundled_sample(capsys):
     code, out, _ = run(["validate"], capsys)
-    assert code == 0 and out.strip().splitlines()[-1].startswith("PASS: bundled sample")
+    verdict, engines = out.strip().splitlines()[-2:]
+    assert code == 0 and verdict.startswith("PASS: bundled sample")
+    assert engines == ("loads on: vllm-exl3 (shared-H rules) ✓ · vllm-exl3 (#190 rules) ✓ · b12x exl3-v1 ✗ wrong "
+                       "container · exllamav3 ✗ rank-sliced names")
 
 
 def test_route_pack_is_validated_by_its_own_verifier(tmp_path, capsys):
@@ -248,7 +258,9 @@ def test_production_layers_header_only(tmp_path):
     start = time.perf_counter()
     report = validate(root)
     elapsed = time.perf_counter() - start
-    assert report.ok and report.checked["tensors"] == 4 * 12_288 and report.checked["linears"] == 4 * 3072
+    assert report.checked["tensors"] == 4 * 12_288 and report.checked["linears"] == 4 * 3072
+    # The markers are read by default (a sparse file's markers are holes: zeros, which the loaders refuse).
+    assert report.checked["markers read"] == 4 * 3072 and codes(report) == {"marker.value"}
     assert elapsed < 15, elapsed  # ~0.3 s per layer on 2 cores; 76 layers in docs/performance.md
 
 

@@ -61,9 +61,11 @@ class Finding:
     message: str
     expected: Any = None
     found: Any = None
+    engine: str | None = None  # set on findings of a loader profile's rules (validate/engines.py)
 
     def line(self) -> str:
-        text = f"{self.severity.value}[{self.code}] {self.where}: {self.message}"
+        by = f" ({self.engine})" if self.engine else ""
+        text = f"{self.severity.value}[{self.code}]{by} {self.where}: {self.message}"
         if self.expected is not None or self.found is not None:
             text += f" (expected {self.expected}, found {self.found})"
         return text
@@ -79,6 +81,8 @@ class Finding:
             out["expected"] = _jsonable(self.expected)
         if self.found is not None:
             out["found"] = _jsonable(self.found)
+        if self.engine is not None:
+            out["engine"] = self.engine
         return out
 
 
@@ -124,6 +128,7 @@ class Report:
     findings: list[Finding] = field(default_factory=list)
     checked: dict[str, int] = field(default_factory=dict)  # e.g. {"tensors": 12288, "files": 3}
     context: dict[str, Any] = field(default_factory=dict)  # source, revision, dialect, ...
+    engines: list[dict[str, Any]] = field(default_factory=list)  # per-engine verdicts (validate/engines.py)
 
     def extend(self, items: Iterable[Finding]) -> None:
         self.findings.extend(items)
@@ -159,4 +164,5 @@ class Report:
             "context": self.context,
             "checked": self.checked,
             "findings": [f.to_dict() for f in self.findings],
+            "engines": self.engines,
         }

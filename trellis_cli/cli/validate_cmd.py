@@ -18,11 +18,17 @@ HELP = (
     "shared-H rows, tier sizes and tensor counts. Header-only unless --deep or --checksums.\n\n"
     "Each finding has a stable code (docs/findings.md), a location and expected vs found. Exit 1 on any "
     "error (or any warning with --strict).\n\n"
+    "The report ends with which serving engines load the checkpoint (docs/engines.md). One engine's rules are "
+    "enforced: --engine NAME, or by default the newest rank-sliced vLLM loader for TR3 checkpoints (a plain "
+    "exllamav3 checkpoint: exllamav3); the others are reported, not enforced.\n\n"
     "Examples:\n\n"
     "  trellis validate                      # the bundled sample\n\n"
     "  trellis validate ./GLM-TR3 --deep --layers 3-5,40\n\n"
-    "  trellis validate org/model --revision main --json"
+    "  trellis validate org/model --revision main --json\n\n"
+    "  trellis validate ./GLM-TR3 --engine vllm-exl3-190"
 )
+ENGINE_HELP = "Loader profile whose refusals are errors: " + ", ".join(
+    ["vllm-exl3-shared-h", "vllm-exl3-190", "b12x-exl3-v1", "exllamav3"]) + " (default: per dialect)."
 
 
 def register(app: typer.Typer) -> None:
@@ -42,13 +48,17 @@ def register(app: typer.Typer) -> None:
         checksums: Annotated[bool, typer.Option("--checksums", help="Compare sha256 with the Hub's LFS hashes or "
                                                                     "MANIFEST.sha256.")] = False,
         strict: Annotated[bool, typer.Option("--strict", help="Warnings fail too.")] = False,
+        engine: Annotated[Optional[str], typer.Option("--engine", help=ENGINE_HELP)] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Emit the report as one JSON document.")] = False,
     ) -> None:
         from trellis_cli.selection import parse_layer_ranges
+        from trellis_cli.validate.engines import engine_named
 
+        if engine is not None:
+            engine_named(engine)  # an unknown name is a usage error before anything is read
         chosen = parse_layer_ranges(layers) if layers is not None else None
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
-        report = _validate(opened, chosen, deep, download, checksums, as_json)
+        report = _validate(opened, chosen, deep, download, checksums, as_json, engine)
         report.context.setdefault("source", opened.describe())
         failed = not report.ok or (strict and bool(report.warnings))
         if as_json:
@@ -65,9 +75,10 @@ def register(app: typer.Typer) -> None:
 
 
 def _validate(opened, layers: list[int] | None, deep: bool, download: bool, checksums: bool,
-              as_json: bool) -> Report:
+              as_json: bool, engine: str | None) -> Report:
     from trellis_cli.checkpoint.open import open_checkpoint
     from trellis_cli.validate import run_validation
+    from trellis_cli.validate.engines import DEFAULT
 
     output.log(f"reading {opened.description} ...")
     try:
@@ -91,8 +102,8 @@ def _validate(opened, layers: list[int] | None, deep: bool, download: bool, chec
                 tasks["hash"] = progress.add_task("hashing bytes", total=None)
             progress.advance(tasks["hash"], n)
 
-        return run_validation(checkpoint, deep=deep, layers=layers, checksums=checksums, progress=advance,
-                              checksum_progress=hashed)
+        return run_validation(checkpoint, deep=deep, layers=layers, checksums=checksums,
+                              engine=engine or DEFAULT, progress=advance, checksum_progress=hashed)
 
 
 def _fetch_layers(checkpoint, layers: list[int] | None, as_json: bool) -> None:
@@ -113,8 +124,11 @@ def _fetch_layers(checkpoint, layers: list[int] | None, as_json: bool) -> None:
 
 
 def _single(opened, code: str, message: str) -> Report:
+    from trellis_cli.validate.engines import unreadable_verdicts
+
     report = Report(subject=opened.description, context={"source": opened.describe()})
     report.findings.append(Finding(code, Severity.ERROR, Location(), message))
+    report.engines = unreadable_verdicts("not a checkpoint it reads" if code == "dialect.unknown" else "unreadable")
     return report
 
 
@@ -122,11 +136,22 @@ _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO:
 
 
 def render_report(report: Report) -> None:
-    """Findings (errors first), then the one-line verdict, on stdout."""
+    """Findings (errors first), the one-line verdict, then which engines load the checkpoint, on stdout."""
+    from trellis_cli.validate.engines import compatibility_line
+
     order = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.INFO: 2}
     for finding in sorted(report.findings, key=lambda f: order[f.severity]):
         output.print_line(finding.line(), style=_STYLE[finding.severity])
     context = report.context
     if context.get("dialect"):
         output.print_line(f"dialect: {context['dialect']}")
+    if context.get("engine"):
+        enforced = next((v for v in report.engines if v["enforced"]), {})
+        how = "default" if enforced.get("default") else "--engine"
+        output.print_line(f"engine rules enforced: {context['engine']} ({how})")
+    elif "engine" in context:
+        output.print_line("engine rules enforced: none (no profiled loader reads this dialect; --engine NAME "
+                          "enforces one)")
     output.print_line(report.summary(), style="bold green" if report.ok else "bold red")
+    if report.engines:
+        output.print_line(compatibility_line(report.engines, context.get("markers") != "not read"))

@@ -1,7 +1,9 @@
 """Validation: run every rule that applies to a checkpoint's dialect and collect the findings in one Report.
 
 Rules live in one module per family: rules_files (byte layout, index, paths), rules_config (metadata
-contracts), rules_tensors (header facts per linear and per layer), rules_data (--deep: tensor values).
+contracts), rules_tensors (header facts per linear and per layer), rules_runtime (traps after a clean load),
+rules_markers (codebook marker values, read by default for local sources), rules_data (--deep: tensor
+values), and last the loader profiles of engines.py (the enforced one's refusals, every one's verdict).
 Every rule runs even after errors, so one run shows every problem. A repacked directory is checked by the
 route-pack verifier instead. Rules never raise on bad input; they yield findings.
 """
@@ -14,7 +16,8 @@ from typing import Callable
 from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, Checkpoint
 from trellis_cli.findings import Finding, Location, Report, Severity
 from trellis_cli.id_ranges import compact_ranges
-from trellis_cli.validate import rules_config, rules_files, rules_tensors
+from trellis_cli.validate import (engines, rules_config, rules_files, rules_markers, rules_runtime,
+                                  rules_tensors)
 
 MAX_FINDINGS_PER_CODE = 50  # then one "... and N more" line: a missing shard must not print 12,288 lines
 SUMMARY_PREFIX = "... and "
@@ -32,14 +35,22 @@ CHECKSUM_CODES = {  # integrity status -> (code, severity, message)
 
 
 def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[int] | None = None,
-                   checksums: bool = False, progress: Callable[[str, int, int], None] | None = None,
+                   checksums: bool = False, engine: str | None = None,
+                   progress: Callable[[str, int, int], None] | None = None,
                    checksum_progress: Callable[[int], None] | None = None) -> Report:
     """Validate `checkpoint`; `layers` limits the per-layer rules (file and config rules always run).
 
+    `engine` names the loader profile to enforce (validate/engines.py): `engines.DEFAULT` (what the CLI passes
+    without --engine) enforces the dialect's default; None enforces none (the format rules alone decide, as for
+    repack's check of its source); either way every profile's verdict is in `report.engines`.
     `progress(stage, done, total)` is called as layers complete; `checksum_progress(n)` with bytes hashed.
     """
+    enforced = engines.enforced_name(engine, checkpoint.dialect)
     if checkpoint.dialect == DIALECT_REPACKED:
-        return _validate_route_pack(checkpoint, checksums)
+        report = _validate_route_pack(checkpoint, checksums)
+        engines.assess(checkpoint, [], report, enforced)
+        report.findings = cap_findings(report.findings)
+        return report
     from trellis_cli.checkpoint.open import paused_gc
 
     report = Report(subject=_subject(checkpoint), context=_context(checkpoint))
@@ -51,28 +62,49 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
         report.findings = cap_findings(report.findings)
         return report
     with paused_gc():
-        report.extend(checkpoint.parse_findings)
-        report.extend(rules_files.check_files(checkpoint))
-        report.count("files", len(checkpoint.headers))
-        report.count("tensors", len(checkpoint.tensors))
-        report.extend(rules_config.check_config(checkpoint))
-        if not checkpoint.layers:
-            report.findings.append(Finding("layer.none", Severity.WARNING, Location(), "no routed-expert MoE layers "
-                                           "found: nothing for the per-layer rules to check"))
-        selected = _selected_layers(checkpoint, layers, report)
-        for done, li in enumerate(selected, 1):
-            report.extend(rules_tensors.check_layers(checkpoint, [li]))
-            if progress is not None:
-                progress("headers", done, len(selected))
-        report.count("layers", len(selected))
-        report.count("linears", sum(len(r) for li in selected for p in checkpoint.layers[li].experts.values()
-                                    for r in p.values()))
+        selected = _run_header_rules(checkpoint, layers, report, progress)
+    _run_markers(checkpoint, selected, report, deep)
     if deep:
         _run_deep(checkpoint, selected, report, progress)
     if checksums:
         _run_checksums(checkpoint, report, checksum_progress)
+    engines.assess(checkpoint, selected, report, enforced)
+    report.context["engine"] = enforced
     report.findings = cap_findings(report.findings)
     return report
+
+
+def _run_header_rules(checkpoint: Checkpoint, layers: list[int] | None, report: Report, progress) -> list[int]:
+    report.extend(checkpoint.parse_findings)
+    report.extend(rules_files.check_files(checkpoint))
+    report.count("files", len(checkpoint.headers))
+    report.count("tensors", len(checkpoint.tensors))
+    report.extend(rules_config.check_config(checkpoint))
+    if not checkpoint.layers:
+        report.findings.append(Finding("layer.none", Severity.WARNING, Location(), "no routed-expert MoE layers "
+                                       "found: nothing for the per-layer rules to check"))
+    selected = _selected_layers(checkpoint, layers, report)
+    for done, li in enumerate(selected, 1):
+        report.extend(rules_tensors.check_layers(checkpoint, [li]))
+        if progress is not None:
+            progress("headers", done, len(selected))
+    report.extend(rules_runtime.check_runtime(checkpoint, selected))
+    report.count("layers", len(selected))
+    report.count("linears", sum(len(r) for li in selected for p in checkpoint.layers[li].experts.values()
+                                for r in p.values()))
+    return selected
+
+
+def _run_markers(ckpt: Checkpoint, selected: list[int], report: Report, deep: bool) -> None:
+    """Marker values are read by default where the bytes are local; a remote source reads them with --deep."""
+    from trellis_cli.sources import LocalSource
+
+    if deep or isinstance(ckpt.source, LocalSource):
+        report.extend(rules_markers.check_marker_values(ckpt, selected, report.count))
+        report.context["markers"] = "read"
+    else:
+        report.findings.append(rules_markers.not_read_finding())
+        report.context["markers"] = "not read"
 
 
 def _subject(ckpt: Checkpoint) -> str:
@@ -127,7 +159,6 @@ def _validate_route_pack(ckpt: Checkpoint, checksums: bool) -> Report:
     del checksums
     report = verify_repacked(ckpt.source, check_hashes=True)
     report.context.setdefault("dialect", DIALECT_REPACKED)
-    report.findings = cap_findings(report.findings)
     return report
 
 

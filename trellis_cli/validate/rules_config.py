@@ -73,16 +73,11 @@ def _check_tr3_contract(h: dict, limit: int) -> Iterator[Finding]:
 
 
 def _check_mixed(h: dict, bits: str) -> Iterator[Finding]:
-    if bits != "mixed":
-        yield warning("config.tr3-bits", _where("bits"), "newer loaders accept only the exact string 'mixed'",
-                      expected="mixed", found=bits)
+    yield from _check_bits_spelling(bits)
     k_values = h.get("k_values")
     if not isinstance(k_values, list) or not k_values or not all(is_int(k) and k in MIXED_K_RANGE for k in k_values):
         yield error("config.tr3-k-values", _where("k_values"), "mixed bits need a non-empty k_values list within "
                     "3..6", found=k_values)
-    elif len(set(k_values)) != 2:
-        yield warning("config.tr3-k-values", _where("k_values"), "the one-grid mixed path serves exactly two "
-                      "bitrates", expected="2 values", found=k_values)
     if not isinstance(h.get("bits_per_expert"), str):
         yield error("config.tr3-bits-per-expert", _where("bits_per_expert"), "mixed bits need a 'file.json:field' "
                     "string", found=h.get("bits_per_expert"))
@@ -94,6 +89,7 @@ def _check_mixed(h: dict, bits: str) -> Iterator[Finding]:
 def _check_uniform(h: dict, bits: Any, limit: int) -> Iterator[Finding]:
     if not (is_int(bits) or (isinstance(bits, float) and bits.is_integer())):
         yield error("config.tr3-bits", _where("bits"), "bits must be an integral K or 'mixed'", found=bits)
+    yield from _check_uniform_k(h, bits)
     by_layer = h.get("trellis_bits_by_layer")
     if by_layer is None:
         return
@@ -124,7 +120,6 @@ def check_bitmaps(ckpt: Checkpoint, h: dict) -> Iterator[Finding]:
     """Rule 10-11: per layer a list of experts_per_layer values, each a declared bitrate, each bitrate used."""
     experts = h.get("experts_per_layer")
     k_values = h.get("k_values") if isinstance(h.get("k_values"), list) else None
-    mixed = isinstance(h.get("bits"), str)
     sources = ckpt.declared.get("k_source", {})
     for li, layer in ckpt.layers.items():
         ks = layer.declared_k
@@ -138,9 +133,6 @@ def check_bitmaps(ckpt: Checkpoint, h: dict) -> Iterator[Finding]:
         if bad:
             yield error("bitmap.k-value", where, "bitmap values outside the declared k_values", expected=k_values,
                         found=bad[:8])
-        elif mixed and k_values and set(ks) != set(k_values):
-            yield warning("bitmap.unused-k", where, "layer does not use every declared bitrate (newer loaders "
-                          "reject this)", expected=sorted(k_values), found=sorted(set(ks)))
 
 
 def _check_r7_maps(ckpt: Checkpoint) -> Iterator[Finding]:
@@ -168,11 +160,7 @@ def _check_quant_configs(ckpt: Checkpoint) -> Iterator[Finding]:
                       expected="exl3", found=embedded.get("quant_method"))
     external = ckpt.quant_config
     if isinstance(embedded, dict) and isinstance(external, dict):
-        for key in ("quant_method", "bits", "codebook", "head_bits"):
-            if key in embedded and key in external and embedded[key] != external[key]:
-                yield warning("config.quant-config-drift", Location(file=QUANT_CONFIG, tensor=key),
-                              "config.json quantization_config and quantization_config.json disagree",
-                              expected=embedded[key], found=external[key])
+        yield from _check_quant_config_drift(embedded, external)
     if ckpt.dialect == DIALECT_EXL3 and isinstance(external, dict):
         storage = external.get("tensor_storage")
         if storage is not None and not isinstance(storage, dict):
@@ -233,3 +221,36 @@ def _check_protected_entry(ckpt: Checkpoint, prefix: str, entry: Any) -> Iterato
         yield error("config.protected-k", Location(file=QUANT_CONFIG, tensor=prefix),
                     "tensor_storage bits_per_weight differs from the declared bits", expected=bits,
                     found=record.get("bits_per_weight"))
+
+
+# ---- loader-exact contract rules (what every profiled reader refuses; engines.py has where they differ) ----
+
+LOADER_UNIFORM_K = (3, 4, 5, 6, 8)  # the union of what the rank-sliced loader versions serve uniformly
+DRIFT_KEYS = ("quant_method", "bits", "codebook", "head_bits", "r7_routed_experts")
+
+
+def _check_bits_spelling(bits: str) -> Iterator[Finding]:
+    """A mixed spelling other than 'mixed' (any case, surrounding spaces) fails every loader version read: the
+    older one turns it into a number, the newer one compares it exactly (engines.py: bits_exact)."""
+    if bits.strip().lower() != "mixed":
+        yield error("config.tr3-bits", _where("bits"), "bits must be an integral K or the string 'mixed' (the "
+                    "rank-sliced loaders refuse other spellings)", expected="mixed", found=bits)
+
+
+def _check_uniform_k(h: dict, bits: Any) -> Iterator[Finding]:
+    """Without a per-layer map, uniform bits is every layer's K, and no loader version serves K7 or K2."""
+    if "trellis_bits_by_layer" in h or not (is_int(bits) or (isinstance(bits, float) and bits.is_integer())):
+        return
+    if int(bits) not in LOADER_UNIFORM_K:
+        yield error("config.tr3-bits", _where("bits"), "no rank-sliced loader serves this uniform K (and there is "
+                    "no trellis_bits_by_layer)", expected="3, 4, 5, 6 or 8", found=bits)
+
+
+def _check_quant_config_drift(embedded: dict, external: dict) -> Iterator[Finding]:
+    for key in DRIFT_KEYS:
+        if key in embedded and key in external and embedded[key] != external[key]:
+            yield warning("config.quant-config-drift", Location(file=QUANT_CONFIG, tensor=key),
+                          "config.json's quantization_config and quantization_config.json disagree: vLLM takes "
+                          "the embedded one and opens quantization_config.json only for tensor_storage, so "
+                          "quantization_config.json's value is not what gets served",
+                          expected=embedded[key], found=external[key])

@@ -1,9 +1,10 @@
 """Data rules (--deep): read the tensors of chosen layers and check what headers cannot show.
 
 suh/svh finite and not all zero; svh exactly zero only on padding columns (none, unless the config's logical
-size is below the padded one); markers holding exactly 0xCBAC1FED / 0x83DCD12D; a decode of a few sampled
+size is below the padded one); a decode of a few sampled
 tiles per layer through the codec with a plausible RMS; under per_expert_v1, whether the hidden-side rows are
-byte-identical across experts (then the checkpoint could be repacked to shared_h_v1).
+byte-identical across experts (then the checkpoint could be repacked to shared_h_v1). Marker values are
+rules_markers' (read by default for local sources, and with --deep for remote ones).
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ from __future__ import annotations
 import math
 from typing import Callable, Iterator
 
-from trellis_cli.checkpoint.model import MCG_MARKER, MUL1_MARKER, PROJECTIONS, Checkpoint, LinearRef, MoeLayer
+from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, LinearRef, MoeLayer
 from trellis_cli.checkpoint.names import H_SIDE
 from trellis_cli.checkpoint.tensors import read_rows, read_tensor
 from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Finding, Location, Severity, error, warning
 
-MARKER_VALUES = {"mcg": MCG_MARKER, "mul1": MUL1_MARKER}
 SAMPLED_EXPERTS = 2  # per layer: the first expert of the lowest and of the highest tier
 SAMPLED_TILE_ROWS = 2  # leading tile rows decoded per sampled trellis
 # Decoded codebook values have RMS ~1.24 (3inst, mcg) or ~1 (mul1); far outside means a broken writer.
@@ -30,7 +30,6 @@ def check_layer_data(ckpt: Checkpoint, layer: MoeLayer, count: Callable[[str, in
             for rank, lin in by_rank.items():
                 at = Location(layer=layer.index, expert=expert, projection=proj, rank=rank)
                 yield from _check_vectors(ckpt, lin, at, count)
-                yield from _check_marker_values(ckpt, lin, at)
     for fields in layer.shared_h.values():
         for ref in fields.values():
             yield from _check_vector(ckpt, ref, Location(layer=layer.index, tensor=ref.name), "suh", count)
@@ -77,20 +76,6 @@ def _check_vector(ckpt: Checkpoint, ref, at: Location, name: str, count) -> Iter
     elif zeros and name == "suh":
         yield warning("data.suh-zero", at, "suh has exact zeros (only fp16 underflow should give them)",
                       found=f"{zeros} zeros")
-
-
-def _check_marker_values(ckpt: Checkpoint, lin: LinearRef, at: Location) -> Iterator[Finding]:
-    for kind in ("mcg", "mul1"):
-        ref = getattr(lin, kind)
-        if ref is None or ref.dtype != "I32" or ref.shape != ():
-            continue  # missing or malformed markers are header findings
-        value, problem = _read(ckpt, ref, at)
-        if problem is not None:
-            yield problem
-        elif int(value) != MARKER_VALUES[kind]:
-            yield error("marker.value", Location(at.file, at.layer, at.expert, at.projection, at.rank, ref.name),
-                        f".{kind} marker holds the wrong value", expected=hex(MARKER_VALUES[kind] & 0xFFFFFFFF),
-                        found=hex(int(value) & 0xFFFFFFFF))
 
 
 def _sampled(layer: MoeLayer) -> list[int]:

@@ -1,7 +1,8 @@
 """Tensor rules, from header facts only: per (layer, expert, projection, rank) the EXL3 linear is complete
 and well-formed, its K (always from the trellis shape) agrees across ranks and projections and with what the
 metadata declares, vectors have the right lengths, markers the right dtype and kind, and each layer has the
-experts, ranks, shared-H rows, tier sizes and tensor count its dialect requires.
+experts, ranks, shared-H rows, tier sizes and tensor count its dialect requires. How many bitrates a layer
+may hold is a loader's rule (engines.py), not the format's: R7 layers hold three.
 """
 
 from __future__ import annotations
@@ -155,6 +156,10 @@ def check_linear(ctx: LayerContext, expert: int, proj: str, rank: int, lin: Line
         field = ref.name.rsplit(".", 1)[-1]
         if field == "bias":
             yield error("tensor.bias", at(ref.name), "routed experts with a bias are not served by the MoE kernels")
+        elif field == "scale":
+            yield warning("tensor.scale-ignored", at(ref.name), "no loader applies it: exllamav3 no longer reads "
+                          ".scale and the rank-sliced vLLM loader has no scale parameter for experts, so a scale "
+                          "folded out of the weights here is lost and outputs are off by it")
         else:
             yield warning("tensor.unexpected", at(ref.name), f"unexpected field {field!r} (ignored by loaders)")
 
@@ -255,9 +260,6 @@ def _check_tiers(ctx: LayerContext, layer: MoeLayer) -> Iterator[Finding]:
         if len(ids) > MAX_TIER_EXPERTS:
             yield error("tier.too-large", Location(layer=layer.index), f"tier K{k} holds more experts than local ids "
                         "can address", expected=f"<= {MAX_TIER_EXPERTS}", found=len(ids))
-    if ctx.tr3 and len(tiers) > 2:
-        yield warning("tier.count", Location(layer=layer.index), "the one-grid mixed kernel serves at most two "
-                      "bitrates per layer", expected="<= 2", found=sorted(tiers))
 
 
 def expected_tensor_count(ctx: LayerContext) -> int | None:

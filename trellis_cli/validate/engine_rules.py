@@ -1,0 +1,267 @@
+"""The checks behind the loader profiles of engines.py: each looks at the parsed checkpoint and yields what one
+loader version refuses, as a Refusal (a stable code, a short reason for the compatibility line, where, why).
+
+Only behaviour that differs between loaders, or that a loader adds to the format rules, lives here; what every
+profiled reader of a dialect refuses stays a plain rule (rules_config / rules_tensors). docs/engines.md says
+where each check comes from.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, NamedTuple
+
+from trellis_cli.checkpoint.declared import layer_range
+from trellis_cli.checkpoint.dialect import QUANT_CONFIG
+from trellis_cli.checkpoint.model import (
+    DIALECT_EXL3,
+    DIALECT_R7,
+    DIALECT_REPACKED,
+    DIALECT_TR3_PER_EXPERT,
+    DIALECT_TR3_SHARED_H,
+    PROJECTIONS,
+    Checkpoint,
+)
+from trellis_cli.checkpoint.names import H_SIDE
+from trellis_cli.findings import Location
+from trellis_cli.header import is_int
+
+TR3_DIALECTS = (DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H)
+DIALECT_EXL3_V1 = "exl3-v1"  # b12x's manifest container (exl3-manifest.json + one file per layer)
+ONE_GRID_TIERS = 2  # the mixed path takes exactly two bitrates per layer, with no serial fallback
+UNIFORM_K_190 = range(3, 7)
+UNIFORM_K_SHARED_H = (3, 4, 5, 6, 8)
+MIXED_K_RANGE = range(3, 7)
+
+
+class Refusal(NamedTuple):
+    code: str
+    reason: str  # a few words for the compatibility line
+    where: Location
+    message: str
+    expected: Any = None
+    found: Any = None
+
+
+def _hybrid(ckpt: Checkpoint) -> dict:
+    h = ckpt.declared.get("hybrid_tr3_tail")
+    return h if isinstance(h, dict) else {}
+
+
+def _at(key: str) -> Location:
+    return Location(file="config.json", tensor=f"hybrid_tr3_tail.{key}")
+
+
+def _dialect_name(ckpt: Checkpoint) -> str:
+    return {DIALECT_R7: "an R7 (r7_routed_experts)", DIALECT_EXL3: "a plain exllamav3",
+            DIALECT_REPACKED: "a trellis route pack", DIALECT_EXL3_V1: "an exl3-v1"}.get(
+        ckpt.dialect, f"a {ckpt.dialect}")
+
+
+# ---- containers: which dialects a loader reads at all -----------------------------------------------------
+
+def vllm_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+    """The fork detects hybrid_tr3_tail (format exl3-trellis) and reads tensor_storage; nothing else."""
+    if ckpt.dialect in TR3_DIALECTS or ckpt.dialect == DIALECT_EXL3:
+        return
+    what = {DIALECT_R7: "r7_routed_experts is not a contract this version reads (it knows hybrid_tr3_tail and "
+                        "tensor_storage only)",
+            DIALECT_REPACKED: "a route pack is trellis' own layout (repack --to tr3 rebuilds the served one)",
+            DIALECT_EXL3_V1: "exl3-v1 is b12x's container"}.get(ckpt.dialect, "not a layout this loader reads")
+    yield Refusal("engine.container", "wrong container", Location(), f"{_dialect_name(ckpt)} checkpoint: {what}",
+                  expected="hybrid_tr3_tail or tensor_storage", found=ckpt.dialect)
+
+
+def b12x_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+    """b12x's exl3-v1 reader opens exl3-manifest.json and the layer files it names, and nothing else."""
+    if ckpt.dialect != DIALECT_EXL3_V1:
+        yield Refusal("engine.container", "wrong container", Location(), f"{_dialect_name(ckpt)} checkpoint: the "
+                      "exl3-v1 reader opens exl3-manifest.json and the layer files it lists, which this is not",
+                      expected=DIALECT_EXL3_V1, found=ckpt.dialect)
+
+
+def exllamav3_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+    """exllamav3 looks up `experts.{E}.{proj}.{trellis|suh|svh|su|sv}` per linear, with no rank segment."""
+    if ckpt.dialect in TR3_DIALECTS or any(ckpt.layers[li].rank_sliced for li in layers if li in ckpt.layers):
+        yield Refusal("engine.container", "rank-sliced names", Location(), "expert tensors carry a .rank{r}. "
+                      "segment: exllamav3 finds no experts.{E}.{proj}.trellis and loads no expert",
+                      expected="experts.{E}.{proj}.trellis", found="experts.{E}.{proj}.rank{r}.trellis")
+    elif ckpt.dialect == DIALECT_R7 and any(ckpt.layers[li].r7_shared for li in layers if li in ckpt.layers):
+        yield Refusal("engine.container", "layer-shared vectors", Location(), "hidden-side vectors live once per "
+                      "layer (experts.r7_shared): exllamav3 needs suh/svh (or su/sv) under every linear")
+    elif ckpt.dialect not in (DIALECT_EXL3, DIALECT_R7):
+        yield Refusal("engine.container", "wrong container", Location(), f"{_dialect_name(ckpt)} checkpoint: "
+                      "exllamav3 reads per-linear safetensors names only", found=ckpt.dialect)
+
+
+# ---- bits / k_values spelling: where the two fork versions differ -----------------------------------------
+
+def bits_exact(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+    """Shared-H version: only the exact string 'mixed' selects the mixed path; 'Mixed' goes the uniform way."""
+    bits = _hybrid(ckpt).get("bits")
+    if isinstance(bits, str) and bits != "mixed" and bits.strip().lower() == "mixed":
+        yield Refusal("engine.bits", "bits not exactly 'mixed'", _at("bits"), "only the exact string 'mixed' selects "
+                      "the mixed path; this spelling is read as uniform and then has no per-layer bit map",
+                      expected="mixed", found=bits)
+
+
+def k_values_two(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+    """Shared-H version: a mixed checkpoint declares exactly two distinct k_values."""
+    h = _hybrid(ckpt)
+    k_values = h.get("k_values")
+    if h.get("bits") != "mixed" or not isinstance(k_values, list):
+        return
+    if all(is_int(k) and k in MIXED_K_RANGE for k in k_values) and k_values and len(set(k_values)) != ONE_GRID_TIERS:
+        yield Refusal("engine.k-values", "k_values not exactly two", _at("k_values"), "this version requires exactly "
+                      "two distinct k_values for bits 'mixed'", expected="2 values", found=k_values)
+
+
+def every_k_used(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+    """Shared-H version: every layer of moe_layers uses every declared bitrate (an all-K3 MTP layer fails)."""
+    h = _hybrid(ckpt)
+    k_values = h.get("k_values")
+    if h.get("bits") != "mixed" or not isinstance(k_values, list) or not all(is_int(k) for k in k_values):
+        return
+    wanted = set(k_values)
+    for li in layers:
+        ks = ckpt.layers[li].declared_k if li in ckpt.layers else None
+        if ks and all(is_int(k) for k in ks) and set(ks) != wanted and set(ks) <= wanted:
+            yield Refusal("engine.unused-k", "a layer leaves a declared K unused", Location(layer=li),
+                          "this version requires every layer to use every declared bitrate",
+                          expected=sorted(wanted), found=sorted(set(ks)))
+
+
+def bitmap_field(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+    """Shared-H version: the referenced field must be there; the tail_tr3-only MTP entry is not taken as all-K3."""
+    sources = ckpt.declared.get("k_source", {})
+    for li in layers:
+        source = sources.get(li, "")
+        if source.endswith(":tail_tr3"):
+            yield Refusal("engine.bitmap-field", "bitmap entry without the K field",
+                          Location(file=source.split(":")[0], layer=li), "the layer's entry has only a tail_tr3 "
+                          "list: this version reads the referenced field and refuses the layer",
+                          expected=_hybrid(ckpt).get("bits_per_expert"), found="tail_tr3 only")
+
+
+def uniform_map(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+    """Shared-H version: a uniform checkpoint needs trellis_bits_by_layer, or the legacy pair it is derived from."""
+    h = _hybrid(ckpt)
+    bits = h.get("bits")
+    if ckpt.dialect not in TR3_DIALECTS or isinstance(bits, str) or "trellis_bits_by_layer" in h:
+        return
+    integral = isinstance(bits, (int, float)) and not isinstance(bits, bool) and float(bits).is_integer()
+    derivable = (integral and bool(layer_range(h.get("moe_layers"))) and h.get("nvfp4_keep_per_layer") == 0
+                 and h.get("tr3_tail_per_layer") == h.get("experts_per_layer"))
+    if not derivable:
+        yield Refusal("engine.bits-map", "no per-layer bit map", _at("trellis_bits_by_layer"), "a uniform checkpoint "
+                      "needs trellis_bits_by_layer, or tr3_tail_per_layer == experts_per_layer with "
+                      "nvfp4_keep_per_layer == 0 to derive it from bits; this version refuses without either",
+                      expected="trellis_bits_by_layer", found={k: h.get(k) for k in ("tr3_tail_per_layer",
+                                                                                     "nvfp4_keep_per_layer")})
+
+
+def uniform_k_190(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+    """#190 version: uniform bits (read for every layer; trellis_bits_by_layer is unknown to it) in 3..6."""
+    h = _hybrid(ckpt)
+    bits = h.get("bits")
+    if ckpt.dialect not in TR3_DIALECTS or not isinstance(bits, (int, float)) or isinstance(bits, bool):
+        return
+    if not float(bits).is_integer():
+        return  # config.tr3-bits reports it for every version
+    if int(bits) not in UNIFORM_K_190:
+        yield Refusal("engine.uniform-k", f"uniform K{int(bits)} unsupported", _at("bits"), "this version serves "
+                      "uniform rank-sliced layers at K3..K6 only", expected="3..6", found=bits)
+    by_layer = h.get("trellis_bits_by_layer")
+    if isinstance(by_layer, dict):
+        differ = sorted(str(key) for key, k in by_layer.items() if k != int(bits))
+        if differ:
+            yield Refusal("engine.uniform-k", "ignores trellis_bits_by_layer", _at("trellis_bits_by_layer"),
+                          "this version takes bits for every layer and does not read trellis_bits_by_layer, "
+                          "which says otherwise for some layers", expected=f"K{int(bits)} everywhere",
+                          found=f"layers {differ[:8]}")
+
+
+def shared_h_unsupported(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+    """#190 version: no rotation_layout; every expert needs its own hidden-side suh/svh."""
+    if ckpt.dialect == DIALECT_TR3_SHARED_H or any(ckpt.layers[li].shared_h for li in layers if li in ckpt.layers):
+        yield Refusal("engine.shared-h", "shared_h_v1 unsupported", _at("rotation_layout"), "this version has no "
+                      "rotation_layout: it loads per-expert hidden-side suh/svh, which a shared_h_v1 checkpoint "
+                      "does not have", expected="per_expert_v1", found=ckpt.rotation_layout)
+
+
+# ---- per-layer facts -------------------------------------------------------------------------------------
+
+def tier_count(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+    """Both fork versions: a mixed rank-sliced layer runs on the one-grid path, which takes exactly two bitrates."""
+    if ckpt.dialect not in TR3_DIALECTS:
+        return
+    for li in layers:
+        tiers = ckpt.layers[li].partition() if li in ckpt.layers else {}
+        if len(tiers) > ONE_GRID_TIERS:
+            yield Refusal("engine.tier-count", f"{len(tiers)} bitrates in one layer", Location(layer=li),
+                          "the one-grid mixed path takes exactly two bitrates per layer and has no serial fallback",
+                          expected=f"{ONE_GRID_TIERS} bitrates", found=sorted(tiers))
+
+
+def legacy_signs(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+    """Both fork versions: MoE experts get suh/svh parameters only; packed su/sv is a dense-layer form."""
+    if ckpt.dialect not in TR3_DIALECTS + (DIALECT_EXL3,):
+        return
+    shared = ckpt.dialect == DIALECT_TR3_SHARED_H
+    for li in layers:
+        first, count = None, 0
+        for projs in ckpt.layers[li].experts.values() if li in ckpt.layers else ():
+            for proj, by_rank in projs.items():
+                for lin in by_rank.values():
+                    for legacy, vec, side in ((lin.su, lin.suh, "suh"), (lin.sv, lin.svh, "svh")):
+                        if legacy is not None and vec is None and not (shared and H_SIDE[proj] == side):
+                            first, count = first or legacy, count + 1
+        if first is not None:
+            yield Refusal("engine.legacy-signs", "legacy su/sv on routed experts",
+                          Location(file=first.file, layer=li, tensor=first.name), "routed experts load only suh/svh: "
+                          f"{count} legacy packed su/sv vector(s) here stand in for them, so the loader finds suh/svh "
+                          "missing", expected="suh/svh", found=f"{count} su/sv")
+
+
+def one_k_per_projection(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+    """exllamav3: a layer's experts are fused per projection, which needs one K and one codebook across them."""
+    for li in layers:
+        layer = ckpt.layers.get(li)
+        if layer is None:
+            continue
+        for proj in PROJECTIONS:
+            lins = [lin for projs in layer.experts.values() for lin in projs.get(proj, {}).values()]
+            ks = sorted({lin.k for lin in lins if lin.k is not None})
+            books = sorted({lin.codebook for lin in lins})
+            if len(ks) > 1 or len(books) > 1:
+                yield Refusal("engine.k-per-projection", "per-expert K in one projection",
+                              Location(layer=li, projection=proj), "exllamav3 fuses a layer's experts per "
+                              "projection and asserts one K and one codebook across them",
+                              expected="one K, one codebook", found={"K": ks, "codebook": books})
+
+
+def tensor_storage(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+    """Both fork versions, non-rank-sliced EXL3: per-module records in tensor_storage, checked before loading."""
+    if ckpt.dialect != DIALECT_EXL3:
+        return
+    embedded = ckpt.config.get("quantization_config")
+    storage = embedded.get("tensor_storage") if isinstance(embedded, dict) else None
+    where = Location(file="config.json" if storage else QUANT_CONFIG, tensor="tensor_storage")
+    storage = storage or (ckpt.quant_config or {}).get("tensor_storage")
+    if not isinstance(storage, dict) or not storage:
+        yield Refusal("engine.tensor-storage", "no tensor_storage", where, "the generic EXL3 path needs a non-empty "
+                      "tensor_storage map", expected="object", found=type(storage).__name__)
+        return
+    records = {k: r for k, r in storage.items() if isinstance(r, dict) and r.get("quant_format") == "exl3"}
+    bad = [k for k, r in records.items() if not _stored_ok(r.get("stored_tensors"))]
+    if not records or bad:
+        yield Refusal("engine.tensor-storage", "tensor_storage records incomplete", where, "each EXL3 record's "
+                      "stored_tensors must name trellis, suh or su, svh or sv, and not both mcg and mul1",
+                      expected="stored_tensors per record", found=f"{len(bad)} of {len(records)} records: {bad[:3]}")
+
+
+def _stored_ok(stored: Any) -> bool:
+    if not isinstance(stored, dict):
+        return False
+    fields = {str(name).rsplit(".", 1)[-1] for name in stored}
+    return "trellis" in fields and bool(fields & {"suh", "su"}) and bool(fields & {"svh", "sv"}) and not (
+        {"mcg", "mul1"} <= fields)
