@@ -259,8 +259,8 @@ def test_production_layers_header_only(tmp_path):
     report = validate(root)
     elapsed = time.perf_counter() - start
     assert report.checked["tensors"] == 4 * 12_288 and report.checked["linears"] == 4 * 3072
-    # The markers are read by default (a sparse file's markers are holes: zeros, which the loaders refuse).
-    assert report.checked["markers read"] == 4 * 3072 and codes(report) == {"marker.value"}
+    # The markers are read by default; a sparse file still holds real markers, so it passes.
+    assert report.checked["markers read"] == 4 * 3072 and report.ok, codes(report)
     assert elapsed < 15, elapsed  # ~0.3 s per layer on 2 cores; 76 layers in docs/performance.md
 
 

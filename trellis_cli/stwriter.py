@@ -1,9 +1,9 @@
-"""A streaming safetensors writer: header first, then tensors one at a time, optionally sparse.
+"""A streaming safetensors writer: header first, then tensors one at a time, holes allowed.
 
 `safetensors.torch.save_file` needs every tensor in memory at once and truncates its target in place;
 checkpoints here are written layer by layer (synth) or slab by slab (repack), so this writer plans the
-whole header up front, then accepts tensor data in header order. With `sparse=True` the data regions are
-left unwritten (a file with holes): real headers over unwritten data, for header-level work at
+whole header up front, then accepts tensor data in header order. A tensor can be `skip`ped: its region is
+left unwritten (a hole that reads as zeros), so real headers over unwritten data give header-level work at
 production size in seconds. Files are written to a temporary name and renamed when complete.
 """
 
@@ -61,11 +61,10 @@ def encode_header(tensors: list[PlannedTensor], metadata: dict[str, str] | None 
 class SafetensorsWriter:
     """Write one safetensors file whose tensors arrive in header order. Use as a context manager."""
 
-    def __init__(self, path: str | Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None,
-                 *, sparse: bool = False) -> None:
+    def __init__(self, path: str | Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None) -> None:
         self.path = Path(path)
         self.tensors = tensors
-        self.sparse = sparse
+        self._holes = False
         self._next = 0
         self._tmp = self.path.with_name(self.path.name + ".partial")
         self._header = encode_header(tensors, metadata)
@@ -87,8 +86,7 @@ class SafetensorsWriter:
             data = memoryview(data.detach().cpu().contiguous().view(-1).view(__import__("torch").uint8).numpy())
         if len(data) != planned_tensor.nbytes:
             raise ValueError(f"{self.path.name}: {name}: {len(data)} bytes, planned {planned_tensor.nbytes}")
-        if not self.sparse:
-            self._file.write(data)
+        self._file.write(data)
         self._next += 1
 
     def write_parts(self, name: str, parts) -> None:
@@ -116,14 +114,10 @@ class SafetensorsWriter:
             raise ValueError(f"{self.path.name}: tensor {name!r} written out of order (expected {expected})")
         return self.tensors[self._next]
 
-    def skip_all(self) -> None:
-        """Sparse files: mark every tensor as written without data (the holes read as zeros)."""
-        self._next = len(self.tensors)
-
     def finish(self) -> Path:
         if self._next != len(self.tensors):
             raise ValueError(f"{self.path.name}: {len(self.tensors) - self._next} planned tensors never written")
-        if self.sparse or getattr(self, "_holes", False):
+        if self._holes:  # a skipped last tensor leaves the file short of its planned size
             self._file.truncate(self.file_size)
         self._file.flush()
         os.fsync(self._file.fileno())

@@ -294,9 +294,13 @@ def _write_layer(path: Path, spec: SynthSpec, layer: int, source: TensorSource) 
     slots = list(_layer_slots(spec, layer))
     plan = [slot.tensor for slot in slots]
     marker = CODEBOOK_MARKERS[spec.codebook]
-    with SafetensorsWriter(path, plan, {"format": "pt"}, sparse=spec.sparse) as writer:
-        if spec.sparse:
-            writer.skip_all()
+    with SafetensorsWriter(path, plan, {"format": "pt"}) as writer:
+        if spec.sparse:  # holes for the data; the 4-byte codebook markers are real, as loaders read them
+            for slot in slots:
+                if slot.origin[0] == "marker":
+                    writer.write(slot.tensor.name, torch.tensor(marker[1], dtype=torch.int32))
+                else:
+                    writer.skip(slot.tensor.name)
             return plan, writer.data_bytes
         current: tuple | None = None
         tensors: Mapping[str, torch.Tensor] = {}

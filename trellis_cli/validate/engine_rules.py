@@ -16,6 +16,7 @@ from trellis_cli.checkpoint.model import (
     DIALECT_EXL3,
     DIALECT_R7,
     DIALECT_REPACKED,
+    DIALECT_EXL3V1,
     DIALECT_TR3_PER_EXPERT,
     DIALECT_TR3_SHARED_H,
     PROJECTIONS,
@@ -26,7 +27,6 @@ from trellis_cli.findings import Location
 from trellis_cli.header import is_int
 
 TR3_DIALECTS = (DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H)
-DIALECT_EXL3_V1 = "exl3-v1"  # b12x's manifest container (exl3-manifest.json + one file per layer)
 ONE_GRID_TIERS = 2  # the mixed path takes exactly two bitrates per layer, with no serial fallback
 UNIFORM_K_190 = range(3, 7)
 UNIFORM_K_SHARED_H = (3, 4, 5, 6, 8)
@@ -53,7 +53,7 @@ def _at(key: str) -> Location:
 
 def _dialect_name(ckpt: Checkpoint) -> str:
     return {DIALECT_R7: "an R7 (r7_routed_experts)", DIALECT_EXL3: "a plain exllamav3",
-            DIALECT_REPACKED: "a trellis route pack", DIALECT_EXL3_V1: "an exl3-v1"}.get(
+            DIALECT_REPACKED: "a trellis route pack", DIALECT_EXL3V1: "an exl3-v1"}.get(
         ckpt.dialect, f"a {ckpt.dialect}")
 
 
@@ -66,17 +66,17 @@ def vllm_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     what = {DIALECT_R7: "r7_routed_experts is not a contract this version reads (it knows hybrid_tr3_tail and "
                         "tensor_storage only)",
             DIALECT_REPACKED: "a route pack is trellis' own layout (repack --to tr3 rebuilds the served one)",
-            DIALECT_EXL3_V1: "exl3-v1 is b12x's container"}.get(ckpt.dialect, "not a layout this loader reads")
+            DIALECT_EXL3V1: "exl3-v1 is b12x's container"}.get(ckpt.dialect, "not a layout this loader reads")
     yield Refusal("engine.container", "wrong container", Location(), f"{_dialect_name(ckpt)} checkpoint: {what}",
                   expected="hybrid_tr3_tail or tensor_storage", found=ckpt.dialect)
 
 
 def b12x_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """b12x's exl3-v1 reader opens exl3-manifest.json and the layer files it names, and nothing else."""
-    if ckpt.dialect != DIALECT_EXL3_V1:
+    if ckpt.dialect != DIALECT_EXL3V1:
         yield Refusal("engine.container", "wrong container", Location(), f"{_dialect_name(ckpt)} checkpoint: the "
                       "exl3-v1 reader opens exl3-manifest.json and the layer files it lists, which this is not",
-                      expected=DIALECT_EXL3_V1, found=ckpt.dialect)
+                      expected=DIALECT_EXL3V1, found=ckpt.dialect)
 
 
 def exllamav3_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
