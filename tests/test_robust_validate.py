@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
+from corrupt import SHARD3
 from test_checkpoint import synth
 from test_repack_cli import run_cli
+from trellis_cli.header import MAX_HEADER_TENSORS
 from trellis_cli.integrity import MANIFEST
 
 
@@ -81,3 +86,74 @@ def test_lines_sha256sum_refuses_are_malformed(ckpt, capsys, line):
     code, found = validate(capsys, ckpt, "--checksums")
     assert code == 1 and [f["location"] for f in found if f["code"] == "checksum.manifest"] == [
         {"file": f"{MANIFEST}:6"}]
+
+
+# ---- headers safetensors refuses ----------------------------------------------------------------------
+
+def _set_header(path: Path, edit) -> None:
+    """Rewrite the header JSON (text edits: JSON numbers Python would not write), keeping the data in place."""
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    body = edit(data[8:8 + n].decode()).encode()
+    path.write_bytes(struct.pack("<Q", len(body)) + body + data[8 + n:])
+
+
+def _refused_by_safetensors(path: Path) -> bool:
+    try:
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                f.get_tensor(name)
+    except Exception:  # SafetensorError, or torch refusing a dimension above int64
+        return True
+    return False
+
+
+ZERO_SIZE = '"model.extra.weight":{"dtype":"%s","shape":%s,"data_offsets":[0,0]}'
+
+
+@pytest.mark.parametrize("edit,reason", [
+    (lambda h: h.replace('"__metadata__":{"format":"pt"}', '"__metadata__":false'), "__metadata__ must map"),
+    (lambda h: h.replace('"__metadata__":{"format":"pt"}', '"__metadata__":0'), "__metadata__ must map"),
+    (lambda h: h.replace('"__metadata__":{"format":"pt"}', '"__metadata__":""'), "__metadata__ must map"),
+    (lambda h: h.replace('"__metadata__":{"format":"pt"}', '"__metadata__":[]'), "__metadata__ must map"),
+    (lambda h: h.replace('"__metadata__":{"format":"pt"}', '"__metadata__":{"format":1}'), "__metadata__ must map"),
+    (lambda h: h[:-1] + "," + ZERO_SIZE % ("U8", "[18446744073709551616,0]") + "}", "shape must be"),
+    (lambda h: h[:-1] + "," + ZERO_SIZE % ("U8", "[9223372036854775808,0]") + "}", "shape must be"),
+    (lambda h: h[:-1] + "," + ZERO_SIZE % ("F16", "[4294967296,4294967296,0]") + "}", "overflows a 64-bit size"),
+    (lambda h: h[:-1] + "," + ZERO_SIZE % ("U8", "[-0]") + "}", "shape must be"),
+    (lambda h: h[:-1] + ',"model.extra.weight":{"dtype":"U8","shape":[0],"data_offsets":[0,0],"x":NaN}}',
+     "NaN is not a JSON number"),
+], ids=["metadata-false", "metadata-0", "metadata-empty-string", "metadata-list", "metadata-int-value",
+        "dim-2^64", "dim-2^63", "product-overflow-before-zero", "minus-zero", "nan"])
+def test_headers_safetensors_refuses_are_refused(ckpt, capsys, edit, reason):
+    shard = ckpt / SHARD3
+    _set_header(shard, lambda h: edit(h.rstrip()))
+    assert _refused_by_safetensors(shard)
+    code, found = validate(capsys, ckpt)
+    header = [f for f in found if f["code"] == "file.header" and f["location"] == {"file": SHARD3}]
+    assert code == 1 and header and reason in header[0]["message"], found
+
+
+def test_zero_dimension_first_is_accepted_like_safetensors(ckpt, capsys):
+    # [0, 2^32, 2^32]: the running product is 0 before it could overflow; safetensors and torch load it.
+    shard = ckpt / SHARD3
+    _set_header(shard, lambda h: h.rstrip()[:-1] + "," + ZERO_SIZE % ("F16", "[0,4294967296,4294967296]") + "}")
+    assert not _refused_by_safetensors(shard)
+    code, found = validate(capsys, ckpt)
+    assert "file.header" not in codes(found)
+
+
+# ---- the work per header is bounded ---------------------------------------------------------------------
+
+def test_a_header_of_too_many_tensors_is_refused_before_it_is_parsed(ckpt, capsys):
+    entries = ",".join('"t.%d":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}' % i
+                       for i in range(MAX_HEADER_TENSORS + 1))
+    body = ("{" + entries + "}").encode()
+    (ckpt / "model-extra.safetensors").write_bytes(struct.pack("<Q", len(body)) + body)
+    started = time.monotonic()
+    code, found = validate(capsys, ckpt)
+    elapsed = time.monotonic() - started
+    limit = [f for f in found if f["code"] == "file.too-many-tensors"]
+    assert code == 1 and limit[0]["location"] == {"file": "model-extra.safetensors"}, found
+    assert f"{MAX_HEADER_TENSORS + 1} data_offsets fields" in limit[0]["message"]
+    assert elapsed < 30  # the parse is skipped: well under a second where building the entries took seconds

@@ -159,19 +159,14 @@ def _read_headers(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:
         try:
             ckpt.headers[name] = source.read_header(name)
         except CheckFailed as e:  # SourceUnavailable (network, auth) propagates: exit 3, not a finding
-            ckpt.parse_findings.append(_header_finding(name, str(e)))
+            ckpt.parse_findings.append(_header_finding(name, str(e), getattr(e.__cause__, "code", None)))
 
 
-def _header_finding(name: str, message: str) -> Finding:
+def _header_finding(name: str, message: str, code: str | None = None) -> Finding:
+    """`code`: the HeaderError's own, when the source kept it as the cause; else read from the message."""
     detail = message[len(name) + 2:] if message.startswith(name + ": ") else message
-    if detail.startswith("cannot read the file"):
-        code = "file.unreadable"
-    elif "shorter than the 8-byte" in detail:
-        code = "file.truncated"
-    elif "header length" in detail:
-        code = "file.header-length"
-    else:
-        code = "file.header"
+    if code is None:
+        code = "file.unreadable" if detail.startswith("cannot read the file") else "file.header"
     return error(code, Location(file=name), detail)
 
 
