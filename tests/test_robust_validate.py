@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from corrupt import SHARD3
+from corrupt import INDEX, SHARD3, edit_json, key
 from test_checkpoint import synth
 from test_repack_cli import run_cli
 from trellis_cli.header import MAX_HEADER_TENSORS
@@ -157,3 +157,54 @@ def test_a_header_of_too_many_tensors_is_refused_before_it_is_parsed(ckpt, capsy
     assert code == 1 and limit[0]["location"] == {"file": "model-extra.safetensors"}, found
     assert f"{MAX_HEADER_TENSORS + 1} data_offsets fields" in limit[0]["message"]
     assert elapsed < 30  # the parse is skipped: well under a second where building the entries took seconds
+
+
+# ---- names that only look right -------------------------------------------------------------------------
+
+def _rename_tensor(root: Path, old: str, new: str) -> None:
+    """Rename one tensor in its shard's header and in the index (so only the spelling differs)."""
+    _set_header(root / SHARD3, lambda h: h.replace(json.dumps(old), json.dumps(new)))
+    edit_json(root / INDEX, lambda d: d["weight_map"].update({new: d["weight_map"].pop(old)}))
+
+
+TRELLIS = key(3, 7, "gate_proj", 1, "trellis")
+
+
+@pytest.mark.parametrize("old,new,reason", [
+    ("experts.7.", "experts.007.", "expert id '007' is not canonical"),
+    ("layers.3.", "layers.03.", "layer id '03' is not canonical"),
+    ("layers.3.", "layers.\u0663.", "layer id '\\u0663' is not canonical"),  # Arabic-Indic three
+    ("experts.7.", "experts.\u0667.", "expert id '\\u0667' is not canonical"),  # Arabic-Indic seven
+    (".rank1.", ".rank01.", "rank id '01' is not canonical"),
+    ("experts.7.", "experts.\uff17.", "Unicode normalization"),  # full-width seven
+    ("model.", "\uff4dodel.", "Unicode normalization"),  # full-width m
+    ("model.", "foo.model.", "prefix 'foo.model.' is not 'model.'"),
+], ids=["expert-007", "layer-03", "layer-arabic-indic", "expert-arabic-indic", "rank-01", "expert-full-width",
+        "prefix-full-width", "foreign-prefix"])
+def test_names_that_only_look_canonical_are_unrecognised_and_missing(ckpt, capsys, old, new, reason):
+    _rename_tensor(ckpt, TRELLIS, TRELLIS.replace(old, new, 1))
+    code, found = validate(capsys, ckpt)
+    bad = [f for f in found if f["code"] == "tensor.noncanonical"]
+    assert code == 1 and len(bad) == 1 and reason in bad[0]["message"], found
+    assert bad[0]["location"] == {"file": SHARD3, "tensor": TRELLIS.replace(old, new, 1)}
+    missing = [f for f in found if f["code"] == "tensor.missing"]
+    assert [f["location"]["tensor"] for f in missing] == [TRELLIS], found
+
+
+@pytest.mark.parametrize("spelling", ["03", "\u0663", "\uff13"])
+def test_bitmap_keys_that_only_look_like_the_layer_leave_it_undeclared(ckpt, capsys, spelling):
+    edit_json(ckpt / "tier_bitmap.json", lambda d: d.update({spelling: d.pop("3")}))
+    code, found = validate(capsys, ckpt)
+    assert code == 1 and [f["found"] for f in found if f["code"] == "bitmap.key"] == [spelling]
+    assert [f["location"] for f in found if f["code"] == "bitmap.layer-missing"] == [
+        {"file": "tier_bitmap.json", "layer": 3}]
+
+
+def test_a_bitmap_key_that_shadows_an_earlier_one_is_refused(ckpt, capsys):
+    bitmap = json.loads((ckpt / "tier_bitmap.json").read_text())
+    decoy = json.dumps({"k": [4] * 8, "tail_tr3": list(range(8)), "keep_nvfp4": []})
+    text = "{" + '"3": ' + decoy + ", " + json.dumps(bitmap)[1:]  # the real "3" comes second and wins in Python
+    (ckpt / "tier_bitmap.json").write_text(text)
+    code, found = validate(capsys, ckpt)
+    bad = [f for f in found if f["code"] == "bitmap.unreadable"]
+    assert code == 1 and "the key '3' appears twice" in bad[0]["message"], found

@@ -31,6 +31,7 @@ from trellis_cli.checkpoint.names import (
     LINEAR_FIELDS,
     LINEAR_NAME,
     PROJECTION_ALIASES,
+    noncanonical_reason,
     parse_expert_name,
 )
 from trellis_cli.errors import CheckFailed
@@ -241,8 +242,8 @@ def _build_layers(ckpt: Checkpoint) -> None:
     sliced: set[int] = set()
     match_linear = LINEAR_NAME.match
     for name, ref in ckpt.tensors.items():
-        if ".mlp.experts." not in name:
-            continue
+        if ".mlp.experts." not in name and name.isascii():
+            continue  # (a non-ASCII name may read as an expert tensor once normalized: the slow path sees it)
         m = match_linear(name)
         if m is not None:  # fast path: the ~935k per-expert tensors of a production checkpoint
             layer_s, expert_s, proj, rank_s, fieldname = m.groups()
@@ -255,7 +256,7 @@ def _build_layers(ckpt: Checkpoint) -> None:
                 fields = linears[key] = {}
             fields[fieldname] = ref
             continue
-        _add_other_expert_tensor(layers, name, ref)
+        _add_other_expert_tensor(ckpt, name, ref)
     for (li, expert, proj, rank), fields in linears.items():
         layer = layers.get(li)
         if layer is None:
@@ -271,10 +272,17 @@ def _build_layers(ckpt: Checkpoint) -> None:
     ckpt.layers = dict(sorted(layers.items()))
 
 
-def _add_other_expert_tensor(layers: dict[int, MoeLayer], name: str, ref: TensorRef) -> None:
+def _add_other_expert_tensor(ckpt: Checkpoint, name: str, ref: TensorRef) -> None:
+    reason = noncanonical_reason(name)
+    if reason is not None:  # not the tensor it looks like: whatever it stands for counts as missing
+        ckpt.parse_findings.append(error(
+            "tensor.noncanonical", Location(file=ref.file, tensor=name), f"reads as a routed-expert tensor, but "
+            f"{reason}: loaders look tensors up by the schema's exact name, so they never find this one"))
+        return
     parsed = parse_expert_name(name)
     if parsed is None:
         return
+    layers = ckpt.layers
     layer = layers.get(parsed.layer)
     if layer is None:
         layer = layers[parsed.layer] = MoeLayer(parsed.layer)
