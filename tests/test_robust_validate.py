@@ -208,3 +208,57 @@ def test_a_bitmap_key_that_shadows_an_earlier_one_is_refused(ckpt, capsys):
     code, found = validate(capsys, ckpt)
     bad = [f for f in found if f["code"] == "bitmap.unreadable"]
     assert code == 1 and "the key '3' appears twice" in bad[0]["message"], found
+
+
+# ---- layers outside what the config declares ----------------------------------------------------------
+
+def test_a_layer_in_the_files_outside_moe_layers_is_a_finding(ckpt, capsys):
+    edit_json(ckpt / "config.json", lambda c: c["hybrid_tr3_tail"].update(moe_layers=[3, 3]))
+    code, found = validate(capsys, ckpt)
+    assert code == 1 and [(f["location"], f["found"]) for f in found if f["code"] == "layer.undeclared"] == [
+        ({"layer": 4}, 4)], found
+
+
+@pytest.mark.parametrize("last", [10**30, 2**63])
+def test_an_absurd_moe_layers_bound_is_one_finding_not_an_internal_error(ckpt, capsys, last):
+    edit_json(ckpt / "config.json", lambda c: c["hybrid_tr3_tail"].update(moe_layers=[3, last]))
+    code, out, err = run_cli(capsys, "validate", str(ckpt), "--json")
+    assert code == 1 and "internal error" not in err
+    implausible = [f for f in json.loads(out)["findings"] if f["code"] == "count.implausible"]
+    assert implausible[0]["location"] == {"file": "config.json", "tensor": "hybrid_tr3_tail.moe_layers"}
+    assert implausible[0]["found"] == last - 2
+
+
+# ---- the model config fields the serving engine reads -------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [
+    ("hidden_size", "256"), ("hidden_size", 256.0), ("hidden_size", True), ("hidden_size", -256),
+    ("moe_intermediate_size", 256.5), ("moe_intermediate_size", 0), ("n_routed_experts", "8"),
+    ("n_routed_experts", True), ("num_experts_per_tok", 2.0), ("num_experts_per_tok", -2),
+    ("num_hidden_layers", "5"), ("num_hidden_layers", None), ("num_nextn_predict_layers", -1),
+])
+def test_model_fields_of_the_wrong_type_are_findings(ckpt, capsys, field, value):
+    edit_json(ckpt / "config.json", lambda c: c.update({field: value}))
+    code, found = validate(capsys, ckpt)
+    bad = [f for f in found if f["code"] == "config.model-field"]
+    assert code == 1 and [f["location"] for f in bad] == [{"file": "config.json", "tensor": field}], found
+    assert bad[0]["found"].startswith(type(value).__name__)
+
+
+def test_top_k_above_the_expert_count_is_a_finding(ckpt, capsys):
+    edit_json(ckpt / "config.json", lambda c: c.update(num_experts_per_tok=9))
+    code, found = validate(capsys, ckpt)
+    assert code == 1 and [(f["expected"], f["found"]) for f in found if f["code"] == "config.top-k"] == [
+        ("<= 8", 9)], found
+
+
+@pytest.mark.parametrize("changes,bad_layers", [
+    ({"num_hidden_layers": 4}, [4]),  # layer 4 holds experts: the model has layers 0-3
+    ({"num_hidden_layers": 3, "num_nextn_predict_layers": 1}, [4]),  # 0-2 and the MTP layer 3
+    ({"num_hidden_layers": 4, "num_nextn_predict_layers": 1}, []),  # 0-3 and the MTP layer 4
+])
+def test_layers_beyond_the_model_depth_are_findings(ckpt, capsys, changes, bad_layers):
+    edit_json(ckpt / "config.json", lambda c: c.update(changes))
+    code, found = validate(capsys, ckpt)
+    assert [f["found"] for f in found if f["code"] == "config.layer-count"] == bad_layers, found
+    assert code == (1 if bad_layers else 0)

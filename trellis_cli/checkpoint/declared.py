@@ -177,11 +177,19 @@ def _r7_map(data: Any) -> dict[tuple[int, str], int]:
 
 def layer_range(moe_layers: Any, limit: int | None = None) -> range:
     """`moe_layers` [first, last] as a lazy range; empty when malformed, or longer than `limit`."""
+    span = layer_span(moe_layers)
+    if span == 0 or (limit is not None and span > limit):
+        return range(0)
+    return range(moe_layers[0], moe_layers[1] + 1)
+
+
+def layer_span(moe_layers: Any) -> int:
+    """How many layers `moe_layers` [first, last] names (0 when malformed), by arithmetic: len() of a range
+    longer than sys.maxsize raises, and a config may say [3, 10**30]."""
     if (isinstance(moe_layers, list) and len(moe_layers) == 2 and all(is_int(v) for v in moe_layers)
             and 0 <= moe_layers[0] <= moe_layers[1]):
-        layers = range(moe_layers[0], moe_layers[1] + 1)
-        return layers if limit is None or len(layers) <= limit else range(0)
-    return range(0)
+        return moe_layers[1] - moe_layers[0] + 1
+    return 0
 
 
 def _is_integral(value: Any) -> bool:

@@ -327,7 +327,7 @@ def _fill_geometry(ckpt: Checkpoint, info: DialectInfo) -> None:
     limit = ckpt.count_limit
     ckpt.hidden = _int(config.get("hidden_size"))
     ckpt.intermediate = _int(config.get("moe_intermediate_size"))
-    span = len(decl.layer_range(hybrid.get("moe_layers")))
+    span = decl.layer_span(hybrid.get("moe_layers"))
     if span > limit:
         _implausible(ckpt, Location(file=CONFIG, tensor="hybrid_tr3_tail.moe_layers"), "MoE layers", span)
     declared = [("hybrid_tr3_tail.experts_per_layer", hybrid.get("experts_per_layer")),
