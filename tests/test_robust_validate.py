@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from corrupt import INDEX, SHARD3, edit_json, key
+from corrupt import INDEX, SHARD3, edit_json, key, write_tensor_bytes
 from test_checkpoint import synth
 from test_repack_cli import run_cli
 from trellis_cli.header import MAX_HEADER_TENSORS
@@ -262,3 +262,15 @@ def test_layers_beyond_the_model_depth_are_findings(ckpt, capsys, changes, bad_l
     code, found = validate(capsys, ckpt)
     assert [f["found"] for f in found if f["code"] == "config.layer-count"] == bad_layers, found
     assert code == (1 if bad_layers else 0)
+
+
+# ---- --deep: vectors that are as dead as zeros ----------------------------------------------------------
+
+@pytest.mark.parametrize("word", [0x0001, 0x83FF], ids=["smallest-subnormal", "negative-largest-subnormal"])
+def test_deep_flags_a_vector_of_subnormals(ckpt, capsys, word):
+    name = key(3, 0, "gate_proj", 0, "suh")
+    write_tensor_bytes(ckpt / SHARD3, name, struct.pack("<H", word) * 256)  # suh is F16 [256]
+    code, found = validate(capsys, ckpt, "--deep")
+    dead = [f for f in found if f["code"] == "data.subnormal-vector"]
+    assert code == 1 and [f["location"]["tensor"] for f in dead] == [name], found
+    assert "data.zero-vector" not in codes(found)
