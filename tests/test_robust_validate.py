@@ -1,9 +1,11 @@
-"""Hostile checkpoints that validate once passed but a loader, or safetensors itself, refuses; and a checksum
-manifest that `sha256sum -c` accepts but validate refused.
+"""Hostile checkpoints that validate once passed but a loader, or safetensors itself, refuses: headers
+safetensors refuses, a header of too many tensors, names and bitmap keys that only look canonical, layers
+outside what the config declares, model config fields of the wrong type, subnormal vectors under --deep; and
+a checksum manifest that `sha256sum -c` accepts but validate refused.
 
 Each case damages a fresh copy of the `tiny` synth checkpoint and runs `trellis validate` in-process; the
-safetensors cases also open the damaged file with the real `safetensors` library, so the test states what it
-refuses rather than what we believe it refuses.
+safetensors cases also open the damaged file with the real `safetensors` library and the manifest cases run
+the real `sha256sum`, so the tests state what those refuse rather than what we believe they refuse.
 """
 
 from __future__ import annotations

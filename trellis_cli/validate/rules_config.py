@@ -1,7 +1,8 @@
 """Metadata rules: the `hybrid_tr3_tail` contract (the fail-closed rules 1-11 of the vLLM loader), the
 declared bitmaps, and consistency between config.json, quantization_config.json and the declared counts.
 
-Tensor facts are not consulted here (rules_tensors compares declarations with shapes).
+Tensor facts are not consulted here (rules_tensors compares declarations with shapes), except which layers
+hold expert tensors: checked against `moe_layers` and the model's layer count.
 """
 
 from __future__ import annotations
