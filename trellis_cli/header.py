@@ -18,11 +18,19 @@ import re
 import stat
 import struct
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 # The Hub's own parser refuses headers above 25 MB; the safetensors reader above 100 MB. A production
 # MoE layer shard (12,288 tensors) has a header of about 1.5 MB.
 MAX_HEADER_BYTES = 100_000_000
+# Tensors one header may list: 21x a production layer shard, more than a 50 GB shard (the Hub's file limit)
+# of a TR3 checkpoint holds. Bounds the work per file: a 96 MB header of 1.6 million zero-size tensors is
+# refused after its JSON parse, before a record per entry is built (each costs several microseconds).
+MAX_HEADER_TENSORS = 1 << 18
+# safetensors reads dims, offsets and byte counts as u64 (the bit count of a tensor, too); torch indexes a
+# dimension with an int64. Larger numbers are refused by one or the other even when the product is zero.
+U64_MAX = (1 << 64) - 1
+MAX_DIM = (1 << 63) - 1
 
 DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
@@ -33,7 +41,12 @@ DTYPE_BYTES = {
 
 
 class HeaderError(ValueError):
-    """The header cannot be parsed; the message says what was expected and what was found."""
+    """The header cannot be parsed; the message says what was expected and what was found. `code` names the
+    finding validate reports for it."""
+
+    def __init__(self, message: str, code: str = "file.header") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class JsonError(ValueError):
@@ -49,12 +62,16 @@ class NotRegularFile(OSError):
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-def load_json(data: bytes | str, object_pairs_hook=None) -> Any:
+def load_json(data: bytes | str, *, strict_numbers: bool = False) -> Any:
     """json.loads for checkpoint files: JsonError for bytes that are not UTF-8, not JSON, nested too deeply
-    for the parser, or strings that are not valid Unicode (a lone surrogate escape; safetensors refuses them)."""
+    for the parser, an object holding a key twice (Python keeps the last silently; which one a reader
+    sees is not defined), or strings that are not valid Unicode (a lone surrogate escape; safetensors
+    refuses them). `strict_numbers` also refuses what a strict JSON parser (safetensors') refuses and Python
+    accepts: NaN and Infinity, floats out of range, and `-0` (read as a float, not the integer 0)."""
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
-        value = json.loads(text, object_pairs_hook=object_pairs_hook)
+        hooks = _strict_hooks(text) if strict_numbers else {}
+        value = json.loads(text, object_pairs_hook=_reject_duplicate_keys, **hooks)
     except UnicodeDecodeError as e:
         raise JsonError(f"not UTF-8 ({e.reason} at byte {e.start})") from e
     except json.JSONDecodeError as e:
@@ -68,6 +85,37 @@ def load_json(data: bytes | str, object_pairs_hook=None) -> Any:
             bad = text_escape(e.object[e.start:e.end])
             raise JsonError(f"not valid Unicode (a string holds the lone surrogate {bad})") from e
     return value
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):  # the cheap test first: a production header has ~12k entries per shard
+        seen: set[str] = set()
+        duplicate = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise JsonError(f"not usable (the key {text_escape(repr(duplicate))[:80]} appears twice in one object)")
+    return out
+
+
+def _refuse_constant(name: str) -> None:
+    raise JsonError(f"not valid JSON ({name} is not a JSON number)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise JsonError(f"not valid JSON (the number {text[:40]} is out of range)")
+    return value
+
+
+def _int_or_negative_zero(text: str) -> int | float:
+    return -0.0 if text == "-0" else int(text)  # a strict parser reads -0 as a float, never as a usize
+
+
+def _strict_hooks(text: str) -> dict:
+    hooks = {"parse_constant": _refuse_constant, "parse_float": _finite_float}
+    if "-0" in text:  # a hook on every integer costs a third of a header's parse: only when one may be -0
+        hooks["parse_int"] = _int_or_negative_zero
+    return hooks
 
 
 def text_escape(text: str) -> str:
@@ -107,8 +155,9 @@ def os_reason(e: OSError) -> str:
     return e.strerror or str(e)
 
 
-@dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(NamedTuple):
+    """One header entry. A NamedTuple: the cheapest immutable record to build (a header may hold 262k)."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -144,43 +193,43 @@ class Header:
 def header_length(prefix: bytes, file: str, file_size: int | None) -> int:
     """Decode N from the first 8 bytes and check its bounds."""
     if len(prefix) < 8:
-        raise HeaderError(f"{file}: file is {len(prefix)} bytes, shorter than the 8-byte header length")
+        raise HeaderError(f"{file}: file is {len(prefix)} bytes, shorter than the 8-byte header length",
+                          "file.truncated")
     (n,) = struct.unpack("<Q", prefix[:8])
     if n == 0 or n > MAX_HEADER_BYTES:
-        raise HeaderError(f"{file}: header length {n} is outside 1..{MAX_HEADER_BYTES}")
+        raise HeaderError(f"{file}: header length {n} is outside 1..{MAX_HEADER_BYTES}", "file.header-length")
     if file_size is not None and 8 + n > file_size:
-        raise HeaderError(f"{file}: header length {n} runs past the end of the {file_size}-byte file")
+        raise HeaderError(f"{file}: header length {n} runs past the end of the {file_size}-byte file",
+                          "file.header-length")
     return n
 
 
 def parse_header(file: str, header_bytes: bytes, header_len: int, file_size: int | None) -> Header:
-    """Parse the JSON header (the N bytes after the length prefix)."""
+    """Parse the JSON header (the N bytes after the length prefix), refusing what safetensors refuses."""
     if len(header_bytes) != header_len:
         raise HeaderError(f"{file}: header truncated: expected {header_len} bytes, read {len(header_bytes)}")
+    fields = header_bytes.count(b'"data_offsets"')  # one per entry: refuse a huge header before parsing it
+    if fields > MAX_HEADER_TENSORS:
+        raise HeaderError(f"{file}: header has {fields} data_offsets fields, more tensors than the limit of "
+                          f"{MAX_HEADER_TENSORS} per file", "file.too-many-tensors")
     try:
-        raw = load_json(header_bytes, object_pairs_hook=_reject_duplicate_keys)
+        raw = load_json(header_bytes, strict_numbers=True)
     except JsonError as e:
         raise HeaderError(f"{file}: header is {e}") from e
-    except ValueError as e:  # duplicate key
-        raise HeaderError(f"{file}: {e}") from e
     if not isinstance(raw, dict):
         raise HeaderError(f"{file}: header is a JSON {type(raw).__name__}, expected an object")
-    metadata = raw.pop("__metadata__", {}) or {}
-    if not isinstance(metadata, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
-        raise HeaderError(f"{file}: __metadata__ must map strings to strings")
+    metadata = raw.pop("__metadata__", None)
+    if metadata is None:  # absent or null; `false`, 0, "" and [] are refused by safetensors, so here too
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        found = type(metadata).__name__ if not isinstance(metadata, dict) else "a value that is not a string"
+        raise HeaderError(f"{file}: __metadata__ must map strings to strings (safetensors refuses the file), "
+                          f"found {found}")
+    if len(raw) > MAX_HEADER_TENSORS:
+        raise HeaderError(f"{file}: header lists {len(raw)} tensors, more than the limit of {MAX_HEADER_TENSORS} "
+                          "per file", "file.too-many-tensors")
     tensors = {name: _parse_entry(file, name, info) for name, info in raw.items()}
     return Header(file=file, header_len=header_len, file_size=file_size, tensors=tensors, metadata=metadata)
-
-
-def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    out = dict(pairs)
-    if len(out) != len(pairs):  # the cheap test first: a production header has ~12k entries per shard
-        seen: set[str] = set()
-        duplicate = next(key for key, _ in pairs if key in seen or seen.add(key))
-        raise ValueError(f"duplicate key {duplicate!r} in header")
-    return out
 
 
 def is_int(value: object) -> bool:
@@ -189,21 +238,36 @@ def is_int(value: object) -> bool:
 
 
 def _parse_entry(file: str, name: str, info: object) -> TensorEntry:
-    if not isinstance(info, dict):
+    if type(info) is not dict:
         raise HeaderError(f"{file}: {name}: entry is not an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
-        raise HeaderError(f"{file}: {name}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
-        raise HeaderError(f"{file}: {name}: shape must be a list of non-negative integers, found {shape!r}")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(is_int(o) and o >= 0 for o in offsets)
-        or offsets[0] > offsets[1]
-    ):
-        raise HeaderError(f"{file}: {name}: data_offsets must be [begin, end] with 0 <= begin <= end, found {offsets!r}")
-    return TensorEntry(name=name, dtype=dtype, shape=tuple(shape), begin=offsets[0], end=offsets[1])
+    if type(dtype) is not str or dtype not in DTYPE_BYTES:
+        raise HeaderError(f"{file}: {name}: unknown dtype {_short(dtype)}")
+    if type(shape) is not list:
+        raise HeaderError(f"{file}: {name}: shape must be a list of integers in 0..{MAX_DIM}, found {_short(shape)}")
+    product = 1
+    for d in shape:  # one pass: the types, the bounds, and the size as safetensors computes it
+        if type(d) is not int or not 0 <= d <= MAX_DIM:
+            raise HeaderError(f"{file}: {name}: shape must be a list of integers in 0..{MAX_DIM}, found "
+                              f"{_short(shape)}")
+        product *= d
+        if product > U64_MAX:
+            break
+    if product * DTYPE_BYTES[dtype] * 8 > U64_MAX:
+        # safetensors multiplies the dims left to right, then by the dtype's bits, refusing any step above
+        # u64: [2^32, 2^32, 0] is refused although it holds no element, [0, 2^32, 2^32] is not.
+        raise HeaderError(f"{file}: {name}: shape {_short(shape)} overflows a 64-bit size as safetensors computes "
+                          "it (dimension by dimension, then x the dtype's bits), even with a zero dimension")
+    if (type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int or type(offsets[1]) is not int
+            or not 0 <= offsets[0] <= offsets[1] <= U64_MAX):
+        raise HeaderError(f"{file}: {name}: data_offsets must be [begin, end] with 0 <= begin <= end < 2^64, "
+                          f"found {_short(offsets)}")
+    return TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def read_local_header(path, rel_name: str) -> Header:

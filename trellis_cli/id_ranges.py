@@ -12,6 +12,16 @@ MAX_IDS = 1 << 20
 
 # ASCII digits only: str.isdigit() and int() accept other scripts' digits and superscripts differently.
 _RANGE = re.compile(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?")
+# An id as a loader spells it (`str(layer)`, `f"experts.{e}"`): ASCII decimal, no sign, no leading zero. A loader
+# looks names and JSON keys up by that exact string, so `007`, `٣` or `３` name nothing to it.
+CANONICAL_ID = r"(?:0|[1-9][0-9]*)"
+_CANONICAL_ID = re.compile(CANONICAL_ID)
+
+
+def parse_id(text: object) -> int | None:
+    """The id a canonical decimal string names ("7" -> 7); None for anything a loader would not look up as
+    that id ("07", "٣", "+7", " 7", 7 as a non-string)."""
+    return int(text) if isinstance(text, str) and _CANONICAL_ID.fullmatch(text) else None
 
 
 def compact_ranges(ids: "list[int]") -> str:

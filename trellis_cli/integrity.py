@@ -2,7 +2,10 @@
 
 - Hub: LFS files against the sha256 the Hub lists (model_info with files metadata; offline, the cache
   names each LFS blob by that sha256); small non-LFS files against their git blob sha1.
-- Local: against `MANIFEST.sha256` (`<hex>  <name>` lines, as `sha256sum` writes them), when present.
+- Local: against `MANIFEST.sha256` when present, read as `sha256sum -c` reads it (GNU coreutils): `<hex>  <name>`
+  or `<hex> *<name>` (a single space or tab also works), names exactly as written up to the line end (trailing
+  spaces kept, one CR before the newline dropped), a leading `\\` marking a name escaped as `\\\\`, `\\n`, `\\r`,
+  and the tagged `SHA256 (<name>) = <hex>` form.
 
 Files are hashed in 1 MiB reads on a small thread pool (hashlib releases the GIL on large updates).
 huggingface_hub's verify_repo_checksums is not used: it hashes one file at a time with no progress, reads
@@ -39,7 +42,13 @@ MALFORMED = "malformed"  # a MANIFEST.sha256 line that cannot be used (the other
 UNREADABLE = "unreadable"  # the file (or the manifest) cannot be read: permissions, I/O error, not a regular file
 
 ProgressCallback = Callable[[int], None]
-_MANIFEST_LINE = re.compile(r"([0-9a-fA-F]{64}) [ *](.+)")
+# sha256sum -c's grammar: optional leading blanks, an optional `\` (escaped name), 64 hex digits, one blank, then
+# the rest: ` name` / `*name` (text / binary mode, the same bytes are hashed), or `name` alone (the reversed
+# BSD form); which of the two a file uses is fixed by its first such line, as sha256sum fixes it.
+_MANIFEST_LINE = re.compile(r"[ \t]*(\\?)([0-9a-fA-F]{64})[ \t](.*)", re.DOTALL)
+_TAGGED_LINE = re.compile(r"[ \t]*(\\?)SHA256 \((.+)\) = ([0-9a-fA-F]{64})", re.DOTALL)
+_UNESCAPES = {"\\\\": "\\", "\\n": "\n", "\\r": "\r"}
+_ESCAPE_SEQUENCE = re.compile(r"\\.?", re.DOTALL)
 
 
 class ChecksumResult(NamedTuple):
@@ -130,22 +139,69 @@ def read_manifest(source: LocalSource) -> tuple[dict[str, str], list[ChecksumRes
                                    f"larger than the {MAX_MANIFEST_BYTES}-byte limit")]
     entries: dict[str, str] = {}
     problems: list[ChecksumResult] = []
-    for number, raw in enumerate(data.splitlines(), start=1):
+    reversed_form: bool | None = None
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        raw = raw[:-1] if raw.endswith(b"\r") else raw  # sha256sum drops one CR before the newline
         try:
-            line = raw.decode("utf-8").rstrip()
+            line = raw.decode("utf-8")
         except UnicodeDecodeError:
             problems.append(_bad_line(number, "the line is not UTF-8", raw.decode("latin-1")))
             continue
-        if not line.strip() or line.startswith("#"):
+        if not line.strip() or line.lstrip().startswith("#"):
             continue
-        match = _MANIFEST_LINE.fullmatch(line)
-        if match is None:
-            problems.append(_bad_line(number, "expected '<64 hex>  <file name>'", line))
-        elif match.group(2) in entries:
-            problems.append(_bad_line(number, f"{text_escape(match.group(2))} is listed twice", line))
+        parsed = parse_manifest_line(line, reversed_form)
+        if parsed is None:
+            problems.append(_bad_line(number, "expected '<64 hex>  <file name>' (as sha256sum writes it)", line))
+        elif parsed[1] in entries:
+            problems.append(_bad_line(number, f"{text_escape(parsed[1])} is listed twice", line))
         else:
-            entries[match.group(2)] = match.group(1).lower()
+            entries[parsed[1]] = parsed[0].lower()
+        reversed_form = parsed[2] if parsed is not None else reversed_form
     return entries, problems
+
+
+def parse_manifest_line(line: str, reversed_form: bool | None = None) -> tuple[str, str, bool | None] | None:
+    """One checksum line (without its newline) as (hex, name, reversed_form) the way `sha256sum -c` reads it,
+    None if it refuses it. `reversed_form`: what the lines before decided (None: nothing yet)."""
+    match = _MANIFEST_LINE.fullmatch(line)
+    if match is not None:
+        escaped, digest, rest = match.groups()
+        if len(rest) == 1 or rest[:1] not in (" ", "*"):
+            if reversed_form is False:
+                return None
+            reversed_form, name = True, rest
+        else:
+            name = rest if reversed_form else rest[1:]
+            reversed_form = reversed_form or False
+    else:
+        match = _TAGGED_LINE.fullmatch(line)
+        if match is None:
+            return None
+        escaped, name, digest = match.groups()
+    if escaped:
+        name = _unescape(name)
+    return None if not name else (digest, name, reversed_form)
+
+
+def _unescape(name: str) -> str | None:
+    """sha256sum's escaped names: `\\\\`, `\\n` and `\\r` only; any other backslash makes the line malformed."""
+    bad = False
+
+    def one(m: re.Match) -> str:
+        nonlocal bad
+        bad = bad or m.group(0) not in _UNESCAPES
+        return _UNESCAPES.get(m.group(0), "")
+
+    plain = _ESCAPE_SEQUENCE.sub(one, name)
+    return None if bad else plain
+
+
+def manifest_line(digest: str, name: str) -> str:
+    """The line sha256sum writes for `name` (names holding a backslash, CR or newline are escaped)."""
+    if any(c in name for c in "\\\n\r"):
+        name = name.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+        return f"\\{digest}  {name}\n"
+    return f"{digest}  {name}\n"
 
 
 def _bad_line(number: int, what: str, line: str) -> ChecksumResult:
@@ -204,7 +260,7 @@ def sha256_file(path: str | os.PathLike, progress: ProgressCallback | None = Non
 def write_manifest(directory: str | os.PathLike, names: Iterable[str]) -> Path:
     """Write `MANIFEST.sha256` in `directory` for the named files (`<hex>  <name>` lines, sorted)."""
     directory = Path(directory)
-    lines = [f"{sha256_file(directory / name)}  {name}\n" for name in sorted(names)]
+    lines = [manifest_line(sha256_file(directory / name), name) for name in sorted(names)]
     path = directory / MANIFEST
     path.write_text("".join(lines), encoding="utf-8")
     return path

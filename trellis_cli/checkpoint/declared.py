@@ -15,6 +15,7 @@ from trellis_cli.checkpoint.names import PROJECTIONS_BY_INDEX, parse_expert_name
 from trellis_cli.errors import CheckFailed, SourceUnavailable
 from trellis_cli.findings import Finding, Location, error, missing_ids, warning
 from trellis_cli.header import is_int
+from trellis_cli.id_ranges import parse_id
 
 TAIL_FALLBACK_K = 3  # a tail_tr3 list covering every expert means "all trellis-3" (the MTP overlay)
 
@@ -42,9 +43,10 @@ def tr3_declared(hybrid: dict, read_json: Callable[[str], Any], files: dict[str,
     by_layer = hybrid.get("trellis_bits_by_layer")
     if isinstance(by_layer, dict):
         for key, k in by_layer.items():
-            if isinstance(key, str) and key.isdecimal() and experts is not None and experts > 0:
-                out.expert_k[int(key)] = [k] * experts
-                out.k_source[int(key)] = "trellis_bits_by_layer"
+            layer = parse_id(key)  # loaders look up str(layer): "03" is no layer (rules_config reports the keys)
+            if layer is not None and experts is not None and experts > 0:
+                out.expert_k[layer] = [k] * experts
+                out.k_source[layer] = "trellis_bits_by_layer"
         return out
     if _is_integral(bits) and experts is not None and experts > 0:
         for layer in layers:
@@ -74,11 +76,11 @@ def _load_bitmap(out: Declared, ref: Any, read_json, files, experts: int | None,
                                   expected="object", found=type(bitmap).__name__))
         return
     for key, entry in bitmap.items():
-        if not (isinstance(key, str) and key.isdecimal()):
-            out.findings.append(warning("bitmap.key", Location(file=name), "bitmap key is not a decimal layer index",
-                                        found=key))
+        layer = parse_id(key)
+        if layer is None:  # loaders look up str(layer): "03", "٣" or "３" is no layer to them
+            out.findings.append(warning("bitmap.key", Location(file=name), "bitmap key is not a canonical decimal "
+                                        "layer index (loaders look entries up by str(layer)): ignored", found=key))
             continue
-        layer = int(key)
         if not isinstance(entry, dict):
             out.findings.append(error("bitmap.entry", Location(file=name, layer=layer), "layer entry is not an object",
                                       found=type(entry).__name__))
@@ -93,7 +95,7 @@ def _load_bitmap(out: Declared, ref: Any, read_json, files, experts: int | None,
             out.findings.append(error("bitmap.field", Location(file=name, layer=layer),
                                       f"layer entry has no {fieldname!r} list (nor a full tail_tr3 list)",
                                       expected=fieldname, found=sorted(entry)))
-    listed = {int(key) for key in bitmap if isinstance(key, str) and key.isdecimal()}
+    listed = {layer for layer in map(parse_id, bitmap) if layer is not None}
     first, total = missing_ids(layers, listed)
     for layer in first:
         out.findings.append(error("bitmap.layer-missing", Location(file=name, layer=layer),
@@ -121,7 +123,7 @@ def exl3_declared(quant_config: dict | None) -> Declared:
     return out
 
 
-_MANIFEST_LAYER = re.compile(r"layer-(\d+)")
+_MANIFEST_LAYER = re.compile(r"layer-([0-9]+)")  # a file name: zero-padded, ASCII
 
 
 def r7_declared(r7: dict, read_json: Callable[[str], Any], files: dict[str, int]) -> Declared:
@@ -144,7 +146,7 @@ def r7_declared(r7: dict, read_json: Callable[[str], Any], files: dict[str, int]
             continue
         layer = data.get("layer", m.group(1)) if isinstance(data, dict) else m.group(1)
         if isinstance(layer, str) and layer.isascii() and layer.isdecimal():
-            layer = int(layer)
+            layer = int(layer)  # a value (the file's own "layer"), not a key looked up: padding allowed
         if not is_int(layer) or layer < 0:  # the file's own "layer" wins over its name, so it must be a number
             out.findings.append(error("bitmap.unreadable", Location(file=name), "\"layer\" is not a layer number",
                                       "a decimal layer index", repr(layer)[:60]))
@@ -165,21 +167,29 @@ def _r7_map(data: Any) -> dict[tuple[int, str], int]:
         for key, value in data.items():
             if isinstance(value, dict):  # {E: {proj: K}}
                 for proj, k in value.items():
-                    if str(key).isdecimal():
-                        result[(int(key), proj)] = k
-            elif "." in str(key) and str(key).split(".")[0].isdecimal():  # {"E.proj": K}
+                    if parse_id(key) is not None:
+                        result[(parse_id(key), proj)] = k
+            elif "." in str(key) and parse_id(str(key).split(".")[0]) is not None:  # {"E.proj": K}
                 e, proj = str(key).split(".", 1)
-                result[(int(e), proj)] = value
+                result[(parse_id(e), proj)] = value
     return result
 
 
 def layer_range(moe_layers: Any, limit: int | None = None) -> range:
     """`moe_layers` [first, last] as a lazy range; empty when malformed, or longer than `limit`."""
+    span = layer_span(moe_layers)
+    if span == 0 or (limit is not None and span > limit):
+        return range(0)
+    return range(moe_layers[0], moe_layers[1] + 1)
+
+
+def layer_span(moe_layers: Any) -> int:
+    """How many layers `moe_layers` [first, last] names (0 when malformed), by arithmetic: len() of a range
+    longer than sys.maxsize raises, and a config may say [3, 10**30]."""
     if (isinstance(moe_layers, list) and len(moe_layers) == 2 and all(is_int(v) for v in moe_layers)
             and 0 <= moe_layers[0] <= moe_layers[1]):
-        layers = range(moe_layers[0], moe_layers[1] + 1)
-        return layers if limit is None or len(layers) <= limit else range(0)
-    return range(0)
+        return moe_layers[1] - moe_layers[0] + 1
+    return 0
 
 
 def _is_integral(value: Any) -> bool:

@@ -1,29 +1,41 @@
 """Tensor-name grammar for routed experts: one parser for every dialect.
 
-A routed-expert tensor name is `<prefix>layers.{L}.mlp.experts.{E}.{proj}[.rank{r}].{field}`; shared rows use
+A routed-expert tensor name is `model.layers.{L}.mlp.experts.{E}.{proj}[.rank{r}].{field}`; shared rows use
 `experts.shared_h.{proj}.rank{r}.{suh|svh}` (shared_h_v1) and `experts.r7_shared.{name}` (R7 v2). Names are
 matched against this grammar, never guessed from file names. `w1`/`w3`/`w2` templates map to gate/up/down.
+Ids are canonical decimal only (id_ranges.CANONICAL_ID): loaders build the names they look up with `str(id)`,
+so `experts.007`, Arabic-Indic or full-width digits, another prefix, or a name that Unicode normalization
+turns into a schema name are not those tensors; `noncanonical_reason` says why such a name is not one.
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
 from typing import NamedTuple
+
+from trellis_cli.header import text_escape
+from trellis_cli.id_ranges import CANONICAL_ID, parse_id
 
 # The EXL3 per-linear fields (docs/exl3-format.md §1); anything else under a linear is kept as "extra".
 LINEAR_FIELDS = frozenset({"trellis", "suh", "svh", "su", "sv", "mcg", "mul1"})
 PROJECTION_ALIASES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
                       "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
-_EXPERTS = re.compile(r"^(?:.*\.)?layers\.(\d+)\.mlp\.experts\.(.+)$")
-_LINEAR = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)(?:\.rank(\d+))?\.([A-Za-z0-9_]+)$")
-_SHARED_H = re.compile(r"^shared_h\.(gate_proj|up_proj|down_proj)\.rank(\d+)\.([A-Za-z0-9_]+)$")
-_R7_SHARED = re.compile(r"^r7_shared\.(?:rank(\d+)\.)?([A-Za-z0-9_]+)$")
+# The prefix every loader's schema puts before `layers.` (GLM and DeepSeek checkpoints, TR3's tensor_schema).
+NAME_PREFIX = "model."
+_ID = f"({CANONICAL_ID})"
+_EXPERTS = re.compile(rf"^model\.layers\.{_ID}\.mlp\.experts\.(.+)$")
+_LINEAR = re.compile(rf"^{_ID}\.(gate_proj|up_proj|down_proj|w1|w2|w3)(?:\.rank{_ID})?\.([A-Za-z0-9_]+)$")
+_SHARED_H = re.compile(rf"^shared_h\.(gate_proj|up_proj|down_proj)\.rank{_ID}\.([A-Za-z0-9_]+)$")
+_R7_SHARED = re.compile(rf"^r7_shared\.(?:rank{_ID}\.)?([A-Za-z0-9_]+)$")
 
 # The common case in one match (a production checkpoint has ~935k expert tensor names).
 LINEAR_NAME = re.compile(
-    r"^(?:.*?\.)?layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)(?:\.rank(\d+))?"
+    rf"^model\.layers\.{_ID}\.mlp\.experts\.{_ID}\.(gate_proj|up_proj|down_proj|w1|w2|w3)(?:\.rank{_ID})?"
     r"\.([A-Za-z0-9_]+)$")
+# What a routed-expert name looks like to a reader: any prefix, any script's digits (\w is Unicode here).
+_LOOKS_LIKE_EXPERT = re.compile(r"^(.*?)layers\.(\w+)\.mlp\.experts\.(.*)$", re.DOTALL)
 
 KIND_LINEAR = "linear"
 KIND_SHARED_H = "shared_h"
@@ -41,7 +53,7 @@ class ExpertName(NamedTuple):
 
 
 def parse_expert_name(name: str) -> ExpertName | None:
-    """Classify a tensor name; None when it is not under `layers.{L}.mlp.experts.`."""
+    """Classify a tensor name; None when it is not under `model.layers.{L}.mlp.experts.` (canonical ids)."""
     m = _EXPERTS.match(name)
     if m is None:
         return None
@@ -59,6 +71,36 @@ def parse_expert_name(name: str) -> ExpertName | None:
         rank = None if r7.group(1) is None else int(r7.group(1))
         return ExpertName(KIND_R7_SHARED, layer, None, None, rank, r7.group(2))
     return ExpertName(KIND_UNPARSED, layer)
+
+
+def noncanonical_reason(name: str) -> str | None:
+    """Why `name`, which reads as a routed-expert tensor, is not the one its schema spelling names; None when
+    it does not read as one or is spelled canonically (parse_expert_name then classifies it)."""
+    normal = unicodedata.normalize("NFKC", name)
+    m = _LOOKS_LIKE_EXPERT.match(normal)
+    if m is None:
+        return None
+    if normal != name:
+        return f"Unicode normalization (NFKC) turns it into {text_escape(normal)!r}: not the same name"
+    prefix, layer, rest = m.groups()
+    if prefix != NAME_PREFIX:
+        return f"its prefix {text_escape(prefix)!r} is not {NAME_PREFIX!r}"
+    parts = rest.split(".")
+    ids = [("layer", layer)]
+    if parts[0].isdecimal():  # Unicode digits too: exactly what must not pass for an id
+        ids.append(("expert", parts[0]))
+    ids += [("rank", part[4:]) for part in parts[1:-1] if part.startswith("rank") and part[4:].isdecimal()]
+    for what, text in ids:
+        if parse_id(text) is None:
+            return f"its {what} id {text_escape(repr(text))} is not canonical decimal{_spelled(text)}"
+    return None
+
+
+def _spelled(text: str) -> str:
+    try:
+        return f" (a loader spells id {int(text)} as {str(int(text))!r})"
+    except ValueError:
+        return ""
 
 
 def linear_prefix(layer: int, expert: int, projection: str, rank: int | None, base: str = "model.") -> str:

@@ -32,6 +32,7 @@ from trellis_cli.checkpoint.names import (
     LINEAR_FIELDS,
     LINEAR_NAME,
     PROJECTION_ALIASES,
+    noncanonical_reason,
     parse_expert_name,
 )
 from trellis_cli.errors import CheckFailed
@@ -169,19 +170,14 @@ def _read_headers(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:
         try:
             ckpt.headers[name] = source.read_header(name)
         except CheckFailed as e:  # SourceUnavailable (network, auth) propagates: exit 3, not a finding
-            ckpt.parse_findings.append(_header_finding(name, str(e)))
+            ckpt.parse_findings.append(_header_finding(name, str(e), getattr(e.__cause__, "code", None)))
 
 
-def _header_finding(name: str, message: str) -> Finding:
+def _header_finding(name: str, message: str, code: str | None = None) -> Finding:
+    """`code`: the HeaderError's own, when the source kept it as the cause; else read from the message."""
     detail = message[len(name) + 2:] if message.startswith(name + ": ") else message
-    if detail.startswith("cannot read the file"):
-        code = "file.unreadable"
-    elif "shorter than the 8-byte" in detail:
-        code = "file.truncated"
-    elif "header length" in detail:
-        code = "file.header-length"
-    else:
-        code = "file.header"
+    if code is None:
+        code = "file.unreadable" if detail.startswith("cannot read the file") else "file.header"
     return error(code, Location(file=name), detail)
 
 
@@ -256,8 +252,8 @@ def _build_layers(ckpt: Checkpoint) -> None:
     sliced: set[int] = set()
     match_linear = LINEAR_NAME.match
     for name, ref in ckpt.tensors.items():
-        if ".mlp.experts." not in name:
-            continue
+        if ".mlp.experts." not in name and name.isascii():
+            continue  # (a non-ASCII name may read as an expert tensor once normalized: the slow path sees it)
         m = match_linear(name)
         if m is not None:  # fast path: the ~935k per-expert tensors of a production checkpoint
             layer_s, expert_s, proj, rank_s, fieldname = m.groups()
@@ -270,7 +266,7 @@ def _build_layers(ckpt: Checkpoint) -> None:
                 fields = linears[key] = {}
             fields[fieldname] = ref
             continue
-        _add_other_expert_tensor(layers, name, ref)
+        _add_other_expert_tensor(ckpt, name, ref)
     for (li, expert, proj, rank), fields in linears.items():
         layer = layers.get(li)
         if layer is None:
@@ -286,10 +282,17 @@ def _build_layers(ckpt: Checkpoint) -> None:
     ckpt.layers = dict(sorted(layers.items()))
 
 
-def _add_other_expert_tensor(layers: dict[int, MoeLayer], name: str, ref: TensorRef) -> None:
+def _add_other_expert_tensor(ckpt: Checkpoint, name: str, ref: TensorRef) -> None:
+    reason = noncanonical_reason(name)
+    if reason is not None:  # not the tensor it looks like: whatever it stands for counts as missing
+        ckpt.parse_findings.append(error(
+            "tensor.noncanonical", Location(file=ref.file, tensor=name), f"reads as a routed-expert tensor, but "
+            f"{reason}: loaders look tensors up by the schema's exact name, so they never find this one"))
+        return
     parsed = parse_expert_name(name)
     if parsed is None:
         return
+    layers = ckpt.layers
     layer = layers.get(parsed.layer)
     if layer is None:
         layer = layers[parsed.layer] = MoeLayer(parsed.layer)
@@ -334,7 +337,7 @@ def _fill_geometry(ckpt: Checkpoint, info: DialectInfo) -> None:
     limit = ckpt.count_limit
     ckpt.hidden = _int(config.get("hidden_size"))
     ckpt.intermediate = _int(config.get("moe_intermediate_size"))
-    span = len(decl.layer_range(hybrid.get("moe_layers")))
+    span = decl.layer_span(hybrid.get("moe_layers"))
     if span > limit:
         _implausible(ckpt, Location(file=CONFIG, tensor="hybrid_tr3_tail.moe_layers"), "MoE layers", span)
     declared = [("hybrid_tr3_tail.experts_per_layer", hybrid.get("experts_per_layer")),

@@ -1,18 +1,19 @@
 """Metadata rules: the `hybrid_tr3_tail` contract (the fail-closed rules 1-11 of the vLLM loader), the
 declared bitmaps, and consistency between config.json, quantization_config.json and the declared counts.
 
-Tensor facts are not consulted here (rules_tensors compares declarations with shapes).
+Tensor facts are not consulted here (rules_tensors compares declarations with shapes), except which layers
+hold expert tensors: checked against `moe_layers` and the model's layer count.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterator
 
-from trellis_cli.checkpoint.declared import layer_range
+from trellis_cli.checkpoint.declared import layer_range, layer_span
 from trellis_cli.checkpoint.dialect import QUANT_CONFIG
 from trellis_cli.checkpoint.model import DIALECT_EXL3, DIALECT_R7, Checkpoint
 from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, TENSOR_SCHEMA
-from trellis_cli.findings import Finding, Location, error, warning
+from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, warning
 from trellis_cli.header import is_int
 
 REQUIRED_TR3_KEYS = ("bits", "codebook", "experts_per_layer", "moe_layers", "tensor_schema", "tp")
@@ -36,6 +37,8 @@ def check_config(ckpt: Checkpoint) -> Iterator[Finding]:
         yield from check_bitmaps(ckpt, hybrid)
         if "protected_tensor_policy" in hybrid:
             yield from _check_protected_policy(ckpt, hybrid["protected_tensor_policy"])
+        yield from check_undeclared_layers(ckpt, hybrid)
+    yield from check_model_fields(ckpt)
     if ckpt.dialect == DIALECT_R7:
         yield from _check_r7_maps(ckpt)
     yield from _check_quant_configs(ckpt)
@@ -48,7 +51,7 @@ def _check_tr3_contract(h: dict, limit: int) -> Iterator[Finding]:
     if "codebook" in h and h["codebook"] != "mcg":
         yield error("config.tr3-codebook", _where("codebook"), "rank-sliced checkpoints must use the mcg codebook",
                     expected="mcg", found=h["codebook"])
-    if "moe_layers" in h and not layer_range(h["moe_layers"]):
+    if "moe_layers" in h and not layer_span(h["moe_layers"]):
         yield error("config.tr3-moe-layers", _where("moe_layers"), "must be [first, last] integers with "
                     "0 <= first <= last", found=h["moe_layers"])
     if "tensor_schema" in h and h["tensor_schema"] != TENSOR_SCHEMA:
@@ -254,3 +257,67 @@ def _check_quant_config_drift(embedded: dict, external: dict) -> Iterator[Findin
                           "the embedded one and opens quantization_config.json only for tensor_storage, so "
                           "quantization_config.json's value is not what gets served",
                           expected=embedded[key], found=external[key])
+
+
+# ---- the model's own config.json fields, as the serving engine reads them -----------------------------
+
+# Positive integers the engine sizes the model by (GLM / DeepSeek names, as checkpoint/open.py reads them);
+# `true` is not one, although Python's bool is an int.
+MODEL_SIZE_FIELDS = ("hidden_size", "moe_intermediate_size", "n_routed_experts", "num_experts", "num_local_experts",
+                     "moe_num_experts", "num_experts_per_tok", "num_hidden_layers")
+MTP_FIELD = "num_nextn_predict_layers"  # MTP layers follow the main ones: layer num_hidden_layers is the first
+EXPERT_COUNT_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+
+
+def check_model_fields(ckpt: Checkpoint) -> Iterator[Finding]:
+    """Types of the fields the engine reads, top-k against the expert count, layers against the layer count."""
+    config = ckpt.config
+    valid: dict[str, int] = {}
+    for key in (*MODEL_SIZE_FIELDS, MTP_FIELD):
+        if key not in config:
+            continue
+        value, low = config[key], 0 if key == MTP_FIELD else 1
+        if is_int(value) and value >= low:
+            valid[key] = value
+        else:
+            yield error("config.model-field", Location(file="config.json", tensor=key), "the serving engine needs "
+                        f"an integer >= {low} here", expected=f"integer >= {low}",
+                        found=f"{type(value).__name__} {_short(value)}")
+    experts = next((valid[k] for k in EXPERT_COUNT_FIELDS if k in valid), ckpt.num_experts)
+    top_k = valid.get("num_experts_per_tok")
+    if top_k is not None and experts is not None and top_k > experts:
+        yield error("config.top-k", Location(file="config.json", tensor="num_experts_per_tok"), "routes each token "
+                    "to more experts than a layer has", expected=f"<= {experts}", found=top_k)
+    if "num_hidden_layers" in valid:
+        yield from _check_layer_count(ckpt, valid["num_hidden_layers"] + valid.get(MTP_FIELD, 0))
+
+
+def _check_layer_count(ckpt: Checkpoint, layers: int) -> Iterator[Finding]:
+    where = "num_hidden_layers" + (f" + {MTP_FIELD}" if MTP_FIELD in ckpt.config else "")
+    beyond = [li for li, layer in ckpt.layers.items() if li >= layers and (layer.experts or layer.shared_h)]
+    for li in beyond[:MAX_MISSING_SHOWN]:
+        yield error("config.layer-count", Location(layer=li), f"the files hold expert tensors of a layer the model "
+                    f"does not have ({where} is {layers})", expected=f"layer < {layers}", found=li)
+    if len(beyond) > MAX_MISSING_SHOWN:
+        yield error("config.layer-count", Location(), f"... and {len(beyond) - MAX_MISSING_SHOWN} more layers "
+                    f"beyond {where}", expected=f"layer < {layers}", found=f"{len(beyond)} layers")
+
+
+def check_undeclared_layers(ckpt: Checkpoint, h: dict) -> Iterator[Finding]:
+    """Layers whose expert tensors are in the files but outside `moe_layers`: the loader never loads them."""
+    if not layer_span(h.get("moe_layers")):
+        return  # config.tr3-moe-layers
+    first, last = h["moe_layers"]
+    outside = [li for li, layer in ckpt.layers.items() if not first <= li <= last and (layer.experts or
+                                                                                       layer.shared_h)]
+    for li in outside[:MAX_MISSING_SHOWN]:
+        yield error("layer.undeclared", Location(layer=li), "expert tensors of a layer outside moe_layers (the "
+                    "loader never loads them)", expected=f"layers {first}-{last}", found=li)
+    if len(outside) > MAX_MISSING_SHOWN:
+        yield error("layer.undeclared", Location(), f"... and {len(outside) - MAX_MISSING_SHOWN} more layers outside "
+                    "moe_layers", expected=f"layers {first}-{last}", found=f"{len(outside)} layers")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,7 +1,7 @@
 """Data rules (--deep): read the tensors of chosen layers and check what headers cannot show.
 
-suh/svh finite and not all zero; svh exactly zero only on padding columns (none, unless the config's logical
-size is below the padded one); a decode of a few sampled
+suh/svh finite and not all zero (nor all subnormal); svh exactly zero only on padding columns (none, unless the
+config's logical size is below the padded one); a decode of a few sampled
 tiles per layer through the codec with a plausible RMS; under per_expert_v1, whether the hidden-side rows are
 byte-identical across experts (then the checkpoint could be repacked to shared_h_v1). Marker values are
 rules_markers' (read by default for local sources, and with --deep for remote ones).
@@ -61,6 +61,7 @@ def _check_vector(ckpt: Checkpoint, ref, at: Location, name: str, count) -> Iter
         yield problem
         return
     count("vectors read", 1)
+    smallest_normal = torch.finfo(values.dtype).tiny if values.dtype.is_floating_point else 0.0
     values = values.float().reshape(-1)
     bad = int((~torch.isfinite(values)).sum())
     if bad:
@@ -70,6 +71,10 @@ def _check_vector(ckpt: Checkpoint, ref, at: Location, name: str, count) -> Iter
     zeros = int((values == 0).sum())
     if zeros == values.numel():
         yield error("data.zero-vector", at, f"{name} is all zeros (the linear's output would vanish)")
+    elif bool((values.abs() < smallest_normal).all()):  # subnormals: flushed to zero by fast kernels, or near it
+        largest = float(values.abs().max())
+        yield error("data.subnormal-vector", at, f"{name} holds only zeros and subnormals (as dead as zeros)",
+                    expected=f"some |value| >= {smallest_normal:.3g}", found=f"max |value| {largest:.3g}")
     elif zeros and name == "svh":
         yield warning("data.svh-zero", at, "svh has exact zeros outside padding columns (those outputs are dropped)",
                       expected="0 zero columns", found=f"{zeros} zero columns")

@@ -12,7 +12,7 @@ import math
 from typing import Iterator
 
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.findings import Finding, Location, error, warning
+from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, warning
 from trellis_cli.header import DTYPE_BYTES
 from trellis_cli.sources import safe_relative
 
@@ -102,10 +102,15 @@ def _check_index(ckpt: Checkpoint) -> Iterator[Finding]:
             yield error("index.missing-tensor", Location(file=index_file, tensor=name),
                         f"index maps the tensor to {file}, whose header does not have it", expected=file, found=found)
     for file, header in headers.items():
-        for name in header.tensors:
-            if name not in index:
-                yield error("index.unindexed", Location(file=file, tensor=name), "tensor is in a shard but not in "
-                            "the index (loaders that trust the index will not see it)")
+        # Listed per shard up to the cap, then one total: a shard absent from the index may hold 262k tensors.
+        unindexed = [name for name in header.tensors if name not in index]
+        for name in unindexed[:MAX_MISSING_SHOWN]:
+            yield error("index.unindexed", Location(file=file, tensor=name), "tensor is in a shard but not in "
+                        "the index (loaders that trust the index will not see it)")
+        if len(unindexed) > MAX_MISSING_SHOWN:
+            yield error("index.unindexed", Location(file=file), f"... and {len(unindexed) - MAX_MISSING_SHOWN} more "
+                        "tensors of this shard are not in the index", expected="0 unindexed",
+                        found=f"{len(unindexed)} unindexed")
     total = (ckpt.declared.get("index_metadata") or {}).get("total_size")
     if total is None or any(file not in headers for file in set(index.values())):
         return  # an unreadable shard is already reported; its bytes cannot be summed
