@@ -229,7 +229,10 @@ def test_quantization_config_that_is_a_list_is_a_named_warning(ckpt, capsys):
     (ckpt / "quantization_config.json").write_text("[]")
     code, found = findings(ckpt, capsys)
     bad = named(found, "json.unreadable", "quantization_config.json")
-    assert code == 0 and bad[0]["severity"] == "warning" and (bad[0]["expected"], bad[0]["found"]) == ("object", "list")
+    assert bad[0]["severity"] == "warning" and (bad[0]["expected"], bad[0]["found"]) == ("object", "list")
+    # Without hybrid_tr3_tail this is plain EXL3 with rank-sliced names, which exllamav3 (its default engine)
+    # cannot load: that is the one error.
+    assert code == 1 and {f["code"] for f in found if f["severity"] == "error"} == {"engine.container"}
 
 
 def test_deep_on_a_zero_row_trellis_reports_instead_of_crashing(ckpt, capsys):
