@@ -116,3 +116,37 @@ def layer_of(name: str) -> int | None:
 def rank_of(name: str) -> int | None:
     part = next((p for p in name.split(".") if p.startswith("rank") and p[4:].isdigit()), None)
     return None if part is None else int(part[4:])
+
+
+def _per_layer(name: str) -> str:
+    layer = layer_of(name)
+    if layer is not None:
+        return f"model-layer-{layer:03d}.safetensors"
+    return "model-layer-003.safetensors" if name == EMBED else "model-layer-004.safetensors"
+
+
+def _split(name: str) -> str:
+    first = (layer_of(name) == 3 and rank_of(name) == 0) or name == EMBED
+    return "model-00001-of-00002.safetensors" if first else "model-00002-of-00002.safetensors"
+
+
+# Shard layouts of the tiny preset (MoE layers 3 and 4, TP 2) plus an embedding, an lm_head and a norm.
+LAYOUTS: dict[str, Callable[[str], str]] = {
+    "shard-per-layer": _per_layer,  # each layer shard also holds non-expert tensors
+    "one-shard": lambda name: "model-00001-of-00001.safetensors",  # both layers in one shard
+    "layer-split": _split,  # layer 3 over two shards, one of them with the embedding
+    "non-expert-shard": lambda name: (f"model-layer-{layer_of(name):03d}.safetensors" if layer_of(name) is not None
+                                      else "model-non-expert.safetensors"),
+    "nested": lambda name: f"shards/{_per_layer(name)}",
+}
+
+DERIVED = ("config.json", INDEX, MANIFEST)  # written anew by --to tr3 (config.json compared on its own)
+
+
+def assert_same_files(source: Path, back: Path) -> None:
+    """Every file of `source` is in `back` under its name; files other than shards and DERIVED byte for byte."""
+    names = lambda root: sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())  # noqa: E731
+    assert names(source) == names(back)
+    for name in names(source):
+        if not name.endswith(".safetensors") and name not in DERIVED:
+            assert (source / name).read_bytes() == (back / name).read_bytes(), name
