@@ -15,6 +15,7 @@ from trellis_cli.checkpoint.model import Checkpoint, TensorRef
 from trellis_cli.checkpoint.names import parse_expert_name
 from trellis_cli.errors import CheckFailed
 from trellis_cli.header import Header, HeaderError, read_local_header
+from trellis_cli.repack.readback import equal_bytes
 from trellis_cli.repack.source_bytes import Scratch, TensorReader
 from trellis_cli.sources import LocalSource
 from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter, encode_header
@@ -78,5 +79,5 @@ def check_copies(path: Path, refs: list[TensorRef], reader: TensorReader) -> Non
                 raise CheckFailed(f"{path.name}: {ref.name}: read back differs from the source (dtype or shape)")
             back = TensorRef(ref.name, path.name, entry.dtype, entry.shape, entry.begin, entry.end, header.data_start)
             if back.nbytes != ref.nbytes or any(
-                    a != b for a, b in zip(written.read_pieces(back, mine), reader.read_pieces(ref, theirs))):
+                    not equal_bytes(a, b) for a, b in zip(written.read_pieces(back, mine), reader.read_pieces(ref, theirs))):
                 raise CheckFailed(f"{path.name}: {ref.name}: read back differs from the source")
