@@ -36,9 +36,14 @@ trellis_cli.cli.app.main(sys.argv[2:])
 
 def add_sparse_tensor(root: Path, shard: str, name: str, nbytes: int) -> None:
     """Append a U8 tensor of `nbytes` zeros to `shard` as a hole (no disk blocks), index and checksums kept."""
-    from safetensors import safe_open
-
     from roundtrip import rewrite_checksums
+
+    add_sparse_tensor_unhashed(root, shard, name, nbytes)
+    rewrite_checksums(root)
+
+
+def add_sparse_tensor_unhashed(root: Path, shard: str, name: str, nbytes: int) -> None:
+    from safetensors import safe_open
 
     path = root / shard
     with safe_open(str(path), framework="pt") as f:
@@ -59,7 +64,6 @@ def add_sparse_tensor(root: Path, shard: str, name: str, nbytes: int) -> None:
     index["weight_map"][name] = shard
     index["metadata"]["total_size"] += nbytes
     (root / "model.safetensors.index.json").write_text(json.dumps(index))
-    rewrite_checksums(root)
 
 
 def limited_repack(*args: str) -> subprocess.CompletedProcess:
@@ -85,3 +89,36 @@ def test_a_non_expert_tensor_larger_than_the_memory_left_is_streamed(tiny, tmp_p
     done = limited_repack(str(src), str(tmp_path / "direct"), "--to", "tr3")
     assert done.returncode == 0, done.stderr
     assert_same_tensors(src, tmp_path / "direct")
+
+
+def _out_bytes(root: Path, leave_out: tuple[str, ...]) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and p.name not in leave_out)
+
+
+def test_the_counted_bytes_include_non_expert_tensors(capsys, tiny, tmp_path):
+    src = relayout(tiny, tmp_path / "src", LAYOUTS["shard-per-layer"], non_expert_tensors(256, vocab=4096))
+    for to, out, small in (("route-pack", "pack", ("manifest.json", "config.json")),
+                           ("tr3", "direct", ("config.json", "model.safetensors.index.json", "MANIFEST.sha256"))):
+        code, stdout, err = run_cli(capsys, "repack", str(src), str(tmp_path / out), "--to", to, "--json")
+        assert code == 0, err
+        needed, held = json.loads(stdout)["bytes_needed"], _out_bytes(tmp_path / out, small)
+        assert held - 64 * 1024 <= needed <= held, (to, needed, held)  # layer-file headers are not counted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to", ["route-pack", "tr3"])
+def test_non_expert_bytes_beyond_the_free_space_are_refused_up_front(tiny, tmp_path, to):
+    import resource
+
+    src = relayout(tiny, tmp_path / "src", LAYOUTS["shard-per-layer"], non_expert_tensors(256))
+    (src / "MANIFEST.sha256").unlink()  # a checksum over tens of GB of holes would take minutes
+    add_sparse_tensor_unhashed(src, "model-layer-004.safetensors", BIG, shutil.disk_usage(tmp_path).free + (8 << 30))
+
+    def cap_file_size() -> None:  # should repack start writing anyway, it stops at 64 MB per file
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))
+
+    done = subprocess.run([sys.executable, "-m", "trellis_cli", "repack", str(src), str(tmp_path / "out"), "--to", to],
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=600,
+                          preexec_fn=cap_file_size)
+    assert done.returncode == 1 and "GB free on its filesystem, the repack needs" in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
