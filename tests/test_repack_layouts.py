@@ -97,3 +97,30 @@ def test_a_colliding_shard_temporary_name_is_refused_by_to_tr3(capsys, tiny, tmp
     assert code == 2 and "source file model-layer-004.safetensors.partial" in err, err
     assert "the temporary name of model-layer-004.safetensors" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_pack_of_some_layers_goes_back_to_a_tr3_checkpoint_that_validates(capsys, tiny, tmp_path):
+    src = relayout(tiny, tmp_path / "src", LAYOUTS["one-shard"], non_expert_tensors(256))
+    _ok(capsys, "repack", str(src), str(tmp_path / "pack"), "--layers", "3")
+    _ok(capsys, "repack", str(tmp_path / "pack"), str(tmp_path / "back"), "--to", "tr3")
+    _ok(capsys, "repack", str(src), str(tmp_path / "direct"), "--to", "tr3", "--layers", "4")
+    for out, layer in (("back", 3), ("direct", 4)):
+        code, stdout, err = run_cli(capsys, "validate", "--checksums", str(tmp_path / out))
+        assert code == 0, stdout + err
+        config = json.loads((tmp_path / out / "config.json").read_text())
+        assert config["hybrid_tr3_tail"]["moe_layers"] == [layer, layer]
+        assert list(json.loads((tmp_path / out / "tier_bitmap.json").read_text())) == [str(layer)]
+        kept = {n for n in json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+                if f".layers.{7 - layer}.mlp.experts." not in n}
+        from roundtrip import stored_tensors
+
+        assert set(stored_tensors(tmp_path / out)) == kept  # the other layer's experts only are left out
+
+
+def test_layers_that_are_not_one_range_are_refused_by_to_tr3(capsys, tmp_path):
+    import dataclasses
+
+    src = synth.write_checkpoint(tmp_path / "src", dataclasses.replace(synth.preset("tiny"), layers=(3, 4, 5)))
+    code, _, err = run_cli(capsys, "repack", str(src), str(tmp_path / "out"), "--to", "tr3", "--layers", "3,5")
+    assert code == 2 and "[3, 5]" in err and "moe_layers" in err and "contiguous" in err, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()

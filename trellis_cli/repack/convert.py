@@ -1,10 +1,11 @@
 """Conversions that write the TR3 layout (`--to tr3`): from a route pack, or from TR3 with --tp/--shared-h.
 
-A TR3 shard holds every rank of one layer; it is written rank by rank from one LayerPack at a time (the
-header is planned first), so memory stays at one layer-rank. Tensor names follow the TR3 schema, vectors
+A TR3 shard holds every rank of its layers (tr3_output.py decides which layers and non-expert tensors go
+where); it is written rank by rank from one LayerPack at a time (the header is planned first), so memory
+stays at one layer-rank, and carried tensors are streamed (carry.py). Tensor names follow the TR3 schema, vectors
 get back the shape the source stored ([n] or [1, n], recorded in the manifest), and codebook markers are
 rewritten from the codebook. After each shard is written it is read back and compared bit for bit with
-the packs it came from; nothing is ever rounded, so a conversion either is exact or is refused.
+the packs and the source tensors it came from; nothing is ever rounded, so a conversion either is exact or is refused.
 """
 
 from __future__ import annotations
