@@ -164,7 +164,7 @@ def test_resume_redoes_a_staged_file_that_changed(sources, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(Interrupted):
         run_repack(sources["mixed"], out, RepackOptions(fail_after=2))
-    staged = sorted((tmp_path / "out.partial").glob("layer-*.safetensors"))[0]
+    staged = sorted((tmp_path / "out.partial" / "tree").glob("layer-*.safetensors"))[0]
     data = bytearray(staged.read_bytes())
     data[-1] ^= 0xFF
     staged.write_bytes(bytes(data))

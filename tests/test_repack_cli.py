@@ -93,7 +93,7 @@ def test_killed_repack_leaves_out_untouched_and_a_rerun_resumes(capsys, tmp_path
     spec = dataclasses.replace(synth.preset("tiny"), hidden=1024, intermediate=1024, experts=16,
                                layers=tuple(range(3, 11)), partition=(12, 4))
     src = synth.write_checkpoint(tmp_path / "src", spec)
-    out, state = tmp_path / "out", tmp_path / "out.partial" / ".repack-state.json"
+    out, state = tmp_path / "out", tmp_path / "out.partial" / "state.json"
     proc = subprocess.Popen([sys.executable, "-m", "trellis_cli", "repack", str(src), str(out), "--jobs", "1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60

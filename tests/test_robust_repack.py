@@ -263,7 +263,7 @@ def test_a_link_planted_in_a_stage_to_resume_is_refused_before_anything_is_writt
         run_repack(source, out, RepackOptions(jobs=1, fail_after=1))
     victim = tmp_path / "victim.txt"
     victim.write_text("ORIGINAL")
-    (tmp_path / "out.partial" / "config.json").symlink_to(victim)
+    (tmp_path / "out.partial" / "tree" / "config.json").symlink_to(victim)
     status, text = run_cli(capsys, "repack", str(source), str(out))
     assert status == 2 and "config.json" in text and "refusing to resume" in text, text
     assert victim.read_text() == "ORIGINAL" and not out.exists()

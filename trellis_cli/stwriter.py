@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from trellis_cli.header import DTYPE_BYTES
 
@@ -76,12 +76,29 @@ class SafetensorsWriter:
     def file_size(self) -> int:
         return len(self._header) + self.data_bytes
 
-    def write(self, name: str, data: "torch.Tensor | bytes | memoryview") -> None:
-        """Append the next tensor's bytes; `name` must be the next planned tensor."""
+    def _expect(self, name: str) -> PlannedTensor:
         if self._next >= len(self.tensors) or self.tensors[self._next].name != name:
             expected = self.tensors[self._next].name if self._next < len(self.tensors) else "no more tensors"
             raise ValueError(f"{self.path.name}: tensor {name!r} written out of order (expected {expected})")
-        planned_tensor = self.tensors[self._next]
+        return self.tensors[self._next]
+
+    def write_pieces(self, name: str, pieces: "Iterable[bytes | memoryview]") -> None:
+        """Append the next tensor's bytes from consecutive pieces (a large tensor never whole in memory)."""
+        planned_tensor = self._expect(name)
+        done = 0
+        for piece in pieces:
+            done += len(piece)
+            if done > planned_tensor.nbytes:
+                break
+            if not self.sparse:
+                self._file.write(piece)
+        if done != planned_tensor.nbytes:
+            raise ValueError(f"{self.path.name}: {name}: {done}+ bytes, planned {planned_tensor.nbytes}")
+        self._next += 1
+
+    def write(self, name: str, data: "torch.Tensor | bytes | memoryview") -> None:
+        """Append the next tensor's bytes; `name` must be the next planned tensor."""
+        planned_tensor = self._expect(name)
         if not isinstance(data, (bytes, memoryview)):
             data = memoryview(data.detach().cpu().contiguous().view(-1).view(__import__("torch").uint8).numpy())
         if len(data) != planned_tensor.nbytes:

@@ -84,6 +84,7 @@ def register(app: typer.Typer) -> None:
         summary = {
             "out": str(result.out), "to": options.to, "files_written": result.files_written,
             "files_resumed": result.files_resumed, "bytes_written": result.bytes_written,
+            "bytes_needed": result.bytes_needed,
             "seconds": round(result.seconds, 3),
             "throughput_mb_s": round(result.bytes_written / result.seconds / 1e6, 1) if result.seconds else None,
         }

@@ -113,7 +113,7 @@ def _as_tensor(entry, raw: memoryview) -> "torch.Tensor":
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(entry.shape)
 
 
-def _equal_bytes(a, b) -> bool:
+def equal_bytes(a, b) -> bool:
     """memcmp speed: numpy compares 8-byte words when it can (byte-wise equality is 3x slower)."""
     import numpy as np
 
@@ -188,7 +188,7 @@ def _compare(written: _WrittenFile, checkpoint: Checkpoint, layer: int, rank: in
                         want = reader.read_bytes(ref, scratch)
                     else:
                         want = _bytes_of(expected_trellis(reader, moe, expert, proj, pieces, hidden, source_width))
-                    if not _equal_bytes(got, want):
+                    if not equal_bytes(got, want):
                         raise fail(entry.name, f"expert {expert} {proj}")
 
 

@@ -10,6 +10,7 @@ directory, and the move from OUT.partial into place. `--to tr3` is delegated to 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 import time
@@ -23,16 +24,19 @@ from trellis_cli.checkpoint.names import parse_expert_name
 from trellis_cli.errors import CheckFailed, UsageError, ValidationFailed
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.repack import manifest as mf
+from trellis_cli.repack import carry
+from trellis_cli.repack.format import MANIFEST_NAME
 from trellis_cli.repack.layer_file import sync_file, write_layer_pack
+from trellis_cli.repack.lock import StageLock
 from trellis_cli.repack.pack import Arena, layer_tiers, pack_layer
 from trellis_cli.repack.plan import RepackPlan, make_plan
 from trellis_cli.repack.readback import check_layer_file
 from trellis_cli.repack.source_bytes import TensorReader
-from trellis_cli.repack.staging import Stage, check_free_space, check_target
-from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter
+from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_collisions, stage_path
 
 CONFIG = "config.json"
 NOT_COPIED = ("MANIFEST.sha256",)  # source-side hashes; the manifest replaces them
+EXTRA_DIR = "extra"  # extra/<shard>: the non-expert tensors of a source shard that held routed experts
 REPACK_NOTE_KEY = "trellis_repack"
 TR3_DIALECTS = (DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H)
 
@@ -57,6 +61,7 @@ class RepackResult:
     files_written: int = 0
     files_resumed: int = 0
     bytes_written: int = 0
+    bytes_needed: int = 0  # every byte the output holds, as the free-space check counted it
     seconds: float = 0.0
     manifest: dict[str, Any] = field(default_factory=dict)
 
@@ -133,7 +138,8 @@ def source_root(checkpoint: Checkpoint) -> Path | None:
 
 
 def fingerprint(checkpoint: Checkpoint, options: RepackOptions, used: list[str]) -> dict[str, Any]:
-    """What must be unchanged for a staged file to be reused: the source (files, sizes, mtimes) and options."""
+    """What must be unchanged for the stage to be resumed at all: the source (files, sizes, mtimes) and options.
+    Each staged file is also tied to the sha256 of the source files it was made from (Stage.record)."""
     files = {}
     for name in used:
         entry: dict[str, Any] = {"size": checkpoint.files.get(name)}
@@ -151,18 +157,31 @@ def used_source_files(checkpoint: Checkpoint, layers: list[int], copy_other: boo
         if not name.endswith(".safetensors") and name not in NOT_COPIED and (copy_other or name == CONFIG):
             used.add(name)
     if copy_other:
-        used.update(other_tensor_files(checkpoint))
+        used.update(n for n in checkpoint.headers if not _has_experts(checkpoint, n) or
+                    any(parse_expert_name(t) is None for t in checkpoint.headers[n].tensors))
     return sorted(n for n in used if not n.endswith(".safetensors.index.json"))
 
 
-def other_tensor_files(checkpoint: Checkpoint) -> dict[str, list[str]]:
-    """Safetensors files with tensors that are not routed experts -> those tensor names (in header order)."""
-    out = {}
-    for file, header in checkpoint.headers.items():
-        others = [n for n in header.tensors if parse_expert_name(n) is None]
-        if others:
-            out[file] = others
-    return out
+class SourceHashes:
+    """sha256 of source files, each computed once however many threads ask (the first one hashes, the others
+    wait for it: never a pool task waiting on a queued one)."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.ck = checkpoint
+        self.done: dict[str, str] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def get(self, name: str) -> str:
+        with self._guard:
+            lock = self._locks.setdefault(name, threading.Lock())
+        with lock:
+            if name not in self.done:
+                self.done[name] = source_sha256(self.ck, name)
+            return self.done[name]
+
+    def of(self, names) -> dict[str, str]:
+        return {n: self.get(n) for n in sorted(names)}
 
 
 def source_sha256(checkpoint: Checkpoint, name: str) -> str:
@@ -195,6 +214,9 @@ def vector_ndim(checkpoint: Checkpoint) -> dict[str, int]:
     return out
 
 
+LAYER_FILE_NAME = re.compile(r"layer-[0-9]+-rank-[0-9]+\.safetensors")
+
+
 class _RoutePackRun:
     def __init__(self, checkpoint: Checkpoint, out: Path, options: RepackOptions, on_bytes, on_total, log) -> None:
         self.ck, self.out, self.opt = checkpoint, out, options
@@ -204,6 +226,10 @@ class _RoutePackRun:
         self.plan: RepackPlan = make_plan(checkpoint, layers=options.layers, ranks=options.ranks, tp=options.tp,
                                           shared_h=self._output_shared())
         self.used = used_source_files(checkpoint, self.plan.layers, options.copy_other)
+        # Non-expert tensors of expert shards go to extra/<shard>; every other used file is copied as it is.
+        self.carried = carry.non_expert_refs(checkpoint) if options.copy_other else {}
+        self.copied = [n for n in self.used if n not in (CONFIG, *NOT_COPIED) and not _has_experts(checkpoint, n)]
+        self.hashes = SourceHashes(checkpoint)
         self.result = RepackResult(out)
         self._local = threading.local()
         self._counts = threading.Lock()  # worker threads add to the result's counters
@@ -211,53 +237,67 @@ class _RoutePackRun:
     def _output_shared(self) -> bool:
         return self.opt.shared_h or self.ck.rotation_layout == "shared_h_v1"
 
+    def refuse_collisions(self) -> None:
+        """Every name this pack writes belongs to exactly one output (checked before any work)."""
+        extras = [f"{EXTRA_DIR}/{name}" for name in self.carried]
+        claims = [(MANIFEST_NAME, "the route pack's manifest.json"), (CONFIG, "the route pack's config.json")]
+        claims += [(job.file, f"the layer file of layer {job.layer} rank {job.rank}") for job in self.plan.jobs]
+        claims += [(extra, f"the non-expert tensors of source file {extra[len(EXTRA_DIR) + 1:]}") for extra in extras]
+        for name in self.copied:
+            if LAYER_FILE_NAME.fullmatch(name):
+                raise UsageError(f"source file {name} is named like a route-pack layer file, a name the route pack "
+                                 f"reserves; refusing before any work (rename or remove the source file)")
+            claims.append((name, f"source file {name}"))
+        refuse_collisions(claims, [job.file for job in self.plan.jobs] + extras + [MANIFEST_NAME])
+
     def run(self) -> RepackResult:
         start = time.perf_counter()
-        check_target(self.out, source_root(self.ck), self.opt.overwrite)
-        stage = Stage(self.out, fingerprint(self.ck, self.opt, self.used), self.opt.overwrite)
-        if stage.resumed:
-            self.log(f"resuming {stage.path.name}: {len(stage.done)} file(s) already staged")
-        try:
-            check_free_space(self.out, self._bytes_to_write() - stage.bytes_done())
-        except CheckFailed:
-            if not stage.resumed:
-                shutil.rmtree(stage.path, ignore_errors=True)  # nothing in it yet; keep a resumable one
-            raise
-        self.on_total(self.plan.total_bytes)
-        with stage.discard_on_refusal():
-            hashes = self._run_jobs(stage)
-            doc = self._finish(stage, hashes)
-            from trellis_cli.repack.verify import verify_repacked
+        self.refuse_collisions()
+        with StageLock(stage_path(self.out), self.out):
+            check_target(self.out, source_root(self.ck), self.opt.overwrite)
+            stage = Stage(self.out, fingerprint(self.ck, self.opt, self.used), self.opt.overwrite)
+            if stage.resumed:
+                self.log(f"resuming {stage.root.name}: {len(stage.done)} file(s) already staged")
+            self.result.bytes_needed = self.bytes_to_write()
+            try:
+                check_free_space(self.out, self.result.bytes_needed - stage.bytes_done())
+            except CheckFailed:
+                stage.discard_if_new()
+                raise
+            self.on_total(self.plan.total_bytes)
+            with stage.discard_on_refusal():
+                self._run_jobs(stage)
+                doc = self._finish(stage)
+                from trellis_cli.repack.verify import verify_repacked
 
-            report = verify_repacked(stage.path, check_hashes=False)
-            if not report.ok:
-                raise CheckFailed(f"{stage.path}: the staged output does not verify: {report.errors[0].line()}")
-        stage.move_into_place()
+                report = verify_repacked(stage.path, check_hashes=False)
+                if not report.ok:
+                    raise CheckFailed(f"{stage.path}: the staged output does not verify: {report.errors[0].line()}")
+            stage.move_into_place()
         self.result.manifest = doc
         self.result.seconds = time.perf_counter() - start
         return self.result
 
-    def _bytes_to_write(self) -> int:
-        other = sum(max(self.ck.files.get(n, 0), 0) for n in self.used if not _is_expert_shard(self.ck, n))
-        return self.plan.total_bytes + other
+    def bytes_to_write(self) -> int:
+        """Every byte the pack will hold: layer files, copied files, and the extra/ files of carried tensors."""
+        copied = sum(max(self.ck.files.get(n, 0), 0) for n in self.copied)
+        extras = sum(carry.file_bytes(carry.planned(refs), self.ck.headers[n].metadata)
+                     for n, refs in self.carried.items())
+        return self.plan.total_bytes + copied + extras
 
-    def _run_jobs(self, stage: Stage) -> dict[str, str]:
-        hashes: dict[str, str] = {}
+    def _run_jobs(self, stage: Stage) -> None:
         finished = [0]
         with TensorReader(self.ck.source) as reader, ThreadPoolExecutor(self.opt.jobs) as pool:
             futures = []
             for name in self._hash_order()[0]:
-                futures.append(pool.submit(self._hash_source, name, hashes))
+                futures.append(pool.submit(self.hashes.get, name))
             for layer, files in zip(self.plan.layers, self._hash_order()[1]):
                 for job in (j for j in self.plan.jobs if j.layer == layer):
-                    if stage.completed(job.file):
-                        self.result.files_resumed += 1
-                        self.on_bytes(job.bytes)
-                        continue
-                    futures.append(pool.submit(self._layer_job, job, stage, reader, finished))
+                    task = self._resume_or_redo if job.file in stage.done else self._layer_job
+                    futures.append(pool.submit(task, job, stage, reader, finished))
                 # Right after the layer's own jobs: its shard is in the page cache, and with --jobs > 1 the
                 # hashing overlaps the next layer's disk reads.
-                futures += [pool.submit(self._hash_source, name, hashes) for name in files]
+                futures += [pool.submit(self.hashes.get, name) for name in files]
             try:
                 done, _ = wait(futures, return_when=FIRST_EXCEPTION)
             except BaseException:  # Ctrl-C: stop queued jobs; the running ones finish their file
@@ -269,7 +309,6 @@ class _RoutePackRun:
                     for other in futures:
                         other.cancel()
                     raise future.exception()
-        return hashes
 
     def _hash_order(self) -> tuple[list[str], list[list[str]]]:
         """Source files to hash: those of no selected layer first (small JSON files), then per layer."""
@@ -285,8 +324,14 @@ class _RoutePackRun:
         later = [li for li in self.plan.layers if li > layer]
         return sorted(self.ck.layers[later[0]].files) if later else []
 
-    def _hash_source(self, name: str, hashes: dict[str, str]) -> None:
-        hashes[name] = source_sha256(self.ck, name)
+    def _resume_or_redo(self, job, stage: Stage, reader: TensorReader, finished: list[int]) -> None:
+        """A staged file is reused only when the source files it came from still hash to what it recorded."""
+        if stage.completed(job.file, self.hashes.of(self.ck.layers[job.layer].files)):
+            with self._counts:
+                self.result.files_resumed += 1
+            self.on_bytes(job.bytes)
+            return
+        self._layer_job(job, stage, reader, finished)
 
     def _layer_job(self, job, stage: Stage, reader: TensorReader, finished: list[int]) -> None:
         if self.opt.fail_after is not None and finished[0] >= self.opt.fail_after:
@@ -303,15 +348,16 @@ class _RoutePackRun:
         digest = check_layer_file(path, self.ck, job.layer, job.rank, tp=self.plan.target_tp,
                                   shared_h=self.plan.shared_h, reader=reader)
         size = path.stat().st_size
-        stage.record(job.file, {"sha256": digest, "size": size, "layer": job.layer, "rank": job.rank})
+        stage.record(job.file, {"sha256": digest, "size": size, "layer": job.layer, "rank": job.rank},
+                     self.hashes.of(self.ck.layers[job.layer].files))
         with self._counts:  # `+=` on shared counters is not atomic across threads
             self.result.files_written += 1
             self.result.bytes_written += size
             finished[0] += 1
 
-    def _finish(self, stage: Stage, hashes: dict[str, str]) -> dict[str, Any]:
+    def _finish(self, stage: Stage) -> dict[str, Any]:
         ck, plan = self.ck, self.plan
-        copied = self._copy_other(stage) if self.opt.copy_other else {}
+        copied = self._copy_other(stage)
         config = dict(ck.config)
         config[REPACK_NOTE_KEY] = repack_note(plan.target_tp, "shared_h" if plan.shared_h else "per_expert")
         (stage.path / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -320,7 +366,7 @@ class _RoutePackRun:
             source["path"] = str(Path(source["path"]).resolve())
         source.update({"dialect": ck.dialect, "rotation_layout": ck.rotation_layout, "tp": ck.tp,
                        "vector_ndim": vector_ndim(ck),
-                       "files": {n: {"sha256": hashes[n], "size": ck.files.get(n)} for n in self.used}})
+                       "files": {n: {"sha256": self.hashes.get(n), "size": ck.files.get(n)} for n in self.used}})
         geometry = {"hidden": ck.hidden, "intermediate": ck.intermediate,
                     "intermediate_rank": ck.intermediate // plan.target_tp, "num_experts": ck.num_experts}
         codebook = self._codebook()
@@ -351,48 +397,27 @@ class _RoutePackRun:
         return self.ck.codebook or "mcg"
 
     def _copy_other(self, stage: Stage) -> dict[str, dict[str, Any]]:
-        """Non-expert files verbatim; non-expert tensors of expert shards into extra/<file>."""
+        """Copied files verbatim (checked against the source's sha256); carried tensors into extra/<file>."""
         entries: dict[str, dict[str, Any]] = {}
-        others = other_tensor_files(self.ck)
-        for name in self.used:
-            if name == CONFIG or name in NOT_COPIED:
-                continue
+        for name in self.copied:
             target = stage.path / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            if not name.endswith(".safetensors") or not _has_experts(self.ck, name):
-                shutil.copyfile(self.ck.source.local_path(name), target)
-                entries[name] = mf.file_entry(target, role="copied")
-            elif name in others:
-                extra = stage.path / "extra" / name
+            shutil.copyfile(self.ck.source.local_path(name), target)
+            entries[name] = mf.file_entry(target, role="copied")
+            if entries[name]["sha256"] != self.hashes.get(name):
+                raise CheckFailed(f"{name}: the copy differs from the source file (did it change during the repack?)")
+        with TensorReader(self.ck.source) as reader:
+            for name, refs in self.carried.items():
+                extra = stage.path / EXTRA_DIR / name
                 extra.parent.mkdir(parents=True, exist_ok=True)
-                _write_subset(self.ck, name, others[name], extra)
-                entries[f"extra/{name}"] = mf.file_entry(extra, role="extra", source_file=name)
+                carry.write_subset(extra, refs, reader, self.ck.headers[name].metadata)
+                entries[f"{EXTRA_DIR}/{name}"] = mf.file_entry(extra, role="extra", source_file=name)
         return entries
 
 
 def _has_experts(checkpoint: Checkpoint, file: str) -> bool:
     header = checkpoint.headers.get(file)
     return header is not None and any(parse_expert_name(n) is not None for n in header.tensors)
-
-
-def _is_expert_shard(checkpoint: Checkpoint, file: str) -> bool:
-    return file.endswith(".safetensors") and _has_experts(checkpoint, file)
-
-
-def _write_subset(checkpoint: Checkpoint, file: str, names: list[str], target: Path) -> None:
-    """Copy the named tensors of one source file, bytes unchanged, into a new safetensors file."""
-    header = checkpoint.headers[file]
-    planned = [PlannedTensor(n, header.tensors[n].dtype, header.tensors[n].shape) for n in names]
-    with TensorReader(checkpoint.source) as reader, SafetensorsWriter(target, planned, header.metadata) as writer:
-        for name in names:
-            writer.write(name, _read_from(reader, checkpoint, file, name))
-
-
-def _read_from(reader: TensorReader, checkpoint: Checkpoint, file: str, name: str):
-    from trellis_cli.checkpoint.model import TensorRef
-
-    e, header = checkpoint.headers[file].tensors[name], checkpoint.headers[file]
-    return reader.read(TensorRef(name, file, e.dtype, e.shape, e.begin, e.end, header.data_start))
 
 
 def repack_note(tp: int, rotation: str) -> dict[str, Any]:

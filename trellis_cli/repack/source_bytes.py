@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from trellis_cli.checkpoint.model import TensorRef
 from trellis_cli.errors import CheckFailed
@@ -90,6 +90,25 @@ class TensorReader:
         view = scratch.get(ref.nbytes)
         self._pread(ref, view)
         return view
+
+    def read_pieces(self, ref: TensorRef, scratch: "Scratch") -> Iterator[memoryview]:
+        """The stored bytes in consecutive pieces of at most READ_CHUNK, each in `scratch`'s memory (valid until
+        the next piece): a tensor of any size is copied or compared in bounded memory."""
+        fd, (offset, end) = self._fd(ref.file), ref.absolute_range
+        pos = offset
+        while pos < end:
+            view = scratch.get(min(READ_CHUNK, end - pos))
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], pos + done)
+                if n <= 0:
+                    raise CheckFailed(f"{ref.file}: {ref.name}: file ends {end - pos - done} bytes before the "
+                                      f"tensor does")
+                done += n
+            with self._lock:
+                self.bytes_read += done
+            pos += done
+            yield view
 
     def read(self, ref: TensorRef) -> "torch.Tensor":
         """The tensor with its stored dtype and shape, on CPU."""

@@ -1,9 +1,12 @@
 """The staging directory of a repack: safety checks, resume state, free space, and the final move.
 
-Output is built in `OUT.partial` (next to OUT, so the final `os.replace` is a same-filesystem rename) and
-moved into place only when complete and verified. A state file records every finished output file with
-its sha256; a rerun with the same source and options skips files that still hash to the recorded value,
-so an interrupted repack resumes instead of starting over. Nothing is ever written into the source.
+Output is built in `OUT.partial/tree` (next to OUT, so the final `os.replace` is a same-filesystem rename) and
+moved into place only when complete and verified. The resume state, `OUT.partial/state.json`, lies outside
+the tree, so no file carried from the source can collide with it. It records every finished output file
+with its sha256 and the sha256 of each source file it was made from; a rerun with the same source and
+options reuses a staged file only when both still match, so an interrupted repack resumes instead of
+starting over, and never keeps a file made from bytes that have since changed. Nothing is ever written
+into the source.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from typing import Any, Iterator
 from trellis_cli.errors import CheckFailed, TrellisError, UsageError
 from trellis_cli.repack.manifest import sha256_file
 
-STATE_NAME = ".repack-state.json"
+STATE_NAME = "state.json"  # in OUT.partial, beside the tree
+TREE_NAME = "tree"  # OUT.partial/tree becomes OUT
 STAGE_SUFFIX = ".partial"
+STAGE_VERSION = 2  # part of every fingerprint: a stage written under other rules is never resumed
 HEADROOM_BYTES = 64 << 20  # headers, JSON files, the manifest, temporary names
 
 
@@ -31,9 +36,14 @@ def stage_path(out: Path) -> Path:
 
 
 def check_target(out: Path, source_root: Path | None, overwrite: bool) -> None:
-    """Refuse an OUT that is (inside) the source, contains the source, is a file, or is non-empty, and an
-    OUT.partial that holds the source or is not a plain directory: the stage is deleted and rebuilt."""
+    """Refuse an OUT that is (inside) the source, contains the source, is a file, a symbolic link or non-empty,
+    and an OUT.partial that holds the source or is not a plain directory: the stage is deleted and rebuilt."""
     stage = stage_path(out)
+    if out.absolute().is_symlink():
+        # Replacing OUT renames it aside and deletes it: through a link that would leave the link and the
+        # directory it points at behind, outside OUT. Repack writes a directory, never through a link.
+        raise UsageError(f"{out}: is a symbolic link (to {os.readlink(out.absolute())}); repack writes OUT as a "
+                         f"directory of its own: name the directory itself, or remove the link")
     out = out.resolve()
     if source_root is not None:
         src = source_root.resolve()
@@ -52,6 +62,28 @@ def check_target(out: Path, source_root: Path | None, overwrite: bool) -> None:
         raise UsageError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UsageError(f"{out}: exists and is not empty (pass --overwrite to replace it)")
+
+
+def refuse_collisions(claims: list[tuple[str, str]], temporary: list[str]) -> None:
+    """Refuse, before any work, two things that would be written under one name in OUT.
+
+    `claims`: (output name, what writes it), e.g. ("manifest.json", "the route pack's manifest") or
+    ("manifest.json", "source file manifest.json"). `temporary`: outputs written under `NAME.partial` first,
+    a name no other output may take either.
+    """
+    seen: dict[str, str] = {}
+    for name, who in [*claims, *((f"{t}.partial", f"the temporary name of {t}") for t in temporary)]:
+        if name in seen:
+            raise UsageError(f"{seen[name]} and {who} would both be written as OUT/{name}; refusing before any "
+                             f"work (rename or remove the source file)")
+        seen[name] = who
+    for name, who in seen.items():  # a file where another output needs a folder ("extra" and "extra/x")
+        parts = name.split("/")
+        for depth in range(1, len(parts)):
+            folder = "/".join(parts[:depth])
+            if folder in seen:
+                raise UsageError(f"{seen[folder]} is written as OUT/{folder}, where {who} needs a folder; "
+                                 f"refusing before any work (rename or remove the source file)")
 
 
 def check_free_space(out: Path, needed: int) -> None:
@@ -75,49 +107,65 @@ def _refuse_links(stage: Path) -> None:
 
 
 class Stage:
-    """OUT.partial and its resume state. Thread-safe `record`."""
+    """OUT.partial: `path` is the tree that becomes OUT, `root` holds it and the resume state. Thread-safe
+    `record`. Hold the StageLock of OUT (lock.py) for the Stage's whole life."""
 
     def __init__(self, out: Path, fingerprint: dict[str, Any], overwrite: bool) -> None:
         self.out = out.absolute()
-        self.path = stage_path(out)
-        self.fingerprint = fingerprint
+        self.root = stage_path(out)
+        self.path = self.root / TREE_NAME
+        self.fingerprint = {"stage_version": STAGE_VERSION, **fingerprint}
         self._lock = threading.Lock()
         self.done: dict[str, dict[str, Any]] = {}
         self.resumed = False
         self._open(overwrite)
 
     def _open(self, overwrite: bool) -> None:
-        state_path = self.path / STATE_NAME
-        if self.path.exists():
-            state = _read_state(state_path)
+        if self.root.exists():
+            state = _read_state(self.root / STATE_NAME)
             if state is None and not overwrite:
-                raise UsageError(f"{self.path}: exists and was not made by trellis repack (remove it or pass "
+                raise UsageError(f"{self.root}: exists and was not made by trellis repack (remove it or pass "
                                  f"--overwrite)")
-            if state is not None and state.get("fingerprint") == self.fingerprint:
-                _refuse_links(self.path)
+            if state is not None and state.get("fingerprint") == self.fingerprint and self.path.is_dir():
+                _refuse_links(self.root)
                 self.done = dict(state.get("files", {}))
                 self.resumed = True
+                self._prune()
             else:
-                shutil.rmtree(self.path)  # ours, from a run with other options or another source
+                shutil.rmtree(self.root)  # ours, from a run with other options or another source
         if not self.resumed:
             self.path.mkdir(parents=True)
             self._save()
 
-    def completed(self, name: str) -> bool:
-        """True when `name` was finished by an earlier run and still hashes to what was recorded."""
+    def _prune(self) -> None:
+        """Keep only recorded files: what a killed run left half-done (temporary names, copies) goes."""
+        for path in sorted(self.path.rglob("*"), reverse=True):  # children before their folders
+            rel = path.relative_to(self.path).as_posix()
+            if path.is_dir():
+                if not any(path.iterdir()):
+                    path.rmdir()
+            elif rel not in self.done:
+                path.unlink()
+
+    def completed(self, name: str, sources: dict[str, str]) -> bool:
+        """True when `name` was finished by an earlier run from source files whose sha256 were `sources`, and
+        still hashes to what was recorded."""
         entry = self.done.get(name)
         path = self.path / name
-        if entry is None or not path.is_file() or path.stat().st_size != entry.get("size"):
+        if entry is None or entry.get("sources") != sources:
+            return False
+        if not path.is_file() or path.stat().st_size != entry.get("size"):
             return False
         return sha256_file(path) == entry.get("sha256")
 
-    def record(self, name: str, entry: dict[str, Any]) -> None:
+    def record(self, name: str, entry: dict[str, Any], sources: dict[str, str]) -> None:
+        """`name` is finished and verified; `sources`: sha256 of every source file it was made from."""
         with self._lock:
-            self.done[name] = entry
+            self.done[name] = {**entry, "sources": dict(sources)}
             self._save()
 
     def _save(self) -> None:
-        path = self.path / STATE_NAME
+        path = self.root / STATE_NAME
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "files": self.done}, indent=1), encoding="utf-8")
         os.replace(tmp, path)
@@ -129,22 +177,25 @@ class Stage:
         try:
             yield
         except TrellisError:
-            shutil.rmtree(self.path, ignore_errors=True)
+            shutil.rmtree(self.root, ignore_errors=True)
             raise
+
+    def discard_if_new(self) -> None:
+        """Before any work was done (a refusal up front): remove a stage this run created, keep a resumable one."""
+        if not self.resumed:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     def bytes_done(self) -> int:
         return sum(int(e.get("size", 0)) for e in self.done.values())
 
     def move_into_place(self) -> Path:
-        """Replace OUT by the finished stage (an existing OUT was checked empty or --overwrite given)."""
-        (self.path / STATE_NAME).unlink(missing_ok=True)
-        for leftover in self.path.rglob("*.partial"):
-            leftover.unlink()
+        """Replace OUT by the finished tree (an existing OUT was checked empty or --overwrite given)."""
         old = None
         if self.out.exists():
             old = self.out.with_name(f"{self.out.name}.replaced-{os.getpid()}")
             os.replace(self.out, old)
         os.replace(self.path, self.out)
+        shutil.rmtree(self.root, ignore_errors=True)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return self.out
