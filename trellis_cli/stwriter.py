@@ -82,20 +82,6 @@ class SafetensorsWriter:
             raise ValueError(f"{self.path.name}: tensor {name!r} written out of order (expected {expected})")
         return self.tensors[self._next]
 
-    def write_pieces(self, name: str, pieces: "Iterable[bytes | memoryview]") -> None:
-        """Append the next tensor's bytes from consecutive pieces (a large tensor never whole in memory)."""
-        planned_tensor = self._expect(name)
-        done = 0
-        for piece in pieces:
-            done += len(piece)
-            if done > planned_tensor.nbytes:
-                break
-            if not self.sparse:
-                self._file.write(piece)
-        if done != planned_tensor.nbytes:
-            raise ValueError(f"{self.path.name}: {name}: {done}+ bytes, planned {planned_tensor.nbytes}")
-        self._next += 1
-
     def write(self, name: str, data: "torch.Tensor | bytes | memoryview") -> None:
         """Append the next tensor's bytes; `name` must be the next planned tensor."""
         planned_tensor = self._expect(name)
@@ -106,8 +92,8 @@ class SafetensorsWriter:
         self._file.write(data)
         self._next += 1
 
-    def write_parts(self, name: str, parts) -> None:
-        """Append the next tensor's bytes from an iterable of byte chunks (e.g. one row at a time)."""
+    def write_parts(self, name: str, parts: "Iterable[bytes | memoryview]") -> None:
+        """Append the next tensor's bytes from consecutive pieces (a large tensor is never whole in memory)."""
         planned_tensor = self._expect(name)
         total = 0
         for part in parts:
@@ -124,12 +110,6 @@ class SafetensorsWriter:
         self._file.seek(self._expect(name).nbytes, os.SEEK_CUR)
         self._holes = True
         self._next += 1
-
-    def _expect(self, name: str) -> PlannedTensor:
-        if self._next >= len(self.tensors) or self.tensors[self._next].name != name:
-            expected = self.tensors[self._next].name if self._next < len(self.tensors) else "no more tensors"
-            raise ValueError(f"{self.path.name}: tensor {name!r} written out of order (expected {expected})")
-        return self.tensors[self._next]
 
     def finish(self) -> Path:
         if self._next != len(self.tensors):

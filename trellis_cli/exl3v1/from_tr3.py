@@ -26,7 +26,8 @@ from trellis_cli.repack.pack import HIDDEN_SIDE, expected_hidden, expected_inter
 from trellis_cli.repack.plan import parse_selection, rank_pieces
 from trellis_cli.repack.readback import same_bits
 from trellis_cli.repack.source_bytes import TensorReader
-from trellis_cli.repack.staging import Stage, check_free_space, check_target
+from trellis_cli.repack.lock import StageLock
+from trellis_cli.repack.staging import Stage, check_free_space, check_target, stage_path
 
 NOTE_KEY = "trellis_exl3v1"  # in the carried config.json: what restoring the TR3 layout needs
 PAIR_K = (2, 3, 4)
@@ -164,7 +165,7 @@ def verify_layer_file(ck: Checkpoint, m: Manifest, li: int, rates: LayerRates, p
 
 def tr3_to_exl3v1(ck: Checkpoint, out: Path, options, *, on_bytes=None, on_total=None, log=None):
     from trellis_cli.exl3v1.carry import carried_files, write_carried
-    from trellis_cli.repack.run import RepackResult, source_root, vector_ndim
+    from trellis_cli.repack.run import RepackResult, SourceHashes, source_root, vector_ndim
     from trellis_cli.repack.manifest import file_entry
 
     if options.tp is not None or options.ranks is not None or options.shared_h:
@@ -175,29 +176,35 @@ def tr3_to_exl3v1(ck: Checkpoint, out: Path, options, *, on_bytes=None, on_total
     m = target_manifest(ck, tiers)
     copies = carried_files(ck, options.copy_other)
     check_hidden_side_equal(ck, layers)
-    check_target(out, source_root(ck), options.overwrite)
-    stage = Stage(out, {"source": ck.source.describe(), "to": "exl3-v1", "layers": layers}, options.overwrite)
-    total = sum(ck.headers[f].data_end for li in layers for f in ck.layers[li].files if f in ck.headers)
-    check_free_space(out, total - stage.bytes_done())
-    (on_total or (lambda _n: None))(total)
+    hashes = SourceHashes(ck)
     result = RepackResult(out)
-    with stage.discard_on_refusal():
-        for li in layers:
-            name = layer_file_name(li)
-            if not stage.completed(name):
-                write_converted_layer(ck, m, li, tiers[li], stage.path / name, on_bytes or (lambda _n: None))
-                stage.record(name, file_entry(stage.path / name))
-                result.files_written += 1
-                result.bytes_written += (stage.path / name).stat().st_size
-            else:
-                result.files_resumed += 1
-            m.layers[li] = LayerEntry(name, stage.done[name]["sha256"])
-        note = {"source_dialect": ck.dialect, "tp": ck.tp, "vector_ndim": vector_ndim(ck),
-                "shard_names": {str(li): sorted(ck.layers[li].files)[0] for li in layers}}
-        write_carried(ck, stage.path, copies, NOTE_KEY, note)
-        write_manifest(stage.path, m, MANIFEST_FILE)
-        _final_check(stage.path)
-    stage.move_into_place()
+    with StageLock(stage_path(out), out):
+        check_target(out, source_root(ck), options.overwrite)
+        stage = Stage(out, {"source": ck.source.describe(), "to": "exl3-v1", "layers": layers}, options.overwrite)
+        total = sum(ck.headers[f].data_end for li in layers for f in ck.layers[li].files if f in ck.headers)
+        try:
+            check_free_space(out, total - stage.bytes_done())
+        except CheckFailed:
+            stage.discard_if_new()
+            raise
+        (on_total or (lambda _n: None))(total)
+        with stage.discard_on_refusal():
+            for li in layers:
+                name, sources = layer_file_name(li), hashes.of(ck.layers[li].files)
+                if not stage.completed(name, sources):
+                    write_converted_layer(ck, m, li, tiers[li], stage.path / name, on_bytes or (lambda _n: None))
+                    stage.record(name, file_entry(stage.path / name), sources)
+                    result.files_written += 1
+                    result.bytes_written += (stage.path / name).stat().st_size
+                else:
+                    result.files_resumed += 1
+                m.layers[li] = LayerEntry(name, stage.done[name]["sha256"])
+            note = {"source_dialect": ck.dialect, "tp": ck.tp, "vector_ndim": vector_ndim(ck),
+                    "shard_names": {str(li): sorted(ck.layers[li].files)[0] for li in layers}}
+            write_carried(ck, stage.path, copies, NOTE_KEY, note)
+            write_manifest(stage.path, m, MANIFEST_FILE)
+            _final_check(stage.path)
+        stage.move_into_place()
     result.seconds = time.perf_counter() - start
     return result
 

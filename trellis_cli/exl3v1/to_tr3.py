@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import shard_name
@@ -21,10 +20,11 @@ from trellis_cli.exl3v1.container import container, layer_rates
 from trellis_cli.exl3v1.from_tr3 import NOTE_KEY
 from trellis_cli.exl3v1.layout import tp_degrees
 from trellis_cli.exl3v1.pack import check_convertible, expert_tiers, read_extent_pack
-from trellis_cli.repack.convert import Tr3Layer, _options, _restored_config, _Tr3Run
+from trellis_cli.repack.convert import Tr3Layer, _options, _restored_config
 from trellis_cli.repack.format import LayerPack
 from trellis_cli.repack.plan import parse_selection
 from trellis_cli.repack.source_bytes import TensorReader
+from trellis_cli.repack.tr3_output import Tr3Output, Tr3Run, assign_shards
 
 DEFAULT_MAX_TP = 4
 
@@ -51,18 +51,9 @@ def default_tp(ck: Checkpoint) -> int:
     return max((tp for tp in allowed if tp <= DEFAULT_MAX_TP), default=1)
 
 
-class _FromExl3(_Tr3Run):
-    extra_json: dict[str, Any] = {}
-
-    def _write_rest(self, stage, weight_map) -> None:
-        for name, doc in self.extra_json.items():
-            (stage.path / name).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        super()._write_rest(stage, weight_map)
-
-
 def exl3v1_to_tr3(ck: Checkpoint, out: Path, options, *, on_bytes=None, on_total=None, log=None):
     from trellis_cli.exl3v1.carry import carried_files
-    from trellis_cli.repack.run import source_root, validate_first
+    from trellis_cli.repack.run import SourceHashes, source_root, validate_first
 
     if options.ranks is not None or options.shared_h:
         raise UsageError("--ranks and --shared-h do not apply when converting exl3-v1 to TR3")
@@ -80,18 +71,27 @@ def exl3v1_to_tr3(ck: Checkpoint, out: Path, options, *, on_bytes=None, on_total
     shared = not m.per_expert_input_rotations
     specs = {li: Tr3Layer(li, {e: k for k, ids in tiers[li] for e in ids}, tp, m.hidden, m.intermediate // tp, "mcg",
                           shared, ndim.get("per_expert", 1), ndim.get("shared_h", 1)) for li in layers}
-    run = _FromExl3(out, options, specs, lambda li, rank: exl3v1_pack(ck, li, rank, tp), on_bytes, on_total, log)
     names = note.get("shard_names", {})
-    run.shard_names = {li: names.get(str(li), shard_name(li)) for li in layers}
-    run.source_root = source_root(ck)
-    run.copy_from = carried_files(ck, options.copy_other, frozenset({container(ck).manifest_file}))
+    box = container(ck)
     hybrid = ck.config.get("hybrid_tr3_tail")
+    copied = carried_files(ck, options.copy_other, frozenset({box.manifest_file}))
+    rewritten: dict[str, str] = {}
     if isinstance(hybrid, dict):
-        run.config = _restored_config({k: v for k, v in ck.config.items() if k != NOTE_KEY}, tp, shared)
+        config = _restored_config({k: v for k, v in ck.config.items() if k != NOTE_KEY}, tp, shared)
     else:
-        run.config, run.extra_json = _tr3_config(m, tiers, tp, shared)
-        run.copy_from.pop("tier_bitmap.json", None)
-    return run.run(fingerprint={"source": ck.source.describe(), "options": _options(options), "tp": tp})
+        config, extra_json = _tr3_config(m, tiers, tp, shared)
+        copied.pop("tier_bitmap.json", None)
+        rewritten = {name: json.dumps(doc, indent=2) + "\n" for name, doc in extra_json.items()}
+    plan = Tr3Output(
+        specs=specs, packs=lambda li, rank: exl3v1_pack(ck, li, rank, tp),
+        shards=assign_shards({li: [names.get(str(li), shard_name(li))] for li in layers}),
+        carried={}, carried_source=ck.source, metadata={}, copied=copied, config=config,
+        read_copied=ck.source.read_json, source_root=source_root(ck),
+        fingerprint={"source": ck.source.describe(), "options": _options(options), "tp": tp}, rewritten=rewritten)
+    hashes = SourceHashes(ck)
+    # A shard is made from its layers' exl3-v1 files, read as the manifest describes them.
+    plan.sources = lambda shard: hashes.of({box.manifest_file, *(box.layers[li].file for li in plan.shards[shard])})
+    return Tr3Run(out, options, plan, on_bytes, on_total, log).run()
 
 
 def _tr3_config(m, tiers, tp: int, shared: bool) -> tuple[dict, dict]:

@@ -53,7 +53,7 @@ def copy_into(writer: SafetensorsWriter, reader: TensorReader, refs: list[Tensor
     """Append each ref's stored bytes to `writer` (planned in this order), in bounded pieces."""
     scratch = Scratch()
     for ref in refs:
-        writer.write_pieces(ref.name, reader.read_pieces(ref, scratch))
+        writer.write_parts(ref.name, reader.read_pieces(ref, scratch))
         if on_bytes is not None:
             on_bytes(ref.nbytes)
 

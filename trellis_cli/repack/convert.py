@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from trellis_cli.checkpoint.model import MCG_MARKER, MUL1_MARKER, PROJECTIONS, Checkpoint, TensorRef
 from trellis_cli.checkpoint.names import H_SIDE, I_SIDE, SHARED_H_TENSOR_SCHEMA, expert_key, shared_h_key
@@ -30,6 +30,9 @@ from trellis_cli.repack.readback import same_bits
 from trellis_cli.repack.source_bytes import TensorReader
 from trellis_cli.sources import LocalSource
 from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter
+
+if TYPE_CHECKING:
+    from trellis_cli.repack.tr3_output import Tr3Output
 
 MARKERS = {"mcg": ("mcg", MCG_MARKER), "mul1": ("mul1", MUL1_MARKER), "3inst": None}
 ROTATION_LAYOUT = {True: "shared_h_v1", False: "per_expert_v1"}

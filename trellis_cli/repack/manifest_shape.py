@@ -188,7 +188,7 @@ class _ManifestShape:
             layer, rank = entry.get("layer"), entry.get("rank")
             if is_int(layer) and is_int(rank) and layer >= 0 and rank >= 0 and name != layer_file_name(layer, rank):
                 # The name is what readers open for (layer, rank); the entry must say the same.
-                self.bad(f"{key}.layer, .rank", f"the layer and rank its name says", {"layer": layer, "rank": rank})
+                self.bad(f"{key}.layer, .rank", "the layer and rank its name says", {"layer": layer, "rank": rank})
             role = entry.get("role")
             if role is not None and role not in FILE_ROLES:
                 self.bad(f"{key}.role", f"one of {list(FILE_ROLES)}", role)
