@@ -34,7 +34,6 @@ from trellis_cli.integrity import write_manifest
 from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter
 
 MCG_MARKER_VALUE = MCG_MARKER  # 0xCBAC1FED as int32
-MUL1_MARKER_VALUE = MUL1_MARKER  # 0x83DCD12D as int32
 # codebook -> (marker field, int32 value); 3inst has no marker.
 CODEBOOK_MARKERS = {"mcg": ("mcg", MCG_MARKER), "mul1": ("mul1", MUL1_MARKER), "3inst": None}
 ROTATION_LAYOUTS = ("per_expert_v1", "shared_h_v1")

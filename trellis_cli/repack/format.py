@@ -42,7 +42,6 @@ CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 
 
 MANIFEST_NAME = "manifest.json"
-PROJECTION_INDEX = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
 ROTATIONS = ("per_expert", "shared_h")
 
 # Tensor names (safetensors keys) inside one layer file; slabs first, so each starts 8-byte aligned.
@@ -56,8 +55,6 @@ ROT_UP_SUH = "rot.up_suh"
 ROT_DOWN_SVH = "rot.down_svh"
 TABLE_NAMES = (GLOBAL_TO_COMBINED, DESCRIPTORS, TIER_K, TIER_SIZE, ROT_INTERMEDIATE, ROT_GATE_SUH, ROT_UP_SUH,
                ROT_DOWN_SVH)
-METADATA_KEYS = ("schema", "schema_version", "layer", "rank", "tp", "hidden", "intermediate_rank", "codebook",
-                 "rotation", "num_experts")
 
 
 def layer_file_name(layer: int, rank: int) -> str:
