@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from trellis_cli.codebooks import NAMES as CODEBOOK_NAMES
 from trellis_cli.errors import CheckFailed
-from trellis_cli.repack.format import MAX_TIER_EXPERTS, LayerPack
+from trellis_cli.repack.format import MAX_TIER_EXPERTS, LayerPack, split_descriptor
 
 BLOCK_ROWS = 16  # each expert's slot segment is padded to one MMA m16 block
 SMALL_TILE, MID_TILE, LARGE_TILE = 16, 32, 128
@@ -197,7 +198,7 @@ def route_combined(expert: int, global_to_combined: list[int], descriptors: list
     combined = global_to_combined[expert]
     if not 0 <= combined < len(descriptors) or descriptors[combined] < 0:
         return -1
-    tier, local = descriptors[combined] >> 8, descriptors[combined] & 0xFF
+    tier, local = split_descriptor(descriptors[combined])
     if tier >= len(tier_size) or local >= tier_size[tier]:
         return -1
     return combined
@@ -255,7 +256,7 @@ def check_pack_layout(pack: LayerPack) -> None:
     for name, table in (("rot.gate_suh", pack.gate_suh), ("rot.up_suh", pack.up_suh), ("rot.down_svh", pack.down_svh)):
         rows = int(table.shape[0]) if table.dim() == 2 else -1
         _expect(table, torch.float16, [rows if rows in (1, combined) else combined, hidden], name)
-    if pack.codebook not in ("3inst", "mcg", "mul1"):
+    if pack.codebook not in CODEBOOK_NAMES:
         raise CheckFailed(f"layer pack: unknown codebook {pack.codebook!r}")
 
 

@@ -32,13 +32,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from trellis_cli.codebooks import IDS as CODEBOOK_IDS  # noqa: F401  (the route pack's codebook ids)
+
 if TYPE_CHECKING:
     import torch
 
 SCHEMA = "trellis-route-pack"
 SCHEMA_VERSION = 1
 MAX_TIER_EXPERTS = 256
-CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 
 
 MANIFEST_NAME = "manifest.json"
@@ -74,8 +75,9 @@ def tier_trellis_shape(num_experts: int, hidden: int, intermediate: int, k: int)
     return (num_experts, 3, tiles_per_projection(hidden, intermediate), 16 * k)
 
 
-def split_descriptor(value: int) -> tuple[int, int]:
-    """(tier, local id) of a descriptor; callers check for -1 (skip) first."""
+def split_descriptor(value: "int | torch.Tensor") -> "tuple[int, int] | tuple[torch.Tensor, torch.Tensor]":
+    """(tier, local id) of a descriptor, or elementwise of an integer tensor of them; callers check for -1
+    (skip) first."""
     return value >> 8, value & 0xFF
 
 
