@@ -17,7 +17,7 @@ from trellis_cli.repack.format import split_descriptor
 from trellis_cli.repack.run import RepackOptions, run_repack
 from trellis_cli.repack.verify import verify_repacked
 
-from test_repack import all_tensors, assert_same_tensors
+from helpers import all_tensors, assert_same_tensors
 
 TINY = synth.preset("tiny")  # H 256, I 256 (128 per rank at TP2), 8 experts
 WIDE = dataclasses.replace(TINY, intermediate=512, seed=5)  # 256 per rank at TP2: splits into TP4 exactly

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from corrupt import SHARD3, rewrite_header
-from test_repack_cli import run_cli
+from helpers import run_cli
 from trellis_cli import synth
 from trellis_cli.cli import output
 from trellis_cli.id_ranges import expand_ranges

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from corrupt import INDEX, SHARD3, edit_json, key, rewrite_header
-from test_checkpoint import synth
-from trellis_cli.cli.app import main
+from helpers import run_cli, tiny_checkpoint
 from trellis_cli.header import HeaderError, parse_header
 from trellis_cli.integrity import CHECKSUM_MANIFEST, MALFORMED, OK, UNSAFE_PATH, verify_checksums
 from trellis_cli.sources import LocalSource
@@ -30,7 +29,7 @@ DEEP_JSON = "[" * 100_000 + "]" * 100_000
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    return synth(tmp_path_factory.mktemp("base"))
+    return tiny_checkpoint(tmp_path_factory.mktemp("base"))
 
 
 @pytest.fixture
@@ -38,15 +37,8 @@ def ckpt(base, tmp_path) -> Path:
     return Path(shutil.copytree(base, tmp_path / "ckpt", symlinks=True))
 
 
-def run(argv, capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    captured = capsys.readouterr()
-    return int(info.value.code or 0), captured.out, captured.err
-
-
 def findings(root: Path, capsys, *flags: str) -> tuple[int, list[dict]]:
-    code, out, _ = run(["validate", str(root), "--json", *flags], capsys)
+    code, out, _ = run_cli(capsys, "validate", str(root), "--json", *flags)
     return code, json.loads(out)["findings"]
 
 
@@ -63,7 +55,7 @@ def test_manifest_linking_outside_is_refused_unread(ckpt, tmp_path, capsys):
     os.symlink(secret, ckpt / CHECKSUM_MANIFEST)
     results = verify_checksums(LocalSource(ckpt))
     assert (CHECKSUM_MANIFEST, UNSAFE_PATH) in [(r.file, r.status) for r in results]
-    code, out, err = run(["validate", str(ckpt), "--checksums"], capsys)
+    code, out, err = run_cli(capsys, "validate", str(ckpt), "--checksums")
     assert code == 1 and "SECRET" not in out + err
     assert f"error[path.escape] {CHECKSUM_MANIFEST}: the manifest is a link" in out
 
@@ -198,7 +190,7 @@ def test_deeply_nested_json_is_named_not_a_recursion_error(ckpt, capsys, name):
         _replace_header(ckpt / name, DEEP_JSON.encode())
     else:
         (ckpt / name).write_text(DEEP_JSON)
-    code, out, err = run(["validate", str(ckpt)], capsys)
+    code, out, err = run_cli(capsys, "validate", str(ckpt))
     assert code == 1 and "Traceback" not in err
     assert f"{name}" in out and "invalid JSON (nested too deeply)" in out
 
@@ -263,7 +255,7 @@ def test_huge_declared_counts_are_one_finding(ckpt, capsys, field, value, count)
     assert code == 1 and len(implausible) == 1 and len(found) < 10, found
     assert implausible[0]["location"] == {"file": "config.json", "tensor": f"hybrid_tr3_tail.{field}"}
     assert implausible[0]["found"] == count
-    assert run(["inspect", str(ckpt)], capsys)[0] in (0, 1)  # returns: no per-layer objects for a billion layers
+    assert run_cli(capsys, "inspect", str(ckpt))[0] in (0, 1)  # returns: no per-layer objects for a billion layers
 
 
 @pytest.mark.parametrize("old,new,code", [
