@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from helpers import tiny_checkpoint
+from helpers import tiny_checkpoint, to_plain_exl3, to_r7
 from trellis_cli.checkpoint import open_checkpoint, read_tensor
 from trellis_cli.checkpoint.model import (
     DIALECT_EXL3,
