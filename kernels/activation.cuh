@@ -37,7 +37,7 @@ constexpr int kActWarps = 4;
 // one row per route, so its time is latency: kBatch > 1 loads the partial sums of that many k ranges
 // before adding the first (one L2 round trip per batch), and kWarmPass runs the row code once before the
 // wait on FC1, on the vectors already loaded, so its instructions are fetched while FC1 still runs
-// (docs/performance.md, run 77). At large M both would cost occupancy (72 registers become 210).
+// (together -6 % at M=1, the warm pass 0.7 us of it). At large M both would cost occupancy (72 registers become 210).
 template <int kBatch, bool kWarmPass>
 __global__ void __launch_bounds__(kActWarps * 32, kBatch == 1 ? 7 : 1)
     activation_kernel(const TrellisMoeArgs a, const Fc1Pieces pieces) {
@@ -154,8 +154,7 @@ constexpr int kSumThreads = 256;
 // grid (M, ceil(H / (4 * kSumThreads))): each thread sums 4 columns of one token. kBatch routes' rows are
 // loaded before the first is added: 8 at small M, where the kernel is one round trip on the critical path;
 // 4 at large M, where it streams the route rows: 40 registers (6 CTAs per SM) with 4 loads in flight per
-// thread beat both 72 registers with 8 (3 CTAs) and 36 with 1 (M=3072: 2059 / 2097 / 2106 us per call,
-// docs/performance.md run 88).
+// thread beat both 72 registers with 8 (3 CTAs) and 36 with 1 (M=3072: 2059 / 2097 / 2106 us per call).
 template <int kBatch>
 __global__ void __launch_bounds__(kSumThreads) topk_sum_kernel(const TrellisMoeArgs a) {
   TRELLIS_TIMELINE_SCOPE(kTlSum);

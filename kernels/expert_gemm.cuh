@@ -701,8 +701,8 @@ __host__ __device__ constexpr int fc1_smem_bytes(int r, bool fast) {
 // 128-row tiles: grid (tiles, H / (128 * blocks)), 8 warps, each CTA `blocks` (1, 2 or 4) column blocks of
 // 128: more than one where the tiles hold few rows (M=512: about 16), so the CTA's groups have work. Each
 // group of 4 lanes rotates one (row, block, projection) per step, 32 columns per lane in runs of 8: half
-// the shuffles of 16-lane groups and fewer instructions (the kernel is issue-bound; docs/performance.md,
-// runs 67, 70 and 82). The two projections of a row sit in neighbouring groups, so their loads of x meet
+// the shuffles of 16-lane groups and fewer instructions (the kernel is issue-bound, not memory-bound).
+// The two projections of a row sit in neighbouring groups, so their loads of x meet
 // in the same sectors.
 constexpr int kMaxRotateBlocks = 4;
 template <bool kBf16>
@@ -758,12 +758,13 @@ __global__ void __launch_bounds__(256, 4) rotate_input_kernel(const TrellisMoeAr
 }
 
 // 16- and 32-row tiles hold a route or two each at small M, so a CTA per (tile, 128 columns) kept most of
-// its warps idle (M=8: 3264 CTAs for 64 routes, 11 µs on the critical path; run 78). Here a CTA takes
+// its warps idle (M=8: 3264 CTAs for 64 routes, 11 µs on the critical path). Here a CTA takes
 // kSmallRotateBlocks column blocks of one route: grid (routes, ceil(H / (128 * kSmallRotateBlocks))), 8
 // warps, one column block each, a half warp per projection, 8 columns per lane (rotate8), suh read
 // straight from global memory. Rows are kept per route (route_rows), so the kernel needs nothing from the
 // route pack: it rotates while the pack runs and waits for the pack only before it lets FC1 launch (FC1
-// reads the tile list before its own wait). docs/performance.md, run 174. With rows_by_token the grid's x
+// reads the tile list before its own wait; launching the rotation before the pack let FC1 read the list
+// before it was written). With rows_by_token the grid's x
 // is the token and the rows are plain for 128-row tiles.
 constexpr int kSmallRotateBlocks = 8;
 template <bool kBf16>
@@ -850,7 +851,7 @@ __device__ __forceinline__ void store_down_rows(const TrellisMoeArgs& a, const W
 // Small tiles: a CTA computes `span` consecutive blocks of its tile (trellis_moe.cu fc2_span), the copy
 // ring running on from one block into the next. A block is only I/128 chunks (4 at I = 512), and a CTA
 // of one block spent as long on its tile lookups, first copies and epilogue as on its chunks
-// (docs/performance.md, run 99); a span pays the first two once and hides the epilogues behind copies.
+// (M = 8-256: of a CTA's 10.9 us, 4.5 before its wait returned and 1.25 of epilogue); a span pays the first two once and hides the epilogues behind copies.
 
 static_assert(kOStride * 4 == a_stride(1) * 2 && kOStride * 4 == a_stride(2) * 2,
               "a small tile's epilogue rows must fit the A rows of one stage");
@@ -907,7 +908,7 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_b
   };
   // Small tiles: each block's epilogue, staged in the A rows of the stage its last chunk used (the ring is
   // still loading the next block into the other stages); the CTA's last block, with no copy in flight, at
-  // the start of shared memory, which measured faster (docs/performance.md, run 105).
+  // the start of shared memory, which measured faster than staging it in its last stage's A rows.
   auto finish = [&](int b, int st) {
     if constexpr (small_tile(R)) {
       float* s_o = reinterpret_cast<float*>(b + 1 == span ? smem : reinterpret_cast<unsigned char*>(s_a + st * kAHalves));

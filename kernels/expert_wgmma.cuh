@@ -4,8 +4,9 @@
 // (decode.cuh) are, reordered, its A fragment of W^T, so the decoded weights feed wgmma straight from
 // registers, and the tile's routes are wgmma's N (up to 128), read by the tensor cores from shared
 // memory. The MMA is asynchronous: a warp decodes its next weight tile while the last one multiplies.
-// (Measured on H200, the decode and the MMAs overlap poorly: both lean on the register file, which the
-// tensor cores use for the fp32 accumulators; docs/performance.md, runs 52 and 56.)
+// (Measured on H200, the decode and the MMAs overlap poorly: together they take 85-90 % of the sum of
+// their times alone, since both lean on the register file, which the tensor cores use for the fp32
+// accumulators.)
 //
 // A CTA is 4 warpgroups = 16 warps = 256 features (warp w: features 16w..16w+15) of one projection, over
 // the tile's 128 routes. The route rows are the heavy operand (128 x 2 bytes per k against 256 x ~0.4
@@ -242,7 +243,7 @@ __device__ void wg_gemm(const uint32_t* wsrc, size_t block_words, size_t kt_stri
 
 // Calls body(IntConst<N>{}) with the wgmma N for a tile of `rows` routes: the smallest multiple of 16 that
 // holds them (glm52-tp4 at top-8: about 16 routes per tile at M=512, 32 at M=1024, 96 at M=3072; steps of
-// 32 took up to 2.5 % longer at M = 448-2048, docs/performance.md runs 188-189). The all-K kernel keeps
+// 32 took up to 2.5 % longer at M = 448-2048). The all-K kernel keeps
 // N = 128 alone, which bounds its code size.
 template <bool FAST, int ROWS, typename Body>
 __device__ __forceinline__ void with_n(int rows, Body&& body) {

@@ -25,8 +25,8 @@ __host__ __device__ __forceinline__ bool only_k3_k4(const TrellisMoeArgs& a) {
 }
 
 // K3/K4 layers whose experts average fewer routes than this (M * top_k / E) run the narrow wgmma kernels:
-// passes of 64 routes, two CTAs per SM, handing over by tile (docs/performance.md: glm52-tp4 M = 352-1024
-// −7 to −11 %, runs 193-199; with the hand-over, M = 1280 and 1536 −6 to −9 %, M=1792 +3 %, run 210). A
+// passes of 64 routes, two CTAs per SM, handing over by tile (glm52-tp4 on H200, against the wide
+// kernels: M = 352-1024 −7 to −11 %, M = 1280 and 1536 −6 to −9 %, M=1792 +3 %). A
 // tile of more routes takes one pass per 64, decoding its weights again, which few tiles need below this
 // mean. The debug flags force either kind.
 constexpr int kNarrowBelowRoutes = 52;

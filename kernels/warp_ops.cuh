@@ -76,7 +76,7 @@ __device__ __forceinline__ void wait_for_predecessor() {
 // The warp's index in its CTA as a value ptxas knows every lane shares: loops that step whole warps by it
 // keep their shuffles single instructions (from threadIdx.x >> 5, each shuffle in them became a
 // WARPSYNC / SHFL / ENDCOLLECTIVE loop: FC2's wgmma epilogue 18.5 K -> 13.2 K instructions, the input
-// rotation 1072 -> 672; docs/performance.md run 164).
+// rotation 1072 -> 672).
 __device__ __forceinline__ int warp_index() { return __shfl_sync(0xffffffffu, int(threadIdx.x >> 5), 0); }
 
 __device__ __forceinline__ void allow_dependents() {

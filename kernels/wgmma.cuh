@@ -24,7 +24,7 @@ __device__ __forceinline__ uint64_t swizzled_descriptor(uint32_t address, uint32
 
 // The descriptor of `address + offset_bytes` from that of `address`: a 32-bit add on the start address
 // field (bits 0-13, 16-byte units), which never carries out since shared memory ends below 256 KB. Rebuilding
-// the descriptor per MMA cost 3-4 more uniform instructions each (docs/performance.md, run 58).
+// the descriptor per MMA cost 3-4 more uniform instructions each.
 __device__ __forceinline__ uint64_t descriptor_plus(uint64_t desc, uint32_t offset_bytes) {
   return (desc & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(desc) + (offset_bytes >> 4));
 }

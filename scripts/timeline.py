@@ -33,6 +33,7 @@ from trellis_cli.bench.throughput import _capture, copies_needed, touched
 from trellis_cli.kernel import abi
 from trellis_cli.kernel.launch import FusedMoe
 from trellis_cli.kernel.plan import make_plan
+from trellis_cli.repack.format import split_descriptor
 
 PHASES = ("pack", "rotate", "fc1", "act", "fc2", "sum")
 MAX_CTAS, FIELDS = 16384, 8  # kTlMaxCtas, kTlFields in kernels/timeline.cuh
@@ -135,7 +136,7 @@ def main() -> None:
               f"(all replays {runs[0][0] / 1000:.1f}-{runs[-1][0] / 1000:.1f})")
         report(tl, t0)
         combined = base.global_to_combined.to(ids.device)[ids.long().reshape(-1)]
-        tiers = (base.descriptors.to(ids.device)[combined.clamp(min=0)] >> 8).tolist()
+        tiers = split_descriptor(base.descriptors.to(ids.device)[combined.clamp(min=0)])[0].tolist()
         dump[m] = {"t0": t0, "phases": {n: rows for n, rows in zip(PHASES, tl)},
                    "route_expert": combined.tolist(), "route_tier": tiers}
         del runners, outs, graphs

@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from trellis_cli.integrity import MANIFEST, write_manifest
+from trellis_cli.integrity import CHECKSUM_MANIFEST, write_manifest
 from trellis_cli.stwriter import write_file
 
 INDEX = "model.safetensors.index.json"
@@ -102,7 +102,7 @@ def relayout(source: Path, target: Path, place: Callable[[str], str],
 def rewrite_checksums(root: Path) -> None:
     """MANIFEST.sha256 over every file under `root`, as a publisher would write it."""
     write_manifest(root, [p.relative_to(root).as_posix() for p in root.rglob("*")
-                          if p.is_file() and p.name != MANIFEST])
+                          if p.is_file() and p.name != CHECKSUM_MANIFEST])
 
 
 def layer_of(name: str) -> int | None:
@@ -140,7 +140,7 @@ LAYOUTS: dict[str, Callable[[str], str]] = {
     "nested": lambda name: f"shards/{_per_layer(name)}",
 }
 
-DERIVED = ("config.json", INDEX, MANIFEST)  # written anew by --to tr3 (config.json compared on its own)
+DERIVED = ("config.json", INDEX, CHECKSUM_MANIFEST)  # written anew by --to tr3 (config.json compared on its own)
 
 
 def assert_same_files(source: Path, back: Path) -> None:

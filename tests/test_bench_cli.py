@@ -7,21 +7,14 @@ import json
 import pytest
 
 from conftest import cuda_available, requires_nvcc
-from trellis_cli.cli.app import main
-
-
-def run(argv, capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    captured = capsys.readouterr()
-    return int(info.value.code or 0), captured.out, captured.err
+from helpers import run_cli
 
 
 @pytest.mark.skipif(cuda_available(), reason="checks the no-GPU path")
 @pytest.mark.parametrize("argv", [["bench"], ["bench", "--synthetic", "glm52-tp4"],
                                   ["bench", "--synthetic", "glm52-tp4", "--smoke"]])
 def test_bench_without_gpu_exits_4_with_one_line(argv, capsys):
-    code, out, err = run(argv, capsys)
+    code, out, err = run_cli(capsys, *argv)
     assert code == 4 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "GPU" in lines[0]
@@ -30,14 +23,14 @@ def test_bench_without_gpu_exits_4_with_one_line(argv, capsys):
 @pytest.mark.parametrize("argv", [["bench", "--m", "1,x"], ["bench", "--m", "0"],
                                   ["bench", "--arch", "sm_90", "--synthetic", "glm52-tp4"]])
 def test_bad_bench_arguments_are_usage_errors(argv, capsys):
-    code, _, err = run(argv, capsys)
+    code, _, err = run_cli(capsys, *argv)
     assert code == 2 and err.startswith("error:")
 
 
 @requires_nvcc
 @pytest.mark.slow
 def test_compile_only_builds_without_a_gpu(capsys):
-    code, out, _ = run(["bench", "--compile-only", "--arch", "sm_90", "--json"], capsys)
+    code, out, _ = run_cli(capsys, "bench", "--compile-only", "--arch", "sm_90", "--json")
     assert code == 0
     doc = json.loads(out)
     assert doc["arch"] == "sm_90" and len(doc["build_hash"]) == 16

@@ -7,17 +7,10 @@ import json
 import pytest
 
 from conftest import requires_gpu
+from helpers import run_cli
 from trellis_cli.bench.synthetic import Preset, synthetic_pack
-from trellis_cli.cli.app import main
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
-
-
-def run(argv, capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    captured = capsys.readouterr()
-    return int(info.value.code or 0), captured.out, captured.err
 
 
 def test_throughput_report_fields_on_small_layer():
@@ -35,7 +28,7 @@ def test_throughput_report_fields_on_small_layer():
 
 @pytest.mark.slow
 def test_cli_json_production_shape(capsys):
-    code, out, _ = run(["bench", "--synthetic", "glm52-tp4", "--m", "1,64", "--json", "--warm"], capsys)
+    code, out, _ = run_cli(capsys, "bench", "--synthetic", "glm52-tp4", "--m", "1,64", "--json", "--warm")
     assert code == 0
     doc = json.loads(out)
     assert doc["environment"]["kernel"]["build_hash"] and doc["cold"] is False
@@ -54,7 +47,7 @@ def test_smoke_on_the_bundled_samples(capsys, variant, shared):
     source = str(sample_path(variant))
     pack = load_bench_source(source, synthetic=None, partition=None, layer=None, rank=0, device="cpu").pack
     assert pack.shared_h == shared
-    code, out, _ = run(["bench", source, "--smoke", "--json"], capsys)
+    code, out, _ = run_cli(capsys, "bench", source, "--smoke", "--json")
     doc = json.loads(out)
     assert code == 0 and doc["passed"], [c for c in doc["checks"] if not c["passed"]]
     assert any("M=3072" in c["case"] for c in doc["checks"])

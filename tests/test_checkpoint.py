@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from helpers import tiny_checkpoint, to_plain_exl3, to_r7
 from trellis_cli.checkpoint import open_checkpoint, read_tensor
 from trellis_cli.checkpoint.model import (
     DIALECT_EXL3,
@@ -22,50 +22,6 @@ from trellis_cli.checkpoint.names import parse_expert_name
 from trellis_cli.checkpoint.tensors import read_rows
 from trellis_cli.errors import CheckFailed, UnknownDialect
 from trellis_cli.sample import sample_path
-from trellis_cli.synth import preset, write_checkpoint
-
-
-def synth(tmp_path: Path, name: str = "ckpt", **changes) -> Path:
-    return write_checkpoint(tmp_path / name, replace(preset("tiny"), **changes))
-
-
-def to_plain_exl3(root: Path) -> Path:
-    """Turn a tp=1 synth checkpoint into a plain exllamav3 one: no rank segments, tensor_storage metadata."""
-    config = json.loads((root / "config.json").read_text())
-    config.pop("hybrid_tr3_tail")
-    (root / "config.json").write_text(json.dumps(config))
-    storage: dict = {}
-    weight_map: dict = {}
-    for shard in sorted(root.glob("model-layer-*.safetensors")):
-        tensors = {k.replace(".rank0.", "."): v for k, v in load_file(str(shard)).items()}
-        save_file(tensors, str(shard), metadata={"format": "pt"})
-        for name, t in tensors.items():
-            module = name.rsplit(".", 1)[0]
-            weight_map[name] = shard.name
-            if name.endswith(".trellis"):
-                storage[module] = {"quant_format": "exl3", "bits_per_weight": t.shape[-1] // 16}
-    (root / "quantization_config.json").write_text(json.dumps({"quant_method": "exl3", "tensor_storage": storage}))
-    index = json.loads((root / "model.safetensors.index.json").read_text())
-    index["weight_map"] = weight_map
-    (root / "model.safetensors.index.json").write_text(json.dumps(index))
-    (root / "MANIFEST.sha256").unlink()
-    return root
-
-
-def to_r7(root: Path) -> Path:
-    """Declare a synth checkpoint as R7: per-(expert, projection) K maps in bit_map_manifests."""
-    config = json.loads((root / "config.json").read_text())
-    config.pop("hybrid_tr3_tail")
-    bitmap = json.loads((root / "tier_bitmap.json").read_text())
-    manifests = []
-    for layer, entry in bitmap.items():
-        name = f"r7-experts-layer-{int(layer):03d}.json"
-        (root / name).write_text(json.dumps([k for k in entry["k"] for _ in range(3)]))
-        manifests.append(name)
-    config["quantization_config"]["r7_routed_experts"] = {"feature": "r7-asymmetric-two-stack", "bits": "mixed_tensor",
-                                                          "k_values": [3, 4, 5], "bit_map_manifests": manifests}
-    (root / "config.json").write_text(json.dumps(config))
-    return root
 
 
 def test_bundled_sample_parses_as_tr3_with_shape_derived_partitions():
@@ -83,7 +39,7 @@ def test_bundled_sample_parses_as_tr3_with_shape_derived_partitions():
 @pytest.mark.parametrize("layout,field,dialect", [("per_expert_v1", "k", DIALECT_TR3_PER_EXPERT),
                                                   ("shared_h_v1", "bits_per_expert", DIALECT_TR3_SHARED_H)])
 def test_tr3_layouts_and_bitmap_fields(tmp_path, layout, field, dialect):
-    ckpt = open_checkpoint(synth(tmp_path, rotation_layout=layout, bitmap_field=field, partition=(5, 3)))
+    ckpt = open_checkpoint(tiny_checkpoint(tmp_path, rotation_layout=layout, bitmap_field=field, partition=(5, 3)))
     assert ckpt.dialect == dialect and ckpt.rotation_layout == layout
     for layer in ckpt.layers.values():
         assert [len(ids) for ids in layer.partition().values()] == [5, 3]
@@ -94,13 +50,13 @@ def test_tr3_layouts_and_bitmap_fields(tmp_path, layout, field, dialect):
 
 
 def test_uniform_bits_declares_k_for_every_expert(tmp_path):
-    ckpt = open_checkpoint(synth(tmp_path, partition=None, uniform_k=4))
+    ckpt = open_checkpoint(tiny_checkpoint(tmp_path, partition=None, uniform_k=4))
     for layer in ckpt.layers.values():
         assert layer.declared_k == [4] * 8 and layer.partition() == {4: list(range(8))}
 
 
 def test_tail_tr3_fallback_means_all_k3(tmp_path):
-    root = synth(tmp_path, partition=None, uniform_k=3)
+    root = tiny_checkpoint(tmp_path, partition=None, uniform_k=3)
     config = json.loads((root / "config.json").read_text())
     hybrid = config["hybrid_tr3_tail"]
     hybrid.pop("trellis_bits_by_layer")
@@ -115,7 +71,7 @@ def test_tail_tr3_fallback_means_all_k3(tmp_path):
 
 
 def test_plain_exllamav3_checkpoint(tmp_path):
-    ckpt = open_checkpoint(to_plain_exl3(synth(tmp_path, tp=1)))
+    ckpt = open_checkpoint(to_plain_exl3(tiny_checkpoint(tmp_path, tp=1)))
     assert ckpt.dialect == DIALECT_EXL3 and ckpt.tp == 1
     layer = ckpt.layers[3]
     assert not layer.rank_sliced and set(layer.experts[0]["down_proj"]) == {0}
@@ -123,7 +79,7 @@ def test_plain_exllamav3_checkpoint(tmp_path):
 
 
 def test_r7_per_projection_maps(tmp_path):
-    ckpt = open_checkpoint(to_r7(synth(tmp_path)))
+    ckpt = open_checkpoint(to_r7(tiny_checkpoint(tmp_path)))
     assert ckpt.dialect == DIALECT_R7 and ckpt.tp == 2
     layer = ckpt.layers[4]
     assert len(layer.declared_projection_k) == 24
@@ -131,7 +87,7 @@ def test_r7_per_projection_maps(tmp_path):
 
 
 def test_unknown_dialect_names_what_was_found(tmp_path):
-    root = synth(tmp_path)
+    root = tiny_checkpoint(tmp_path)
     config = json.loads((root / "config.json").read_text())
     config.pop("hybrid_tr3_tail")
     config["quantization_config"] = {"quant_method": "gptq"}
@@ -144,7 +100,7 @@ def test_unknown_dialect_names_what_was_found(tmp_path):
 
 
 def test_wrong_tr3_format_is_refused(tmp_path):
-    root = synth(tmp_path)
+    root = tiny_checkpoint(tmp_path)
     config = json.loads((root / "config.json").read_text())
     config["hybrid_tr3_tail"]["format"] = "nvfp4"
     (root / "config.json").write_text(json.dumps(config))
@@ -153,7 +109,7 @@ def test_wrong_tr3_format_is_refused(tmp_path):
 
 
 def test_unparseable_shard_becomes_a_parse_finding(tmp_path):
-    root = synth(tmp_path)
+    root = tiny_checkpoint(tmp_path)
     (root / "model-layer-004.safetensors").write_bytes(b"\x05\x00")
     ckpt = open_checkpoint(root)
     assert [f.code for f in ckpt.parse_findings] == ["file.truncated"]
@@ -161,7 +117,7 @@ def test_unparseable_shard_becomes_a_parse_finding(tmp_path):
 
 
 def test_read_tensor_matches_safetensors_and_reads_rows(tmp_path):
-    root = synth(tmp_path)
+    root = tiny_checkpoint(tmp_path)
     ckpt = open_checkpoint(root)
     reference = load_file(str(root / "model-layer-003.safetensors"))
     lin = ckpt.layers[3].experts[6]["down_proj"][1]
@@ -175,7 +131,7 @@ def test_read_tensor_matches_safetensors_and_reads_rows(tmp_path):
 
 
 def test_read_tensor_on_truncated_file_is_a_named_error(tmp_path):
-    root = synth(tmp_path)
+    root = tiny_checkpoint(tmp_path)
     ckpt = open_checkpoint(root)
     lin = ckpt.layers[3].experts[7]["down_proj"][1]
     path = root / lin.trellis.file

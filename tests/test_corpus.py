@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from corrupt import CORPUS
-from trellis_cli.cli.app import main
+from helpers import run_cli
 from trellis_cli.synth import preset, write_checkpoint
 
 
@@ -18,15 +18,8 @@ def pristine(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("corpus") / "tiny", preset("tiny"))
 
 
-def run(argv, capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    captured = capsys.readouterr()
-    return int(info.value.code or 0), captured.out, captured.err
-
-
 def test_pristine_checkpoint_passes(pristine, capsys):
-    code, out, err = run(["validate", str(pristine), "--deep"], capsys)
+    code, out, err = run_cli(capsys, "validate", str(pristine), "--deep")
     assert code == 0, out
     verdict, engines = out.strip().splitlines()[-2:]
     assert verdict.startswith("PASS") and engines.startswith("loads on: vllm-exl3 (shared-H rules) ✓")
@@ -39,7 +32,7 @@ def test_corrupt_checkpoint_gives_named_finding_and_exit_1(case, pristine, tmp_p
     corrupt, deep = CORPUS[case]
     expected_code = corrupt(root)
     argv = ["validate", str(root), "--json"] + (["--deep"] if deep else [])
-    code, out, err = run(argv, capsys)
+    code, out, err = run_cli(capsys, *argv)
     assert code == 1, err
     assert "Traceback" not in out + err
     document = json.loads(out)
@@ -47,7 +40,7 @@ def test_corrupt_checkpoint_gives_named_finding_and_exit_1(case, pristine, tmp_p
     assert expected_code in codes, (expected_code, codes)
     assert document["ok"] is False and document["summary"].startswith("FAIL")
     # The same case in text mode: the finding line, the verdict, and a one-line error on stderr.
-    code, out, err = run(["validate", str(root)] + (["--deep"] if deep else []), capsys)
+    code, out, err = run_cli(capsys, *["validate", str(root)] + (["--deep"] if deep else []))
     assert code == 1
     assert f"[{expected_code}]" in out
     verdict, engines = out.strip().splitlines()[-2:]

@@ -360,6 +360,7 @@ def test_cli_checksum_mismatch_fails_validation(hub, trellis, checkpoint):
     assert [f["location"]["file"] for f in findings if f["code"] == "checksum.mismatch"] == [shards(checkpoint)[1]]
 
 
+@pytest.mark.slow
 def test_cli_offline_uses_what_an_online_run_cached(hub, trellis):
     assert trellis("validate", REPO, HF_HUB_OFFLINE="1").returncode == EXIT_SOURCE  # nothing cached yet
     assert trellis("validate", REPO, "--checksums").returncode == 0  # downloads every file

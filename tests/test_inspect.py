@@ -7,18 +7,11 @@ from dataclasses import replace
 
 import pytest
 
+from helpers import run_cli
 from trellis_cli.checkpoint import open_checkpoint
-from trellis_cli.cli.app import main
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.inspect_report import build_inspect
 from trellis_cli.synth import SynthSpec, preset, write_checkpoint
-
-
-def run(argv, capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    captured = capsys.readouterr()
-    return int(info.value.code or 0), captured.out, captured.err
 
 
 def test_compact_ranges():
@@ -63,26 +56,26 @@ def test_identical_layers_collapse_into_one_run(tmp_path):
 
 
 def test_text_output_on_the_bundled_sample(capsys):
-    code, out, _ = run(["inspect"], capsys)
+    code, out, _ = run_cli(capsys, "inspect")
     assert code == 0
     assert "dialect: tr3/per_expert_v1" in out and "6/2 (K3/K4), 3.25 bpw" in out
     assert "K3: 0,2-5,7; K4: 1,6" in out and "routed experts per rank" in out
 
 
 def test_json_and_markdown(capsys):
-    code, out, _ = run(["inspect", "--json"], capsys)
+    code, out, _ = run_cli(capsys, "inspect", "--json")
     doc = json.loads(out)
     assert code == 0 and doc["dialect"] == "tr3/per_expert_v1" and doc["geometry"]["tp"] == 2
     assert [row["layer"] for row in doc["layers"]] == [3, 4] and doc["totals"]["tensors"] == 384
-    code, out, _ = run(["inspect", "--markdown", "--layers", "4"], capsys)
+    code, out, _ = run_cli(capsys, "inspect", "--markdown", "--layers", "4")
     assert code == 0 and "| layers | partition |" in out and "| 4 | 4/4 (K3/K4) | 3.5 |" in out
-    code, _, err = run(["inspect", "--json", "--markdown"], capsys)
+    code, _, err = run_cli(capsys, "inspect", "--json", "--markdown")
     assert code == 2 and "exclusive" in err
 
 
 def test_unknown_dialect_is_a_one_line_error(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    code, out, err = run(["inspect", str(tmp_path)], capsys)
+    code, out, err = run_cli(capsys, "inspect", str(tmp_path))
     assert code == 1 and out == "" and "no hybrid_tr3_tail" in err and "Traceback" not in err
 
 
@@ -90,10 +83,10 @@ def test_route_pack_is_described_by_its_manifest(tmp_path, capsys):
     from trellis_cli.sample import sample_path
 
     packed = tmp_path / "packed"
-    assert run(["repack", str(sample_path("tr3")), str(packed), "--json"], capsys)[0] == 0
-    code, out, _ = run(["inspect", str(packed), "--json"], capsys)
+    assert run_cli(capsys, "repack", str(sample_path("tr3")), str(packed), "--json")[0] == 0
+    code, out, _ = run_cli(capsys, "inspect", str(packed), "--json")
     doc = json.loads(out)
     assert code == 0 and doc["dialect"] == "trellis-route-pack"
     assert [layer["layer"] for layer in doc["route_pack"]["layers"]] == [3, 4]
-    code, out, _ = run(["inspect", str(packed)], capsys)
+    code, out, _ = run_cli(capsys, "inspect", str(packed))
     assert code == 0 and "repacked from:" in out and "(tr3/per_expert_v1)" in out

@@ -15,6 +15,7 @@ from trellis_cli.errors import CheckFailed, GpuUnavailable
 from trellis_cli.kernel import abi
 from trellis_cli.kernel.build import kernel_source_dir, normalize_arch, source_hash
 from trellis_cli.kernel.plan import check_pack_layout
+from trellis_cli.repack.format import split_descriptor
 
 SMALL = Preset("small", 256, 128, 8, 2, "mcg", (6, 2), (3, 4), 1)
 
@@ -41,7 +42,7 @@ def test_synthetic_pack_passes_the_layout_check():
     assert pack.tier_size == [6, 2] and pack.tier_k == [3, 4]
     assert pack.tier_trellis[1].shape == (2, 3, (256 // 16) * (128 // 16), 64)
     descriptors = pack.descriptors.tolist()
-    assert [d >> 8 for d in descriptors] == [0] * 6 + [1] * 2  # tier-ordered combined ids
+    assert [split_descriptor(d)[0] for d in descriptors] == [0] * 6 + [1] * 2  # tier-ordered combined ids
     g2c = pack.global_to_combined.tolist()
     assert sorted(g2c) == list(range(8))
 

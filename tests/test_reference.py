@@ -78,6 +78,7 @@ def random_routes(tokens: int, topk: int, num_experts: int):
     return ids, torch.rand(tokens, topk, dtype=torch.float32)
 
 
+@pytest.mark.slow
 def test_moe_forward_equals_per_token_loop(golden):
     pool = golden("expert_pool_small")
     codebook = pool_codebook(pool)
@@ -131,6 +132,7 @@ def build_pack(pool, tiers: dict[int, list[int]], shared_h: bool) -> tuple[Layer
     return pack, experts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared_h", [False, True])
 def test_layer_pack_forward_equals_moe_forward(golden, shared_h):
     pool = golden("expert_pool_small")

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from helpers import all_tensors, assert_same_tensors
 from trellis_cli import synth
 from trellis_cli.checkpoint import open_checkpoint
 from trellis_cli.errors import CheckFailed
@@ -31,21 +32,6 @@ SPECS = {
     "three_tiers": dataclasses.replace(TINY, partition=None, layers=(3,),
                                        bitmap={3: (3, 5, 4, 3, 5, 5, 4, 3)}, seed=2),
 }
-
-
-def all_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            out.update({name: f.get_tensor(name) for name in f.keys()})
-    return out
-
-
-def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
-        assert torch.equal(a[name].reshape(-1).view(torch.uint8), b[name].reshape(-1).view(torch.uint8)), name
 
 
 @pytest.fixture(scope="module")

@@ -7,18 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import run_cli  # also imported from here by tests written before helpers.py
 from trellis_cli import synth
-from trellis_cli.cli.app import main
-
-
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")

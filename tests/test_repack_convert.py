@@ -13,10 +13,11 @@ from trellis_cli import synth
 from trellis_cli.checkpoint import open_checkpoint
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.repack import pack_layer
+from trellis_cli.repack.format import split_descriptor
 from trellis_cli.repack.run import RepackOptions, run_repack
 from trellis_cli.repack.verify import verify_repacked
 
-from test_repack import all_tensors, assert_same_tensors
+from helpers import all_tensors, assert_same_tensors
 
 TINY = synth.preset("tiny")  # H 256, I 256 (128 per rank at TP2), 8 experts
 WIDE = dataclasses.replace(TINY, intermediate=512, seed=5)  # 256 per rank at TP2: splits into TP4 exactly
@@ -104,7 +105,7 @@ def test_tp_merge_when_hidden_side_is_equal_across_ranks(tmp_path):
     tensors = all_tensors(src)
     expert = open_checkpoint(src).layers[4].partition()[3][0]  # first K3 expert: tier 0
     combined = int(pack.global_to_combined[expert])
-    local = int(pack.descriptors[combined]) & 0xFF
+    _, local = split_descriptor(int(pack.descriptors[combined]))
     up = torch.cat([tensors[f"model.layers.4.mlp.experts.{expert}.up_proj.rank{r}.trellis"] for r in (0, 1)], dim=1)
     assert torch.equal(pack.tier_trellis[0][local, 1], up.reshape(-1, up.shape[-1]))  # N concatenated
     down = torch.cat([tensors[f"model.layers.4.mlp.experts.{expert}.down_proj.rank{r}.trellis"] for r in (0, 1)])

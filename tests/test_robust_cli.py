@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from corrupt import SHARD3, rewrite_header
-from test_repack_cli import run_cli
+from helpers import run_cli
 from trellis_cli import synth
 from trellis_cli.cli import output
 from trellis_cli.id_ranges import expand_ranges
@@ -137,6 +137,7 @@ def test_permission_denied_is_one_line(capsys, source, tmp_path):
     assert err.startswith("error: ") and "Permission denied" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_full_disk_keeps_the_stage_and_a_rerun_resumes(source, tmp_path):
     out = tmp_path / "out"
     argv = [sys.executable, "-m", "trellis_cli", "repack", str(source), str(out), "--jobs", "1"]

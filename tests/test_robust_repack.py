@@ -10,15 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from test_repack_cli import run_cli as run_cli_streams
+from helpers import edited_pack, run_cli_merged
 from trellis_cli import synth
 from trellis_cli.repack.manifest import write_manifest
-
-
-def run_cli(capsys, *args: str) -> tuple[int, str]:
-    """Exit code and stdout + stderr of one in-process `trellis` run."""
-    code, out, err = run_cli_streams(capsys, *args)
-    return code, out + err
 
 
 @pytest.fixture(scope="module")
@@ -33,22 +27,13 @@ def pack(source) -> Path:
     return run_repack(source, source.parent / "pack").out
 
 
-def edited_pack(pack: Path, target: Path, edit) -> Path:
-    """A copy of `pack` whose manifest `edit(doc)` changed, rewritten with a matching self-hash."""
-    shutil.copytree(pack, target)
-    doc = json.loads((target / "manifest.json").read_text(encoding="utf-8"))
-    edit(doc)
-    write_manifest(target, doc)
-    return target
-
-
 def assert_refused_everywhere(capsys, root: Path, out: Path, code: str, key: str) -> None:
     """validate names the finding, inspect and `repack --to tr3` refuse; nothing is written anywhere."""
-    status, text = run_cli(capsys, "validate", str(root))
+    status, text = run_cli_merged(capsys, "validate", str(root))
     assert status == 1 and code in text and key in text and "Traceback" not in text, text
-    status, text = run_cli(capsys, "inspect", str(root))
+    status, text = run_cli_merged(capsys, "inspect", str(root))
     assert status == 1 and key in text and "Traceback" not in text, text
-    status, text = run_cli(capsys, "repack", str(root), str(out), "--to", "tr3")
+    status, text = run_cli_merged(capsys, "repack", str(root), str(out), "--to", "tr3")
     assert status == 1 and key in text and "Traceback" not in text, text
     assert not out.exists() and not out.with_name(out.name + ".partial").exists()
 
@@ -89,7 +74,7 @@ def test_a_listed_file_linking_out_of_the_pack_is_not_read(capsys, pack, tmp_pat
     outside.write_text("{}")
     (root / "tier_bitmap.json").unlink()
     os.symlink(outside, root / "tier_bitmap.json")
-    status, text = run_cli(capsys, "validate", str(root))
+    status, text = run_cli_merged(capsys, "validate", str(root))
     assert status == 1 and "path.escape" in text and "tier_bitmap.json" in text
     assert "hash-mismatch" not in text  # refused before hashing what the link points at
 
@@ -157,9 +142,9 @@ def test_overlapping_tensor_offsets_in_a_layer_file_are_a_finding(capsys, pack, 
     doc = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
     doc["files"][layer_file.name] = file_entry(layer_file, layer=3, rank=0)
     write_manifest(root, doc)
-    status, text = run_cli(capsys, "validate", str(root))
+    status, text = run_cli_merged(capsys, "validate", str(root))
     assert status == 1 and "file.overlap" in text and layer_file.name in text and "Traceback" not in text, text
-    status, text = run_cli(capsys, "repack", str(root), str(tmp_path / "out"), "--to", "tr3")
+    status, text = run_cli_merged(capsys, "repack", str(root), str(tmp_path / "out"), "--to", "tr3")
     assert status == 1 and "file." in text and layer_file.name in text and "Traceback" not in text, text
     assert not (tmp_path / "out").exists()
 
@@ -171,7 +156,7 @@ def test_a_source_at_or_inside_the_staging_directory_is_never_deleted(capsys, so
     shutil.copytree(source, inside_stage)
     for src, out in ((at_stage, tmp_path / "ck"), (inside_stage, tmp_path / "ck2")):
         before = sorted(p.name for p in src.iterdir())
-        status, text = run_cli(capsys, "repack", str(src), str(out), "--overwrite")
+        status, text = run_cli_merged(capsys, "repack", str(src), str(out), "--overwrite")
         assert status == 2 and f"{out}.partial" in text and str(src) in text and "Traceback" not in text, text
         assert sorted(p.name for p in src.iterdir()) == before and not out.exists()
 
@@ -179,11 +164,11 @@ def test_a_source_at_or_inside_the_staging_directory_is_never_deleted(capsys, so
 @pytest.mark.parametrize("overwrite", [[], ["--overwrite"]], ids=["plain", "overwrite"])
 def test_a_staging_path_that_is_a_file_or_a_link_is_refused(capsys, source, pack, tmp_path, overwrite):
     (tmp_path / "o.partial").write_text("not mine")
-    status, text = run_cli(capsys, "repack", str(source), str(tmp_path / "o"), *overwrite)
+    status, text = run_cli_merged(capsys, "repack", str(source), str(tmp_path / "o"), *overwrite)
     assert status == 2 and "o.partial" in text and "not a directory" in text and "Traceback" not in text, text
     assert (tmp_path / "o.partial").read_text() == "not mine"
     os.symlink(source, tmp_path / "t.partial")  # --to tr3 from a route pack: the link leads to another directory
-    status, text = run_cli(capsys, "repack", str(pack), str(tmp_path / "t"), "--to", "tr3", *overwrite)
+    status, text = run_cli_merged(capsys, "repack", str(pack), str(tmp_path / "t"), "--to", "tr3", *overwrite)
     assert status == 2 and "t.partial" in text and "symbolic link" in text and "Traceback" not in text, text
     assert (source / "config.json").is_file()
 
@@ -196,7 +181,7 @@ def test_a_staging_path_that_is_a_file_or_a_link_is_refused(capsys, source, pack
     (["--layers", "0-99999999999"], "--layers"),
 ], ids=["tp-zero", "tp-negative", "tp-zero-tr3", "huge-ranks", "huge-layers"])
 def test_bad_tp_and_huge_selections_are_usage_errors(capsys, source, tmp_path, args, named):
-    status, text = run_cli(capsys, "repack", str(source), str(tmp_path / "o"), *args)
+    status, text = run_cli_merged(capsys, "repack", str(source), str(tmp_path / "o"), *args)
     assert status == 2 and named in text and "Traceback" not in text, text
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
 
@@ -220,7 +205,7 @@ def _edited_source(source: Path, target: Path, **tail) -> Path:
 
 def test_an_invalid_source_is_refused_with_its_errors_listed(capsys, source, tmp_path):
     bad = _edited_source(source, tmp_path / "bad", codebook="x")
-    status, text = run_cli(capsys, "repack", str(bad), str(tmp_path / "o"))
+    status, text = run_cli_merged(capsys, "repack", str(bad), str(tmp_path / "o"))
     assert status == 1 and "FAIL" in text and "Traceback" not in text, text
     assert "error[config.tr3-codebook] config.json:hybrid_tr3_tail.codebook" in text and "more" not in text, text
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
@@ -228,7 +213,7 @@ def test_an_invalid_source_is_refused_with_its_errors_listed(capsys, source, tmp
 
 def test_many_errors_are_cut_short_with_a_pointer_to_validate(capsys, source, tmp_path):
     bad = _edited_source(source, tmp_path / "bad", tp=True)  # every rank-1 slice is then out of range
-    status, text = run_cli(capsys, "repack", str(bad), str(tmp_path / "o"))
+    status, text = run_cli_merged(capsys, "repack", str(bad), str(tmp_path / "o"))
     listed = [line for line in text.splitlines() if line.startswith("  error[")]
     assert status == 1 and len(listed) == 10, text
     assert f"more; run `trellis validate {bad}`" in text
@@ -249,7 +234,7 @@ def test_a_missing_or_broken_pack_config_is_refused_by_to_tr3(capsys, pack, tmp_
         (root / "config.json").write_text(content, encoding="utf-8")
         doc["files"]["config.json"] = file_entry(root / "config.json", role="config")
     write_manifest(root, doc)
-    status, text = run_cli(capsys, "repack", str(root), str(tmp_path / "out"), "--to", "tr3")
+    status, text = run_cli_merged(capsys, "repack", str(root), str(tmp_path / "out"), "--to", "tr3")
     assert status == 1 and named in text and "Traceback" not in text, text
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
@@ -264,7 +249,7 @@ def test_a_link_planted_in_a_stage_to_resume_is_refused_before_anything_is_writt
     victim = tmp_path / "victim.txt"
     victim.write_text("ORIGINAL")
     (tmp_path / "out.partial" / "tree" / "config.json").symlink_to(victim)
-    status, text = run_cli(capsys, "repack", str(source), str(out))
+    status, text = run_cli_merged(capsys, "repack", str(source), str(out))
     assert status == 2 and "config.json" in text and "refusing to resume" in text, text
     assert victim.read_text() == "ORIGINAL" and not out.exists()
 
@@ -275,13 +260,13 @@ def test_a_layer_file_entry_must_say_the_layer_and_rank_its_name_says(capsys, pa
         doc["files"]["layer-003-rank-1.safetensors"]["rank"] = 0
 
     root = edited_pack(pack, tmp_path / "swapped", swap_ranks)
-    status, text = run_cli(capsys, "validate", str(root))
+    status, text = run_cli_merged(capsys, "validate", str(root))
     assert status == 1 and "repack.manifest-field" in text and "layer-003-rank-0.safetensors" in text, text
 
 
 def test_to_tr3_lists_nested_shards_in_its_checksum_manifest(capsys, source, tmp_path):
     """A source may keep shards in folders; the TR3 written back must still hash every file it holds."""
-    from trellis_cli.integrity import MANIFEST, write_manifest as write_checksums
+    from trellis_cli.integrity import CHECKSUM_MANIFEST, write_manifest as write_checksums
 
     nested = tmp_path / "nested"
     shutil.copytree(source, nested)
@@ -293,9 +278,9 @@ def test_to_tr3_lists_nested_shards_in_its_checksum_manifest(capsys, source, tmp
     index["weight_map"] = {k: f"shards/{v}" for k, v in index["weight_map"].items()}
     index_path.write_text(json.dumps(index), encoding="utf-8")
     write_checksums(nested, [p.relative_to(nested).as_posix() for p in nested.rglob("*")
-                             if p.is_file() and p.name != MANIFEST])
-    assert run_cli(capsys, "repack", str(nested), str(tmp_path / "pack"))[0] == 0
-    assert run_cli(capsys, "repack", str(tmp_path / "pack"), str(tmp_path / "back"), "--to", "tr3")[0] == 0
-    status, text = run_cli(capsys, "validate", str(tmp_path / "back"), "--checksums")
+                             if p.is_file() and p.name != CHECKSUM_MANIFEST])
+    assert run_cli_merged(capsys, "repack", str(nested), str(tmp_path / "pack"))[0] == 0
+    assert run_cli_merged(capsys, "repack", str(tmp_path / "pack"), str(tmp_path / "back"), "--to", "tr3")[0] == 0
+    status, text = run_cli_merged(capsys, "validate", str(tmp_path / "back"), "--checksums")
     assert status == 0 and "checksum.unlisted" not in text, text
     assert (tmp_path / "back" / "shards").is_dir()

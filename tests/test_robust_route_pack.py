@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from test_repack_cli import run_cli as run_cli_streams
-from test_robust_repack import edited_pack, run_cli
+from helpers import edited_pack, run_cli, run_cli_merged
 from trellis_cli import synth
 from trellis_cli.repack.manifest import file_entry, write_manifest
 
@@ -48,7 +47,7 @@ def declaring(pack: Path, target: Path, layers: int, ranks: int) -> Path:
 
 
 def validate_json(capsys, root: Path) -> tuple[int, dict]:
-    status, out, _ = run_cli_streams(capsys, "validate", str(root), "--json")
+    status, out, _ = run_cli(capsys, "validate", str(root), "--json")
     return status, json.loads(out)
 
 
@@ -136,7 +135,7 @@ def test_a_flipped_byte_in_the_pack_config_is_the_packs_hash_mismatch(capsys, pa
     assert "checkpoint.unreadable" not in json.dumps(document)
     assert document["context"]["dialect"] == "trellis-route-pack"
     assert document["checked"]["layer files"] == 4  # the remaining pack checks still ran
-    status, text = run_cli(capsys, "repack", str(root), str(tmp_path / "out"), "--to", "tr3")
+    status, text = run_cli_merged(capsys, "repack", str(root), str(tmp_path / "out"), "--to", "tr3")
     assert status == 1 and "repack.hash-mismatch" in text and "config.json" in text, text
     assert not (tmp_path / "out").exists()
 
@@ -150,10 +149,10 @@ def test_a_pack_config_that_is_not_a_json_object_is_the_verifiers_finding(capsys
     doc = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
     doc["files"]["config.json"] = file_entry(root / "config.json", role="config")
     write_manifest(root, doc)
-    status, text = run_cli(capsys, "validate", str(root))
+    status, text = run_cli_merged(capsys, "validate", str(root))
     assert status == 1 and "error[repack.config] config.json" in text and found in text, text
     assert "checkpoint.unreadable" not in text and "4 layer files" in text
-    status, text = run_cli(capsys, "repack", str(root), str(tmp_path / "out"), "--to", "tr3")
+    status, text = run_cli_merged(capsys, "repack", str(root), str(tmp_path / "out"), "--to", "tr3")
     assert status == 1 and "repack.config" in text, text
 
 
@@ -162,5 +161,5 @@ def test_a_manifest_nested_too_deeply_is_refused_without_a_traceback(capsys, pac
     shutil.copytree(pack, root)
     (root / "manifest.json").write_text("[" * 100_000, encoding="utf-8")
     for args in (("validate", str(root)), ("repack", str(root), str(tmp_path / "out"), "--to", "tr3")):
-        status, text = run_cli(capsys, *args)
+        status, text = run_cli_merged(capsys, *args)
         assert status == 1 and "manifest.json" in text and "Traceback" not in text, text

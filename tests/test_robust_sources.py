@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 
 from corrupt import INDEX, SHARD3, edit_json, key, rewrite_header
-from test_checkpoint import synth
-from trellis_cli.cli.app import main
+from helpers import run_cli, tiny_checkpoint
 from trellis_cli.header import HeaderError, parse_header
-from trellis_cli.integrity import MANIFEST, MALFORMED, OK, UNSAFE_PATH, verify_checksums
+from trellis_cli.integrity import CHECKSUM_MANIFEST, MALFORMED, OK, UNSAFE_PATH, verify_checksums
 from trellis_cli.sources import LocalSource
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +29,7 @@ DEEP_JSON = "[" * 100_000 + "]" * 100_000
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    return synth(tmp_path_factory.mktemp("base"))
+    return tiny_checkpoint(tmp_path_factory.mktemp("base"))
 
 
 @pytest.fixture
@@ -38,15 +37,8 @@ def ckpt(base, tmp_path) -> Path:
     return Path(shutil.copytree(base, tmp_path / "ckpt", symlinks=True))
 
 
-def run(argv, capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    captured = capsys.readouterr()
-    return int(info.value.code or 0), captured.out, captured.err
-
-
 def findings(root: Path, capsys, *flags: str) -> tuple[int, list[dict]]:
-    code, out, _ = run(["validate", str(root), "--json", *flags], capsys)
+    code, out, _ = run_cli(capsys, "validate", str(root), "--json", *flags)
     return code, json.loads(out)["findings"]
 
 
@@ -59,25 +51,26 @@ def named(found: list[dict], code: str, file: str) -> list[dict]:
 def test_manifest_linking_outside_is_refused_unread(ckpt, tmp_path, capsys):
     secret = tmp_path / "secret.txt"
     secret.write_text("root:x:0:0:SECRET-LINE\n")
-    (ckpt / MANIFEST).unlink()
-    os.symlink(secret, ckpt / MANIFEST)
+    (ckpt / CHECKSUM_MANIFEST).unlink()
+    os.symlink(secret, ckpt / CHECKSUM_MANIFEST)
     results = verify_checksums(LocalSource(ckpt))
-    assert (MANIFEST, UNSAFE_PATH) in [(r.file, r.status) for r in results]
-    code, out, err = run(["validate", str(ckpt), "--checksums"], capsys)
+    assert (CHECKSUM_MANIFEST, UNSAFE_PATH) in [(r.file, r.status) for r in results]
+    code, out, err = run_cli(capsys, "validate", str(ckpt), "--checksums")
     assert code == 1 and "SECRET" not in out + err
-    assert f"error[path.escape] {MANIFEST}: the manifest is a link" in out
+    assert f"error[path.escape] {CHECKSUM_MANIFEST}: the manifest is a link" in out
 
 
 def test_malformed_and_non_utf8_manifest_lines_are_findings_and_the_rest_is_checked(ckpt, capsys):
-    with open(ckpt / MANIFEST, "ab") as f:
+    with open(ckpt / CHECKSUM_MANIFEST, "ab") as f:
         f.write(b"not-a-hash  config.json\n\xff\xfe  x\n")
     code, found = findings(ckpt, capsys, "--checksums")
     assert code == 1
-    assert named(found, "checksum.manifest", f"{MANIFEST}:6")[0]["message"].startswith("expected '<64 hex>")
-    assert "not UTF-8" in named(found, "checksum.manifest", f"{MANIFEST}:7")[0]["message"]
+    assert named(found, "checksum.manifest", f"{CHECKSUM_MANIFEST}:6")[0]["message"].startswith("expected '<64 hex>")
+    assert "not UTF-8" in named(found, "checksum.manifest", f"{CHECKSUM_MANIFEST}:7")[0]["message"]
     assert not [f for f in found if f["code"].startswith("checksum.") and f["code"] != "checksum.manifest"]
     problems = [r for r in verify_checksums(LocalSource(ckpt), strict_manifest=False) if r.status != OK]
-    assert [(r.file, r.status) for r in problems] == [(f"{MANIFEST}:6", MALFORMED), (f"{MANIFEST}:7", MALFORMED)]
+    assert [(r.file, r.status) for r in problems] == [(f"{CHECKSUM_MANIFEST}:6", MALFORMED),
+                                                      (f"{CHECKSUM_MANIFEST}:7", MALFORMED)]
 
 
 # ---- symlink loops and NUL bytes ------------------------------------------------------------------------
@@ -161,7 +154,7 @@ def _shell_quote(text: str) -> str:
 
 def test_unreadable_files_and_root_are_named(base, tmp_path):
     cases = {"config.json": "checkpoint", SHARD3: "file.unreadable", "tier_bitmap.json": "bitmap.unreadable",
-             INDEX: "json.unreadable", MANIFEST: "file.unreadable"}
+             INDEX: "json.unreadable", CHECKSUM_MANIFEST: "file.unreadable"}
     roots = []
     for i, name in enumerate(cases):
         root = Path(shutil.copytree(base, tmp_path / f"c{i}"))
@@ -197,7 +190,7 @@ def test_deeply_nested_json_is_named_not_a_recursion_error(ckpt, capsys, name):
         _replace_header(ckpt / name, DEEP_JSON.encode())
     else:
         (ckpt / name).write_text(DEEP_JSON)
-    code, out, err = run(["validate", str(ckpt)], capsys)
+    code, out, err = run_cli(capsys, "validate", str(ckpt))
     assert code == 1 and "Traceback" not in err
     assert f"{name}" in out and "invalid JSON (nested too deeply)" in out
 
@@ -265,7 +258,7 @@ def test_huge_declared_counts_are_one_finding(ckpt, capsys, field, value, count)
     assert code == 1 and len(implausible) == 1 and len(found) < 10, found
     assert implausible[0]["location"] == {"file": "config.json", "tensor": f"hybrid_tr3_tail.{field}"}
     assert implausible[0]["found"] == count
-    assert run(["inspect", str(ckpt)], capsys)[0] in (0, 1)  # returns: no per-layer objects for a billion layers
+    assert run_cli(capsys, "inspect", str(ckpt))[0] in (0, 1)  # returns: no per-layer objects for a billion layers
 
 
 @pytest.mark.parametrize("old,new,code", [

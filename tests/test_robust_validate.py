@@ -24,7 +24,7 @@ from corrupt import INDEX, SHARD3, edit_json, key, write_tensor_bytes
 from test_checkpoint import synth
 from test_repack_cli import run_cli
 from trellis_cli.header import MAX_HEADER_TENSORS
-from trellis_cli.integrity import MANIFEST
+from trellis_cli.integrity import CHECKSUM_MANIFEST
 
 
 @pytest.fixture(scope="module")
@@ -59,17 +59,17 @@ def _sha256sum(root: Path, *args: str) -> subprocess.CompletedProcess:
 def test_manifest_written_by_sha256sum_is_read_as_sha256sum_reads_it(ckpt, capsys):
     for i, name in enumerate(ODD_NAMES):
         (ckpt / name).write_bytes(b"odd %d\n" % i)
-    names = sorted(p.name for p in ckpt.iterdir() if p.name != MANIFEST)
+    names = sorted(p.name for p in ckpt.iterdir() if p.name != CHECKSUM_MANIFEST)
     text = _sha256sum(ckpt, "--", *names[:3]).stdout  # text mode: two spaces
     text += _sha256sum(ckpt, "-b", "--", *names[3:-1]).stdout  # binary mode: " *"; escaped names start "\"
     text += _sha256sum(ckpt, "--tag", "--", names[-1]).stdout  # BSD tagged form
-    (ckpt / MANIFEST).write_bytes(text.replace(b"\n", b"\r\n", 1))  # one CRLF line, as a Windows editor saves
-    assert _sha256sum(ckpt, "-c", "--strict", MANIFEST).returncode == 0
+    (ckpt / CHECKSUM_MANIFEST).write_bytes(text.replace(b"\n", b"\r\n", 1))  # one CRLF line, as a Windows editor saves
+    assert _sha256sum(ckpt, "-c", "--strict", CHECKSUM_MANIFEST).returncode == 0
     code, found = validate(capsys, ckpt, "--checksums")
     assert code == 0 and not [f for f in found if f["code"].startswith("checksum.")], found
 
     (ckpt / "notes ").write_bytes(b"changed\n")  # the name with the trailing space is the one hashed
-    assert _sha256sum(ckpt, "-c", MANIFEST).returncode == 1
+    assert _sha256sum(ckpt, "-c", CHECKSUM_MANIFEST).returncode == 1
     code, found = validate(capsys, ckpt, "--checksums")
     assert code == 1 and [f["location"] for f in found if f["code"] == "checksum.mismatch"] == [{"file": "notes "}]
 
@@ -82,12 +82,12 @@ def test_manifest_written_by_sha256sum_is_read_as_sha256sum_reads_it(ckpt, capsy
     "{h} x",  # the reversed form after lines of the two-space form
 ])
 def test_lines_sha256sum_refuses_are_malformed(ckpt, capsys, line):
-    with open(ckpt / MANIFEST, "a") as f:
+    with open(ckpt / CHECKSUM_MANIFEST, "a") as f:
         f.write(line.format(h="0" * 64) + "\n")
-    assert b"1 line is improperly formatted" in _sha256sum(ckpt, "-c", MANIFEST).stderr
+    assert b"1 line is improperly formatted" in _sha256sum(ckpt, "-c", CHECKSUM_MANIFEST).stderr
     code, found = validate(capsys, ckpt, "--checksums")
     assert code == 1 and [f["location"] for f in found if f["code"] == "checksum.manifest"] == [
-        {"file": f"{MANIFEST}:6"}]
+        {"file": f"{CHECKSUM_MANIFEST}:6"}]
 
 
 # ---- headers safetensors refuses ----------------------------------------------------------------------

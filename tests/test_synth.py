@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from trellis_cli.cli.app import main
+from helpers import run_cli
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.header import read_local_header
 from trellis_cli.synth import (
@@ -334,16 +334,9 @@ def test_bad_specs_are_usage_errors(changes, message):
         tiny(**changes)
 
 
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    captured = capsys.readouterr()
-    return exit_info.value.code or 0, captured.out, captured.err
-
-
 def test_cli_writes_and_reports_json(tmp_path, capsys):
-    code, out, _ = run_cli(["synth", str(tmp_path / "c"), "--shared-h", "--layers", "3-5", "--experts", "16",
-                            "--partition", "12/4", "--seed", "2", "--json"], capsys)
+    code, out, _ = run_cli(capsys, "synth", str(tmp_path / "c"), "--shared-h", "--layers", "3-5", "--experts", "16",
+                           "--partition", "12/4", "--seed", "2", "--json")
     assert code == 0
     doc = json.loads(out)
     assert doc["layers"] == [3, 4, 5] and doc["rotation_layout"] == "shared_h_v1" and doc["experts"] == 16
@@ -354,10 +347,10 @@ def test_cli_writes_and_reports_json(tmp_path, capsys):
 def test_cli_bitmap_file(tmp_path, capsys):
     bitmap = tmp_path / "bitmap.json"
     bitmap.write_text(json.dumps({"6": {"k": [3, 4] * 4}, "8": [4, 4, 3, 3, 3, 3, 3, 3]}))
-    code, out, _ = run_cli(["synth", str(tmp_path / "c"), "--bitmap", str(bitmap), "--json"], capsys)
+    code, out, _ = run_cli(capsys, "synth", str(tmp_path / "c"), "--bitmap", str(bitmap), "--json")
     assert code == 0 and json.loads(out)["layers"] == [6, 8]
     assert read_json(tmp_path / "c" / "tier_bitmap.json")["8"]["k"] == [4, 4, 3, 3, 3, 3, 3, 3]
-    code, out, _ = run_cli(["synth", str(tmp_path / "d"), "--layers", "3,9", "--uniform", "4", "--json"], capsys)
+    code, out, _ = run_cli(capsys, "synth", str(tmp_path / "d"), "--layers", "3,9", "--uniform", "4", "--json")
     assert code == 0 and json.loads(out)["bits"] == 4
 
 
@@ -372,7 +365,7 @@ def test_cli_bitmap_file(tmp_path, capsys):
     (["--uniform", "3", "--k-values", "3,5"], "--k-values"),
 ])
 def test_cli_usage_errors_exit_2(tmp_path, capsys, args, message):
-    code, out, err = run_cli(["synth", str(tmp_path / "c"), *args], capsys)
+    code, out, err = run_cli(capsys, "synth", str(tmp_path / "c"), *args)
     assert code == 2 and message in err and "Traceback" not in err
     assert not (tmp_path / "c").exists() and not (tmp_path / "c.partial").exists()
 
@@ -380,8 +373,8 @@ def test_cli_usage_errors_exit_2(tmp_path, capsys, args, message):
 def test_cli_refuses_non_empty_out(tmp_path, capsys):
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "keep.txt").write_text("mine")
-    code, _, err = run_cli(["synth", str(tmp_path / "c")], capsys)
+    code, _, err = run_cli(capsys, "synth", str(tmp_path / "c"))
     assert code == 2 and "not empty" in err
     assert (tmp_path / "c" / "keep.txt").read_text() == "mine"
-    code, out, _ = run_cli(["synth", str(tmp_path / "c"), "--overwrite"], capsys)
+    code, out, _ = run_cli(capsys, "synth", str(tmp_path / "c"), "--overwrite")
     assert code == 0 and "wrote" in out and not (tmp_path / "c" / "keep.txt").exists()

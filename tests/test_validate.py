@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from corrupt import INDEX, SHARD3, edit_json, key, rebuild_shard, write_tensor_bytes
-from test_checkpoint import synth, to_plain_exl3, to_r7
+from helpers import run_cli, tiny_checkpoint, to_plain_exl3, to_r7
 from trellis_cli.checkpoint import open_checkpoint
-from trellis_cli.cli.app import main
 from trellis_cli.findings import Location, Severity, error
 from trellis_cli.sample import sample_path
 from trellis_cli.synth import SynthSpec, write_checkpoint
@@ -29,13 +28,6 @@ def validate(root, **kwargs):
     return run_validation(open_checkpoint(root), **kwargs)
 
 
-def run(argv, capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    captured = capsys.readouterr()
-    return int(info.value.code or 0), captured.out, captured.err
-
-
 @pytest.mark.parametrize("changes", [
     {},
     {"rotation_layout": "shared_h_v1", "bitmap_field": "bits_per_expert"},
@@ -44,7 +36,7 @@ def run(argv, capsys) -> tuple[int, str, str]:
     {"partition": (4, 4), "tp": 4, "hidden": 128, "intermediate": 512, "rotation_layout": "shared_h_v1"},
 ], ids=["per-expert", "shared-h", "uniform-k3", "k3-k5-tp1", "tp4-shared-h"])
 def test_clean_synth_checkpoints_pass_deep(tmp_path, changes):
-    report = validate(synth(tmp_path, **changes), deep=True)
+    report = validate(tiny_checkpoint(tmp_path, **changes), deep=True)
     assert report.ok and not report.warnings, [f.line() for f in report.findings]
     assert report.checked["layers"] == 2 and report.checked["tiles decoded"] > 0
 
@@ -56,7 +48,7 @@ def test_bundled_samples_pass(name):
 
 
 def test_r7_manifest_layer_that_is_not_a_number_is_a_finding(tmp_path):
-    root = to_r7(synth(tmp_path))
+    root = to_r7(tiny_checkpoint(tmp_path))
     name = sorted(root.glob("r7-experts-layer-*.json"))[0]
     (root / name.name).write_text(json.dumps({"layer": "three", "bits": json.loads(name.read_text())}))
     report = validate(root)
@@ -65,13 +57,13 @@ def test_r7_manifest_layer_that_is_not_a_number_is_a_finding(tmp_path):
 
 
 def test_plain_exl3_and_r7_pass(tmp_path):
-    assert validate(to_plain_exl3(synth(tmp_path, "a", tp=1)), deep=True).ok  # the format rules: no profile
-    assert validate(to_r7(synth(tmp_path, "b")), deep=True).ok
+    assert validate(to_plain_exl3(tiny_checkpoint(tmp_path, "a", tp=1)), deep=True).ok  # the format rules: no profile
+    assert validate(to_r7(tiny_checkpoint(tmp_path, "b")), deep=True).ok
 
 
 def test_plain_exl3_with_per_expert_k_is_refused_by_exllamav3(tmp_path):
     # exllamav3 (the default profile of plain exl3) fuses a layer's experts per projection: one K for all
-    report = validate(to_plain_exl3(synth(tmp_path, tp=1)), engine="default")
+    report = validate(to_plain_exl3(tiny_checkpoint(tmp_path, tp=1)), engine="default")
     refused = [f for f in report.errors if f.code == "engine.k-per-projection"]
     assert refused and refused[0].engine == "exllamav3" and refused[0].found["K"] == [3, 4]
 
@@ -105,14 +97,14 @@ def test_tensor_count_formula_matches_production_numbers():
      "config.protected-policy"),
 ])
 def test_contract_violations(tmp_path, edit, code):
-    root = synth(tmp_path)
+    root = tiny_checkpoint(tmp_path)
     edit_json(root / "config.json", lambda c: edit(c["hybrid_tr3_tail"]))
     report = validate(root)
     assert code in codes(report), [f.line() for f in report.findings]
 
 
 def test_k_inconsistent_across_ranks(tmp_path):
-    root = synth(tmp_path)
+    root = tiny_checkpoint(tmp_path)
     name = key(3, 2, "up_proj", 1, "trellis")
 
     def swap(tensors):
@@ -126,7 +118,7 @@ def test_k_inconsistent_across_ranks(tmp_path):
 
 
 def test_shared_h_leftover_and_missing_rows(tmp_path):
-    root = synth(tmp_path, rotation_layout="shared_h_v1")
+    root = tiny_checkpoint(tmp_path, rotation_layout="shared_h_v1")
     leftover = key(3, 0, "gate_proj", 0, "suh")
     shared_row = "model.layers.3.mlp.experts.shared_h.down_proj.rank1.svh"
 
@@ -140,14 +132,14 @@ def test_shared_h_leftover_and_missing_rows(tmp_path):
 
 
 def test_shared_h_rows_in_per_expert_layout_are_rejected(tmp_path):
-    root = synth(tmp_path)
+    root = tiny_checkpoint(tmp_path)
     rebuild_shard(root, SHARD3, lambda t: t.update(
         {"model.layers.3.mlp.experts.shared_h.up_proj.rank0.suh": torch.randn(256).half()}))
     assert "shared-h.unexpected" in codes(validate(root))
 
 
 def test_missing_marker_and_unexpected_fields(tmp_path):
-    root = synth(tmp_path)
+    root = tiny_checkpoint(tmp_path)
 
     def edit(tensors):
         tensors.pop(key(3, 1, "gate_proj", 0, "mcg"))
@@ -161,7 +153,7 @@ def test_missing_marker_and_unexpected_fields(tmp_path):
 
 
 def test_index_disagreements_both_ways(tmp_path):
-    root = synth(tmp_path)
+    root = tiny_checkpoint(tmp_path)
 
     def edit(index):
         index["weight_map"].pop(key(3, 0, "gate_proj", 0, "svh"))
@@ -184,7 +176,7 @@ def test_tier_larger_than_256_experts(tmp_path):
 
 
 def test_deep_warns_on_zero_svh_and_constant_trellis(tmp_path):
-    root = synth(tmp_path)
+    root = tiny_checkpoint(tmp_path)
     ckpt = open_checkpoint(root)
     lin = ckpt.layers[3].experts[ckpt.layers[3].partition()[3][0]]["gate_proj"][0]
     write_tensor_bytes(root / SHARD3, lin.svh.name, bytes(4))
@@ -201,8 +193,8 @@ def test_cap_keeps_first_findings_and_counts_the_rest():
 
 
 def test_layers_option_limits_per_layer_rules(tmp_path, capsys):
-    root = synth(tmp_path)
-    code, out, _ = run(["validate", str(root), "--layers", "4,9", "--json"], capsys)
+    root = tiny_checkpoint(tmp_path)
+    code, out, _ = run_cli(capsys, "validate", str(root), "--layers", "4,9", "--json")
     doc = json.loads(out)
     assert code == 0 and doc["checked"]["layers"] == 1
     assert [f["code"] for f in doc["findings"]] == ["layers.not-found"]
@@ -210,15 +202,15 @@ def test_layers_option_limits_per_layer_rules(tmp_path, capsys):
 
 
 def test_strict_fails_on_warnings(tmp_path, capsys):
-    root = synth(tmp_path)
+    root = tiny_checkpoint(tmp_path)
     edit_json(root / INDEX, lambda i: i["metadata"].update(total_size=1))
-    assert run(["validate", str(root)], capsys)[0] == 0
-    code, out, err = run(["validate", str(root), "--strict"], capsys)
+    assert run_cli(capsys, "validate", str(root))[0] == 0
+    code, out, err = run_cli(capsys, "validate", str(root), "--strict")
     assert code == 1 and "[index.total-size]" in out and err.strip().splitlines()[-1].startswith("error:")
 
 
 def test_default_source_is_the_bundled_sample(capsys):
-    code, out, _ = run(["validate"], capsys)
+    code, out, _ = run_cli(capsys, "validate")
     verdict, engines = out.strip().splitlines()[-2:]
     assert code == 0 and verdict.startswith("PASS: bundled sample")
     assert engines == ("loads on: vllm-exl3 (shared-H rules) ✓ · vllm-exl3 (#190 rules) ✓ · b12x exl3-v1 ✗ wrong "
@@ -227,20 +219,20 @@ def test_default_source_is_the_bundled_sample(capsys):
 
 def test_route_pack_is_validated_by_its_own_verifier(tmp_path, capsys):
     packed = tmp_path / "packed"
-    assert run(["repack", str(sample_path("tr3")), str(packed), "--json"], capsys)[0] == 0
-    code, out, _ = run(["validate", str(packed), "--json"], capsys)
+    assert run_cli(capsys, "repack", str(sample_path("tr3")), str(packed), "--json")[0] == 0
+    code, out, _ = run_cli(capsys, "validate", str(packed), "--json")
     doc = json.loads(out)
     assert code == 0 and doc["ok"] and doc["context"]["dialect"] == "trellis-route-pack"
     (packed / "manifest.json").write_text(json.dumps({**json.loads((packed / "manifest.json").read_text()),
                                                       "schema_version": 99}))
-    assert run(["validate", str(packed)], capsys)[0] == 1
+    assert run_cli(capsys, "validate", str(packed))[0] == 1
 
 
 def test_checksums_against_manifest(tmp_path, capsys):
-    root = synth(tmp_path)
-    assert run(["validate", str(root), "--checksums"], capsys)[0] == 0
+    root = tiny_checkpoint(tmp_path)
+    assert run_cli(capsys, "validate", str(root), "--checksums")[0] == 0
     write_tensor_bytes(root / SHARD3, key(3, 5, "up_proj", 0, "trellis"), b"\x01\x02")  # same size, new content
-    code, out, _ = run(["validate", str(root), "--checksums", "--json"], capsys)
+    code, out, _ = run_cli(capsys, "validate", str(root), "--checksums", "--json")
     doc = json.loads(out)
     found = [f for f in doc["findings"] if f["code"] == "checksum.mismatch"]
     assert code == 1 and found[0]["location"] == {"file": SHARD3} and len(found[0]["expected"]) == 64
@@ -273,7 +265,7 @@ def test_deep_through_the_hub_downloads_only_the_chosen_layer(tmp_path, flag, la
 
     from hub_server import HubServer
 
-    served = synth(tmp_path, "served")
+    served = tiny_checkpoint(tmp_path, "served")
     with HubServer() as hub:
         sha = hub.add_commit("org/tiny", served)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
@@ -310,7 +302,7 @@ def test_r7_v2_layer_shared_vectors(tmp_path):
     """R7 v2 (topology-neutral): unsliced experts, hidden-side vectors once per layer under experts.r7_shared."""
     from safetensors.torch import load_file, save_file
 
-    root = to_r7(synth(tmp_path, tp=1))
+    root = to_r7(tiny_checkpoint(tmp_path, tp=1))
     for shard in sorted(root.glob("model-layer-*.safetensors")):
         layer = int(shard.stem.rsplit("-", 1)[1])
         tensors = {k.replace(".rank0.", "."): v for k, v in load_file(str(shard)).items()

@@ -1,3 +1,69 @@
-"""trellis: a toolchain for mixed-bitrate EXL3 ("trellis") Mixture-of-Experts checkpoints."""
+"""trellis: a toolchain for mixed-bitrate EXL3 ("trellis") Mixture-of-Experts checkpoints.
+
+The library API (docs/architecture.md, "Library API"); every name is imported on first use, so
+`import trellis_cli` loads nothing else, and torch only with what needs it:
+
+    source = open_source("org/name@rev")           # or a local path; None is the bundled sample
+    checkpoint = open_checkpoint(source)             # the normalized, torch-free model of the checkpoint
+    report = run_validation(checkpoint, deep=True)   # Report of Findings; report.ok
+    result = run_repack(checkpoint, "OUT", RepackOptions(tp=4))
+    moe = FusedMoe(read_layer_pack("OUT", layer=3, rank=0))   # needs a CUDA GPU
+    y = moe.forward(x, topk_ids, topk_weights)
+
+Expected failures raise `TrellisError` subclasses (trellis_cli.errors), never print or exit.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "open_source": "trellis_cli.sources",
+    "Source": "trellis_cli.sources",
+    "open_checkpoint": "trellis_cli.checkpoint.open",
+    "read_tensor": "trellis_cli.checkpoint.tensors",
+    "Checkpoint": "trellis_cli.checkpoint.model",
+    "run_validation": "trellis_cli.validate",
+    "Report": "trellis_cli.findings",
+    "Finding": "trellis_cli.findings",
+    "Severity": "trellis_cli.findings",
+    "run_repack": "trellis_cli.repack.run",
+    "RepackOptions": "trellis_cli.repack.run",
+    "RepackResult": "trellis_cli.repack.run",
+    "LayerPack": "trellis_cli.repack.format",
+    "read_layer_pack": "trellis_cli.repack.layer_file",
+    "FusedMoe": "trellis_cli.kernel.launch",
+    "TrellisError": "trellis_cli.errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on demand
+    from trellis_cli.checkpoint.model import Checkpoint
+    from trellis_cli.checkpoint.open import open_checkpoint
+    from trellis_cli.checkpoint.tensors import read_tensor
+    from trellis_cli.errors import TrellisError
+    from trellis_cli.findings import Finding, Report, Severity
+    from trellis_cli.kernel.launch import FusedMoe
+    from trellis_cli.repack.format import LayerPack
+    from trellis_cli.repack.layer_file import read_layer_pack
+    from trellis_cli.repack.run import RepackOptions, RepackResult, run_repack
+    from trellis_cli.sources import Source, open_source
+    from trellis_cli.validate import run_validation
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trellis_cli' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -17,11 +17,12 @@ import math
 
 import torch
 
+from trellis_cli.codebooks import BY_NAME, NAMES
 from trellis_cli.errors import CheckFailed
 
-CODEBOOKS = ("3inst", "mcg", "mul1")
-MCG_MULTIPLIER = 0xCBAC1FED
-MUL1_MULTIPLIER = 0x83DCD12D
+CODEBOOKS = NAMES
+MCG_MULTIPLIER = BY_NAME["mcg"].multiplier
+MUL1_MULTIPLIER = BY_NAME["mul1"].multiplier
 MAX_K = 8
 TILE = 16
 HADAMARD_BLOCK = 128
@@ -86,10 +87,10 @@ def codebook_from_markers(has_mcg: bool, has_mul1: bool) -> str:
 def marker_tensors(codebook: str) -> dict[str, torch.Tensor]:
     """The marker tensor a converter writes for `codebook` ({} for 3inst), keyed by suffix ("mcg"/"mul1")."""
     check_codebook(codebook)
-    value = {"mcg": MCG_MULTIPLIER, "mul1": MUL1_MULTIPLIER}.get(codebook)
-    if value is None:
+    entry = BY_NAME[codebook]
+    if entry.marker is None:
         return {}
-    return {codebook: torch.tensor(value - (1 << 32), dtype=torch.int32)}
+    return {entry.marker: torch.tensor(entry.marker_value, dtype=torch.int32)}
 
 
 def check_codebook(codebook: str) -> None:

@@ -6,7 +6,6 @@ them into a one-line message and an exit code; library code never prints or exit
 
 from __future__ import annotations
 
-EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_USAGE = 2
 EXIT_SOURCE = 3

@@ -26,7 +26,8 @@ from trellis_cli.errors import CheckFailed
 from trellis_cli.header import open_regular, os_reason, text_escape
 from trellis_cli.sources import HubSource, LocalSource, Source, safe_relative
 
-MANIFEST = "MANIFEST.sha256"
+# The checksum manifest of a checkpoint (a route pack's manifest.json is repack/format.py MANIFEST_NAME).
+CHECKSUM_MANIFEST = "MANIFEST.sha256"
 READ_BYTES = 1 << 20
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 HASH_WORKERS = max(1, min(4, os.cpu_count() or 1))
@@ -84,7 +85,7 @@ def verify_checksums(source: Source, files: Iterable[str] | None = None, progres
     elif isinstance(source, LocalSource):
         loaded = read_manifest(source)
         if loaded is None:
-            return [ChecksumResult(MANIFEST, None, None, NO_MANIFEST)]
+            return [ChecksumResult(CHECKSUM_MANIFEST, None, None, NO_MANIFEST)]
         manifest, problems = loaded
         if strict_manifest and any(p.status != UNSAFE_PATH for p in problems):
             first = next(p for p in problems if p.status != UNSAFE_PATH)
@@ -123,19 +124,19 @@ def read_manifest(source: LocalSource) -> tuple[dict[str, str], list[ChecksumRes
     refused unread (an `unsafe-path` problem). Each line that cannot be used (not `<64 hex>  <name>`, not
     UTF-8, a name listed twice) is a `malformed` problem naming the line; the other lines still count.
     """
-    if MANIFEST not in source.list_files():
+    if CHECKSUM_MANIFEST not in source.list_files():
         return None  # absent (a FIFO of that name is left out of the listing, and validate reports it)
-    if source.escapes(MANIFEST):
-        return {}, [ChecksumResult(MANIFEST, None, None, UNSAFE_PATH,
+    if source.escapes(CHECKSUM_MANIFEST):
+        return {}, [ChecksumResult(CHECKSUM_MANIFEST, None, None, UNSAFE_PATH,
                                    "the manifest is a link that resolves outside the checkpoint: not read")]
     try:
-        with open_regular(source.resolve(MANIFEST)) as f:
+        with open_regular(source.resolve(CHECKSUM_MANIFEST)) as f:
             data = f.read(MAX_MANIFEST_BYTES + 1)
     except (CheckFailed, OSError) as e:
         reason = os_reason(e) if isinstance(e, OSError) else str(e).split(": ", 1)[-1]
-        return {}, [ChecksumResult(MANIFEST, None, None, UNREADABLE, f"cannot read the file ({reason})")]
+        return {}, [ChecksumResult(CHECKSUM_MANIFEST, None, None, UNREADABLE, f"cannot read the file ({reason})")]
     if len(data) > MAX_MANIFEST_BYTES:
-        return {}, [ChecksumResult(MANIFEST, None, None, UNREADABLE,
+        return {}, [ChecksumResult(CHECKSUM_MANIFEST, None, None, UNREADABLE,
                                    f"larger than the {MAX_MANIFEST_BYTES}-byte limit")]
     entries: dict[str, str] = {}
     problems: list[ChecksumResult] = []
@@ -207,12 +208,12 @@ def manifest_line(digest: str, name: str) -> str:
 def _bad_line(number: int, what: str, line: str) -> ChecksumResult:
     # Named `MANIFEST.sha256:<line>`, the way compilers name a line; the text is escaped, never echoed raw.
     found = text_escape(repr(line[:80]))
-    return ChecksumResult(f"{MANIFEST}:{number}", None, None, MALFORMED, f"{what}, found {found}")
+    return ChecksumResult(f"{CHECKSUM_MANIFEST}:{number}", None, None, MALFORMED, f"{what}, found {found}")
 
 
 def _local_plan(source: LocalSource, manifest: dict[str, str], files: Iterable[str] | None):
     wanted = set(files) if files is not None else set(manifest) | set(source.list_files())
-    wanted.discard(MANIFEST)
+    wanted.discard(CHECKSUM_MANIFEST)
     expected: dict[str, str | None] = {}
     paths: dict[str, Path | None] = {}
     extra: list[ChecksumResult] = []
@@ -261,7 +262,7 @@ def write_manifest(directory: str | os.PathLike, names: Iterable[str]) -> Path:
     """Write `MANIFEST.sha256` in `directory` for the named files (`<hex>  <name>` lines, sorted)."""
     directory = Path(directory)
     lines = [manifest_line(sha256_file(directory / name), name) for name in sorted(names)]
-    path = directory / MANIFEST
+    path = directory / CHECKSUM_MANIFEST
     path.write_text("".join(lines), encoding="utf-8")
     return path
 

@@ -143,10 +143,3 @@ class SafetensorsWriter:
             if isinstance(exc, OSError) and exc.filename is None:
                 exc.filename = str(self.path)  # a failed write() or fsync() names no file
 
-
-def write_file(path: str | Path, tensors: dict[str, "torch.Tensor"], metadata: dict[str, str] | None = None) -> Path:
-    """Write a small dict of tensors in one go (keys in the given order)."""
-    with SafetensorsWriter(path, [planned(n, t) for n, t in tensors.items()], metadata) as writer:
-        for name, tensor in tensors.items():
-            writer.write(name, tensor)
-    return Path(path)

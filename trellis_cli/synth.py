@@ -25,18 +25,18 @@ from typing import Callable, Iterator, Mapping, NamedTuple, Protocol
 
 import torch
 
-from trellis_cli.checkpoint.model import MCG_MARKER, MUL1_MARKER, PROJECTIONS
+from trellis_cli.checkpoint.model import PROJECTIONS
 # The hidden-side vector of each projection: gate/up read H (input side), down writes H (output side).
 from trellis_cli.checkpoint.names import H_SIDE as HIDDEN_SIDE_FIELD
 from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, TENSOR_SCHEMA, expert_key, shard_name, shared_h_key
+from trellis_cli.codebooks import MARKERS, MCG_MARKER
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.integrity import write_manifest
 from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter
 
 MCG_MARKER_VALUE = MCG_MARKER  # 0xCBAC1FED as int32
-MUL1_MARKER_VALUE = MUL1_MARKER  # 0x83DCD12D as int32
 # codebook -> (marker field, int32 value); 3inst has no marker.
-CODEBOOK_MARKERS = {"mcg": ("mcg", MCG_MARKER), "mul1": ("mul1", MUL1_MARKER), "3inst": None}
+CODEBOOK_MARKERS = MARKERS
 ROTATION_LAYOUTS = ("per_expert_v1", "shared_h_v1")
 BITMAP_FIELDS = ("k", "bits_per_expert")
 FORMAT = "exl3-trellis"

@@ -1,5 +1,6 @@
 // How many CTAs of FC1's launch shape the GPU runs at once in thread block clusters of 1 to 8
-// (docs/performance.md, run 185).
+// (on H200: 264 CTAs without clusters, 224-248 in clusters of 3 to 8, so M=1's 256 FC1 CTAs in clusters
+// of 8 need two waves).
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/cluster_occupancy scripts/probes/cluster_occupancy.cu && /tmp/cluster_occupancy
 //

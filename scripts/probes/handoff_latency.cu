@@ -1,5 +1,6 @@
 // What one global round trip costs where the fused call's phases hand data to each other
-// (docs/performance.md, run 171).
+// (on H200: a batch of 8 loads per lane of data just written about 460 ns, 1 us from DRAM; 3 dependent
+// loads about 290 ns).
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/handoff_latency scripts/probes/handoff_latency.cu && /tmp/handoff_latency
 //

@@ -1,4 +1,5 @@
-// Which instruction mixes share the integer budget of the decode (docs/performance.md, run 43).
+// Which instruction mixes share the integer budget of the decode (on H200 each integer pipe alone issues
+// 2 warp instructions per clock per SM and any two together about 3: one shared budget; DFMA is apart).
 //
 //   nvcc -O3 -arch=sm_90a -o /tmp/pipe_mix scripts/probes/pipe_mix.cu && /tmp/pipe_mix
 //

@@ -20,7 +20,7 @@ import torch
 from trellis_cli.bench.synthetic import clone_weights, random_activations, random_routes
 from trellis_cli.kernel.abi import KernelLibrary
 from trellis_cli.kernel.launch import FusedMoe
-from trellis_cli.repack.format import LayerPack
+from trellis_cli.repack.format import LayerPack, split_descriptor
 
 WARMUP_REPLAYS = 10
 TOP_K = 8
@@ -68,7 +68,7 @@ def touched(pack: LayerPack, topk_ids: torch.Tensor) -> dict:
     tiles = (hidden // 16) * (inter // 16)
     per_expert_vectors = 3 * inter * 2 + sum(2 * hidden for t in (pack.gate_suh, pack.up_suh, pack.down_svh)
                                              if t.shape[0] != 1)
-    code_bytes = sum(3 * tiles * 32 * pack.tier_k[desc[c] >> 8] for c in experts)
+    code_bytes = sum(3 * tiles * 32 * pack.tier_k[split_descriptor(desc[c])[0]] for c in experts)
     return {
         "experts": len(experts),
         "routes": routes,

@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from trellis_cli.codebooks import MCG_MARKER, MUL1_MARKER  # noqa: F401  (the marker values, re-exported)
+
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-CODEBOOKS = ("3inst", "mcg", "mul1")  # codebook id = index
-MCG_MARKER = -877912083  # 0xCBAC1FED as int32
-MUL1_MARKER = -2082680531  # 0x83DCD12D as int32
 
 DIALECT_TR3_PER_EXPERT = "tr3/per_expert_v1"
 DIALECT_TR3_SHARED_H = "tr3/shared_h_v1"

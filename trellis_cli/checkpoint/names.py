@@ -103,15 +103,6 @@ def _spelled(text: str) -> str:
         return ""
 
 
-def linear_prefix(layer: int, expert: int, projection: str, rank: int | None, base: str = "model.") -> str:
-    rank_part = "" if rank is None else f".rank{rank}"
-    return f"{base}layers.{layer}.mlp.experts.{expert}.{projection}{rank_part}"
-
-
-def shared_h_prefix(layer: int, projection: str, rank: int, base: str = "model.") -> str:
-    return f"{base}layers.{layer}.mlp.experts.shared_h.{projection}.rank{rank}"
-
-
 # Hidden-side vectors: under shared_h_v1 these live in one shared row per (layer, projection, rank).
 H_SIDE = {"gate_proj": "suh", "up_proj": "suh", "down_proj": "svh"}
 I_SIDE = {"gate_proj": "svh", "up_proj": "svh", "down_proj": "suh"}

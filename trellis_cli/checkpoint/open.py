@@ -38,7 +38,7 @@ from trellis_cli.checkpoint.names import (
 from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Finding, Location, error, warning
 from trellis_cli.header import JsonError, load_json, open_regular, os_reason
-from trellis_cli.integrity import MANIFEST
+from trellis_cli.integrity import CHECKSUM_MANIFEST
 from trellis_cli.sources import safe_relative
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -115,7 +115,7 @@ def _listing_findings(source: Any) -> Iterator[Finding]:
     """What a local listing left out: special files (never opened) and subdirectories it could not list."""
     for name, kind in getattr(source, "special", {}).items():
         # A FIFO or device where a shard, a JSON file or the manifest belongs means the checkpoint is broken.
-        needed = name.endswith((".safetensors", ".json")) or name == MANIFEST
+        needed = name.endswith((".safetensors", ".json")) or name == CHECKSUM_MANIFEST
         make = error if needed else warning
         yield make("path.special", Location(file=name), "not a regular file: left out and never opened",
                    expected="a regular file", found=kind)

@@ -16,7 +16,7 @@ import torch
 from trellis_cli.errors import CheckFailed, GpuUnavailable
 from trellis_cli.kernel import abi
 from trellis_cli.kernel.plan import LaunchPlan, check_pack_layout, make_plan, workspace_shapes
-from trellis_cli.repack.format import CODEBOOK_IDS, LayerPack
+from trellis_cli.repack.format import CODEBOOK_IDS, LayerPack, split_descriptor
 
 _X_DTYPES = {torch.float16: abi.DT_FP16, torch.bfloat16: abi.DT_BF16}
 _OUT_DTYPES = {torch.float32: abi.DT_FP32, torch.float16: abi.DT_FP16, torch.bfloat16: abi.DT_BF16}
@@ -129,7 +129,7 @@ class FusedMoe:
         if tier not in self._tier_maps:
             g2c = self.pack.global_to_combined
             valid = g2c >= 0
-            tiers = torch.where(valid, self.pack.descriptors[g2c.clamp(min=0).long()] >> 8, -1)
+            tiers = torch.where(valid, split_descriptor(self.pack.descriptors[g2c.clamp(min=0).long()])[0], -1)
             self._tier_maps[tier] = torch.where(tiers == tier, g2c, torch.full_like(g2c, -1)).contiguous()
         return self._tier_maps[tier]
 

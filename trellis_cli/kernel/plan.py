@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from trellis_cli.codebooks import NAMES as CODEBOOK_NAMES
 from trellis_cli.errors import CheckFailed
-from trellis_cli.repack.format import MAX_TIER_EXPERTS, LayerPack
+from trellis_cli.repack.format import MAX_TIER_EXPERTS, LayerPack, split_descriptor
 
 BLOCK_ROWS = 16  # each expert's slot segment is padded to one MMA m16 block
 SMALL_TILE, MID_TILE, LARGE_TILE = 16, 32, 128
@@ -32,10 +33,8 @@ TARGET_FC1_CTAS = 1100
 MIN_FC1_CHUNKS = 6
 # Direct mode (kernels/abi.h): up to this many routes each get their own one-row tile, with no route pack
 # and no rotation launch. Top-k ids of one token are distinct, so at M=1 no expert is decoded twice.
-# glm52-tp4 on H200, direct / packed us: M=3 90.0 / 101.9, M=4 114.0 / 122.2, M=5 153.8 / 153.0,
-# M=6 162.5 / 171.3, M=7 199.1 / 182.2, M=8 209.1 / 195.7 (docs/performance.md, run 45); with direct
-# mode's hand-over by route, M=5 131.4 / 145.1, M=6 151.0 / 162.5, M=7 184.0 / 174.0, M=8 197.8 / 186.0
-# (run 158).
+# From 7 tokens an expert shared by two of them is decoded once per route, and the pack wins (glm52-tp4
+# on H200, direct / packed us: M=6 151.0 / 162.5, M=7 184.0 / 174.0).
 DIRECT_MAX_ROUTES = 48
 DIRECT_MAX_CHUNKS = 48  # kDirectMaxChunks: FC1's resident input rows must fit its A ring
 # FC1 CTAs wanted in direct mode (glm52-tp4 on H200, us by H ranges: M=1 8: 43.1, 4: 43.6, 12: 47.8;
@@ -43,12 +42,11 @@ DIRECT_MAX_CHUNKS = 48  # kDirectMaxChunks: FC1's resident input rows must fit i
 DIRECT_FC1_CTAS = 384
 # FC1 cuts the H ranges of its last half wave of items in 4 or 2 pieces (kernels/fc1_split.cuh) where the
 # ranges hold at least this many chunks and each piece keeps at least MIN_FC1_CHUNKS: shorter ranges end
-# their wave soon anyway (M=8's 12-chunk ranges lost 1 % cut in 2 or 4; docs/performance.md, runs 91-93).
+# their wave soon anyway (M=8's 12-chunk ranges lost 1 % cut in 2 or 4).
 FC1_TAIL_FROM_CHUNKS = 24
 # 128-row tiles on Hopper take the tail where their experts average fewer routes than this: the narrow wgmma
 # kernels (two CTAs per SM) run below 52 (kernels/tile_kernels.cuh kNarrowBelowRoutes), and the tail bought
-# -1.5 % at 16-24 routes (glm52-tp4 M = 512-768), nothing at 32 and cost 1.8 % at 39 (docs/performance.md,
-# run 202).
+# -1.5 % at 16-24 routes (glm52-tp4 M = 512-768), nothing at 32 and cost 1.8 % at 39.
 FC1_TAIL_LARGE_BELOW_ROUTES = 32
 
 
@@ -87,7 +85,7 @@ def choose_m_tile(numel: int, num_experts: int, wgmma: bool = False) -> int:
     # in one tile from about 14 routes per expert on (glm52-tp4, 16 / 32 rows: M=384 1023 / 1121 us,
     # M=512 1302 / 1188); large tiles (merged weights, 128 rows) win from about 64 on mma.sync, and on
     # Hopper wgmma, whose MMA N follows the tile's routes and whose narrow kernels run two CTAs per SM, from
-    # 11 (16 / 128 rows: M=320 879 / 904 us, M=352 926 / 903, M=384 989 / 924; docs/performance.md, run 197).
+    # 11 (16 / 128 rows: M=320 879 / 904 us, M=352 926 / 903, M=384 989 / 924).
     per_expert = routes_per_expert(numel, num_experts)
     if per_expert >= (LARGE_FROM_WGMMA if wgmma else LARGE_FROM_MMA_SYNC):
         return LARGE_TILE
@@ -140,8 +138,7 @@ def choose_fc1_tail_split(m_tile: int, range_chunks: int, numel: int, num_expert
     share an SM (small and mid tiles; 128-row tiles on the narrow wgmma kernels, below
     FC1_TAIL_LARGE_BELOW_ROUTES) and the ranges hold at least FC1_TAIL_FROM_CHUNKS chunks, the largest of 4
     and 2 that leaves MIN_FC1_CHUNKS per piece, else 1. The kernel takes whole ranges where one CTA fills
-    an SM. (glm52-tp4 on H200: M = 16-256 -2 to -5 %, M = 512-768 -1.5 %; docs/performance.md, runs 91-93,
-    201-202.)"""
+    an SM. (glm52-tp4 on H200: M = 16-256 -2 to -5 %, M = 512-768 -1.5 %.)"""
     narrow = wgmma and routes_per_expert(numel, num_experts) < FC1_TAIL_LARGE_BELOW_ROUTES
     two_per_sm = m_tile <= MID_TILE or narrow
     if not two_per_sm or range_chunks < FC1_TAIL_FROM_CHUNKS:
@@ -201,7 +198,7 @@ def route_combined(expert: int, global_to_combined: list[int], descriptors: list
     combined = global_to_combined[expert]
     if not 0 <= combined < len(descriptors) or descriptors[combined] < 0:
         return -1
-    tier, local = descriptors[combined] >> 8, descriptors[combined] & 0xFF
+    tier, local = split_descriptor(descriptors[combined])
     if tier >= len(tier_size) or local >= tier_size[tier]:
         return -1
     return combined
@@ -259,7 +256,7 @@ def check_pack_layout(pack: LayerPack) -> None:
     for name, table in (("rot.gate_suh", pack.gate_suh), ("rot.up_suh", pack.up_suh), ("rot.down_svh", pack.down_svh)):
         rows = int(table.shape[0]) if table.dim() == 2 else -1
         _expect(table, torch.float16, [rows if rows in (1, combined) else combined, hidden], name)
-    if pack.codebook not in ("3inst", "mcg", "mul1"):
+    if pack.codebook not in CODEBOOK_NAMES:
         raise CheckFailed(f"layer pack: unknown codebook {pack.codebook!r}")
 
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from trellis_cli.checkpoint.model import MCG_MARKER, MUL1_MARKER, PROJECTIONS, Checkpoint, TensorRef
+from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, TensorRef
 from trellis_cli.checkpoint.names import H_SIDE, I_SIDE, SHARED_H_TENSOR_SCHEMA, expert_key, shared_h_key
+from trellis_cli.codebooks import MARKERS
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.header import HeaderError, read_local_header
 from trellis_cli.id_ranges import expand_ranges
@@ -34,7 +35,6 @@ from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter
 if TYPE_CHECKING:
     from trellis_cli.repack.tr3_output import Tr3Output
 
-MARKERS = {"mcg": ("mcg", MCG_MARKER), "mul1": ("mul1", MUL1_MARKER), "3inst": None}
 ROTATION_LAYOUT = {True: "shared_h_v1", False: "per_expert_v1"}
 
 

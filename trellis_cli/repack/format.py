@@ -32,17 +32,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from trellis_cli.codebooks import IDS as CODEBOOK_IDS  # noqa: F401  (the route pack's codebook ids)
+
 if TYPE_CHECKING:
     import torch
 
 SCHEMA = "trellis-route-pack"
 SCHEMA_VERSION = 1
 MAX_TIER_EXPERTS = 256
-CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 
 
 MANIFEST_NAME = "manifest.json"
-PROJECTION_INDEX = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
 ROTATIONS = ("per_expert", "shared_h")
 
 # Tensor names (safetensors keys) inside one layer file; slabs first, so each starts 8-byte aligned.
@@ -56,8 +56,6 @@ ROT_UP_SUH = "rot.up_suh"
 ROT_DOWN_SVH = "rot.down_svh"
 TABLE_NAMES = (GLOBAL_TO_COMBINED, DESCRIPTORS, TIER_K, TIER_SIZE, ROT_INTERMEDIATE, ROT_GATE_SUH, ROT_UP_SUH,
                ROT_DOWN_SVH)
-METADATA_KEYS = ("schema", "schema_version", "layer", "rank", "tp", "hidden", "intermediate_rank", "codebook",
-                 "rotation", "num_experts")
 
 
 def layer_file_name(layer: int, rank: int) -> str:
@@ -77,8 +75,9 @@ def tier_trellis_shape(num_experts: int, hidden: int, intermediate: int, k: int)
     return (num_experts, 3, tiles_per_projection(hidden, intermediate), 16 * k)
 
 
-def split_descriptor(value: int) -> tuple[int, int]:
-    """(tier, local id) of a descriptor; callers check for -1 (skip) first."""
+def split_descriptor(value: "int | torch.Tensor") -> "tuple[int, int] | tuple[torch.Tensor, torch.Tensor]":
+    """(tier, local id) of a descriptor, or elementwise of an integer tensor of them; callers check for -1
+    (skip) first."""
     return value >> 8, value & 0xFF
 
 

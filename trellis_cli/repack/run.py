@@ -22,6 +22,7 @@ from typing import Any, Callable
 from trellis_cli.checkpoint.model import DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H, Checkpoint
 from trellis_cli.checkpoint.names import parse_expert_name
 from trellis_cli.errors import CheckFailed, UsageError, ValidationFailed
+from trellis_cli.integrity import CHECKSUM_MANIFEST
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.repack import manifest as mf
 from trellis_cli.repack import carry
@@ -35,7 +36,7 @@ from trellis_cli.repack.source_bytes import TensorReader
 from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_collisions, stage_path
 
 CONFIG = "config.json"
-NOT_COPIED = ("MANIFEST.sha256",)  # source-side hashes; the manifest replaces them
+NOT_COPIED = (CHECKSUM_MANIFEST,)  # source-side hashes; the manifest replaces them
 EXTRA_DIR = "extra"  # extra/<shard>: the non-expert tensors of a source shard that held routed experts
 REPACK_NOTE_KEY = "trellis_repack"
 TR3_DIALECTS = (DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H)

@@ -23,7 +23,7 @@ from trellis_cli.checkpoint.model import TensorRef
 from trellis_cli.checkpoint.names import shard_name
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.header import read_local_header
-from trellis_cli.integrity import MANIFEST, write_manifest
+from trellis_cli.integrity import CHECKSUM_MANIFEST, write_manifest
 from trellis_cli.repack import carry
 from trellis_cli.repack import manifest as mf
 from trellis_cli.repack.lock import StageLock
@@ -89,7 +89,7 @@ class Tr3Output:
                 del self.copied[bitmap]
 
     def refuse_collisions(self) -> None:
-        claims = [(CONFIG, "the TR3 config.json"), (INDEX_NAME, "the TR3 index"), (MANIFEST, "the TR3 MANIFEST.sha256")]
+        claims = [(CONFIG, "the TR3 config.json"), (INDEX_NAME, "the TR3 index"), (CHECKSUM_MANIFEST, "the TR3 MANIFEST.sha256")]
         for shard in self.all_shards():
             layers = self.shards.get(shard, [])
             claims.append((shard, f"the TR3 shard of layers {layers}" if layers else f"the non-expert tensors of "
@@ -183,4 +183,4 @@ class Tr3Run:
         (stage.path / INDEX_NAME).write_text(json.dumps(index, separators=(",", ":")), encoding="utf-8")
         # Every file of the output, nested shard folders included (as the source may have them).
         names = (p.relative_to(stage.path).as_posix() for p in stage.path.rglob("*") if p.is_file())
-        write_manifest(stage.path, sorted(n for n in names if n != MANIFEST))
+        write_manifest(stage.path, sorted(n for n in names if n != CHECKSUM_MANIFEST))

@@ -1,0 +1,106 @@
+"""What several test files share: the in-process CLI runner and small checkpoint builders and readers.
+
+Test files import from here (as from corrupt.py), never from each other.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from trellis_cli.cli.app import main
+from trellis_cli.repack.manifest import write_manifest
+from trellis_cli.synth import preset, write_checkpoint
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """Exit code, stdout and stderr of one in-process `trellis ARGS...` run (`trellis_cli.cli.app.main`)."""
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_cli_merged(capsys, *args: str) -> tuple[int, str]:
+    """Exit code and stdout + stderr together of one in-process `trellis` run."""
+    code, out, err = run_cli(capsys, *args)
+    return code, out + err
+
+
+def tiny_checkpoint(tmp_path: Path, name: str = "ckpt", **changes) -> Path:
+    """The `tiny` synth preset with `changes` to its SynthSpec, written to tmp_path / name."""
+    return write_checkpoint(tmp_path / name, replace(preset("tiny"), **changes))
+
+
+def to_plain_exl3(root: Path) -> Path:
+    """Turn a tp=1 synth checkpoint into a plain exllamav3 one: no rank segments, tensor_storage metadata."""
+    config = json.loads((root / "config.json").read_text())
+    config.pop("hybrid_tr3_tail")
+    (root / "config.json").write_text(json.dumps(config))
+    storage: dict = {}
+    weight_map: dict = {}
+    for shard in sorted(root.glob("model-layer-*.safetensors")):
+        tensors = {k.replace(".rank0.", "."): v for k, v in load_file(str(shard)).items()}
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+        for name, t in tensors.items():
+            module = name.rsplit(".", 1)[0]
+            weight_map[name] = shard.name
+            if name.endswith(".trellis"):
+                storage[module] = {"quant_format": "exl3", "bits_per_weight": t.shape[-1] // 16}
+    (root / "quantization_config.json").write_text(json.dumps({"quant_method": "exl3", "tensor_storage": storage}))
+    index = json.loads((root / "model.safetensors.index.json").read_text())
+    index["weight_map"] = weight_map
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    (root / "MANIFEST.sha256").unlink()
+    return root
+
+
+def to_r7(root: Path) -> Path:
+    """Declare a synth checkpoint as R7: per-(expert, projection) K maps in bit_map_manifests."""
+    config = json.loads((root / "config.json").read_text())
+    config.pop("hybrid_tr3_tail")
+    bitmap = json.loads((root / "tier_bitmap.json").read_text())
+    manifests = []
+    for layer, entry in bitmap.items():
+        name = f"r7-experts-layer-{int(layer):03d}.json"
+        (root / name).write_text(json.dumps([k for k in entry["k"] for _ in range(3)]))
+        manifests.append(name)
+    config["quantization_config"]["r7_routed_experts"] = {"feature": "r7-asymmetric-two-stack", "bits": "mixed_tensor",
+                                                          "k_values": [3, 4, 5], "bit_map_manifests": manifests}
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+def all_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every *.safetensors file directly in `directory`, by name."""
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            out.update({name: f.get_tensor(name) for name in f.keys()})
+    return out
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """The same names, dtypes, shapes and bytes."""
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name].reshape(-1).view(torch.uint8), b[name].reshape(-1).view(torch.uint8)), name
+
+
+def edited_pack(pack: Path, target: Path, edit) -> Path:
+    """A copy of route pack `pack` whose manifest `edit(doc)` changed, rewritten with a matching self-hash."""
+    shutil.copytree(pack, target)
+    doc = json.loads((target / "manifest.json").read_text(encoding="utf-8"))
+    edit(doc)
+    write_manifest(target, doc)
+    return target
