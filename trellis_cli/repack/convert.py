@@ -178,7 +178,8 @@ def route_pack_to_tr3(root: Path, out: Path, options, *, on_bytes=None, on_total
         specs[layer] = Tr3Layer(layer, expert_k, tp, doc["geometry"]["hidden"], doc["geometry"]["intermediate_rank"],
                                 doc["codebook"], shared, ndim.get("per_expert", 1), ndim.get("shared_h", 1))
     run = _Tr3Run(out, options, specs, lambda layer, rank: read_layer_pack(root, layer, rank), on_bytes, on_total, log)
-    run.shard_names = {layer: _shard_name(doc["layers"][str(layer)].get("source_files"), layer) for layer in layers}
+    run.shard_names = {layer: doc["layers"][str(layer)].get("tr3_shard") or _shard_name(  # tr3_shard: from exl3-v1
+        doc["layers"][str(layer)].get("source_files"), layer) for layer in layers}
     run.config = _restored_config(_pack_config(root), tp, shared)
     run.copy_from = {n: root / n for n, e in doc["files"].items() if e.get("role") == "copied"}
     run.extra_from = {e["source_file"]: root / n for n, e in doc["files"].items() if e.get("role") == "extra"}
