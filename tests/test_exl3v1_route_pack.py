@@ -158,3 +158,16 @@ def main_ok(*args: str) -> bool:
     except SystemExit as e:
         return not e.code
     return True
+
+
+def test_exl3v1_made_from_tr3_packs_and_goes_back_to_that_tr3(capsys, tmp_path):
+    """The carried config and note: the pack defaults to the TR3's TP, and --to tr3 restores its files."""
+    seed = write_exl3v1_checkpoint(tmp_path / "seed", SPECS["pair-per-expert"])
+    assert main_ok("repack", str(seed), str(tmp_path / "tr3"), "--to", "tr3", "--tp", "2")
+    assert main_ok("repack", str(tmp_path / "tr3"), str(tmp_path / "exl3"), "--to", "exl3-v1")
+    assert main_ok("repack", str(tmp_path / "exl3"), str(tmp_path / "pack"))
+    assert json.loads((tmp_path / "pack" / "manifest.json").read_text())["tp"] == 2
+    assert main_ok("repack", str(tmp_path / "pack"), str(tmp_path / "back"), "--to", "tr3")
+    capsys.readouterr()
+    assert tensors(tmp_path / "back") == tensors(tmp_path / "tr3")
+    assert (tmp_path / "back" / "config.json").read_text() == (tmp_path / "tr3" / "config.json").read_text()
