@@ -171,3 +171,20 @@ def test_exl3v1_made_from_tr3_packs_and_goes_back_to_that_tr3(capsys, tmp_path):
     capsys.readouterr()
     assert tensors(tmp_path / "back") == tensors(tmp_path / "tr3")
     assert (tmp_path / "back" / "config.json").read_text() == (tmp_path / "tr3" / "config.json").read_text()
+
+
+def test_a_tr3_shard_outside_the_pack_is_refused(capsys, tmp_path):
+    """tr3_shard is a name `--to tr3` joins onto OUT: the manifest check vouches for it (hash re-signed here)."""
+    from trellis_cli.repack import manifest as mf
+
+    source = write_exl3v1_checkpoint(tmp_path / "exl3", SPECS["uniform-shared"])
+    assert main_ok("repack", str(source), str(tmp_path / "pack"))
+    doc, _ = mf.read_manifest(tmp_path / "pack")
+    doc["layers"]["3"]["tr3_shard"] = "../escaped.safetensors"
+    mf.write_manifest(tmp_path / "pack", doc)
+    capsys.readouterr()
+    code, text = run_cli(capsys, "validate", str(tmp_path / "pack"))
+    assert code == 1 and "path.escape" in text and "tr3_shard" in text
+    code, text = run_cli(capsys, "repack", str(tmp_path / "pack"), str(tmp_path / "out" / "tr3"), "--to", "tr3")
+    assert code == 1 and "path.escape" in text
+    assert not (tmp_path / "out").exists() and not (tmp_path / "escaped.safetensors").exists()
