@@ -104,3 +104,13 @@ def edited_pack(pack: Path, target: Path, edit) -> Path:
     edit(doc)
     write_manifest(target, doc)
     return target
+
+
+def write_tensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> Path:
+    """A small safetensors file through the project's streaming writer (the layouts tests build sources with it)."""
+    from trellis_cli.stwriter import SafetensorsWriter, planned
+
+    with SafetensorsWriter(path, [planned(n, t) for n, t in tensors.items()], metadata) as writer:
+        for name, tensor in tensors.items():
+            writer.write(name, tensor)
+    return Path(path)

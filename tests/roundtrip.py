@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from trellis_cli.integrity import CHECKSUM_MANIFEST, write_manifest
-from trellis_cli.stwriter import write_file
+from helpers import write_tensors as write_file
 
 INDEX = "model.safetensors.index.json"
 EMBED = "model.embed_tokens.weight"

@@ -44,7 +44,7 @@ def _with_file(tiny: Path, target: Path, name: str, content: bytes | None = None
     import torch
 
     from roundtrip import rewrite_checksums
-    from trellis_cli.stwriter import write_file
+    from helpers import write_tensors as write_file
 
     src = relayout(tiny, target, LAYOUTS["shard-per-layer"], non_expert_tensors(256))
     (src / name).parent.mkdir(parents=True, exist_ok=True)

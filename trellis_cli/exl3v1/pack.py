@@ -70,7 +70,7 @@ def read_extent_pack(m: Manifest, layer: Exl3Layer, rates: LayerRates, reader: "
             combined += 1
     row = torch.empty(stride, dtype=torch.uint8)
     for j in range(count):
-        reader.read_into(_row_ref(codes_ref, first + j, stride), row)
+        reader.read_into(rows_ref(codes_ref, first + j, stride), row)
         offsets = expert_offsets(m, rates, first + j)
         for e in range(m.num_experts):
             t, local = split_descriptor(int(descriptors[int(g2c[e])]))
@@ -81,7 +81,7 @@ def read_extent_pack(m: Manifest, layer: Exl3Layer, rates: LayerRates, reader: "
                     words = row[start:start + length].view(torch.int16).view(h16, -1)
                     _native(out[matrix], matrix, h16, width)[_index(matrix, tile)] = words
     rotations = torch.empty((count, m.num_experts, 3, SLOT_CHANNELS), dtype=torch.float16)
-    reader.read_into(_row_ref(rot_ref, first, rot_ref.nbytes // m.num_slots, count), rotations)
+    reader.read_into(rows_ref(rot_ref, first, rot_ref.nbytes // m.num_slots, count), rotations)
     channels = torch.tensor([c for j in range(count) for c in slot_channels(m, j)])
     by_expert = torch.empty((m.num_experts, 3, width), dtype=torch.float16)
     by_expert[:, :, channels] = rotations.permute(1, 2, 0, 3).reshape(m.num_experts, 3, width)
@@ -93,7 +93,8 @@ def read_extent_pack(m: Manifest, layer: Exl3Layer, rates: LayerRates, reader: "
                      up_suh=hidden[1], down_svh=hidden[2])
 
 
-def _row_ref(ref, row: int, row_bytes: int, rows: int = 1):
+def rows_ref(ref, row: int, row_bytes: int, rows: int = 1):
+    """`rows` consecutive rows (of `row_bytes` each) of a tensor, from row `row`, as a TensorRef to read."""
     begin = ref.begin + row * row_bytes
     return ref._replace(begin=begin, end=begin + rows * row_bytes)
 

@@ -1,4 +1,5 @@
-"""Where `trellis repack` sends exl3-v1 work: TR3 -> exl3-v1 (from_tr3.py) and exl3-v1 -> TR3 (to_tr3.py)."""
+"""Where `trellis repack` sends exl3-v1 work: TR3 -> exl3-v1 (from_tr3.py), exl3-v1 -> TR3 (to_tr3.py) and
+exl3-v1 -> route pack (to_route_pack.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ def handles(checkpoint: Checkpoint, to: str) -> bool:
 
 def run_exl3v1_repack(checkpoint: Checkpoint, out: Path, options, **progress):
     if checkpoint.dialect == DIALECT_EXL3V1:
-        if options.to != "tr3":
-            raise UsageError(f"the source is exl3-v1: --to {options.to} is not a conversion of it; use --to tr3 "
-                             "(then `trellis repack` that TR3 checkpoint for a route pack; `trellis bench` runs "
-                             "an exl3-v1 checkpoint directly)")
+        if options.to == "exl3-v1":
+            raise UsageError("the source is already exl3-v1: --to exl3-v1 is not a conversion of it; use --to tr3 "
+                             "or --to route-pack")
+        if options.to == "route-pack":
+            from trellis_cli.exl3v1.to_route_pack import exl3v1_to_route_pack
+
+            return exl3v1_to_route_pack(checkpoint, out, options, **progress)
         from trellis_cli.exl3v1.to_tr3 import exl3v1_to_tr3
 
         return exl3v1_to_tr3(checkpoint, out, options, **progress)

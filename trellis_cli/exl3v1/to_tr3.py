@@ -3,22 +3,23 @@
 Each TR3 shard is written by repack's TR3 writer (repack/convert.py) from one LayerPack per rank, read from
 the rank's slot extent (pack.py), and read back against those packs. Any `--tp` the slot layout allows works
 (default: the TP recorded when the checkpoint was converted from TR3, else the largest allowed degree up to
-4); hidden-side tables are replicated per rank. config.json: the carried one when the checkpoint came from
-TR3 (its note restores shard names and vector shapes), else one written from the manifest, with
-tier_bitmap.json for mixed K.
+4); hidden-side tables are replicated per rank. `tr3_form` says what else the TR3 form holds (config.json,
+tier_bitmap.json, carried files, shard names); to_route_pack.py records the same in a route pack.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import shard_name
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.exl3v1.container import container, layer_rates
 from trellis_cli.exl3v1.from_tr3 import NOTE_KEY
-from trellis_cli.exl3v1.layout import tp_degrees
+from trellis_cli.exl3v1.layout import LayerRates, tp_degrees
 from trellis_cli.exl3v1.pack import check_convertible, expert_tiers, read_extent_pack
 from trellis_cli.repack.convert import Tr3Layer, _options, _restored_config
 from trellis_cli.repack.format import LayerPack
@@ -29,18 +30,25 @@ from trellis_cli.repack.tr3_output import Tr3Output, Tr3Run, assign_shards
 DEFAULT_MAX_TP = 4
 
 
-def exl3v1_pack(ck: Checkpoint, layer: int, rank: int, tp: int) -> LayerPack:
-    """One (layer, rank) of an exl3-v1 checkpoint in the route-pack layout (what bench runs)."""
+def exl3v1_pack(ck: Checkpoint, layer: int, rank: int, tp: int, reader: TensorReader | None = None) -> LayerPack:
+    """One (layer, rank) of an exl3-v1 checkpoint in the route-pack layout (what bench and repack run)."""
     box = container(ck)
     if box.manifest is None or layer not in box.layers or not box.layers[layer].readable:
         raise CheckFailed(f"layer {layer}: not readable in this exl3-v1 checkpoint (run `trellis validate`)")
+    rates = checked_rates(ck, layer)
+    if not 0 <= rank < tp:
+        raise UsageError(f"rank {rank} is outside 0..{tp - 1}")
+    if reader is not None:
+        return read_extent_pack(box.manifest, box.layers[layer], rates, reader, tp, rank)
+    with TensorReader(ck.source) as own:
+        return read_extent_pack(box.manifest, box.layers[layer], rates, own, tp, rank)
+
+
+def checked_rates(ck: Checkpoint, layer: int) -> LayerRates:
     rates = layer_rates(ck, layer)
     if rates is None:
         raise CheckFailed(f"layer {layer}: the rate tables cannot be read (run `trellis validate`)")
-    if not 0 <= rank < tp:
-        raise UsageError(f"rank {rank} is outside 0..{tp - 1}")
-    with TensorReader(ck.source) as reader:
-        return read_extent_pack(box.manifest, box.layers[layer], rates, reader, tp, rank)
+    return rates
 
 
 def default_tp(ck: Checkpoint) -> int:
@@ -51,8 +59,40 @@ def default_tp(ck: Checkpoint) -> int:
     return max((tp for tp in allowed if tp <= DEFAULT_MAX_TP), default=1)
 
 
-def exl3v1_to_tr3(ck: Checkpoint, out: Path, options, *, on_bytes=None, on_total=None, log=None):
+@dataclass
+class Tr3Form:
+    """What the TR3 form of selected exl3-v1 layers holds besides the shards (also what a route pack of them
+    carries, so that `repack PACK --to tr3` writes the same checkpoint as `repack EXL3 --to tr3`)."""
+
+    config: dict[str, Any]
+    extra_json: dict[str, Any]  # name -> JSON document written next to config.json (tier_bitmap.json)
+    copy_from: dict[str, Path]  # name -> local file carried byte for byte
+    shard_names: dict[int, str]
+    vector_ndim: dict[str, int]
+
+
+def tr3_form(ck: Checkpoint, layers: list[int], tiers, tp: int, copy_other: bool) -> Tr3Form:
+    """config.json: the carried one when the checkpoint came from TR3 (its note restores shard names and vector
+    shapes), else one written from the manifest, with tier_bitmap.json for mixed K."""
     from trellis_cli.exl3v1.carry import carried_files
+
+    m = container(ck).manifest
+    note = ck.config.get(NOTE_KEY) if isinstance(ck.config.get(NOTE_KEY), dict) else {}
+    shared = not m.per_expert_input_rotations
+    names = note.get("shard_names", {})
+    copy_from = carried_files(ck, copy_other, frozenset({container(ck).manifest_file}))
+    if isinstance(ck.config.get("hybrid_tr3_tail"), dict):
+        config = _restored_config({k: v for k, v in ck.config.items() if k != NOTE_KEY}, tp, shared)
+        extra: dict[str, Any] = {}
+    else:
+        config, extra = _tr3_config(m, tiers, tp, shared)
+        copy_from.pop("tier_bitmap.json", None)
+    ndim = note.get("vector_ndim", {})
+    return Tr3Form(config, extra, copy_from, {li: names.get(str(li), shard_name(li)) for li in layers},
+                   {"per_expert": ndim.get("per_expert", 1), "shared_h": ndim.get("shared_h", 1)})
+
+
+def exl3v1_to_tr3(ck: Checkpoint, out: Path, options, *, on_bytes=None, on_total=None, log=None):
     from trellis_cli.repack.run import SourceHashes, source_root, validate_first
 
     if options.ranks is not None or options.shared_h:
@@ -65,29 +105,19 @@ def exl3v1_to_tr3(ck: Checkpoint, out: Path, options, *, on_bytes=None, on_total
     layers = parse_selection(options.layers, list(container(ck).layers), "layers")
     if layers != list(range(layers[0], layers[-1] + 1)):
         raise UsageError(f"--to tr3: layers {layers} are not contiguous; TR3 declares its MoE layers as one span")
-    tiers = {li: expert_tiers(m, layer_rates(ck, li), li) for li in layers}
-    note = ck.config.get(NOTE_KEY) if isinstance(ck.config.get(NOTE_KEY), dict) else {}
-    ndim = note.get("vector_ndim", {})
+    tiers = {li: expert_tiers(m, checked_rates(ck, li), li) for li in layers}
+    form = tr3_form(ck, layers, tiers, tp, options.copy_other)
     shared = not m.per_expert_input_rotations
     specs = {li: Tr3Layer(li, {e: k for k, ids in tiers[li] for e in ids}, tp, m.hidden, m.intermediate // tp, "mcg",
-                          shared, ndim.get("per_expert", 1), ndim.get("shared_h", 1)) for li in layers}
-    names = note.get("shard_names", {})
+                          shared, form.vector_ndim["per_expert"], form.vector_ndim["shared_h"]) for li in layers}
     box = container(ck)
-    hybrid = ck.config.get("hybrid_tr3_tail")
-    copied = carried_files(ck, options.copy_other, frozenset({box.manifest_file}))
-    rewritten: dict[str, str] = {}
-    if isinstance(hybrid, dict):
-        config = _restored_config({k: v for k, v in ck.config.items() if k != NOTE_KEY}, tp, shared)
-    else:
-        config, extra_json = _tr3_config(m, tiers, tp, shared)
-        copied.pop("tier_bitmap.json", None)
-        rewritten = {name: json.dumps(doc, indent=2) + "\n" for name, doc in extra_json.items()}
     plan = Tr3Output(
         specs=specs, packs=lambda li, rank: exl3v1_pack(ck, li, rank, tp),
-        shards=assign_shards({li: [names.get(str(li), shard_name(li))] for li in layers}),
-        carried={}, carried_source=ck.source, metadata={}, copied=copied, config=config,
+        shards=assign_shards({li: [form.shard_names[li]] for li in layers}),
+        carried={}, carried_source=ck.source, metadata={}, copied=form.copy_from, config=form.config,
         read_copied=ck.source.read_json, source_root=source_root(ck),
-        fingerprint={"source": ck.source.describe(), "options": _options(options), "tp": tp}, rewritten=rewritten)
+        fingerprint={"source": ck.source.describe(), "options": _options(options), "tp": tp},
+        rewritten={name: json.dumps(doc, indent=2) + "\n" for name, doc in form.extra_json.items()})
     hashes = SourceHashes(ck)
     # A shard is made from its layers' exl3-v1 files, read as the manifest describes them.
     plan.sources = lambda shard: hashes.of({box.manifest_file, *(box.layers[li].file for li in plan.shards[shard])})

@@ -189,7 +189,7 @@ def route_pack_to_tr3(root: Path, out: Path, options, *, on_bytes=None, on_total
     extras = {e["source_file"]: n for n, e in files.items() if e.get("role") == "extra"}
     out_plan = Tr3Output(
         specs=specs, packs=lambda layer, rank: read_layer_pack(root, layer, rank),
-        shards=assign_shards({layer: doc["layers"][str(layer)].get("source_files", []) for layer in layers}),
+        shards=assign_shards({layer: _tr3_shards(doc["layers"][str(layer)]) for layer in layers}),
         carried={shard: carry.refs_of(read_local_header(root / name, name)) for shard, name in extras.items()},
         carried_source=LocalSource(root),
         metadata={shard: read_local_header(root / name, name).metadata for shard, name in extras.items()},
@@ -240,6 +240,11 @@ def tr3_to_tr3(checkpoint: Checkpoint, out: Path, options, *, on_bytes=None, on_
     layer_files = {layer: sorted(checkpoint.layers[layer].files) for layer in layers}
     out_plan.sources = lambda shard: hashes.of(_made_from(out_plan, shard, layer_files, {n: n for n in carried}))
     return Tr3Run(out, options, out_plan, on_bytes, on_total, log).run()
+
+
+def _tr3_shards(entry: dict[str, Any]) -> list[str]:
+    """The TR3 shard(s) a pack's layer came from; `tr3_shard` names it for a pack made from exl3-v1."""
+    return [entry["tr3_shard"]] if entry.get("tr3_shard") else entry.get("source_files", [])
 
 
 def _made_from(plan: "Tr3Output", shard: str, layer_files: dict[int, list[str]], carried_from: dict[str, str]):

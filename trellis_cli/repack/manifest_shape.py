@@ -116,6 +116,8 @@ class _ManifestShape:
                          else entry)
             elif self._tiers(f"{key}.tiers", entry["tiers"]):
                 self._names(f"{key}.source_files", entry.get("source_files", []))
+                if "tr3_shard" in entry:  # the shard `--to tr3` writes the layer into (packs made from exl3-v1)
+                    self._name(f"{key}.tr3_shard", entry["tr3_shard"], suffix=".safetensors")
 
     def _tiers(self, key: str, tiers: list) -> bool:
         """At most MAX_K tiers, each checked; their K distinct and ascending, as the layer file's tier_k."""

@@ -1,0 +1,201 @@
+"""`trellis repack EXL3 PACK` (`--to route-pack`): an exl3-v1 checkpoint -> a verified route-pack directory.
+
+One (layer, rank) at a time, in order: the rank's slot extent is gathered into a LayerPack (pack.py, what
+bench runs), written by the route pack's own writer (repack/layer_file.py), then read back (pack_readback.py)
+and compared with the source's bytes. Memory: one layer-rank. Any `--tp` the slot layout allows (default as
+for `--to tr3`); `--layers` and `--ranks` select. config.json, tier_bitmap.json and the carried files are the
+ones `--to tr3` writes (to_tr3.tr3_form) plus the route-pack note, and each layer entry names the TR3 shard it
+goes back into (`tr3_shard`), so `repack PACK OUT --to tr3` writes what `repack EXL3 OUT --to tr3` writes.
+Staged in OUT.partial (resumable), checked by verify_repacked, then moved into place, as for a TR3 source.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.errors import CheckFailed, UsageError
+from trellis_cli.exl3v1.container import container
+from trellis_cli.exl3v1.pack import check_convertible, expert_tiers
+from trellis_cli.exl3v1.pack_readback import check_written
+from trellis_cli.exl3v1.to_tr3 import checked_rates, default_tp, exl3v1_pack, tr3_form
+from trellis_cli.id_ranges import compact_ranges
+from trellis_cli.repack import manifest as mf
+from trellis_cli.repack.format import MANIFEST_NAME, layer_file_name, tier_trellis_shape
+from trellis_cli.repack.layer_file import sync_file, write_layer_pack
+from trellis_cli.repack.plan import LayerRankJob, parse_selection
+from trellis_cli.repack.lock import StageLock
+from trellis_cli.repack.source_bytes import TensorReader
+from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_collisions, stage_path
+
+CONFIG = "config.json"
+
+
+def exl3v1_to_route_pack(ck: Checkpoint, out: Path, options, *, on_bytes=None, on_total=None, log=None):
+    from trellis_cli.repack.run import validate_first
+
+    if options.shared_h:
+        raise UsageError("--shared-h does not apply to an exl3-v1 source: its hidden-side tables are kept as "
+                         "stored ([H]: one row for every expert, [E, H]: one row per expert)")
+    if options.validate:
+        validate_first(ck)
+    import torch  # noqa: F401 - imported once here, before the first layer-rank
+    return _Exl3RoutePack(ck, out, options, on_bytes, on_total, log).run()
+
+
+def pack_bytes(m, tiers: list[tuple[int, list[int]]], tp: int) -> int:
+    """Tensor bytes of one layer file (the header is a few KB more)."""
+    width, served = m.intermediate // tp, sum(len(ids) for _, ids in tiers)
+    rows = served if m.per_expert_input_rotations else 1
+    slabs = sum(2 * math.prod(tier_trellis_shape(len(ids), m.hidden, width, k)) for k, ids in tiers)
+    return slabs + 4 * m.num_experts + 4 * served + 8 * len(tiers) + 2 * (served * 3 * width + 3 * rows * m.hidden)
+
+
+class _Exl3RoutePack:
+    def __init__(self, ck: Checkpoint, out: Path, options, on_bytes, on_total, log) -> None:
+        self.ck, self.out, self.opt = ck, out, options
+        self.on_bytes = on_bytes or (lambda _n: None)
+        self.on_total = on_total or (lambda _n: None)
+        self.log = log or (lambda _m: None)
+        box = container(ck)
+        self.m = m = box.manifest
+        self.tp = options.tp if options.tp is not None else default_tp(ck)
+        check_convertible(m, self.tp)
+        self.layers = parse_selection(options.layers, list(box.layers), "layers")
+        self.ranks = parse_selection(options.ranks, list(range(self.tp)), "ranks")
+        self.tiers = {li: expert_tiers(m, checked_rates(ck, li), li) for li in self.layers}
+        self.form = tr3_form(ck, self.layers, self.tiers, self.tp, options.copy_other)
+        self.jobs = [LayerRankJob(li, rank, layer_file_name(li, rank), pack_bytes(m, self.tiers[li], self.tp))
+                     for li in self.layers for rank in self.ranks]
+        layer_files = {box.layers[li].file for li in self.layers}
+        self.used = sorted(layer_files | {box.manifest_file} | set(self.form.copy_from)
+                           | ({CONFIG} if CONFIG in ck.files else set()))
+        self.rotation = "per_expert" if m.per_expert_input_rotations else "shared_h"
+        from trellis_cli.repack.run import SourceHashes  # run.py imports this module's dispatcher
+
+        self.hashes = SourceHashes(ck)
+
+    def run(self):
+        from trellis_cli.repack.run import RepackResult, fingerprint, source_root
+        from trellis_cli.repack.verify import verify_repacked
+
+        start = time.perf_counter()
+        self._refuse_collisions()
+        result = RepackResult(self.out)
+        with StageLock(stage_path(self.out), self.out):
+            check_target(self.out, source_root(self.ck), self.opt.overwrite)
+            stage = Stage(self.out, {**fingerprint(self.ck, self.opt, self.used), "tp": self.tp}, self.opt.overwrite)
+            if stage.resumed:
+                self.log(f"resuming {stage.root.name}: {len(stage.done)} file(s) already staged")
+            total = sum(job.bytes for job in self.jobs)
+            carried = sum(max(self.ck.files.get(n, 0), 0) for n in self.form.copy_from)
+            result.bytes_needed = total + carried
+            try:
+                check_free_space(self.out, result.bytes_needed - stage.bytes_done())
+            except CheckFailed:
+                stage.discard_if_new()
+                raise
+            self.on_total(total)
+            with stage.discard_on_refusal():
+                self._write_layer_files(stage, result)
+                result.manifest = self._finish(stage)
+                report = verify_repacked(stage.path, check_hashes=False)
+                if not report.ok:
+                    raise CheckFailed(f"{stage.path}: the staged output does not verify: {report.errors[0].line()}")
+            stage.move_into_place()
+        result.seconds = time.perf_counter() - start
+        return result
+
+    def _refuse_collisions(self) -> None:
+        """Every name the pack writes belongs to one output (checked before any work)."""
+        claims = [(MANIFEST_NAME, "the route pack's manifest.json"), (CONFIG, "the route pack's config.json")]
+        claims += [(job.file, f"the layer file of layer {job.layer} rank {job.rank}") for job in self.jobs]
+        claims += [(name, f"source file {name}") for name in [*self.form.copy_from, *self.form.extra_json]]
+        refuse_collisions(claims, [job.file for job in self.jobs] + [MANIFEST_NAME])
+
+    def _sources(self, layer: int) -> dict[str, str]:
+        """sha256 of what a layer file is made from: the layer's exl3-v1 file, read as the manifest says."""
+        box = container(self.ck)
+        return self.hashes.of({box.manifest_file, box.layers[layer].file})
+
+    def _write_layer_files(self, stage: Stage, result) -> None:
+        from trellis_cli.repack.run import Interrupted
+
+        box = container(self.ck)
+        with TensorReader(self.ck.source) as reader:
+            for job in self.jobs:
+                if stage.completed(job.file, self._sources(job.layer)):
+                    result.files_resumed += 1
+                    self.on_bytes(job.bytes)
+                    continue
+                if self.opt.fail_after is not None and result.files_written >= self.opt.fail_after:
+                    raise Interrupted(f"interrupted after {result.files_written} layer file(s) (test hook)")
+                path = stage.path / job.file
+                pack = exl3v1_pack(self.ck, job.layer, job.rank, self.tp, reader)
+                write_layer_pack(path, pack, on_bytes=self.on_bytes, durable=False)  # synced once in _finish
+                del pack
+                check_written(path, self.m, box.layers[job.layer], checked_rates(self.ck, job.layer), reader,
+                              job.rank, self.tp, self.tiers[job.layer])
+                size = path.stat().st_size
+                stage.record(job.file, {"sha256": mf.sha256_file(path), "size": size, "layer": job.layer,
+                                        "rank": job.rank}, self._sources(job.layer))
+                result.files_written += 1
+                result.bytes_written += size
+
+    def _finish(self, stage: Stage) -> dict[str, Any]:
+        from trellis_cli.repack.run import REPACK_NOTE_KEY, repack_note
+
+        files = self._carry(stage)
+        config = dict(self.form.config)
+        config[REPACK_NOTE_KEY] = repack_note(self.tp, self.rotation)
+        (stage.path / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        files[CONFIG] = mf.file_entry(stage.path / CONFIG, role="config")
+        for job in self.jobs:
+            files[job.file] = {k: stage.done[job.file][k] for k in ("sha256", "size", "layer", "rank")}
+            sync_file(stage.path / job.file)
+        doc = mf.base_document(self._source(), self._geometry(), self.tp, self.ranks, "mcg", self.rotation)
+        box = container(self.ck)
+        for li in self.layers:
+            doc["layers"][str(li)] = {
+                "tiers": [{"k": k, "size": len(ids), "experts": compact_ranges(ids)} for k, ids in self.tiers[li]],
+                "source_files": [box.layers[li].file], "tr3_shard": self.form.shard_names[li]}
+        doc["files"] = dict(sorted(files.items()))
+        mf.write_manifest(stage.path, doc)
+        return doc
+
+    def _carry(self, stage: Stage) -> dict[str, dict[str, Any]]:
+        """The files `--to tr3` would carry or write next to the shards, as the pack's copied files."""
+        entries = {}
+        for name, path in self.form.copy_from.items():
+            (stage.path / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, stage.path / name)
+            entries[name] = mf.file_entry(stage.path / name, role="copied")
+        for name, doc in self.form.extra_json.items():
+            (stage.path / name).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+            entries[name] = mf.file_entry(stage.path / name, role="copied")
+        return entries
+
+    def _source(self) -> dict[str, Any]:
+        from trellis_cli.repack.run import source_sha256
+
+        ck = self.ck
+        source = dict(ck.source.describe())
+        if source.get("kind") == "local" and source.get("path"):
+            source["path"] = str(Path(source["path"]).resolve())
+        source.update({"dialect": ck.dialect, "rotation_layout": ck.rotation_layout, "tp": ck.tp,
+                       "vector_ndim": self.form.vector_ndim,
+                       "files": {n: {"sha256": source_sha256(ck, n), "size": ck.files.get(n)} for n in self.used}})
+        return source
+
+    def _geometry(self) -> dict[str, Any]:
+        m = self.m
+        return {"hidden": m.hidden, "intermediate": m.intermediate, "intermediate_rank": m.intermediate // self.tp,
+                "num_experts": m.num_experts}
+
+
+__all__ = ["exl3v1_to_route_pack"]
