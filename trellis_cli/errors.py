@@ -11,6 +11,7 @@ EXIT_FINDINGS = 1
 EXIT_USAGE = 2
 EXIT_SOURCE = 3
 EXIT_GPU = 4
+EXIT_INTERRUPTED = 130
 
 
 class TrellisError(Exception):
