@@ -3,6 +3,7 @@ errors before slow work or the GPU, one meaning for a selection that matches not
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -96,3 +97,72 @@ def test_bench_checks_its_arguments_before_the_gpu(capsys, monkeypatch, tmp_path
     code, out, err = run_cli(capsys, *argv)
     assert code == expected and out == ""
     assert_one_error_line(err, part)
+
+
+# ---- validate's totals -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def zeros(tmp_path_factory) -> Path:
+    """The tiny checkpoint with every data byte zero (sparse): hundreds of data findings under --deep."""
+    spec = dataclasses.replace(synth.preset("tiny"), sparse=True)
+    return synth.write_checkpoint(tmp_path_factory.mktemp("zeros") / "z", spec)
+
+
+def test_validate_totals_are_true_in_json_and_text(capsys, zeros):
+    code, out, _ = run_cli(capsys, "validate", str(zeros), "--deep", "--json")
+    doc = json.loads(out)
+    assert code == 1
+    counts = doc["counts"]
+    listed = {}
+    for f in doc["findings"]:
+        assert f["location"], f  # no stand-in finding with an empty location
+        listed[f["code"]] = listed.get(f["code"], 0) + f.get("count", 1)
+    omitted = {o["code"]: o["count"] for o in doc["omitted"]}
+    assert omitted["data.zero-vector"] > 0
+    for code_name, per in counts["by_code"].items():
+        assert sum(per.values()) == listed.get(code_name, 0) + omitted.get(code_name, 0)
+    assert counts["error"] == sum(per.get("error", 0) for per in counts["by_code"].values())
+    # 8 experts x 3 projections x 2 ranks x 2 layers, suh and svh each: all zero.
+    assert counts["by_code"]["data.zero-vector"] == {"error": 192}
+
+    code, out, err = run_cli(capsys, "validate", str(zeros), "--deep")
+    assert code == 1
+    assert f"FAIL: local directory {zeros}: {counts['error']} error(s), {counts['warning']} warning(s)" in out
+    more = [line for line in out.splitlines() if "more data.zero-vector" in line]
+    assert more == [f"error[data.zero-vector] ... and {omitted['data.zero-vector']} more data.zero-vector "
+                    "finding(s) not listed (192 in all)"]
+
+
+def test_a_finding_without_expected_does_not_say_none(capsys, zeros):
+    _, out, _ = run_cli(capsys, "validate", str(zeros), "--deep")
+    assert "expected None" not in out and "(found 0)" in out
+
+
+# ---- selections that name what is not there ----------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["validate", "inspect", "repack"])
+@pytest.mark.parametrize("layers", ["99", "4,99", "50-60"])
+def test_a_selection_naming_missing_layers_is_a_usage_error(capsys, source, tmp_path, command, layers):
+    argv = [command, str(source)] + ([str(tmp_path / "o")] if command == "repack" else [])
+    code, out, err = run_cli(capsys, *argv, "--layers", layers, "--json")
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1].startswith("error: --layers: [") and "not in the source (it has 3-4)" in err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_checksums_with_nothing_to_compare_do_not_pass(capsys, tmp_path, source):
+    root = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(source), str(root)], check=True)
+    (root / "MANIFEST.sha256").unlink()
+    code, out, err = run_cli(capsys, "validate", str(root), "--checksums")
+    assert code == 1 and "PASS" not in out
+    assert "error[checksum.unavailable]" in out and "no file was checked" in out and "0 checksums" in out
+    code, out, _ = run_cli(capsys, "validate", str(source), "--checksums")
+    assert code == 0 and "PASS" in out and "5 checksums" in out
+
+
+def test_a_header_only_verdict_says_data_was_not_checked(capsys, zeros):
+    code, out, _ = run_cli(capsys, "validate", str(zeros))
+    assert code == 0 and "PASS" in out and "tensor data not checked (headers only; --deep reads it)" in out
+    code, out, _ = run_cli(capsys, "validate", str(zeros), "--json")
+    assert json.loads(out)["notes"] == ["tensor data not checked (headers only; --deep reads it)"]

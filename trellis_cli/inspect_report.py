@@ -21,7 +21,9 @@ def build_inspect(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str
         from trellis_cli.repack.verify import describe_repacked
 
         return {"dialect": DIALECT_REPACKED, "source": _describe_source(ckpt), "route_pack": describe_repacked(ckpt.source)}
-    chosen = [li for li in (layers if layers is not None else ckpt.layers) if li in ckpt.layers]
+    from trellis_cli.selection import require_present
+
+    chosen = list(ckpt.layers) if layers is None else require_present(layers, ckpt.layers)
     rows = [layer_summary(ckpt, ckpt.layers[li]) for li in chosen]
     return {
         "dialect": ckpt.dialect,

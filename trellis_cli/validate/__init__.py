@@ -16,8 +16,11 @@ from trellis_cli.findings import Finding, Location, Report, Severity
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.validate import rules_config, rules_files, rules_tensors
 
-MAX_FINDINGS_PER_CODE = 50  # then one "... and N more" line: a missing shard must not print 12,288 lines
-SUMMARY_PREFIX = "... and "
+# Said beside every verdict that did not read tensor values: a header-perfect checkpoint of zeros passes.
+NOT_DEEP_NOTE = "tensor data not checked (headers only; --deep reads it)"
+ROUTE_PACK_NOTE = ("tensor values not checked: the sha256 of every file matches the manifest repack wrote "
+                   "(validate the source with --deep to check its data)")
+MAX_FINDINGS_PER_CODE = 50  # then counted, not listed: a missing shard must not print 12,288 lines
 
 CHECKSUM_CODES = {  # integrity status -> (code, severity, message)
     "mismatch": ("checksum.mismatch", Severity.ERROR, "sha256 differs from the recorded hash"),
@@ -26,7 +29,8 @@ CHECKSUM_CODES = {  # integrity status -> (code, severity, message)
     "malformed": ("checksum.manifest", Severity.ERROR, "MANIFEST.sha256 line cannot be used"),
     "unreadable": ("file.unreadable", Severity.ERROR, "the file cannot be read"),
     "unlisted": ("checksum.unlisted", Severity.WARNING, "no hash is recorded for this file"),
-    "no-manifest": ("checksum.unavailable", Severity.WARNING, "no MANIFEST.sha256: nothing to compare against"),
+    "no-manifest": ("checksum.unavailable", Severity.ERROR, "--checksums asked for, but there is no MANIFEST.sha256: "
+                    "nothing to compare against, so no file was checked"),
     "not-cached": ("checksum.not-cached", Severity.WARNING, "not in the local cache, so not hashed"),
 }
 
@@ -42,6 +46,7 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
         return _validate_route_pack(checkpoint, checksums)
     from trellis_cli.checkpoint.open import paused_gc
 
+    selected = _selected_layers(checkpoint, layers)  # a usage error before any rule runs
     report = Report(subject=_subject(checkpoint), context=_context(checkpoint))
     with paused_gc():
         report.extend(checkpoint.parse_findings)
@@ -52,7 +57,6 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
         if not checkpoint.layers:
             report.findings.append(Finding("layer.none", Severity.WARNING, Location(), "no routed-expert MoE layers "
                                            "found: nothing for the per-layer rules to check"))
-        selected = _selected_layers(checkpoint, layers, report)
         for done, li in enumerate(selected, 1):
             report.extend(rules_tensors.check_layers(checkpoint, [li]))
             if progress is not None:
@@ -62,9 +66,11 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
                                     for r in p.values()))
     if deep:
         _run_deep(checkpoint, selected, report, progress)
+    else:
+        report.notes.append(NOT_DEEP_NOTE)
     if checksums:
         _run_checksums(checkpoint, report, checksum_progress)
-    report.findings = cap_findings(report.findings)
+    cap_findings(report)
     return report
 
 
@@ -78,15 +84,12 @@ def _context(ckpt: Checkpoint) -> dict:
             "rotation_layout": ckpt.rotation_layout, "tp": ckpt.tp, "revision": getattr(ckpt.source, "revision", None)}
 
 
-def _selected_layers(ckpt: Checkpoint, layers: list[int] | None, report: Report) -> list[int]:
+def _selected_layers(ckpt: Checkpoint, layers: list[int] | None) -> list[int]:
     if layers is None:
         return list(ckpt.layers)
-    for li in layers:
-        if li not in ckpt.layers:
-            report.findings.append(Finding("layers.not-found", Severity.WARNING, Location(layer=li),
-                                           "--layers names a layer the checkpoint does not have",
-                                           expected=compact_ranges(list(ckpt.layers)), found=li))
-    return [li for li in layers if li in ckpt.layers]
+    from trellis_cli.selection import require_present
+
+    return require_present(layers, ckpt.layers)
 
 
 def _run_deep(ckpt: Checkpoint, selected: list[int], report: Report, progress) -> None:
@@ -120,27 +123,26 @@ def _validate_route_pack(ckpt: Checkpoint, checksums: bool) -> Report:
     del checksums
     report = verify_repacked(ckpt.source, check_hashes=True)
     report.context.setdefault("dialect", DIALECT_REPACKED)
-    report.findings = cap_findings(report.findings)
+    report.notes.append(ROUTE_PACK_NOTE)
+    cap_findings(report)
     return report
 
 
-def cap_findings(findings: list[Finding], limit: int = MAX_FINDINGS_PER_CODE) -> list[Finding]:
-    """Keep the first `limit` findings of each code, then one summary finding of the same code and severity.
+def cap_findings(report: Report, limit: int = MAX_FINDINGS_PER_CODE) -> None:
+    """List the first `limit` findings of each code; count the rest in `report.omitted` (the totals stay true).
 
-    Summaries the rules already made (`... and N more ...`, one per layer with the true total) are always kept.
+    Summaries the rules already made (one per layer, carrying their own count) are always listed.
     """
     seen: Counter[str] = Counter()
     kept: list[Finding] = []
-    for f in findings:
-        if f.message.startswith(SUMMARY_PREFIX):
+    for f in report.findings:
+        if f.summary:
             kept.append(f)
             continue
         seen[f.code] += 1
         if seen[f.code] <= limit:
             kept.append(f)
-    for code, n in seen.items():
-        if n > limit:
-            first = next(f for f in findings if f.code == code)
-            message = f"{SUMMARY_PREFIX}{n - limit} more {code} finding(s)"
-            kept.append(Finding(code, first.severity, Location(), message))
-    return kept
+        else:
+            key = (f.code, f.severity)
+            report.omitted[key] = report.omitted.get(key, 0) + f.count
+    report.findings = kept
