@@ -166,3 +166,38 @@ def test_a_header_only_verdict_says_data_was_not_checked(capsys, zeros):
     assert code == 0 and "PASS" in out and "tensor data not checked (headers only; --deep reads it)" in out
     code, out, _ = run_cli(capsys, "validate", str(zeros), "--json")
     assert json.loads(out)["notes"] == ["tensor data not checked (headers only; --deep reads it)"]
+
+
+# ---- repack: usage errors first, and what "verified" means -------------------------------------------
+
+@pytest.mark.parametrize("extra, part", [
+    (["--tp", "0"], "--tp 0: must be at least 1"),
+    (["--jobs", "0"], "--jobs 0: must be at least 1"),
+    (["--layers", ""], "--layers is empty"),
+])
+def test_repack_usage_errors_come_before_opening_the_source(capsys, tmp_path, extra, part):
+    unreadable = tmp_path / "src"  # opening it would fail with exit 1 (config.json is not JSON)
+    unreadable.mkdir()
+    (unreadable / "config.json").write_text("{not json")
+    code, out, err = run_cli(capsys, "repack", str(unreadable), str(tmp_path / "o"), *extra)
+    assert code == 2 and out == "" and "opening" not in err
+    assert_one_error_line(err, part)
+    code, _, err = run_cli(capsys, "repack", str(unreadable), str(unreadable / "o"))
+    assert code == 2 and "refusing to write into the source" in err and "opening" not in err
+
+
+def test_repack_and_its_validation_say_tensor_values_were_not_checked(capsys, zeros, tmp_path):
+    out_dir = tmp_path / "packed"
+    code, out, err = run_cli(capsys, "repack", str(zeros), str(out_dir))
+    assert code == 0 and "written and verified against the source bit for bit" in out
+    assert f"tensor values not checked (`trellis validate {zeros} --deep` checks them)" in out
+    assert f"opening local directory {zeros}: reading headers and validating" in err  # stderr is not a terminal
+    seconds = float(out.split(" bytes in ")[1].split(" s ")[0])
+    assert seconds > 0 and "s of it opening, validating and planning" in out
+
+    code, out, _ = run_cli(capsys, "validate", str(out_dir))
+    assert code == 0 and "PASS" in out and "tensor values not checked" in out
+
+    code, out, _ = run_cli(capsys, "repack", str(zeros), str(tmp_path / "again"), "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["seconds"] >= doc["write_seconds"] > 0 and "tensor values not checked" in doc["notes"][0]
