@@ -201,3 +201,80 @@ def test_repack_and_its_validation_say_tensor_values_were_not_checked(capsys, ze
     code, out, _ = run_cli(capsys, "repack", str(zeros), str(tmp_path / "again"), "--json")
     doc = json.loads(out)
     assert code == 0 and doc["seconds"] >= doc["write_seconds"] > 0 and "tensor values not checked" in doc["notes"][0]
+
+
+# ---- a stalled Hub, and Ctrl-C -----------------------------------------------------------------------
+
+@pytest.fixture
+def silent_server():
+    """Accepts every connection and never answers."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held: list = []
+
+    def accept() -> None:
+        try:
+            while True:
+                held.append(listener.accept()[0])
+        except OSError:  # closed at teardown
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}", held
+    listener.close()
+    for connection in held:
+        connection.close()
+
+
+def trellis_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(PYTHONPATH=str(REPO), HF_HUB_CACHE=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "home"),
+               HF_HUB_DISABLE_PROGRESS_BARS="1", **extra)
+    return env
+
+
+def test_a_hub_that_never_answers_is_exit_3_not_a_hang(tmp_path, silent_server):
+    endpoint, _ = silent_server
+    env = trellis_env(tmp_path, HF_HUB_ETAG_TIMEOUT="1", HF_HUB_DOWNLOAD_TIMEOUT="1")
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "trellis_cli", "inspect", "org/model", "--endpoint",
+                             endpoint], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3 and result.stdout == "" and time.monotonic() - started < 30
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith("error: org/model@main: ") and "did not answer in time" in last
+    assert "HF_HUB_DOWNLOAD_TIMEOUT" in last and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow  # about 35 s: the library retries a timed-out file request with backoff before giving up
+def test_a_hub_that_stalls_on_header_reads_is_exit_3(tmp_path, source):
+    from hub_server import HubServer
+
+    env = trellis_env(tmp_path, HF_HUB_ETAG_TIMEOUT="1", HF_HUB_DOWNLOAD_TIMEOUT="1")
+    with HubServer() as hub:
+        hub.add_commit("org/model", source)
+        hub.stall = lambda path: "/resolve/" in path or "/lfs-blobs/" in path  # the API answers; files never
+        started = time.monotonic()
+        result = subprocess.run([sys.executable, "-m", "trellis_cli", "inspect", "org/model", "--endpoint",
+                                 hub.endpoint], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3 and result.stdout == "" and time.monotonic() - started < 45, result.stderr
+    assert result.stderr.splitlines()[-1].startswith("error: config.json in org/model@")
+    assert "did not answer in time" in result.stderr and "thrown while requesting" not in result.stderr
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, silent_server):
+    endpoint, connections = silent_server
+    env = trellis_env(tmp_path)  # default limits: still waiting when the signal comes
+    process = subprocess.Popen([sys.executable, "-m", "trellis_cli", "inspect", "org/model", "--endpoint",
+                                endpoint], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not connections and time.monotonic() < deadline:  # wait until it is waiting on the server
+        time.sleep(0.05)
+    time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=30)
+    assert process.returncode == 130 and out == ""
+    assert err.splitlines()[-1] == "interrupted (Ctrl-C)" and "Traceback" not in err
