@@ -278,3 +278,63 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, silent_server):
     out, err = process.communicate(timeout=30)
     assert process.returncode == 130 and out == ""
     assert err.splitlines()[-1] == "interrupted (Ctrl-C)" and "Traceback" not in err
+
+
+# ---- inspect: route packs in TR3 terms, totals, progress ---------------------------------------------
+
+def test_route_pack_inspect_uses_the_tr3_notation_and_keys(capsys, source, tmp_path):
+    packed = tmp_path / "packed"
+    assert run_cli(capsys, "repack", str(source), str(packed))[0] == 0
+    code, out, _ = run_cli(capsys, "inspect", str(packed))
+    assert code == 0 and "{" not in out and "K3x" not in out
+    assert "geometry: hidden 256, intermediate 256 (128 per rank), 8 experts per layer" in out
+    code, tr3_out, _ = run_cli(capsys, "inspect", str(source))
+    for layer_line in (line for line in tr3_out.splitlines() if line.startswith("layer ")):
+        assert layer_line.split(", ")[0].split(" (")[0] in out  # "layer 3: 6/2"
+    code, out, _ = run_cli(capsys, "inspect", str(packed), "--json")
+    pack = json.loads(out)["route_pack"]
+    _, tr3_json, _ = run_cli(capsys, "inspect", str(source), "--json")
+    tr3 = json.loads(tr3_json)
+    assert set(pack["geometry"]) == set(tr3["geometry"]) and pack["geometry"]["intermediate_per_rank"] == 128
+    assert "intermediate_rank" not in json.dumps(pack)
+    tr3_row = next(r for r in tr3["layers"] if r["layer"] == 3)
+    pack_row = next(r for r in pack["layers"] if r["layer"] == 3)
+    assert {k: pack_row[k] for k in ("partition", "k_values", "tiers", "bpw")} == \
+        {k: tr3_row[k] for k in ("partition", "k_values", "tiers", "bpw")}
+
+
+def test_inspect_totals_are_the_whole_checkpoint_and_the_selection_is_separate(capsys, source):
+    _, everything, _ = run_cli(capsys, "inspect", str(source), "--json")
+    _, selected, _ = run_cli(capsys, "inspect", str(source), "--layers", "4", "--json")
+    whole, part = json.loads(everything), json.loads(selected)
+    assert part["totals"] == whole["totals"] and whole["totals"]["layers"] == 2
+    row4 = next(r for r in whole["layers"] if r["layer"] == 4)
+    assert part["selection"] == {"layers": "4", "routed_bytes_per_rank": row4["bytes_per_rank"],
+                                 "routed_trellis_bytes_per_rank": row4["trellis_bytes_per_rank"]}
+    _, text, _ = run_cli(capsys, "inspect", str(source), "--layers", "4")
+    assert "selected layers 4: routed experts per rank" in text and "totals (whole checkpoint): 2 MoE layers" in text
+
+
+@pytest.fixture
+def terminal(monkeypatch):
+    """stderr as a terminal, recorded: progress is drawn only there."""
+    import io
+
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    monkeypatch.setattr(output, "stderr", Console(file=buffer, force_terminal=True, width=160, markup=False))
+    return buffer
+
+
+def test_inspect_shows_progress_on_a_terminal(capsys, source, terminal):
+    code, out, _ = run_cli(capsys, "inspect", str(source))
+    assert code == 0 and "totals (whole checkpoint)" in out
+    assert f"reading headers of local directory {source}" in terminal.getvalue() and "0:00:0" in terminal.getvalue()
+
+
+def test_the_checksum_bar_has_human_units_and_a_total(capsys, source, terminal):
+    code, out, _ = run_cli(capsys, "validate", str(source), "--checksums")
+    assert code == 0 and "5 checksums" in out
+    drawn = terminal.getvalue()
+    assert "sha256" in drawn and "/1.4 MB" in drawn  # the checkpoint's files, in human units

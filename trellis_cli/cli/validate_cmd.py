@@ -91,8 +91,9 @@ def _validate(opened, layers: list[int] | None, deep: bool, download: bool, chec
             progress.update(tasks[stage], completed=done)
 
         def hashed(n: int) -> None:
-            if "hash" not in tasks:
-                tasks["hash"] = progress.add_task("hashing bytes", total=None)
+            if "hash" not in tasks:  # every file that can have a recorded hash: a total in human units
+                total = sum(size for size in checkpoint.files.values() if size > 0) or None
+                tasks["hash"] = progress.add_task("sha256", total=total, bytes=True)
             progress.advance(tasks["hash"], n)
 
         return run_validation(checkpoint, deep=deep, layers=layers, checksums=checksums, progress=advance,
