@@ -27,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Callable
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt")
@@ -98,6 +99,9 @@ class HubServer:
         self.requests: list[tuple[str, str, str | None, int]] = []  # (method, path, range, status)
         self._counter = 0
         self._httpd: ThreadingHTTPServer | None = None
+        # Requests whose path this predicate accepts are read and never answered (a stalled server).
+        self.stall: Callable[[str], bool] | None = None
+        self._stopping = threading.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -109,6 +113,7 @@ class HubServer:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._stopping.set()  # lets stalled handlers return
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
@@ -244,6 +249,9 @@ class _Handler(BaseHTTPRequestHandler):
         return [unquote(p) for p in url.path.strip("/").split("/")], parse_qs(url.query)
 
     def _route(self, head: bool) -> None:
+        if self.hub.stall is not None and self.hub.stall(self.path):
+            self.hub._stopping.wait()
+            return
         parts, query = self._split()
         if parts[:2] == ["api", "models"] and len(parts) >= 4:
             repo_id, rest = f"{parts[2]}/{parts[3]}", parts[4:]

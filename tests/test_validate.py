@@ -187,18 +187,25 @@ def test_deep_warns_on_zero_svh_and_constant_trellis(tmp_path):
 
 
 def test_cap_keeps_first_findings_and_counts_the_rest():
+    from trellis_cli.findings import Report, error_summary
+
     many = [error("x.y", Location(layer=i), "m") for i in range(75)] + [error("a.b", Location(), "m")]
-    capped = cap_findings(many, limit=50)
-    assert len(capped) == 52 and capped[-1].code == "x.y" and "25 more" in capped[-1].message
+    report = Report("s", findings=many + [error_summary("x.y", Location(layer=9), 7, "missing things")])
+    cap_findings(report, limit=50)
+    assert len(report.findings) == 52 and all(f.where != Location() or f.code == "a.b" for f in report.findings)
+    assert report.omitted == {("x.y", Severity.ERROR): 25}
+    assert report.counts()["by_code"] == {"a.b": {"error": 1}, "x.y": {"error": 75 + 7}}
+    assert report.error_count == 83 and "83 error(s)" in report.summary()
 
 
 def test_layers_option_limits_per_layer_rules(tmp_path, capsys):
     root = tiny_checkpoint(tmp_path)
-    code, out, _ = run_cli(capsys, "validate", str(root), "--layers", "4,9", "--json")
+    code, out, _ = run_cli(capsys, "validate", str(root), "--layers", "4", "--json")
     doc = json.loads(out)
-    assert code == 0 and doc["checked"]["layers"] == 1
-    assert [f["code"] for f in doc["findings"]] == ["layers.not-found"]
+    assert code == 0 and doc["checked"]["layers"] == 1 and doc["findings"] == []
     assert doc["source"]["kind"] == "local" and "revision" in doc
+    code, out, err = run_cli(capsys, "validate", str(root), "--layers", "4,9", "--json")
+    assert code == 2 and out == "" and err.splitlines()[-1] == "error: --layers: [9] not in the source (it has 3-4)"
 
 
 def test_strict_fails_on_warnings(tmp_path, capsys):

@@ -10,6 +10,7 @@ EXIT_FINDINGS = 1
 EXIT_USAGE = 2
 EXIT_SOURCE = 3
 EXIT_GPU = 4
+EXIT_INTERRUPTED = 130
 
 
 class TrellisError(Exception):
@@ -63,8 +64,9 @@ class ValidationFailed(CheckFailed):
         if list_errors:
             errors = report.errors
             lines += [f"  {finding.line()}".replace("\n", "\\n") for finding in errors[:self.MAX_LISTED]]
-            if len(errors) > self.MAX_LISTED:
-                lines.append(f"  ... and {len(errors) - self.MAX_LISTED} more; run `trellis validate "
+            shown = sum(f.count for f in errors[:self.MAX_LISTED])
+            if report.error_count > shown:
+                lines.append(f"  ... and {report.error_count - shown} more; run `trellis validate "
                              f"{_source_of(report)}` for the full report")
         super().__init__("\n".join(lines))
         self.report = report

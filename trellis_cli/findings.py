@@ -62,13 +62,17 @@ class Finding:
     expected: Any = None
     found: Any = None
     engine: str | None = None  # set on findings of a loader profile's rules (validate/engines.py)
+    # A summary stands for `count` problems a rule did not list one by one ("... and 12 more missing rank
+    # slices in this layer"); every other finding is one problem.
+    count: int = 1
+    summary: bool = False
 
     def line(self) -> str:
         by = f" ({self.engine})" if self.engine else ""
         text = f"{self.severity.value}[{self.code}]{by} {self.where}: {self.message}"
-        if self.expected is not None or self.found is not None:
-            text += f" (expected {self.expected}, found {self.found})"
-        return text
+        facts = [f"expected {self.expected}"] if self.expected is not None else []
+        facts += [f"found {self.found}"] if self.found is not None else []
+        return f"{text} ({', '.join(facts)})" if facts else text
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -83,6 +87,8 @@ class Finding:
             out["found"] = _jsonable(self.found)
         if self.engine is not None:
             out["engine"] = self.engine
+        if self.summary:
+            out.update(summary=True, count=self.count)
         return out
 
 
@@ -116,19 +122,37 @@ def error(code: str, where: Location, message: str, expected: Any = None, found:
     return Finding(code, Severity.ERROR, where, message, expected, found)
 
 
+def summary_finding(code: str, severity: Severity, where: Location, count: int, message: str, expected: Any = None,
+                    found: Any = None) -> Finding:
+    """One finding standing for `count` problems of `code` that are not listed one by one."""
+    return Finding(code, severity, where, f"... and {count} more {message}", expected, found, count=count,
+                   summary=True)
+
+
+def error_summary(code: str, where: Location, count: int, message: str, expected: Any = None,
+                  found: Any = None) -> Finding:
+    return summary_finding(code, Severity.ERROR, where, count, message, expected, found)
+
+
 def warning(code: str, where: Location, message: str, expected: Any = None, found: Any = None) -> Finding:
     return Finding(code, Severity.WARNING, where, message, expected, found)
 
 
 @dataclass
 class Report:
-    """All findings of one run, plus what was checked. Complete: every rule runs even after errors."""
+    """All findings of one run, plus what was checked. Complete: every rule runs even after errors.
+
+    `findings` is what is listed; `omitted` counts, per (code, severity), the findings left out of the list
+    by the cap, so that `counts()` and the verdict are the true totals.
+    """
 
     subject: str
     findings: list[Finding] = field(default_factory=list)
     checked: dict[str, int] = field(default_factory=dict)  # e.g. {"tensors": 12288, "files": 3}
     context: dict[str, Any] = field(default_factory=dict)  # source, revision, dialect, ...
     engines: list[dict[str, Any]] = field(default_factory=list)  # per-engine verdicts (validate/engines.py)
+    omitted: dict[tuple[str, Severity], int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what was not checked, said beside the verdict
 
     def extend(self, items: Iterable[Finding]) -> None:
         self.findings.extend(items)
@@ -144,17 +168,48 @@ class Report:
     def warnings(self) -> list[Finding]:
         return [f for f in self.findings if f.severity is Severity.WARNING]
 
+    def counts(self) -> dict[str, Any]:
+        """The true totals per severity and per code (listed findings, summaries' counts and the omitted)."""
+        by_code: dict[str, dict[str, int]] = {}
+        totals = {s.value: 0 for s in Severity}
+
+        def add(code: str, severity: Severity, n: int) -> None:
+            per = by_code.setdefault(code, {})
+            per[severity.value] = per.get(severity.value, 0) + n
+            totals[severity.value] += n
+
+        for f in self.findings:
+            add(f.code, f.severity, f.count)
+        for (code, severity), n in self.omitted.items():
+            add(code, severity, n)
+        return {**totals, "by_code": dict(sorted(by_code.items()))}
+
+    @property
+    def error_count(self) -> int:
+        return self.counts()["error"]
+
+    @property
+    def warning_count(self) -> int:
+        return self.counts()["warning"]
+
     @property
     def ok(self) -> bool:
-        return not self.errors
+        return self.error_count == 0
 
     def summary(self) -> str:
         checked = ", ".join(f"{n} {what}" for what, n in self.checked.items()) or "nothing"
         verdict = "PASS" if self.ok else "FAIL"
-        return (
-            f"{verdict}: {self.subject}: {len(self.errors)} error(s), {len(self.warnings)} warning(s); "
-            f"checked {checked}"
-        )
+        counts = self.counts()
+        text = (f"{verdict}: {self.subject}: {counts['error']} error(s), {counts['warning']} warning(s); "
+                f"checked {checked}")
+        return text + "".join(f"; {note}" for note in self.notes)
+
+    def omitted_lines(self) -> list[tuple[Severity, str]]:
+        """One line per capped code: how many more there are, and the total."""
+        totals = self.counts()["by_code"]
+        return [(severity, f"{severity.value}[{code}] ... and {n} more {code} finding(s) not listed "
+                           f"({totals[code][severity.value]} in all)")
+                for (code, severity), n in self.omitted.items()]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -163,6 +218,10 @@ class Report:
             "summary": self.summary(),
             "context": self.context,
             "checked": self.checked,
+            "notes": self.notes,
+            "counts": self.counts(),
             "findings": [f.to_dict() for f in self.findings],
             "engines": self.engines,
+            "omitted": [{"code": code, "severity": severity.value, "count": n}
+                        for (code, severity), n in self.omitted.items()],
         }

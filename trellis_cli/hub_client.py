@@ -45,6 +45,45 @@ TRANSPORT_ERRORS = _transport_errors()
 _RESOLUTION_ERROR = getattr(hf_errors, "RevisionResolutionError", None)
 
 
+_timeouts_installed = False
+
+
+def request_timeouts() -> tuple[float, float]:
+    """(connect, read) seconds for every Hub request: the library's HF_HUB_ETAG_TIMEOUT and
+    HF_HUB_DOWNLOAD_TIMEOUT settings (10 s each by default), read when huggingface_hub is imported."""
+    return float(hf_constants.HF_HUB_ETAG_TIMEOUT), float(hf_constants.HF_HUB_DOWNLOAD_TIMEOUT)
+
+
+def install_timeouts() -> None:
+    """Bound the connect and read time of every request the library's shared HTTP client sends.
+
+    API calls such as model_info pass `timeout=None`, which means "wait forever", and a metadata request that
+    timed out is retried once with a 60 s limit: a server that accepts the connection and never answers would
+    hang `inspect` for good or for minutes. A request hook caps every limit the request carries to the
+    transport at the configured ones (10 s by default). Idempotent.
+    """
+    global _timeouts_installed
+    set_factory = getattr(huggingface_hub, "set_client_factory", None)
+    default_factory = getattr(importlib.import_module("huggingface_hub.utils._http"), "default_client_factory", None)
+    if _timeouts_installed or set_factory is None or default_factory is None:
+        return
+    connect, read = request_timeouts()
+    read = max(connect, read)  # metadata requests use the etag limit, downloads the download limit
+    bounds = {"connect": connect, "read": read, "write": read, "pool": connect}
+
+    def bound(request) -> None:
+        limits = dict(request.extensions.get("timeout") or {})
+        request.extensions["timeout"] = {key: min(limits.get(key) or cap, cap) for key, cap in bounds.items()}
+
+    def bounded_client():
+        client = default_factory()
+        client.event_hooks["request"] = [*client.event_hooks.get("request", []), bound]
+        return client
+
+    set_factory(bounded_client)
+    _timeouts_installed = True
+
+
 def is_offline(offline: bool | None) -> bool:
     """An explicit choice wins; otherwise the library's own HF_HUB_OFFLINE reading."""
     if offline is not None:
@@ -106,6 +145,9 @@ def hub_errors(repo_id: str, revision: str | None, endpoint: str | None, *, file
     except hf_errors.OfflineModeIsEnabled as e:
         raise SourceUnavailable(f"{where}: not in the local Hub cache and {OFFLINE_HINT}") from e
     except hf_errors.LocalEntryNotFoundError as e:
+        timeout = _timeout_cause(e)
+        if timeout is not None:  # the library fell back to the cache because the server did not answer
+            raise SourceUnavailable(_unreachable(where, endpoint, timeout)) from e
         raise SourceUnavailable(f"{where}: not in the local Hub cache and the Hub could not be reached") from e
     except hf_errors.EntryNotFoundError as e:
         raise SourceUnavailable(f"{where}: no such file in the repository") from e
@@ -129,10 +171,37 @@ def hub_errors(repo_id: str, revision: str | None, endpoint: str | None, *, file
 
 
 def _unreachable(where: str, endpoint: str | None, error: BaseException) -> str:
+    if _is_timeout(error):
+        connect, read = request_timeouts()
+        return (f"{where}: {endpoint or default_endpoint()} did not answer in time ({type(error).__name__}; limits: "
+                f"connect {connect:g} s, read {read:g} s, set by HF_HUB_ETAG_TIMEOUT and HF_HUB_DOWNLOAD_TIMEOUT); "
+                "try again later, or use --offline to read from the local Hub cache")
     return (
         f"{where}: cannot reach {endpoint or default_endpoint()} ({type(error).__name__}); "
         "check the network, or use --offline to read from the local Hub cache"
     )
+
+
+def _is_timeout(error: BaseException) -> bool:
+    return isinstance(error, TimeoutError) or "Timeout" in type(error).__name__
+
+
+def _timeout_cause(error: BaseException) -> BaseException | None:
+    """The timeout among the exceptions that led to `error`, if one did."""
+    seen = error.__cause__ or error.__context__
+    while seen is not None:
+        if _is_timeout(seen):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def quiet_library_logs() -> None:
+    """The library logs each retry as a warning on stderr; trellis reports the outcome as its one line."""
+    logging_module = getattr(getattr(huggingface_hub, "utils", None), "logging", None)
+    set_error = getattr(logging_module, "set_verbosity_error", None)
+    if set_error is not None:
+        set_error()
 
 
 def _status(error: BaseException) -> int | None:

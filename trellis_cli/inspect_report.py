@@ -20,12 +20,17 @@ def build_inspect(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str
     if ckpt.dialect == DIALECT_REPACKED:
         from trellis_cli.repack.verify import describe_repacked
 
-        return {"dialect": DIALECT_REPACKED, "source": _describe_source(ckpt), "route_pack": describe_repacked(ckpt.source)}
-    chosen = [li for li in (layers if layers is not None else ckpt.layers) if li in ckpt.layers]
+        return {"dialect": DIALECT_REPACKED, "source": _describe_source(ckpt),
+                "route_pack": _as_tr3_terms(describe_repacked(ckpt.source))}
+    from trellis_cli.selection import require_present
+
+    chosen = list(ckpt.layers) if layers is None else require_present(layers, ckpt.layers)
     if ckpt.dialect == DIALECT_EXL3V1:
-        return _exl3v1_document(ckpt, chosen)
+        return _exl3v1_document(ckpt, chosen, whole=layers is None)
     rows = [layer_summary(ckpt, ckpt.layers[li]) for li in chosen]
-    return {
+    # Totals describe the whole checkpoint, whatever --layers shows; the selection gets its own.
+    every = rows if layers is None else [layer_summary(ckpt, moe) for moe in ckpt.layers.values()]
+    document = {
         "dialect": ckpt.dialect,
         "source": _describe_source(ckpt),
         "geometry": {"hidden": ckpt.hidden, "intermediate": ckpt.intermediate,
@@ -34,15 +39,39 @@ def build_inspect(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str
         "declared": _declared_keys(ckpt),
         "layers": rows,
         "runs": collapse_runs(rows),
-        "totals": _totals(ckpt, rows),
+        "totals": _totals(ckpt, every),
         "parse_findings": [f.to_dict() for f in ckpt.parse_findings],
     }
+    if layers is not None:
+        document["selection"] = {"layers": compact_ranges(chosen),
+                                 "routed_bytes_per_rank": sum(r["bytes_per_rank"] for r in rows),
+                                 "routed_trellis_bytes_per_rank": sum(r["trellis_bytes_per_rank"] for r in rows)}
+    return document
 
 
-def _exl3v1_document(ckpt: Checkpoint, chosen: list[int]) -> dict[str, Any]:
+def _as_tr3_terms(pack: dict[str, Any]) -> dict[str, Any]:
+    """A route pack's description with the keys and notation of a TR3 inspect (the manifest on disk keeps its
+    own names): geometry as hidden / intermediate / intermediate_per_rank / experts, tiers as K -> id ranges."""
+    g = pack.get("geometry") or {}
+    tp = pack.get("tp")
+    per_rank = g.get("intermediate_rank")
+    pack["geometry"] = {"hidden": g.get("hidden"),
+                        "intermediate": g.get("intermediate", per_rank * tp if per_rank and tp else None),
+                        "intermediate_per_rank": per_rank, "experts": g.get("num_experts"), "tp": tp,
+                        "codebook": pack.get("codebook"), "rotation_layout": pack.get("rotation")}
+    for layer in pack.get("layers", []):
+        tiers = layer.pop("tiers", [])
+        layer.update(partition="/".join(str(t.get("size")) for t in tiers) or "-",
+                     k_values=[t.get("k") for t in tiers], experts=sum(t.get("size", 0) for t in tiers),
+                     tiers={f"K{t.get('k')}": t.get("experts") for t in tiers})
+    return pack
+
+
+def _exl3v1_document(ckpt: Checkpoint, chosen: list[int], whole: bool) -> dict[str, Any]:
     from trellis_cli.inspect_exl3v1 import exl3v1_rows, exl3v1_section
 
     rows = exl3v1_rows(ckpt, chosen)
+    every = rows if whole else exl3v1_rows(ckpt, list(ckpt.layers))  # totals cover the whole checkpoint
     runs = collapse_runs(rows)
     for run in runs:  # bytes per rank at each TP degree: the same across a run (same stride)
         run["rank_bytes"] = next(r["rank_bytes"] for r in rows if r["layer"] == run["layers"][0])
@@ -51,7 +80,7 @@ def _exl3v1_document(ckpt: Checkpoint, chosen: list[int]) -> dict[str, Any]:
                          "intermediate_per_rank": ckpt.intermediate, "experts": ckpt.num_experts, "tp": 1,
                          "codebook": ckpt.codebook, "rotation_layout": ckpt.rotation_layout},
             "declared": {}, "exl3v1": exl3v1_section(ckpt), "layers": rows, "runs": runs,
-            "totals": {**_totals(ckpt, rows), "tensors": sum(r["tensors"] for r in rows),
+            "totals": {**_totals(ckpt, every), "tensors": sum(r["tensors"] for r in every),
                        "tensor_bytes": sum(e.nbytes for h in ckpt.headers.values() for e in h.tensors.values())},
             "parse_findings": [f.to_dict() for f in ckpt.parse_findings]}
 
@@ -231,7 +260,12 @@ def render_text(doc: dict[str, Any]) -> list[str]:
             lines.append(f"    per-projection K counts: {run['projection_k']}")
         if run.get("declared_projection_k"):
             lines.append(f"    declared (expert, projection) K counts: {run['declared_projection_k']}")
-    lines += ["", f"totals: {t['layers']} MoE layers, {t['tensors']} tensors in {t['files']} files",
+    selection = doc.get("selection")
+    if selection:
+        lines += ["", f"selected layers {selection['layers']}: routed experts per rank "
+                      f"{human_bytes(selection['routed_bytes_per_rank'])} "
+                      f"(trellis {human_bytes(selection['routed_trellis_bytes_per_rank'])})"]
+    lines += ["", f"totals (whole checkpoint): {t['layers']} MoE layers, {t['tensors']} tensors in {t['files']} files",
               f"  routed experts per rank: {human_bytes(t['routed_bytes_per_rank'])} "
               f"(trellis {human_bytes(t['routed_trellis_bytes_per_rank'])})",
               f"  whole checkpoint: {human_bytes(t['checkpoint_bytes'])}",
@@ -259,7 +293,7 @@ def render_markdown(doc: dict[str, Any]) -> list[str]:
         lines.append(f"| {run['layer_range']} | {run['partition']} ({k_part}) | {run['bpw']} | "
                      f"{human_bytes(run['bytes_per_rank'])} | {run['rotation']} | {run['tensors']} | "
                      f"{_tiers_text(run)} | {_shards_text(run['shards'])} |")
-    lines += ["", f"Routed experts per rank: **{human_bytes(t['routed_bytes_per_rank'])}**; whole checkpoint "
+    lines += ["", f"Whole checkpoint: routed experts per rank **{human_bytes(t['routed_bytes_per_rank'])}**; "
               f"{human_bytes(t['checkpoint_bytes'])}; weights per rank (estimate) "
               f"{human_bytes(t['weights_per_rank_bytes'])}; {t['tensors']} tensors in {t['files']} files."]
     return lines
@@ -271,15 +305,18 @@ def _source_line(src: dict[str, Any]) -> str:
 
 
 def _render_route_pack(doc: dict[str, Any]) -> list[str]:
-    pack = doc["route_pack"]
+    pack, g = doc["route_pack"], doc["route_pack"]["geometry"]
     lines = [f"source: {_source_line(doc['source'])}", f"dialect: {DIALECT_REPACKED} v{pack.get('schema_version')} "
-             f"(tp {pack.get('tp')}, codebook {pack.get('codebook')}, rotation {pack.get('rotation')})",
+             f"(rotation {g['rotation_layout']}, codebook {g['codebook']}, tp {g['tp']})",
              f"repacked from: {_source_line(pack.get('source') or {})} ({(pack.get('source') or {}).get('dialect')})",
-             f"geometry: {pack.get('geometry')}"]
+             f"geometry: hidden {g['hidden']}, intermediate {g['intermediate']} ({g['intermediate_per_rank']} per "
+             f"rank), {g['experts']} experts per layer", ""]
     for layer in pack.get("layers", []):
-        tiers = ", ".join(f"K{t.get('k')}x{t.get('size')}" for t in layer.get("tiers", []))
-        lines.append(f"layer {layer['layer']}: {tiers}, {layer.get('bpw')} bpw")
-    lines.append(f"files: {pack.get('files')}, {human_bytes(pack.get('total_bytes', 0))}")
+        k_part = "/".join(f"K{k}" for k in layer["k_values"])
+        lines.append(f"layer {layer['layer']}: {layer['partition']} ({k_part}), {layer.get('bpw')} bpw")
+        lines.append("    " + "; ".join(f"{k}: {ids}" for k, ids in layer["tiers"].items()))
+    lines += ["", f"totals: {len(pack.get('layers', []))} MoE layers, {pack.get('files')} files, "
+              f"{human_bytes(pack.get('total_bytes', 0))}"]
     return lines
 
 

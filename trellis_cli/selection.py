@@ -43,6 +43,20 @@ def parse_layer_ranges(text: str, *, option: str = "--layers", limit: int = MAX_
     return sorted(layers)
 
 
+def require_present(chosen: list[int], available: Iterable[int], *, option: str = "--layers") -> list[int]:
+    """`chosen` when every id is `available`; otherwise a UsageError naming the first missing ids and what
+    the source has. One meaning in every command: a selection naming what is not there is a mistake, never
+    a warning or a silent empty result."""
+    have = sorted(available)
+    present = set(have)
+    missing = [i for i in chosen if i not in present]
+    if missing:
+        from trellis_cli.id_ranges import compact_ranges
+
+        raise UsageError(f"{option}: {missing[:5]} not in the source (it has {compact_ranges(have) or 'none'})")
+    return chosen
+
+
 def select_files(available: Iterable[str], names_or_patterns: Iterable[str]) -> list[str]:
     """The available files matching exact names or fnmatch globs; an exact name that is missing is an error."""
     available = list(available)

@@ -207,6 +207,8 @@ class HubSource:
         from trellis_cli import hub_client
 
         self._hub = hub_client
+        hub_client.install_timeouts()  # a stalled server must not hang the command
+        hub_client.quiet_library_logs()
         self.repo_id = repo_id
         self.requested_revision = revision
         self.token = token  # None: the library's default (HF_TOKEN, then the `hf auth login` token file)

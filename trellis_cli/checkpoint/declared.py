@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from trellis_cli.checkpoint.names import PROJECTIONS_BY_INDEX, parse_expert_name
 from trellis_cli.errors import CheckFailed, SourceUnavailable
-from trellis_cli.findings import Finding, Location, error, missing_ids, warning
+from trellis_cli.findings import Finding, Location, error, error_summary, missing_ids, warning
 from trellis_cli.header import is_int
 from trellis_cli.id_ranges import parse_id
 
@@ -101,9 +101,9 @@ def _load_bitmap(out: Declared, ref: Any, read_json, files, experts: int | None,
         out.findings.append(error("bitmap.layer-missing", Location(file=name, layer=layer),
                                   "moe_layers includes this layer but the bitmap has no entry for it"))
     if total > len(first):
-        out.findings.append(error("bitmap.layer-missing", Location(file=name), f"... and {total - len(first)} more "
-                                  "moe_layers without a bitmap entry", expected=f"{len(layers)} layers",
-                                  found=f"{len(layers) - total} listed"))
+        out.findings.append(error_summary("bitmap.layer-missing", Location(file=name), total - len(first),
+                                          "moe_layers without a bitmap entry", expected=f"{len(layers)} layers",
+                                          found=f"{len(layers) - total} listed"))
 
 
 def exl3_declared(quant_config: dict | None) -> Declared:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import sys
 from typing import Annotated, Optional
 
+import click
 import typer
 
 from trellis_cli import __version__
 from trellis_cli.cli import output
-from trellis_cli.errors import EXIT_FINDINGS, EXIT_USAGE, TrellisError
+from trellis_cli.errors import EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_USAGE, TrellisError
+
+GLOBAL_FLAGS = ("-q", "--quiet", "--debug")  # accepted before or after the subcommand
 
 app = typer.Typer(
     name="trellis",
@@ -58,14 +63,24 @@ _register_commands()
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: runs the app and maps failures to one line and an exit code."""
+    args = hoist_global_flags(list(sys.argv[1:] if argv is None else argv))
     try:
-        app(args=argv, prog_name="trellis", standalone_mode=True)
+        # standalone_mode=False: the parser's errors come back to us (one line, not a boxed panel).
+        code = app(args=args, prog_name="trellis", standalone_mode=False)
+    except _PARSER_ERRORS as err:
+        if err.format_message():  # empty when bare `trellis` has already printed the help
+            _report_error(_usage_message(err))
+        raise SystemExit(getattr(err, "exit_code", EXIT_USAGE)) from None
+    except _ABORTS:  # EOF at a prompt, or Ctrl-C while the parser itself ran
+        _report_interrupted()
     except TrellisError as err:
         _report_trellis_error(err)
         raise SystemExit(err.exit_code) from None
     except KeyboardInterrupt:
-        output.stderr.print("interrupted", style="bold red")
-        raise SystemExit(130) from None
+        _report_interrupted()
+    except BrokenPipeError:  # `trellis inspect | head`: the reader left; nothing to say to it
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the interpreter's final flush must not fail
+        raise SystemExit(EXIT_FINDINGS) from None
     except OSError as err:
         # Permission denied, disk full, a file vanishing: the system's reason and the file are enough.
         _report_error(output.describe_os_error(err))
@@ -75,6 +90,70 @@ def main(argv: list[str] | None = None) -> None:
         what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
         _report_error(f"internal error: {what} (run with --debug for the traceback)")
         raise SystemExit(EXIT_FINDINGS) from None
+    if code == EXIT_INTERRUPTED:  # typer turns Ctrl-C inside a command into Exit(130) without a word
+        _report_interrupted()
+    raise SystemExit(code if isinstance(code, int) else 0)  # as click's standalone mode: always exits
+
+
+def _report_interrupted() -> None:
+    output.print_line("interrupted (Ctrl-C)", style="bold red", err=True)
+    raise SystemExit(EXIT_INTERRUPTED) from None
+
+
+def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """The parser's error and abort classes: click's, and those of the click copy newer typer vendors."""
+    errors, aborts = [click.exceptions.ClickException], [click.exceptions.Abort, getattr(typer, "Abort", None)]
+    try:
+        from typer._click import exceptions as vendored
+
+        errors.append(vendored.ClickException)
+    except ImportError:
+        pass
+    return tuple(errors), tuple(a for a in aborts if isinstance(a, type))
+
+
+_PARSER_ERRORS, _ABORTS = _click_exceptions()
+
+
+def _usage_message(err) -> str:
+    """The parser's complaint on one line, naming the command and where its help is."""
+    ctx = getattr(err, "ctx", None)
+    command = ctx.command_path if ctx is not None else "trellis"
+    return f"{command}: {err.format_message()} (see `{command} --help`)"
+
+
+def hoist_global_flags(args: list[str]) -> list[str]:
+    """Move `-q`/`--quiet`/`--debug` given after the subcommand to the front, where the app reads them.
+
+    Walks the subcommand's own options so that an option's value (`--token -q`) is never taken for a flag,
+    and stops at `--`.
+    """
+    import typer.main
+
+    group = typer.main.get_command(app)
+    sub_index = next((i for i, a in enumerate(args) if not a.startswith("-")), None)
+    command = getattr(group, "commands", {}).get(args[sub_index]) if sub_index is not None else None
+    if command is None:
+        return args
+    # Duck-typed: typer may hand back click's classes or those of its vendored copy.
+    takes_value = {name for param in command.params
+                   if getattr(param, "param_type_name", "") == "option" and not getattr(param, "is_flag", False)
+                   for name in (*param.opts, *param.secondary_opts)}
+    head, hoisted, rest = args[:sub_index + 1], [], []
+    tail = iter(args[sub_index + 1:])
+    for arg in tail:
+        if arg == "--":
+            rest += [arg, *tail]
+            break
+        if arg in GLOBAL_FLAGS:
+            hoisted.append(arg)
+            continue
+        rest.append(arg)
+        if arg in takes_value:
+            rest += list(itertools.islice(tail, 1))
+    if not hoisted:
+        return args
+    return hoisted + head + rest
 
 
 def _report_trellis_error(err: TrellisError) -> None:

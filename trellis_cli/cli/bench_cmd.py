@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -32,11 +33,12 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Benchmark the fused mixed-bitrate MoE kernel on this GPU (exit 4 without a GPU or nvcc)."""
         if compile_only:
-            _compile_only(arch, as_json)
+            _compile_only(_parse_arch(arch) if arch else None, as_json)
             return
         if arch:
             raise UsageError("--arch applies to --compile-only (a run builds for the GPU present)")
         m_list = _parse_ms(ms)
+        check_bench_arguments(source, synthetic, partition)  # usage (2) and source (3) errors before the GPU (4)
         _require_gpu()
         from trellis_cli.bench.source import load_bench_source
         from trellis_cli.kernel.abi import default_library
@@ -60,6 +62,37 @@ def _parse_ms(text: str) -> list[int]:
     if not values or any(v < 1 or v > 65536 for v in values):
         raise UsageError(f"--m {text!r}: token counts must be 1..65536")
     return values
+
+
+def _parse_arch(text: str) -> str:
+    from trellis_cli.kernel.build import normalize_arch
+
+    try:
+        return normalize_arch(text)
+    except GpuUnavailable as err:  # a misspelt option, not a missing GPU
+        raise UsageError(f"--arch {text!r}: {err}") from None
+
+
+def check_bench_arguments(source: str | None, synthetic: str | None, partition: str | None) -> None:
+    """What can be refused without a GPU: the SOURCE / --synthetic choice, the preset, the partition, and a
+    local SOURCE that does not exist. (A Hub id is resolved when it is read.)"""
+    from trellis_cli.bench.synthetic import get_preset, parse_partition
+    from trellis_cli.sources import open_source, parse_repo_spec
+
+    if synthetic and source:
+        raise UsageError("give either SOURCE or --synthetic, not both")
+    if synthetic:
+        preset = get_preset(synthetic)
+        parts = parse_partition(partition, len(preset.tier_k)) if partition else preset.partition
+        if sum(parts) != preset.experts:
+            raise UsageError(f"--partition {partition}: must add up to the preset's {preset.experts} experts")
+        return
+    if not source:
+        raise UsageError("nothing to benchmark: give SOURCE (repacked dir or TR3 checkpoint) or --synthetic NAME")
+    if partition:
+        raise UsageError("--partition applies to --synthetic only (a checkpoint declares its own)")
+    if parse_repo_spec(source) is None or Path(source).expanduser().exists():
+        open_source(source)  # local: cheap, and a missing path is exit 3
 
 
 def _require_gpu() -> None:

@@ -44,7 +44,10 @@ def register(app: typer.Typer) -> None:
         chosen = parse_layer_ranges(layers) if layers is not None else None
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         output.log(f"reading headers of {opened.description} ...")
-        document = build_inspect(open_checkpoint(opened), chosen)
+        # A production checkpoint has ~80 shards and 930k tensors: a spinner with the elapsed time on a terminal.
+        with output.progress_bar(f"reading headers of {opened.description}", None,
+                                 enabled=output.progress_enabled(as_json)):
+            document = build_inspect(open_checkpoint(opened), chosen)
         if as_json:
             output.emit_json(document)
             return

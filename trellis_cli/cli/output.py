@@ -18,6 +18,7 @@ from rich.progress import (
     Progress,
     SpinnerColumn,
     TextColumn,
+    TimeElapsedColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
@@ -102,12 +103,23 @@ def progress_enabled(as_json: bool = False) -> bool:
 def make_progress(*, bytes_mode: bool = False, enabled: bool = True) -> Progress:
     """A rich progress bar on stderr; disabled when quiet, in JSON mode or not on a terminal."""
     columns: list = [SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn()]
-    if bytes_mode:
+    if bytes_mode:  # "1.2/3.4 GB" (a total once known), then the rate
         columns += [DownloadColumn(), TransferSpeedColumn()]
-    else:
-        columns += [MofNCompleteColumn()]
-    columns.append(TimeRemainingColumn())
+    else:  # counts, or bytes for a task added with bytes=True (hashing within a run of rules)
+        columns += [AmountColumn()]
+    columns += [TimeElapsedColumn(), TimeRemainingColumn()]
     return Progress(*columns, console=stderr, transient=True, disable=not enabled)
+
+
+class AmountColumn(MofNCompleteColumn):
+    """"3/76" for a task counting items; "1.2/3.4 GB" for one added with the field bytes=True."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._bytes = DownloadColumn()
+
+    def render(self, task):
+        return self._bytes.render(task) if task.fields.get("bytes") else super().render(task)
 
 
 @contextmanager

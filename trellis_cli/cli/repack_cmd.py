@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -10,7 +11,7 @@ import typer
 
 from trellis_cli.cli import output
 from trellis_cli.cli.options import CacheDirOpt, EndpointOpt, OfflineOpt, RevisionOpt, TokenOpt, open_cli_source
-from trellis_cli.errors import TrellisError
+from trellis_cli.errors import TrellisError, UsageError
 
 
 class Target(str, Enum):
@@ -61,39 +62,69 @@ def register(app: typer.Typer) -> None:
                                                                           "tensors through.")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     ) -> None:
-        from trellis_cli.repack.run import RepackOptions, run_repack
-        from trellis_cli.selection import parse_layer_ranges
+        from trellis_cli.repack.run import RepackOptions
 
-        # The syntax and id bound validate and inspect use: an empty text or a range like 0-99999999999 is a
-        # usage error here, where the plan alone would take "" for "everything".
-        for option, text in (("--layers", layers), ("--ranks", ranks)):
-            if text is not None:
-                parse_layer_ranges(text, option=option)
-
+        started = time.perf_counter()  # the summary's time covers opening, validating and planning too
+        check_arguments(source, out, layers, ranks, tp, jobs, overwrite)
         options = RepackOptions(layers=layers, ranks=ranks, tp=tp, shared_h=shared_h, to=to.value, jobs=jobs,
                                 overwrite=overwrite, copy_other=not experts_only)
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
-        with output.make_progress(bytes_mode=True, enabled=output.progress_enabled(as_json)) as progress:
-            task = progress.add_task("repack", total=None)
-            try:
-                result = run_repack(opened, out, options,
-                                    on_bytes=lambda n: progress.advance(task, n),
-                                    on_total=lambda n: progress.update(task, total=n), log=output.log)
-            except OSError as err:
-                raise _write_failed(err, out) from err
-        summary = {
-            "out": str(result.out), "to": options.to, "files_written": result.files_written,
-            "files_resumed": result.files_resumed, "bytes_written": result.bytes_written,
-            "bytes_needed": result.bytes_needed,
-            "seconds": round(result.seconds, 3),
-            "throughput_mb_s": round(result.bytes_written / result.seconds / 1e6, 1) if result.seconds else None,
-        }
-        if as_json:
-            output.emit_json(summary)
-            return
-        output.print_line(
-            f"wrote {summary['out']} ({options.to}): {result.files_written} file(s) written and verified, "
-            f"{result.files_resumed} resumed, {result.bytes_written:,} bytes in {summary['seconds']} s")
+        # A plain line even off a terminal: opening and validating a 300 GB source reads ~80 headers first.
+        output.log(f"opening {opened.description}: reading headers and validating it before writing ...")
+        result = _run(opened, out, options, as_json)
+        _print_summary(result, options, source, time.perf_counter() - started, as_json)
+
+
+def check_arguments(source: str, out: Path, layers: str | None, ranks: str | None, tp: int | None, jobs: int,
+                    overwrite: bool) -> None:
+    """Usage errors found before the source is opened (which can take a minute on a production checkpoint)."""
+    from trellis_cli.selection import parse_layer_ranges
+
+    # The syntax and id bound validate and inspect use: an empty text or a range like 0-99999999999 is a
+    # usage error here, where the plan alone would take "" for "everything".
+    for option, text in (("--layers", layers), ("--ranks", ranks)):
+        if text is not None:
+            parse_layer_ranges(text, option=option)
+    if tp is not None and tp < 1:
+        raise UsageError(f"--tp {tp}: must be at least 1 (leave it out to keep the source's TP)")
+    if jobs < 1:
+        raise UsageError(f"--jobs {jobs}: must be at least 1")
+    local = Path(source).expanduser()
+    if local.is_dir():  # a Hub source has no local root to overlap; OUT is still checked again before writing
+        from trellis_cli.repack.staging import check_target
+
+        check_target(out, local, overwrite)
+
+
+def _run(opened, out: Path, options, as_json: bool):
+    from trellis_cli.repack.run import run_repack
+
+    with output.make_progress(bytes_mode=True, enabled=output.progress_enabled(as_json)) as progress:
+        task = progress.add_task("repack", total=None)
+        try:
+            return run_repack(opened, out, options, on_bytes=lambda n: progress.advance(task, n),
+                              on_total=lambda n: progress.update(task, total=n), log=output.log)
+        except OSError as err:
+            raise _write_failed(err, out) from err
+
+
+def _print_summary(result, options, source: str, seconds: float, as_json: bool) -> None:
+    # Verified means every output byte equals its source byte; it says nothing of whether the values are sound.
+    note = f"tensor values not checked (`trellis validate {source} --deep` checks them)"
+    summary = {
+        "out": str(result.out), "to": options.to, "files_written": result.files_written,
+        "files_resumed": result.files_resumed, "bytes_written": result.bytes_written,
+        "bytes_needed": result.bytes_needed, "seconds": round(seconds, 3), "write_seconds": round(result.seconds, 3),
+        "throughput_mb_s": round(result.bytes_written / result.seconds / 1e6, 1) if result.seconds else None,
+        "notes": [note],
+    }
+    if as_json:
+        output.emit_json(summary)
+        return
+    output.print_line(
+        f"wrote {summary['out']} ({options.to}): {result.files_written} file(s) written and verified against the "
+        f"source bit for bit, {result.files_resumed} resumed, {result.bytes_written:,} bytes in {summary['seconds']} s "
+        f"({round(seconds - result.seconds, 1)} s of it opening, validating and planning); {note}")
 
 
 def _write_failed(err: OSError, out: Path) -> TrellisError:

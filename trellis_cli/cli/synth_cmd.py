@@ -131,7 +131,7 @@ def register(app: typer.Typer) -> None:
         "Random valid codes with realistic suh/svh, seeded and reproducible. Streams one linear at a time: "
         f"peak memory about {PEAK_RSS_MB} MB even for a glm52-tp4 layer (3.97 GB per shard). "
         "--sparse writes real headers over unwritten data, so the full glm52-tp4 checkpoint "
-        "(~300 GB apparent) takes seconds and almost no disk. Options override the preset."
+        "(~300 GB apparent) takes about half a minute and almost no disk. Options override the preset."
     ))
     def synth_command(
         out: Annotated[Path, typer.Argument(help="Output directory (must not exist or be empty).")],

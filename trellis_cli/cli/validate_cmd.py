@@ -60,7 +60,7 @@ def register(app: typer.Typer) -> None:
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         report = _validate(opened, chosen, deep, download, checksums, as_json, engine)
         report.context.setdefault("source", opened.describe())
-        failed = not report.ok or (strict and bool(report.warnings))
+        failed = not report.ok or (strict and report.warning_count > 0)
         if as_json:
             document = report.to_dict()
             document["source"] = opened.describe()
@@ -71,12 +71,14 @@ def register(app: typer.Typer) -> None:
             render_report(report)
         if failed:
             raise ValidationFailed(report) if not report.ok else CheckFailed(
-                f"{len(report.warnings)} warning(s) with --strict: {report.summary()}")
+                f"{report.warning_count} warning(s) with --strict: {report.summary()}")
 
 
 def _validate(opened, layers: list[int] | None, deep: bool, download: bool, checksums: bool,
               as_json: bool, engine: str | None) -> Report:
+    from trellis_cli.checkpoint.model import DIALECT_REPACKED
     from trellis_cli.checkpoint.open import open_checkpoint
+    from trellis_cli.selection import require_present
     from trellis_cli.validate import run_validation
     from trellis_cli.validate.engines import DEFAULT
 
@@ -87,6 +89,8 @@ def _validate(opened, layers: list[int] | None, deep: bool, download: bool, chec
         return _single(opened, "dialect.unknown", str(e))
     except CheckFailed as e:
         return _single(opened, "checkpoint.unreadable", str(e))
+    if layers is not None and checkpoint.dialect != DIALECT_REPACKED:
+        require_present(layers, checkpoint.layers)  # before any download or rule
     if deep or download:
         _fetch_layers(checkpoint, layers, as_json)
     with output.make_progress(enabled=output.progress_enabled(as_json)) as progress:
@@ -98,8 +102,9 @@ def _validate(opened, layers: list[int] | None, deep: bool, download: bool, chec
             progress.update(tasks[stage], completed=done)
 
         def hashed(n: int) -> None:
-            if "hash" not in tasks:
-                tasks["hash"] = progress.add_task("hashing bytes", total=None)
+            if "hash" not in tasks:  # every file that can have a recorded hash: a total in human units
+                total = sum(size for size in checkpoint.files.values() if size > 0) or None
+                tasks["hash"] = progress.add_task("sha256", total=total, bytes=True)
             progress.advance(tasks["hash"], n)
 
         return run_validation(checkpoint, deep=deep, layers=layers, checksums=checksums,
@@ -136,12 +141,14 @@ _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO:
 
 
 def render_report(report: Report) -> None:
-    """Findings (errors first), the one-line verdict, then which engines load the checkpoint, on stdout."""
+    """Findings (errors first), how many more of each capped code, the one-line verdict, then which engines load
+    the checkpoint, on stdout."""
     from trellis_cli.validate.engines import compatibility_line
 
     order = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.INFO: 2}
-    for finding in sorted(report.findings, key=lambda f: order[f.severity]):
-        output.print_line(finding.line(), style=_STYLE[finding.severity])
+    lines = [(f.severity, f.line()) for f in report.findings] + report.omitted_lines()
+    for severity, line in sorted(lines, key=lambda item: order[item[0]]):
+        output.print_line(line, style=_STYLE[severity])
     context = report.context
     if context.get("dialect"):
         output.print_line(f"dialect: {context['dialect']}")

@@ -13,12 +13,12 @@ import re
 from collections import Counter
 from typing import Any
 
-from trellis_cli.findings import Location, error
+from trellis_cli.findings import Location, error, error_summary
 from trellis_cli.header import is_int
 from trellis_cli.id_ranges import range_bounds
 from trellis_cli.repack import manifest as mf
 from trellis_cli.repack.format import CODEBOOK_IDS, MANIFEST_NAME, MAX_TIER_EXPERTS, ROTATIONS, layer_file_name
-from trellis_cli.validate import MAX_FINDINGS_PER_CODE, SUMMARY_PREFIX
+from trellis_cli.validate import MAX_FINDINGS_PER_CODE
 
 REQUIRED_KEYS = ("schema", "schema_version", "source", "geometry", "tp", "ranks", "codebook", "rotation", "layers",
                  "files")
@@ -57,8 +57,9 @@ class _ManifestShape:
                  name)
 
     def summaries(self) -> list:
-        return [error(code, Location(file=MANIFEST_NAME), f"{SUMMARY_PREFIX}{n - MAX_FINDINGS_PER_CODE} more {code} "
-                      "finding(s) in the manifest") for code, n in self.made.items() if n > MAX_FINDINGS_PER_CODE]
+        return [error_summary(code, Location(file=MANIFEST_NAME), n - MAX_FINDINGS_PER_CODE,
+                              f"{code} finding(s) in the manifest") for code, n in self.made.items()
+                if n > MAX_FINDINGS_PER_CODE]
 
     def run(self) -> list:
         doc = self.doc

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 from trellis_cli.checkpoint.model import MIN_COUNT_LIMIT
 from trellis_cli.errors import CheckFailed, SourceUnavailable
-from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, Report, error, missing_ids, warning
+from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, Report, error, error_summary, missing_ids, summary_finding, warning
 from trellis_cli.header import HeaderError, read_local_header
 from trellis_cli.id_ranges import expand_ranges
 from trellis_cli.repack import manifest as mf
@@ -123,8 +123,8 @@ def _capped(items: list, make_one, what: str, where: Location = Location(file=MA
         last = make_one(item)
         yield last
     if len(items) > MAX_MISSING_SHOWN:
-        yield Finding(last.code, last.severity, where, f"... and {len(items) - MAX_MISSING_SHOWN} more {what} "
-                      f"({len(items)} in all)")
+        yield summary_finding(last.code, last.severity, where, len(items) - MAX_MISSING_SHOWN,
+                              f"{what} ({len(items)} in all)")
 
 
 def _check_listed_file(pack: LocalSource, name: str, entry: dict, report: Report, check_hashes: bool) -> bool:
@@ -187,10 +187,10 @@ def _check_layer_files(pack: LocalSource, doc: dict, report: Report, limit: int,
             report.findings.append(error("repack.missing-file", Location(file=layer_file_name(layer, rank),
                                          layer=layer, rank=rank), "layer file not listed in the manifest"))
         if total > len(first):
-            report.findings.append(error("repack.missing-file", Location(file=MANIFEST_NAME), f"... and "
-                                         f"{total - len(first)} more layer files not listed in the manifest",
-                                         f"{declared} ({len(layers)} layers x {len(ranks)} ranks)",
-                                         f"{total} not listed"))
+            report.findings.append(error_summary("repack.missing-file", Location(file=MANIFEST_NAME),
+                                                 total - len(first), "layer files not listed in the manifest",
+                                                 f"{declared} ({len(layers)} layers x {len(ranks)} ranks)",
+                                                 f"{total} not listed"))
     for pair in sorted(listed):
         layer, rank = layers[pair // len(ranks)], ranks[pair % len(ranks)]
         _check_layer_file(pack, doc, layer, rank, doc["layers"][str(layer)], report)

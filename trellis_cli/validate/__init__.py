@@ -19,8 +19,11 @@ from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.validate import (engines, rules_config, rules_files, rules_markers, rules_runtime,
                                   rules_tensors)
 
-MAX_FINDINGS_PER_CODE = 50  # then one "... and N more" line: a missing shard must not print 12,288 lines
-SUMMARY_PREFIX = "... and "
+# Said beside every verdict that did not read tensor values: a header-perfect checkpoint of zeros passes.
+NOT_DEEP_NOTE = "tensor data not checked (headers only; --deep reads it)"
+ROUTE_PACK_NOTE = ("tensor values not checked: the sha256 of every file matches the manifest repack wrote "
+                   "(validate the source with --deep to check its data)")
+MAX_FINDINGS_PER_CODE = 50  # then counted, not listed: a missing shard must not print 12,288 lines
 
 CHECKSUM_CODES = {  # integrity status -> (code, severity, message)
     "mismatch": ("checksum.mismatch", Severity.ERROR, "sha256 differs from the recorded hash"),
@@ -29,7 +32,8 @@ CHECKSUM_CODES = {  # integrity status -> (code, severity, message)
     "malformed": ("checksum.manifest", Severity.ERROR, "MANIFEST.sha256 line cannot be used"),
     "unreadable": ("file.unreadable", Severity.ERROR, "the file cannot be read"),
     "unlisted": ("checksum.unlisted", Severity.WARNING, "no hash is recorded for this file"),
-    "no-manifest": ("checksum.unavailable", Severity.WARNING, "no MANIFEST.sha256: nothing to compare against"),
+    "no-manifest": ("checksum.unavailable", Severity.ERROR, "--checksums asked for, but there is no MANIFEST.sha256: "
+                    "nothing to compare against, so no file was checked"),
     "not-cached": ("checksum.not-cached", Severity.WARNING, "not in the local cache, so not hashed"),
 }
 
@@ -49,32 +53,35 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
     if checkpoint.dialect == DIALECT_REPACKED:
         report = _validate_route_pack(checkpoint, checksums)
         engines.assess(checkpoint, [], report, enforced)
-        report.findings = cap_findings(report.findings)
+        cap_findings(report)
         return report
     from trellis_cli.checkpoint.open import paused_gc
 
+    selected = _selected_layers(checkpoint, layers)  # a usage error before any rule runs
     report = Report(subject=_subject(checkpoint), context=_context(checkpoint))
     if checkpoint.dialect == DIALECT_EXL3V1:
         from trellis_cli.validate.rules_exl3v1 import check_exl3v1
 
-        check_exl3v1(checkpoint, report, _selected_layers(checkpoint, layers, report), deep=deep,
-                     checksums=checksums, progress=progress, checksum_progress=checksum_progress)
-        report.findings = cap_findings(report.findings)
+        check_exl3v1(checkpoint, report, selected, deep=deep, checksums=checksums, progress=progress,
+                     checksum_progress=checksum_progress)
+        cap_findings(report)
         return report
     with paused_gc():
-        selected = _run_header_rules(checkpoint, layers, report, progress)
+        _run_header_rules(checkpoint, selected, report, progress)
     _run_markers(checkpoint, selected, report, deep)
     if deep:
         _run_deep(checkpoint, selected, report, progress)
+    else:
+        report.notes.append(NOT_DEEP_NOTE)
     if checksums:
         _run_checksums(checkpoint, report, checksum_progress)
     engines.assess(checkpoint, selected, report, enforced)
     report.context["engine"] = enforced
-    report.findings = cap_findings(report.findings)
+    cap_findings(report)
     return report
 
 
-def _run_header_rules(checkpoint: Checkpoint, layers: list[int] | None, report: Report, progress) -> list[int]:
+def _run_header_rules(checkpoint: Checkpoint, selected: list[int], report: Report, progress) -> None:
     report.extend(checkpoint.parse_findings)
     report.extend(rules_files.check_files(checkpoint))
     report.count("files", len(checkpoint.headers))
@@ -83,7 +90,6 @@ def _run_header_rules(checkpoint: Checkpoint, layers: list[int] | None, report: 
     if not checkpoint.layers:
         report.findings.append(Finding("layer.none", Severity.WARNING, Location(), "no routed-expert MoE layers "
                                        "found: nothing for the per-layer rules to check"))
-    selected = _selected_layers(checkpoint, layers, report)
     for done, li in enumerate(selected, 1):
         report.extend(rules_tensors.check_layers(checkpoint, [li]))
         if progress is not None:
@@ -92,7 +98,6 @@ def _run_header_rules(checkpoint: Checkpoint, layers: list[int] | None, report: 
     report.count("layers", len(selected))
     report.count("linears", sum(len(r) for li in selected for p in checkpoint.layers[li].experts.values()
                                 for r in p.values()))
-    return selected
 
 
 def _run_markers(ckpt: Checkpoint, selected: list[int], report: Report, deep: bool) -> None:
@@ -117,15 +122,12 @@ def _context(ckpt: Checkpoint) -> dict:
             "rotation_layout": ckpt.rotation_layout, "tp": ckpt.tp, "revision": getattr(ckpt.source, "revision", None)}
 
 
-def _selected_layers(ckpt: Checkpoint, layers: list[int] | None, report: Report) -> list[int]:
+def _selected_layers(ckpt: Checkpoint, layers: list[int] | None) -> list[int]:
     if layers is None:
         return list(ckpt.layers)
-    for li in layers:
-        if li not in ckpt.layers:
-            report.findings.append(Finding("layers.not-found", Severity.WARNING, Location(layer=li),
-                                           "--layers names a layer the checkpoint does not have",
-                                           expected=compact_ranges(list(ckpt.layers)), found=li))
-    return [li for li in layers if li in ckpt.layers]
+    from trellis_cli.selection import require_present
+
+    return require_present(layers, ckpt.layers)
 
 
 def _run_deep(ckpt: Checkpoint, selected: list[int], report: Report, progress) -> None:
@@ -159,26 +161,25 @@ def _validate_route_pack(ckpt: Checkpoint, checksums: bool) -> Report:
     del checksums
     report = verify_repacked(ckpt.source, check_hashes=True)
     report.context.setdefault("dialect", DIALECT_REPACKED)
+    report.notes.append(ROUTE_PACK_NOTE)
     return report
 
 
-def cap_findings(findings: list[Finding], limit: int = MAX_FINDINGS_PER_CODE) -> list[Finding]:
-    """Keep the first `limit` findings of each code, then one summary finding of the same code and severity.
+def cap_findings(report: Report, limit: int = MAX_FINDINGS_PER_CODE) -> None:
+    """List the first `limit` findings of each code; count the rest in `report.omitted` (the totals stay true).
 
-    Summaries the rules already made (`... and N more ...`, one per layer with the true total) are always kept.
+    Summaries the rules already made (one per layer, carrying their own count) are always listed.
     """
     seen: Counter[str] = Counter()
     kept: list[Finding] = []
-    for f in findings:
-        if f.message.startswith(SUMMARY_PREFIX):
+    for f in report.findings:
+        if f.summary:
             kept.append(f)
             continue
         seen[f.code] += 1
         if seen[f.code] <= limit:
             kept.append(f)
-    for code, n in seen.items():
-        if n > limit:
-            first = next(f for f in findings if f.code == code)
-            message = f"{SUMMARY_PREFIX}{n - limit} more {code} finding(s)"
-            kept.append(Finding(code, first.severity, Location(), message))
-    return kept
+        else:
+            key = (f.code, f.severity)
+            report.omitted[key] = report.omitted.get(key, 0) + f.count
+    report.findings = kept

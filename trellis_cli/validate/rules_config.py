@@ -13,7 +13,7 @@ from trellis_cli.checkpoint.declared import layer_range, layer_span
 from trellis_cli.checkpoint.dialect import QUANT_CONFIG
 from trellis_cli.checkpoint.model import DIALECT_EXL3, DIALECT_R7, Checkpoint
 from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, TENSOR_SCHEMA
-from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, warning
+from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, error_summary, warning
 from trellis_cli.header import is_int
 
 REQUIRED_TR3_KEYS = ("bits", "codebook", "experts_per_layer", "moe_layers", "tensor_schema", "tp")
@@ -299,8 +299,8 @@ def _check_layer_count(ckpt: Checkpoint, layers: int) -> Iterator[Finding]:
         yield error("config.layer-count", Location(layer=li), f"the files hold expert tensors of a layer the model "
                     f"does not have ({where} is {layers})", expected=f"layer < {layers}", found=li)
     if len(beyond) > MAX_MISSING_SHOWN:
-        yield error("config.layer-count", Location(), f"... and {len(beyond) - MAX_MISSING_SHOWN} more layers "
-                    f"beyond {where}", expected=f"layer < {layers}", found=f"{len(beyond)} layers")
+        yield error_summary("config.layer-count", Location(), len(beyond) - MAX_MISSING_SHOWN, f"layers beyond {where}",
+                            expected=f"layer < {layers}", found=f"{len(beyond)} layers")
 
 
 def check_undeclared_layers(ckpt: Checkpoint, h: dict) -> Iterator[Finding]:
@@ -314,8 +314,8 @@ def check_undeclared_layers(ckpt: Checkpoint, h: dict) -> Iterator[Finding]:
         yield error("layer.undeclared", Location(layer=li), "expert tensors of a layer outside moe_layers (the "
                     "loader never loads them)", expected=f"layers {first}-{last}", found=li)
     if len(outside) > MAX_MISSING_SHOWN:
-        yield error("layer.undeclared", Location(), f"... and {len(outside) - MAX_MISSING_SHOWN} more layers outside "
-                    "moe_layers", expected=f"layers {first}-{last}", found=f"{len(outside)} layers")
+        yield error_summary("layer.undeclared", Location(), len(outside) - MAX_MISSING_SHOWN, "layers outside moe_layers",
+                            expected=f"layers {first}-{last}", found=f"{len(outside)} layers")
 
 
 def _short(value: Any) -> str:

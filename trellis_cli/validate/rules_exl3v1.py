@@ -20,7 +20,7 @@ from trellis_cli.exl3v1.container import (CODES, HIDDEN_TABLES, RATES_FC1, RATES
                                           local_file, rate_table_shape)
 from trellis_cli.exl3v1.layout import LayerRates, row_payload
 from trellis_cli.exl3v1.schema import KIND_OF_CODE, SLOT_CHANNELS, Manifest
-from trellis_cli.findings import Finding, Report, error, warning
+from trellis_cli.findings import Finding, Report, error, error_summary, warning
 from trellis_cli.header import DTYPE_BYTES
 from trellis_cli.validate.rules_files import check_shard
 
@@ -181,8 +181,8 @@ def _rows(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer, rates: LayerRates, st
                     "padding after the bundles", "zero padding", f"non-zero at byte {column}")
     for code, rows in (("exl3v1.row-short", short), ("exl3v1.padding", dirty)):
         if len(rows) > MAX_ROWS_SHOWN:
-            yield error(code, finding_where(layer, CODES), f"... and {len(rows) - MAX_ROWS_SHOWN} more row(s) of "
-                        f"layer {layer.index}")
+            yield error_summary(code, finding_where(layer, CODES), len(rows) - MAX_ROWS_SHOWN,
+                                f"row(s) of layer {layer.index}")
 
 
 def _sign_pattern(ckpt: Checkpoint, layer: Exl3Layer) -> Iterator[Finding]:

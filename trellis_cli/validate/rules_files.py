@@ -12,7 +12,7 @@ import math
 from typing import Iterator
 
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, warning
+from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, error_summary, warning
 from trellis_cli.header import DTYPE_BYTES
 from trellis_cli.sources import safe_relative
 
@@ -108,9 +108,9 @@ def _check_index(ckpt: Checkpoint) -> Iterator[Finding]:
             yield error("index.unindexed", Location(file=file, tensor=name), "tensor is in a shard but not in "
                         "the index (loaders that trust the index will not see it)")
         if len(unindexed) > MAX_MISSING_SHOWN:
-            yield error("index.unindexed", Location(file=file), f"... and {len(unindexed) - MAX_MISSING_SHOWN} more "
-                        "tensors of this shard are not in the index", expected="0 unindexed",
-                        found=f"{len(unindexed)} unindexed")
+            yield error_summary("index.unindexed", Location(file=file), len(unindexed) - MAX_MISSING_SHOWN,
+                                "tensors of this shard are not in the index", expected="0 unindexed",
+                                found=f"{len(unindexed)} unindexed")
     total = (ckpt.declared.get("index_metadata") or {}).get("total_size")
     if total is None or any(file not in headers for file in set(index.values())):
         return  # an unreadable shard is already reported; its bytes cannot be summed

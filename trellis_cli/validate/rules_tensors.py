@@ -21,7 +21,7 @@ from trellis_cli.checkpoint.model import (
     MoeLayer,
 )
 from trellis_cli.checkpoint.names import H_SIDE
-from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, missing_ids, warning
+from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, error_summary, missing_ids, warning
 
 TR3_DIALECTS = (DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H)
 MAX_TIER_EXPERTS = 256  # local expert ids are 8 bits in the mixed kernel
@@ -87,8 +87,8 @@ def check_layer(ckpt: Checkpoint, layer: MoeLayer) -> Iterator[Finding]:
                 yield from check_linear(ctx, expert, proj, rank, lin)
         yield from _check_expert_k(ckpt, ctx, layer, expert, projs)
     if missing > shown:
-        yield error("rank.missing", here, f"... and {missing - shown} more missing rank slices in this layer",
-                    expected=f"ranks 0-{ctx.tp - 1}", found=f"{missing} missing")
+        yield error_summary("rank.missing", here, missing - shown, "missing rank slices in this layer",
+                            expected=f"ranks 0-{ctx.tp - 1}", found=f"{missing} missing")
     if ctx.shared or layer.shared_h:
         yield from _check_shared_h(ctx, layer)
     yield from _check_tiers(ctx, layer)
@@ -104,8 +104,8 @@ def _check_membership(ctx: LayerContext, layer: MoeLayer) -> Iterator[Finding]:
         yield error("expert.missing", Location(layer=layer.index, expert=expert), "expert has no tensors",
                     expected=f"experts 0-{ctx.experts - 1}", found=f"{len(layer.experts)} experts")
     if total > len(first):
-        yield error("expert.missing", Location(layer=layer.index), f"... and {total - len(first)} more missing "
-                    "experts in this layer", expected=f"experts 0-{ctx.experts - 1}", found=f"{total} missing")
+        yield error_summary("expert.missing", Location(layer=layer.index), total - len(first), "missing experts "
+                            "in this layer", expected=f"experts 0-{ctx.experts - 1}", found=f"{total} missing")
     for expert in layer.experts:
         if expert >= ctx.experts:
             yield error("expert.extra", Location(layer=layer.index, expert=expert), "expert id outside the declared "
@@ -240,8 +240,8 @@ def _check_shared_h(ctx: LayerContext, layer: MoeLayer) -> Iterator[Finding]:
             yield error("shared-h.missing", Location(layer=layer.index, projection=proj, rank=rank),
                         f"no shared {H_SIDE[proj]} row for this projection and rank")
         if total > len(first):
-            yield error("shared-h.missing", Location(layer=layer.index, projection=proj), f"... and "
-                        f"{total - len(first)} more ranks without a shared {H_SIDE[proj]} row")
+            yield error_summary("shared-h.missing", Location(layer=layer.index, projection=proj), total - len(first),
+                                f"ranks without a shared {H_SIDE[proj]} row")
         for rank in sorted(r for r in present if r < ctx.tp):
             ref = layer.shared_h[(proj, rank)][H_SIDE[proj]]
             if ref.dtype != "F16" or (ctx.hidden and ref.shape not in ((ctx.hidden,), (1, ctx.hidden))):
