@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_repack_cli import run_cli
+from helpers import run_cli
 from trellis_cli import synth
 from trellis_cli.cli import output
 

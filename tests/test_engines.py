@@ -14,17 +14,14 @@ import pytest
 import torch
 
 from corrupt import SHARD3, SHARD4, edit_json, key, rebuild_shard, write_tensor_bytes
-from test_checkpoint import synth, to_plain_exl3, to_r7
+from helpers import tiny_checkpoint as synth, to_plain_exl3, to_r7
 from trellis_cli.cli import validate_cmd
-from trellis_cli.cli.app import main
 from trellis_cli.validate.engines import BY_NAME, ENGINES
+from helpers import run_cli
 
 
 def run(argv, capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    captured = capsys.readouterr()
-    return int(info.value.code or 0), captured.out, captured.err
+    return run_cli(capsys, *argv)
 
 
 def report(root, capsys, *extra) -> tuple[int, dict]:

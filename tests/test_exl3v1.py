@@ -12,21 +12,16 @@ from pathlib import Path
 import pytest
 
 from trellis_cli.checkpoint import open_checkpoint
-from trellis_cli.cli.app import main
 from trellis_cli.header import read_local_header
 from trellis_cli.synth import SynthSpec, preset
+from helpers import run_cli as run_cli_split
 
 MANIFEST = "exl3-manifest.json"
 LAYER3 = "exl3-layer-00003.safetensors"
 
 
 def run_cli(capsys, *args: str, stdout_only: bool = False) -> tuple[int, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
+    code, out, err = run_cli_split(capsys, *args)
     return code, out if stdout_only else out + err
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from trellis_cli.cli.app import main
 from trellis_cli.synth import SynthSpec
+from helpers import run_cli as run_cli_split
 
 b12x_exl3 = pytest.importorskip("b12x.moe.checkpoints.exl3")
 
@@ -33,12 +33,7 @@ def b12x_synth():
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out, _ = capsys.readouterr()
+    code, out, _ = run_cli_split(capsys, *args)
     return code, out
 
 

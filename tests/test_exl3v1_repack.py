@@ -6,19 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from trellis_cli.cli.app import main
 from trellis_cli.exl3v1.synth import write_exl3v1_checkpoint
 from trellis_cli.synth import SynthSpec, write_checkpoint
-
-
-def run_cli(capsys, *args: str) -> tuple[int, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
-    return code, out + err
+from helpers import run_cli_merged as run_cli
 
 
 def tensors(root: Path) -> dict[tuple[str, str], tuple]:

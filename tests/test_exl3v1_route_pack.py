@@ -8,19 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from trellis_cli.cli.app import main
 from trellis_cli.exl3v1.synth import write_exl3v1_checkpoint
 from trellis_cli.synth import SynthSpec
-
-
-def run_cli(capsys, *args: str) -> tuple[int, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
-    return code, out + err
+from helpers import run_cli_merged as run_cli
 
 
 def tensors(root: Path, pattern: str = "*.safetensors") -> dict[tuple[str, str], tuple]:
@@ -125,7 +115,7 @@ def test_interrupted_pack_resumes(tmp_path):
     assert tensors(tmp_path / "pack") == tensors(tmp_path / "fresh")
 
 
-def test_read_back_names_a_changed_byte(tmp_path):
+def test_read_back_names_a_changed_byte(capsys, tmp_path):
     """The read-back check itself: one trellis byte changed in a written layer file is found and named."""
     from trellis_cli.checkpoint import open_checkpoint
     from trellis_cli.errors import CheckFailed
@@ -136,7 +126,7 @@ def test_read_back_names_a_changed_byte(tmp_path):
     from trellis_cli.repack.source_bytes import TensorReader
 
     source = write_exl3v1_checkpoint(tmp_path / "exl3", SPECS["pair-per-expert"])
-    assert main_ok("repack", str(source), str(tmp_path / "pack"), "--tp", "2")
+    assert main_ok(capsys, "repack", str(source), str(tmp_path / "pack"), "--tp", "2")
     path = tmp_path / "pack" / "layer-003-rank-1.safetensors"
     ck = open_checkpoint(source)
     m, layer, rates = container(ck).manifest, container(ck).layers[3], layer_rates(ck, 3)
@@ -152,22 +142,18 @@ def test_read_back_names_a_changed_byte(tmp_path):
             check_written(path, m, layer, rates, reader, 1, 2, tiers)
 
 
-def main_ok(*args: str) -> bool:
-    try:
-        main(list(args))
-    except SystemExit as e:
-        return not e.code
-    return True
+def main_ok(capsys, *args: str) -> bool:
+    return run_cli(capsys, *args)[0] == 0
 
 
 def test_exl3v1_made_from_tr3_packs_and_goes_back_to_that_tr3(capsys, tmp_path):
     """The carried config and note: the pack defaults to the TR3's TP, and --to tr3 restores its files."""
     seed = write_exl3v1_checkpoint(tmp_path / "seed", SPECS["pair-per-expert"])
-    assert main_ok("repack", str(seed), str(tmp_path / "tr3"), "--to", "tr3", "--tp", "2")
-    assert main_ok("repack", str(tmp_path / "tr3"), str(tmp_path / "exl3"), "--to", "exl3-v1")
-    assert main_ok("repack", str(tmp_path / "exl3"), str(tmp_path / "pack"))
+    assert main_ok(capsys, "repack", str(seed), str(tmp_path / "tr3"), "--to", "tr3", "--tp", "2")
+    assert main_ok(capsys, "repack", str(tmp_path / "tr3"), str(tmp_path / "exl3"), "--to", "exl3-v1")
+    assert main_ok(capsys, "repack", str(tmp_path / "exl3"), str(tmp_path / "pack"))
     assert json.loads((tmp_path / "pack" / "manifest.json").read_text())["tp"] == 2
-    assert main_ok("repack", str(tmp_path / "pack"), str(tmp_path / "back"), "--to", "tr3")
+    assert main_ok(capsys, "repack", str(tmp_path / "pack"), str(tmp_path / "back"), "--to", "tr3")
     capsys.readouterr()
     assert tensors(tmp_path / "back") == tensors(tmp_path / "tr3")
     assert (tmp_path / "back" / "config.json").read_text() == (tmp_path / "tr3" / "config.json").read_text()
@@ -178,7 +164,7 @@ def test_a_tr3_shard_outside_the_pack_is_refused(capsys, tmp_path):
     from trellis_cli.repack import manifest as mf
 
     source = write_exl3v1_checkpoint(tmp_path / "exl3", SPECS["uniform-shared"])
-    assert main_ok("repack", str(source), str(tmp_path / "pack"))
+    assert main_ok(capsys, "repack", str(source), str(tmp_path / "pack"))
     doc, _ = mf.read_manifest(tmp_path / "pack")
     doc["layers"]["3"]["tr3_shard"] = "../escaped.safetensors"
     mf.write_manifest(tmp_path / "pack", doc)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from roundtrip import LAYOUTS, assert_same_files, assert_same_tensors, non_expert_tensors, relayout
-from test_repack_cli import run_cli
+from helpers import run_cli
 from trellis_cli import synth
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from roundtrip import LAYOUTS, assert_same_tensors, non_expert_tensors, relayout
-from test_repack_cli import run_cli
+from helpers import run_cli
 from trellis_cli import synth
 from trellis_cli.stwriter import PlannedTensor, encode_header
 

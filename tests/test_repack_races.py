@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from roundtrip import assert_same_tensors
-from test_repack_cli import run_cli
+from helpers import run_cli
 from trellis_cli import synth
 
 ROOT = Path(__file__).resolve().parents[1]

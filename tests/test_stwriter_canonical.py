@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from test_repack_cli import run_cli
+from helpers import run_cli
 from trellis_cli import synth
-from trellis_cli.stwriter import write_file
+from helpers import write_tensors as write_file
 
 
 def tensors_of_every_dtype() -> dict[str, torch.Tensor]:
