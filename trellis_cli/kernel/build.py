@@ -241,8 +241,8 @@ def _compile_units(nvcc: str, arch: str, source_dir: Path, units: list[Unit], pa
     if log:
         estimate = cold_build_estimate(units, parallel)
         log(f"kernel build for {arch}: compiling {len(units)} of {len(paths)} units, {parallel} at a time "
-            f"(TRELLIS_BUILD_JOBS); a cold build of these takes about {_clock(estimate)} at {parallel} "
-            f"at a time on 2-core machine speed, less on a faster one")
+            f"(--jobs, TRELLIS_BUILD_JOBS); a cold build of these takes about {_clock(estimate)} at the speed "
+            f"of a 2-core reference machine")
     jobs = []
     for unit in units:
         fd, tmp = tempfile.mkstemp(prefix=f".{paths[unit].stem}-", suffix=".o.tmp", dir=paths[unit].parent)
