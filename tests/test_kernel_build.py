@@ -270,7 +270,8 @@ def test_timeline_diagnostic_build_compiles_and_exports_its_reader(tmp_path: Pat
 
 @requires_gpu
 @pytest.mark.gpu
-def test_a_library_without_the_layers_codebook_refuses_it(cache: Path):
+def test_a_library_without_the_layers_codebook_refuses_it():
+    # The mcg library the GPU tests share (tests/test_kernel_gpu.py builds it too): no second cold build.
     from trellis_cli.bench.synthetic import Preset, synthetic_pack
     from trellis_cli.errors import CheckFailed
     from trellis_cli.kernel.abi import default_library, load_library
