@@ -52,7 +52,8 @@ K_SETS = ("allk", "k3k4")
 BUILD_ORDER = ("mcg", "3inst", "mul1")
 DEFAULT_STALL_S = 300.0
 # CPU seconds each unit takes to compile for sm_90 on the 2-core reference machine (docs/performance.md,
-# "Kernel build"): units start longest first, and the estimate said before a cold build comes from these.
+# "Kernel build time"): units start longest first, and the estimate said before a cold build comes from
+# these.
 UNIT_SECONDS = {"host": 7.0, "mma16-allk": 18.0, "mma16-k3k4": 6.0, "mma32-allk": 22.0, "mma32-k3k4": 7.0,
                 "mma128-allk": 14.0, "mma128-k3k4": 4.0, "wgmma-allk": 18.0, "wgmma-k3k4": 36.0}
 _INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.M)
