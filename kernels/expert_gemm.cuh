@@ -785,27 +785,6 @@ __global__ void __launch_bounds__(256) rotate_routes_kernel(const TrellisMoeArgs
   after_predecessor();
 }
 
-// The rotation kernel and grid for this call's tiles and input dtype.
-struct RotationLaunch {
-  void (*kernel)(TrellisMoeArgs);
-  dim3 grid;
-};
-inline RotationLaunch rotation_for(const TrellisMoeArgs& a, int tiles) {
-  const bool bf16 = a.x_dtype == TRELLIS_DT_BF16;
-  if (!route_rows(a.m_tile, a.direct) && !rows_by_token(a)) {  // the rows FC1 reads per slot (fc1_body), plain columns
-    // Column blocks per CTA so that a tile's expected rows (routes per expert: plan.py routes_per_expert)
-    // times blocks fill the CTA's 32 (row, block) items per step.
-    const int experts = a.num_experts > 1 ? a.num_experts : 1;
-    const long long rows = (1LL * a.m * a.top_k + experts - 1) / experts;
-    int blocks = rows >= 32 ? 1 : rows >= 16 ? 2 : kMaxRotateBlocks;
-    while ((a.hidden / 128) % blocks) blocks >>= 1;
-    return {bf16 ? rotate_input_kernel<true> : rotate_input_kernel<false>, dim3(tiles, a.hidden / 128 / blocks)};
-  }
-  const int steps = (a.hidden / 128 + kSmallRotateBlocks - 1) / kSmallRotateBlocks;
-  return {bf16 ? rotate_routes_kernel<true> : rotate_routes_kernel<false>,
-          dim3(rows_by_token(a) ? a.m : a.m * a.top_k, steps)};
-}
-
 // The svh row of FC2's output for the tile's expert.
 __device__ __forceinline__ const __half* down_svh(const TrellisMoeArgs& a, const WorkTile& w) {
   return static_cast<const __half*>(a.down_svh) + size_t(a.down_svh_shared ? 0 : w.expert) * a.hidden;
@@ -848,7 +827,7 @@ __device__ __forceinline__ void store_down_rows(const TrellisMoeArgs& a, const W
 // ---------------------------------------------------------------------------------------------------
 // FC2: 8 warps = the 8 n tiles of one 128-column output block, full K = I.
 // The epilogue holds whole 128-column blocks, so it applies H128, svh and the router weight itself.
-// Small tiles: a CTA computes `span` consecutive blocks of its tile (trellis_moe.cu fc2_span), the copy
+// Small tiles: a CTA computes `span` consecutive blocks of its tile (gemm_unit.cu fc2_span), the copy
 // ring running on from one block into the next. A block is only I/128 chunks (4 at I = 512), and a CTA
 // of one block spent as long on its tile lookups, first copies and epilogue as on its chunks
 // (M = 8-256: of a CTA's 10.9 us, 4.5 before its wait returned and 1.25 of epilogue); a span pays the first two once and hides the epilogues behind copies.

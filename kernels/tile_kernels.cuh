@@ -8,7 +8,7 @@ namespace trellis {
 // Features per FC1 item on wgmma (expert_wgmma.cuh kWgFeatures).
 constexpr int kFc1WgmmaFeatures = 256;
 
-// Whether FC1 and FC2 of this call run on the wgmma kernels (trellis_moe.cu launch_for_tile).
+// Whether FC1 and FC2 of this call run on the wgmma kernels (trellis_moe.cu tile_family, gemm_unit.cu).
 __host__ __device__ __forceinline__ bool gemms_on_wgmma(const TrellisMoeArgs& a) {
 #ifdef TRELLIS_WGMMA
   return a.m_tile == 128 && a.hidden % kFc1WgmmaFeatures == 0 && a.intermediate % kFc1WgmmaFeatures == 0;

@@ -6,6 +6,9 @@
 // by one (handover.cuh). All run on the caller's stream with no host synchronisation, so a whole call can
 // be captured in a CUDA graph. Every tier's K and size are launch scalars: one compiled object serves any
 // partition of any layer.
+//
+// This is the library's host unit; the FC1 and FC2 kernels come from the GEMM units linked with it
+// (gemm_table.h, gemm_unit.cu).
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdio.h>
@@ -16,11 +19,18 @@
 #include "abi.h"
 #include "activation.cuh"
 #include "expert_gemm.cuh"
-#include "expert_wgmma.cuh"
+#include "gemm_table.h"
 #include "launch.cuh"
-#include "route_pack.cuh"
+#include "occupancy.cuh"
+#include "rotation_launch.cuh"
+#include "route_pack_kernels.cuh"
 
 namespace {
+
+using trellis::ctas_per_sm;
+using trellis::GemmKernels;
+using trellis::sm_limits;
+using trellis::SmLimits;
 
 char g_error[512] = "";
 
@@ -87,57 +97,6 @@ bool device_has_pdl() {
   return major >= 9;
 }
 
-// What even_wave_smem needs of a device, read once per device: it runs on every call's host path.
-struct SmLimits {
-  int sms = 0, threads = 0, smem = 0, reserved = 0, optin = 0;
-};
-bool sm_limits(SmLimits& out) {
-  constexpr int kDevices = 64;
-  static SmLimits cache[kDevices];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) return false;
-  SmLimits& l = cache[device];
-  if (l.sms == 0) {
-    SmLimits read;
-    if (cudaDeviceGetAttribute(&read.sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&read.threads, cudaDevAttrMaxThreadsPerMultiProcessor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&read.smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&read.reserved, cudaDevAttrReservedSharedMemoryPerBlock, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&read.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
-        read.sms <= 0)
-      return false;
-    l = read;
-  }
-  out = l;
-  return true;
-}
-
-// CTAs of `kernel` that fit on one SM with `smem` bytes of dynamic shared memory (0 when the query fails),
-// per device. Cached: even_wave_smem and fc1_pieces ask on every call's host path.
-template <typename Kernel>
-int ctas_per_sm(Kernel kernel, int threads, int smem) {
-  struct Entry {
-    const void* kernel;
-    int device, threads, smem, per_sm;
-  };
-  constexpr int kEntries = 64;
-  static Entry cache[kEntries];
-  static int used = 0;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  const void* key = reinterpret_cast<const void*>(kernel);
-  for (int i = 0; i < used; ++i)
-    if (cache[i].kernel == key && cache[i].device == device && cache[i].threads == threads && cache[i].smem == smem)
-      return cache[i].per_sm;
-  int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess) return 0;
-  if (used < kEntries) {  // not locked: a racing call at worst queries again
-    cache[used] = {key, device, threads, smem, per_sm};
-    ++used;
-  }
-  return per_sm;
-}
-
 // Dynamic shared memory for a launch of `blocks` CTAs that fits on the GPU in one wave: enough that no SM
 // takes more than ceil(blocks / SMs) of them. The block scheduler otherwise fills some SMs to the
 // kernel's limit while others get fewer, and the call waits for the fullest SM (FC2 at M=1: 384 CTAs
@@ -177,65 +136,6 @@ dim3 fc1_grid(const TrellisMoeArgs& a, const trellis::Fc1Pieces& p) {
   return dim3(items * a.k_split + p.tail_items * a.k_split * (p.tail_split - 1));
 }
 
-// The FC1 and FC2 kernels of one tile size, with their launch shapes.
-struct GemmKernels {
-  void (*fc1)(TrellisMoeArgs, trellis::Fc1Pieces);
-  void (*fc2)(TrellisMoeArgs);
-  int fc1_threads, fc1_smem;
-  dim3 fc2_grid;
-  int fc2_threads, fc2_smem;
-};
-
-// FC2's output blocks per CTA for small tiles (expert_gemm.cuh, fc2_body): the most, up to 4, that still
-// leave kFc2SpanWaves waves of CTAs on the GPU, counting the tiles that uniform routing would fill (the
-// tile capacity is far above them at small M); 1 in direct mode (one wave). A span needs I/128 to be a power
-// of two and a multiple of the ring's stages. Only the launch shape depends on it, never a result.
-// docs/performance.md, runs 99-107: 4 blocks per CTA saved 1-3 % of the call at M = 64-256.
-constexpr int kFc2SpanWaves = 4, kFc2MaxSpan = 4;
-template <int R, bool FAST>
-int fc2_span(const TrellisMoeArgs& a, void (*kernel)(TrellisMoeArgs)) {
-  const int block_chunks = a.intermediate / 128, blocks = a.hidden / 128;
-  if (a.direct || !trellis::small_tile(R) || block_chunks % trellis::fc2_stages(R, FAST) != 0 ||
-      (block_chunks & (block_chunks - 1)) != 0)
-    return 1;
-  SmLimits l;
-  const bool wide = (a.debug_flags & TRELLIS_FC2_WIDE_SPAN) != 0;
-  if (!wide && !sm_limits(l)) return 1;
-  const int slots = wide ? 0 : l.sms * ctas_per_sm(kernel, trellis::kFc2Threads, trellis::fc2_smem_bytes(R, FAST));
-  const double routes = double(a.m) * a.top_k, experts = a.num_experts > 0 ? a.num_experts : 1;
-  const double touched = a.num_combined * (1.0 - pow(1.0 - 1.0 / experts, routes));
-  const double tiles = std::min(touched + routes * a.num_combined / experts / a.m_tile, double(a.tile_capacity));
-  int span = kFc2MaxSpan;
-  while (span > 1 && (blocks % span != 0 || tiles * blocks / span < double(kFc2SpanWaves) * slots)) span /= 2;
-  return span;
-}
-
-template <int CB, int R, bool FAST>
-GemmKernels mma_sync_kernels(const TrellisMoeArgs& a) {
-  using namespace trellis;
-  const int span = fc2_span<R, FAST>(a, fc2_kernel<CB, R, FAST>);
-  return {fc1_kernel<CB, R, FAST>, fc2_kernel<CB, R, FAST>, kFc1Threads, fc1_smem_bytes(R, FAST),
-          dim3(a.tile_capacity, a.hidden / 128 / span), kFc2Threads, fc2_smem_bytes(R, FAST)};
-}
-
-#ifdef TRELLIS_WGMMA  // sm_90a build: large tiles run on wgmma (expert_wgmma.cuh)
-
-template <int CB, bool FAST>
-GemmKernels wgmma_kernels(const TrellisMoeArgs& a) {
-  using namespace trellis;
-  const dim3 fc2_grid(a.tile_capacity * fc2_wgmma_groups(a.hidden));
-  if constexpr (FAST) {
-    if (narrow_wgmma_tiles(a)) {  // tile_kernels.cuh
-      constexpr int kSmem = wg_smem_bytes(true, kWgNarrowRows);
-      return {fc1_wgmma_kernel<CB, true, kWgNarrowRows>, fc2_wgmma_kernel<CB, true, kWgNarrowRows>, kWgThreads,
-              kSmem, fc2_grid, kWgThreads, kSmem};
-    }
-  }
-  return {fc1_wgmma_kernel<CB, FAST, kWgRows>, fc2_wgmma_kernel<CB, FAST, kWgRows>, kWgThreads,
-          wg_smem_bytes(FAST, kWgRows), fc2_grid, kWgThreads, wg_smem_bytes(FAST, kWgRows)};
-}
-#endif
-
 cudaError_t launch_gemms(const TrellisMoeArgs& a, const GemmKernels& k, cudaStream_t stream, bool pdl) {
   using namespace trellis;
   cudaError_t err = cudaSuccess;
@@ -264,26 +164,23 @@ cudaError_t launch_gemms(const TrellisMoeArgs& a, const GemmKernels& k, cudaStre
   return err;
 }
 
-template <int CB, bool FAST>
-cudaError_t launch_for_tile(const TrellisMoeArgs& a, cudaStream_t stream, bool pdl) {
+// The tile family whose kernels serve this call's work tiles: 128-row tiles run on wgmma where
+// gemms_on_wgmma says so (sm_90a builds), on mma.sync otherwise.
+trellis::TileFamily tile_family(const TrellisMoeArgs& a) {
   switch (a.m_tile) {
-    case 16: return launch_gemms(a, mma_sync_kernels<CB, 1, FAST>(a), stream, pdl);
-    case 32: return launch_gemms(a, mma_sync_kernels<CB, 2, FAST>(a), stream, pdl);
-    default:
-#ifdef TRELLIS_WGMMA
-      if (trellis::gemms_on_wgmma(a)) return launch_gemms(a, wgmma_kernels<CB, FAST>(a), stream, pdl);
-#endif
-      return launch_gemms(a, mma_sync_kernels<CB, 8, FAST>(a), stream, pdl);
+    case 16: return trellis::kMma16;
+    case 32: return trellis::kMma32;
+    default: return trellis::gemms_on_wgmma(a) ? trellis::kWgmma : trellis::kMma128;
   }
 }
 
-template <int CB>
-cudaError_t launch_for_codebook(const TrellisMoeArgs& a, cudaStream_t stream, bool pdl) {
-  return trellis::only_k3_k4(a) ? launch_for_tile<CB, true>(a, stream, pdl)
-                                : launch_for_tile<CB, false>(a, stream, pdl);
-}
+const char* const kCodebookNames[trellis::kCodebooks] = {"3inst", "mcg", "mul1"};
 
 }  // namespace
+
+namespace trellis {
+GemmKernelsFor g_gemm_kernels[kCodebooks][kTileFamilies][kKSets] = {};
+}  // namespace trellis
 
 extern "C" int trellis_abi_version(void) { return TRELLIS_ABI_VERSION; }
 
@@ -316,6 +213,13 @@ extern "C" int trellis_moe_forward(const TrellisMoeArgs* args, void* stream_hand
   const TrellisMoeArgs a = *args;
   if (int rc = check_args(a)) return rc;
   if (a.m == 0) return 0;
+  const GemmKernelsFor gemm_kernels =
+      g_gemm_kernels[a.codebook][tile_family(a)][only_k3_k4(a) ? kOnlyK3K4 : kAllK];
+  if (gemm_kernels == nullptr) {
+    snprintf(g_error, sizeof(g_error), "this kernel library was linked without the %s codebook's kernels for "
+             "these tiles (trellis_cli/kernel/build.py builds one library per codebook)", kCodebookNames[a.codebook]);
+    return -1;
+  }
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   cudaGetLastError();  // a stale error from unrelated work must not be blamed on this call
   const bool pdl = device_has_pdl() && !(a.debug_flags & TRELLIS_NO_PDL);
@@ -333,18 +237,7 @@ extern "C" int trellis_moe_forward(const TrellisMoeArgs* args, void* stream_hand
       err = cudaGetLastError();
     }
   }
-  if (err == cudaSuccess) {
-#ifdef TRELLIS_ONLY_MCG  // experiments: one codebook compiles 3x faster
-    if (a.codebook != TRELLIS_CB_MCG) return fail("this build serves the mcg codebook only");
-    err = launch_for_codebook<1>(a, stream, pdl);
-#else
-    switch (a.codebook) {
-      case TRELLIS_CB_3INST: err = launch_for_codebook<0>(a, stream, pdl); break;
-      case TRELLIS_CB_MCG: err = launch_for_codebook<1>(a, stream, pdl); break;
-      default: err = launch_for_codebook<2>(a, stream, pdl); break;
-    }
-#endif
-  }
+  if (err == cudaSuccess) err = launch_gemms(a, gemm_kernels(a), stream, pdl);
   if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_SUM)) {
     dim3 grid(a.m, (a.hidden + 4 * kSumThreads - 1) / (4 * kSumThreads));
     err = launch(topk_sum_for(a), grid, kSumThreads, 0, stream, pdl, a);

@@ -1,7 +1,7 @@
 """Where the microseconds of one fused call go: per-CTA start, wait and end times of every phase.
 
-    nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -lineinfo -DTRELLIS_WGMMA -DTRELLIS_ONLY_MCG -DTRELLIS_TIMELINE \
-        -gencode=arch=compute_90a,code=sm_90a -o TL.so kernels/trellis_moe.cu
+    nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -lineinfo -DTRELLIS_WGMMA -DTRELLIS_UNIT_CODEBOOK=1 \
+        -DTRELLIS_TIMELINE -gencode=arch=compute_90a,code=sm_90a -o TL.so kernels/single_tu.cu
     python3 scripts/timeline.py TL.so [--m 1,8,64] [--replays 20] [--warm] [--split N] [--dump FILE.json]
 
 Each call runs as a captured CUDA graph on the production shape (glm52-tp4 192/64), cold L2 (replays cycle

@@ -1,59 +1,120 @@
-"""The nvcc build: the bundled sources compile for sm_90 (one cached build, with wgmma), failures are exit-4 errors."""
+"""The nvcc build: units compiled in parallel and cached one by one, every kernel the library had before,
+progress on stderr, a stalled compiler caught, failures as exit-4 errors. Every build writes into a
+temporary cache ($TRELLIS_KERNEL_CACHE), never the user's."""
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import re
+import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import requires_nvcc
+from conftest import DATA, requires_gpu, requires_nvcc
+from helpers import run_cli
 from trellis_cli.errors import GpuUnavailable
 from trellis_cli.kernel import build
+from trellis_cli.kernel.jobs import Job, run_jobs
+
+# A kernel's host-side function, as `nm -C` prints it (O3's "[clone .cold]" parts are left out).
+KERNEL_SYMBOL = re.compile(r"^(?:void )?(trellis::\w+_kernel(?:<[^()]*>)?\([^()]*\))$")
+FAKE_NVCC = Path(__file__).parent / "fake_nvcc.py"
 
 
-@requires_nvcc
-@pytest.mark.slow
-def test_kernel_sources_compile_for_sm90_and_are_cached():
-    first = build.build_library("sm_90")
-    assert first.path.is_file() and first.arch == "sm_90"
-    assert first.path.parent == build.cache_dir()
-    again = build.build_library("sm_90")
-    assert again.cached and again.path == first.path and again.build_hash == first.build_hash
-    # Loading needs no GPU: the Hopper build says its large tiles run on wgmma.
-    from trellis_cli.kernel.abi import load_library
-
-    assert load_library(first.path, first.build_hash, first.arch).wgmma
-    # The timeline hooks (kernels/timeline.cuh) compile to nothing in the production build.
-    assert not hasattr(ctypes.CDLL(str(first.path)), "trellis_timeline_read")
+def run(argv, capsys) -> tuple[int, str, str]:
+    return run_cli(capsys, *argv)
 
 
-@requires_nvcc
-@pytest.mark.slow
-def test_timeline_diagnostic_build_compiles_and_exports_its_reader(tmp_path: Path):
-    # scripts/timeline.py loads a library built this way; one codebook keeps the build short.
-    target = tmp_path / "timeline.so"
-    source = build.kernel_source_dir() / build.ENTRY_SOURCE
-    command = [build.find_nvcc(), *build.NVCC_FLAGS, *build.arch_flags("sm_90"), "-DTRELLIS_ONLY_MCG",
-               "-DTRELLIS_TIMELINE", "-o", str(target), str(source)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=build.BUILD_TIMEOUT_S)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert hasattr(ctypes.CDLL(str(target)), "trellis_timeline_read")
+@pytest.fixture
+def cache(monkeypatch, tmp_path: Path) -> Path:
+    folder = tmp_path / "kcache"
+    monkeypatch.setenv("TRELLIS_KERNEL_CACHE", str(folder))
+    return folder
 
 
-@requires_nvcc
-def test_compile_error_carries_the_compiler_message(tmp_path: Path):
-    broken = tmp_path / "broken.cu"
-    broken.write_text("__global__ void k() { this_is_not_cuda; }\n")
-    target = tmp_path / "out.so"
-    with pytest.raises(GpuUnavailable) as info:
-        build._compile(build.find_nvcc(), "sm_90", broken, target)
-    lines = str(info.value).splitlines()
-    assert lines[0].startswith("kernel build failed for sm_90")
-    assert any("this_is_not_cuda" in line for line in lines[1:])
-    assert not target.exists() and not list(tmp_path.glob("*.tmp"))
+def kernel_symbols(path: Path) -> set[str]:
+    """The __global__ kernels a built object or library holds (their host-side stubs)."""
+    listing = subprocess.run(["nm", "-C", "--defined-only", str(path)], capture_output=True, text=True, check=True)
+    found = set()
+    for line in listing.stdout.splitlines():
+        match = KERNEL_SYMBOL.match(line.split(" ", 2)[-1])
+        if match:
+            found.add(match.group(1))
+    return found
+
+
+def reference_symbols(arch: str, codebook: int | None = None) -> set[str]:
+    """The kernels of the single-unit library before the split (tests/data/PROVENANCE.md), optionally
+    only those a library of one codebook holds: the codebook's GEMM kernels and the shared ones."""
+    names = set((DATA / f"kernel_symbols_{arch}.txt").read_text().splitlines())
+    if codebook is None:
+        return names
+    gemm = re.compile(r"^trellis::fc[12]_(?:wgmma_)?kernel<(\d),")
+    return {n for n in names if not gemm.match(n) or gemm.match(n).group(1) == str(codebook)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plan and hashes: no compiler needed.
+
+
+def test_units_per_codebook_family_and_k_set():
+    hopper = build.library_units("sm_90", "mcg")
+    assert [u.name for u in hopper] == ["host"] + [f"mcg-{f}-{k}" for f in build.TILE_FAMILIES for k in build.K_SETS]
+    ampere = [u.name for u in build.library_units("sm_80", "3inst")]
+    assert len(ampere) == 7 and not any("wgmma" in n for n in ampere)  # sm_80 has no wgmma kernels
+    assert build.library_units("sm_90", "mul1")[0] == hopper[0]  # one host unit serves every codebook
+    assert "-DTRELLIS_UNIT_CODEBOOK=2" in build.library_units("sm_90", "mul1")[1].defines
+
+
+def test_a_change_rehashes_only_the_units_that_include_it(tmp_path: Path):
+    sources = tmp_path / "kernels"
+    shutil.copytree(build.kernel_source_dir(), sources)
+    units = build.library_units("sm_90", "mcg")
+
+    def hashes(arch="sm_90", version="13.0.88") -> dict[str, str]:
+        return {u.name: build.unit_hash(u, arch, version, sources) for u in units}
+
+    before = hashes()
+    assert len(set(before.values())) == len(units)
+    (sources / "activation.cuh").write_text((sources / "activation.cuh").read_text() + "\n// edited\n")
+    changed = {n for n, h in hashes().items() if h != before[n]}
+    assert changed == {"host"}  # only the host unit includes the activation
+    (sources / "expert_wgmma.cuh").write_text((sources / "expert_wgmma.cuh").read_text() + "\n// edited\n")
+    after_wgmma = hashes()
+    assert after_wgmma["host"] == hashes()["host"] and all(after_wgmma[n] != before[n] for n in before)
+    assert all(a != b for a, b in zip(hashes(version="13.1.0").values(), after_wgmma.values()))
+    assert build.unit_sources(sources, "gemm_unit.cu")[:3] == ["abi.h", "decode.cuh", "expert_gemm.cuh"]
+
+
+def test_jobs_come_from_the_option_the_environment_or_the_cores(monkeypatch, capsys):
+    monkeypatch.delenv("TRELLIS_BUILD_JOBS", raising=False)
+    assert build.build_jobs() == os.cpu_count()
+    monkeypatch.setenv("TRELLIS_BUILD_JOBS", "3")
+    assert build.build_jobs() == 3 and build.build_jobs(5) == 5
+    monkeypatch.setenv("TRELLIS_BUILD_JOBS", "many")
+    code, _, err = run(["bench", "--compile-only", "--arch", "sm_80"], capsys)
+    assert code == 2 and err.startswith("error: TRELLIS_BUILD_JOBS='many'")
+    code, _, err = run(["bench", "--compile-only", "--arch", "sm_80", "--jobs", "0"], capsys)
+    assert code == 2 and "build jobs must be at least 1" in err
+    monkeypatch.delenv("TRELLIS_BUILD_JOBS")
+    code, _, err = run(["bench", "--compile-only", "--codebook", "nosuch"], capsys)
+    assert code == 2 and "unknown codebook 'nosuch'" in err
+
+
+def test_cache_dir_follows_the_override_then_xdg(monkeypatch, tmp_path: Path):
+    monkeypatch.delenv("TRELLIS_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert build.cache_dir() == tmp_path / "trellis" / "kernels"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert build.cache_dir() == Path(os.path.expanduser("~")) / ".cache" / "trellis" / "kernels"
+    monkeypatch.setenv("TRELLIS_KERNEL_CACHE", str(tmp_path / "k"))
+    assert build.cache_dir() == tmp_path / "k"
 
 
 def test_missing_nvcc_is_a_gpu_error(monkeypatch, tmp_path: Path):
@@ -64,14 +125,166 @@ def test_missing_nvcc_is_a_gpu_error(monkeypatch, tmp_path: Path):
     # find_nvcc's last resort is the default toolkit location: hidden here, so the test also runs where a
     # toolkit is installed there.
     executable = os.access
-    monkeypatch.setattr(build.os, "access",
-                        lambda path, mode: not str(path).startswith("/usr/local/cuda/") and executable(path, mode))
+    monkeypatch.setattr(os, "access", lambda path, mode: not str(path).startswith("/usr/local/cuda/") and executable(path, mode))
     with pytest.raises(GpuUnavailable, match="nvcc not found"):
         build.find_nvcc()
 
 
-def test_cache_dir_follows_xdg(monkeypatch, tmp_path: Path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert build.cache_dir() == tmp_path / "trellis" / "kernels"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    assert build.cache_dir() == Path(os.path.expanduser("~")) / ".cache" / "trellis" / "kernels"
+# ---------------------------------------------------------------------------------------------------------
+# The build's process handling, with a stand-in compiler (tests/fake_nvcc.py) that hangs or burns CPU on cue.
+
+
+def fake_nvcc(monkeypatch, tmp_path: Path, mode: str) -> Path:
+    script = tmp_path / "nvcc"
+    script.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE_NVCC} {mode} {tmp_path / 'pids'} \"$@\"\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("TRELLIS_NVCC", str(script))
+    return tmp_path / "pids"
+
+
+def test_a_stalled_compiler_is_killed_and_named(monkeypatch, tmp_path: Path, cache: Path, capsys):
+    pids = fake_nvcc(monkeypatch, tmp_path, "hang")
+    monkeypatch.setenv("TRELLIS_BUILD_STALL_S", "1.5")
+    started = time.monotonic()
+    code, out, err = run(["bench", "--compile-only", "--arch", "sm_80", "--codebook", "mcg", "--jobs", "2"], capsys)
+    assert code == 4 and out == "" and time.monotonic() - started < 30
+    assert "kernel build stalled: nvcc for sm_80 unit" in err and "used no CPU time for 2 s" in err
+    time.sleep(0.5)
+    for pid in pids.read_text().split():  # the stalled compiler and the one beside it are gone
+        assert not Path("/proc", pid).exists() or "Z" in Path("/proc", pid, "stat").read_text().split(")")[1][:3]
+    assert not list(cache.rglob("*.tmp")) and not list(cache.rglob("*.o"))
+
+
+def test_a_slow_busy_compiler_is_never_timed_out(monkeypatch, tmp_path: Path):
+    fake_nvcc(monkeypatch, tmp_path, "busy")  # computes for 0.8 s: longer than the stall limit
+    output = tmp_path / "unit.o"
+    job = Job("sm_80 unit busy", [os.environ["TRELLIS_NVCC"], "-c", "-o", str(tmp_path / "unit.o.tmp")],
+              tmp_path / "unit.o.tmp", output)
+    run_jobs([job], parallel=1, stall_s=0.3)
+    assert output.read_bytes() == b"fake object\n" and not (tmp_path / "unit.o.tmp").exists()
+
+
+def test_progress_on_stderr_and_every_unit_cached(monkeypatch, tmp_path: Path, cache: Path, capsys):
+    fake_nvcc(monkeypatch, tmp_path, "quick")
+    argv = ["bench", "--compile-only", "--arch", "sm_80", "--codebook", "mcg", "--json"]
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["units"] == doc["compiled"] == 7 and doc["libraries"][0]["codebook"] == "mcg"
+    lines = err.strip().splitlines()
+    assert re.search(r"compiling 7 of 7 units, \d+ at a time .*a cold build of these takes about", lines[1])
+    assert [int(re.match(r"kernel build: (\d)/7 units, \S+ took \d+ s, .* elapsed$", l).group(1))
+            for l in lines[2:9]] == list(range(1, 8))
+    assert len(list((cache / "objects").glob("*.o"))) == 7 and not list(cache.rglob("*.tmp"))
+    code, out, err = run(argv, capsys)
+    assert json.loads(out)["compiled"] == 0 and json.loads(out)["libraries"][0]["cached"]
+    assert "units" not in err  # nothing compiled, nothing to report
+    code, out, _ = run(["bench", "--compile-only", "--arch", "sm_80", "--codebook", "3inst", "--json"], capsys)
+    assert json.loads(out)["compiled"] == 6  # the host unit is shared: only 3inst's own units compile
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The real compiler.
+
+
+@requires_nvcc
+def test_compile_error_carries_the_compiler_message(tmp_path: Path):
+    broken = tmp_path / "broken.cu"
+    broken.write_text("__global__ void k() { this_is_not_cuda; }\n")
+    tmp, target = tmp_path / "out.o.tmp", tmp_path / "out.o"
+    job = Job("sm_90 unit broken", [build.find_nvcc(), "-c", *build.arch_flags("sm_90"), "-o", str(tmp), str(broken)],
+              tmp, target)
+    with pytest.raises(GpuUnavailable) as info:
+        run_jobs([job], parallel=1, stall_s=60)
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("kernel build failed for sm_90 unit broken (nvcc exit")
+    assert any("this_is_not_cuda" in line for line in lines[1:])
+    assert not target.exists() and not tmp.exists()
+
+
+@requires_nvcc
+@pytest.mark.slow
+def test_mcg_library_for_sm90_builds_cold_holds_its_kernels_and_is_cached(cache: Path, capsys):
+    code, out, err = run(["bench", "--compile-only", "--arch", "sm_90", "--codebook", "mcg", "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["arch"] == "sm_90" and doc["units"] == doc["compiled"] == 9
+    assert "9/9 units" in err and "cold build of these takes about" in err
+    library = Path(doc["libraries"][0]["path"])
+    assert library.parent == cache and len(doc["libraries"][0]["build_hash"]) == 16
+    assert kernel_symbols(library) == reference_symbols("sm_90", codebook=1)
+    from trellis_cli.kernel.abi import load_library
+
+    loaded = load_library(library, codebook="mcg")  # loading needs no GPU
+    assert loaded.wgmma
+    # The timeline hooks (kernels/timeline.cuh) compile to nothing in the production build.
+    assert not hasattr(ctypes.CDLL(str(library)), "trellis_timeline_read")
+    code, out, err = run(["bench", "--compile-only", "--arch", "sm_90", "--codebook", "mcg", "--json"], capsys)
+    assert json.loads(out)["compiled"] == 0 and json.loads(out)["libraries"][0]["path"] == str(library)
+
+
+@pytest.fixture(scope="module")
+def full_cache(tmp_path_factory) -> Path:
+    """Where the complete builds go: $TRELLIS_KERNEL_CACHE when the caller set one (CI's --compile-only
+    steps have filled it), else a fresh folder."""
+    given = os.environ.get("TRELLIS_KERNEL_CACHE")
+    return Path(given) if given else tmp_path_factory.mktemp("kcache")
+
+
+@requires_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_kernel_of_the_single_unit_library_is_built_once(arch, full_cache: Path, monkeypatch):
+    monkeypatch.setenv("TRELLIS_KERNEL_CACHE", str(full_cache))
+    report = build.build_libraries(arch)
+    assert [lib.codebook for lib in report.libraries] == list(build.BUILD_ORDER)
+    objects = [p for u, p in _unit_objects(arch, full_cache)]
+    per_object = [kernel_symbols(p) for p in objects]
+    assert sum(len(s) for s in per_object) == len(set().union(*per_object))  # no kernel in two units
+    assert set().union(*per_object) == reference_symbols(arch)
+    for lib in report.libraries:
+        assert kernel_symbols(lib.path) == reference_symbols(arch, codebook=build.CODEBOOK_IDS[lib.codebook])
+
+
+def _unit_objects(arch: str, cache: Path):
+    version = build.nvcc_version(build.find_nvcc())
+    units = {u for c in build.BUILD_ORDER for u in build.library_units(arch, c)}
+    for unit in units:
+        path = cache / "objects" / f"{unit.name}-{arch}-{build.unit_hash(unit, arch, version, build.kernel_source_dir())}.o"
+        assert path.is_file(), path
+        yield unit, path
+
+
+@requires_nvcc
+@pytest.mark.slow
+def test_timeline_diagnostic_build_compiles_and_exports_its_reader(tmp_path: Path):
+    # scripts/timeline.py loads a library built this way: one codebook in one unit (kernels/single_tu.cu).
+    target, tmp = tmp_path / "timeline.so", tmp_path / "timeline.so.tmp"
+    command = [build.find_nvcc(), "-shared", *build.COMPILE_FLAGS, *build.arch_flags("sm_90"),
+               "-DTRELLIS_UNIT_CODEBOOK=1", "-DTRELLIS_TIMELINE", "-o", str(tmp),
+               str(build.kernel_source_dir() / "single_tu.cu")]
+    run_jobs([Job("sm_90 timeline", command, tmp, target)], parallel=1, stall_s=300)
+    assert hasattr(ctypes.CDLL(str(target)), "trellis_timeline_read")
+
+
+@requires_gpu
+@pytest.mark.gpu
+def test_a_library_without_the_layers_codebook_refuses_it():
+    # The mcg library the GPU tests share (tests/test_kernel_gpu.py builds it too): no second cold build.
+    from trellis_cli.bench.synthetic import Preset, synthetic_pack
+    from trellis_cli.errors import CheckFailed
+    from trellis_cli.kernel.abi import default_library, load_library
+    from trellis_cli.kernel.launch import FusedMoe
+
+    mcg = default_library("mcg")
+    pack = synthetic_pack(Preset("small", 512, 256, 16, 4, "3inst", (12, 4), (3, 4), 1), device="cuda", seed=1)
+    with pytest.raises(CheckFailed, match="holds the mcg codebook's kernels; layer 0 uses 3inst"):
+        FusedMoe(pack, mcg)
+    # The library itself refuses too, when nothing told Python which codebook it holds.
+    import torch
+
+    unnamed = FusedMoe(pack, load_library(mcg.path))
+    x = torch.zeros(2, 512, dtype=torch.float16, device="cuda")
+    ids = torch.zeros(2, 4, dtype=torch.int32, device="cuda")
+    with pytest.raises(CheckFailed, match="linked without the 3inst codebook's kernels"):
+        unnamed.forward(x, ids, torch.ones(2, 4, device="cuda"))

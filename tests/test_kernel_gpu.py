@@ -39,7 +39,9 @@ def library():
 def moe_for(preset: Preset, library, seed=1, **kw):
     from trellis_cli.kernel.launch import FusedMoe
 
-    return FusedMoe(synthetic_pack(preset, device="cuda", seed=seed, **kw), library)
+    # A library holds one codebook's kernels (mcg here); another codebook's layer takes its own, built on first use.
+    pack = synthetic_pack(preset, device="cuda", seed=seed, **kw)
+    return FusedMoe(pack, library if pack.codebook == library.codebook else None)
 
 
 def assert_checks(checks):

@@ -30,24 +30,33 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Emit one JSON document on stdout.")] = False,
         compile_only: Annotated[bool, typer.Option("--compile-only", help="Build the kernel library and exit (no GPU needed).")] = False,
         arch: Annotated[Optional[str], typer.Option("--arch", help="Target arch for --compile-only, e.g. sm_90 (default: this GPU's, else sm_90).")] = None,
+        codebook: Annotated[Optional[str], typer.Option("--codebook", help="Codebook to build with --compile-only: mcg, 3inst or mul1 (default: all).")] = None,
+        jobs: Annotated[Optional[int], typer.Option("--jobs", help="Kernel units compiled at once (default: $TRELLIS_BUILD_JOBS, else one per CPU core).")] = None,
     ) -> None:
         """Benchmark the fused mixed-bitrate MoE kernel on this GPU (exit 4 without a GPU or nvcc)."""
+        from trellis_cli.kernel.build import build_jobs, check_codebook
+
+        jobs = build_jobs(jobs)
+        if codebook is not None:
+            check_codebook(codebook)
         if compile_only:
-            _compile_only(_parse_arch(arch) if arch else None, as_json)
+            _compile_only(_parse_arch(arch) if arch else None, codebook, jobs, as_json)
             return
         if arch:
             raise UsageError("--arch applies to --compile-only (a run builds for the GPU present)")
+        if codebook:
+            raise UsageError("--codebook applies to --compile-only (a run builds the codebook of its layer)")
         m_list = _parse_ms(ms)
         check_bench_arguments(source, synthetic, partition)  # usage (2) and source (3) errors before the GPU (4)
         _require_gpu()
         from trellis_cli.bench.source import load_bench_source
         from trellis_cli.kernel.abi import default_library
 
-        output.log("building or loading the kernel library ...")
-        library = default_library()
         bench = load_bench_source(source, synthetic=synthetic, partition=partition, layer=layer, rank=rank,
                                   device="cuda", seed=seed)
         output.log(f"source: {bench.description}")
+        output.log(f"building or loading the kernel library for the {bench.pack.codebook} codebook ...")
+        library = default_library(bench.pack.codebook, jobs=jobs, log=output.log)
         if smoke:
             _run_smoke(bench, library, synthetic, seed, as_json)
         else:
@@ -65,7 +74,7 @@ def _parse_ms(text: str) -> list[int]:
 
 
 def _parse_arch(text: str) -> str:
-    from trellis_cli.kernel.build import normalize_arch
+    from trellis_cli.kernel.nvcc import normalize_arch
 
     try:
         return normalize_arch(text)
@@ -103,21 +112,28 @@ def _require_gpu() -> None:
                              "(use --compile-only to only build it)")
 
 
-def _compile_only(arch: str | None, as_json: bool) -> None:
+def _compile_only(arch: str | None, codebook: str | None, jobs: int, as_json: bool) -> None:
     import torch
 
-    from trellis_cli.kernel.build import build_library
+    from trellis_cli.kernel.build import BUILD_ORDER, build_libraries
 
     target = arch or (None if torch.cuda.is_available() else "sm_90")
-    output.log(f"compiling the kernel for {target or 'this GPU'} ...")
-    built = build_library(target)
-    doc = {"arch": built.arch, "build_hash": built.build_hash, "nvcc": built.nvcc_version, "path": str(built.path),
-           "cached": built.cached}
+    codebooks = (codebook,) if codebook else BUILD_ORDER
+    output.log(f"compiling the kernel for {target or 'this GPU'}, codebook(s) {', '.join(codebooks)} ...")
+    report = build_libraries(target, codebooks, jobs=jobs, log=output.log)
+    libraries = report.libraries
     if as_json:
-        output.emit_json(doc)
-    else:
+        output.emit_json({
+            "arch": libraries[0].arch, "nvcc": libraries[0].nvcc_version, "jobs": report.jobs,
+            "units": report.units, "compiled": report.compiled, "seconds": round(report.seconds, 1),
+            "libraries": [{"codebook": b.codebook, "build_hash": b.build_hash, "path": str(b.path),
+                           "cached": b.cached} for b in libraries],
+        })
+        return
+    for built in libraries:
         state = "cached" if built.cached else "built"
-        output.print_line(f"{state} {built.arch} kernel {built.build_hash} (nvcc {built.nvcc_version}): {built.path}")
+        output.print_line(f"{state} {built.arch} {built.codebook} kernel {built.build_hash} "
+                          f"(nvcc {built.nvcc_version}): {built.path}")
 
 
 def _smoke_packs(bench, synthetic: str | None, seed: int):

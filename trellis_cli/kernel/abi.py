@@ -87,6 +87,7 @@ class KernelLibrary:
     arch: str
     nvcc_version: str
     wgmma: bool = False  # large tiles run on Hopper wgmma (kernels/expert_wgmma.cuh)
+    codebook: str = ""  # the codebook whose kernels the library holds ("" when not known)
 
     def forward(self, args: TrellisMoeArgs, stream: int) -> tuple[int, str]:
         rc = int(self.handle.trellis_moe_forward(ctypes.byref(args), ctypes.c_void_p(stream)))
@@ -94,7 +95,8 @@ class KernelLibrary:
         return rc, message
 
 
-def load_library(path: Path, build_hash: str = "", arch: str = "", nvcc_version: str = "") -> KernelLibrary:
+def load_library(path: Path, build_hash: str = "", arch: str = "", nvcc_version: str = "",
+                 codebook: str = "") -> KernelLibrary:
     try:
         handle = ctypes.CDLL(str(path))
     except OSError as err:
@@ -112,18 +114,18 @@ def load_library(path: Path, build_hash: str = "", arch: str = "", nvcc_version:
         )
     # Libraries built before the wgmma path lack the symbol: their large tiles use mma.sync.
     wgmma = hasattr(handle, "trellis_has_wgmma") and bool(handle.trellis_has_wgmma())
-    return KernelLibrary(handle, Path(path), build_hash, arch, nvcc_version, wgmma)
+    return KernelLibrary(handle, Path(path), build_hash, arch, nvcc_version, wgmma, codebook)
 
 
 _LOADED: dict[str, KernelLibrary] = {}
 
 
-def default_library() -> KernelLibrary:
-    """The library for the current GPU, built on first use and loaded once per process."""
+def default_library(codebook: str = "mcg", *, jobs: int | None = None, log=None) -> KernelLibrary:
+    """The library of `codebook` for the current GPU, built on first use and loaded once per process."""
     from trellis_cli.kernel.build import build_library
 
-    built = build_library()
+    built = build_library(codebook=codebook, jobs=jobs, log=log)
     key = str(built.path)
     if key not in _LOADED:
-        _LOADED[key] = load_library(built.path, built.build_hash, built.arch, built.nvcc_version)
+        _LOADED[key] = load_library(built.path, built.build_hash, built.arch, built.nvcc_version, built.codebook)
     return _LOADED[key]

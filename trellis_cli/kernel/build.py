@@ -1,11 +1,19 @@
-"""nvcc build of the bundled kernel library, cached per (source hash, arch, nvcc version).
+"""nvcc build of the bundled kernel library: translation units compiled in parallel, each object cached.
 
-The CUDA C++ sources ship with the package (`kernels/`). The first use on a machine compiles them into a
-shared library for the GPU present (or the arch asked for) under the user's cache directory
-($XDG_CACHE_HOME or ~/.cache)/trellis/kernels. The library is written to a temporary file and moved into
-place with os.replace, so a concurrent or interrupted build never leaves a half-written .so behind.
-Every failure (no nvcc, no GPU to pick an arch from, a compile error) is a GpuUnavailable (exit 4) whose
-message carries the compiler's output after the first line.
+The CUDA C++ sources ship with the package (`kernels/`). A library serves one codebook: it links the host
+unit (`trellis_moe.cu`: argument checks, launch sequence, route pack, rotation, activation, top-k sum)
+with that codebook's GEMM units (`gemm_unit.cu`, compiled once per tile family and K-set; `kernels/gemm_table.h`).
+A run builds only the codebook of the layer it serves (mcg for every TR3 checkpoint), and another on first
+use. Every object is cached under its own hash (its source and the headers it includes, the flags, the
+arch and the nvcc version), so a change recompiles only the units it touches; a library is cached under
+the hash of its objects.
+
+The cache is $TRELLIS_KERNEL_CACHE, or ($XDG_CACHE_HOME or ~/.cache)/trellis/kernels. The units compile
+$TRELLIS_BUILD_JOBS at a time (default: one per CPU core, os.cpu_count()). There is no time limit; a
+compiler that uses no CPU time for $TRELLIS_BUILD_STALL_S seconds (default 300) is killed (jobs.py). Every
+file is written under a temporary name and moved into place, so a concurrent or interrupted build never
+leaves half a file behind. Every failure (no nvcc, no GPU to pick an arch from, a compile error) is a
+GpuUnavailable (exit 4) whose message carries the compiler's output after the first line.
 """
 
 from __future__ import annotations
@@ -13,38 +21,88 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
-import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable
 
-from trellis_cli.errors import GpuUnavailable
+from trellis_cli.codebooks import IDS as CODEBOOK_IDS
+from trellis_cli.errors import GpuUnavailable, UsageError
+from trellis_cli.kernel.jobs import Job, run_jobs
+from trellis_cli.kernel.nvcc import (  # noqa: F401  (re-exported: the build's public names)
+    COMPILE_FLAGS,
+    arch_flags,
+    device_arch,
+    find_nvcc,
+    has_wgmma,
+    normalize_arch,
+    nvcc_version,
+)
 
 LIBRARY_STEM = "trellis_moe"
-ENTRY_SOURCE = "trellis_moe.cu"
+HOST_SOURCE = "trellis_moe.cu"
+GEMM_SOURCE = "gemm_unit.cu"
 SOURCE_SUFFIXES = (".cu", ".cuh", ".h")
-NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
-BUILD_TIMEOUT_S = 900
-_COMPILER_LOG_LINES = 40
+# kernels/gemm_table.h TileFamily and KSet, in their order; wgmma only where the arch has it. The K3/K4
+# kernels and the all-K kernels of a family compile as two units.
+TILE_FAMILIES = ("mma16", "mma32", "mma128", "wgmma")
+K_SETS = ("allk", "k3k4")
+# The order codebooks are built in when all are asked for: mcg, the codebook of every TR3 checkpoint, first.
+BUILD_ORDER = ("mcg", "3inst", "mul1")
+DEFAULT_STALL_S = 300.0
+# CPU seconds each unit takes to compile for sm_90 on the 2-core reference machine (docs/performance.md,
+# "Kernel build time"): units start longest first, and the estimate said before a cold build comes from
+# these.
+UNIT_SECONDS = {"host": 7.0, "mma16-allk": 18.0, "mma16-k3k4": 6.0, "mma32-allk": 22.0, "mma32-k3k4": 7.0,
+                "mma128-allk": 14.0, "mma128-k3k4": 4.0, "wgmma-allk": 18.0, "wgmma-k3k4": 36.0}
+_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One translation unit of the library."""
+
+    name: str  # "host" or "<codebook>-<family>-<K-set>", e.g. "mcg-mma16-k3k4"
+    source: str  # file in kernels/
+    defines: tuple[str, ...] = ()
+
+    @property
+    def kind(self) -> str:
+        """The unit without its codebook ("host", "mma16-k3k4"): what its compile time depends on."""
+        return self.name.partition("-")[2] or self.name
+
+    @property
+    def seconds(self) -> float:
+        return UNIT_SECONDS.get(self.kind, max(UNIT_SECONDS.values()))
 
 
 @dataclass(frozen=True)
 class BuiltLibrary:
     path: Path
     arch: str  # "sm_90"
-    build_hash: str  # 16 hex digits over sources, arch, nvcc version and flags
+    build_hash: str  # 16 hex digits over the library's objects (each: sources, flags, arch, nvcc version)
     nvcc_version: str
     cached: bool  # True when an earlier build was reused
+    codebook: str = "mcg"  # the codebook whose kernels it holds
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    libraries: list[BuiltLibrary]
+    units: int  # translation units the libraries need
+    compiled: int  # of them compiled now (the rest came from the cache)
+    jobs: int
+    seconds: float
 
 
 def kernel_source_dir() -> Path:
     """The kernels/ directory: packaged inside trellis_cli, or at the repository root in a checkout."""
     here = Path(__file__).resolve().parent.parent
     for candidate in (here / "kernels", here.parent / "kernels"):
-        if (candidate / ENTRY_SOURCE).is_file():
+        if (candidate / HOST_SOURCE).is_file():
             return candidate
-    raise GpuUnavailable(f"kernel sources not found: no {ENTRY_SOURCE} in trellis_cli/kernels or kernels/")
+    raise GpuUnavailable(f"kernel sources not found: no {HOST_SOURCE} in trellis_cli/kernels or kernels/")
 
 
 def source_hash(source_dir: Path | None = None) -> str:
@@ -56,106 +114,175 @@ def source_hash(source_dir: Path | None = None) -> str:
     return digest.hexdigest()
 
 
-def find_nvcc() -> str:
-    """nvcc from $TRELLIS_NVCC, PATH, $CUDA_HOME/bin or /usr/local/cuda/bin."""
-    candidates = [os.environ.get("TRELLIS_NVCC"), shutil.which("nvcc")]
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home:
-            candidates.append(str(Path(home) / "bin" / "nvcc"))
-    for candidate in candidates:
-        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
-            return candidate
-    raise GpuUnavailable("nvcc not found: install the CUDA toolkit or set CUDA_HOME (needed to build the kernel)")
-
-
-def nvcc_version(nvcc: str) -> str:
-    try:
-        text = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError) as err:
-        raise GpuUnavailable(f"cannot run {nvcc} --version: {err}") from None
-    match = re.search(r"release [\d.]+, V([\d.]+)", text)
-    if not match:
-        raise GpuUnavailable(f"cannot read the nvcc version from `{nvcc} --version`\n{text.strip()}")
-    return match.group(1)
-
-
-def normalize_arch(arch: str) -> str:
-    """'sm_90', '90', '9.0' or 'compute_90' -> 'sm_90'; sm_80 is the oldest supported."""
-    text = arch.strip().lower()
-    match = re.fullmatch(r"(?:sm_|compute_)?(\d)\.?(\d)", text) or re.fullmatch(r"(?:sm_|compute_)?(\d\d)(\d)", text)
-    if not match:
-        raise GpuUnavailable(f"unknown GPU arch {arch!r}: expected e.g. sm_90 or sm_80")
-    number = int("".join(match.groups()))
-    if number < 80:
-        raise GpuUnavailable(f"GPU arch sm_{number} is too old: the kernel needs sm_80 or newer")
-    return f"sm_{number}"
-
-
-def device_arch() -> str:
-    """The arch of the current CUDA device; GpuUnavailable when there is none."""
-    import torch
-
-    if not torch.cuda.is_available():
-        raise GpuUnavailable("no CUDA device visible: pass --arch to build without a GPU")
-    major, minor = torch.cuda.get_device_capability()
-    return normalize_arch(f"{major}{minor}")
-
-
 def cache_dir() -> Path:
+    if os.environ.get("TRELLIS_KERNEL_CACHE"):
+        return Path(os.environ["TRELLIS_KERNEL_CACHE"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "trellis" / "kernels"
 
 
-def arch_flags(arch: str) -> list[str]:
-    """Code generation for `arch`. Hopper builds its arch-specific target (sm_90a), which has wgmma: the
-    large-tile GEMM then runs on it (kernels/expert_wgmma.cuh); every other arch uses mma.sync only."""
-    number = arch.removeprefix("sm_")
-    if number == "90":
-        return ["-gencode=arch=compute_90a,code=sm_90a", "-DTRELLIS_WGMMA"]
-    return [f"-gencode=arch=compute_{number},code=sm_{number}"]
+def build_jobs(jobs: int | None = None) -> int:
+    """Units compiled at once: `jobs`, else $TRELLIS_BUILD_JOBS, else one per CPU core."""
+    if jobs is None:
+        text = os.environ.get("TRELLIS_BUILD_JOBS", "").strip()
+        if not text:
+            return os.cpu_count() or 1
+        if not text.isdigit():
+            raise UsageError(f"TRELLIS_BUILD_JOBS={text!r}: expected a positive number of parallel compiles")
+        jobs = int(text)
+    if jobs < 1:
+        raise UsageError(f"build jobs must be at least 1 (got {jobs})")
+    return jobs
 
 
-def nvcc_command(nvcc: str, arch: str, source: Path, output: Path) -> list[str]:
-    return [nvcc, *NVCC_FLAGS, *arch_flags(arch), "-o", str(output), str(source)]
+def stall_seconds() -> float:
+    text = os.environ.get("TRELLIS_BUILD_STALL_S", "").strip()
+    try:
+        value = float(text) if text else DEFAULT_STALL_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UsageError(f"TRELLIS_BUILD_STALL_S={text!r}: expected a positive number of seconds")
+    return value
 
 
-def build_library(arch: str | None = None, *, force: bool = False) -> BuiltLibrary:
-    """The compiled kernel library for `arch` (default: the current GPU's), building it if not cached."""
+def check_codebook(codebook: str) -> str:
+    if codebook not in CODEBOOK_IDS:
+        raise UsageError(f"unknown codebook {codebook!r}: expected one of {', '.join(BUILD_ORDER)}")
+    return codebook
+
+
+def library_units(arch: str, codebook: str) -> list[Unit]:
+    """The host unit and the codebook's GEMM units: one per tile family the arch runs and K-set."""
+    cb = CODEBOOK_IDS[check_codebook(codebook)]
+    families = [f for f in TILE_FAMILIES if f != "wgmma" or has_wgmma(arch)]
+    return [Unit("host", HOST_SOURCE)] + [
+        Unit(f"{codebook}-{family}-{kset}", GEMM_SOURCE,
+             (f"-DTRELLIS_UNIT_CODEBOOK={cb}", f"-DTRELLIS_UNIT_FAMILY={TILE_FAMILIES.index(family)}",
+              f"-DTRELLIS_UNIT_KSETS={1 << K_SETS.index(kset)}"))
+        for family in families for kset in K_SETS
+    ]
+
+
+def unit_sources(source_dir: Path, source: str) -> list[str]:
+    """`source` and every kernels/ header it includes, directly or not, in name order."""
+    seen, todo = set(), [source]
+    while todo:
+        name = todo.pop()
+        if name in seen or not (source_dir / name).is_file():
+            continue
+        seen.add(name)
+        todo += [m.decode() for m in _INCLUDE.findall((source_dir / name).read_bytes())]
+    return sorted(seen)
+
+
+def compile_command(nvcc: str, arch: str, unit: Unit, source_dir: Path, output: Path) -> list[str]:
+    return [nvcc, "-c", *COMPILE_FLAGS, *arch_flags(arch), *unit.defines, "-o", str(output),
+            str(source_dir / unit.source)]
+
+
+def link_command(nvcc: str, objects: Iterable[Path], output: Path) -> list[str]:
+    return [nvcc, "-shared", "-o", str(output), *map(str, objects)]
+
+
+def unit_hash(unit: Unit, arch: str, version: str, source_dir: Path) -> str:
+    digest = hashlib.sha256()
+    for name in unit_sources(source_dir, unit.source):
+        digest.update(name.encode() + b"\0" + (source_dir / name).read_bytes() + b"\0")
+    flags = compile_command("nvcc", arch, unit, Path(), Path())
+    digest.update("|".join((unit.name, arch, version, *flags)).encode())
+    return digest.hexdigest()[:16]
+
+
+def build_library(arch: str | None = None, codebook: str = "mcg", *, jobs: int | None = None,
+                  force: bool = False, log: Callable[[str], None] | None = None) -> BuiltLibrary:
+    """The kernel library of `codebook` for `arch` (default: the current GPU's), building what is not cached."""
+    return build_libraries(arch, (codebook,), jobs=jobs, force=force, log=log).libraries[0]
+
+
+def build_libraries(arch: str | None = None, codebooks: Iterable[str] = BUILD_ORDER, *, jobs: int | None = None,
+                    force: bool = False, log: Callable[[str], None] | None = None) -> BuildReport:
+    """One library per codebook, their units compiled together (shared ones once), then each linked."""
+    started = time.monotonic()
     target = normalize_arch(arch) if arch else device_arch()
-    source_dir = kernel_source_dir()
-    nvcc = find_nvcc()
+    codebooks = list(dict.fromkeys(check_codebook(c) for c in codebooks))
+    parallel = build_jobs(jobs)
+    source_dir, nvcc = kernel_source_dir(), find_nvcc()
     version = nvcc_version(nvcc)
-    key = hashlib.sha256(
-        "|".join((source_hash(source_dir), target, version, " ".join((*NVCC_FLAGS, *arch_flags(target))))).encode()
-    ).hexdigest()[:16]
     directory = cache_dir()
-    path = directory / f"{LIBRARY_STEM}-{target}-{key}.so"
-    if path.is_file() and not force:
-        return BuiltLibrary(path, target, key, version, cached=True)
+    objects = directory / "objects"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        objects.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise GpuUnavailable(f"cannot create the kernel cache directory {directory}: {err}") from None
-    _compile(nvcc, target, source_dir / ENTRY_SOURCE, path)
-    return BuiltLibrary(path, target, key, version, cached=False)
+        raise GpuUnavailable(f"cannot create the kernel cache directory {objects}: {err}") from None
+    per_library = {c: library_units(target, c) for c in codebooks}
+    paths: dict[Unit, Path] = {}
+    for unit in (u for units in per_library.values() for u in units):
+        paths.setdefault(unit, objects / f"{unit.name}-{target}-{unit_hash(unit, target, version, source_dir)}.o")
+    missing = [u for u, p in paths.items() if force or not p.is_file()]
+    _compile_units(nvcc, target, source_dir, missing, paths, parallel, log, started)
+    libraries = [_link(nvcc, target, version, c, [paths[u] for u in per_library[c]], directory, force)
+                 for c in codebooks]
+    if log and missing:
+        log(f"kernel build for {target} done in {_clock(time.monotonic() - started)}")
+    return BuildReport(libraries, len(paths), len(missing), parallel, time.monotonic() - started)
 
 
-def _compile(nvcc: str, arch: str, source: Path, path: Path) -> None:
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".so.tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
+def cold_build_estimate(units: list[Unit], parallel: int) -> float:
+    """Seconds a cold build of `units` takes `parallel` at a time on the reference 2-core machine."""
+    seconds = [u.seconds for u in units]
+    return max(max(seconds, default=0.0), sum(seconds) / min(parallel, os.cpu_count() or 1, max(len(units), 1)))
+
+
+def _compile_units(nvcc: str, arch: str, source_dir: Path, units: list[Unit], paths: dict[Unit, Path],
+                   parallel: int, log: Callable[[str], None] | None, started: float) -> None:
+    if not units:
+        return
+    units = sorted(units, key=lambda u: -u.seconds)  # longest first: the last to start are short
+    if log:
+        estimate = cold_build_estimate(units, parallel)
+        log(f"kernel build for {arch}: compiling {len(units)} of {len(paths)} units, {parallel} at a time "
+            f"(--jobs, TRELLIS_BUILD_JOBS); a cold build of these takes about {_clock(estimate)} at the speed "
+            f"of a 2-core reference machine")
+    jobs = []
+    for unit in units:
+        fd, tmp = tempfile.mkstemp(prefix=f".{paths[unit].stem}-", suffix=".o.tmp", dir=paths[unit].parent)
+        os.close(fd)
+        jobs.append(Job(f"{arch} unit {unit.name}", compile_command(nvcc, arch, unit, source_dir, Path(tmp)),
+                        Path(tmp), paths[unit]))
+    done = 0
+
+    def report(job: Job, seconds: float) -> None:
+        nonlocal done
+        done += 1
+        if log:
+            log(f"kernel build: {done}/{len(jobs)} units, {job.label.rpartition(' ')[2]} took {seconds:.0f} s, "
+                f"{_clock(time.monotonic() - started)} elapsed")
+
     try:
-        try:
-            result = subprocess.run(
-                nvcc_command(nvcc, arch, source, tmp), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
-            )
-        except subprocess.TimeoutExpired:
-            raise GpuUnavailable(f"kernel build for {arch} timed out after {BUILD_TIMEOUT_S} s") from None
-        except OSError as err:
-            raise GpuUnavailable(f"cannot run nvcc: {err}") from None
-        if result.returncode != 0:
-            log = "\n".join((result.stderr or result.stdout).strip().splitlines()[-_COMPILER_LOG_LINES:])
-            raise GpuUnavailable(f"kernel build failed for {arch} (nvcc exit {result.returncode})\n{log}")
-        os.replace(tmp, path)
+        run_jobs(jobs, parallel=parallel, stall_s=stall_seconds(), on_done=report)
     finally:
-        tmp.unlink(missing_ok=True)
+        for job in jobs:
+            job.tmp_output.unlink(missing_ok=True)
+
+
+def _link(nvcc: str, arch: str, version: str, codebook: str, objects: list[Path], directory: Path,
+          force: bool) -> BuiltLibrary:
+    key = hashlib.sha256("|".join((*[p.name for p in objects], *link_command("nvcc", [], Path()))).encode())
+    build_hash = key.hexdigest()[:16]
+    path = directory / f"{LIBRARY_STEM}-{arch}-{codebook}-{build_hash}.so"
+    if path.is_file() and not force:
+        return BuiltLibrary(path, arch, build_hash, version, cached=True, codebook=codebook)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".so.tmp", dir=directory)
+    os.close(fd)
+    try:
+        run_jobs([Job(f"{arch} {codebook} library", link_command(nvcc, objects, Path(tmp)), Path(tmp), path)],
+                 parallel=1, stall_s=stall_seconds())
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return BuiltLibrary(path, arch, build_hash, version, cached=False, codebook=codebook)
+
+
+def _clock(seconds: float) -> str:
+    minutes, rest = divmod(int(round(seconds)), 60)
+    return f"{minutes} min {rest:02d} s" if minutes else f"{rest} s"

@@ -45,7 +45,10 @@ class FusedMoe:
         check_pack_layout(pack)
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self.pack = pack_to_device(pack, self.device)
-        self.library = library or abi.default_library()
+        self.library = library or abi.default_library(pack.codebook)
+        if self.library.codebook and self.library.codebook != pack.codebook:
+            raise CheckFailed(f"kernel library {self.library.path} holds the {self.library.codebook} codebook's "
+                              f"kernels; layer {pack.layer} uses {pack.codebook} (one library per codebook)")
         self._workspaces: dict[LaunchPlan, dict[str, torch.Tensor]] = {}
         self._tier_maps: dict[int, torch.Tensor] = {}
 
