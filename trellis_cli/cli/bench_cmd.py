@@ -29,6 +29,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Emit one JSON document on stdout.")] = False,
         compile_only: Annotated[bool, typer.Option("--compile-only", help="Build the kernel library and exit (no GPU needed).")] = False,
         arch: Annotated[Optional[str], typer.Option("--arch", help="Target arch for --compile-only, e.g. sm_90 (default: this GPU's, else sm_90).")] = None,
+        mixed_gap: Annotated[bool, typer.Option("--mixed-gap", help="Time the --synthetic layer beside uniform layers of each K (same shape, routes, interleaved) and report its gap to their interpolation.")] = False,
     ) -> None:
         """Benchmark the fused mixed-bitrate MoE kernel on this GPU (exit 4 without a GPU or nvcc)."""
         if compile_only:
@@ -37,12 +38,22 @@ def register(app: typer.Typer) -> None:
         if arch:
             raise UsageError("--arch applies to --compile-only (a run builds for the GPU present)")
         m_list = _parse_ms(ms)
+        gap_plan = None
+        if mixed_gap:  # its argument errors come before the GPU check, like --m's
+            from trellis_cli.bench.mixed_gap import plan_mixed_gap
+
+            gap_plan = plan_mixed_gap(source, synthetic, partition, smoke)
         _require_gpu()
         from trellis_cli.bench.source import load_bench_source
         from trellis_cli.kernel.abi import default_library
 
         output.log("building or loading the kernel library ...")
         library = default_library()
+        if gap_plan:
+            from trellis_cli.cli.mixed_gap_cmd import run_mixed_gap_bench
+
+            run_mixed_gap_bench(gap_plan, library, m_list, cold=cold, replays=replays, seed=seed, as_json=as_json)
+            return
         bench = load_bench_source(source, synthetic=synthetic, partition=partition, layer=layer, rank=rank,
                                   device="cuda", seed=seed)
         output.log(f"source: {bench.description}")
