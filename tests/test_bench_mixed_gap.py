@@ -14,7 +14,7 @@ from trellis_cli.bench.mixed_gap import (GapPlan, gap_layers, gap_pct, gap_repor
 from trellis_cli.bench.synthetic import Preset
 from trellis_cli.bench.throughput import Timing, touched
 from trellis_cli.cli.app import main
-from trellis_cli.cli.mixed_gap_cmd import print_mixed_gap
+from trellis_cli.cli.bench_gap import print_mixed_gap
 
 # The production shape's tiers and expert count at a size that builds in milliseconds on the CPU.
 SMALL = Preset("small", 512, 256, 16, 4, "mcg", (12, 4), (3, 4), 1)

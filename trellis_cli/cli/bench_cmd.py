@@ -50,7 +50,7 @@ def register(app: typer.Typer) -> None:
         output.log("building or loading the kernel library ...")
         library = default_library()
         if gap_plan:
-            from trellis_cli.cli.mixed_gap_cmd import run_mixed_gap_bench
+            from trellis_cli.cli.bench_gap import run_mixed_gap_bench
 
             run_mixed_gap_bench(gap_plan, library, m_list, cold=cold, replays=replays, seed=seed, as_json=as_json)
             return
