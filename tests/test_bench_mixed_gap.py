@@ -12,7 +12,7 @@ from conftest import cuda_available, requires_gpu
 from trellis_cli.bench.mixed_gap import (GapPlan, gap_layers, gap_pct, gap_report, gap_row, interpolate,
                                          interpolation_weights, plan_mixed_gap, tier_split)
 from trellis_cli.bench.synthetic import Preset
-from trellis_cli.bench.throughput import Timing, touched
+from trellis_cli.bench.throughput import Timing, interleaved_order, touched
 from trellis_cli.cli.app import main
 from trellis_cli.cli.bench_gap import print_mixed_gap
 
@@ -68,6 +68,12 @@ def test_tier_split_counts_touched_experts_per_tier():
     ids = torch.tensor([[k3[0], k3[1], k4[0], -1], [k3[0], k4[0], k4[1], 99]], dtype=torch.int32)
     assert tier_split(mixed, ids) == [2, 2]  # repeats and out-of-range ids touch nothing more
     assert tier_split(mixed, torch.tensor([[k3[2]]], dtype=torch.int32)) == [1, 0]
+
+
+def test_interleaved_order_rotates_the_first_layer_and_times_each_once_per_round():
+    assert interleaved_order(3, 4) == [(0, 0), (1, 0), (2, 0), (1, 1), (2, 1), (0, 1),
+                                       (2, 2), (0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]
+    assert interleaved_order(1, 3) == [(0, 0), (0, 1), (0, 2)]  # one set: plain back-to-back replays
 
 
 def test_interpolation_is_the_partition_weighted_mean_and_gap_is_relative():

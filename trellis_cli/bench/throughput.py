@@ -100,6 +100,11 @@ def time_graphs(graphs: list[torch.cuda.CUDAGraph], replays: int, device: torch.
     return time_interleaved([graphs], replays, device)[0]
 
 
+def interleaved_order(count: int, replays: int) -> list[tuple[int, int]]:
+    """(set, replay) in launch order: round i replays every set once, starting at set i mod count."""
+    return [((i + j) % count, i) for i in range(replays) for j in range(count)]
+
+
 def time_interleaved(graph_sets: list[list[torch.cuda.CUDAGraph]], replays: int,
                      device: torch.device) -> list[Timing]:
     """Time several layers' graphs replay by replay in a rotating order, one Timing per set.
@@ -107,19 +112,16 @@ def time_interleaved(graph_sets: list[list[torch.cuda.CUDAGraph]], replays: int,
     Each round replays every set once, starting one set later than the round before, so clock and thermal
     drift, and whatever a replay leaves behind for the next, fall on all sets alike.
     """
-    count = len(graph_sets)
     for i in range(WARMUP_REPLAYS):
         for graphs in graph_sets:
             graphs[i % len(graphs)].replay()
     events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
               for _ in graph_sets]
-    for i in range(replays):
-        for j in range(count):
-            which = (i + j) % count
-            start, end = events[which][i]
-            start.record()
-            graph_sets[which][i % len(graph_sets[which])].replay()
-            end.record()
+    for which, i in interleaved_order(len(graph_sets), replays):
+        start, end = events[which][i]
+        start.record()
+        graph_sets[which][i % len(graph_sets[which])].replay()
+        end.record()
     torch.cuda.synchronize(device)
     timings = []
     for pairs in events:
