@@ -16,8 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from trellis_cli.bench.synthetic import Preset, get_preset, parse_partition, synthetic_pack
+import torch
+
+from trellis_cli.bench.synthetic import (Preset, get_preset, parse_partition, random_activations, random_routes,
+                                         synthetic_pack)
+from trellis_cli.bench.throughput import (TOP_K, WeightPool, _capture, copies_needed, device_facts,
+                                          time_interleaved, touched)
 from trellis_cli.errors import UsageError
+from trellis_cli.repack.format import LayerPack
 
 
 @dataclass(frozen=True)
@@ -104,7 +110,7 @@ def gap_row(m: int, uniform: list[dict], mixed: dict, weights: list[float]) -> d
     }
 
 
-def gap_layers(plan: GapPlan, *, device, seed: int) -> list[tuple[str, object]]:
+def gap_layers(plan: GapPlan, *, device, seed: int) -> list[tuple[str, LayerPack]]:
     """(label, LayerPack): one uniform layer per kept tier, ascending K, then the mixed layer (seeded as a
     plain `--synthetic` run of that partition is)."""
     layers = [(f"K{k}", synthetic_pack(plan.preset, plan.uniform_partition(t), device=device, seed=seed + 1 + t))
@@ -113,10 +119,8 @@ def gap_layers(plan: GapPlan, *, device, seed: int) -> list[tuple[str, object]]:
     return layers
 
 
-def tier_split(pack, topk_ids) -> list[int]:
+def tier_split(pack: LayerPack, topk_ids: torch.Tensor) -> list[int]:
     """Experts these routes touch in each tier of `pack` (unmapped ids touch nothing)."""
-    import torch
-
     g2c = pack.global_to_combined.to(topk_ids.device)
     ids = topk_ids.long().reshape(-1)
     ids = ids[(ids >= 0) & (ids < g2c.numel())]
@@ -126,14 +130,9 @@ def tier_split(pack, topk_ids) -> list[int]:
     return torch.bincount(tiers, minlength=len(pack.tier_k)).tolist()
 
 
-def measure_gap_m(pools: list, plan: GapPlan, m: int, *, cold: bool, replays: int, seed: int,
+def measure_gap_m(pools: list[WeightPool], plan: GapPlan, m: int, *, cold: bool, replays: int, seed: int,
                   l2_bytes: int) -> dict:
     """Time every layer of `pools` (uniform ones, then mixed) on one set of inputs and routes."""
-    import torch
-
-    from trellis_cli.bench.synthetic import random_activations, random_routes
-    from trellis_cli.bench.throughput import TOP_K, _capture, copies_needed, time_interleaved, touched
-
     mixed_pack = pools[-1].runners[0].pack
     device = pools[-1].runners[0].device
     x = random_activations(m, mixed_pack.hidden, device=device, seed=seed)
@@ -156,10 +155,6 @@ def measure_gap_m(pools: list, plan: GapPlan, m: int, *, cold: bool, replays: in
 
 def run_mixed_gap(plan: GapPlan, library, ms: list[int], *, cold: bool = True, replays: int = 100, seed: int = 0,
                   log: Callable[[str], None] = lambda s: None) -> dict:
-    import torch
-
-    from trellis_cli.bench.throughput import WeightPool, device_facts
-
     layers = gap_layers(plan, device="cuda", seed=seed)
     pools = [WeightPool(pack, library) for _, pack in layers]
     l2_bytes, copy_gbps = device_facts(pools[-1].runners[0].device, log)
