@@ -97,16 +97,37 @@ def _capture(fn: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGra
 
 
 def time_graphs(graphs: list[torch.cuda.CUDAGraph], replays: int, device: torch.device) -> Timing:
+    return time_interleaved([graphs], replays, device)[0]
+
+
+def interleaved_order(count: int, replays: int) -> list[tuple[int, int]]:
+    """(set, replay) in launch order: round i replays every set once, starting at set i mod count."""
+    return [((i + j) % count, i) for i in range(replays) for j in range(count)]
+
+
+def time_interleaved(graph_sets: list[list[torch.cuda.CUDAGraph]], replays: int,
+                     device: torch.device) -> list[Timing]:
+    """Time several layers' graphs replay by replay in a rotating order, one Timing per set.
+
+    Each round replays every set once, starting one set later than the round before, so clock and thermal
+    drift, and whatever a replay leaves behind for the next, fall on all sets alike.
+    """
     for i in range(WARMUP_REPLAYS):
-        graphs[i % len(graphs)].replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-    for i, (start, end) in enumerate(events):
+        for graphs in graph_sets:
+            graphs[i % len(graphs)].replay()
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+              for _ in graph_sets]
+    for which, i in interleaved_order(len(graph_sets), replays):
+        start, end = events[which][i]
         start.record()
-        graphs[i % len(graphs)].replay()
+        graph_sets[which][i % len(graph_sets[which])].replay()
         end.record()
     torch.cuda.synchronize(device)
-    times = [start.elapsed_time(end) * 1000 for start, end in events]
-    return Timing(statistics.median(times), min(times), max(times), replays)
+    timings = []
+    for pairs in events:
+        times = [start.elapsed_time(end) * 1000 for start, end in pairs]
+        timings.append(Timing(statistics.median(times), min(times), max(times), replays))
+    return timings
 
 
 class WeightPool:
@@ -154,14 +175,20 @@ def bench_m(pool: WeightPool, m: int, *, cold: bool, replays: int, seed: int, l2
     }
 
 
-def run_throughput(pack: LayerPack, library: KernelLibrary, ms: list[int], *, cold: bool = True,
-                   replays: int = 100, seed: int = 1234, log: Callable[[str], None] = lambda s: None) -> dict:
-    pool = WeightPool(pack, library)
-    device = pool.runners[0].device
+def device_facts(device: torch.device, log: Callable[[str], None]) -> tuple[int, float]:
+    """The L2 size the cold copies are sized against, and the copy bandwidth the GB/s are compared with."""
     props = torch.cuda.get_device_properties(device)
     l2_bytes = int(getattr(props, "L2_cache_size", 50 << 20))
     copy_gbps = copy_bandwidth_gbps(device)
     log(f"copy bandwidth {copy_gbps:.0f} GB/s (read + write), L2 {l2_bytes >> 20} MiB")
+    return l2_bytes, copy_gbps
+
+
+def run_throughput(pack: LayerPack, library: KernelLibrary, ms: list[int], *, cold: bool = True,
+                   replays: int = 100, seed: int = 1234, log: Callable[[str], None] = lambda s: None) -> dict:
+    pool = WeightPool(pack, library)
+    device = pool.runners[0].device
+    l2_bytes, copy_gbps = device_facts(device, log)
     rows = []
     for m in ms:
         log(f"throughput: M={m} ({'cold' if cold else 'warm'})")

@@ -32,6 +32,7 @@ def register(app: typer.Typer) -> None:
         arch: Annotated[Optional[str], typer.Option("--arch", help="Target arch for --compile-only, e.g. sm_90 (default: this GPU's, else sm_90).")] = None,
         codebook: Annotated[Optional[str], typer.Option("--codebook", help="Codebook to build with --compile-only: mcg, 3inst or mul1 (default: all).")] = None,
         jobs: Annotated[Optional[int], typer.Option("--jobs", help="Kernel units compiled at once (default: $TRELLIS_BUILD_JOBS, else one per CPU core).")] = None,
+        mixed_gap: Annotated[bool, typer.Option("--mixed-gap", help="Time the --synthetic layer beside uniform layers of each K (same shape, routes, interleaved) and report its gap to their interpolation.")] = False,
     ) -> None:
         """Benchmark the fused mixed-bitrate MoE kernel on this GPU (exit 4 without a GPU or nvcc)."""
         from trellis_cli.kernel.build import build_jobs, check_codebook
@@ -48,10 +49,22 @@ def register(app: typer.Typer) -> None:
             raise UsageError("--codebook applies to --compile-only (a run builds the codebook of its layer)")
         m_list = _parse_ms(ms)
         check_bench_arguments(source, synthetic, partition)  # usage (2) and source (3) errors before the GPU (4)
+        gap_plan = None
+        if mixed_gap:  # its argument errors come before the GPU check, like --m's
+            from trellis_cli.bench.mixed_gap import plan_mixed_gap
+
+            gap_plan = plan_mixed_gap(source, synthetic, partition, smoke)
         _require_gpu()
         from trellis_cli.bench.source import load_bench_source
         from trellis_cli.kernel.abi import default_library
 
+        if gap_plan:
+            from trellis_cli.cli.bench_gap import run_mixed_gap_bench
+
+            output.log(f"building or loading the kernel library for the {gap_plan.preset.codebook} codebook ...")
+            library = default_library(gap_plan.preset.codebook, jobs=jobs, log=output.log)
+            run_mixed_gap_bench(gap_plan, library, m_list, cold=cold, replays=replays, seed=seed, as_json=as_json)
+            return
         bench = load_bench_source(source, synthetic=synthetic, partition=partition, layer=layer, rank=rank,
                                   device="cuda", seed=seed)
         output.log(f"source: {bench.description}")
