@@ -12,7 +12,7 @@ from helpers import run_cli
 
 
 @pytest.mark.skipif(cuda_available(), reason="checks the no-GPU path")
-@pytest.mark.parametrize("argv", [["bench"], ["bench", "--synthetic", "glm52-tp4"],
+@pytest.mark.parametrize("argv", [["bench", "--synthetic", "glm52-tp4"],
                                   ["bench", "--synthetic", "glm52-tp4", "--smoke"]])
 def test_bench_without_gpu_exits_4_with_one_line(argv, capsys):
     code, out, err = run_cli(capsys, *argv)

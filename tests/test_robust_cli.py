@@ -121,7 +121,7 @@ def test_os_error_is_one_line_naming_the_file(capsys, source, tmp_path):
     for extra in ([], ["--json"]):
         code, out, err = run_cli(capsys, "repack", str(source), str(blocker / "out"), *extra)
         assert code == 1 and out == ""
-        assert err.splitlines()[-1] == f"error: {blocker / 'out.partial'}: Not a directory"
+        assert err.splitlines()[-1] == f"error: {blocker / 'out.partial.lock'}: Not a directory"
         assert err.count("error:") == 1
 
 

@@ -18,7 +18,7 @@ from trellis_cli.header import Header, HeaderError, read_local_header
 from trellis_cli.repack.readback import equal_bytes
 from trellis_cli.repack.source_bytes import Scratch, TensorReader
 from trellis_cli.sources import LocalSource
-from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter, encode_header
+from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter, canonical_order, encode_header
 
 
 def refs_of(header: Header, names: list[str] | None = None) -> list[TensorRef]:
@@ -45,7 +45,7 @@ def planned(refs: list[TensorRef]) -> list[PlannedTensor]:
 
 def file_bytes(tensors: list[PlannedTensor], metadata: dict[str, str] | None = None) -> int:
     """The size of the safetensors file these tensors make (header included)."""
-    return len(encode_header(tensors, metadata)) + sum(t.nbytes for t in tensors)
+    return len(encode_header(canonical_order(tensors), metadata)) + sum(t.nbytes for t in tensors)
 
 
 def copy_into(writer: SafetensorsWriter, reader: TensorReader, refs: list[TensorRef],

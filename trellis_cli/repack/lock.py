@@ -48,8 +48,10 @@ class StageLock:
         try:
             return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as e:
-            why = "a symbolic link" if e.errno == errno.ELOOP else (e.strerror or str(e))
-            raise UsageError(f"{self.path}: the lock file of {self.out} cannot be opened ({why})") from e
+            if e.errno != errno.ELOOP:  # an I/O error (no such folder, permission, full disk): exit 1, named
+                e.filename = str(self.path)
+                raise
+            raise UsageError(f"{self.path}: the lock file of {self.out} is a symbolic link; refusing it") from e
 
     def __exit__(self, *exc) -> None:
         if self.fd >= 0:
