@@ -124,7 +124,7 @@ def test_table_has_one_row_per_m_with_the_gap(capsys):
 
 @pytest.mark.parametrize("argv, says", [
     (["bench", "--mixed-gap"], "--synthetic"),
-    (["bench", "some/checkpoint", "--mixed-gap", "--synthetic", "glm52-tp4"], "no SOURCE"),
+    (["bench", "some/checkpoint", "--mixed-gap", "--synthetic", "glm52-tp4"], "not both"),
     (["bench", "--mixed-gap", "--synthetic", "glm52-tp4", "--smoke"], "--smoke"),
     (["bench", "--mixed-gap", "--synthetic", "nope"], "unknown synthetic preset"),
     (["bench", "--mixed-gap", "--synthetic", "glm52-tp4", "--partition", "256/0"], "at least two"),
