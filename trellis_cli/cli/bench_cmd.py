@@ -29,6 +29,8 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Emit one JSON document on stdout.")] = False,
         compile_only: Annotated[bool, typer.Option("--compile-only", help="Build the kernel library and exit (no GPU needed).")] = False,
         arch: Annotated[Optional[str], typer.Option("--arch", help="Target arch for --compile-only, e.g. sm_90 (default: this GPU's, else sm_90).")] = None,
+        tp: Annotated[Optional[int], typer.Option("--tp", help="Run the layer tensor-parallel: N rank processes, one GPU and one slice each, outputs all-reduced.")] = None,
+        device: Annotated[str, typer.Option("--device", help="cuda, or cpu: --smoke [--tp N] with the CPU reference per rank over gloo (checks the slicing without GPUs).")] = "cuda",
     ) -> None:
         """Benchmark the fused mixed-bitrate MoE kernel on this GPU (exit 4 without a GPU or nvcc)."""
         if compile_only:
@@ -37,6 +39,12 @@ def register(app: typer.Typer) -> None:
         if arch:
             raise UsageError("--arch applies to --compile-only (a run builds for the GPU present)")
         m_list = _parse_ms(ms)
+        from trellis_cli.cli.bench_tp import TpRequest, run_tp_bench, wants_tp
+
+        if wants_tp(tp, device):
+            run_tp_bench(TpRequest(source, synthetic, partition, layer, rank, tp, device, m_list, smoke, cold,
+                                   replays, seed, as_json))
+            return
         _require_gpu()
         from trellis_cli.bench.source import load_bench_source
         from trellis_cli.kernel.abi import default_library
