@@ -153,7 +153,7 @@ def _rank_failure(tmp: Path, err: Exception) -> TrellisError:
 
 def _rank_device(device: str, local_rank: int, world: int) -> torch.device:
     if device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # N ranks share the cores, not N× them
+        torch.set_num_threads(max(1, torch.get_num_threads() // world))  # N ranks share the threads, not N× them
         return torch.device("cpu")
     gpu = torch.device("cuda", local_rank)
     torch.cuda.set_device(gpu)
