@@ -195,3 +195,29 @@ def test_two_launched_rank_processes_check_tp2_and_only_rank_0_reports(tp1):
     assert [p.returncode for p in procs] == [0, 0], [r[1] for r in results]
     assert_matches_whole_layer(json.loads(results[0][0]), 2)
     assert results[1][0] == ""
+
+
+# ---- the GPU report, from rank rows as the ranks send them (the timing itself needs NCCL and GPUs) ----------
+
+def rank_row(m: int, kernel: float, reduce: float, layer: float, graphs: bool = True) -> dict:
+    timing = lambda us: {"median_us": us, "min_us": us - 1, "max_us": us + 1, "replays": 100}  # noqa: E731
+    return {"m": m, "copies": 3, "experts": 40, "bytes": 1000, "kernel": timing(kernel),
+            "all_reduce": timing(reduce), "layer": timing(layer), "graphs": graphs}
+
+
+def test_tp_report_takes_the_slowest_rank_and_keeps_every_rank(capsys):
+    from trellis_cli.bench.tp_timing import combine_ranks
+    from trellis_cli.cli.bench_tp import _print_timing
+
+    per_rank = [[rank_row(1, 10.0, 5.0, 16.0), rank_row(64, 30.0, 8.0, 40.0)],
+                [rank_row(1, 12.0, 4.0, 17.0), rank_row(64, 28.0, 9.0, 41.0, graphs=False)]]
+    rows = combine_ranks(per_rank, hidden=6144)
+    first, second = rows
+    assert first["kernel"] == {"min_us": 10.0, "max_us": 12.0, "per_rank_us": [10.0, 12.0]}
+    assert first["all_reduce"]["median_us"] == 5.0 and first["layer"]["median_us"] == 17.0
+    assert first["all_reduce_bytes"] == 1 * 6144 * 4 and first["graphs"] is True
+    assert second["layer_over_max_kernel"] == pytest.approx(41.0 / 30.0) and second["graphs"] is False
+    _print_timing({"source": "synthetic glm52-tp4 at TP2", "cold": True, "out_dtype": "float32", "backend": "nccl",
+                   "rows": rows})
+    out = capsys.readouterr().out
+    assert "kernel max µs" in out and "41.0" in out and "eager" in out

@@ -1,6 +1,6 @@
 """`--smoke --tp N`, run inside every rank: the all-reduced layer output against the float64 reference.
 
-Every rank draws the same random inputs and routes (one seed), computes its slice's partial output (the fused
+Every rank draws the same random inputs and routes (one seed, on the CPU), computes its slice's partial output (the fused
 kernel on a GPU; on CPU the float32 reference forward stands in for it) and sums the partials with an in-place
 all-reduce. Two checks per M: each rank's partial against the float64 forward of its own slice (names the
 worst rank, so a bad slice is located), and the all-reduced output against the float64 forward of the whole
@@ -25,11 +25,13 @@ CPU_MS = (1, 7, 64)  # the CPU reference decodes every routed expert per M: keep
 TOP_K = 8
 
 
-def _inputs(pack: LayerPack, m: int, seed: int, device: torch.device):
+def shared_inputs(pack: LayerPack, m: int, seed: int, device: torch.device):
+    """Activations and routes, the same on every rank: drawn on the CPU (a GPU's generator may depend on the
+    GPU model), then moved to this rank's device."""
     experts = int(pack.global_to_combined.shape[0])
-    x = random_activations(m, pack.hidden, device=device, seed=seed)
-    ids, weights = random_routes(m, experts, min(TOP_K, experts), device=device, seed=seed + 1)
-    return x, ids, weights
+    x = random_activations(m, pack.hidden, device="cpu", seed=seed)
+    ids, weights = random_routes(m, experts, min(TOP_K, experts), device="cpu", seed=seed + 1)
+    return x.to(device), ids.to(device), weights.to(device)
 
 
 def _partial(pack: LayerPack, runner, x, ids, weights) -> torch.Tensor:
@@ -43,7 +45,7 @@ def check_m(plan: TpPlan, pack: LayerPack, runner, m: int, seed: int, device: to
     """The two checks for one M; collective, so every rank calls it; only rank 0 returns the checks."""
     rank, world = dist.get_rank(), dist.get_world_size()
     limit = CPU_LIMIT if runner is None else REFERENCE_LIMIT
-    x, ids, weights = _inputs(pack, m, seed, device)
+    x, ids, weights = shared_inputs(pack, m, seed, device)
     partial = _partial(pack, runner, x, ids, weights)
     slice_ref = layer_pack_forward(pack, x, ids, weights, dtype=torch.float64)
     slice_errors: list[float | None] = [None] * world

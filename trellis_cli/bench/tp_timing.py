@@ -16,9 +16,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from trellis_cli.bench.synthetic import random_activations, random_routes
-from trellis_cli.bench.throughput import (TOP_K, WeightPool, capture_graph, copies_needed, time_graphs,
-                                          touched)
+from trellis_cli.bench.throughput import WeightPool, capture_graph, copies_needed, time_graphs, touched
+from trellis_cli.bench.tp_check import shared_inputs
 
 OUT_DTYPE = torch.float32  # what the fused kernel writes and the all-reduce sums
 
@@ -54,9 +53,7 @@ def rank_times(pool: WeightPool, m: int, *, cold: bool, replays: int, seed: int,
     """This rank's kernel, all-reduce and layer timings for one M (collective: every rank calls it)."""
     base = pool.runners[0]
     pack, device = base.pack, base.device
-    x = random_activations(m, pack.hidden, device=device, seed=seed)
-    experts = int(pack.global_to_combined.shape[0])
-    ids, weights = random_routes(m, experts, min(TOP_K, experts), device=device, seed=seed + 1)
+    x, ids, weights = shared_inputs(pack, m, seed, device)
     work = touched(pack, ids)
     runners = pool.take(copies_needed(work["bytes"], l2_bytes, cold))
     outs = [torch.empty((m, pack.hidden), dtype=OUT_DTYPE, device=device) for _ in runners]
