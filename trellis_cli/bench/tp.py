@@ -15,6 +15,7 @@ same error class with the rank named; a crash or a kill as one line naming the r
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sys
@@ -106,6 +107,8 @@ def _spawn(job: TpJob) -> dict:
     from torch.multiprocessing import spawn
     from torch.multiprocessing.spawn import ProcessException
 
+    # When one rank fails, torch stops the others and logs each stop; the failed rank's error says it all.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="trellis-tp-") as tmp:
         try:
             spawn(_spawned_rank, args=(job, _free_port(), tmp), nprocs=job.plan.tp, join=True)
