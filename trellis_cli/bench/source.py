@@ -52,12 +52,12 @@ def _repacked(path: Path, layer: int | None, rank: int, device: str) -> BenchSou
     from trellis_cli.repack.layer_file import read_layer_pack
 
     if layer is None:
-        layer = _first_repacked_layer(path)
+        layer = first_repacked_layer(path)
     pack = read_layer_pack(path, layer, rank, device=device)
     return BenchSource(f"repacked {path} layer {layer} rank {rank}", pack, "repacked")
 
 
-def _first_repacked_layer(path: Path) -> int:
+def first_repacked_layer(path: Path) -> int:
     try:
         doc = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
         layers = sorted(int(k) for k in doc.get("layers", {}))

@@ -19,6 +19,7 @@ from trellis_cli.errors import UsageError
 from trellis_cli.repack.format import LayerPack, descriptor
 
 CODEBOOK_RMS = 1.24
+RANK_SEED_STRIDE = 1_000_003  # rank r's weights are drawn from seed + r * stride
 
 
 @dataclass(frozen=True)
@@ -60,14 +61,18 @@ def parse_partition(text: str, tiers: int) -> tuple[int, ...]:
 
 
 def synthetic_pack(preset: Preset, partition: tuple[int, ...] | None = None, tier_k: tuple[int, ...] | None = None,
-                   *, device: torch.device | str = "cuda", seed: int = 0, codebook: str | None = None) -> LayerPack:
-    """A random LayerPack of the preset's geometry; tiers with zero experts are dropped."""
+                   *, device: torch.device | str = "cuda", seed: int = 0, codebook: str | None = None,
+                   rank: int = 0) -> LayerPack:
+    """A random LayerPack of the preset's geometry; tiers with zero experts are dropped.
+
+    `rank` picks one tensor-parallel rank's slice: which experts are in which tier follows `seed` alone
+    (an expert has one K on every rank), its weights follow `seed` and `rank`."""
     partition = partition or preset.partition
     tier_k = tier_k or preset.tier_k
     if sum(partition) != preset.experts:
         raise UsageError(f"partition {partition} must add up to {preset.experts} experts")
     kept = [(n, k) for n, k in zip(partition, tier_k) if n > 0]
-    gen = torch.Generator(device=device).manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed + RANK_SEED_STRIDE * rank)
     cpu_gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(preset.experts, generator=cpu_gen)
     hidden, inter = preset.hidden, preset.intermediate
@@ -90,7 +95,7 @@ def synthetic_pack(preset: Preset, partition: tuple[int, ...] | None = None, tie
                        _scales((combined, inter), inter_scale, gen, device)], dim=1)
     h_rows = 1 if preset.shared_h else combined
     return LayerPack(
-        layer=0, rank=0, tp=preset.tp, hidden=hidden, intermediate=inter, codebook=codebook or preset.codebook,
+        layer=0, rank=rank, tp=preset.tp, hidden=hidden, intermediate=inter, codebook=codebook or preset.codebook,
         tier_k=[k for _, k in kept], tier_trellis=trellis, global_to_combined=g2c.to(device),
         descriptors=torch.tensor(descriptors, dtype=torch.int32, device=device), rot_intermediate=rot.contiguous(),
         gate_suh=_scales((h_rows, hidden), hidden_scale, gen, device),

@@ -84,7 +84,7 @@ def copies_needed(touched_bytes: int, l2_bytes: int, cold: bool) -> int:
     return max(2, min(MAX_COPIES, math.ceil(L2_PASSES * l2_bytes / max(1, touched_bytes)) + 1))
 
 
-def _capture(fn: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
+def capture_graph(fn: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     graph = torch.cuda.CUDAGraph()
@@ -153,8 +153,8 @@ def bench_m(pool: WeightPool, m: int, *, cold: bool, replays: int, seed: int, l2
     work = touched(pack, ids)
     runners = pool.take(copies_needed(work["bytes"], l2_bytes, cold))
     outs = [torch.empty((m, pack.hidden), dtype=torch.float32, device=device) for _ in runners]
-    fused = [_capture(lambda r=r, o=o: r.forward(x, ids, weights, out=o), device) for r, o in zip(runners, outs)]
-    two = [_capture(lambda r=r, o=o: r.two_pass(x, ids, weights, out=o), device) for r, o in zip(runners, outs)]
+    fused = [capture_graph(lambda r=r, o=o: r.forward(x, ids, weights, out=o), device) for r, o in zip(runners, outs)]
+    two = [capture_graph(lambda r=r, o=o: r.two_pass(x, ids, weights, out=o), device) for r, o in zip(runners, outs)]
     fused_t = time_graphs(fused, replays, device)
     two_t = time_graphs(two, replays, device)
     plan = base.plan(m, int(ids.shape[1]))

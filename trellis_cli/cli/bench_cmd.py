@@ -33,6 +33,8 @@ def register(app: typer.Typer) -> None:
         codebook: Annotated[Optional[str], typer.Option("--codebook", help="Codebook to build with --compile-only: mcg, 3inst or mul1 (default: all).")] = None,
         jobs: Annotated[Optional[int], typer.Option("--jobs", help="Kernel units compiled at once (default: $TRELLIS_BUILD_JOBS, else one per CPU core).")] = None,
         mixed_gap: Annotated[bool, typer.Option("--mixed-gap", help="Time the --synthetic layer beside uniform layers of each K (same shape, routes, interleaved) and report its gap to their interpolation.")] = False,
+        tp: Annotated[Optional[int], typer.Option("--tp", help="Run the layer tensor-parallel: N rank processes, one GPU and one slice each, outputs all-reduced.")] = None,
+        device: Annotated[str, typer.Option("--device", help="cuda, or cpu: --smoke [--tp N] with the CPU reference per rank over gloo (checks the slicing without GPUs).")] = "cuda",
     ) -> None:
         """Benchmark the fused mixed-bitrate MoE kernel on this GPU (exit 4 without a GPU or nvcc)."""
         from trellis_cli.kernel.build import build_jobs, check_codebook
@@ -49,6 +51,14 @@ def register(app: typer.Typer) -> None:
             raise UsageError("--codebook applies to --compile-only (a run builds the codebook of its layer)")
         m_list = _parse_ms(ms)
         check_bench_arguments(source, synthetic, partition)  # usage (2) and source (3) errors before the GPU (4)
+        from trellis_cli.cli.bench_tp import TpRequest, run_tp_bench, wants_tp
+
+        if wants_tp(tp, device):
+            if mixed_gap:
+                raise UsageError("--mixed-gap times one GPU's layers; it does not combine with --tp or --device")
+            run_tp_bench(TpRequest(source, synthetic, partition, layer, rank, tp, device, m_list, smoke, cold,
+                                   replays, seed, as_json))
+            return
         gap_plan = None
         if mixed_gap:  # its argument errors come before the GPU check, like --m's
             from trellis_cli.bench.mixed_gap import plan_mixed_gap

@@ -59,6 +59,11 @@ def _prod(shape: tuple[int, ...]) -> int:
     return out
 
 
+def source_is_shared_h(checkpoint: Checkpoint) -> bool:
+    """Whether the source stores one hidden-side row per (projection, rank) instead of one per expert."""
+    return checkpoint.rotation_layout == "shared_h_v1" or checkpoint.dialect == DIALECT_TR3_SHARED_H
+
+
 def layer_tiers(checkpoint: Checkpoint, layer: int) -> list[tuple[int, list[int]]]:
     """[(K, ascending expert ids)] by ascending K; every expert must have one K over projections and ranks."""
     moe = _moe(checkpoint, layer)
@@ -91,7 +96,7 @@ def linear_slice(moe: MoeLayer, expert: int, proj: str, rank: int) -> LinearRef:
     return lin
 
 
-def _vector_ref(moe: MoeLayer, lin: LinearRef, proj: str, rank: int, side: str, shared: bool):
+def vector_ref(moe: MoeLayer, lin: LinearRef, proj: str, rank: int, side: str, shared: bool):
     if shared and side == HIDDEN_SIDE[proj]:
         ref = moe.shared_h.get((proj, rank), {}).get(side)
         name = f"layer {moe.index} shared_h {proj} rank {rank} {side}"
@@ -142,7 +147,7 @@ def expected_intermediate(reader: TensorReader, moe: MoeLayer, expert: int, proj
     parts = []
     for piece in pieces:
         lin = linear_slice(moe, expert, proj, piece.source_rank)
-        vec = _read_vector(reader, _vector_ref(moe, lin, proj, piece.source_rank, side, shared), source_width)
+        vec = _read_vector(reader, vector_ref(moe, lin, proj, piece.source_rank, side, shared), source_width)
         parts.append(vec[piece.lo:piece.hi])
     return parts[0].clone() if len(parts) == 1 else torch.cat(parts)
 
@@ -156,7 +161,7 @@ def expected_hidden(reader: TensorReader, moe: MoeLayer, expert: int, proj: str,
     first = None
     for piece in pieces:
         lin = linear_slice(moe, expert, proj, piece.source_rank)
-        vec = _read_vector(reader, _vector_ref(moe, lin, proj, piece.source_rank, side, shared), hidden)
+        vec = _read_vector(reader, vector_ref(moe, lin, proj, piece.source_rank, side, shared), hidden)
         if first is None:
             first = vec
         elif not torch.equal(first.view(torch.int16), vec.view(torch.int16)):
@@ -195,7 +200,7 @@ def _pack(checkpoint: Checkpoint, layer: int, rank: int, target_tp: int, shared_
         raise UsageError(f"rank {rank} is outside 0..{target_tp - 1}")
     source_width, width = inter // checkpoint.tp, inter // target_tp
     pieces = rank_pieces(inter, checkpoint.tp, target_tp, rank)
-    source_shared = checkpoint.rotation_layout == "shared_h_v1" or checkpoint.dialect == DIALECT_TR3_SHARED_H
+    source_shared = source_is_shared_h(checkpoint)
     tiers = layer_tiers(checkpoint, layer)
     num_experts = checkpoint.num_experts or (max(moe.experts) + 1)
     served = sum(len(ids) for _, ids in tiers)

@@ -1,0 +1,208 @@
+"""What `trellis bench --tp N` runs on: which N a source can give, one rank's slice, the whole-layer reference.
+
+`plan_tp_source` runs once, before any rank process starts, and refuses an N the source's slicing cannot give
+(UsageError, exit 2). It reads headers only, plus the hidden-side vectors of the layer when N merges source
+ranks (a merge is exact only when they are byte-equal, repack/plan.py). The plan it returns is small and
+picklable; each rank process then calls `load_rank_pack` for its own slice and nothing else:
+
+- a TR3 (or plain EXL3) checkpoint: the route-pack builder for that rank, re-slicing when N differs from the
+  checkpoint's TP (repack/pack.py);
+- a route pack: its layer-rank file (its TP is fixed when it is written);
+- exl3-v1: that rank's slot extents;
+- a synthetic preset: that rank's slice drawn at N ranks (bench/synthetic.py).
+
+`whole_layer_reference` is the float64 forward of the unsliced layer where one exists apart from the rank
+slices: a TR3 checkpoint's own stored slices (read directly, summed over its ranks) or an exl3-v1 layer at
+TP 1. A synthetic layer or a route pack is its rank slices, so its reference is their sum (None here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trellis_cli.bench.synthetic import get_preset, parse_partition, synthetic_pack
+from trellis_cli.errors import CheckFailed, UsageError
+from trellis_cli.reference import layer_pack_forward, moe_forward
+from trellis_cli.repack.format import LayerPack
+
+KINDS = ("checkpoint", "exl3-v1", "repacked", "synthetic")
+
+
+@dataclass(frozen=True)
+class TpPlan:
+    kind: str  # one of KINDS
+    source: str  # path or Hub id; the preset name for "synthetic"
+    layer: int
+    tp: int
+    partition: tuple[int, ...] = ()  # synthetic only
+    description: str = ""
+
+    @property
+    def has_whole_layer(self) -> bool:
+        return self.kind in ("checkpoint", "exl3-v1")
+
+
+def plan_tp_source(source: str | None, *, synthetic: str | None, partition: str | None, layer: int | None,
+                   tp: int) -> TpPlan:
+    if tp < 1:
+        raise UsageError(f"--tp {tp}: must be at least 1")
+    if synthetic and source:
+        raise UsageError("give either SOURCE or --synthetic, not both")
+    if synthetic:
+        return _plan_synthetic(synthetic, partition, tp)
+    if not source:
+        raise UsageError("nothing to benchmark: give SOURCE (repacked dir or TR3 checkpoint) or --synthetic NAME")
+    if partition:
+        raise UsageError("--partition applies to --synthetic only (a checkpoint declares its own)")
+    from trellis_cli.bench.source import first_repacked_layer
+    from trellis_cli.repack.manifest import is_route_pack
+
+    path = Path(source)
+    if path.is_dir() and is_route_pack(path):
+        return _plan_route_pack(path, first_repacked_layer(path) if layer is None else layer, tp)
+    return _plan_checkpoint(source, layer, tp)
+
+
+def _plan_synthetic(name: str, partition: str | None, tp: int) -> TpPlan:
+    from trellis_cli.repack.plan import rank_pieces
+
+    preset = get_preset(name)
+    parts = parse_partition(partition, len(preset.tier_k)) if partition else preset.partition
+    rank_pieces(preset.intermediate * preset.tp, preset.tp, tp, 0)  # the same 128-block rule as a checkpoint
+    label = "/".join(str(p) for p in parts)
+    return TpPlan("synthetic", name, 0, tp, tuple(parts), f"synthetic {name} partition {label} at TP{tp}")
+
+
+def _plan_route_pack(path: Path, layer: int, tp: int) -> TpPlan:
+    from trellis_cli.repack.format import layer_file_name
+    from trellis_cli.sources import read_json_file
+
+    doc = read_json_file(path / "manifest.json", "manifest.json")
+    pack_tp = doc.get("tp") if isinstance(doc, dict) else None
+    if pack_tp != tp:
+        raise UsageError(f"--tp {tp}: the route pack {path} was written for TP {pack_tp} (a route pack is "
+                         f"not re-sliced; repack the checkpoint with --tp {tp})")
+    missing = [r for r in range(tp) if not (path / layer_file_name(layer, r)).is_file()]
+    if missing:
+        raise UsageError(f"--tp {tp}: the route pack {path} has no layer {layer} file for rank(s) {missing}")
+    return TpPlan("repacked", str(path), layer, tp, description=f"repacked {path} layer {layer} at TP{tp}")
+
+
+def _open(source: str):
+    from trellis_cli.checkpoint import open_checkpoint
+    from trellis_cli.sources import open_source
+
+    return open_checkpoint(open_source(source))
+
+
+def _plan_checkpoint(source: str, layer: int | None, tp: int) -> TpPlan:
+    from trellis_cli.errors import SourceUnavailable
+
+    checkpoint = _open(source)
+    if not checkpoint.layers:
+        raise SourceUnavailable(f"{source}: no MoE layers with trellis experts found")
+    chosen = min(checkpoint.layers) if layer is None else layer
+    if chosen not in checkpoint.layers:
+        raise UsageError(f"--layer {chosen}: not a MoE layer of {source} (has {min(checkpoint.layers)}.."
+                         f"{max(checkpoint.layers)})")
+    if checkpoint.dialect == "exl3-v1":
+        from trellis_cli.exl3v1.layout import tp_degrees
+        from trellis_cli.exl3v1.to_tr3 import container
+
+        allowed = tp_degrees(container(checkpoint).manifest)
+        if tp not in allowed:
+            raise UsageError(f"--tp {tp}: this exl3-v1 checkpoint's slot extents split into TP "
+                             f"{', '.join(map(str, allowed))} only")
+        return TpPlan("exl3-v1", source, chosen, tp, description=f"exl3-v1 {source} layer {chosen} at TP{tp}")
+    _check_checkpoint_slicing(checkpoint, chosen, tp)
+    return TpPlan("checkpoint", source, chosen, tp,
+                  description=f"checkpoint {source} layer {chosen} at TP{tp} (source TP{checkpoint.tp})")
+
+
+def _check_checkpoint_slicing(checkpoint, layer: int, tp: int) -> None:
+    """UsageError unless every target rank is an exact re-slice of the source's ranks."""
+    from trellis_cli.repack.pack import PROJECTIONS, expected_hidden, source_is_shared_h
+    from trellis_cli.repack.plan import rank_pieces
+    from trellis_cli.repack.source_bytes import TensorReader
+
+    if checkpoint.hidden is None or checkpoint.intermediate is None:
+        raise UsageError("the source declares no hidden or intermediate size; it cannot be sliced")
+    pieces = [rank_pieces(checkpoint.intermediate, checkpoint.tp, tp, r) for r in range(tp)]
+    merged = [p for p in pieces if len(p) > 1]
+    if not merged:
+        return
+    moe, shared = checkpoint.layers[layer], source_is_shared_h(checkpoint)
+    with TensorReader(checkpoint.source) as reader:
+        try:
+            for rank_pieces_ in merged:
+                for expert in sorted(moe.experts):
+                    for proj in PROJECTIONS:
+                        expected_hidden(reader, moe, expert, proj, rank_pieces_, checkpoint.hidden, shared)
+        except CheckFailed as err:
+            raise UsageError(f"--tp {tp} merges source ranks, which this checkpoint cannot give: {err}") from None
+
+
+def load_rank_pack(plan: TpPlan, rank: int, device: torch.device | str, seed: int = 0) -> LayerPack:
+    """Rank `rank`'s slice of the planned layer on `device`, and only that slice."""
+    if plan.kind == "synthetic":
+        preset = get_preset(plan.source)
+        at_tp = dataclasses.replace(preset, intermediate=preset.intermediate * preset.tp // plan.tp, tp=plan.tp)
+        return synthetic_pack(at_tp, plan.partition, device=device, seed=seed, rank=rank)
+    if plan.kind == "repacked":
+        from trellis_cli.repack.layer_file import read_layer_pack
+
+        return read_layer_pack(plan.source, plan.layer, rank, device=str(device))
+    checkpoint = _open(plan.source)
+    if plan.kind == "exl3-v1":
+        from trellis_cli.exl3v1.to_tr3 import exl3v1_pack
+        from trellis_cli.repack.pack import to_device
+
+        return to_device(exl3v1_pack(checkpoint, plan.layer, rank, plan.tp), device)
+    from trellis_cli.repack.pack import pack_layer
+
+    return pack_layer(checkpoint, plan.layer, rank, device=str(device), tp=plan.tp)
+
+
+def whole_layer_reference(plan: TpPlan, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+                          ) -> torch.Tensor | None:
+    """The float64 forward of the unsliced layer on x's device; None when the layer is its rank slices."""
+    if not plan.has_whole_layer:
+        return None
+    checkpoint = _open(plan.source)
+    if plan.kind == "exl3-v1":
+        from trellis_cli.exl3v1.to_tr3 import exl3v1_pack
+
+        return layer_pack_forward(exl3v1_pack(checkpoint, plan.layer, 0, 1), x.cpu(), ids.cpu(),
+                                  weights.cpu()).to(x.device)
+    return _stored_slices_forward(checkpoint, plan.layer, x, ids, weights)
+
+
+def _stored_slices_forward(checkpoint, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                           weights: torch.Tensor) -> torch.Tensor:
+    """Σ over the checkpoint's own ranks of the reference forward of its stored slices (no route pack)."""
+    from trellis_cli.repack.pack import PROJECTIONS, linear_slice, source_is_shared_h, vector_ref
+    from trellis_cli.repack.source_bytes import TensorReader
+
+    moe, shared = checkpoint.layers[layer], source_is_shared_h(checkpoint)
+    routed = [e for e in torch.unique(ids).tolist() if e in moe.experts]
+    total = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    with TensorReader(checkpoint.source) as reader:
+        def read(ref) -> torch.Tensor:
+            return reader.read(ref).to(x.device)
+
+        for rank in range(checkpoint.tp):
+            experts, codebook = {}, "mcg"
+            for expert in routed:
+                triples = []
+                for proj in PROJECTIONS:
+                    lin = linear_slice(moe, expert, proj, rank)
+                    codebook = lin.codebook
+                    triples.append((read(lin.trellis), read(vector_ref(moe, lin, proj, rank, "suh", shared)),
+                                    read(vector_ref(moe, lin, proj, rank, "svh", shared))))
+                experts[expert] = tuple(triples)
+            total += moe_forward(x, experts, ids, weights, codebook)
+    return total
