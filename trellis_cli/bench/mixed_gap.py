@@ -20,7 +20,7 @@ import torch
 
 from trellis_cli.bench.synthetic import (Preset, get_preset, parse_partition, random_activations, random_routes,
                                          synthetic_pack)
-from trellis_cli.bench.throughput import (TOP_K, WeightPool, _capture, copies_needed, device_facts,
+from trellis_cli.bench.throughput import (TOP_K, WeightPool, capture_graph, copies_needed, device_facts,
                                           time_interleaved, touched)
 from trellis_cli.errors import UsageError
 from trellis_cli.repack.format import LayerPack
@@ -143,7 +143,7 @@ def measure_gap_m(pools: list[WeightPool], plan: GapPlan, m: int, *, cold: bool,
         work = touched(pool.runners[0].pack, ids)
         runners = pool.take(copies_needed(work["bytes"], l2_bytes, cold))
         outs = [torch.empty((m, mixed_pack.hidden), dtype=torch.float32, device=device) for _ in runners]
-        graph_sets.append([_capture(lambda r=r, o=o: r.forward(x, ids, weights, out=o), device)
+        graph_sets.append([capture_graph(lambda r=r, o=o: r.forward(x, ids, weights, out=o), device)
                            for r, o in zip(runners, outs)])
         works.append({"experts": work["experts"], "bytes": work["bytes"], "copies": len(runners)})
     timings = time_interleaved(graph_sets, replays, device)
