@@ -20,13 +20,14 @@ from trellis_cli.synth import preset, write_checkpoint
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    """Exit code, stdout and stderr of one in-process `trellis ARGS...` run (`trellis_cli.cli.app.main`)."""
+    """Exit code, stdout and stderr of one in-process `trellis ARGS...` run (`trellis_cli.cli.app.main`); with
+    `capsys` None the output is left to pytest's capture and comes back empty."""
     try:
         main(list(args))
         code = 0
     except SystemExit as e:
         code = e.code or 0
-    out, err = capsys.readouterr()
+    out, err = capsys.readouterr() if capsys is not None else ("", "")
     return code, out, err
 
 

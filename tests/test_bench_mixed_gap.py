@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import cuda_available, requires_gpu
+from helpers import run_cli
 from trellis_cli.bench.mixed_gap import (GapPlan, gap_layers, gap_pct, gap_report, gap_row, interpolate,
                                          interpolation_weights, plan_mixed_gap, tier_split)
 from trellis_cli.bench.synthetic import Preset
 from trellis_cli.bench.throughput import Timing, interleaved_order, touched
-from trellis_cli.cli.app import main
 from trellis_cli.cli.bench_gap import print_mixed_gap
 
 # The production shape's tiers and expert count at a size that builds in milliseconds on the CPU.
@@ -21,10 +21,7 @@ SMALL = Preset("small", 512, 256, 16, 4, "mcg", (12, 4), (3, 4), 1)
 
 
 def run(argv, capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    captured = capsys.readouterr()
-    return int(info.value.code or 0), captured.out, captured.err
+    return run_cli(capsys, *argv)
 
 
 def timing(us: float) -> dict:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import run_cli
 from trellis_cli.checkpoint.names import expert_key
-from trellis_cli.cli.app import main
 from trellis_cli.synth import SynthSpec, write_checkpoint
 
 pytest.importorskip("b12x")
@@ -31,10 +31,8 @@ HIDDEN_SIDE = {"gate_suh": ("gate_proj", "suh"), "up_suh": ("up_proj", "suh"), "
 
 
 def run_ok(*args: str) -> None:
-    try:
-        main(list(args))
-    except SystemExit as e:
-        assert not e.code, args
+    code, out, err = run_cli(None, *args)
+    assert code == 0, (args, err)
 
 
 class Tr3:
