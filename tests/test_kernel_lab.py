@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import inspect
 import re
+import shlex
 
 import pytest
 
@@ -110,3 +111,16 @@ def test_build_commands_are_the_builds_own():
 def test_every_kernel_header_is_under_500_lines():
     for path in sorted(KERNELS.glob("*.cuh")):
         assert len(path.read_text().splitlines()) < 500, path.name
+
+
+def test_the_lab_entry_prints_the_builds_own_command_lines(monkeypatch, tmp_path, capsys):
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text("#!/bin/sh\nexit 1\n")  # never run: --commands builds nothing
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("TRELLIS_NVCC", str(nvcc))
+    assert lab.main(["--arch", "sm_90", "--variant", "lab", "--commands"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [shlex.join(c) for c in build.build_commands("sm_90", "mcg", "lab", nvcc=str(nvcc))]
+    assert len(lines) == 9 + 1 and all("-DTRELLIS_LAB" in line for line in lines[:-1])
+    assert lab.main(["--arch", "sm_90", "--codebook", "nope", "--commands"]) == 2
+    assert "unknown codebook 'nope'" in capsys.readouterr().err

@@ -20,11 +20,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import shlex
+import sys
 from pathlib import Path
 
 import torch
 
-from trellis_cli.errors import CheckFailed, GpuUnavailable
+from trellis_cli.errors import CheckFailed, GpuUnavailable, TrellisError
 from trellis_cli.kernel import abi, build
 from trellis_cli.kernel.launch import FusedMoe
 from trellis_cli.kernel.plan import LaunchPlan
@@ -123,13 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codebook", default="mcg")
     parser.add_argument("--commands", action="store_true", help="print the nvcc command lines, build nothing")
     args = parser.parse_args(argv)
-    if args.commands:
-        arch = args.arch or build.device_arch()
-        for command in build.build_commands(arch, args.codebook, args.variant, nvcc=build.find_nvcc()):
-            print(shlex.join(command))
-        return 0
-    built = build.build_library(args.arch, args.codebook, variant=args.variant, log=print)
-    print(built.path)
+    try:
+        if args.commands:
+            arch = args.arch or build.device_arch()
+            for command in build.build_commands(arch, args.codebook, args.variant, nvcc=build.find_nvcc()):
+                print(shlex.join(command))
+        else:
+            print(build.build_library(args.arch, args.codebook, variant=args.variant, log=print).path)
+    except TrellisError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
     return 0
 
 
