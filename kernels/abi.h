@@ -6,7 +6,7 @@
 #pragma once
 #include <stdint.h>
 
-#define TRELLIS_ABI_VERSION 5
+#define TRELLIS_ABI_VERSION 6
 #define TRELLIS_MAX_TIERS 8
 
 // Codebook ids (format.py CODEBOOK_IDS).
@@ -18,20 +18,6 @@
 #define TRELLIS_DT_FP32 0
 #define TRELLIS_DT_FP16 1
 #define TRELLIS_DT_BF16 2
-
-// debug_flags: skip phases (timing variants only; results are then meaningless).
-#define TRELLIS_SKIP_FC1 1
-#define TRELLIS_SKIP_ACT 2
-#define TRELLIS_SKIP_FC2 4
-#define TRELLIS_SKIP_SUM 8
-#define TRELLIS_SKIP_ROTATE 16
-#define TRELLIS_NO_PDL 32  // launch every phase fully serialized (comparison only)
-// FC2 CTAs of small tiles take the most output blocks allowed, whatever the grid (tests: results unchanged).
-#define TRELLIS_FC2_WIDE_SPAN 64
-// 128-row tiles on Hopper: the narrow wgmma kernels (passes of 64 routes, two CTAs per SM), or the wide
-// ones, whatever the routes per expert (comparison and tests: results unchanged).
-#define TRELLIS_WGMMA_NARROW 256
-#define TRELLIS_WGMMA_WIDE 512
 
 #ifdef __cplusplus
 extern "C" {
@@ -85,7 +71,6 @@ typedef struct TrellisMoeArgs {
   int32_t k_split;  // FC1 split of H into k_split ranges (divides H/128)
   int32_t slot_capacity;
   int32_t tile_capacity;
-  int32_t debug_flags;
   // 1: direct small-M mode: no route pack, work tile t is route t (one row, slot t), and FC1 rotates its
   // own input rows (no rotation launch). Needs m_tile 16, slot and tile capacity >= m * top_k, and at
   // most kDirectMaxChunks 128-column chunks of H per FC1 range.
@@ -94,6 +79,9 @@ typedef struct TrellisMoeArgs {
   // range), where two or more of its CTAs share an SM (fc1_split.cuh); the partial sums hold k_split *
   // fc1_tail_split planes. Chosen by trellis_cli/kernel/plan.py choose_fc1_tail_split.
   int32_t fc1_tail_split;
+#ifdef TRELLIS_LAB
+  int32_t lab_flags;  // lab builds only (lab.h): not part of the production ABI
+#endif
 } TrellisMoeArgs;
 
 int trellis_abi_version(void);

@@ -11,6 +11,7 @@
 
 #include "abi.h"
 #include "expert_gemm.cuh"
+#include "lab.h"
 #include "route_pack.cuh"
 #include "warp_ops.cuh"
 
@@ -66,7 +67,7 @@ __global__ void __launch_bounds__(kActWarps * 32, kBatch == 1 ? 7 : 1)
       planes = fc1_tile_planes(a, pieces, blockIdx.x);
       if (tile_handover(a)) {  // wait for this tile's FC1 pieces only (handover.cuh), if the CTA has rows
         allow_dependents();
-        if (!(a.debug_flags & TRELLIS_SKIP_FC1) && 2 * int(blockIdx.y) < w.rows)
+        if (!lab_flag(a, TRELLIS_LAB_SKIP_FC1) && 2 * int(blockIdx.y) < w.rows)
           wait_count<true>(handover(a).fc1_done + blockIdx.x, fc1_items_per_tile(a) * planes);
         timeline_waited();
       } else {

@@ -11,6 +11,7 @@
 #include "expert_gemm.cuh"
 #include "expert_wgmma.cuh"
 #include "gemm_table.h"
+#include "lab.h"
 #include "occupancy.cuh"
 
 #ifndef TRELLIS_UNIT_CODEBOOK
@@ -35,7 +36,7 @@ int fc2_span(const TrellisMoeArgs& a, void (*kernel)(TrellisMoeArgs)) {
       (block_chunks & (block_chunks - 1)) != 0)
     return 1;
   SmLimits l;
-  const bool wide = (a.debug_flags & TRELLIS_FC2_WIDE_SPAN) != 0;
+  const bool wide = lab_flag(a, TRELLIS_LAB_FC2_WIDE_SPAN);
   if (!wide && !sm_limits(l)) return 1;
   const int slots = wide ? 0 : l.sms * ctas_per_sm(kernel, trellis::kFc2Threads, trellis::fc2_smem_bytes(R, FAST));
   const double routes = double(a.m) * a.top_k, experts = a.num_experts > 0 ? a.num_experts : 1;

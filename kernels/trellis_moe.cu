@@ -20,6 +20,7 @@
 #include "activation.cuh"
 #include "expert_gemm.cuh"
 #include "gemm_table.h"
+#include "lab.h"
 #include "launch.cuh"
 #include "occupancy.cuh"
 #include "rotation_launch.cuh"
@@ -143,19 +144,19 @@ cudaError_t launch_gemms(const TrellisMoeArgs& a, const GemmKernels& k, cudaStre
   if ((err = allow_smem(k.fc2, k.fc2_smem)) != cudaSuccess) return err;
   const int tiles = a.tile_capacity;
   // Direct mode: FC1 rotates its own rows and is the call's first kernel, so it launches fully serialized.
-  if (!a.direct && !(a.debug_flags & TRELLIS_SKIP_ROTATE)) {
+  if (!a.direct && !lab_flag(a, TRELLIS_LAB_SKIP_ROTATE)) {
     const RotationLaunch rotation = rotation_for(a, tiles);
     err = launch(rotation.kernel, rotation.grid, 256, 0, stream, pdl, a);
   }
   const Fc1Pieces pieces = fc1_pieces(a, k.fc1, k.fc1_threads, k.fc1_smem);
-  if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_FC1))
+  if (err == cudaSuccess && !lab_flag(a, TRELLIS_LAB_SKIP_FC1))
     err = launch(k.fc1, fc1_grid(a, pieces), k.fc1_threads, k.fc1_smem, stream, pdl && !a.direct, a, pieces);
-  if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_ACT)) {
+  if (err == cudaSuccess && !lab_flag(a, TRELLIS_LAB_SKIP_ACT)) {
     const int act_blocks = a.intermediate / 128, act_warps = act_blocks < kActWarps ? act_blocks : kActWarps;
     const dim3 act_grid(tiles, activation_row_steps(a), (act_blocks + act_warps - 1) / act_warps);
     err = launch(activation_for(a), act_grid, act_warps * 32, 0, stream, pdl, a, pieces);
   }
-  if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_FC2)) {
+  if (err == cudaSuccess && !lab_flag(a, TRELLIS_LAB_SKIP_FC2)) {
     const int blocks = static_cast<int>(k.fc2_grid.x * k.fc2_grid.y);
     const int fc2_smem = even_wave_smem(k.fc2, blocks, k.fc2_threads, k.fc2_smem);
     if ((err = allow_smem(k.fc2, fc2_smem)) == cudaSuccess)
@@ -192,6 +193,10 @@ extern "C" int trellis_has_wgmma(void) {
 #endif
 }
 
+#ifdef TRELLIS_LAB
+extern "C" int trellis_lab_build(void) { return 1; }
+#endif
+
 #ifdef TRELLIS_TIMELINE
 // Copies the timeline of the calls since the last read ([phase][cta][start, waited, end, sm, marks], ns) into
 // `host` (kTlPhases * kTlMaxCtas * kTlFields values) and clears it.
@@ -222,7 +227,7 @@ extern "C" int trellis_moe_forward(const TrellisMoeArgs* args, void* stream_hand
   }
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   cudaGetLastError();  // a stale error from unrelated work must not be blamed on this call
-  const bool pdl = device_has_pdl() && !(a.debug_flags & TRELLIS_NO_PDL);
+  const bool pdl = device_has_pdl() && !lab_flag(a, TRELLIS_LAB_NO_PDL);
   cudaError_t err = cudaSuccess;
   if (!a.direct) {
     // The call's first kernel, launched without PDL: it starts once the previous call has finished.
@@ -238,14 +243,16 @@ extern "C" int trellis_moe_forward(const TrellisMoeArgs* args, void* stream_hand
     }
   }
   if (err == cudaSuccess) err = launch_gemms(a, gemm_kernels(a), stream, pdl);
-  if (err == cudaSuccess && !(a.debug_flags & TRELLIS_SKIP_SUM)) {
+  if (err == cudaSuccess && !lab_flag(a, TRELLIS_LAB_SKIP_SUM)) {
     dim3 grid(a.m, (a.hidden + 4 * kSumThreads - 1) / (4 * kSumThreads));
     err = launch(topk_sum_for(a), grid, kSumThreads, 0, stream, pdl, a);
   }
-  // A skipped phase (timing variants) leaves the hand-over counters short of their reset: clear them.
+#ifdef TRELLIS_LAB
+  // A skipped phase (lab.h) leaves the hand-over counters short of their reset: clear them.
   if (err == cudaSuccess && trellis::tile_handover(a) &&
-      (a.debug_flags & (TRELLIS_SKIP_FC1 | TRELLIS_SKIP_ACT | TRELLIS_SKIP_FC2)))
+      lab_flag(a, TRELLIS_LAB_SKIP_FC1 | TRELLIS_LAB_SKIP_ACT | TRELLIS_LAB_SKIP_FC2))
     err = cudaMemsetAsync(a.handover, 0, 3 * sizeof(int) * a.tile_capacity, stream);
+#endif
   if (err != cudaSuccess) {
     snprintf(g_error, sizeof(g_error), "CUDA launch failed: %s", cudaGetErrorString(err));
     return static_cast<int>(err);

@@ -115,3 +115,32 @@ def write_tensors(path: Path, tensors: dict, metadata: dict[str, str] | None = N
         for name, tensor in tensors.items():
             writer.write(name, tensor)
     return Path(path)
+
+
+class Interrupted(RuntimeError):
+    """What `interrupt_after` raises: a repack stopped part way, as a kill or Ctrl-C would stop it."""
+
+
+# The modules whose route-pack drivers write layer files (each imported write_layer_pack by name).
+LAYER_FILE_WRITERS = ("trellis_cli.repack.run", "trellis_cli.exl3v1.to_route_pack")
+
+
+def interrupt_after(monkeypatch, files: int) -> None:
+    """Make the next repack raise Interrupted as it starts its layer file number files + 1 (no byte of it
+    written), so that its stage holds `files` finished layer files: the state an interrupted run leaves."""
+    import importlib
+    import threading
+
+    lock, started = threading.Lock(), [0]
+    for name in LAYER_FILE_WRITERS:
+        module = importlib.import_module(name)
+        write = module.write_layer_pack
+
+        def interrupting(*args, _write=write, **kwargs):
+            with lock:
+                started[0] += 1
+                if started[0] > files:
+                    raise Interrupted(f"interrupted after {files} layer file(s)")
+            return _write(*args, **kwargs)
+
+        monkeypatch.setattr(module, "write_layer_pack", interrupting)

@@ -10,6 +10,7 @@ import pytest
 
 from trellis_cli.exl3v1.synth import write_exl3v1_checkpoint
 from trellis_cli.synth import SynthSpec
+from helpers import Interrupted, interrupt_after
 from helpers import run_cli_merged as run_cli
 
 
@@ -102,12 +103,13 @@ def test_route_pack_to_exl3v1_is_refused_by_name(capsys, tmp_path):
     assert code == 2 and "already a route pack" in text and not (tmp_path / "x").exists()
 
 
-def test_interrupted_pack_resumes(tmp_path):
-    from trellis_cli.repack.run import Interrupted, RepackOptions, run_repack
+def test_interrupted_pack_resumes(tmp_path, monkeypatch):
+    from trellis_cli.repack.run import RepackOptions, run_repack
 
     source = write_exl3v1_checkpoint(tmp_path / "exl3", SPECS["pair-per-expert"])
-    with pytest.raises(Interrupted):
-        run_repack(str(source), tmp_path / "pack", RepackOptions(tp=2, fail_after=1))
+    with monkeypatch.context() as patch, pytest.raises(Interrupted):
+        interrupt_after(patch, 1)
+        run_repack(str(source), tmp_path / "pack", RepackOptions(tp=2))
     assert (tmp_path / "pack.partial").is_dir() and not (tmp_path / "pack").exists()
     result = run_repack(str(source), tmp_path / "pack", RepackOptions(tp=2))
     assert (result.files_resumed, result.files_written) == (1, 3)

@@ -25,6 +25,9 @@ from trellis_cli.kernel.jobs import Job, run_jobs
 # A kernel's host-side function, as `nm -C` prints it (O3's "[clone .cold]" parts are left out).
 KERNEL_SYMBOL = re.compile(r"^(?:void )?(trellis::\w+_kernel(?:<[^()]*>)?\([^()]*\))$")
 FAKE_NVCC = Path(__file__).parent / "fake_nvcc.py"
+# The functions of kernels/abi.h: all that the production library exports.
+PRODUCTION_EXPORTS = {"trellis_abi_version", "trellis_has_wgmma", "trellis_args_size", "trellis_moe_forward",
+                      "trellis_last_error"}
 
 
 def run(argv, capsys) -> tuple[int, str, str]:
@@ -47,6 +50,13 @@ def kernel_symbols(path: Path) -> set[str]:
         if match:
             found.add(match.group(1))
     return found
+
+
+def exported_functions(path: Path) -> set[str]:
+    """The C functions a built library exports (its dynamic symbol table)."""
+    listing = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True)
+    return {parts[2] for parts in (line.split() for line in listing.stdout.splitlines())
+            if len(parts) == 3 and parts[1] == "T"}
 
 
 def reference_symbols(arch: str, codebook: int | None = None) -> set[str]:
@@ -89,7 +99,11 @@ def test_a_change_rehashes_only_the_units_that_include_it(tmp_path: Path):
     after_wgmma = hashes()
     assert after_wgmma["host"] == hashes()["host"] and all(after_wgmma[n] != before[n] for n in before)
     assert all(a != b for a, b in zip(hashes(version="13.1.0").values(), after_wgmma.values()))
-    assert build.unit_sources(sources, "gemm_unit.cu")[:3] == ["abi.h", "decode.cuh", "expert_gemm.cuh"]
+    gemm_sources = build.unit_sources(sources, "gemm_unit.cu")
+    assert gemm_sources == sorted(gemm_sources) and gemm_sources[0] == "abi.h"
+    # expert_gemm.cuh's parts, followed through the includes
+    assert {"expert_gemm.cuh", "gemm_tile.cuh", "copy_pipeline.cuh", "chunk_mma.cuh", "fc1.cuh", "fc2.cuh",
+            "input_rotation.cuh", "lab.h"} <= set(gemm_sources)
 
 
 def test_jobs_come_from_the_option_the_environment_or_the_cores(monkeypatch, capsys):
@@ -217,8 +231,13 @@ def test_mcg_library_for_sm90_builds_cold_holds_its_kernels_and_is_cached(cache:
 
     loaded = load_library(library, codebook="mcg")  # loading needs no GPU
     assert loaded.wgmma
-    # The timeline hooks (kernels/timeline.cuh) compile to nothing in the production build.
+    # The production library exports the C ABI of kernels/abi.h and nothing of the lab (kernels/lab.h).
+    assert {n for n in exported_functions(library) if n.startswith("trellis_")} == PRODUCTION_EXPORTS
     assert not hasattr(ctypes.CDLL(str(library)), "trellis_timeline_read")
+    from trellis_cli.kernel.lab import load_lab_library
+
+    with pytest.raises(GpuUnavailable, match="is not a lab build"):
+        load_lab_library(library)
     code, out, err = run(["bench", "--compile-only", "--arch", "sm_90", "--codebook", "mcg", "--json"], capsys)
     assert json.loads(out)["compiled"] == 0 and json.loads(out)["libraries"][0]["path"] == str(library)
 
@@ -257,14 +276,20 @@ def _unit_objects(arch: str, cache: Path):
 
 @requires_nvcc
 @pytest.mark.slow
-def test_timeline_diagnostic_build_compiles_and_exports_its_reader(tmp_path: Path):
-    # scripts/timeline.py loads a library built this way: one codebook in one unit (kernels/single_tu.cu).
-    target, tmp = tmp_path / "timeline.so", tmp_path / "timeline.so.tmp"
-    command = [build.find_nvcc(), "-shared", *build.COMPILE_FLAGS, *build.arch_flags("sm_90"),
-               "-DTRELLIS_UNIT_CODEBOOK=1", "-DTRELLIS_TIMELINE", "-o", str(tmp),
-               str(build.kernel_source_dir() / "single_tu.cu")]
-    run_jobs([Job("sm_90 timeline", command, tmp, target)], parallel=1, stall_s=300)
-    assert hasattr(ctypes.CDLL(str(target)), "trellis_timeline_read")
+def test_timeline_lab_build_holds_the_same_kernels_and_exports_its_reader(cache: Path):
+    # tools/perf/timeline.py runs this build (trellis_cli/kernel/lab.py): one codebook in one unit
+    # (kernels/single_tu.cu) with -DTRELLIS_LAB -DTRELLIS_TIMELINE, cached apart from the production library.
+    from trellis_cli.kernel.abi import load_library
+    from trellis_cli.kernel.lab import load_lab_library
+
+    built = build.build_library("sm_90", "mcg", variant="timeline")
+    assert built.path.parent == cache and built.path.name.startswith("trellis_moe_timeline-sm_90-mcg-")
+    assert kernel_symbols(built.path) == reference_symbols("sm_90", codebook=1)  # no lab-only kernel
+    exports = {n for n in exported_functions(built.path) if n.startswith("trellis_")}
+    assert exports == PRODUCTION_EXPORTS | {"trellis_lab_build", "trellis_timeline_read"}
+    assert load_lab_library(built.path).lab
+    with pytest.raises(GpuUnavailable, match="is a lab build"):
+        load_library(built.path)
 
 
 @requires_gpu

@@ -36,6 +36,21 @@ def library():
     return default_library()
 
 
+@pytest.fixture(scope="module")
+def lab_library():
+    """The lab build of the mcg library (trellis_cli/kernel/lab.py): the calls that take lab flags."""
+    from trellis_cli.kernel.lab import lab_library
+
+    return lab_library("mcg")
+
+
+def lab_twin(moe, lab_library):
+    """The same layer on the lab build, whose calls take lab flags."""
+    from trellis_cli.kernel.lab import LabMoe
+
+    return LabMoe(moe.pack, lab_library)
+
+
 def moe_for(preset: Preset, library, seed=1, **kw):
     from trellis_cli.kernel.launch import FusedMoe
 
@@ -75,13 +90,13 @@ def test_large_tile_path_on_small_layer(library):
 
 
 @pytest.mark.parametrize("tier_k", [(3, 4), (2, 5)])
-def test_large_tiles_of_every_route_count(library, tier_k):
+def test_large_tiles_of_every_route_count(library, lab_library, tier_k):
     # On Hopper a 128-row tile multiplies as many route columns as its routes rounded up to a multiple of
     # 16 (kernels/expert_wgmma.cuh with_n; the all-K kernel always 128), and where experts average few routes
     # K3/K4 layers run the narrow kernels, 64 routes per pass (a tile of more takes two). Here the 16
     # experts get 1, 16, 17, 32, ..., 113 and 128 routes: every width at both ends of its range, and 1 or 2
-    # narrow passes. Both kinds of kernel must give the same bits.
-    from trellis_cli.kernel import abi
+    # narrow passes. Both kinds of kernel must give the same bits (forced by the lab build's flags).
+    from trellis_cli.kernel import lab
 
     counts = [1, 16, 17, 32, 33, 48, 49, 64, 65, 80, 81, 96, 97, 112, 113, 128]
     moe = moe_for(small(tier_k=tier_k), library)
@@ -96,8 +111,9 @@ def test_large_tiles_of_every_route_count(library, tier_k):
     fused = moe.forward(x, ids, w)
     assert rel_l2(fused, layer_pack_forward(moe.pack, x, ids, w, dtype=torch.float64)) <= REFERENCE_LIMIT
     assert rel_l2(fused, moe.two_pass(x, ids, w)) <= TWO_PASS_LIMIT
-    for flags in (abi.WGMMA_NARROW, abi.WGMMA_WIDE):
-        assert torch.equal(moe.forward(x, ids, w, debug_flags=flags), fused), flags
+    twin = lab_twin(moe, lab_library)
+    for flags in (0, lab.WGMMA_NARROW, lab.WGMMA_WIDE):
+        assert torch.equal(twin.forward(x, ids, w, lab_flags=flags), fused), flags
 
 
 @pytest.mark.parametrize("m, m_tile, direct", [(1, 16, True), (5, 16, True), (20, 16, False), (100, 32, False),
@@ -188,12 +204,12 @@ def test_wide_intermediate(library, hidden, intermediate, m):
 
 @pytest.mark.parametrize("intermediate", [256, 384, 512])
 @pytest.mark.parametrize("m, m_tile", [(16, 16), (48, 16), (100, 32)])
-def test_fc2_output_blocks_per_cta_leave_results_unchanged(library, intermediate, m, m_tile):
+def test_fc2_output_blocks_per_cta_leave_results_unchanged(library, lab_library, intermediate, m, m_tile):
     # FC2 CTAs of 16- and 32-row tiles walk up to 4 output blocks of their tile, the copy ring running on
-    # from one block into the next, where the grid has waves to spare (trellis_moe.cu fc2_span); the debug
-    # flag forces the widest span on this small layer (H/128 = 8 blocks: 2 CTAs per tile). I/128 = 3 is no
-    # power of two: one block per CTA there.
-    from trellis_cli.kernel import abi
+    # from one block into the next, where the grid has waves to spare (gemm_unit.cu fc2_span); the lab
+    # build's flag forces the widest span on this small layer (H/128 = 8 blocks: 2 CTAs per tile). I/128 = 3
+    # is no power of two: one block per CTA there.
+    from trellis_cli.kernel import lab
 
     moe = moe_for(Preset("span", 1024, intermediate, 16, 4, "mcg", (12, 4), (3, 4), 1), library)
     plan = make_plan(m, 4, 1024, intermediate, 16, m_tile=m_tile, wgmma=library.wgmma)
@@ -201,21 +217,22 @@ def test_fc2_output_blocks_per_cta_leave_results_unchanged(library, intermediate
     x = random_activations(m, 1024, device="cuda", seed=m)
     ids, w = random_routes(m, 16, 4, device="cuda", seed=m + 1)
     one = moe.forward(x, ids, w, plan=plan)
-    wide = moe.forward(x, ids, w, plan=plan, debug_flags=abi.FC2_WIDE_SPAN)
+    wide = lab_twin(moe, lab_library).forward(x, ids, w, plan=plan, lab_flags=lab.FC2_WIDE_SPAN)
     assert torch.equal(one, wide)
     assert rel_l2(wide, layer_pack_forward(moe.pack, x, ids, w, dtype=torch.float64)) <= REFERENCE_LIMIT
 
 
 @pytest.mark.parametrize("m, m_tile, direct", [(2, 16, True), (5, 16, True), (20, 16, True), (20, 16, False),
                                                 (100, 32, False)])
-def test_tiles_hand_over_one_by_one(library, m, m_tile, direct):
+def test_tiles_hand_over_one_by_one(library, lab_library, m, m_tile, direct):
     # 16- and 32-row tiles (and direct mode from two tokens on) go from FC1 to the activation to FC2 tile by
     # tile, through counters in the workspace (kernels/handover.cuh). Every call must leave them at zero,
-    # also one that skipped a phase, or the next call would read a tile too early. M=20 in direct mode
-    # (80 routes) is past the plan's own direct-mode limit: the counters follow the tile capacity.
-    from trellis_cli.kernel import abi
+    # also one of the lab build that skipped a phase, or the next call would read a tile too early. M=20 in
+    # direct mode (80 routes) is past the plan's own direct-mode limit: the counters follow the tile capacity.
+    from trellis_cli.kernel import lab
 
     moe = moe_for(small(), library)
+    twin = lab_twin(moe, lab_library)
     x = random_activations(m, 512, device="cuda", seed=m)
     ids, w = random_routes(m, 16, 4, device="cuda", seed=m + 1)
     ref = layer_pack_forward(moe.pack, x, ids, w, dtype=torch.float64)
@@ -224,12 +241,16 @@ def test_tiles_hand_over_one_by_one(library, m, m_tile, direct):
         assert (plan.direct, plan.m_tile, plan.k_split) == (direct, m_tile, k_split)
         first = moe.forward(x, ids, w, plan=plan)
         assert rel_l2(first, ref) <= REFERENCE_LIMIT
-        counters = moe._workspace(plan)["handover"]
-        for flags in (0, abi.SKIP_FC1, abi.SKIP_ACT, abi.SKIP_FC2, abi.NO_PDL, 0):
-            out = moe.forward(x, ids, w, plan=plan, debug_flags=flags)
+        for runner in (moe, twin):
+            runner.forward(x, ids, w, plan=plan)
+            torch.cuda.synchronize()
+            assert not runner._workspace(plan)["handover"].any(), k_split
+        counters = twin._workspace(plan)["handover"]
+        for flags in (0, lab.SKIP_FC1, lab.SKIP_ACT, lab.SKIP_FC2, lab.NO_PDL, 0):
+            out = twin.forward(x, ids, w, plan=plan, lab_flags=flags)
             torch.cuda.synchronize()
             assert not counters.any(), (k_split, flags)
-            if flags in (0, abi.NO_PDL):  # phases one after another: the counters are full before anyone waits
+            if flags in (0, lab.NO_PDL):  # phases one after another: the counters are full before anyone waits
                 assert torch.equal(out, first), (k_split, flags)
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import all_tensors, assert_same_tensors
+from helpers import Interrupted, all_tensors, assert_same_tensors, interrupt_after
 from trellis_cli import synth
 from trellis_cli.checkpoint import open_checkpoint
 from trellis_cli.errors import CheckFailed
@@ -19,7 +20,7 @@ from trellis_cli.repack import pack_layer, read_layer_pack, write_layer_pack
 from trellis_cli.validate import run_validation
 from trellis_cli.id_ranges import compact_ranges, expand_ranges
 from trellis_cli.repack.format import SCHEMA, split_descriptor
-from trellis_cli.repack.run import Interrupted, RepackOptions, run_repack
+from trellis_cli.repack.run import RepackOptions, run_repack
 from trellis_cli.repack.verify import describe_repacked, verify_repacked
 from trellis_cli.sample import sample_path
 
@@ -136,20 +137,22 @@ def test_flipped_byte_in_any_output_file_fails_verification(sources, tmp_path):
         assert expected in codes or "repack.manifest-json" in codes, (path.name, codes)
 
 
-def test_interrupted_repack_leaves_out_untouched_and_resumes(sources, tmp_path):
+def test_interrupted_repack_leaves_out_untouched_and_resumes(sources, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    with pytest.raises(Interrupted):
-        run_repack(sources["mixed"], out, RepackOptions(fail_after=1))
+    with monkeypatch.context() as patch, pytest.raises(Interrupted):
+        interrupt_after(patch, 1)
+        run_repack(sources["mixed"], out, RepackOptions())
     assert not out.exists() and (tmp_path / "out.partial").is_dir()
     result = run_repack(sources["mixed"], out, RepackOptions())
     assert result.files_resumed == 1 and result.files_written == 3
     assert verify_repacked(out).ok and not (tmp_path / "out.partial").exists()
 
 
-def test_resume_redoes_a_staged_file_that_changed(sources, tmp_path):
+def test_resume_redoes_a_staged_file_that_changed(sources, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    with pytest.raises(Interrupted):
-        run_repack(sources["mixed"], out, RepackOptions(fail_after=2))
+    with monkeypatch.context() as patch, pytest.raises(Interrupted):
+        interrupt_after(patch, 2)
+        run_repack(sources["mixed"], out, RepackOptions())
     staged = sorted((tmp_path / "out.partial" / "tree").glob("layer-*.safetensors"))[0]
     data = bytearray(staged.read_bytes())
     data[-1] ^= 0xFF
@@ -164,3 +167,13 @@ def test_free_space_is_checked_up_front(tmp_path):
     check_free_space(tmp_path / "out", 1 << 20)
     with pytest.raises(CheckFailed, match="GB free on its filesystem, the repack needs"):
         check_free_space(tmp_path / "out", 1 << 62)
+
+
+def test_repack_fails_closed_when_the_validator_cannot_be_imported(sources, tmp_path, monkeypatch):
+    # Validation is part of the product: without the validator a repack refuses to start, it never goes
+    # ahead unvalidated.
+    monkeypatch.setitem(sys.modules, "trellis_cli.validate", None)  # `import trellis_cli.validate` fails
+    out = tmp_path / "out"
+    with pytest.raises(ImportError, match="trellis_cli.validate"):
+        run_repack(sources["mixed"], out, RepackOptions())
+    assert not out.exists() and not (tmp_path / "out.partial").exists()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import edited_pack, run_cli_merged
+from helpers import Interrupted, edited_pack, interrupt_after, run_cli_merged
 from trellis_cli import synth
 from trellis_cli.repack.manifest import write_manifest
 
@@ -239,13 +239,15 @@ def test_a_missing_or_broken_pack_config_is_refused_by_to_tr3(capsys, pack, tmp_
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
 
-def test_a_link_planted_in_a_stage_to_resume_is_refused_before_anything_is_written(capsys, source, tmp_path):
+def test_a_link_planted_in_a_stage_to_resume_is_refused_before_anything_is_written(capsys, source, tmp_path,
+                                                                                  monkeypatch):
     """Resuming writes config.json into the stage: through a planted link it would change a file outside OUT."""
-    from trellis_cli.repack.run import Interrupted, RepackOptions, run_repack
+    from trellis_cli.repack.run import RepackOptions, run_repack
 
     out = tmp_path / "out"
-    with pytest.raises(Interrupted):
-        run_repack(source, out, RepackOptions(jobs=1, fail_after=1))
+    with monkeypatch.context() as patch, pytest.raises(Interrupted):
+        interrupt_after(patch, 1)
+        run_repack(source, out, RepackOptions(jobs=1))
     victim = tmp_path / "victim.txt"
     victim.write_text("ORIGINAL")
     (tmp_path / "out.partial" / "tree" / "config.json").symlink_to(victim)

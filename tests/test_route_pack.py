@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from trellis_cli.errors import CheckFailed
+from trellis_cli.kernel.oracle import route_pack_reference
 from trellis_cli.kernel.plan import (
-    BLOCK_ROWS, LARGE_TILE, MID_TILE, SMALL_TILE, make_plan, route_pack_reference, slot_capacity, tile_capacity,
+    BLOCK_ROWS, LARGE_TILE, MID_TILE, SMALL_TILE, make_plan, slot_capacity, tile_capacity,
 )
 from trellis_cli.repack.format import LayerPack, descriptor
 

@@ -124,8 +124,6 @@ class _Exl3RoutePack:
         return self.hashes.of({box.manifest_file, box.layers[layer].file})
 
     def _write_layer_files(self, stage: Stage, result) -> None:
-        from trellis_cli.repack.run import Interrupted
-
         box = container(self.ck)
         with TensorReader(self.ck.source) as reader:
             for job in self.jobs:
@@ -133,8 +131,6 @@ class _Exl3RoutePack:
                     result.files_resumed += 1
                     self.on_bytes(job.bytes)
                     continue
-                if self.opt.fail_after is not None and result.files_written >= self.opt.fail_after:
-                    raise Interrupted(f"interrupted after {result.files_written} layer file(s) (test hook)")
                 path = stage.path / job.file
                 pack = exl3v1_pack(self.ck, job.layer, job.rank, self.tp, reader)
                 write_layer_pack(path, pack, on_bytes=self.on_bytes, durable=False)  # synced once in _finish

@@ -1,7 +1,8 @@
 """ctypes mirror of kernels/abi.h and loading of the compiled library.
 
 `TrellisMoeArgs` must match the C struct field for field; the library reports its ABI version and
-sizeof(TrellisMoeArgs), and `load_library` refuses a library whose numbers differ from this module's.
+sizeof(TrellisMoeArgs), and `load_library` refuses a library whose numbers differ from this module's,
+and a lab build (trellis_cli/kernel/lab.py loads those).
 """
 
 from __future__ import annotations
@@ -12,13 +13,10 @@ from pathlib import Path
 
 from trellis_cli.errors import GpuUnavailable
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 MAX_TIERS = 8
 
 DT_FP32, DT_FP16, DT_BF16 = 0, 1, 2
-SKIP_FC1, SKIP_ACT, SKIP_FC2, SKIP_SUM, SKIP_ROTATE, NO_PDL = 1, 2, 4, 8, 16, 32
-FC2_WIDE_SPAN = 64  # FC2 CTAs of small tiles walk the most output blocks allowed (kernels/abi.h); same results
-WGMMA_NARROW, WGMMA_WIDE = 256, 512  # 128-row tiles on Hopper: force the narrow or the wide kernels; same results
 
 _POINTERS = (
     "global_to_combined",
@@ -62,19 +60,21 @@ _SCALARS = (
     "k_split",
     "slot_capacity",
     "tile_capacity",
-    "debug_flags",
     "direct",
     "fc1_tail_split",
 )
 
 
+ARGS_FIELDS = (
+    [("tier_trellis", ctypes.c_void_p * MAX_TIERS)]
+    + [(name, ctypes.c_void_p) for name in _POINTERS]
+    + [("tier_k", ctypes.c_int32 * MAX_TIERS), ("tier_size", ctypes.c_int32 * MAX_TIERS)]
+    + [(name, ctypes.c_int32) for name in _SCALARS]
+)
+
+
 class TrellisMoeArgs(ctypes.Structure):
-    _fields_ = (
-        [("tier_trellis", ctypes.c_void_p * MAX_TIERS)]
-        + [(name, ctypes.c_void_p) for name in _POINTERS]
-        + [("tier_k", ctypes.c_int32 * MAX_TIERS), ("tier_size", ctypes.c_int32 * MAX_TIERS)]
-        + [(name, ctypes.c_int32) for name in _SCALARS]
-    )
+    _fields_ = ARGS_FIELDS
 
 
 @dataclass
@@ -88,8 +88,13 @@ class KernelLibrary:
     nvcc_version: str
     wgmma: bool = False  # large tiles run on Hopper wgmma (kernels/expert_wgmma.cuh)
     codebook: str = ""  # the codebook whose kernels the library holds ("" when not known)
+    args_type: type[ctypes.Structure] = TrellisMoeArgs  # a lab build's arguments end with lab flags
 
-    def forward(self, args: TrellisMoeArgs, stream: int) -> tuple[int, str]:
+    @property
+    def lab(self) -> bool:
+        return self.args_type is not TrellisMoeArgs
+
+    def forward(self, args: ctypes.Structure, stream: int) -> tuple[int, str]:
         rc = int(self.handle.trellis_moe_forward(ctypes.byref(args), ctypes.c_void_p(stream)))
         message = self.handle.trellis_last_error().decode(errors="replace") if rc else ""
         return rc, message
@@ -97,24 +102,36 @@ class KernelLibrary:
 
 def load_library(path: Path, build_hash: str = "", arch: str = "", nvcc_version: str = "",
                  codebook: str = "") -> KernelLibrary:
+    """The production library at `path`; a lab build is refused."""
+    handle = open_library(path, TrellisMoeArgs, lab=False)
+    return KernelLibrary(handle, Path(path), build_hash, arch, nvcc_version, bool(handle.trellis_has_wgmma()),
+                         codebook)
+
+
+def open_library(path: Path, args_type: type[ctypes.Structure], *, lab: bool) -> ctypes.CDLL:
+    """The library's handle, its entry points typed, once it is the build asked for (`lab` or production)
+    and its ABI version and argument size match `args_type`."""
     try:
         handle = ctypes.CDLL(str(path))
     except OSError as err:
         raise GpuUnavailable(f"cannot load the kernel library {path}: {err}") from None
-    handle.trellis_abi_version.restype = ctypes.c_int
-    handle.trellis_args_size.restype = ctypes.c_int
-    handle.trellis_last_error.restype = ctypes.c_char_p
-    handle.trellis_moe_forward.restype = ctypes.c_int
-    handle.trellis_moe_forward.argtypes = [ctypes.POINTER(TrellisMoeArgs), ctypes.c_void_p]
+    if hasattr(handle, "trellis_lab_build") != lab:
+        raise GpuUnavailable(f"kernel library {path} is {'not ' if lab else ''}a lab build: "
+                             f"{'abi.load_library' if lab else 'trellis_cli/kernel/lab.py'} loads it")
+    try:
+        for name in ("trellis_abi_version", "trellis_args_size", "trellis_has_wgmma", "trellis_moe_forward"):
+            getattr(handle, name).restype = ctypes.c_int
+        handle.trellis_last_error.restype = ctypes.c_char_p
+    except AttributeError as err:
+        raise GpuUnavailable(f"{path} is not a trellis kernel library: {err}") from None
+    handle.trellis_moe_forward.argtypes = [ctypes.POINTER(args_type), ctypes.c_void_p]
     version, size = handle.trellis_abi_version(), handle.trellis_args_size()
-    if version != ABI_VERSION or size != ctypes.sizeof(TrellisMoeArgs):
+    if version != ABI_VERSION or size != ctypes.sizeof(args_type):
         raise GpuUnavailable(
             f"kernel library {path}: ABI {version} with {size}-byte args, expected ABI {ABI_VERSION} with "
-            f"{ctypes.sizeof(TrellisMoeArgs)}-byte args (stale build: delete it and rebuild)"
+            f"{ctypes.sizeof(args_type)}-byte args (stale build: delete it and rebuild)"
         )
-    # Libraries built before the wgmma path lack the symbol: their large tiles use mma.sync.
-    wgmma = hasattr(handle, "trellis_has_wgmma") and bool(handle.trellis_has_wgmma())
-    return KernelLibrary(handle, Path(path), build_hash, arch, nvcc_version, wgmma, codebook)
+    return handle
 
 
 _LOADED: dict[str, KernelLibrary] = {}

@@ -14,6 +14,12 @@ compiler that uses no CPU time for $TRELLIS_BUILD_STALL_S seconds (default 300) 
 file is written under a temporary name and moved into place, so a concurrent or interrupted build never
 leaves half a file behind. Every failure (no nvcc, no GPU to pick an arch from, a compile error) is a
 GpuUnavailable (exit 4) whose message carries the compiler's output after the first line.
+
+Besides the production library there are two lab variants (trellis_cli/kernel/lab.py, kernels/lab.h),
+cached apart from it under names of their own: "lab", the same units compiled with -DTRELLIS_LAB (the
+arguments end with lab flags), and "timeline", one codebook's whole library as one unit (single_tu.cu)
+with -DTRELLIS_LAB -DTRELLIS_TIMELINE, so that every kernel stamps the same timeline. `build_commands`
+gives the nvcc command lines of any variant.
 """
 
 from __future__ import annotations
@@ -43,6 +49,10 @@ from trellis_cli.kernel.nvcc import (  # noqa: F401  (re-exported: the build's p
 LIBRARY_STEM = "trellis_moe"
 HOST_SOURCE = "trellis_moe.cu"
 GEMM_SOURCE = "gemm_unit.cu"
+SINGLE_SOURCE = "single_tu.cu"  # the timeline variant: one codebook's whole library in one unit
+PRODUCTION = "production"
+# The defines each variant adds to every unit; a lab variant's units and library carry its name.
+VARIANT_DEFINES = {PRODUCTION: (), "lab": ("-DTRELLIS_LAB",), "timeline": ("-DTRELLIS_LAB", "-DTRELLIS_TIMELINE")}
 SOURCE_SUFFIXES = (".cu", ".cuh", ".h")
 # kernels/gemm_table.h TileFamily and KSet, in their order; wgmma only where the arch has it. The K3/K4
 # kernels and the all-K kernels of a family compile as two units.
@@ -63,17 +73,15 @@ _INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.M)
 class Unit:
     """One translation unit of the library."""
 
-    name: str  # "host" or "<codebook>-<family>-<K-set>", e.g. "mcg-mma16-k3k4"
+    name: str  # "host" or "<codebook>-<family>-<K-set>", e.g. "mcg-mma16-k3k4"; lab units "lab-host", ...
     source: str  # file in kernels/
     defines: tuple[str, ...] = ()
-
-    @property
-    def kind(self) -> str:
-        """The unit without its codebook ("host", "mma16-k3k4"): what its compile time depends on."""
-        return self.name.partition("-")[2] or self.name
+    kind: str = ""  # the unit without codebook or variant ("host", "mma16-k3k4"): its compile time
 
     @property
     def seconds(self) -> float:
+        if self.source == SINGLE_SOURCE:  # every unit of a library at once
+            return sum(UNIT_SECONDS.values())
         return UNIT_SECONDS.get(self.kind, max(UNIT_SECONDS.values()))
 
 
@@ -85,6 +93,7 @@ class BuiltLibrary:
     nvcc_version: str
     cached: bool  # True when an earlier build was reused
     codebook: str = "mcg"  # the codebook whose kernels it holds
+    variant: str = PRODUCTION  # or a lab variant (VARIANT_DEFINES)
 
 
 @dataclass(frozen=True)
@@ -152,16 +161,42 @@ def check_codebook(codebook: str) -> str:
     return codebook
 
 
-def library_units(arch: str, codebook: str) -> list[Unit]:
-    """The host unit and the codebook's GEMM units: one per tile family the arch runs and K-set."""
+def check_variant(variant: str) -> str:
+    if variant not in VARIANT_DEFINES:
+        raise UsageError(f"unknown kernel library variant {variant!r}: expected one of {', '.join(VARIANT_DEFINES)}")
+    return variant
+
+
+def library_units(arch: str, codebook: str, variant: str = PRODUCTION) -> list[Unit]:
+    """The host unit and the codebook's GEMM units: one per tile family the arch runs and K-set (the
+    timeline variant: the whole library as one unit)."""
     cb = CODEBOOK_IDS[check_codebook(codebook)]
+    extra, prefix = VARIANT_DEFINES[check_variant(variant)], "" if variant == PRODUCTION else f"{variant}-"
+    if variant == "timeline":
+        return [Unit(f"{prefix}{codebook}", SINGLE_SOURCE, (*extra, f"-DTRELLIS_UNIT_CODEBOOK={cb}"), "timeline")]
     families = [f for f in TILE_FAMILIES if f != "wgmma" or has_wgmma(arch)]
-    return [Unit("host", HOST_SOURCE)] + [
-        Unit(f"{codebook}-{family}-{kset}", GEMM_SOURCE,
-             (f"-DTRELLIS_UNIT_CODEBOOK={cb}", f"-DTRELLIS_UNIT_FAMILY={TILE_FAMILIES.index(family)}",
-              f"-DTRELLIS_UNIT_KSETS={1 << K_SETS.index(kset)}"))
+    return [Unit(f"{prefix}host", HOST_SOURCE, extra, "host")] + [
+        Unit(f"{prefix}{codebook}-{family}-{kset}", GEMM_SOURCE,
+             (*extra, f"-DTRELLIS_UNIT_CODEBOOK={cb}", f"-DTRELLIS_UNIT_FAMILY={TILE_FAMILIES.index(family)}",
+              f"-DTRELLIS_UNIT_KSETS={1 << K_SETS.index(kset)}"), f"{family}-{kset}")
         for family in families for kset in K_SETS
     ]
+
+
+def library_stem(variant: str) -> str:
+    """trellis_moe, or trellis_moe_lab / trellis_moe_timeline: a lab library never takes a production name."""
+    return LIBRARY_STEM if variant == PRODUCTION else f"{LIBRARY_STEM}_{check_variant(variant)}"
+
+
+def build_commands(arch: str, codebook: str = "mcg", variant: str = PRODUCTION, nvcc: str = "nvcc",
+                   source_dir: Path | None = None) -> list[list[str]]:
+    """The nvcc command lines that build one library: one compile per unit (into <unit>.o), then the link
+    (into <library stem>.so), as build_library runs them."""
+    target, directory = normalize_arch(arch), source_dir or kernel_source_dir()
+    units = library_units(target, codebook, variant)
+    objects = [Path(f"{u.name}.o") for u in units]
+    return ([compile_command(nvcc, target, u, directory, o) for u, o in zip(units, objects)]
+            + [link_command(nvcc, objects, Path(f"{library_stem(variant)}-{target}-{codebook}.so"))])
 
 
 def unit_sources(source_dir: Path, source: str) -> list[str]:
@@ -194,16 +229,19 @@ def unit_hash(unit: Unit, arch: str, version: str, source_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def build_library(arch: str | None = None, codebook: str = "mcg", *, jobs: int | None = None,
-                  force: bool = False, log: Callable[[str], None] | None = None) -> BuiltLibrary:
+def build_library(arch: str | None = None, codebook: str = "mcg", *, variant: str = PRODUCTION,
+                  jobs: int | None = None, force: bool = False,
+                  log: Callable[[str], None] | None = None) -> BuiltLibrary:
     """The kernel library of `codebook` for `arch` (default: the current GPU's), building what is not cached."""
-    return build_libraries(arch, (codebook,), jobs=jobs, force=force, log=log).libraries[0]
+    return build_libraries(arch, (codebook,), variant=variant, jobs=jobs, force=force, log=log).libraries[0]
 
 
-def build_libraries(arch: str | None = None, codebooks: Iterable[str] = BUILD_ORDER, *, jobs: int | None = None,
-                    force: bool = False, log: Callable[[str], None] | None = None) -> BuildReport:
+def build_libraries(arch: str | None = None, codebooks: Iterable[str] = BUILD_ORDER, *, variant: str = PRODUCTION,
+                    jobs: int | None = None, force: bool = False,
+                    log: Callable[[str], None] | None = None) -> BuildReport:
     """One library per codebook, their units compiled together (shared ones once), then each linked."""
     started = time.monotonic()
+    check_variant(variant)
     target = normalize_arch(arch) if arch else device_arch()
     codebooks = list(dict.fromkeys(check_codebook(c) for c in codebooks))
     parallel = build_jobs(jobs)
@@ -215,13 +253,13 @@ def build_libraries(arch: str | None = None, codebooks: Iterable[str] = BUILD_OR
         objects.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise GpuUnavailable(f"cannot create the kernel cache directory {objects}: {err}") from None
-    per_library = {c: library_units(target, c) for c in codebooks}
+    per_library = {c: library_units(target, c, variant) for c in codebooks}
     paths: dict[Unit, Path] = {}
     for unit in (u for units in per_library.values() for u in units):
         paths.setdefault(unit, objects / f"{unit.name}-{target}-{unit_hash(unit, target, version, source_dir)}.o")
     missing = [u for u, p in paths.items() if force or not p.is_file()]
     _compile_units(nvcc, target, source_dir, missing, paths, parallel, log, started)
-    libraries = [_link(nvcc, target, version, c, [paths[u] for u in per_library[c]], directory, force)
+    libraries = [_link(nvcc, target, version, c, variant, [paths[u] for u in per_library[c]], directory, force)
                  for c in codebooks]
     if log and missing:
         log(f"kernel build for {target} done in {_clock(time.monotonic() - started)}")
@@ -266,13 +304,13 @@ def _compile_units(nvcc: str, arch: str, source_dir: Path, units: list[Unit], pa
             job.tmp_output.unlink(missing_ok=True)
 
 
-def _link(nvcc: str, arch: str, version: str, codebook: str, objects: list[Path], directory: Path,
+def _link(nvcc: str, arch: str, version: str, codebook: str, variant: str, objects: list[Path], directory: Path,
           force: bool) -> BuiltLibrary:
     key = hashlib.sha256("|".join((*[p.name for p in objects], *link_command("nvcc", [], Path()))).encode())
     build_hash = key.hexdigest()[:16]
-    path = directory / f"{LIBRARY_STEM}-{arch}-{codebook}-{build_hash}.so"
+    path = directory / f"{library_stem(variant)}-{arch}-{codebook}-{build_hash}.so"
     if path.is_file() and not force:
-        return BuiltLibrary(path, arch, build_hash, version, cached=True, codebook=codebook)
+        return BuiltLibrary(path, arch, build_hash, version, cached=True, codebook=codebook, variant=variant)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".so.tmp", dir=directory)
     os.close(fd)
     try:
@@ -280,7 +318,7 @@ def _link(nvcc: str, arch: str, version: str, codebook: str, objects: list[Path]
                  parallel=1, stall_s=stall_seconds())
     finally:
         Path(tmp).unlink(missing_ok=True)
-    return BuiltLibrary(path, arch, build_hash, version, cached=False, codebook=codebook)
+    return BuiltLibrary(path, arch, build_hash, version, cached=False, codebook=codebook, variant=variant)
 
 
 def _clock(seconds: float) -> str:

@@ -62,21 +62,9 @@ class FusedMoe:
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                 out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-                tier: int | None = None, plan: LaunchPlan | None = None, debug_flags: int = 0) -> torch.Tensor:
+                tier: int | None = None, plan: LaunchPlan | None = None) -> torch.Tensor:
         """out[t] = Σ_k w[t,k]·expert(x[t]); with `tier`, only that tier's experts are served."""
-        self._check_inputs(x, topk_ids, topk_weights)
-        m, top_k = int(topk_ids.shape[0]), int(topk_ids.shape[1])
-        if out is None:
-            out = torch.empty((m, self.pack.hidden), dtype=out_dtype, device=self.device)
-        self._check_out(out, m)
-        plan = plan or self.plan(m, top_k)
-        args = self._args(x, topk_ids, topk_weights, out, plan, tier, debug_flags)
-        rc, message = self.library.forward(args, torch.cuda.current_stream(self.device).cuda_stream)
-        if rc < 0:
-            raise CheckFailed(f"fused kernel rejected its arguments: {message}")
-        if rc > 0:
-            raise GpuUnavailable(f"fused kernel launch failed: {message}")
-        return out
+        return self._launch(x, topk_ids, topk_weights, out, out_dtype, tier, plan)
 
     def two_pass(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                  out: torch.Tensor | None = None, plan: LaunchPlan | None = None) -> torch.Tensor:
@@ -89,6 +77,26 @@ class FusedMoe:
         return total
 
     # -- internals -----------------------------------------------------------------------------------
+
+    def _launch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                out: torch.Tensor | None, out_dtype: torch.dtype, tier: int | None, plan: LaunchPlan | None,
+                **fields: int) -> torch.Tensor:
+        """One checked call; `fields` are further scalars of the library's arguments (a lab build's flags)."""
+        self._check_inputs(x, topk_ids, topk_weights)
+        m, top_k = int(topk_ids.shape[0]), int(topk_ids.shape[1])
+        if out is None:
+            out = torch.empty((m, self.pack.hidden), dtype=out_dtype, device=self.device)
+        self._check_out(out, m)
+        plan = plan or self.plan(m, top_k)
+        args = self._args(x, topk_ids, topk_weights, out, plan, tier)
+        for name, value in fields.items():
+            setattr(args, name, int(value))
+        rc, message = self.library.forward(args, torch.cuda.current_stream(self.device).cuda_stream)
+        if rc < 0:
+            raise CheckFailed(f"fused kernel rejected its arguments: {message}")
+        if rc > 0:
+            raise GpuUnavailable(f"fused kernel launch failed: {message}")
+        return out
 
     def _check_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         hidden = self.pack.hidden
@@ -136,10 +144,10 @@ class FusedMoe:
             self._tier_maps[tier] = torch.where(tiers == tier, g2c, torch.full_like(g2c, -1)).contiguous()
         return self._tier_maps[tier]
 
-    def _args(self, x, topk_ids, topk_weights, out, plan: LaunchPlan, tier, debug_flags) -> abi.TrellisMoeArgs:
+    def _args(self, x, topk_ids, topk_weights, out, plan: LaunchPlan, tier) -> ctypes.Structure:
         pack = self.pack
         ws = self._workspace(plan)
-        a = abi.TrellisMoeArgs()
+        a = self.library.args_type()
         for t, trellis in enumerate(pack.tier_trellis):
             a.tier_trellis[t] = trellis.data_ptr() if trellis.numel() else None
             a.tier_k[t] = int(pack.tier_k[t])
@@ -160,7 +168,7 @@ class FusedMoe:
             "down_svh_shared": int(pack.down_svh.shape[0] == 1), "m": plan.m, "top_k": plan.top_k,
             "ids_int64": int(topk_ids.dtype == torch.int64), "x_dtype": _X_DTYPES[x.dtype],
             "out_dtype": _OUT_DTYPES[out.dtype], "m_tile": plan.m_tile, "k_split": plan.k_split,
-            "slot_capacity": plan.slot_capacity, "tile_capacity": plan.tile_capacity, "debug_flags": debug_flags,
+            "slot_capacity": plan.slot_capacity, "tile_capacity": plan.tile_capacity,
             "direct": int(plan.direct), "fc1_tail_split": plan.fc1_tail_split,
         }
         for name, value in scalars.items():

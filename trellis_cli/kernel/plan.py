@@ -1,8 +1,8 @@
-"""Host-side launch plan, workspace sizes, the route-pack algorithm mirrored in Python, layout checks.
+"""Host-side launch plan, workspace sizes and the layout checks of the fused kernel.
 
 A plan depends only on (M, top_k, pack geometry), never on the routes, so one plan serves every call of
-a given M and a captured CUDA graph stays valid for any routes. `route_pack_reference` is the Python
-twin of kernels/route_pack.cuh, used by the CPU tests to check the algorithm's invariants.
+a given M and a captured CUDA graph stays valid for any routes. The Python twins of the device's
+algorithms, which the tests and the lab tools hold the kernel to, are in kernel/oracle.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from trellis_cli.codebooks import NAMES as CODEBOOK_NAMES
 from trellis_cli.errors import CheckFailed
-from trellis_cli.repack.format import MAX_TIER_EXPERTS, LayerPack, split_descriptor
+from trellis_cli.repack.format import MAX_TIER_EXPERTS, LayerPack
 
 BLOCK_ROWS = 16  # each expert's slot segment is padded to one MMA m16 block
 SMALL_TILE, MID_TILE, LARGE_TILE = 16, 32, 128
@@ -155,13 +155,6 @@ def activation_expand(plan: LaunchPlan) -> int:
     return 2 if plan.m_tile <= MID_TILE else 1
 
 
-def plain_columns(rows: torch.Tensor) -> torch.Tensor:
-    """Undo the expanded layout of the last dimension: per 16 columns, the even ones twice, then the odd
-    ones twice (kernels/decode.cuh expanded_col)."""
-    tiles = rows.reshape(*rows.shape[:-1], rows.shape[-1] // 32, 2, 8, 2)[..., 0]
-    return tiles.transpose(-1, -2).reshape(*rows.shape[:-1], rows.shape[-1] // 2)
-
-
 def workspace_shapes(plan: LaunchPlan, hidden: int, intermediate: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     slots = max(1, plan.slot_capacity)
     tiles = max(1, plan.tile_capacity)
@@ -178,53 +171,6 @@ def workspace_shapes(plan: LaunchPlan, hidden: int, intermediate: int) -> dict[s
         "route_out": ((max(1, plan.m * plan.top_k), hidden), torch.float32),
         "handover": ((3, tiles), torch.int32),
     }
-
-
-# ---------------------------------------------------------------------------------------------------
-# The route pack, as the device computes it
-
-
-@dataclass
-class RoutePack:
-    counts: list[int]  # routes per combined expert
-    slot_base: list[int]  # first slot of each expert's segment
-    tiles: list[tuple[int, int, int]]  # (combined expert, first slot, rows)
-    slot_route: dict[int, int]  # slot -> route id (padding slots absent)
-
-
-def route_combined(expert: int, global_to_combined: list[int], descriptors: list[int], tier_size: list[int]) -> int:
-    if not 0 <= expert < len(global_to_combined):
-        return -1
-    combined = global_to_combined[expert]
-    if not 0 <= combined < len(descriptors) or descriptors[combined] < 0:
-        return -1
-    tier, local = split_descriptor(descriptors[combined])
-    if tier >= len(tier_size) or local >= tier_size[tier]:
-        return -1
-    return combined
-
-
-def route_pack_reference(topk_ids: torch.Tensor, pack: LayerPack, m_tile: int) -> RoutePack:
-    """Count, padded prefix, tile list and scatter, in the device's order (scatter in route order)."""
-    g2c = [int(v) for v in pack.global_to_combined.tolist()]
-    desc = [int(v) for v in pack.descriptors.tolist()]
-    sizes = pack.tier_size
-    routes = [route_combined(int(e), g2c, desc, sizes) for e in topk_ids.reshape(-1).tolist()]
-    counts = [0] * len(desc)
-    for combined in routes:
-        if combined >= 0:
-            counts[combined] += 1
-    slot_base, tiles, run = [], [], 0
-    for combined, count in enumerate(counts):
-        slot_base.append(run)
-        tiles += [(combined, run + j, min(m_tile, count - j)) for j in range(0, count, m_tile)]
-        run += -(-count // BLOCK_ROWS) * BLOCK_ROWS
-    cursor, slot_route = list(slot_base), {}
-    for route, combined in enumerate(routes):
-        if combined >= 0:
-            slot_route[cursor[combined]] = route
-            cursor[combined] += 1
-    return RoutePack(counts, slot_base, tiles, slot_route)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -53,7 +53,6 @@ class RepackOptions:
     overwrite: bool = False
     copy_other: bool = True  # carry non-expert files and tensors through
     validate: bool = True
-    fail_after: int | None = None  # test hook: raise after this many layer files, as an interruption would
 
 
 @dataclass
@@ -67,10 +66,6 @@ class RepackResult:
     manifest: dict[str, Any] = field(default_factory=dict)
 
 
-class Interrupted(RuntimeError):
-    """Raised by the `fail_after` test hook."""
-
-
 def open_repack_source(source: Any) -> Checkpoint:
     from trellis_cli.checkpoint import open_checkpoint
 
@@ -78,11 +73,10 @@ def open_repack_source(source: Any) -> Checkpoint:
 
 
 def validate_first(checkpoint: Checkpoint) -> None:
-    """Refuse an invalid source before writing anything (when the validator is installed)."""
-    try:
-        from trellis_cli.validate import run_validation
-    except ImportError:
-        return
+    """Refuse an invalid source before writing anything. The validator is part of the product: a repack
+    never goes ahead unvalidated because it could not be imported."""
+    from trellis_cli.validate import run_validation
+
     report = run_validation(checkpoint)
     if not report.ok:
         raise ValidationFailed(report, list_errors=True)
@@ -287,7 +281,6 @@ class _RoutePackRun:
         return self.plan.total_bytes + copied + extras
 
     def _run_jobs(self, stage: Stage) -> None:
-        finished = [0]
         with TensorReader(self.ck.source) as reader, ThreadPoolExecutor(self.opt.jobs) as pool:
             futures = []
             for name in self._hash_order()[0]:
@@ -295,7 +288,7 @@ class _RoutePackRun:
             for layer, files in zip(self.plan.layers, self._hash_order()[1]):
                 for job in (j for j in self.plan.jobs if j.layer == layer):
                     task = self._resume_or_redo if job.file in stage.done else self._layer_job
-                    futures.append(pool.submit(task, job, stage, reader, finished))
+                    futures.append(pool.submit(task, job, stage, reader))
                 # Right after the layer's own jobs: its shard is in the page cache, and with --jobs > 1 the
                 # hashing overlaps the next layer's disk reads.
                 futures += [pool.submit(self.hashes.get, name) for name in files]
@@ -325,18 +318,16 @@ class _RoutePackRun:
         later = [li for li in self.plan.layers if li > layer]
         return sorted(self.ck.layers[later[0]].files) if later else []
 
-    def _resume_or_redo(self, job, stage: Stage, reader: TensorReader, finished: list[int]) -> None:
+    def _resume_or_redo(self, job, stage: Stage, reader: TensorReader) -> None:
         """A staged file is reused only when the source files it came from still hash to what it recorded."""
         if stage.completed(job.file, self.hashes.of(self.ck.layers[job.layer].files)):
             with self._counts:
                 self.result.files_resumed += 1
             self.on_bytes(job.bytes)
             return
-        self._layer_job(job, stage, reader, finished)
+        self._layer_job(job, stage, reader)
 
-    def _layer_job(self, job, stage: Stage, reader: TensorReader, finished: list[int]) -> None:
-        if self.opt.fail_after is not None and finished[0] >= self.opt.fail_after:
-            raise Interrupted(f"interrupted after {finished[0]} layer file(s) (test hook)")
+    def _layer_job(self, job, stage: Stage, reader: TensorReader) -> None:
         for file in self._next_files(job.layer):  # overlap the next layer's disk reads with this one's work
             reader.prefetch(file)
         arena = getattr(self._local, "arena", None) or Arena()
@@ -354,7 +345,6 @@ class _RoutePackRun:
         with self._counts:  # `+=` on shared counters is not atomic across threads
             self.result.files_written += 1
             self.result.bytes_written += size
-            finished[0] += 1
 
     def _finish(self, stage: Stage) -> dict[str, Any]:
         ck, plan = self.ck, self.plan
@@ -430,4 +420,4 @@ def repack_note(tp: int, rotation: str) -> dict[str, Any]:
                     "in manifest.json); `trellis repack OUT DEST --to tr3` restores the TR3 layout"}
 
 
-__all__ = ["RepackOptions", "RepackResult", "run_repack", "Interrupted"]
+__all__ = ["RepackOptions", "RepackResult", "run_repack"]

@@ -1,11 +1,12 @@
 """Where the microseconds of one fused call go: per-CTA start, wait and end times of every phase.
 
-    nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -lineinfo -DTRELLIS_WGMMA -DTRELLIS_UNIT_CODEBOOK=1 \
-        -DTRELLIS_TIMELINE -gencode=arch=compute_90a,code=sm_90a -o TL.so kernels/single_tu.cu
-    python3 scripts/timeline.py TL.so [--m 1,8,64] [--replays 20] [--warm] [--split N] [--dump FILE.json]
+    python3 tools/perf/timeline.py [TL.so] [--m 1,8,64] [--replays 20] [--warm] [--split N] [--dump FILE.json]
 
+Without TL.so it builds (on first use) and runs the timeline lab build of this tree, the mcg library as one
+translation unit with -DTRELLIS_LAB -DTRELLIS_TIMELINE (trellis_cli/kernel/lab.py; `python3 -m
+trellis_cli.kernel.lab --variant timeline [--commands]` builds it, or prints its nvcc command lines).
 Each call runs as a captured CUDA graph on the production shape (glm52-tp4 192/64), cold L2 (replays cycle
-weight copies). The library built with -DTRELLIS_TIMELINE stamps %globaltimer (ns) when each CTA starts,
+weight copies). The timeline build stamps %globaltimer (ns) when each CTA starts,
 when its wait on the previous kernel returns, and when its last warp ends. The replay whose span is the
 median is printed, times in µs from the call's first CTA start:
 
@@ -21,7 +22,6 @@ M=3072) folds the rest into its last row, so its CTA count reads 16384.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 from pathlib import Path
@@ -29,30 +29,12 @@ from pathlib import Path
 import torch
 
 from trellis_cli.bench.synthetic import PRESETS, clone_weights, random_activations, random_routes, synthetic_pack
-from trellis_cli.bench.throughput import _capture, copies_needed, touched
-from trellis_cli.kernel import abi
-from trellis_cli.kernel.launch import FusedMoe
+from trellis_cli.bench.throughput import capture_graph, copies_needed, touched
+from trellis_cli.kernel import lab
 from trellis_cli.kernel.plan import make_plan
 from trellis_cli.repack.format import split_descriptor
 
-PHASES = ("pack", "rotate", "fc1", "act", "fc2", "sum")
-MAX_CTAS, FIELDS = 16384, 8  # kTlMaxCtas, kTlFields in kernels/timeline.cuh
-
-
-def read_timeline(lib_path: str) -> list[list[tuple[int, int, int, int]]]:
-    handle = ctypes.CDLL(lib_path)
-    buf = (ctypes.c_ulonglong * (len(PHASES) * MAX_CTAS * FIELDS))()
-    if handle.trellis_timeline_read(buf) != 0:
-        raise SystemExit("trellis_timeline_read failed: was the library built with -DTRELLIS_TIMELINE?")
-    out = []
-    for p in range(len(PHASES)):
-        rows = []
-        for c in range(MAX_CTAS):
-            i = (p * MAX_CTAS + c) * FIELDS
-            if buf[i]:
-                rows.append(tuple(buf[i:i + FIELDS]))
-        out.append(rows)
-    return out
+PHASES = lab.TIMELINE_PHASES
 
 
 def union_length(intervals: list[tuple[int, int]]) -> int:
@@ -92,14 +74,14 @@ def report(timeline, t0: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("lib")
+    parser.add_argument("lib", nargs="?", help="a timeline lab build (default: this tree's, built on first use)")
     parser.add_argument("--m", default="1,8,64")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--warm", action="store_true", help="one weight copy: code and weights stay in L2")
     parser.add_argument("--split", type=int, default=0, help="k_split (FC1 planes) for packed calls, in place of the plan's")
     parser.add_argument("--dump", default="", help="write the median replays' raw rows and routes to this JSON file")
     args = parser.parse_args()
-    lib = abi.load_library(Path(args.lib), Path(args.lib).stem)
+    lib = lab.load_any(Path(args.lib)) if args.lib else lab.lab_library("mcg", variant="timeline")
     base = synthetic_pack(PRESETS["glm52-tp4"], device="cuda", seed=0)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     copies = [base]
@@ -110,23 +92,23 @@ def main() -> None:
         need = copies_needed(touched(base, ids)["bytes"], l2, not args.warm)
         while len(copies) < need:
             copies.append(clone_weights(base))
-        runners = [FusedMoe(p, lib) for p in copies[:need]]
+        runners = [lab.LabMoe(p, lib) for p in copies[:need]]
         outs = [torch.empty((m, base.hidden), device="cuda") for _ in runners]
         plan = runners[0].plan(m, 8)
         if args.split and not plan.direct:
             plan = make_plan(m, 8, base.hidden, base.intermediate, base.num_combined, m_tile=plan.m_tile,
                              k_split=args.split, wgmma=runners[0].library.wgmma)
-        graphs = [_capture(lambda r=r, o=o: r.forward(x, ids, w, out=o, plan=plan), r.device)
+        graphs = [capture_graph(lambda r=r, o=o: r.forward(x, ids, w, out=o, plan=plan), r.device)
                   for r, o in zip(runners, outs)]
         for g in graphs * 2:  # warm-up: code and descriptors resident, weights cycle
             g.replay()
         torch.cuda.synchronize()
-        read_timeline(args.lib)
+        lab.read_timeline(lib)
         runs = []
         for i in range(args.replays):
             graphs[i % len(graphs)].replay()
             torch.cuda.synchronize()
-            tl = read_timeline(args.lib)
+            tl = lab.read_timeline(lib)
             t0 = min(r[0] for rows in tl for r in rows)
             t1 = max(r[2] for rows in tl for r in rows)
             runs.append((t1 - t0, tl, t0))

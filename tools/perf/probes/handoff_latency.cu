@@ -2,7 +2,7 @@
 // (on H200: a batch of 8 loads per lane of data just written about 460 ns, 1 us from DRAM; 3 dependent
 // loads about 290 ns).
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/handoff_latency scripts/probes/handoff_latency.cu && /tmp/handoff_latency
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o handoff_latency tools/perf/probes/handoff_latency.cu && ./handoff_latency
 //
 // A writer kernel (every SM) stores a small block of floats; a reader kernel of one warp, launched after it
 // (with programmatic dependent launch, or plainly), times with clock64 from its wait's return:
@@ -14,7 +14,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "../../kernels/launch.cuh"
+#include "../../../kernels/launch.cuh"
 #include "check.cuh"
 
 constexpr int kFloats = 8 * 8 * 1024;  // 8 planes of 8 K floats (256 KB)

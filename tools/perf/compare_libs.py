@@ -1,9 +1,9 @@
 """Do two kernel library builds compute bit-identical outputs? For changes meant to keep the numerics.
 
-    python3 scripts/compare_libs.py A.so B.so [--m 1,3,8,64,512,3072]
+    python3 tools/perf/compare_libs.py A.so B.so [--m 1,3,8,64,512,3072]
 
 Runs both on the production shape (glm52-tp4 192/64, mcg) with the same random inputs and the plan each
-library picks, fused and two-pass, and prints the largest difference (0 when identical). Exit code 1 when
+library picks, fused and two-pass (production or lab builds), and prints the largest difference (0 when identical). Exit code 1 when
 any output differs.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from trellis_cli.bench.synthetic import PRESETS, random_activations, random_routes, synthetic_pack
-from trellis_cli.kernel import abi
+from trellis_cli.kernel import lab
 from trellis_cli.kernel.launch import FusedMoe
 
 
@@ -26,7 +26,7 @@ def main() -> int:
     parser.add_argument("--m", default="1,3,8,64,512,3072")
     args = parser.parse_args()
     pack = synthetic_pack(PRESETS["glm52-tp4"], device="cuda", seed=0)
-    moes = [FusedMoe(pack, abi.load_library(Path(p), Path(p).stem)) for p in (args.a, args.b)]
+    moes = [FusedMoe(pack, lab.load_any(Path(p))) for p in (args.a, args.b)]  # production or lab builds
     differ = False
     for m in (int(v) for v in args.m.split(",")):
         x = random_activations(m, pack.hidden, device="cuda", seed=m)

@@ -1,10 +1,12 @@
 """Time kernel library variants and their phases on the production shape (glm52-tp4 192/64, cold L2).
 
-    python3 scripts/perf_variants.py LIB.so [LIB.so ...] [--m 1,8,64,512,3072] [--phases] [--preset NAME]
+    python3 tools/perf/perf_variants.py [LIB.so ...] [--m 1,8,64,512,3072] [--phases] [--preset NAME]
 
-Each library is loaded with its own handle; the same weight copies serve every variant. With --phases,
-each M is also timed with one phase skipped (results meaningless, time is what counts): the difference
-to the full call is that phase's cost. With --calls N each captured graph holds N calls in a row (each on
+Each library is loaded with its own handle; the same weight copies serve every variant. Without LIB.so it
+times the lab build of this tree (trellis_cli/kernel/lab.py, built on first use). --phases and --flags
+need lab builds (python3 -m trellis_cli.kernel.lab prints the path of one): with --phases, each M is also
+timed with one phase skipped (results meaningless, time is what counts), the difference to the full call
+being that phase's cost. With --calls N each captured graph holds N calls in a row (each on
 the next weight copy) and times are per call: the graph's own launch is then paid once per N calls.
 """
 
@@ -17,29 +19,29 @@ from pathlib import Path
 import torch
 
 from trellis_cli.bench.synthetic import PRESETS, clone_weights, random_activations, random_routes, synthetic_pack
-from trellis_cli.bench.throughput import _capture, copies_needed, time_graphs, touched
-from trellis_cli.kernel import abi
-from trellis_cli.kernel.launch import FusedMoe
+from trellis_cli.bench.throughput import capture_graph, copies_needed, time_graphs, touched
+from trellis_cli.kernel import lab
 from trellis_cli.kernel.plan import make_plan
 
-PHASES = {"full": 0, "-rot": abi.SKIP_ROTATE, "-fc1": abi.SKIP_FC1, "-act": abi.SKIP_ACT, "-fc2": abi.SKIP_FC2, "-sum": abi.SKIP_SUM, "no-pdl": abi.NO_PDL}
+PHASES = {"full": 0, "-rot": lab.SKIP_ROTATE, "-fc1": lab.SKIP_FC1, "-act": lab.SKIP_ACT, "-fc2": lab.SKIP_FC2,
+          "-sum": lab.SKIP_SUM, "no-pdl": lab.NO_PDL}
 # --flags: same results, another launch shape
-FLAGS = {"wide-span": abi.FC2_WIDE_SPAN, "narrow": abi.WGMMA_NARROW, "wide": abi.WGMMA_WIDE}
+FLAGS = {"wide-span": lab.FC2_WIDE_SPAN, "narrow": lab.WGMMA_NARROW, "wide": lab.WGMMA_WIDE}
 
 
 def calls(runners, outs, first, count, x, ids, w, flags):
     """`count` calls in a row, from runner `first` on, each on the next weight copy."""
     for i in range(first, first + count):
-        runners[i % len(runners)].forward(x, ids, w, out=outs[i % len(runners)], debug_flags=flags)
+        runners[i % len(runners)].forward(x, ids, w, out=outs[i % len(runners)], lab_flags=flags)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("libs", nargs="+")
+    parser.add_argument("libs", nargs="*", help="kernel libraries (default: the lab build of this tree)")
     parser.add_argument("--m", default="1,8,64,512,3072")
     parser.add_argument("--preset", default="glm52-tp4", choices=sorted(PRESETS))
     parser.add_argument("--phases", action="store_true")
-    parser.add_argument("--flags", default="", help="also time the full call with these debug flags (" + ", ".join(FLAGS) + ")")
+    parser.add_argument("--flags", default="", help="also time the full call with these lab flags (" + ", ".join(FLAGS) + ")")
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--split", default="", help="k_split values to sweep (full call only)")
     parser.add_argument("--mtile", default="", help="m_tile values to sweep (full call only)")
@@ -55,11 +57,12 @@ def main() -> None:
     phases = dict(PHASES) if args.phases else {"full": 0}
     phases.update({name: FLAGS[name] for name in args.flags.split(",") if name})
     scratch = torch.empty(1024, device="cuda")
-    floor = time_graphs([_capture(lambda: scratch.zero_(), scratch.device)], args.replays, scratch.device)
+    floor = time_graphs([capture_graph(lambda: scratch.zero_(), scratch.device)], args.replays, scratch.device)
     print(f"graph of one small kernel: {floor.median_us:.1f} us per replay; {args.calls} call(s) per graph below")
     print(f"{'variant':>10} {'M':>5} " + " ".join(f"{p:>9}" for p in phases) + "  two-pass   Gw/ms", flush=True)
-    for lib_path in args.libs:
-        lib = abi.load_library(Path(lib_path), Path(lib_path).stem)
+    libraries = [lab.load_any(Path(p)) for p in args.libs] or [lab.lab_library(PRESETS[args.preset].codebook)]
+    for lib in libraries:
+        lib_path = lib.path
         for m in ms:
             x = random_activations(m, base.hidden, device="cuda", seed=m)
             ids, w = random_routes(m, 256, 8, device="cuda", seed=m + 1)
@@ -67,11 +70,11 @@ def main() -> None:
             need = copies_needed(work["bytes"], l2, True)
             while len(copies) < need:
                 copies.append(clone_weights(base))
-            runners = [FusedMoe(p, lib) for p in copies[:need]]
+            runners = [lab.LabMoe(p, lib) for p in copies[:need]]
             outs = [torch.empty((m, base.hidden), device="cuda") for _ in runners]
             row = []
             for flags in phases.values():
-                graphs = [_capture(lambda j=j, f=flags: calls(runners, outs, j, args.calls, x, ids, w, f), runners[0].device)
+                graphs = [capture_graph(lambda j=j, f=flags: calls(runners, outs, j, args.calls, x, ids, w, f), runners[0].device)
                           for j in range(len(runners))]
                 row.append(time_graphs(graphs, args.replays, runners[0].device).median_us / args.calls)
             sweeps = [("k_split", int(v)) for v in args.split.split(",") if v]
@@ -91,11 +94,11 @@ def main() -> None:
                         options = {"k_split": value, "m_tile": default.m_tile, "direct": default.direct}
                     plan = make_plan(m, 8, base.hidden, base.intermediate, base.num_combined,
                                      wgmma=runners[0].library.wgmma, **options)
-                graphs = [_capture(lambda r=r, o=o: r.forward(x, ids, w, out=o, plan=plan), r.device)
+                graphs = [capture_graph(lambda r=r, o=o: r.forward(x, ids, w, out=o, plan=plan), r.device)
                           for r, o in zip(runners, outs)]
                 print(f"    {key}={value} (plan {plan.m_tile},{plan.k_split},{plan.fc1_tail_split}): "
                       f"{time_graphs(graphs, args.replays, runners[0].device).median_us:.1f} us")
-            graphs = [_capture(lambda r=r, o=o: r.two_pass(x, ids, w, out=o), r.device) for r, o in zip(runners, outs)]
+            graphs = [capture_graph(lambda r=r, o=o: r.two_pass(x, ids, w, out=o), r.device) for r, o in zip(runners, outs)]
             two = time_graphs(graphs, args.replays, runners[0].device).median_us
             rate = work["weights"] / row[0] / 1e6
             print(f"{Path(lib_path).stem:>10} {m:>5} " + " ".join(f"{t:>9.1f}" for t in row)

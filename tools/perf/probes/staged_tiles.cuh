@@ -3,7 +3,7 @@
 #pragma once
 #include <stdint.h>
 
-#include "../../kernels/decode.cuh"
+#include "../../../kernels/decode.cuh"
 
 constexpr int kTiles = 64;
 
