@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from trellis_cli.cli.app import main
-from trellis_cli.repack.manifest import write_manifest
+from trellis_cli.routepack.manifest import write_manifest
 from trellis_cli.synth import preset, write_checkpoint
 
 

@@ -18,7 +18,7 @@ import os
 import re
 import stat
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from trellis_cli.errors import CheckFailed, SourceUnavailable, UsageError
@@ -33,6 +33,7 @@ from trellis_cli.header import (
     os_reason,
     parse_header,
     read_local_header,
+    safe_relative,
 )
 
 # config.json of a 256-expert model is a few KB; tier_bitmap.json for 76 layers is about 200 KB.
@@ -54,13 +55,6 @@ class Source(Protocol):
     def local_path(self, name: str, *, progress: Callable[[int], None] | None = None) -> Path: ...
 
     def describe(self) -> dict[str, Any]: ...
-
-
-def safe_relative(name: str) -> bool:
-    """True when `name` stays inside the checkpoint: relative, no `..`, no backslashes, drive letters or NUL."""
-    if not name or "\\" in name or "\0" in name or name.startswith("/") or re.match(r"^[A-Za-z]:", name):
-        return False
-    return ".." not in PurePosixPath(name).parts
 
 
 @dataclass

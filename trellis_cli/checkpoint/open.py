@@ -39,7 +39,7 @@ from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Finding, Location, error, warning
 from trellis_cli.header import JsonError, load_json, open_regular, os_reason
 from trellis_cli.integrity import CHECKSUM_MANIFEST
-from trellis_cli.sources import safe_relative
+from trellis_cli.header import safe_relative
 
 INDEX_SUFFIX = ".safetensors.index.json"
 # A production index maps ~935k tensors (about 80 MB of JSON), above the general JSON limit of sources.
@@ -89,7 +89,7 @@ def _open(source: Any) -> Checkpoint:
                       declared=info.declared, parse_findings=findings, files=dict(files),
                       quant_config=quant_config)
     if info.dialect == DIALECT_EXL3V1:
-        from trellis_cli.exl3v1.container import fill_checkpoint
+        from trellis_cli.checkpoint.exl3v1 import fill_checkpoint
 
         manifest = info.declared.pop("exl3v1_manifest")
         fill_checkpoint(ckpt, source, files, info.declared["exl3v1_manifest_file"], manifest)
