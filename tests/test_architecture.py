@@ -211,3 +211,76 @@ def test_the_kernel_plan_loads_no_validate_repack_or_sources_module(module):
             "print(sorted(m for m in sys.modules if m.startswith(('trellis_cli.validate', 'trellis_cli.repack', "
             "'trellis_cli.sources', 'trellis_cli.checkpoint', 'trellis_cli.integrity'))))")
     assert _run(code) == "[]"
+
+
+# ---- finding codes are data ----------------------------------------------------------------------------
+
+TEXT_TESTS = ("startswith", "endswith", "find", "index", "count", "rfind")
+MESSAGE_NAMES = {"message", "msg", "detail", "reason", "text"}
+
+
+def _exception_names(tree: ast.AST) -> set[str]:
+    return {h.name for h in ast.walk(tree) if isinstance(h, ast.ExceptHandler) and h.name}
+
+
+def _is_text_of(node: ast.AST, caught: set[str], names: set[str]) -> bool:
+    """`str(e)` / `e.args` of a caught exception `e`, or a variable in `names`."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "str" and node.args:
+        arg = node.args[0]
+        return isinstance(arg, ast.Name) and arg.id in caught
+    if isinstance(node, ast.Attribute) and node.attr == "args":
+        return isinstance(node.value, ast.Name) and node.value.id in caught
+    return isinstance(node, ast.Name) and node.id in names
+
+
+def _reads_text(node: ast.AST, caught: set[str], names: set[str] = frozenset()) -> bool:
+    """Whether `node` holds a test (`in`, `==`, `.startswith`, ...) on an exception's text or such a name."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn, ast.Eq, ast.NotEq))
+                                                for op in sub.ops):
+            if any(_is_text_of(side, caught, names) for side in (sub.left, *sub.comparators)):
+                return True
+        if (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr in TEXT_TESTS
+                and _is_text_of(sub.func.value, caught, names)):
+            return True
+    return False
+
+
+def _code_values(tree: ast.AST):
+    """Every expression that becomes a finding code: `code = ...`, `code=...`, a Finding's or error()'s first
+    argument."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "code" for t in node.targets):
+            yield node, node.value
+        elif isinstance(node, ast.Call):
+            for kw in node.keywords:
+                if kw.arg == "code":
+                    yield node, kw.value
+            name = getattr(node.func, "id", getattr(node.func, "attr", None))
+            if name in ("error", "warning", "info", "Finding", "error_summary") and node.args:
+                yield node, node.args[0]
+
+
+def test_no_finding_code_is_derived_from_message_text():
+    wrong = []
+    for module, path in sorted(MODULES.items()):
+        where = path.relative_to(PACKAGE.parent)
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        caught = _exception_names(tree)
+        for node in ast.walk(tree):  # an exception's text is never tested, whatever the test feeds
+            if isinstance(node, ast.Compare) and _reads_text(node, caught):
+                wrong.append(f"{where}:{node.lineno}: tests an exception's text")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in TEXT_TESTS and _is_text_of(node.func.value, caught, set())):
+                wrong.append(f"{where}:{node.lineno}: tests an exception's text")
+        for node, value in _code_values(tree):  # nor is a code chosen by testing a message
+            if _reads_text(value, caught, MESSAGE_NAMES):
+                wrong.append(f"{where}:{node.lineno}: a finding code read from message text")
+    assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+def test_the_message_text_check_sees_the_old_forms():
+    old = ast.parse('try:\n    pass\nexcept E as e:\n    code = "json.too-large" if "limit" in str(e) else "x"\n'
+                    'code = "a" if detail.startswith("cannot read") else "b"\n')
+    caught = _exception_names(old)
+    assert [_reads_text(value, caught, MESSAGE_NAMES) for _, value in _code_values(old)] == [True, True]

@@ -143,9 +143,8 @@ def _read_optional_json(source: Any, files: dict[str, int], name: str, findings:
     try:
         return source.read_json(name)
     except CheckFailed as e:
-        code = "json.too-large" if "limit" in str(e) else "json.unreadable"
-        make = warning if optional else error
-        findings.append(make(code, Location(file=name), str(e).split(": ", 1)[-1]))
+        make = warning if optional else error  # the code is the reader's (sources.read_json_file)
+        findings.append(make(e.code or "json.unreadable", Location(file=name), str(e).split(": ", 1)[-1]))
         return None
 
 
@@ -170,15 +169,15 @@ def _read_headers(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:
         try:
             ckpt.headers[name] = source.read_header(name)
         except CheckFailed as e:  # SourceUnavailable (network, auth) propagates: exit 3, not a finding
-            ckpt.parse_findings.append(_header_finding(name, str(e), getattr(e.__cause__, "code", None)))
+            ckpt.parse_findings.append(_header_finding(name, e))
 
 
-def _header_finding(name: str, message: str, code: str | None = None) -> Finding:
-    """`code`: the HeaderError's own, when the source kept it as the cause; else read from the message."""
+def _header_finding(name: str, e: CheckFailed) -> Finding:
+    """The source's refusal of a header as a finding, under the code the source gave it (HeaderError's own,
+    or file.unreadable); the message without the file name, which the location carries."""
+    message = str(e)
     detail = message[len(name) + 2:] if message.startswith(name + ": ") else message
-    if code is None:
-        code = "file.unreadable" if detail.startswith("cannot read the file") else "file.header"
-    return error(code, Location(file=name), detail)
+    return error(e.code or "file.header", Location(file=name), detail)
 
 
 def _read_index(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:
