@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from trellis_cli.cli.app import main
-from trellis_cli.repack.manifest import write_manifest
+from trellis_cli.routepack.manifest import write_manifest
 from trellis_cli.synth import preset, write_checkpoint
 
 
@@ -122,7 +122,7 @@ class Interrupted(RuntimeError):
 
 
 # The modules whose route-pack drivers write layer files (each imported write_layer_pack by name).
-LAYER_FILE_WRITERS = ("trellis_cli.repack.run", "trellis_cli.exl3v1.to_route_pack")
+LAYER_FILE_WRITERS = ("trellis_cli.repack.run", "trellis_cli.repack.exl3v1.to_route_pack")
 
 
 def interrupt_after(monkeypatch, files: int) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import tiny_checkpoint, to_plain_exl3, to_r7
+from helpers import run_cli, tiny_checkpoint, to_plain_exl3, to_r7
 from trellis_cli.checkpoint import open_checkpoint, read_tensor
 from trellis_cli.checkpoint.model import (
     DIALECT_EXL3,
@@ -149,3 +149,16 @@ def test_name_grammar():
     assert parse_expert_name("model.layers.3.mlp.experts.7.w2.trellis").projection == "down_proj"
     assert parse_expert_name("model.layers.3.mlp.experts.gate.weight").kind == "unparsed"
     assert parse_expert_name("model.layers.3.self_attn.q_proj.trellis") is None
+
+
+def test_a_json_finding_code_comes_from_the_reader_not_the_message(tmp_path, capsys):
+    """A malformed index whose name holds the word "limit" is unreadable, not too large: the code is the
+    reader's, carried on the exception, not read back from a message that quotes the file name."""
+    root = tiny_checkpoint(tmp_path)
+    (root / "model.safetensors.index.json").unlink()
+    (root / "limit.safetensors.index.json").write_text("{not json", encoding="utf-8")
+    code, out, err = run_cli(capsys, "validate", str(root), "--json")
+    found = [(f["code"], f["location"].get("file")) for f in json.loads(out)["findings"]]
+    assert ("json.unreadable", "limit.safetensors.index.json") in found, (found, err)
+    assert not any(c == "json.too-large" for c, _ in found)
+    assert code == 1

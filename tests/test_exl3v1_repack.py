@@ -85,7 +85,7 @@ def test_bench_source_pack_equals_the_converted_tr3_pack(exl3, tmp_path):
     from trellis_cli.checkpoint import open_checkpoint
     from trellis_cli.repack.pack import pack_layer
     from trellis_cli.repack.readback import same_bits
-    from trellis_cli.repack.run import RepackOptions, run_repack
+    from trellis_cli import RepackOptions, run_repack
 
     run_repack(str(exl3), tmp_path / "tr3", RepackOptions(to="tr3", tp=4))  # bench: the largest TP <= 4
     got = load_bench_source(str(exl3), synthetic=None, partition=None, layer=3, rank=1, device="cpu").pack

@@ -104,7 +104,7 @@ def test_route_pack_to_exl3v1_is_refused_by_name(capsys, tmp_path):
 
 
 def test_interrupted_pack_resumes(tmp_path, monkeypatch):
-    from trellis_cli.repack.run import RepackOptions, run_repack
+    from trellis_cli import RepackOptions, run_repack
 
     source = write_exl3v1_checkpoint(tmp_path / "exl3", SPECS["pair-per-expert"])
     with monkeypatch.context() as patch, pytest.raises(Interrupted):
@@ -121,9 +121,9 @@ def test_read_back_names_a_changed_byte(capsys, tmp_path):
     """The read-back check itself: one trellis byte changed in a written layer file is found and named."""
     from trellis_cli.checkpoint import open_checkpoint
     from trellis_cli.errors import CheckFailed
-    from trellis_cli.exl3v1.container import container, layer_rates
-    from trellis_cli.exl3v1.pack import expert_tiers
-    from trellis_cli.exl3v1.pack_readback import check_written
+    from trellis_cli.checkpoint.exl3v1 import container, layer_rates
+    from trellis_cli.repack.exl3v1.pack import expert_tiers
+    from trellis_cli.repack.exl3v1.pack_readback import check_written
     from trellis_cli.header import read_local_header
     from trellis_cli.repack.source_bytes import TensorReader
 
@@ -163,7 +163,7 @@ def test_exl3v1_made_from_tr3_packs_and_goes_back_to_that_tr3(capsys, tmp_path):
 
 def test_a_tr3_shard_outside_the_pack_is_refused(capsys, tmp_path):
     """tr3_shard is a name `--to tr3` joins onto OUT: the manifest check vouches for it (hash re-signed here)."""
-    from trellis_cli.repack import manifest as mf
+    from trellis_cli.routepack import manifest as mf
 
     source = write_exl3v1_checkpoint(tmp_path / "exl3", SPECS["uniform-shared"])
     assert main_ok(capsys, "repack", str(source), str(tmp_path / "pack"))

@@ -16,12 +16,13 @@ from helpers import Interrupted, all_tensors, assert_same_tensors, interrupt_aft
 from trellis_cli import synth
 from trellis_cli.checkpoint import open_checkpoint
 from trellis_cli.errors import CheckFailed
-from trellis_cli.repack import pack_layer, read_layer_pack, write_layer_pack
+from trellis_cli.repack.layer_file import read_layer_pack, write_layer_pack
+from trellis_cli.repack.pack import pack_layer
 from trellis_cli.validate import run_validation
 from trellis_cli.id_ranges import compact_ranges, expand_ranges
-from trellis_cli.repack.format import SCHEMA, split_descriptor
-from trellis_cli.repack.run import RepackOptions, run_repack
-from trellis_cli.repack.verify import describe_repacked, verify_repacked
+from trellis_cli.formats.route_pack import SCHEMA, split_descriptor
+from trellis_cli import RepackOptions, run_repack
+from trellis_cli.routepack.verify import describe_repacked, verify_repacked
 from trellis_cli.sample import sample_path
 
 TINY = synth.preset("tiny")

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import Interrupted, edited_pack, interrupt_after, run_cli_merged
 from trellis_cli import synth
-from trellis_cli.repack.manifest import write_manifest
+from trellis_cli.routepack.manifest import write_manifest
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def source(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def pack(source) -> Path:
-    from trellis_cli.repack.run import run_repack
+    from trellis_cli import run_repack
 
     return run_repack(source, source.parent / "pack").out
 
@@ -128,7 +128,7 @@ def test_overlapping_tensor_offsets_in_a_layer_file_are_a_finding(capsys, pack, 
     """Same file size, but tier_k's header entry points at tier_size's bytes: safetensors refuses to open it."""
     import struct
 
-    from trellis_cli.repack.manifest import file_entry
+    from trellis_cli.routepack.manifest import file_entry
 
     root = tmp_path / "p"
     shutil.copytree(pack, root)
@@ -222,7 +222,7 @@ def test_many_errors_are_cut_short_with_a_pointer_to_validate(capsys, source, tm
 @pytest.mark.parametrize("content, named", [(None, "files['config.json']"), ("[1]", "config.json"),
                                             ("{bad", "config.json")], ids=["absent", "list", "not-json"])
 def test_a_missing_or_broken_pack_config_is_refused_by_to_tr3(capsys, pack, tmp_path, content, named):
-    from trellis_cli.repack.manifest import file_entry
+    from trellis_cli.routepack.manifest import file_entry
 
     root = tmp_path / "p"
     shutil.copytree(pack, root)
@@ -242,7 +242,7 @@ def test_a_missing_or_broken_pack_config_is_refused_by_to_tr3(capsys, pack, tmp_
 def test_a_link_planted_in_a_stage_to_resume_is_refused_before_anything_is_written(capsys, source, tmp_path,
                                                                                   monkeypatch):
     """Resuming writes config.json into the stage: through a planted link it would change a file outside OUT."""
-    from trellis_cli.repack.run import RepackOptions, run_repack
+    from trellis_cli import RepackOptions, run_repack
 
     out = tmp_path / "out"
     with monkeypatch.context() as patch, pytest.raises(Interrupted):

@@ -20,7 +20,7 @@ import pytest
 
 from helpers import edited_pack, run_cli, run_cli_merged
 from trellis_cli import synth
-from trellis_cli.repack.manifest import file_entry, write_manifest
+from trellis_cli.routepack.manifest import file_entry, write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 MEMORY_LIMIT = 512 << 20  # address space for the whole CLI process; the unbounded loop needed > 4 GB
@@ -28,7 +28,7 @@ MEMORY_LIMIT = 512 << 20  # address space for the whole CLI process; the unbound
 
 @pytest.fixture(scope="module")
 def pack(tmp_path_factory) -> Path:
-    from trellis_cli.repack.run import run_repack
+    from trellis_cli import run_repack
 
     source = synth.write_checkpoint(tmp_path_factory.mktemp("packverify") / "src", synth.preset("tiny"))
     return run_repack(source, source.parent / "pack").out

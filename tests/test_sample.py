@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from trellis_cli.errors import UsageError
 from trellis_cli.sample import DEFAULT_VARIANT, VARIANTS, sample_path
-from trellis_cli.sample.build import build
+from trellis_cli.sample_build import build
 
 DATA = Path(__file__).parent / "data"
 PROJS = ("gate_proj", "up_proj", "down_proj")

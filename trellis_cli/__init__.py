@@ -31,10 +31,10 @@ _EXPORTS = {
     "Report": "trellis_cli.findings",
     "Finding": "trellis_cli.findings",
     "Severity": "trellis_cli.findings",
-    "run_repack": "trellis_cli.repack.run",
+    "run_repack": "trellis_cli.workflows",
     "RepackOptions": "trellis_cli.repack.run",
-    "RepackResult": "trellis_cli.repack.run",
-    "LayerPack": "trellis_cli.repack.format",
+    "RepackResult": "trellis_cli.repack.result",
+    "LayerPack": "trellis_cli.formats.route_pack",
     "read_layer_pack": "trellis_cli.repack.layer_file",
     "FusedMoe": "trellis_cli.kernel.launch",
     "TrellisError": "trellis_cli.errors",
@@ -48,12 +48,14 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from trellis_cli.checkpoint.tensors import read_tensor
     from trellis_cli.errors import TrellisError
     from trellis_cli.findings import Finding, Report, Severity
+    from trellis_cli.formats.route_pack import LayerPack
     from trellis_cli.kernel.launch import FusedMoe
-    from trellis_cli.repack.format import LayerPack
     from trellis_cli.repack.layer_file import read_layer_pack
-    from trellis_cli.repack.run import RepackOptions, RepackResult, run_repack
+    from trellis_cli.repack.result import RepackResult
+    from trellis_cli.repack.run import RepackOptions
     from trellis_cli.sources import Source, open_source
     from trellis_cli.validate import run_validation
+    from trellis_cli.workflows import run_repack
 
 
 def __getattr__(name: str) -> Any:

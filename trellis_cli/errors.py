@@ -23,9 +23,18 @@ class TrellisError(Exception):
 
 
 class CheckFailed(TrellisError):
-    """A check the user asked for did not pass (bad checkpoint data, verification mismatch)."""
+    """A check the user asked for did not pass (bad checkpoint data, verification mismatch).
+
+    `code`: the finding code this failure stands for when a caller reports it as a finding (docs/findings.md),
+    set where the failure is known (a HeaderError's own code, "file.unreadable", "json.too-large"); None
+    leaves the choice to the caller. Never recovered from the message text.
+    """
 
     exit_code = EXIT_FINDINGS
+
+    def __init__(self, *args: object, code: str | None = None) -> None:
+        super().__init__(*args)
+        self.code = code
 
 
 class UsageError(TrellisError):

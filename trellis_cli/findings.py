@@ -101,6 +101,7 @@ def _jsonable(value: Any) -> Any:
 
 
 MAX_MISSING_SHOWN = 50  # per kind and layer; then one finding with the total
+MAX_FINDINGS_PER_CODE = 50  # then counted, not listed: a missing shard must not print 12,288 lines
 
 
 def missing_ids(ids: range, present, limit: int = MAX_MISSING_SHOWN) -> tuple[list[int], int]:

@@ -18,6 +18,7 @@ import re
 import stat
 import struct
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any, BinaryIO, NamedTuple
 
 # The Hub's own parser refuses headers above 25 MB; the safetensors reader above 100 MB. A production
@@ -121,6 +122,13 @@ def _strict_hooks(text: str) -> dict:
 def text_escape(text: str) -> str:
     """`text` with non-ASCII characters escaped (`\\ud800`): safe to show whatever it holds."""
     return text.encode("ascii", "backslashreplace").decode("ascii")
+
+
+def safe_relative(name: str) -> bool:
+    """True when `name` stays inside the checkpoint: relative, no `..`, no backslashes, drive letters or NUL."""
+    if not name or "\\" in name or "\0" in name or name.startswith("/") or re.match(r"^[A-Za-z]:", name):
+        return False
+    return ".." not in PurePosixPath(name).parts
 
 
 def open_regular(path: str | os.PathLike) -> BinaryIO:

@@ -1,5 +1,6 @@
 """`trellis inspect` of an exl3-v1 checkpoint: the same per-layer rows as TR3 (partition, bpw, tiers, bytes per
-rank), plus the container's slot layout: the TP degrees its extents allow and the bytes one rank reads at each.
+rank), plus the container's slot layout: the TP degrees its extents allow and the bytes one rank reads at each
+(rendered by inspect_report.render_exl3v1).
 
 K per expert comes from the rate tables (uniform: the manifest's bits); an expert whose records use several
 bit widths (P24, P43, or P33 in one pair and P44 in another) is counted under "mixed".
@@ -10,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.exl3v1.container import CODES, container, layer_rates
-from trellis_cli.exl3v1.layout import hidden_table_bytes, rank_bytes, row_payload, tp_degrees
-from trellis_cli.exl3v1.schema import SLOT_CHANNELS
+from trellis_cli.checkpoint.exl3v1 import CODES, container, layer_rates
+from trellis_cli.formats.exl3v1_layout import hidden_table_bytes, rank_bytes, row_payload, tp_degrees
+from trellis_cli.formats.exl3v1_schema import SLOT_CHANNELS
 from trellis_cli.id_ranges import compact_ranges
 
 MIXED = "mixed"
@@ -72,20 +73,3 @@ def exl3v1_rows(ckpt: Checkpoint, chosen: list[int]) -> list[dict[str, Any]]:
             "tensors": len(layer.tensors),
         })
     return rows
-
-
-def render_exl3v1(doc: dict[str, Any]) -> list[str]:
-    """Lines added to the text rendering: the slot layout and the bytes one rank reads per allowed TP."""
-    x = doc.get("exl3v1")
-    if not x:
-        return []
-    rates = f"uniform K{x['bits']}" if x["structure"] == "uniform" else f"per_expert_pair {x['pair_kinds']}"
-    lines = [f"exl3-v1: {x['num_slots']} slots of 32 channels, rates {rates}, row alignment {x['row_alignment']}, "
-             f"extent alignment {x['extent_alignment_slots']} slots, barriers {x['extent_barriers'] or 'none'}",
-             f"TP degrees the slot layout allows: {', '.join(map(str, x['tp_degrees'])) or 'none'}"]
-    from trellis_cli.inspect_report import human_bytes
-
-    for run in doc["runs"]:
-        per_tp = ", ".join(f"tp{tp} {human_bytes(n)}" for tp, n in (run.get("rank_bytes") or {}).items())
-        lines.append(f"  {run['layer_range']}: bytes per rank: {per_tp or '-'}")
-    return lines

@@ -18,7 +18,7 @@ GiB = 1024**3
 
 def build_inspect(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str, Any]:
     if ckpt.dialect == DIALECT_REPACKED:
-        from trellis_cli.repack.verify import describe_repacked
+        from trellis_cli.routepack.verify import describe_repacked
 
         return {"dialect": DIALECT_REPACKED, "source": _describe_source(ckpt),
                 "route_pack": _as_tr3_terms(describe_repacked(ckpt.source))}
@@ -222,6 +222,21 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def render_exl3v1(doc: dict[str, Any]) -> list[str]:
+    """Lines added to the text rendering: the slot layout and the bytes one rank reads per allowed TP."""
+    x = doc.get("exl3v1")
+    if not x:
+        return []
+    rates = f"uniform K{x['bits']}" if x["structure"] == "uniform" else f"per_expert_pair {x['pair_kinds']}"
+    lines = [f"exl3-v1: {x['num_slots']} slots of 32 channels, rates {rates}, row alignment {x['row_alignment']}, "
+             f"extent alignment {x['extent_alignment_slots']} slots, barriers {x['extent_barriers'] or 'none'}",
+             f"TP degrees the slot layout allows: {', '.join(map(str, x['tp_degrees'])) or 'none'}"]
+    for run in doc["runs"]:
+        per_tp = ", ".join(f"tp{tp} {human_bytes(n)}" for tp, n in (run.get("rank_bytes") or {}).items())
+        lines.append(f"  {run['layer_range']}: bytes per rank: {per_tp or '-'}")
+    return lines
+
+
 def _run_label(run: dict[str, Any]) -> str:
     n = len(run["layers"])
     return f"layer {run['layer_range']}" if n == 1 else f"layers {run['layer_range']} ({n})"
@@ -271,8 +286,6 @@ def render_text(doc: dict[str, Any]) -> list[str]:
               f"  whole checkpoint: {human_bytes(t['checkpoint_bytes'])}",
               f"  weights per rank (estimate): {human_bytes(t['weights_per_rank_bytes'])}"]
     if doc.get("exl3v1"):
-        from trellis_cli.inspect_exl3v1 import render_exl3v1
-
         lines += ["", *render_exl3v1(doc)]
     if doc["parse_findings"]:
         lines.append(f"note: {len(doc['parse_findings'])} problem(s) while parsing; run `trellis validate`")

@@ -21,7 +21,7 @@ from trellis_cli.codec import effective_weight
 from trellis_cli.errors import CheckFailed
 
 if TYPE_CHECKING:
-    from trellis_cli.repack.format import LayerPack
+    from trellis_cli.formats.route_pack import LayerPack
 
 Projection = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (trellis, suh, svh)
 Expert = tuple[Projection, Projection, Projection]  # (gate, up, down)

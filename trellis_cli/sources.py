@@ -18,7 +18,7 @@ import os
 import re
 import stat
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from trellis_cli.errors import CheckFailed, SourceUnavailable, UsageError
@@ -33,6 +33,7 @@ from trellis_cli.header import (
     os_reason,
     parse_header,
     read_local_header,
+    safe_relative,
 )
 
 # config.json of a 256-expert model is a few KB; tier_bitmap.json for 76 layers is about 200 KB.
@@ -54,13 +55,6 @@ class Source(Protocol):
     def local_path(self, name: str, *, progress: Callable[[int], None] | None = None) -> Path: ...
 
     def describe(self) -> dict[str, Any]: ...
-
-
-def safe_relative(name: str) -> bool:
-    """True when `name` stays inside the checkpoint: relative, no `..`, no backslashes, drive letters or NUL."""
-    if not name or "\\" in name or "\0" in name or name.startswith("/") or re.match(r"^[A-Za-z]:", name):
-        return False
-    return ".." not in PurePosixPath(name).parts
 
 
 @dataclass
@@ -148,9 +142,9 @@ class LocalSource:
         try:
             return read_local_header(self.resolve(name), name)
         except HeaderError as e:
-            raise CheckFailed(str(e)) from e
+            raise CheckFailed(str(e), code=e.code) from e
         except OSError as e:
-            raise CheckFailed(f"{name}: cannot read the file ({os_reason(e)})") from e
+            raise CheckFailed(f"{name}: cannot read the file ({os_reason(e)})", code="file.unreadable") from e
 
     def local_path(self, name: str, *, progress: Callable[[int], None] | None = None) -> Path:
         # Already local: nothing to fetch, so `progress` is never called.
@@ -169,14 +163,15 @@ def read_json_file(path: Path, name: str) -> Any:
         with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             if size > MAX_JSON_BYTES:
-                raise CheckFailed(f"{name}: {size} bytes, larger than the {MAX_JSON_BYTES}-byte limit for JSON files")
+                raise CheckFailed(f"{name}: {size} bytes, larger than the {MAX_JSON_BYTES}-byte limit for JSON "
+                                  "files", code="json.too-large")
             return load_json(f.read(MAX_JSON_BYTES + 1))
     except FileNotFoundError as e:
         raise SourceUnavailable(f"{name}: not found in {path.parent}") from e
     except OSError as e:
-        raise CheckFailed(f"{name}: cannot read the file ({os_reason(e)})") from e
+        raise CheckFailed(f"{name}: cannot read the file ({os_reason(e)})", code="json.unreadable") from e
     except JsonError as e:
-        raise CheckFailed(f"{name}: {e}") from e
+        raise CheckFailed(f"{name}: {e}", code="json.unreadable") from e
 
 
 # ---- the Hub -------------------------------------------------------------------------------------------
@@ -319,7 +314,8 @@ class HubSource:
     def read_json(self, name: str) -> Any:
         size = self.file_info(name).size
         if size > MAX_JSON_BYTES:
-            raise CheckFailed(f"{name}: {size} bytes, larger than the {MAX_JSON_BYTES}-byte limit for JSON files")
+            raise CheckFailed(f"{name}: {size} bytes, larger than the {MAX_JSON_BYTES}-byte limit for JSON files",
+                              code="json.too-large")
         return read_json_file(self.local_path(name), name)
 
     def prefetch_headers(self, names: list[str], workers: int = 8) -> None:
@@ -354,9 +350,9 @@ class HubSource:
                 )
             return self._read_remote_header(name, size if size >= 0 else None)
         except HeaderError as e:
-            raise CheckFailed(str(e)) from e
+            raise CheckFailed(str(e), code=e.code) from e
         except OSError as e:  # the cached copy cannot be read
-            raise CheckFailed(f"{name}: cannot read the file ({os_reason(e)})") from e
+            raise CheckFailed(f"{name}: cannot read the file ({os_reason(e)})", code="file.unreadable") from e
 
     def _read_remote_header(self, name: str, size: int | None) -> Header:
         # HfFileSystem with cache_type="none" fetches exactly the bytes asked for (8, then N): no tensor data.

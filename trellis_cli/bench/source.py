@@ -12,7 +12,7 @@ from pathlib import Path
 
 from trellis_cli.bench.synthetic import get_preset, parse_partition, synthetic_pack
 from trellis_cli.errors import SourceUnavailable, UsageError
-from trellis_cli.repack.format import LayerPack
+from trellis_cli.formats.route_pack import LayerPack
 
 
 @dataclass
@@ -43,7 +43,7 @@ def load_bench_source(source: str | None, *, synthetic: str | None, partition: s
 
 
 def _is_route_pack(path: Path) -> bool:
-    from trellis_cli.repack.manifest import is_route_pack
+    from trellis_cli.routepack.manifest import is_route_pack
 
     return is_route_pack(path)
 
@@ -81,7 +81,7 @@ def _checkpoint(source: str, layer: int | None, rank: int, device: str) -> Bench
         raise UsageError(f"--layer {chosen}: not a MoE layer of {source} (has {min(checkpoint.layers)}.."
                          f"{max(checkpoint.layers)})")
     if checkpoint.dialect == "exl3-v1":  # one rank of its slot extents
-        from trellis_cli.exl3v1.to_tr3 import default_tp, exl3v1_pack
+        from trellis_cli.repack.exl3v1.to_tr3 import default_tp, exl3v1_pack
         from trellis_cli.repack.pack import to_device
 
         tp = default_tp(checkpoint)

@@ -103,7 +103,7 @@ def _exl3v1_manifest_name(config: dict | None) -> str:
     quant = (config or {}).get("quantization_config")
     exl3 = quant.get("exl3") if isinstance(quant, dict) else None
     name = exl3.get("manifest") if isinstance(exl3, dict) else None
-    from trellis_cli.sources import safe_relative
+    from trellis_cli.header import safe_relative
 
     return name if isinstance(name, str) and safe_relative(name) else EXL3V1_MANIFEST
 

@@ -39,7 +39,7 @@ from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Finding, Location, error, warning
 from trellis_cli.header import JsonError, load_json, open_regular, os_reason
 from trellis_cli.integrity import CHECKSUM_MANIFEST
-from trellis_cli.sources import safe_relative
+from trellis_cli.header import safe_relative
 
 INDEX_SUFFIX = ".safetensors.index.json"
 # A production index maps ~935k tensors (about 80 MB of JSON), above the general JSON limit of sources.
@@ -89,7 +89,7 @@ def _open(source: Any) -> Checkpoint:
                       declared=info.declared, parse_findings=findings, files=dict(files),
                       quant_config=quant_config)
     if info.dialect == DIALECT_EXL3V1:
-        from trellis_cli.exl3v1.container import fill_checkpoint
+        from trellis_cli.checkpoint.exl3v1 import fill_checkpoint
 
         manifest = info.declared.pop("exl3v1_manifest")
         fill_checkpoint(ckpt, source, files, info.declared["exl3v1_manifest_file"], manifest)
@@ -143,9 +143,8 @@ def _read_optional_json(source: Any, files: dict[str, int], name: str, findings:
     try:
         return source.read_json(name)
     except CheckFailed as e:
-        code = "json.too-large" if "limit" in str(e) else "json.unreadable"
-        make = warning if optional else error
-        findings.append(make(code, Location(file=name), str(e).split(": ", 1)[-1]))
+        make = warning if optional else error  # the code is the reader's (sources.read_json_file)
+        findings.append(make(e.code or "json.unreadable", Location(file=name), str(e).split(": ", 1)[-1]))
         return None
 
 
@@ -170,15 +169,15 @@ def _read_headers(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:
         try:
             ckpt.headers[name] = source.read_header(name)
         except CheckFailed as e:  # SourceUnavailable (network, auth) propagates: exit 3, not a finding
-            ckpt.parse_findings.append(_header_finding(name, str(e), getattr(e.__cause__, "code", None)))
+            ckpt.parse_findings.append(_header_finding(name, e))
 
 
-def _header_finding(name: str, message: str, code: str | None = None) -> Finding:
-    """`code`: the HeaderError's own, when the source kept it as the cause; else read from the message."""
+def _header_finding(name: str, e: CheckFailed) -> Finding:
+    """The source's refusal of a header as a finding, under the code the source gave it (HeaderError's own,
+    or file.unreadable); the message without the file name, which the location carries."""
+    message = str(e)
     detail = message[len(name) + 2:] if message.startswith(name + ": ") else message
-    if code is None:
-        code = "file.unreadable" if detail.startswith("cannot read the file") else "file.header"
-    return error(code, Location(file=name), detail)
+    return error(e.code or "file.header", Location(file=name), detail)
 
 
 def _read_index(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:

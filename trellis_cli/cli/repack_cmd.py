@@ -97,7 +97,7 @@ def check_arguments(source: str, out: Path, layers: str | None, ranks: str | Non
 
 
 def _run(opened, out: Path, options, as_json: bool):
-    from trellis_cli.repack.run import run_repack
+    from trellis_cli.workflows import run_repack
 
     with output.make_progress(bytes_mode=True, enabled=output.progress_enabled(as_json)) as progress:
         task = progress.add_task("repack", total=None)

@@ -16,7 +16,7 @@ import torch
 from trellis_cli.errors import CheckFailed, GpuUnavailable
 from trellis_cli.kernel import abi
 from trellis_cli.kernel.plan import LaunchPlan, check_pack_layout, make_plan, workspace_shapes
-from trellis_cli.repack.format import CODEBOOK_IDS, LayerPack, split_descriptor
+from trellis_cli.formats.route_pack import CODEBOOK_IDS, LayerPack, split_descriptor
 
 _X_DTYPES = {torch.float16: abi.DT_FP16, torch.bfloat16: abi.DT_BF16}
 _OUT_DTYPES = {torch.float32: abi.DT_FP32, torch.float16: abi.DT_FP16, torch.bfloat16: abi.DT_BF16}

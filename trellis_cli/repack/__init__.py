@@ -1,15 +1,6 @@
-"""The global route/descriptor layout the fused kernel reads, and the repack that writes it.
+"""`trellis repack`: a checkpoint rewritten into another layout, staged, resumable and verified.
 
-Public entry points: `pack_layer` (checkpoint -> LayerPack in memory), `write_layer_pack` /
-`read_layer_pack` (one layer file), `run_repack` (the whole streamed, verified directory),
-`verify_repacked` / `describe_repacked` (validate / inspect of a repacked directory).
+Entry points: `run_repack` (run.py; `trellis_cli.run_repack` hands it the validator), `pack_layer` (pack.py:
+checkpoint -> LayerPack in memory), `write_layer_pack` / `read_layer_pack` (layer_file.py: one layer file).
+Nothing is imported here, so importing one module of the package loads only what that module needs.
 """
-
-from trellis_cli.repack.format import LayerPack
-from trellis_cli.repack.layer_file import read_layer_pack, write_layer_pack
-from trellis_cli.repack.pack import pack_layer
-from trellis_cli.repack.run import RepackOptions, run_repack
-from trellis_cli.repack.verify import describe_repacked, verify_repacked
-
-__all__ = ["LayerPack", "RepackOptions", "describe_repacked", "pack_layer", "read_layer_pack", "run_repack",
-           "verify_repacked", "write_layer_pack"]

@@ -1,6 +1,6 @@
 """One route-pack layer file on disk: `write_layer_pack` and `read_layer_pack`.
 
-The file is a plain safetensors file (format.py lists its tensors and __metadata__); reading it needs no
+The file is a plain safetensors file (formats/route_pack.py lists its tensors and __metadata__); reading it needs no
 transform, so `read_layer_pack(..., device="cuda")` hands the kernel its tensors as stored.
 """
 
@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from trellis_cli.errors import CheckFailed, SourceUnavailable
-from trellis_cli.repack.format import (
+from trellis_cli.formats.route_pack import (
     DESCRIPTORS, GLOBAL_TO_COMBINED, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE, ROT_UP_SUH, SCHEMA,
     SCHEMA_VERSION, TIER_K, TIER_SIZE, LayerPack, layer_file_name, tier_trellis_name,
 )

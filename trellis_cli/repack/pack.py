@@ -1,7 +1,7 @@
 """Gather one (layer, rank) of a TR3 checkpoint into the route-pack layout (`pack_layer`).
 
 Tiers are the layer's distinct K values, ascending; combined ids are tier-ordered with ascending checkpoint
-id inside a tier (format.py). Trellis bytes are moved unchanged. Rotation vectors are gathered in combined
+id inside a tier (formats/route_pack.py). Trellis bytes are moved unchanged. Rotation vectors are gathered in combined
 order; hidden-side rows collapse to one [1, H] row under shared-H. With a target TP different from the
 source's, each projection is re-sliced along the intermediate dimension (plan.rank_pieces), exactly or not
 at all. The `expected_*` functions are also what verification compares the written file against.
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from trellis_cli.checkpoint.model import DIALECT_TR3_SHARED_H, PROJECTIONS, Checkpoint, LinearRef, MoeLayer
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.repack.format import MAX_TIER_EXPERTS, LayerPack, descriptor, tier_trellis_shape
+from trellis_cli.formats.route_pack import MAX_TIER_EXPERTS, LayerPack, descriptor, tier_trellis_shape
 from trellis_cli.repack.plan import Piece, is_identity, rank_pieces, resolve_target_tp
 from trellis_cli.repack.source_bytes import TensorReader
 

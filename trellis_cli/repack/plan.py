@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.errors import UsageError
 from trellis_cli.id_ranges import parse_range
-from trellis_cli.repack.format import layer_file_name, tier_trellis_shape
+from trellis_cli.formats.route_pack import layer_file_name, tier_trellis_shape
 
 HADAMARD_BLOCK = 128
 

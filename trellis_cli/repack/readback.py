@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from trellis_cli.checkpoint.model import DIALECT_TR3_SHARED_H, PROJECTIONS, Checkpoint
 from trellis_cli.errors import CheckFailed
 from trellis_cli.header import HeaderError, header_length, parse_header
-from trellis_cli.repack.format import (
+from trellis_cli.formats.route_pack import (
     DESCRIPTORS, GLOBAL_TO_COMBINED, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE, ROT_UP_SUH, TABLE_NAMES, TIER_K,
     TIER_SIZE, descriptor, tier_trellis_name,
 )

@@ -15,30 +15,28 @@ import shutil
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from trellis_cli.checkpoint.model import DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H, Checkpoint
-from trellis_cli.checkpoint.names import parse_expert_name
-from trellis_cli.errors import CheckFailed, UsageError, ValidationFailed
-from trellis_cli.integrity import CHECKSUM_MANIFEST
+from trellis_cli.errors import CheckFailed, UsageError
+from trellis_cli.formats.route_pack import MANIFEST_NAME
 from trellis_cli.id_ranges import compact_ranges
-from trellis_cli.repack import manifest as mf
 from trellis_cli.repack import carry
-from trellis_cli.repack.format import MANIFEST_NAME
 from trellis_cli.repack.layer_file import sync_file, write_layer_pack
 from trellis_cli.repack.lock import StageLock
 from trellis_cli.repack.pack import Arena, layer_tiers, pack_layer
 from trellis_cli.repack.plan import RepackPlan, make_plan
 from trellis_cli.repack.readback import check_layer_file
+from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult, Validator, check_source, repack_note
 from trellis_cli.repack.source_bytes import TensorReader
+from trellis_cli.repack.source_facts import (CONFIG, NOT_COPIED, SourceHashes, fingerprint, has_experts, source_root,
+                                             used_source_files, vector_ndim)
 from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_collisions, stage_path
+from trellis_cli.routepack import manifest as mf
 
-CONFIG = "config.json"
-NOT_COPIED = (CHECKSUM_MANIFEST,)  # source-side hashes; the manifest replaces them
 EXTRA_DIR = "extra"  # extra/<shard>: the non-expert tensors of a source shard that held routed experts
-REPACK_NOTE_KEY = "trellis_repack"
 TR3_DIALECTS = (DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H)
 
 
@@ -55,44 +53,26 @@ class RepackOptions:
     validate: bool = True
 
 
-@dataclass
-class RepackResult:
-    out: Path
-    files_written: int = 0
-    files_resumed: int = 0
-    bytes_written: int = 0
-    bytes_needed: int = 0  # every byte the output holds, as the free-space check counted it
-    seconds: float = 0.0
-    manifest: dict[str, Any] = field(default_factory=dict)
-
-
 def open_repack_source(source: Any) -> Checkpoint:
     from trellis_cli.checkpoint import open_checkpoint
 
     return open_checkpoint(source)
 
 
-def validate_first(checkpoint: Checkpoint) -> None:
-    """Refuse an invalid source before writing anything. The validator is part of the product: a repack
-    never goes ahead unvalidated because it could not be imported."""
-    from trellis_cli.validate import run_validation
-
-    report = run_validation(checkpoint)
-    if not report.ok:
-        raise ValidationFailed(report, list_errors=True)
-
-
-def run_repack(source: Any, out: str | Path, options: RepackOptions | None = None, *,
+def run_repack(source: Any, out: str | Path, options: RepackOptions | None = None, *, validator: Validator,
                on_bytes: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
                log: Callable[[str], None] | None = None) -> RepackResult:
-    """Repack `source` (a Source, a path, or an opened Checkpoint) into `out`; see the module docstring."""
+    """Repack `source` (a Source, a path, or an opened Checkpoint) into `out`; see the module docstring.
+
+    `validator` decides whether the source may be repacked (with `options.validate`) and whether a staged
+    exl3-v1 output is sound: `trellis_cli.run_repack` passes validate.run_validation."""
     options = options or RepackOptions()
     log = log or (lambda _m: None)
     if options.to not in ("route-pack", "tr3", "exl3-v1"):
         raise UsageError(f"--to {options.to!r}: expected route-pack, tr3 or exl3-v1")
     if options.jobs < 1:
         raise UsageError(f"--jobs {options.jobs}: must be at least 1")
-    from trellis_cli.repack.manifest import is_route_pack
+    from trellis_cli.routepack.manifest import is_route_pack
 
     root = _local_root(source)
     if root is not None and is_route_pack(root):
@@ -100,16 +80,16 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
 
         return route_pack_to_tr3(root, Path(out), options, on_bytes=on_bytes, on_total=on_total, log=log)
     checkpoint = source if isinstance(source, Checkpoint) else open_repack_source(source)
-    from trellis_cli.exl3v1 import repack as exl3v1_repack  # exl3-v1 in or out: its own drivers
+    from trellis_cli.repack.exl3v1 import dispatch as exl3v1_repack  # exl3-v1 in or out: its own drivers
 
     if exl3v1_repack.handles(checkpoint, options.to):
-        return exl3v1_repack.run_exl3v1_repack(checkpoint, Path(out), options, on_bytes=on_bytes, on_total=on_total,
-                                               log=log)
+        return exl3v1_repack.run_exl3v1_repack(checkpoint, Path(out), options, validator, on_bytes=on_bytes,
+                                               on_total=on_total, log=log)
     if checkpoint.dialect not in TR3_DIALECTS:
         raise UsageError(f"repack reads rank-sliced TR3 checkpoints ({', '.join(TR3_DIALECTS)}); the source is "
                          f"{checkpoint.dialect}")
     if options.validate:
-        validate_first(checkpoint)
+        check_source(checkpoint, validator)
     import torch  # noqa: F401 - imported once here, not concurrently by the first workers
     if options.to == "tr3":
         from trellis_cli.repack.convert import tr3_to_tr3
@@ -127,88 +107,6 @@ def _local_root(source: Any) -> Path | None:
     return Path(root) if isinstance(root, (str, Path)) else None
 
 
-def source_root(checkpoint: Checkpoint) -> Path | None:
-    root = getattr(checkpoint.source, "root", None)
-    return Path(root) if root is not None else None
-
-
-def fingerprint(checkpoint: Checkpoint, options: RepackOptions, used: list[str]) -> dict[str, Any]:
-    """What must be unchanged for the stage to be resumed at all: the source (files, sizes, mtimes) and options.
-    Each staged file is also tied to the sha256 of the source files it was made from (Stage.record)."""
-    files = {}
-    for name in used:
-        entry: dict[str, Any] = {"size": checkpoint.files.get(name)}
-        root = source_root(checkpoint)
-        if root is not None:
-            entry["mtime_ns"] = (root / name).stat().st_mtime_ns
-        files[name] = entry
-    opts = {k: getattr(options, k) for k in ("layers", "ranks", "tp", "shared_h", "to", "copy_other")}
-    return {"source": checkpoint.source.describe(), "files": files, "options": opts}
-
-
-def used_source_files(checkpoint: Checkpoint, layers: list[int], copy_other: bool) -> list[str]:
-    used = {f for layer in layers for f in checkpoint.layers[layer].files}
-    for name in checkpoint.files:
-        if not name.endswith(".safetensors") and name not in NOT_COPIED and (copy_other or name == CONFIG):
-            used.add(name)
-    if copy_other:
-        used.update(n for n in checkpoint.headers if not _has_experts(checkpoint, n) or
-                    any(parse_expert_name(t) is None for t in checkpoint.headers[n].tensors))
-    return sorted(n for n in used if not n.endswith(".safetensors.index.json"))
-
-
-class SourceHashes:
-    """sha256 of source files, each computed once however many threads ask (the first one hashes, the others
-    wait for it: never a pool task waiting on a queued one)."""
-
-    def __init__(self, checkpoint: Checkpoint) -> None:
-        self.ck = checkpoint
-        self.done: dict[str, str] = {}
-        self._locks: dict[str, threading.Lock] = {}
-        self._guard = threading.Lock()
-
-    def get(self, name: str) -> str:
-        with self._guard:
-            lock = self._locks.setdefault(name, threading.Lock())
-        with lock:
-            if name not in self.done:
-                self.done[name] = source_sha256(self.ck, name)
-            return self.done[name]
-
-    def of(self, names) -> dict[str, str]:
-        return {n: self.get(n) for n in sorted(names)}
-
-
-def source_sha256(checkpoint: Checkpoint, name: str) -> str:
-    info = getattr(checkpoint.source, "file_info", None)
-    if info is not None:
-        known = getattr(info(name), "lfs_sha256", None)
-        if known:
-            return known  # the Hub states it; the download is checked against it
-    return mf.sha256_file(checkpoint.source.local_path(name))
-
-
-def vector_ndim(checkpoint: Checkpoint) -> dict[str, int]:
-    """How the source stores rotation vectors ([n] or [1, n]), so --to tr3 can restore the exact shapes."""
-    out = {"per_expert": 1, "shared_h": 1}
-    for moe in checkpoint.layers.values():
-        for projs in moe.experts.values():
-            for ranks in projs.values():
-                for lin in ranks.values():
-                    ref = lin.svh if lin.svh is not None else lin.suh
-                    if ref is not None:
-                        out["per_expert"] = len(ref.shape)
-                        break
-                break
-            break
-        for vectors in moe.shared_h.values():
-            for ref in vectors.values():
-                out["shared_h"] = len(ref.shape)
-        if moe.experts:
-            break
-    return out
-
-
 LAYER_FILE_NAME = re.compile(r"layer-[0-9]+-rank-[0-9]+\.safetensors")
 
 
@@ -223,7 +121,7 @@ class _RoutePackRun:
         self.used = used_source_files(checkpoint, self.plan.layers, options.copy_other)
         # Non-expert tensors of expert shards go to extra/<shard>; every other used file is copied as it is.
         self.carried = carry.non_expert_refs(checkpoint) if options.copy_other else {}
-        self.copied = [n for n in self.used if n not in (CONFIG, *NOT_COPIED) and not _has_experts(checkpoint, n)]
+        self.copied = [n for n in self.used if n not in (CONFIG, *NOT_COPIED) and not has_experts(checkpoint, n)]
         self.hashes = SourceHashes(checkpoint)
         self.result = RepackResult(out)
         self._local = threading.local()
@@ -263,7 +161,7 @@ class _RoutePackRun:
             with stage.discard_on_refusal():
                 self._run_jobs(stage)
                 doc = self._finish(stage)
-                from trellis_cli.repack.verify import verify_repacked
+                from trellis_cli.routepack.verify import verify_repacked
 
                 report = verify_repacked(stage.path, check_hashes=False)
                 if not report.ok:
@@ -406,18 +304,4 @@ class _RoutePackRun:
         return entries
 
 
-def _has_experts(checkpoint: Checkpoint, file: str) -> bool:
-    header = checkpoint.headers.get(file)
-    return header is not None and any(parse_expert_name(n) is not None for n in header.tensors)
-
-
-def repack_note(tp: int, rotation: str) -> dict[str, Any]:
-    from trellis_cli.repack.format import SCHEMA, SCHEMA_VERSION
-
-    return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "manifest": "manifest.json", "tp": tp,
-            "rotation": rotation,
-            "note": "routed experts are stored in the route-pack layout (one file per MoE layer and rank, listed "
-                    "in manifest.json); `trellis repack OUT DEST --to tr3` restores the TR3 layout"}
-
-
-__all__ = ["RepackOptions", "RepackResult", "run_repack"]
+__all__ = ["RepackOptions", "run_repack"]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from trellis_cli.errors import CheckFailed, TrellisError, UsageError
-from trellis_cli.repack.manifest import sha256_file
+from trellis_cli.routepack.manifest import sha256_file
 
 STATE_NAME = "state.json"  # in OUT.partial, beside the tree
 TREE_NAME = "tree"  # OUT.partial/tree becomes OUT

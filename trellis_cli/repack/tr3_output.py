@@ -20,19 +20,22 @@ from typing import Any, Callable
 
 from trellis_cli.checkpoint.declared import layer_range
 from trellis_cli.checkpoint.model import TensorRef
-from trellis_cli.checkpoint.names import shard_name
+from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, shard_name
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.header import read_local_header
 from trellis_cli.integrity import CHECKSUM_MANIFEST, write_manifest
 from trellis_cli.repack import carry
-from trellis_cli.repack import manifest as mf
+from trellis_cli.routepack import manifest as mf
 from trellis_cli.repack.lock import StageLock
+from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult
 from trellis_cli.repack.source_bytes import TensorReader
 from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_collisions, stage_path
+from trellis_cli.repack.tr3_shard import check_tr3_shard, write_tr3_shard
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG = "config.json"
 DEFAULT_METADATA = {"format": "pt"}
+ROTATION_LAYOUT = {True: "shared_h_v1", False: "per_expert_v1"}
 
 
 def assign_shards(layer_files: dict[int, list[str]]) -> dict[str, list[int]]:
@@ -46,7 +49,7 @@ def assign_shards(layer_files: dict[int, list[str]]) -> dict[str, list[int]]:
 
 @dataclass
 class Tr3Output:
-    specs: dict[int, Any]  # layer -> convert.Tr3Layer
+    specs: dict[int, Any]  # layer -> tr3_shard.Tr3Layer
     packs: Callable[[int, int], Any]  # (layer, rank) -> LayerPack
     shards: dict[str, list[int]]  # output shard -> its MoE layers
     carried: dict[str, list[TensorRef]]  # output shard -> non-expert tensors written after its layers
@@ -119,8 +122,6 @@ class Tr3Run:
         self.log = log or (lambda _m: None)
 
     def run(self):
-        from trellis_cli.repack.run import RepackResult
-
         start = time.perf_counter()
         self.plan.narrow_declarations()
         self.plan.refuse_collisions()
@@ -142,8 +143,6 @@ class Tr3Run:
         return result
 
     def _write_all(self, stage: Stage, result) -> None:
-        from trellis_cli.repack.convert import check_tr3_shard, write_tr3_shard
-
         plan = self.plan
         weight_map: dict[str, str] = {}
         with TensorReader(plan.carried_source) as reader:
@@ -184,3 +183,26 @@ class Tr3Run:
         # Every file of the output, nested shard folders included (as the source may have them).
         names = (p.relative_to(stage.path).as_posix() for p in stage.path.rglob("*") if p.is_file())
         write_manifest(stage.path, sorted(n for n in names if n != CHECKSUM_MANIFEST))
+
+
+def fingerprint_options(options) -> dict[str, Any]:
+    return {k: getattr(options, k) for k in ("layers", "ranks", "tp", "shared_h", "to")}
+
+
+def restored_config(config: dict[str, Any], tp: int, shared: bool) -> dict[str, Any]:
+    """The source config (without the repack note), with TP and rotation layout updated only if they changed."""
+    config = {k: v for k, v in config.items() if k != REPACK_NOTE_KEY}
+    hybrid = config.get("hybrid_tr3_tail")
+    if isinstance(hybrid, dict):
+        hybrid = dict(hybrid)
+        if hybrid.get("tp") != tp:
+            hybrid["tp"] = tp
+        was_shared = hybrid.get("rotation_layout") == "shared_h_v1"
+        if was_shared != shared:
+            hybrid["rotation_layout"] = ROTATION_LAYOUT[shared]
+            if shared:
+                hybrid["shared_h_tensor_schema"] = SHARED_H_TENSOR_SCHEMA
+            else:
+                hybrid.pop("shared_h_tensor_schema", None)
+        config["hybrid_tr3_tail"] = hybrid
+    return config

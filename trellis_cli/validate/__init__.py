@@ -14,7 +14,7 @@ from collections import Counter
 from typing import Callable
 
 from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, Checkpoint
-from trellis_cli.findings import Finding, Location, Report, Severity
+from trellis_cli.findings import MAX_FINDINGS_PER_CODE, Finding, Location, Report, Severity
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.validate import (engines, rules_config, rules_files, rules_markers, rules_runtime,
                                   rules_tensors)
@@ -23,7 +23,6 @@ from trellis_cli.validate import (engines, rules_config, rules_files, rules_mark
 NOT_DEEP_NOTE = "tensor data not checked (headers only; --deep reads it)"
 ROUTE_PACK_NOTE = ("tensor values not checked: the sha256 of every file matches the manifest repack wrote "
                    "(validate the source with --deep to check its data)")
-MAX_FINDINGS_PER_CODE = 50  # then counted, not listed: a missing shard must not print 12,288 lines
 
 CHECKSUM_CODES = {  # integrity status -> (code, severity, message)
     "mismatch": ("checksum.mismatch", Severity.ERROR, "sha256 differs from the recorded hash"),
@@ -154,7 +153,7 @@ def _run_checksums(ckpt: Checkpoint, report: Report, progress) -> None:
 
 
 def _validate_route_pack(ckpt: Checkpoint, checksums: bool) -> Report:
-    from trellis_cli.repack.verify import verify_repacked
+    from trellis_cli.routepack.verify import verify_repacked
 
     # A route pack's manifest records the sha256 of every file it wrote, and hashing is the only check that
     # sees a flipped byte inside tensor data: always done, --checksums or not (one read of the output).

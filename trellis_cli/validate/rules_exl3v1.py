@@ -15,14 +15,14 @@ from typing import Callable, Iterator
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.errors import CheckFailed
-from trellis_cli.exl3v1.container import (CODES, HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS, SIGN_PATTERN,
+from trellis_cli.checkpoint.exl3v1 import (CODES, HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS, SIGN_PATTERN,
                                           Exl3Layer, container, expected_metadata, finding_where, layer_rates,
                                           local_file, rate_table_shape)
-from trellis_cli.exl3v1.layout import LayerRates, row_payload
-from trellis_cli.exl3v1.schema import KIND_OF_CODE, SLOT_CHANNELS, Manifest
+from trellis_cli.formats.exl3v1_layout import LayerRates, row_payload
+from trellis_cli.formats.exl3v1_schema import KIND_OF_CODE, SLOT_CHANNELS, Manifest
 from trellis_cli.findings import Finding, Report, error, error_summary, warning
 from trellis_cli.header import DTYPE_BYTES
-from trellis_cli.validate.rules_files import check_shard
+from trellis_cli.formats.safetensors_layout import check_shard
 
 MAX_ROWS_SHOWN = 5  # row findings per layer and code, then one summary line
 

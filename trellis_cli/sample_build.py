@@ -1,4 +1,4 @@
-"""Build the bundled sample checkpoints (`python -m trellis_cli.sample.build [--pool FILE]`).
+"""Build the bundled sample checkpoints (`python -m trellis_cli.sample_build [--pool FILE]`).
 
 The "tr3" sample is written by synth's own writer with a tensor source that hands out the golden expert
 pool's real quantized tensors (each rank slice exists at K3 and K4; the bitmap picks one), so config,
@@ -19,7 +19,7 @@ from trellis_cli.errors import CheckFailed
 from trellis_cli.sample import SAMPLE_ROOT, sample_path
 from trellis_cli.synth import MCG_MARKER_VALUE, SynthSpec, write_checkpoint
 
-DEFAULT_POOL = Path(__file__).resolve().parents[2] / "tests" / "data" / "expert_pool_small.safetensors"
+DEFAULT_POOL = Path(__file__).resolve().parents[1] / "tests" / "data" / "expert_pool_small.safetensors"
 
 # Layer 3: experts 1 and 6 at K4 (6/2); layer 4: experts 0, 3, 5, 6 at K4 (4/4). Interleaved global ids,
 # and the two layers differ, as in real checkpoints.
@@ -68,7 +68,7 @@ def build(pool: Path = DEFAULT_POOL, root: Path = SAMPLE_ROOT) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trellis_cli.sample.build", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m trellis_cli.sample_build", description=__doc__.splitlines()[0])
     parser.add_argument("--pool", type=Path, default=DEFAULT_POOL, help="expert_pool_small.safetensors")
     parser.add_argument("--out", type=Path, default=SAMPLE_ROOT, help="where to write the variants")
     args = parser.parse_args(argv)

@@ -6,7 +6,7 @@ self-consistent (tier K ascending and matching the slab shapes, tier sizes <= 25
 tables shaped for the geometry). Every problem is a finding with a stable `repack.*` code.
 
 The manifest is untrusted input: its structure, types and file names are checked first (`manifest_findings`,
-repack/manifest_shape.py), and nothing after that reads a key or opens a name it has not vouched for. The
+routepack/manifest_shape.py), and nothing after that reads a key or opens a name it has not vouched for. The
 work done is bounded by what the directory holds, not by what the manifest declares: a count of listed files
 or of (layer, rank) pairs above that is one `count.implausible`, and missing items are listed up to a cap
 while they are found, then counted.
@@ -23,15 +23,15 @@ from trellis_cli.errors import CheckFailed, SourceUnavailable
 from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, Report, error, error_summary, missing_ids, summary_finding, warning
 from trellis_cli.header import HeaderError, read_local_header
 from trellis_cli.id_ranges import expand_ranges
-from trellis_cli.repack import manifest as mf
-from trellis_cli.repack.format import (
+from trellis_cli.routepack import manifest as mf
+from trellis_cli.formats.route_pack import (
     DESCRIPTORS, GLOBAL_TO_COMBINED, MANIFEST_NAME, MAX_TIER_EXPERTS, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE,
     ROT_UP_SUH, SCHEMA, SCHEMA_VERSION, TABLE_NAMES, TIER_K, TIER_SIZE, descriptor, layer_file_name,
     tier_trellis_name, tier_trellis_shape,
 )
-from trellis_cli.repack.manifest_shape import CONFIG_NAME, manifest_findings
+from trellis_cli.routepack.manifest_shape import CONFIG_NAME, manifest_findings
 from trellis_cli.sources import LocalSource, read_json_file
-from trellis_cli.validate.rules_files import check_shard
+from trellis_cli.formats.safetensors_layout import check_shard
 
 # layer_file_name's form; bounded like manifest layer keys (ranks only by tp), so int() stays cheap
 _LAYER_FILE = re.compile(r"layer-([0-9]{1,9})-rank-([0-9]{1,40})\.safetensors")

@@ -1,8 +1,8 @@
 """One TP rank's extent of an exl3-v1 layer as a route-pack LayerPack, and back: LayerPack ranks -> codes rows.
 
-The LayerPack is the project's one in-memory form of (layer, rank) (repack/format.py): TR3 shards are
-written from it (repack/convert.py), the route pack is it on disk, and bench runs it. Moving between it and
-exl3-v1 rearranges bytes only (layout.py says where each 16-channel tile goes); nothing is decoded.
+The LayerPack is the project's one in-memory form of (layer, rank) (formats/route_pack.py): TR3 shards are
+written from it (repack/tr3_shard.py), the route pack is it on disk, and bench runs it. Moving between it and
+exl3-v1 rearranges bytes only (formats/exl3v1_layout.py says where each 16-channel tile goes); nothing is decoded.
 TR3 and the route pack hold one K per expert, so an expert whose records use several bit widths is refused.
 """
 
@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.exl3v1.container import CODES, HIDDEN_TABLES, ROTATIONS, Exl3Layer
-from trellis_cli.exl3v1.layout import (LayerRates, expert_offsets, plane_span, rank_extent, slot_channels,
+from trellis_cli.checkpoint.exl3v1 import CODES, HIDDEN_TABLES, ROTATIONS, Exl3Layer
+from trellis_cli.formats.exl3v1_layout import (LayerRates, expert_offsets, plane_span, rank_extent, slot_channels,
                                        slot_tiles, tp_problem)
-from trellis_cli.exl3v1.schema import SLOT_CHANNELS, Manifest
-from trellis_cli.repack.format import MAX_TIER_EXPERTS, LayerPack, descriptor, split_descriptor, tier_trellis_shape
+from trellis_cli.formats.exl3v1_schema import SLOT_CHANNELS, Manifest
+from trellis_cli.formats.route_pack import MAX_TIER_EXPERTS, LayerPack, descriptor, split_descriptor, tier_trellis_shape
 
 if TYPE_CHECKING:
     import torch

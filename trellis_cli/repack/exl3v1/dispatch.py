@@ -7,29 +7,28 @@ from pathlib import Path
 
 from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H, Checkpoint
 from trellis_cli.errors import UsageError
+from trellis_cli.repack.result import Validator, check_source
 
 
 def handles(checkpoint: Checkpoint, to: str) -> bool:
     return checkpoint.dialect == DIALECT_EXL3V1 or to == "exl3-v1"
 
 
-def run_exl3v1_repack(checkpoint: Checkpoint, out: Path, options, **progress):
+def run_exl3v1_repack(checkpoint: Checkpoint, out: Path, options, validator: Validator, **progress):
     if checkpoint.dialect == DIALECT_EXL3V1:
         if options.to == "exl3-v1":
             raise UsageError("the source is already exl3-v1: --to exl3-v1 is not a conversion of it; use --to tr3 "
                              "or --to route-pack")
         if options.to == "route-pack":
-            from trellis_cli.exl3v1.to_route_pack import exl3v1_to_route_pack
+            from trellis_cli.repack.exl3v1.to_route_pack import exl3v1_to_route_pack
 
-            return exl3v1_to_route_pack(checkpoint, out, options, **progress)
-        from trellis_cli.exl3v1.to_tr3 import exl3v1_to_tr3
+            return exl3v1_to_route_pack(checkpoint, out, options, validator, **progress)
+        from trellis_cli.repack.exl3v1.to_tr3 import exl3v1_to_tr3
 
-        return exl3v1_to_tr3(checkpoint, out, options, **progress)
+        return exl3v1_to_tr3(checkpoint, out, options, validator, **progress)
     if checkpoint.dialect not in (DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H):
         raise UsageError(f"--to exl3-v1 reads rank-sliced TR3 checkpoints; the source is {checkpoint.dialect}")
-    from trellis_cli.exl3v1.from_tr3 import tr3_to_exl3v1
-    from trellis_cli.repack.run import validate_first
-
+    from trellis_cli.repack.exl3v1.from_tr3 import tr3_to_exl3v1
     if options.validate:
-        validate_first(checkpoint)
-    return tr3_to_exl3v1(checkpoint, out, options, **progress)
+        check_source(checkpoint, validator)
+    return tr3_to_exl3v1(checkpoint, out, options, validator, **progress)

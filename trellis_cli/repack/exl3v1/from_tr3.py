@@ -16,15 +16,17 @@ from typing import Any
 
 from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.exl3v1.container import HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS, Exl3Layer
-from trellis_cli.exl3v1.layout import LayerRates, slot_channels
-from trellis_cli.exl3v1.pack import pack_rows, read_extent_pack
-from trellis_cli.exl3v1.schema import (MANIFEST_FILE, PER_EXPERT_PAIR, SLOT_CHANNELS, SLOTS_PER_PAIR, UNIFORM,
+from trellis_cli.checkpoint.exl3v1 import HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS, Exl3Layer
+from trellis_cli.formats.exl3v1_layout import LayerRates, slot_channels
+from trellis_cli.repack.exl3v1.pack import pack_rows, read_extent_pack
+from trellis_cli.formats.exl3v1_schema import (MANIFEST_FILE, PER_EXPERT_PAIR, SLOT_CHANNELS, SLOTS_PER_PAIR, UNIFORM,
                                        LayerEntry, Manifest)
 from trellis_cli.exl3v1.write import layer_file_name, row_stride, write_layer, write_manifest
 from trellis_cli.repack.pack import HIDDEN_SIDE, expected_hidden, expected_intermediate, layer_tiers, pack_layer
 from trellis_cli.repack.plan import parse_selection, rank_pieces
 from trellis_cli.repack.readback import same_bits
+from trellis_cli.repack.result import RepackResult, Validator
+from trellis_cli.repack.source_facts import SourceHashes, source_root, vector_ndim
 from trellis_cli.repack.source_bytes import TensorReader
 from trellis_cli.repack.lock import StageLock
 from trellis_cli.repack.staging import Stage, check_free_space, check_target, stage_path
@@ -163,10 +165,10 @@ def verify_layer_file(ck: Checkpoint, m: Manifest, li: int, rates: LayerRates, p
                 raise CheckFailed(f"{path.name}: rank {rank}: {bad[0]} read back differs from the TR3 source")
 
 
-def tr3_to_exl3v1(ck: Checkpoint, out: Path, options, *, on_bytes=None, on_total=None, log=None):
-    from trellis_cli.exl3v1.carry import carried_files, write_carried
-    from trellis_cli.repack.run import RepackResult, SourceHashes, source_root, vector_ndim
-    from trellis_cli.repack.manifest import file_entry
+def tr3_to_exl3v1(ck: Checkpoint, out: Path, options, validator: Validator, *, on_bytes=None, on_total=None,
+                  log=None):
+    from trellis_cli.repack.exl3v1.carry import carried_files, write_carried
+    from trellis_cli.routepack.manifest import file_entry
 
     if options.tp is not None or options.ranks is not None or options.shared_h:
         raise UsageError("--tp, --ranks and --shared-h do not apply with --to exl3-v1 (it has no rank axis)")
@@ -203,17 +205,16 @@ def tr3_to_exl3v1(ck: Checkpoint, out: Path, options, *, on_bytes=None, on_total
                     "shard_names": {str(li): sorted(ck.layers[li].files)[0] for li in layers}}
             write_carried(ck, stage.path, copies, NOTE_KEY, note)
             write_manifest(stage.path, m, MANIFEST_FILE)
-            _final_check(stage.path)
+            _final_check(stage.path, validator)
         stage.move_into_place()
     result.seconds = time.perf_counter() - start
     return result
 
 
-def _final_check(root: Path) -> None:
+def _final_check(root: Path, validator: Validator) -> None:
     from trellis_cli.checkpoint import open_checkpoint
-    from trellis_cli.validate import run_validation
 
-    report = run_validation(open_checkpoint(root))
+    report = validator(open_checkpoint(root))
     if not report.ok:
         raise CheckFailed(f"{root}: the staged exl3-v1 output does not validate: {report.errors[0].line()}")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trellis_cli.findings import Finding, Location, error
-from trellis_cli.sources import safe_relative
+from trellis_cli.header import safe_relative
 
 MANIFEST_FILE = "exl3-manifest.json"
 KIND = "exl3-manifest"

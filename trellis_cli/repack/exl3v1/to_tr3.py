@@ -1,6 +1,6 @@
 """exl3-v1 as a source: `trellis repack EXL3 OUT --to tr3 [--tp N]`, and one (layer, rank) for `trellis bench`.
 
-Each TR3 shard is written by repack's TR3 writer (repack/convert.py) from one LayerPack per rank, read from
+Each TR3 shard is written by repack's TR3 writer (repack/tr3_shard.py) from one LayerPack per rank, read from
 the rank's slot extent (pack.py), and read back against those packs. Any `--tp` the slot layout allows works
 (default: the TP recorded when the checkpoint was converted from TR3, else the largest allowed degree up to
 4); hidden-side tables are replicated per rank. `tr3_form` says what else the TR3 form holds (config.json,
@@ -17,15 +17,17 @@ from typing import Any
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import shard_name
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.exl3v1.container import container, layer_rates
-from trellis_cli.exl3v1.from_tr3 import NOTE_KEY
-from trellis_cli.exl3v1.layout import LayerRates, tp_degrees
-from trellis_cli.exl3v1.pack import check_convertible, expert_tiers, read_extent_pack
-from trellis_cli.repack.convert import Tr3Layer, _options, _restored_config
-from trellis_cli.repack.format import LayerPack
+from trellis_cli.checkpoint.exl3v1 import container, layer_rates
+from trellis_cli.repack.exl3v1.from_tr3 import NOTE_KEY
+from trellis_cli.formats.exl3v1_layout import LayerRates, tp_degrees
+from trellis_cli.repack.exl3v1.pack import check_convertible, expert_tiers, read_extent_pack
+from trellis_cli.formats.route_pack import LayerPack
 from trellis_cli.repack.plan import parse_selection
+from trellis_cli.repack.result import Validator, check_source
+from trellis_cli.repack.source_facts import SourceHashes, source_root
 from trellis_cli.repack.source_bytes import TensorReader
-from trellis_cli.repack.tr3_output import Tr3Output, Tr3Run, assign_shards
+from trellis_cli.repack.tr3_output import Tr3Output, Tr3Run, assign_shards, fingerprint_options, restored_config
+from trellis_cli.repack.tr3_shard import Tr3Layer
 
 DEFAULT_MAX_TP = 4
 
@@ -74,7 +76,7 @@ class Tr3Form:
 def tr3_form(ck: Checkpoint, layers: list[int], tiers, tp: int, copy_other: bool) -> Tr3Form:
     """config.json: the carried one when the checkpoint came from TR3 (its note restores shard names and vector
     shapes), else one written from the manifest, with tier_bitmap.json for mixed K."""
-    from trellis_cli.exl3v1.carry import carried_files
+    from trellis_cli.repack.exl3v1.carry import carried_files
 
     m = container(ck).manifest
     note = ck.config.get(NOTE_KEY) if isinstance(ck.config.get(NOTE_KEY), dict) else {}
@@ -82,7 +84,7 @@ def tr3_form(ck: Checkpoint, layers: list[int], tiers, tp: int, copy_other: bool
     names = note.get("shard_names", {})
     copy_from = carried_files(ck, copy_other, frozenset({container(ck).manifest_file}))
     if isinstance(ck.config.get("hybrid_tr3_tail"), dict):
-        config = _restored_config({k: v for k, v in ck.config.items() if k != NOTE_KEY}, tp, shared)
+        config = restored_config({k: v for k, v in ck.config.items() if k != NOTE_KEY}, tp, shared)
         extra: dict[str, Any] = {}
     else:
         config, extra = _tr3_config(m, tiers, tp, shared)
@@ -92,13 +94,13 @@ def tr3_form(ck: Checkpoint, layers: list[int], tiers, tp: int, copy_other: bool
                    {"per_expert": ndim.get("per_expert", 1), "shared_h": ndim.get("shared_h", 1)})
 
 
-def exl3v1_to_tr3(ck: Checkpoint, out: Path, options, *, on_bytes=None, on_total=None, log=None):
-    from trellis_cli.repack.run import SourceHashes, source_root, validate_first
+def exl3v1_to_tr3(ck: Checkpoint, out: Path, options, validator: Validator, *, on_bytes=None, on_total=None,
+                  log=None):
 
     if options.ranks is not None or options.shared_h:
         raise UsageError("--ranks and --shared-h do not apply when converting exl3-v1 to TR3")
     if options.validate:
-        validate_first(ck)
+        check_source(ck, validator)
     m = container(ck).manifest
     tp = options.tp if options.tp is not None else default_tp(ck)
     check_convertible(m, tp)
@@ -116,7 +118,7 @@ def exl3v1_to_tr3(ck: Checkpoint, out: Path, options, *, on_bytes=None, on_total
         shards=assign_shards({li: [form.shard_names[li]] for li in layers}),
         carried={}, carried_source=ck.source, metadata={}, copied=form.copy_from, config=form.config,
         read_copied=ck.source.read_json, source_root=source_root(ck),
-        fingerprint={"source": ck.source.describe(), "options": _options(options), "tp": tp},
+        fingerprint={"source": ck.source.describe(), "options": fingerprint_options(options), "tp": tp},
         rewritten={name: json.dumps(doc, indent=2) + "\n" for name, doc in form.extra_json.items()})
     hashes = SourceHashes(ck)
     # A shard is made from its layers' exl3-v1 files, read as the manifest describes them.

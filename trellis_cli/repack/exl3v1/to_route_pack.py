@@ -20,15 +20,17 @@ from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.exl3v1.container import container
-from trellis_cli.exl3v1.pack import check_convertible, expert_tiers
-from trellis_cli.exl3v1.pack_readback import check_written
-from trellis_cli.exl3v1.to_tr3 import checked_rates, default_tp, exl3v1_pack, tr3_form
+from trellis_cli.checkpoint.exl3v1 import container
+from trellis_cli.repack.exl3v1.pack import check_convertible, expert_tiers
+from trellis_cli.repack.exl3v1.pack_readback import check_written
+from trellis_cli.repack.exl3v1.to_tr3 import checked_rates, default_tp, exl3v1_pack, tr3_form
 from trellis_cli.id_ranges import compact_ranges
-from trellis_cli.repack import manifest as mf
-from trellis_cli.repack.format import MANIFEST_NAME, layer_file_name, tier_trellis_shape
+from trellis_cli.routepack import manifest as mf
+from trellis_cli.formats.route_pack import MANIFEST_NAME, layer_file_name, tier_trellis_shape
 from trellis_cli.repack.layer_file import sync_file, write_layer_pack
 from trellis_cli.repack.plan import LayerRankJob, parse_selection
+from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult, Validator, check_source, repack_note
+from trellis_cli.repack.source_facts import SourceHashes, fingerprint, source_root, source_sha256
 from trellis_cli.repack.lock import StageLock
 from trellis_cli.repack.source_bytes import TensorReader
 from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_collisions, stage_path
@@ -36,14 +38,14 @@ from trellis_cli.repack.staging import Stage, check_free_space, check_target, re
 CONFIG = "config.json"
 
 
-def exl3v1_to_route_pack(ck: Checkpoint, out: Path, options, *, on_bytes=None, on_total=None, log=None):
-    from trellis_cli.repack.run import validate_first
+def exl3v1_to_route_pack(ck: Checkpoint, out: Path, options, validator: Validator, *, on_bytes=None, on_total=None,
+                         log=None):
 
     if options.shared_h:
         raise UsageError("--shared-h does not apply to an exl3-v1 source: its hidden-side tables are kept as "
                          "stored ([H]: one row for every expert, [E, H]: one row per expert)")
     if options.validate:
-        validate_first(ck)
+        check_source(ck, validator)
     import torch  # noqa: F401 - imported once here, before the first layer-rank
     return _Exl3RoutePack(ck, out, options, on_bytes, on_total, log).run()
 
@@ -76,13 +78,10 @@ class _Exl3RoutePack:
         self.used = sorted(layer_files | {box.manifest_file} | set(self.form.copy_from)
                            | ({CONFIG} if CONFIG in ck.files else set()))
         self.rotation = "per_expert" if m.per_expert_input_rotations else "shared_h"
-        from trellis_cli.repack.run import SourceHashes  # run.py imports this module's dispatcher
-
         self.hashes = SourceHashes(ck)
 
     def run(self):
-        from trellis_cli.repack.run import RepackResult, fingerprint, source_root
-        from trellis_cli.repack.verify import verify_repacked
+        from trellis_cli.routepack.verify import verify_repacked
 
         start = time.perf_counter()
         self._refuse_collisions()
@@ -144,8 +143,6 @@ class _Exl3RoutePack:
                 result.bytes_written += size
 
     def _finish(self, stage: Stage) -> dict[str, Any]:
-        from trellis_cli.repack.run import REPACK_NOTE_KEY, repack_note
-
         files = self._carry(stage)
         config = dict(self.form.config)
         config[REPACK_NOTE_KEY] = repack_note(self.tp, self.rotation)
@@ -177,8 +174,6 @@ class _Exl3RoutePack:
         return entries
 
     def _source(self) -> dict[str, Any]:
-        from trellis_cli.repack.run import source_sha256
-
         ck = self.ck
         source = dict(ck.source.describe())
         if source.get("kind") == "local" and source.get("path"):

@@ -1,0 +1,48 @@
+"""What every repack driver shares at its ends: the source check it is handed, the note it leaves in config.json,
+and the RepackResult it returns.
+
+The source check is a function passed in (`Validator`: validate.run_validation where the CLI and the library
+API call a repack), so repack never imports validate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.errors import ValidationFailed
+from trellis_cli.findings import Report
+from trellis_cli.formats.route_pack import SCHEMA, SCHEMA_VERSION
+
+REPACK_NOTE_KEY = "trellis_repack"
+Validator = Callable[[Checkpoint], Report]  # a checkpoint -> the findings that decide whether it may be used
+
+
+@dataclass
+class RepackResult:
+    out: Path
+    files_written: int = 0
+    files_resumed: int = 0
+    bytes_written: int = 0
+    bytes_needed: int = 0  # every byte the output holds, as the free-space check counted it
+    seconds: float = 0.0
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+def check_source(checkpoint: Checkpoint, validator: Validator) -> None:
+    """Refuse an invalid source before writing anything."""
+    report = validator(checkpoint)
+    if not report.ok:
+        raise ValidationFailed(report, list_errors=True)
+
+
+def repack_note(tp: int, rotation: str) -> dict[str, Any]:
+    return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "manifest": "manifest.json", "tp": tp,
+            "rotation": rotation,
+            "note": "routed experts are stored in the route-pack layout (one file per MoE layer and rank, listed "
+                    "in manifest.json); `trellis repack OUT DEST --to tr3` restores the TR3 layout"}
+
+
+__all__ = ["REPACK_NOTE_KEY", "RepackResult", "Validator", "check_source", "repack_note"]

@@ -1,0 +1,27 @@
+"""Entry points that join two work packages, so that neither imports the other.
+
+`run_repack` is repack.run.run_repack handed validate.run_validation as its validator: the source is
+validated before anything is written (unless `options.validate` is off) and a staged exl3-v1 output must
+validate before it is moved into place. The CLI (`trellis repack`) and the library API call this one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from trellis_cli.repack.result import RepackResult
+from trellis_cli.repack.run import RepackOptions
+
+
+def run_repack(source: Any, out: str | Path, options: RepackOptions | None = None, *,
+               on_bytes: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
+               log: Callable[[str], None] | None = None) -> RepackResult:
+    """Repack `source` (a Source, a path, or an opened Checkpoint) into `out`, validated (repack/run.py)."""
+    from trellis_cli.repack.run import run_repack as repack
+    from trellis_cli.validate import run_validation
+
+    return repack(source, out, options, validator=run_validation, on_bytes=on_bytes, on_total=on_total, log=log)
+
+
+__all__ = ["run_repack"]
