@@ -27,7 +27,7 @@ import torch
 from trellis_cli.bench.synthetic import get_preset, parse_partition, synthetic_pack
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.reference import layer_pack_forward, moe_forward
-from trellis_cli.repack.format import LayerPack
+from trellis_cli.formats.route_pack import LayerPack
 
 KINDS = ("checkpoint", "exl3-v1", "repacked", "synthetic")
 
@@ -59,7 +59,7 @@ def plan_tp_source(source: str | None, *, synthetic: str | None, partition: str 
     if partition:
         raise UsageError("--partition applies to --synthetic only (a checkpoint declares its own)")
     from trellis_cli.bench.source import first_repacked_layer
-    from trellis_cli.repack.manifest import is_route_pack
+    from trellis_cli.routepack.manifest import is_route_pack
 
     path = Path(source)
     if path.is_dir() and is_route_pack(path):
@@ -78,7 +78,7 @@ def _plan_synthetic(name: str, partition: str | None, tp: int) -> TpPlan:
 
 
 def _plan_route_pack(path: Path, layer: int, tp: int) -> TpPlan:
-    from trellis_cli.repack.format import layer_file_name
+    from trellis_cli.formats.route_pack import layer_file_name
     from trellis_cli.sources import read_json_file
 
     doc = read_json_file(path / "manifest.json", "manifest.json")

@@ -198,23 +198,10 @@ def _run_smoke(bench, library, synthetic: str | None, seed: int, as_json: bool) 
         output.emit_json({"source": bench.description, "environment": environment(library),
                           "checks": [dataclasses.asdict(c) for c in checks], "passed": not failed})
     else:
-        _print_smoke(checks)
+        output.print_checks(checks, "trellis bench --smoke")
     if failed:
         raise CheckFailed(f"smoke: {len(failed)} of {len(checks)} checks FAILED")
     output.log(f"smoke: all {len(checks)} checks passed")
-
-
-def _print_smoke(checks) -> None:
-    from rich.table import Table
-
-    table = Table(title="trellis bench --smoke")
-    for column in ("check", "case", "value", "limit", "result"):
-        table.add_column(column)
-    for c in checks:
-        value = "" if c.value is None else f"{c.value:.3e}"
-        limit = "" if c.limit is None else f"{c.limit:.0e}"
-        table.add_row(output.cell(c.name), output.cell(c.case), value, limit, "PASS" if c.passed else "FAIL")
-    output.stdout.print(table)
 
 
 def _run_throughput(bench, library, m_list: list[int], cold: bool, replays: int, seed: int, as_json: bool) -> None:

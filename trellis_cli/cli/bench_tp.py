@@ -77,14 +77,13 @@ def _check_request(request: TpRequest, tp: int) -> None:
 
 def _report_smoke(doc: dict, as_json: bool) -> None:
     from trellis_cli.bench.smoke import Check
-    from trellis_cli.cli.bench_cmd import _print_smoke
 
     checks = [Check(**c) for c in doc["checks"]]
     failed = [c for c in checks if not c.passed]
     if as_json:
         output.emit_json(doc)
     else:
-        _print_smoke(checks)
+        output.print_checks(checks, "trellis bench --smoke")
     if failed:
         raise CheckFailed(f"smoke --tp {doc['tp']}: {len(failed)} of {len(checks)} checks FAILED")
     output.log(f"smoke --tp {doc['tp']}: all {len(checks)} checks passed (reference: {doc['reference']})")

@@ -129,3 +129,17 @@ def progress_bar(description: str, total: float | None, *, bytes_mode: bool = Fa
     with make_progress(bytes_mode=bytes_mode, enabled=enabled) as progress:
         task = progress.add_task(description, total=total)
         yield lambda n=1: progress.advance(task, n)
+
+
+def print_checks(checks, title: str) -> None:
+    """A table of pass/fail checks (name, case, value against limit) on stdout: bench --smoke's report."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("check", "case", "value", "limit", "result"):
+        table.add_column(column)
+    for c in checks:
+        value = "" if c.value is None else f"{c.value:.3e}"
+        limit = "" if c.limit is None else f"{c.limit:.0e}"
+        table.add_row(cell(c.name), cell(c.case), value, limit, "PASS" if c.passed else "FAIL")
+    stdout.print(table)
