@@ -156,17 +156,13 @@ def measure_gap_m(pools: list[WeightPool], plan: GapPlan, m: int, *, cold: bool,
 def run_mixed_gap(plan: GapPlan, library, ms: list[int], *, cold: bool = True, replays: int = 100, seed: int = 0,
                   log: Callable[[str], None] = lambda s: None) -> dict:
     layers = gap_layers(plan, device="cuda", seed=seed)
-    l2_bytes, copy_gbps = device_facts(torch.device("cuda", torch.cuda.current_device()), log)
+    pools = [WeightPool(pack, library) for _, pack in layers]
+    l2_bytes, copy_gbps = device_facts(pools[-1].runners[0].device, log)
     rows = []
     for m in ms:
         log(f"mixed gap: M={m} ({'cold' if cold else 'warm'}), {', '.join(label for label, _ in layers)} interleaved")
-        # Fresh runners and copies for each M: runners that had served graphs at another M faulted when their
-        # copies were captured again beside the other layers' (an illegal address at M=3072 after M=1 on the
-        # H200; fresh ones never did).
-        pools = [WeightPool(pack, library) for _, pack in layers]
         rows.append(measure_gap_m(pools, plan, m, cold=cold, replays=replays, seed=seed + 1234 + m,
                                   l2_bytes=l2_bytes))
-        del pools
         torch.cuda.empty_cache()
     return gap_report(plan, rows, cold=cold, replays=replays, copy_gbps=copy_gbps, l2_bytes=l2_bytes)
 
