@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from trellis_cli.bench.synthetic import get_preset, parse_partition, synthetic_pack
+from trellis_cli.bench.synthetic import Preset, get_preset, parse_partition, synthetic_pack
 from trellis_cli.errors import SourceUnavailable, UsageError
 from trellis_cli.formats.route_pack import LayerPack
 
@@ -22,20 +22,33 @@ class BenchSource:
     kind: str  # "synthetic" | "repacked" | "checkpoint"
 
 
-def load_bench_source(source: str | None, *, synthetic: str | None, partition: str | None, layer: int | None,
-                      rank: int, device: str, seed: int = 0) -> BenchSource:
+def choose_source(source: str | None, synthetic: str | None,
+                  partition: str | None) -> tuple[Preset, tuple[int, ...]] | None:
+    """The SOURCE / --synthetic choice, checked (no GPU needed): the preset and its partition for a synthetic
+    layer, None for SOURCE."""
     if synthetic and source:
         raise UsageError("give either SOURCE or --synthetic, not both")
     if synthetic:
         preset = get_preset(synthetic)
         parts = parse_partition(partition, len(preset.tier_k)) if partition else preset.partition
-        pack = synthetic_pack(preset, parts, device=device, seed=seed)
-        label = "/".join(str(p) for p in parts)
-        return BenchSource(f"synthetic {preset.name} partition {label}", pack, "synthetic")
+        if sum(parts) != preset.experts:
+            raise UsageError(f"--partition {partition}: must add up to the preset's {preset.experts} experts")
+        return preset, parts
     if not source:
         raise UsageError("nothing to benchmark: give SOURCE (repacked dir or TR3 checkpoint) or --synthetic NAME")
     if partition:
         raise UsageError("--partition applies to --synthetic only (a checkpoint declares its own)")
+    return None
+
+
+def load_bench_source(source: str | None, *, synthetic: str | None, partition: str | None, layer: int | None,
+                      rank: int, device: str, seed: int = 0) -> BenchSource:
+    chosen = choose_source(source, synthetic, partition)
+    if chosen is not None:
+        preset, parts = chosen
+        pack = synthetic_pack(preset, parts, device=device, seed=seed)
+        label = "/".join(str(p) for p in parts)
+        return BenchSource(f"synthetic {preset.name} partition {label}", pack, "synthetic")
     path = Path(source)
     if path.is_dir() and _is_route_pack(path):
         return _repacked(path, layer, rank, device)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from trellis_cli.bench.synthetic import get_preset, parse_partition, synthetic_pack
+from trellis_cli.bench.synthetic import Preset, get_preset, synthetic_pack
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.reference import layer_pack_forward, moe_forward
 from trellis_cli.formats.route_pack import LayerPack
@@ -48,17 +48,13 @@ class TpPlan:
 
 def plan_tp_source(source: str | None, *, synthetic: str | None, partition: str | None, layer: int | None,
                    tp: int) -> TpPlan:
+    from trellis_cli.bench.source import choose_source, first_repacked_layer
+
     if tp < 1:
         raise UsageError(f"--tp {tp}: must be at least 1")
-    if synthetic and source:
-        raise UsageError("give either SOURCE or --synthetic, not both")
-    if synthetic:
-        return _plan_synthetic(synthetic, partition, tp)
-    if not source:
-        raise UsageError("nothing to benchmark: give SOURCE (repacked dir or TR3 checkpoint) or --synthetic NAME")
-    if partition:
-        raise UsageError("--partition applies to --synthetic only (a checkpoint declares its own)")
-    from trellis_cli.bench.source import first_repacked_layer
+    chosen = choose_source(source, synthetic, partition)
+    if chosen is not None:
+        return _plan_synthetic(*chosen, tp)
     from trellis_cli.routepack.manifest import is_route_pack
 
     path = Path(source)
@@ -67,14 +63,12 @@ def plan_tp_source(source: str | None, *, synthetic: str | None, partition: str 
     return _plan_checkpoint(source, layer, tp)
 
 
-def _plan_synthetic(name: str, partition: str | None, tp: int) -> TpPlan:
+def _plan_synthetic(preset: Preset, parts: tuple[int, ...], tp: int) -> TpPlan:
     from trellis_cli.repack.plan import rank_pieces
 
-    preset = get_preset(name)
-    parts = parse_partition(partition, len(preset.tier_k)) if partition else preset.partition
     rank_pieces(preset.intermediate * preset.tp, preset.tp, tp, 0)  # the same 128-block rule as a checkpoint
     label = "/".join(str(p) for p in parts)
-    return TpPlan("synthetic", name, 0, tp, tuple(parts), f"synthetic {name} partition {label} at TP{tp}")
+    return TpPlan("synthetic", preset.name, 0, tp, tuple(parts), f"synthetic {preset.name} partition {label} at TP{tp}")
 
 
 def _plan_route_pack(path: Path, layer: int, tp: int) -> TpPlan:

@@ -108,21 +108,11 @@ def _parse_arch(text: str) -> str:
 def check_bench_arguments(source: str | None, synthetic: str | None, partition: str | None) -> None:
     """What can be refused without a GPU: the SOURCE / --synthetic choice, the preset, the partition, and a
     local SOURCE that does not exist. (A Hub id is resolved when it is read.)"""
-    from trellis_cli.bench.synthetic import get_preset, parse_partition
+    from trellis_cli.bench.source import choose_source
     from trellis_cli.sources import open_source, parse_repo_spec
 
-    if synthetic and source:
-        raise UsageError("give either SOURCE or --synthetic, not both")
-    if synthetic:
-        preset = get_preset(synthetic)
-        parts = parse_partition(partition, len(preset.tier_k)) if partition else preset.partition
-        if sum(parts) != preset.experts:
-            raise UsageError(f"--partition {partition}: must add up to the preset's {preset.experts} experts")
+    if choose_source(source, synthetic, partition) is not None:
         return
-    if not source:
-        raise UsageError("nothing to benchmark: give SOURCE (repacked dir or TR3 checkpoint) or --synthetic NAME")
-    if partition:
-        raise UsageError("--partition applies to --synthetic only (a checkpoint declares its own)")
     if parse_repo_spec(source) is None or Path(source).expanduser().exists():
         open_source(source)  # local: cheap, and a missing path is exit 3
 
