@@ -55,3 +55,12 @@ def nvcc_available() -> bool:
 
 requires_gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
 requires_nvcc = pytest.mark.skipif(not nvcc_available(), reason="needs nvcc (CUDA toolkit)")
+
+
+@pytest.fixture(scope="module", params=["pair-per-expert", "uniform-shared"])
+def exl3(request, tmp_path_factory) -> Path:
+    """A small exl3-v1 checkpoint, once per spec of helpers.exl3v1_specs."""
+    from helpers import exl3v1_specs
+    from trellis_cli.exl3v1.synth import write_exl3v1_checkpoint
+
+    return write_exl3v1_checkpoint(tmp_path_factory.mktemp(request.param) / "exl3", exl3v1_specs()[request.param])

@@ -144,3 +144,26 @@ def interrupt_after(monkeypatch, files: int) -> None:
             return _write(*args, **kwargs)
 
         monkeypatch.setattr(module, "write_layer_pack", interrupting)
+
+
+def tensor_bytes(root: Path, pattern: str = "*.safetensors") -> dict[tuple[str, str], tuple]:
+    """Every tensor of every matching safetensors file: (file, name) -> (dtype, shape, bytes)."""
+    out = {}
+    for path in sorted(root.glob(pattern)):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                out[path.name, name] = (t.dtype, tuple(t.shape), t.contiguous().view(-1).numpy().tobytes())
+    return out
+
+
+def exl3v1_specs() -> dict:
+    """The two small exl3-v1 checkpoints the conversion tests build: mixed K per expert, and uniform shared-H."""
+    from trellis_cli.synth import SynthSpec
+
+    return {
+        "pair-per-expert": SynthSpec(hidden=256, intermediate=1024, experts=6, tp=1, layers=(3, 4), partition=(5, 1),
+                                     top_k=2),
+        "uniform-shared": SynthSpec(hidden=256, intermediate=512, experts=4, tp=1, layers=(3,), uniform_k=4, top_k=2,
+                                    rotation_layout="shared_h_v1"),
+    }

@@ -2,39 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from trellis_cli.exl3v1.synth import write_exl3v1_checkpoint
 from trellis_cli.synth import SynthSpec, write_checkpoint
 from helpers import run_cli_merged as run_cli
-
-
-def tensors(root: Path) -> dict[tuple[str, str], tuple]:
-    """Every tensor of every safetensors file: (file, name) -> (dtype, shape, bytes)."""
-    from safetensors import safe_open
-
-    out = {}
-    for path in sorted(root.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                t = f.get_tensor(name)
-                out[path.name, name] = (t.dtype, tuple(t.shape), t.contiguous().view(-1).numpy().tobytes())
-    return out
-
-
-SPECS = {
-    "pair-per-expert": SynthSpec(hidden=256, intermediate=1024, experts=6, tp=1, layers=(3, 4), partition=(5, 1),
-                                 top_k=2),
-    "uniform-shared": SynthSpec(hidden=256, intermediate=512, experts=4, tp=1, layers=(3,), uniform_k=4, top_k=2,
-                                rotation_layout="shared_h_v1"),
-}
-
-
-@pytest.fixture(scope="module", params=list(SPECS))
-def exl3(request, tmp_path_factory) -> Path:
-    return write_exl3v1_checkpoint(tmp_path_factory.mktemp(request.param) / "exl3", SPECS[request.param])
+from helpers import tensor_bytes
 
 
 def test_exl3_tr3_exl3_round_trip(capsys, exl3, tmp_path):
@@ -44,7 +16,7 @@ def test_exl3_tr3_exl3_round_trip(capsys, exl3, tmp_path):
     assert code == 0 and "tr3/" in text, text
     code, text = run_cli(capsys, "repack", str(tmp_path / "tr3"), str(tmp_path / "back"), "--to", "exl3-v1")
     assert code == 0, text
-    assert tensors(tmp_path / "back") == tensors(exl3)
+    assert tensor_bytes(tmp_path / "back") == tensor_bytes(exl3)
     assert (tmp_path / "back" / "exl3-manifest.json").read_bytes() == (exl3 / "exl3-manifest.json").read_bytes()
 
 
@@ -54,7 +26,7 @@ def test_tr3_exl3_tr3_round_trip_at_each_tp(capsys, exl3, tmp_path, tp):
     assert run_cli(capsys, "repack", str(tmp_path / "a"), str(tmp_path / "x"), "--to", "exl3-v1")[0] == 0
     code, text = run_cli(capsys, "repack", str(tmp_path / "x"), str(tmp_path / "b"), "--to", "tr3")
     assert code == 0, text
-    assert tensors(tmp_path / "b") == tensors(tmp_path / "a")
+    assert tensor_bytes(tmp_path / "b") == tensor_bytes(tmp_path / "a")
     assert (tmp_path / "b" / "config.json").read_text() == (tmp_path / "a" / "config.json").read_text()
 
 

@@ -9,39 +9,16 @@ from pathlib import Path
 import pytest
 
 from trellis_cli.exl3v1.synth import write_exl3v1_checkpoint
-from trellis_cli.synth import SynthSpec
 from helpers import Interrupted, interrupt_after
 from helpers import run_cli_merged as run_cli
-
-
-def tensors(root: Path, pattern: str = "*.safetensors") -> dict[tuple[str, str], tuple]:
-    """Every tensor of every matching safetensors file: (file, name) -> (dtype, shape, bytes)."""
-    from safetensors import safe_open
-
-    out = {}
-    for path in sorted(root.glob(pattern)):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                t = f.get_tensor(name)
-                out[path.name, name] = (t.dtype, tuple(t.shape), t.contiguous().view(-1).numpy().tobytes())
-    return out
+from helpers import exl3v1_specs, tensor_bytes
 
 
 def file_bytes(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-SPECS = {
-    "pair-per-expert": SynthSpec(hidden=256, intermediate=1024, experts=6, tp=1, layers=(3, 4), partition=(5, 1),
-                                 top_k=2),
-    "uniform-shared": SynthSpec(hidden=256, intermediate=512, experts=4, tp=1, layers=(3,), uniform_k=4, top_k=2,
-                                rotation_layout="shared_h_v1"),
-}
-
-
-@pytest.fixture(scope="module", params=list(SPECS))
-def exl3(request, tmp_path_factory) -> Path:
-    return write_exl3v1_checkpoint(tmp_path_factory.mktemp(request.param) / "exl3", SPECS[request.param])
+SPECS = exl3v1_specs()
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -55,7 +32,7 @@ def test_pack_validates_and_goes_back_to_the_same_tr3_as_the_direct_conversion(c
     assert code == 0 and "PASS" in text, text
     assert run_cli(capsys, "repack", str(tmp_path / "pack"), str(tmp_path / "back"), "--to", "tr3")[0] == 0
     assert run_cli(capsys, "repack", str(exl3), str(tmp_path / "direct"), "--to", "tr3", "--tp", str(tp))[0] == 0
-    assert tensors(tmp_path / "back") == tensors(tmp_path / "direct")
+    assert tensor_bytes(tmp_path / "back") == tensor_bytes(tmp_path / "direct")
     assert file_bytes(tmp_path / "back") == file_bytes(tmp_path / "direct")  # config, bitmap, index, MANIFEST too
 
 
@@ -64,7 +41,7 @@ def test_pack_equals_the_route_pack_of_the_converted_tr3(capsys, exl3, tmp_path)
     assert run_cli(capsys, "repack", str(exl3), str(tmp_path / "pack"), "--tp", "2")[0] == 0
     assert run_cli(capsys, "repack", str(exl3), str(tmp_path / "tr3"), "--to", "tr3", "--tp", "2")[0] == 0
     assert run_cli(capsys, "repack", str(tmp_path / "tr3"), str(tmp_path / "via"))[0] == 0
-    direct, via = tensors(tmp_path / "pack", "layer-*"), tensors(tmp_path / "via", "layer-*")
+    direct, via = tensor_bytes(tmp_path / "pack", "layer-*"), tensor_bytes(tmp_path / "via", "layer-*")
     assert direct and direct == via
     manifest = json.loads((tmp_path / "pack" / "manifest.json").read_text())
     assert manifest["source"]["dialect"] == "exl3-v1" and manifest["tp"] == 2
@@ -114,7 +91,7 @@ def test_interrupted_pack_resumes(tmp_path, monkeypatch):
     result = run_repack(str(source), tmp_path / "pack", RepackOptions(tp=2))
     assert (result.files_resumed, result.files_written) == (1, 3)
     run_repack(str(source), tmp_path / "fresh", RepackOptions(tp=2))
-    assert tensors(tmp_path / "pack") == tensors(tmp_path / "fresh")
+    assert tensor_bytes(tmp_path / "pack") == tensor_bytes(tmp_path / "fresh")
 
 
 def test_read_back_names_a_changed_byte(capsys, tmp_path):
@@ -157,7 +134,7 @@ def test_exl3v1_made_from_tr3_packs_and_goes_back_to_that_tr3(capsys, tmp_path):
     assert json.loads((tmp_path / "pack" / "manifest.json").read_text())["tp"] == 2
     assert main_ok(capsys, "repack", str(tmp_path / "pack"), str(tmp_path / "back"), "--to", "tr3")
     capsys.readouterr()
-    assert tensors(tmp_path / "back") == tensors(tmp_path / "tr3")
+    assert tensor_bytes(tmp_path / "back") == tensor_bytes(tmp_path / "tr3")
     assert (tmp_path / "back" / "config.json").read_text() == (tmp_path / "tr3" / "config.json").read_text()
 
 
