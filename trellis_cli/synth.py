@@ -399,6 +399,13 @@ def write_checkpoint(out_dir: str | Path, spec: SynthSpec, progress: Callable[[i
     data. A non-empty `out_dir` is refused unless `overwrite`. Nothing appears at `out_dir` unless the
     whole checkpoint was written (it is staged in `out_dir.partial`, removed on any error).
     """
+    return staged_output(out_dir, overwrite, lambda stage: _write_all(stage, spec, source or RandomTensors(spec),
+                                                                      progress))
+
+
+def staged_output(out_dir: str | Path, overwrite: bool, write: Callable[[Path], None]) -> Path:
+    """`write(stage)` into `OUT.partial`, then move it into place; on any error (Ctrl-C too) the stage is
+    removed and OUT is untouched. A non-empty OUT is refused unless `overwrite`."""
     out = Path(out_dir)
     _check_target(out, overwrite)
     stage = out.with_name(out.name + ".partial")
@@ -406,7 +413,7 @@ def write_checkpoint(out_dir: str | Path, spec: SynthSpec, progress: Callable[[i
         shutil.rmtree(stage)  # left over from an interrupted run: it is ours by name
     stage.mkdir(parents=True)
     try:
-        _write_all(stage, spec, source or RandomTensors(spec), progress)
+        write(stage)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise

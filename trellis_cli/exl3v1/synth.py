@@ -10,8 +10,6 @@ takes seconds; its manifest then records no real digests (all zeros: there is no
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -24,7 +22,7 @@ from trellis_cli.formats.exl3v1_schema import (HADAMARD_BLOCK_SLOTS, MANIFEST_FI
                                        SLOTS_PER_PAIR, UNIFORM, LayerEntry, Manifest)
 from trellis_cli.exl3v1.write import layer_file_name, layer_plan, row_stride, write_layer, write_manifest
 from trellis_cli.integrity import sha256_file
-from trellis_cli.synth import SynthSpec, _check_target, _generator, random_suh, random_svh
+from trellis_cli.synth import SynthSpec, _generator, random_suh, random_svh, staged_output
 
 SPARSE_DIGEST = "0" * 64
 ROW_ALIGNMENT = 4096
@@ -93,13 +91,8 @@ def write_exl3v1_checkpoint(out_dir: str | Path, spec: SynthSpec, progress: Call
                             *, overwrite: bool = False) -> Path:
     """Write the exl3-v1 checkpoint of `spec` (staged in OUT.partial, moved into place when complete)."""
     m = manifest_for(spec)
-    out = Path(out_dir)
-    _check_target(out, overwrite)
-    stage = out.with_name(out.name + ".partial")
-    if stage.exists():
-        shutil.rmtree(stage)
-    stage.mkdir(parents=True)
-    try:
+
+    def write(stage: Path) -> None:
         for layer in spec.layers:
             rates = layer_rates(m, spec, layer)
             stride = row_stride(m, rates)
@@ -110,13 +103,8 @@ def write_exl3v1_checkpoint(out_dir: str | Path, spec: SynthSpec, progress: Call
             if progress is not None:
                 progress(layer)
         write_manifest(stage, m, MANIFEST_FILE)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(stage, out)
-    return out
+
+    return staged_output(out_dir, overwrite, write)
 
 
 def checkpoint_bytes(spec: SynthSpec) -> int:
