@@ -163,3 +163,27 @@ def test_a_manifest_nested_too_deeply_is_refused_without_a_traceback(capsys, pac
     for args in (("validate", str(root)), ("repack", str(root), str(tmp_path / "out"), "--to", "tr3")):
         status, text = run_cli_merged(capsys, *args)
         assert status == 1 and "manifest.json" in text and "Traceback" not in text, text
+
+
+def test_layers_on_a_route_pack_mean_what_they_mean_on_a_checkpoint(capsys, pack):
+    """A layer the pack lacks is a usage error in validate and inspect; inspect shows only the chosen layers, and
+    validate says the selection does not narrow the pack's checks."""
+    for command in ("validate", "inspect"):
+        code, out, err = run_cli(capsys, command, str(pack), "--layers", "9", "--json")
+        assert code == 2 and out == "" and "--layers: [9] not in the source (it has 3-4)" in err, err
+    code, out, _ = run_cli(capsys, "inspect", str(pack), "--layers", "4", "--json")
+    assert code == 0 and [row["layer"] for row in json.loads(out)["route_pack"]["layers"]] == [4]
+    code, out, _ = run_cli(capsys, "validate", str(pack), "--layers", "4", "--json")
+    doc = json.loads(out)
+    assert code == 0 and any("--layers does not narrow" in note for note in doc["notes"]), doc["notes"]
+
+
+def test_route_pack_hashing_reports_its_progress(pack):
+    """The bytes hashed reach the progress callback (the CLI's sha256 bar) as they are read."""
+    from trellis_cli.checkpoint import open_checkpoint
+    from trellis_cli.validate import run_validation
+
+    seen: list[int] = []
+    report = run_validation(open_checkpoint(pack), checksum_progress=seen.append)
+    hashed = sum(p.stat().st_size for p in pack.rglob("*") if p.is_file() and p.name != "manifest.json")
+    assert report.ok and sum(seen) == report.checked["bytes hashed"] == hashed and len(seen) >= 2

@@ -20,8 +20,13 @@ def build_inspect(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str
     if ckpt.dialect == DIALECT_REPACKED:
         from trellis_cli.routepack.verify import describe_repacked
 
-        return {"dialect": DIALECT_REPACKED, "source": _describe_source(ckpt),
-                "route_pack": _as_tr3_terms(describe_repacked(ckpt.source))}
+        pack = _as_tr3_terms(describe_repacked(ckpt.source))
+        if layers is not None:  # as for a checkpoint: every chosen layer must be there, and only those show
+            from trellis_cli.selection import require_present
+
+            require_present(layers, [row["layer"] for row in pack.get("layers", [])])
+            pack["layers"] = [row for row in pack.get("layers", []) if row["layer"] in layers]
+        return {"dialect": DIALECT_REPACKED, "source": _describe_source(ckpt), "route_pack": pack}
     from trellis_cli.selection import require_present
 
     chosen = list(ckpt.layers) if layers is None else require_present(layers, ckpt.layers)

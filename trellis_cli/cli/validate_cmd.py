@@ -89,7 +89,7 @@ def _validate(opened, layers: list[int] | None, deep: bool, download: bool, chec
         return _single(opened, "dialect.unknown", str(e))
     except CheckFailed as e:
         return _single(opened, "checkpoint.unreadable", str(e))
-    if layers is not None and checkpoint.dialect != DIALECT_REPACKED:
+    if layers is not None and checkpoint.dialect != DIALECT_REPACKED:  # a route pack's: run_validation's
         require_present(layers, checkpoint.layers)  # before any download or rule
     if deep or download:
         _fetch_layers(checkpoint, layers, as_json)

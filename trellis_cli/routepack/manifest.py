@@ -91,6 +91,15 @@ def is_route_pack(directory: str | Path) -> bool:
     return isinstance(doc, dict) and doc.get("schema") == SCHEMA
 
 
+def declared_layers(doc: Any) -> list[int]:
+    """The MoE layers a manifest declares (its canonical decimal `layers` keys), for --layers selections."""
+    from trellis_cli.id_ranges import parse_id
+
+    layers = doc.get("layers") if isinstance(doc, dict) else None
+    ids = (parse_id(key) for key in layers) if isinstance(layers, dict) else ()
+    return sorted(i for i in ids if i is not None)
+
+
 def base_document(source: dict[str, Any], geometry: dict[str, Any], tp: int, ranks: list[int], codebook: str,
                   rotation: str) -> dict[str, Any]:
     from trellis_cli import __version__

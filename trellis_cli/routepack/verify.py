@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from trellis_cli.checkpoint.model import MIN_COUNT_LIMIT
 from trellis_cli.errors import CheckFailed, SourceUnavailable
@@ -48,8 +48,10 @@ def repacked_root(source: Any) -> Path:
     return Path(source.root)
 
 
-def verify_repacked(source: Any, *, check_hashes: bool = True) -> Report:
-    """Check schema, file hashes and sizes against the manifest, and every layer file's consistency."""
+def verify_repacked(source: Any, *, check_hashes: bool = True,
+                    progress: Callable[[int], None] | None = None) -> Report:
+    """Check schema, file hashes and sizes against the manifest, and every layer file's consistency.
+    `progress(n)` is called with the bytes hashed as they are read."""
     root = repacked_root(source)
     report = Report(subject=f"route pack {root}")
     try:
@@ -70,7 +72,7 @@ def verify_repacked(source: Any, *, check_hashes: bool = True) -> Report:
     # directory holds is one `count.implausible`, never one finding (or one object) per missing item.
     limit = max(len(on_disk), MIN_COUNT_LIMIT)
     pack = LocalSource(root)
-    _check_files(pack, doc, report, check_hashes, on_disk, limit)
+    _check_files(pack, doc, report, check_hashes, on_disk, limit, progress)
     _check_config(pack, report)
     _check_layer_files(pack, doc, report, limit, len(on_disk))
     return report
@@ -102,14 +104,14 @@ def _implausible(key: str, what: str, count: int, limit: int, present: int) -> F
 
 
 def _check_files(pack: LocalSource, doc: dict[str, Any], report: Report, check_hashes: bool, on_disk: set[str],
-                 limit: int) -> None:
+                 limit: int, progress: Callable[[int], None] | None = None) -> None:
     listed = doc["files"]
     names = sorted(listed)
     if len(listed) > limit:  # only what is there is checked; the rest is this one finding
         report.findings.append(_implausible("files", f"{len(listed)} files listed", len(listed), limit,
                                             len(on_disk)))
         names = [n for n in names if n in on_disk]
-    absent = [n for n in names if not _check_listed_file(pack, n, listed[n], report, check_hashes)]
+    absent = [n for n in names if not _check_listed_file(pack, n, listed[n], report, check_hashes, progress)]
     report.extend(_capped(absent, lambda n: error("repack.missing-file", Location(file=n), "listed in the "
                                                   "manifest but absent"), "files listed in the manifest but absent"))
     unlisted = sorted(rel for rel in on_disk if rel != MANIFEST_NAME and rel not in listed)
@@ -127,7 +129,8 @@ def _capped(items: list, make_one, what: str, where: Location = Location(file=MA
                               f"{what} ({len(items)} in all)")
 
 
-def _check_listed_file(pack: LocalSource, name: str, entry: dict, report: Report, check_hashes: bool) -> bool:
+def _check_listed_file(pack: LocalSource, name: str, entry: dict, report: Report, check_hashes: bool,
+                       progress: Callable[[int], None] | None = None) -> bool:
     """Size and hash of one listed file; False when it is absent (the caller reports those, capped)."""
     path = pack.root / name
     where = Location(file=name)
@@ -143,7 +146,7 @@ def _check_listed_file(pack: LocalSource, name: str, entry: dict, report: Report
                                      entry.get("size"), size))
         return True
     if check_hashes:
-        digest = mf.sha256_file(path)
+        digest = mf.sha256_file(path, progress)
         report.count("bytes hashed", size)
         if digest != entry.get("sha256"):
             report.findings.append(error("repack.hash-mismatch", where, "sha256 differs from the manifest",

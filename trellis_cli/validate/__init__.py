@@ -50,7 +50,7 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
     """
     enforced = engines.enforced_name(engine, checkpoint.dialect)
     if checkpoint.dialect == DIALECT_REPACKED:
-        report = _validate_route_pack(checkpoint, checksums)
+        report = _validate_route_pack(checkpoint, layers, checksum_progress)
         engines.assess(checkpoint, [], report, enforced)
         cap_findings(report)
         return report
@@ -152,15 +152,21 @@ def _run_checksums(ckpt: Checkpoint, report: Report, progress) -> None:
                                        expected=r.expected, found=r.found))
 
 
-def _validate_route_pack(ckpt: Checkpoint, checksums: bool) -> Report:
+def _validate_route_pack(ckpt: Checkpoint, layers: list[int] | None, progress) -> Report:
+    from trellis_cli.routepack.manifest import declared_layers
     from trellis_cli.routepack.verify import verify_repacked
+    from trellis_cli.selection import require_present
 
+    if layers is not None:  # the same meaning as for a checkpoint: naming a layer the pack lacks is a mistake
+        require_present(layers, declared_layers(ckpt.declared.get("manifest")))
     # A route pack's manifest records the sha256 of every file it wrote, and hashing is the only check that
     # sees a flipped byte inside tensor data: always done, --checksums or not (one read of the output).
-    del checksums
-    report = verify_repacked(ckpt.source, check_hashes=True)
+    report = verify_repacked(ckpt.source, check_hashes=True, progress=progress)
     report.context.setdefault("dialect", DIALECT_REPACKED)
     report.notes.append(ROUTE_PACK_NOTE)
+    if layers is not None:
+        report.notes.append("--layers does not narrow a route pack's checks: every file is checked against its "
+                            "manifest")
     return report
 
 
