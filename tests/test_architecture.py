@@ -33,7 +33,6 @@ SIBLINGS = {"validate": "validate", "repack": "repack", "bench": "bench", "kerne
             "inspect_report": "inspect", "inspect_exl3v1": "inspect"}
 ALLOWED_SIBLING_EDGES = {
     ("bench", "kernel"),  # bench runs the fused kernel
-    ("bench", "repack"),  # bench packs a source checkpoint in memory with repack's packer, as a repack would
 }
 # `from trellis_cli import __version__`: the root package's one constant, defined before anything else there.
 VERSION_IMPORT = (ROOT, "__version__")

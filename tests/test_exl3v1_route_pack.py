@@ -99,10 +99,10 @@ def test_read_back_names_a_changed_byte(capsys, tmp_path):
     from trellis_cli.checkpoint import open_checkpoint
     from trellis_cli.errors import CheckFailed
     from trellis_cli.checkpoint.exl3v1 import container, layer_rates
-    from trellis_cli.repack.exl3v1.pack import expert_tiers
+    from trellis_cli.routepack.exl3v1_pack import expert_tiers
     from trellis_cli.repack.exl3v1.pack_readback import check_written
     from trellis_cli.header import read_local_header
-    from trellis_cli.repack.source_bytes import TensorReader
+    from trellis_cli.routepack.source_bytes import TensorReader
 
     source = write_exl3v1_checkpoint(tmp_path / "exl3", SPECS["pair-per-expert"])
     assert main_ok(capsys, "repack", str(source), str(tmp_path / "pack"), "--tp", "2")

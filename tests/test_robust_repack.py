@@ -188,7 +188,7 @@ def test_bad_tp_and_huge_selections_are_usage_errors(capsys, source, tmp_path, a
 
 def test_selection_names_the_missing_ids_without_expanding_the_range():
     from trellis_cli.errors import UsageError
-    from trellis_cli.repack.plan import parse_selection
+    from trellis_cli.routepack.plan import parse_selection
 
     with pytest.raises(UsageError, match=r"--layers: \[5, 6, 7, 8, 9\] not in the source \(it has 3-4\)"):
         parse_selection("3-99999999999", [3, 4], "layers")

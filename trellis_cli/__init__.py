@@ -35,7 +35,7 @@ _EXPORTS = {
     "RepackOptions": "trellis_cli.repack.run",
     "RepackResult": "trellis_cli.repack.result",
     "LayerPack": "trellis_cli.formats.route_pack",
-    "read_layer_pack": "trellis_cli.repack.layer_file",
+    "read_layer_pack": "trellis_cli.routepack.layer_file",
     "FusedMoe": "trellis_cli.kernel.launch",
     "TrellisError": "trellis_cli.errors",
 }
@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from trellis_cli.findings import Finding, Report, Severity
     from trellis_cli.formats.route_pack import LayerPack
     from trellis_cli.kernel.launch import FusedMoe
-    from trellis_cli.repack.layer_file import read_layer_pack
+    from trellis_cli.routepack.layer_file import read_layer_pack
     from trellis_cli.repack.result import RepackResult
     from trellis_cli.repack.run import RepackOptions
     from trellis_cli.sources import Source, open_source

@@ -62,7 +62,7 @@ def _is_route_pack(path: Path) -> bool:
 
 
 def _repacked(path: Path, layer: int | None, rank: int, device: str) -> BenchSource:
-    from trellis_cli.repack.layer_file import read_layer_pack
+    from trellis_cli.routepack.layer_file import read_layer_pack
 
     if layer is None:
         layer = first_repacked_layer(path)
@@ -83,7 +83,7 @@ def first_repacked_layer(path: Path) -> int:
 
 def _checkpoint(source: str, layer: int | None, rank: int, device: str) -> BenchSource:
     from trellis_cli.checkpoint import open_checkpoint
-    from trellis_cli.repack.pack import pack_layer
+    from trellis_cli.routepack.pack import pack_layer
     from trellis_cli.sources import open_source
 
     checkpoint = open_checkpoint(open_source(source))
@@ -94,8 +94,8 @@ def _checkpoint(source: str, layer: int | None, rank: int, device: str) -> Bench
         raise UsageError(f"--layer {chosen}: not a MoE layer of {source} (has {min(checkpoint.layers)}.."
                          f"{max(checkpoint.layers)})")
     if checkpoint.dialect == "exl3-v1":  # one rank of its slot extents
-        from trellis_cli.repack.exl3v1.to_tr3 import default_tp, exl3v1_pack
-        from trellis_cli.repack.pack import to_device
+        from trellis_cli.routepack.exl3v1_pack import default_tp, exl3v1_pack
+        from trellis_cli.routepack.pack import to_device
 
         tp = default_tp(checkpoint)
         pack = to_device(exl3v1_pack(checkpoint, chosen, rank, tp), device)

@@ -2,11 +2,11 @@
 
 `plan_tp_source` runs once, before any rank process starts, and refuses an N the source's slicing cannot give
 (UsageError, exit 2). It reads headers only, plus the hidden-side vectors of the layer when N merges source
-ranks (a merge is exact only when they are byte-equal, repack/plan.py). The plan it returns is small and
+ranks (a merge is exact only when they are byte-equal, routepack/plan.py). The plan it returns is small and
 picklable; each rank process then calls `load_rank_pack` for its own slice and nothing else:
 
 - a TR3 (or plain EXL3) checkpoint: the route-pack builder for that rank, re-slicing when N differs from the
-  checkpoint's TP (repack/pack.py);
+  checkpoint's TP (routepack/pack.py);
 - a route pack: its layer-rank file (its TP is fixed when it is written);
 - exl3-v1: that rank's slot extents;
 - a synthetic preset: that rank's slice drawn at N ranks (bench/synthetic.py).
@@ -64,7 +64,7 @@ def plan_tp_source(source: str | None, *, synthetic: str | None, partition: str 
 
 
 def _plan_synthetic(preset: Preset, parts: tuple[int, ...], tp: int) -> TpPlan:
-    from trellis_cli.repack.plan import rank_pieces
+    from trellis_cli.routepack.plan import rank_pieces
 
     rank_pieces(preset.intermediate * preset.tp, preset.tp, tp, 0)  # the same 128-block rule as a checkpoint
     label = "/".join(str(p) for p in parts)
@@ -104,8 +104,8 @@ def _plan_checkpoint(source: str, layer: int | None, tp: int) -> TpPlan:
         raise UsageError(f"--layer {chosen}: not a MoE layer of {source} (has {min(checkpoint.layers)}.."
                          f"{max(checkpoint.layers)})")
     if checkpoint.dialect == "exl3-v1":
-        from trellis_cli.exl3v1.layout import tp_degrees
-        from trellis_cli.exl3v1.to_tr3 import container
+        from trellis_cli.formats.exl3v1_layout import tp_degrees
+        from trellis_cli.checkpoint.exl3v1 import container
 
         allowed = tp_degrees(container(checkpoint).manifest)
         if tp not in allowed:
@@ -119,9 +119,9 @@ def _plan_checkpoint(source: str, layer: int | None, tp: int) -> TpPlan:
 
 def _check_checkpoint_slicing(checkpoint, layer: int, tp: int) -> None:
     """UsageError unless every target rank is an exact re-slice of the source's ranks."""
-    from trellis_cli.repack.pack import PROJECTIONS, expected_hidden, source_is_shared_h
-    from trellis_cli.repack.plan import rank_pieces
-    from trellis_cli.repack.source_bytes import TensorReader
+    from trellis_cli.routepack.pack import PROJECTIONS, expected_hidden, source_is_shared_h
+    from trellis_cli.routepack.plan import rank_pieces
+    from trellis_cli.routepack.source_bytes import TensorReader
 
     if checkpoint.hidden is None or checkpoint.intermediate is None:
         raise UsageError("the source declares no hidden or intermediate size; it cannot be sliced")
@@ -147,16 +147,16 @@ def load_rank_pack(plan: TpPlan, rank: int, device: torch.device | str, seed: in
         at_tp = dataclasses.replace(preset, intermediate=preset.intermediate * preset.tp // plan.tp, tp=plan.tp)
         return synthetic_pack(at_tp, plan.partition, device=device, seed=seed, rank=rank)
     if plan.kind == "repacked":
-        from trellis_cli.repack.layer_file import read_layer_pack
+        from trellis_cli.routepack.layer_file import read_layer_pack
 
         return read_layer_pack(plan.source, plan.layer, rank, device=str(device))
     checkpoint = _open(plan.source)
     if plan.kind == "exl3-v1":
-        from trellis_cli.exl3v1.to_tr3 import exl3v1_pack
-        from trellis_cli.repack.pack import to_device
+        from trellis_cli.routepack.exl3v1_pack import exl3v1_pack
+        from trellis_cli.routepack.pack import to_device
 
         return to_device(exl3v1_pack(checkpoint, plan.layer, rank, plan.tp), device)
-    from trellis_cli.repack.pack import pack_layer
+    from trellis_cli.routepack.pack import pack_layer
 
     return pack_layer(checkpoint, plan.layer, rank, device=str(device), tp=plan.tp)
 
@@ -168,7 +168,7 @@ def whole_layer_reference(plan: TpPlan, x: torch.Tensor, ids: torch.Tensor, weig
         return None
     checkpoint = _open(plan.source)
     if plan.kind == "exl3-v1":
-        from trellis_cli.exl3v1.to_tr3 import exl3v1_pack
+        from trellis_cli.routepack.exl3v1_pack import exl3v1_pack
 
         return layer_pack_forward(exl3v1_pack(checkpoint, plan.layer, 0, 1), x.cpu(), ids.cpu(),
                                   weights.cpu()).to(x.device)
@@ -178,8 +178,8 @@ def whole_layer_reference(plan: TpPlan, x: torch.Tensor, ids: torch.Tensor, weig
 def _stored_slices_forward(checkpoint, layer: int, x: torch.Tensor, ids: torch.Tensor,
                            weights: torch.Tensor) -> torch.Tensor:
     """Σ over the checkpoint's own ranks of the reference forward of its stored slices (no route pack)."""
-    from trellis_cli.repack.pack import PROJECTIONS, linear_slice, source_is_shared_h, vector_ref
-    from trellis_cli.repack.source_bytes import TensorReader
+    from trellis_cli.routepack.pack import PROJECTIONS, linear_slice, source_is_shared_h, vector_ref
+    from trellis_cli.routepack.source_bytes import TensorReader
 
     moe, shared = checkpoint.layers[layer], source_is_shared_h(checkpoint)
     routed = [e for e in torch.unique(ids).tolist() if e in moe.experts]

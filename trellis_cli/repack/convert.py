@@ -18,9 +18,9 @@ from trellis_cli.formats.route_pack import layer_file_name
 from trellis_cli.header import read_local_header
 from trellis_cli.id_ranges import expand_ranges
 from trellis_cli.repack import carry
-from trellis_cli.repack.layer_file import read_layer_pack
-from trellis_cli.repack.pack import layer_tiers, pack_layer
-from trellis_cli.repack.plan import parse_selection, rank_pieces, resolve_target_tp
+from trellis_cli.routepack.layer_file import read_layer_pack
+from trellis_cli.routepack.pack import layer_tiers, pack_layer
+from trellis_cli.routepack.plan import parse_selection, rank_pieces, resolve_target_tp
 from trellis_cli.repack.source_facts import CONFIG, NOT_COPIED, SourceHashes, has_experts, source_root, vector_ndim
 from trellis_cli.repack.tr3_output import Tr3Output, Tr3Run, assign_shards, fingerprint_options, restored_config
 from trellis_cli.repack.tr3_shard import Tr3Layer

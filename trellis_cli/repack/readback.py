@@ -21,11 +21,11 @@ from trellis_cli.formats.route_pack import (
     DESCRIPTORS, GLOBAL_TO_COMBINED, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE, ROT_UP_SUH, TABLE_NAMES, TIER_K,
     TIER_SIZE, descriptor, tier_trellis_name,
 )
-from trellis_cli.repack.pack import (
+from trellis_cli.routepack.pack import (
     expected_hidden, expected_intermediate, expected_trellis, layer_tiers, linear_slice,
 )
-from trellis_cli.repack.plan import is_identity, rank_pieces
-from trellis_cli.repack.source_bytes import READ_CHUNK, ST_TO_TORCH, Scratch, TensorReader
+from trellis_cli.routepack.plan import is_identity, rank_pieces
+from trellis_cli.routepack.source_bytes import READ_CHUNK, ST_TO_TORCH, Scratch, TensorReader
 
 if TYPE_CHECKING:
     import torch

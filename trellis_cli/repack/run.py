@@ -24,13 +24,13 @@ from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.formats.route_pack import MANIFEST_NAME
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.repack import carry
-from trellis_cli.repack.layer_file import sync_file, write_layer_pack
+from trellis_cli.routepack.layer_file import sync_file, write_layer_pack
 from trellis_cli.repack.lock import StageLock
-from trellis_cli.repack.pack import Arena, layer_tiers, pack_layer
-from trellis_cli.repack.plan import RepackPlan, make_plan
+from trellis_cli.routepack.pack import Arena, layer_tiers, pack_layer
+from trellis_cli.routepack.plan import RepackPlan, make_plan
 from trellis_cli.repack.readback import check_layer_file
 from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult, Validator, check_source, repack_note
-from trellis_cli.repack.source_bytes import TensorReader
+from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.repack.source_facts import (CONFIG, NOT_COPIED, SourceHashes, fingerprint, has_experts, source_root,
                                              used_source_files, vector_ndim)
 from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_collisions, stage_path

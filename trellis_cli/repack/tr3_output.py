@@ -28,7 +28,7 @@ from trellis_cli.repack import carry
 from trellis_cli.routepack import manifest as mf
 from trellis_cli.repack.lock import StageLock
 from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult
-from trellis_cli.repack.source_bytes import TensorReader
+from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_collisions, stage_path
 from trellis_cli.repack.tr3_shard import check_tr3_shard, write_tr3_shard
 

@@ -21,7 +21,7 @@ from trellis_cli.formats.route_pack import LayerPack, split_descriptor
 from trellis_cli.header import HeaderError, read_local_header
 from trellis_cli.repack import carry
 from trellis_cli.repack.readback import same_bits
-from trellis_cli.repack.source_bytes import TensorReader
+from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.sources import LocalSource
 from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter
 

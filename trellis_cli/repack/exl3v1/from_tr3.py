@@ -18,20 +18,19 @@ from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.checkpoint.exl3v1 import HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS, Exl3Layer
 from trellis_cli.formats.exl3v1_layout import LayerRates, slot_channels
-from trellis_cli.repack.exl3v1.pack import pack_rows, read_extent_pack
+from trellis_cli.routepack.exl3v1_pack import NOTE_KEY, pack_rows, read_extent_pack
 from trellis_cli.formats.exl3v1_schema import (MANIFEST_FILE, PER_EXPERT_PAIR, SLOT_CHANNELS, SLOTS_PER_PAIR, UNIFORM,
                                        LayerEntry, Manifest)
 from trellis_cli.exl3v1.write import layer_file_name, row_stride, write_layer, write_manifest
-from trellis_cli.repack.pack import HIDDEN_SIDE, expected_hidden, expected_intermediate, layer_tiers, pack_layer
-from trellis_cli.repack.plan import parse_selection, rank_pieces
+from trellis_cli.routepack.pack import HIDDEN_SIDE, expected_hidden, expected_intermediate, layer_tiers, pack_layer
+from trellis_cli.routepack.plan import parse_selection, rank_pieces
 from trellis_cli.repack.readback import same_bits
 from trellis_cli.repack.result import RepackResult, Validator
 from trellis_cli.repack.source_facts import SourceHashes, source_root, vector_ndim
-from trellis_cli.repack.source_bytes import TensorReader
+from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.repack.lock import StageLock
 from trellis_cli.repack.staging import Stage, check_free_space, check_target, stage_path
 
-NOTE_KEY = "trellis_exl3v1"  # in the carried config.json: what restoring the TR3 layout needs
 PAIR_K = (2, 3, 4)
 
 

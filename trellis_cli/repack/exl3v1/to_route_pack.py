@@ -1,7 +1,7 @@
 """`trellis repack EXL3 PACK` (`--to route-pack`): an exl3-v1 checkpoint -> a verified route-pack directory.
 
 One (layer, rank) at a time, in order: the rank's slot extent is gathered into a LayerPack (pack.py, what
-bench runs), written by the route pack's own writer (repack/layer_file.py), then read back (pack_readback.py)
+bench runs), written by the route pack's own writer (routepack/layer_file.py), then read back (pack_readback.py)
 and compared with the source's bytes. Memory: one layer-rank. Any `--tp` the slot layout allows (default as
 for `--to tr3`); `--layers` and `--ranks` select. config.json, tier_bitmap.json and the carried files are the
 ones `--to tr3` writes (to_tr3.tr3_form) plus the route-pack note, and each layer entry names the TR3 shard it
@@ -21,18 +21,19 @@ from typing import Any
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.checkpoint.exl3v1 import container
-from trellis_cli.repack.exl3v1.pack import check_convertible, expert_tiers
+from trellis_cli.routepack.exl3v1_pack import check_convertible, expert_tiers
 from trellis_cli.repack.exl3v1.pack_readback import check_written
-from trellis_cli.repack.exl3v1.to_tr3 import checked_rates, default_tp, exl3v1_pack, tr3_form
+from trellis_cli.repack.exl3v1.to_tr3 import tr3_form
+from trellis_cli.routepack.exl3v1_pack import checked_rates, default_tp, exl3v1_pack
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.routepack import manifest as mf
 from trellis_cli.formats.route_pack import MANIFEST_NAME, layer_file_name, tier_trellis_shape
-from trellis_cli.repack.layer_file import sync_file, write_layer_pack
-from trellis_cli.repack.plan import LayerRankJob, parse_selection
+from trellis_cli.routepack.layer_file import sync_file, write_layer_pack
+from trellis_cli.routepack.plan import LayerRankJob, parse_selection
 from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult, Validator, check_source, repack_note
 from trellis_cli.repack.source_facts import SourceHashes, fingerprint, source_root, source_sha256
 from trellis_cli.repack.lock import StageLock
-from trellis_cli.repack.source_bytes import TensorReader
+from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_collisions, stage_path
 
 CONFIG = "config.json"

@@ -16,50 +16,15 @@ from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import shard_name
-from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.checkpoint.exl3v1 import container, layer_rates
-from trellis_cli.repack.exl3v1.from_tr3 import NOTE_KEY
-from trellis_cli.formats.exl3v1_layout import LayerRates, tp_degrees
-from trellis_cli.repack.exl3v1.pack import check_convertible, expert_tiers, read_extent_pack
-from trellis_cli.formats.route_pack import LayerPack
-from trellis_cli.repack.plan import parse_selection
+from trellis_cli.errors import UsageError
+from trellis_cli.checkpoint.exl3v1 import container
+from trellis_cli.routepack.exl3v1_pack import (NOTE_KEY, check_convertible, checked_rates, default_tp, expert_tiers,
+                                               exl3v1_pack)
+from trellis_cli.routepack.plan import parse_selection
 from trellis_cli.repack.result import Validator, check_source
 from trellis_cli.repack.source_facts import SourceHashes, source_root
-from trellis_cli.repack.source_bytes import TensorReader
 from trellis_cli.repack.tr3_output import Tr3Output, Tr3Run, assign_shards, fingerprint_options, restored_config
 from trellis_cli.repack.tr3_shard import Tr3Layer
-
-DEFAULT_MAX_TP = 4
-
-
-def exl3v1_pack(ck: Checkpoint, layer: int, rank: int, tp: int, reader: TensorReader | None = None) -> LayerPack:
-    """One (layer, rank) of an exl3-v1 checkpoint in the route-pack layout (what bench and repack run)."""
-    box = container(ck)
-    if box.manifest is None or layer not in box.layers or not box.layers[layer].readable:
-        raise CheckFailed(f"layer {layer}: not readable in this exl3-v1 checkpoint (run `trellis validate`)")
-    rates = checked_rates(ck, layer)
-    if not 0 <= rank < tp:
-        raise UsageError(f"rank {rank} is outside 0..{tp - 1}")
-    if reader is not None:
-        return read_extent_pack(box.manifest, box.layers[layer], rates, reader, tp, rank)
-    with TensorReader(ck.source) as own:
-        return read_extent_pack(box.manifest, box.layers[layer], rates, own, tp, rank)
-
-
-def checked_rates(ck: Checkpoint, layer: int) -> LayerRates:
-    rates = layer_rates(ck, layer)
-    if rates is None:
-        raise CheckFailed(f"layer {layer}: the rate tables cannot be read (run `trellis validate`)")
-    return rates
-
-
-def default_tp(ck: Checkpoint) -> int:
-    note = ck.config.get(NOTE_KEY) if isinstance(ck.config, dict) else None
-    allowed = tp_degrees(container(ck).manifest)
-    if isinstance(note, dict) and note.get("tp") in allowed:
-        return note["tp"]
-    return max((tp for tp in allowed if tp <= DEFAULT_MAX_TP), default=1)
-
 
 @dataclass
 class Tr3Form:

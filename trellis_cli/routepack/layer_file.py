@@ -14,7 +14,7 @@ from trellis_cli.formats.route_pack import (
     DESCRIPTORS, GLOBAL_TO_COMBINED, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE, ROT_UP_SUH, SCHEMA,
     SCHEMA_VERSION, TIER_K, TIER_SIZE, LayerPack, layer_file_name, tier_trellis_name,
 )
-from trellis_cli.repack.source_bytes import byte_view
+from trellis_cli.routepack.source_bytes import byte_view
 from trellis_cli.stwriter import encode_header, planned
 
 WRITE_CHUNK = 1 << 20

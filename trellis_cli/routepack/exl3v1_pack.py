@@ -11,16 +11,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.checkpoint.exl3v1 import CODES, HIDDEN_TABLES, ROTATIONS, Exl3Layer
+from trellis_cli.checkpoint.exl3v1 import CODES, HIDDEN_TABLES, ROTATIONS, Exl3Layer, container, layer_rates
+from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.formats.exl3v1_layout import (LayerRates, expert_offsets, plane_span, rank_extent, slot_channels,
-                                       slot_tiles, tp_problem)
+                                       slot_tiles, tp_degrees, tp_problem)
 from trellis_cli.formats.exl3v1_schema import SLOT_CHANNELS, Manifest
 from trellis_cli.formats.route_pack import MAX_TIER_EXPERTS, LayerPack, descriptor, split_descriptor, tier_trellis_shape
 
 if TYPE_CHECKING:
     import torch
 
-    from trellis_cli.repack.source_bytes import TensorReader
+    from trellis_cli.routepack.source_bytes import TensorReader
 
 
 def expert_tiers(m: Manifest, rates: LayerRates, layer: int) -> list[tuple[int, list[int]]]:
@@ -151,3 +152,38 @@ def pack_rotations(m: Manifest, pack: LayerPack, out: "torch.Tensor") -> None:
     vectors = pack.rot_intermediate[combined][:, :, channels]  # [E, 3, count*32] in slot order
     first = pack.rank * count
     out[first:first + count] = vectors.reshape(m.num_experts, 3, count, SLOT_CHANNELS).permute(2, 0, 1, 3)
+
+
+# ---- one (layer, rank) of an exl3-v1 checkpoint as a LayerPack: what bench runs and repack writes ---------
+
+NOTE_KEY = "trellis_exl3v1"  # in a carried config.json: what restoring the TR3 layout needs
+DEFAULT_MAX_TP = 4
+
+
+def exl3v1_pack(ck: Checkpoint, layer: int, rank: int, tp: int, reader: TensorReader | None = None) -> LayerPack:
+    """One (layer, rank) of an exl3-v1 checkpoint in the route-pack layout (what bench and repack run)."""
+    box = container(ck)
+    if box.manifest is None or layer not in box.layers or not box.layers[layer].readable:
+        raise CheckFailed(f"layer {layer}: not readable in this exl3-v1 checkpoint (run `trellis validate`)")
+    rates = checked_rates(ck, layer)
+    if not 0 <= rank < tp:
+        raise UsageError(f"rank {rank} is outside 0..{tp - 1}")
+    if reader is not None:
+        return read_extent_pack(box.manifest, box.layers[layer], rates, reader, tp, rank)
+    with TensorReader(ck.source) as own:
+        return read_extent_pack(box.manifest, box.layers[layer], rates, own, tp, rank)
+
+
+def checked_rates(ck: Checkpoint, layer: int) -> LayerRates:
+    rates = layer_rates(ck, layer)
+    if rates is None:
+        raise CheckFailed(f"layer {layer}: the rate tables cannot be read (run `trellis validate`)")
+    return rates
+
+
+def default_tp(ck: Checkpoint) -> int:
+    note = ck.config.get(NOTE_KEY) if isinstance(ck.config, dict) else None
+    allowed = tp_degrees(container(ck).manifest)
+    if isinstance(note, dict) and note.get("tp") in allowed:
+        return note["tp"]
+    return max((tp for tp in allowed if tp <= DEFAULT_MAX_TP), default=1)

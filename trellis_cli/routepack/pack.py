@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from trellis_cli.checkpoint.model import DIALECT_TR3_SHARED_H, PROJECTIONS, Checkpoint, LinearRef, MoeLayer
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.formats.route_pack import MAX_TIER_EXPERTS, LayerPack, descriptor, tier_trellis_shape
-from trellis_cli.repack.plan import Piece, is_identity, rank_pieces, resolve_target_tp
-from trellis_cli.repack.source_bytes import TensorReader
+from trellis_cli.routepack.plan import Piece, is_identity, rank_pieces, resolve_target_tp
+from trellis_cli.routepack.source_bytes import TensorReader
 
 if TYPE_CHECKING:
     import torch
