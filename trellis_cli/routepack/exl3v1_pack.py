@@ -17,11 +17,10 @@ from trellis_cli.formats.exl3v1_layout import (LayerRates, expert_offsets, plane
                                        slot_tiles, tp_degrees, tp_problem)
 from trellis_cli.formats.exl3v1_schema import SLOT_CHANNELS, Manifest
 from trellis_cli.formats.route_pack import MAX_TIER_EXPERTS, LayerPack, descriptor, split_descriptor, tier_trellis_shape
+from trellis_cli.routepack.source_bytes import TensorReader
 
 if TYPE_CHECKING:
     import torch
-
-    from trellis_cli.routepack.source_bytes import TensorReader
 
 
 def expert_tiers(m: Manifest, rates: LayerRates, layer: int) -> list[tuple[int, list[int]]]:
