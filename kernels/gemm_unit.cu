@@ -27,7 +27,7 @@ namespace trellis {
 // leave kFc2SpanWaves waves of CTAs on the GPU, counting the tiles that uniform routing would fill (the
 // tile capacity is far above them at small M); 1 in direct mode (one wave). A span needs I/128 to be a power
 // of two and a multiple of the ring's stages. Only the launch shape depends on it, never a result.
-// docs/performance.md, runs 99-107: 4 blocks per CTA saved 1-3 % of the call at M = 64-256.
+// 4 blocks per CTA saved 1-3 % of the call at M = 64-256.
 inline constexpr int kFc2SpanWaves = 4, kFc2MaxSpan = 4;  // inline: no unused warning in units without fc2_span
 template <int R, bool FAST>
 int fc2_span(const TrellisMoeArgs& a, void (*kernel)(TrellisMoeArgs)) {

@@ -100,8 +100,9 @@ bool device_has_pdl() {
 
 // Dynamic shared memory for a launch of `blocks` CTAs that fits on the GPU in one wave: enough that no SM
 // takes more than ceil(blocks / SMs) of them. The block scheduler otherwise fills some SMs to the
-// kernel's limit while others get fewer, and the call waits for the fullest SM (FC2 at M=1: 384 CTAs
-// at up to 4 per SM, docs/performance.md runs 73 and 76). Returns `smem` when it cannot or need not help.
+// kernel's limit while others get fewer, and the call waits for the fullest SM (FC2 at M=1: 384 CTAs put 4
+// on some SMs, which ended last; at most 3 per SM moved FC2's end from 37.3 to 34.1 us). Returns `smem` when
+// it cannot or need not help.
 int even_wave_smem(void (*kernel)(TrellisMoeArgs), int blocks, int threads, int smem) {
   SmLimits l;
   if (!sm_limits(l) || blocks > (l.threads / threads) * l.sms) return smem;  // no occupancy query for large grids
@@ -117,7 +118,7 @@ int even_wave_smem(void (*kernel)(TrellisMoeArgs), int blocks, int threads, int 
 // FC1's cut (fc1_split.cuh): the tail is the items of half a wave of the CTAs that fit at once (of the
 // plan's k_split ranges each), in whole tiles, cut as the plan allows where two or more CTAs share an SM
 // (small and mid tiles, the narrow wgmma kernels). A kernel of one CTA per SM pays each piece's pipeline
-// fill alone: the wide wgmma kernels cut in 2 took 2 % longer at M=512 (docs/performance.md, run 91).
+// fill alone: the wide wgmma kernels cut in 2 took 2 % longer at M=512.
 trellis::Fc1Pieces fc1_pieces(const TrellisMoeArgs& a, void (*kernel)(TrellisMoeArgs, trellis::Fc1Pieces),
                               int threads, int smem) {
   const int per_tile = trellis::fc1_items_per_tile(a);

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from trellis_cli.codec import effective_weight
 from trellis_cli.errors import CheckFailed
+from trellis_cli.formats.route_pack import split_descriptor
 
 if TYPE_CHECKING:
     from trellis_cli.formats.route_pack import LayerPack
@@ -105,7 +106,7 @@ def moe_forward(
 def pack_expert(pack: "LayerPack", combined_id: int) -> Expert:
     """The (gate, up, down) triples of one expert of a route pack, as views of the pack's tensors."""
     descriptor = int(pack.descriptors[combined_id])
-    tier, local = descriptor >> 8, descriptor & 0xFF
+    tier, local = split_descriptor(descriptor)
     hidden_tiles, inter_tiles = pack.hidden // 16, pack.intermediate // 16
     trellis = pack.tier_trellis[tier][local]
     words = int(trellis.shape[-1])

@@ -23,7 +23,7 @@ from trellis_cli.bench.synthetic import (Preset, get_preset, parse_partition, ra
 from trellis_cli.bench.throughput import (TOP_K, WeightPool, capture_graph, copies_needed, device_facts,
                                           time_interleaved, touched)
 from trellis_cli.errors import UsageError
-from trellis_cli.formats.route_pack import LayerPack
+from trellis_cli.formats.route_pack import LayerPack, split_descriptor
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def tier_split(pack: LayerPack, topk_ids: torch.Tensor) -> list[int]:
     ids = ids[(ids >= 0) & (ids < g2c.numel())]
     combined = torch.unique(g2c[ids])
     combined = combined[combined >= 0].long()
-    tiers = pack.descriptors.to(combined.device)[combined] >> 8
+    tiers = split_descriptor(pack.descriptors.to(combined.device)[combined])[0]
     return torch.bincount(tiers, minlength=len(pack.tier_k)).tolist()
 
 

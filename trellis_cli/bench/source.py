@@ -6,13 +6,12 @@ repacked in memory for the one (layer, rank) asked for. Without --layer the firs
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from trellis_cli.bench.synthetic import Preset, get_preset, parse_partition, synthetic_pack
 from trellis_cli.errors import SourceUnavailable, UsageError
-from trellis_cli.formats.route_pack import LayerPack
+from trellis_cli.formats.route_pack import MANIFEST_NAME, LayerPack
 
 
 @dataclass
@@ -71,11 +70,14 @@ def _repacked(path: Path, layer: int | None, rank: int, device: str) -> BenchSou
 
 
 def first_repacked_layer(path: Path) -> int:
-    try:
-        doc = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
-        layers = sorted(int(k) for k in doc.get("layers", {}))
-    except (OSError, ValueError, TypeError) as err:
-        raise SourceUnavailable(f"{path}/manifest.json: cannot read its layer list ({err})") from None
+    from trellis_cli.errors import CheckFailed
+    from trellis_cli.routepack.manifest import declared_layers, read_manifest
+
+    try:  # the guarded reader: size, depth and Unicode limits, as for every checkpoint JSON
+        doc, _ = read_manifest(path)
+    except CheckFailed as err:
+        raise SourceUnavailable(f"{path}/{MANIFEST_NAME}: cannot read its layer list ({err})") from None
+    layers = declared_layers(doc)
     if not layers:
         raise SourceUnavailable(f"{path}: the route pack lists no layers")
     return layers[0]

@@ -23,10 +23,10 @@ from trellis_cli.checkpoint.model import (
     DIALECT_TR3_SHARED_H,
 )
 from trellis_cli.errors import UnknownDialect
+from trellis_cli.formats.route_pack import MANIFEST_NAME as ROUTE_PACK_MANIFEST
 
 TR3_FORMAT = "exl3-trellis"
 ROTATION_LAYOUTS = {"per_expert_v1": DIALECT_TR3_PER_EXPERT, "shared_h_v1": DIALECT_TR3_SHARED_H}
-MANIFEST = "manifest.json"
 CONFIG = "config.json"
 QUANT_CONFIG = "quantization_config.json"
 EXL3V1_MANIFEST = "exl3-manifest.json"  # where b12x's reader looks; config.json may name another
@@ -48,9 +48,9 @@ def route_pack_info(files: dict[str, int], read_json: Callable[[str], Any]) -> D
     Decided before config.json is read: a pack's config.json is one of its hashed files, so a damaged one is
     the route-pack verifier's finding, not a reason to stop.
     """
-    if MANIFEST not in files:
+    if ROUTE_PACK_MANIFEST not in files:
         return None
-    manifest = read_json(MANIFEST)
+    manifest = read_json(ROUTE_PACK_MANIFEST)
     if isinstance(manifest, dict) and manifest.get("schema") == DIALECT_REPACKED:
         return DialectInfo(DIALECT_REPACKED, "n/a", _positive_int(manifest.get("tp")) or 1,
                            manifest.get("codebook"), {"manifest": manifest})

@@ -172,8 +172,10 @@ def _tier_view(pack, tier: int):
     """The pack with every expert outside `tier` unmapped (served by nobody: contributes zero)."""
     import torch
 
+    from trellis_cli.formats.route_pack import split_descriptor
+
     g2c = pack.global_to_combined
-    tiers = torch.where(g2c >= 0, pack.descriptors[g2c.clamp(min=0).long()] >> 8, -1)
+    tiers = torch.where(g2c >= 0, split_descriptor(pack.descriptors[g2c.clamp(min=0).long()])[0], -1)
     return dataclasses.replace(pack, global_to_combined=torch.where(tiers == tier, g2c, -1).to(torch.int32))
 
 

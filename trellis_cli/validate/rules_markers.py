@@ -13,10 +13,12 @@ import os
 from collections import defaultdict
 from typing import Iterable, Iterator
 
-from trellis_cli.checkpoint.model import MCG_MARKER, MUL1_MARKER, Checkpoint, TensorRef
+from trellis_cli.checkpoint.model import Checkpoint, TensorRef
+from trellis_cli.codebooks import MARKERS
 from trellis_cli.findings import Finding, Location, Severity, error
 
-MARKER_VALUES = {"mcg": MCG_MARKER, "mul1": MUL1_MARKER}
+# marker tensor suffix -> the int32 it must hold (codebooks.py: the codebooks that have a marker)
+MARKER_VALUES = {marker[0]: marker[1] for marker in MARKERS.values() if marker is not None}
 MARKER_BYTES = 4
 SPAN_GAP = 64 * 1024  # markers closer than this are read in one span
 SPAN_MAX = 4 * 1024 * 1024  # but no span longer than this (bounded memory)

@@ -21,6 +21,8 @@ from trellis_cli.checkpoint.model import (
     MoeLayer,
 )
 from trellis_cli.checkpoint.names import H_SIDE
+from trellis_cli.codebooks import MARKERS
+from trellis_cli.codebooks import NAMES as CODEBOOK_NAMES
 from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, error_summary, missing_ids, warning
 
 TR3_DIALECTS = (DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H)
@@ -194,7 +196,7 @@ def _check_markers(ctx: LayerContext, lin: LinearRef, at) -> Iterator[Finding]:
             yield error("marker.dtype", at(ref.name), "codebook marker must be a 0-dim int32",
                         expected="I32 []", found=f"{ref.dtype} {list(ref.shape)}")
     declared = ctx.codebook
-    if declared in ("mcg", "mul1", "3inst") and not (lin.mcg is not None and lin.mul1 is not None):
+    if declared in CODEBOOK_NAMES and not (lin.mcg is not None and lin.mul1 is not None):
         if lin.codebook != declared:
             code = "marker.missing" if lin.codebook == "3inst" else "marker.codebook"
             yield error(code, at(lin.prefix), "codebook marker does not match the declared codebook",
@@ -266,7 +268,7 @@ def expected_tensor_count(ctx: LayerContext) -> int | None:
     """Per layer: E*3*tp*(3 + marker), with the H-side vectors moved to 3*tp shared rows under shared_h_v1."""
     if ctx.experts is None:
         return None
-    per_linear = 3 + (1 if ctx.codebook in ("mcg", "mul1") else 0)
+    per_linear = 3 + (1 if MARKERS.get(ctx.codebook) is not None else 0)
     linears = ctx.experts * 3 * ctx.tp
     if ctx.shared:
         return linears * (per_linear - 1) + 3 * ctx.tp
