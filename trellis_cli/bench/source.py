@@ -69,6 +69,17 @@ def _repacked(path: Path, layer: int | None, rank: int, device: str) -> BenchSou
     return BenchSource(f"repacked {path} layer {layer} rank {rank}", pack, "repacked")
 
 
+def chosen_layer(checkpoint, source: str, layer: int | None) -> int:
+    """`--layer`, or the first MoE layer: a layer the checkpoint lacks is a usage error."""
+    if not checkpoint.layers:
+        raise SourceUnavailable(f"{source}: no MoE layers with trellis experts found")
+    chosen = min(checkpoint.layers) if layer is None else layer
+    if chosen not in checkpoint.layers:
+        raise UsageError(f"--layer {chosen}: not a MoE layer of {source} (has {min(checkpoint.layers)}.."
+                         f"{max(checkpoint.layers)})")
+    return chosen
+
+
 def first_repacked_layer(path: Path) -> int:
     from trellis_cli.errors import CheckFailed
     from trellis_cli.routepack.manifest import declared_layers, read_manifest
@@ -89,12 +100,7 @@ def _checkpoint(source: str, layer: int | None, rank: int, device: str) -> Bench
     from trellis_cli.sources import open_source
 
     checkpoint = open_checkpoint(open_source(source))
-    if not checkpoint.layers:
-        raise SourceUnavailable(f"{source}: no MoE layers with trellis experts found")
-    chosen = min(checkpoint.layers) if layer is None else layer
-    if chosen not in checkpoint.layers:
-        raise UsageError(f"--layer {chosen}: not a MoE layer of {source} (has {min(checkpoint.layers)}.."
-                         f"{max(checkpoint.layers)})")
+    chosen = chosen_layer(checkpoint, source, layer)
     if checkpoint.dialect == "exl3-v1":  # one rank of its slot extents
         from trellis_cli.routepack.exl3v1_pack import default_tp, exl3v1_pack
         from trellis_cli.routepack.pack import to_device

@@ -94,15 +94,10 @@ def _open(source: str):
 
 
 def _plan_checkpoint(source: str, layer: int | None, tp: int) -> TpPlan:
-    from trellis_cli.errors import SourceUnavailable
+    from trellis_cli.bench.source import chosen_layer
 
     checkpoint = _open(source)
-    if not checkpoint.layers:
-        raise SourceUnavailable(f"{source}: no MoE layers with trellis experts found")
-    chosen = min(checkpoint.layers) if layer is None else layer
-    if chosen not in checkpoint.layers:
-        raise UsageError(f"--layer {chosen}: not a MoE layer of {source} (has {min(checkpoint.layers)}.."
-                         f"{max(checkpoint.layers)})")
+    chosen = chosen_layer(checkpoint, source, layer)
     if checkpoint.dialect == "exl3-v1":
         from trellis_cli.formats.exl3v1_layout import tp_degrees
         from trellis_cli.checkpoint.exl3v1 import container
