@@ -81,10 +81,10 @@ def to_r7(root: Path) -> Path:
     return root
 
 
-def all_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every *.safetensors file directly in `directory`, by name."""
+def all_tensors(directory: Path, *, nested: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of every *.safetensors file in `directory` (and its subfolders with `nested`), by name."""
     out = {}
-    for path in sorted(directory.glob("*.safetensors")):
+    for path in sorted(directory.rglob("*.safetensors") if nested else directory.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             out.update({name: f.get_tensor(name) for name in f.keys()})
     return out

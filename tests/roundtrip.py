@@ -19,6 +19,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from trellis_cli.integrity import CHECKSUM_MANIFEST, write_manifest
+from helpers import all_tensors
 from helpers import write_tensors as write_file
 
 INDEX = "model.safetensors.index.json"
@@ -69,23 +70,13 @@ def non_expert_tensors(hidden: int, vocab: int = 64) -> dict[str, torch.Tensor]:
             "model.norm.weight": torch.ones(hidden, dtype=torch.float16)}
 
 
-def _all_tensors(root: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out = {}
-    for path in sorted(root.rglob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            out.update({name: f.get_tensor(name) for name in f.keys()})
-    return out
-
-
 def relayout(source: Path, target: Path, place: Callable[[str], str],
              extra: dict[str, torch.Tensor] | None = None) -> Path:
     """A copy of `source` whose tensors (and `extra`) lie in the shard `place(name)` names, in source order."""
     target.mkdir(parents=True)
     for name in ("config.json", "tier_bitmap.json"):
         shutil.copyfile(source / name, target / name)
-    tensors = {**_all_tensors(source), **(extra or {})}
+    tensors = {**all_tensors(source, nested=True), **(extra or {})}
     shards: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         shards.setdefault(place(name), {})[name] = tensor
