@@ -222,8 +222,9 @@ extern "C" int trellis_moe_forward(const TrellisMoeArgs* args, void* stream_hand
   const GemmKernelsFor gemm_kernels =
       g_gemm_kernels[a.codebook][tile_family(a)][only_k3_k4(a) ? kOnlyK3K4 : kAllK];
   if (gemm_kernels == nullptr) {
-    snprintf(g_error, sizeof(g_error), "this kernel library was linked without the %s codebook's kernels for "
-             "these tiles (trellis_cli/kernel/build.py builds one library per codebook)", kCodebookNames[a.codebook]);
+    snprintf(g_error, sizeof(g_error), "this kernel library was linked without the %s codebook's %s kernels for "
+             "these tiles (trellis_cli/kernel/build.py builds one library per codebook and kernel set)",
+             kCodebookNames[a.codebook], only_k3_k4(a) ? "K3/K4" : "all-K");
     return -1;
   }
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);

@@ -53,7 +53,10 @@ def test_smoke_on_the_bundled_samples(capsys, variant, shared):
     assert any("M=3072" in c["case"] for c in doc["checks"])
 
 
-REUSED_RUNNERS = """
+GRAPHS_ACROSS_M = """
+import gc
+import weakref
+
 import torch
 from trellis_cli.bench.mixed_gap import gap_layers, plan_mixed_gap
 from trellis_cli.bench.synthetic import random_activations, random_routes
@@ -67,25 +70,32 @@ l2_bytes, _ = device_facts(pools[0].runners[0].device, lambda _s: None)
 for m in (1, 3072):
     x = random_activations(m, 6144, device="cuda", seed=m)
     ids, weights = random_routes(m, 256, 8, device="cuda", seed=m + 1)
-    graphs = []
+    graphs, outputs, expected = [], [], []
     for pool in pools:
         runners = pool.take(copies_needed(touched(pool.runners[0].pack, ids)["bytes"], l2_bytes, True))
-        outs = [torch.empty((m, 6144), device="cuda") for _ in runners]
+        outs = [torch.empty((m, 6144), device="cuda") for _ in runners]  # rebound per layer, as the bench does
         graphs += [capture_graph(lambda r=r, o=o: r.forward(x, ids, weights, out=o), r.device)
                    for r, o in zip(runners, outs)]
+        expected += [r.forward(x, ids, weights).cpu() for r in runners]
+        outputs += [weakref.ref(o) for o in outs]
+    del outs
+    gc.collect()
+    assert all(ref() is not None for ref in outputs), "a captured graph's output was freed"
     for graph in graphs:
         graph.replay()
     torch.cuda.synchronize()
+    for i, (ref, want) in enumerate(zip(outputs, expected)):
+        assert torch.equal(ref().cpu(), want), f"M={m}: graph {i}'s output differs from its eager call"
 """
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="open defect: runners reused across M under CUDA graphs beside other layers' runners "
-                          "fault with an illegal address (H200, M=3072 after M=1); --mixed-gap builds fresh "
-                          "runners per M until the cause is found", strict=False)
-def test_runners_reused_across_m_in_graphs_beside_other_layers():
-    """The pattern that faulted: three layers' cold copies captured at M=1, then again at M=3072. In a child
-    process, since an illegal address poisons the CUDA context of the process it happens in."""
+def test_graphs_of_many_layers_across_m_keep_their_tensors():
+    """Three layers' cold copies captured at M=1, then again at M=3072, each layer's outputs rebound as the
+    bench rebinds them: every graph must keep its output alive and replay to its eager result. (When the
+    graphs did not hold their outputs, the freed memory went to other tensors while the replays still wrote
+    there, and a replay faulted with an illegal address.) In a child process, since an illegal address
+    poisons the CUDA context of the process it happens in."""
     import os
     import subprocess
     import sys
@@ -93,6 +103,6 @@ def test_runners_reused_across_m_in_graphs_beside_other_layers():
 
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, "-c", REUSED_RUNNERS], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", GRAPHS_ACROSS_M], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -82,6 +82,31 @@ def test_units_per_codebook_family_and_k_set():
     assert "-DTRELLIS_UNIT_CODEBOOK=2" in build.library_units("sm_90", "mul1")[1].defines
 
 
+def test_a_k3k4_library_holds_only_the_k3k4_units_and_is_named_apart():
+    fast = build.library_units("sm_90", "mcg", kernels="k3k4")
+    assert [u.name for u in fast] == ["host"] + [f"mcg-{f}-k3k4" for f in build.TILE_FAMILIES]
+    assert set(fast) < set(build.library_units("sm_90", "mcg"))  # the same objects: one cache serves both
+    link = build.build_commands("sm_90", "mcg", kernels="k3k4")[-1]
+    assert link[-len(fast):] == [f"{u.name}.o" for u in fast] and "trellis_moe_k3k4-sm_90-mcg.so" in link
+    assert build.kernels_for([3, 4]) == build.kernels_for([4]) == "k3k4"
+    assert build.kernels_for([3, 2]) == build.kernels_for([8]) == "all"
+
+
+def test_spare_cores_go_to_the_longest_units_as_compiler_threads():
+    units = build.library_units("sm_90", "mcg")
+    threads = build.unit_threads(units, 16)
+    longest = max(units, key=lambda u: u.seconds)
+    assert threads[longest] == build.MAX_UNIT_THREADS
+    assert {n for u, n in threads.items() if u.kind.endswith("k3k4") and u != longest} == {1}
+    assert set(build.unit_threads(units, 2).values()) == {1}  # a full library on 2 cores: one thread each
+    fast = build.library_units("sm_90", "mcg", kernels="k3k4")  # there the K3/K4 wgmma unit is most of it
+    assert {u.kind: n for u, n in build.unit_threads(fast, 2).items() if n > 1} == {"wgmma-k3k4": 2}
+    command = build.compile_command("nvcc", "sm_90", longest, build.kernel_source_dir(), Path("x.o"), threads=4)
+    assert "-split-compile=4" in command
+    # the threads do not change the code: the object's hash is the same however many a build gives it
+    assert "-split-compile" not in " ".join(build.build_commands("sm_90")[0])
+
+
 def test_a_change_rehashes_only_the_units_that_include_it(tmp_path: Path):
     sources = tmp_path / "kernels"
     shutil.copytree(build.kernel_source_dir(), sources)
@@ -311,5 +336,31 @@ def test_a_library_without_the_layers_codebook_refuses_it():
     unnamed = FusedMoe(pack, load_library(mcg.path))
     x = torch.zeros(2, 512, dtype=torch.float16, device="cuda")
     ids = torch.zeros(2, 4, dtype=torch.int32, device="cuda")
-    with pytest.raises(CheckFailed, match="linked without the 3inst codebook's kernels"):
+    with pytest.raises(CheckFailed, match="linked without the 3inst codebook's K3/K4 kernels"):
         unnamed.forward(x, ids, torch.ones(2, 4, device="cuda"))
+
+
+@requires_gpu
+@pytest.mark.gpu
+def test_a_k3k4_library_refuses_a_layer_of_other_k_and_serves_k3k4():
+    import torch
+
+    from trellis_cli.bench.synthetic import Preset, synthetic_pack
+    from trellis_cli.errors import CheckFailed
+    from trellis_cli.kernel.abi import default_library, load_library
+    from trellis_cli.kernel.launch import FusedMoe
+
+    fast = default_library("mcg", kernels="k3k4")
+    assert fast.kernels == "k3k4" and "_k3k4-" in fast.path.name
+    k2 = synthetic_pack(Preset("small", 512, 256, 16, 4, "mcg", (12, 4), (2, 4), 1), device="cuda", seed=1)
+    with pytest.raises(CheckFailed, match="holds only the K3/K4 kernels; layer 0 has tiers of K \\[2, 4\\]"):
+        FusedMoe(k2, fast)
+    x = torch.randn(2, 512, dtype=torch.float16, device="cuda")
+    ids = torch.tensor([[0, 1, 2, 13], [3, 4, 14, 15]], dtype=torch.int32, device="cuda")
+    with pytest.raises(CheckFailed, match="linked without the mcg codebook's all-K kernels"):  # unnamed: the library refuses
+        FusedMoe(k2, load_library(fast.path)).forward(x, ids, torch.ones(2, 4, device="cuda"))
+    k3k4 = synthetic_pack(Preset("small", 512, 256, 16, 4, "mcg", (12, 4), (3, 4), 1), device="cuda", seed=1)
+    assert FusedMoe(k3k4).library.kernels == "k3k4"  # a layer's own default: the smallest set that serves it
+    served = FusedMoe(k3k4, fast).forward(x, ids, torch.ones(2, 4, device="cuda"))
+    full = FusedMoe(k3k4, default_library("mcg")).forward(x, ids, torch.ones(2, 4, device="cuda"))
+    assert torch.equal(served, full)

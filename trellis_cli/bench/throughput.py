@@ -84,7 +84,24 @@ def copies_needed(touched_bytes: int, l2_bytes: int, cold: bool) -> int:
     return max(2, min(MAX_COPIES, math.ceil(L2_PASSES * l2_bytes / max(1, touched_bytes)) + 1))
 
 
-def capture_graph(fn: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
+class CapturedCall:
+    """A CUDA graph with the call it was captured from.
+
+    A graph keeps raw device addresses, not tensors: an output or input that is freed after the capture
+    goes back to torch's allocator, which hands its memory to the next tensor while every replay still
+    writes there. Holding the call holds its closure, and with it every tensor the graph touches, for as
+    long as the graph lives. (Graphs whose outputs were freed this way overwrote other layers' workspaces
+    and faulted on replay with an illegal address.)
+    """
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, call: Callable[[], None]) -> None:
+        self.graph, self.call = graph, call
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def capture_graph(fn: Callable[[], None], device: torch.device) -> CapturedCall:
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     graph = torch.cuda.CUDAGraph()
@@ -93,10 +110,10 @@ def capture_graph(fn: Callable[[], None], device: torch.device) -> torch.cuda.CU
         with torch.cuda.graph(graph, stream=stream):
             fn()
     torch.cuda.current_stream(device).wait_stream(stream)
-    return graph
+    return CapturedCall(graph, fn)
 
 
-def time_graphs(graphs: list[torch.cuda.CUDAGraph], replays: int, device: torch.device) -> Timing:
+def time_graphs(graphs: list[CapturedCall], replays: int, device: torch.device) -> Timing:
     return time_interleaved([graphs], replays, device)[0]
 
 
@@ -105,7 +122,7 @@ def interleaved_order(count: int, replays: int) -> list[tuple[int, int]]:
     return [((i + j) % count, i) for i in range(replays) for j in range(count)]
 
 
-def time_interleaved(graph_sets: list[list[torch.cuda.CUDAGraph]], replays: int,
+def time_interleaved(graph_sets: list[list[CapturedCall]], replays: int,
                      device: torch.device) -> list[Timing]:
     """Time several layers' graphs replay by replay in a rotating order, one Timing per set.
 

@@ -31,24 +31,29 @@ def register(app: typer.Typer) -> None:
         compile_only: Annotated[bool, typer.Option("--compile-only", help="Build the kernel library and exit (no GPU needed).")] = False,
         arch: Annotated[Optional[str], typer.Option("--arch", help="Target arch for --compile-only, e.g. sm_90 (default: this GPU's, else sm_90).")] = None,
         codebook: Annotated[Optional[str], typer.Option("--codebook", help="Codebook to build with --compile-only: mcg, 3inst or mul1 (default: all).")] = None,
+        kernels: Annotated[Optional[str], typer.Option("--kernels", help="Kernel set to build with --compile-only: all (every K, default) or k3k4 (only the K3/K4 kernels, all a TR3 checkpoint uses).")] = None,
         jobs: Annotated[Optional[int], typer.Option("--jobs", help="Kernel units compiled at once (default: $TRELLIS_BUILD_JOBS, else one per CPU core).")] = None,
         mixed_gap: Annotated[bool, typer.Option("--mixed-gap", help="Time the --synthetic layer beside uniform layers of each K (same shape, routes, interleaved) and report its gap to their interpolation.")] = False,
         tp: Annotated[Optional[int], typer.Option("--tp", help="Run the layer tensor-parallel: N rank processes, one GPU and one slice each, outputs all-reduced.")] = None,
         device: Annotated[str, typer.Option("--device", help="cuda, or cpu: --smoke [--tp N] with the CPU reference per rank over gloo (checks the slicing without GPUs).")] = "cuda",
     ) -> None:
         """Benchmark the fused mixed-bitrate MoE kernel on this GPU (exit 4 without a GPU or nvcc)."""
-        from trellis_cli.kernel.build import build_jobs, check_codebook
+        from trellis_cli.kernel.build import build_jobs, check_codebook, check_kernels
 
         jobs = build_jobs(jobs)
         if codebook is not None:
             check_codebook(codebook)
+        if kernels is not None:
+            check_kernels(kernels)
         if compile_only:
-            _compile_only(_parse_arch(arch) if arch else None, codebook, jobs, as_json)
+            _compile_only(_parse_arch(arch) if arch else None, codebook, kernels or "all", jobs, as_json)
             return
         if arch:
             raise UsageError("--arch applies to --compile-only (a run builds for the GPU present)")
         if codebook:
             raise UsageError("--codebook applies to --compile-only (a run builds the codebook of its layer)")
+        if kernels:
+            raise UsageError("--kernels applies to --compile-only (a run builds the kernels its layer needs)")
         m_list = _parse_ms(ms)
         check_bench_arguments(source, synthetic, partition)  # usage (2) and source (3) errors before the GPU (4)
         from trellis_cli.cli.bench_tp import TpRequest, run_tp_bench, wants_tp
@@ -66,20 +71,26 @@ def register(app: typer.Typer) -> None:
             gap_plan = plan_mixed_gap(source, synthetic, partition, smoke)
         _require_gpu()
         from trellis_cli.bench.source import load_bench_source
+        from trellis_cli.bench.synthetic import get_preset
         from trellis_cli.kernel.abi import default_library
+        from trellis_cli.kernel.build import kernels_for
+        from trellis_cli.kernel.plan import kernel_set
 
         if gap_plan:
             from trellis_cli.cli.bench_gap import run_mixed_gap_bench
 
             output.log(f"building or loading the kernel library for the {gap_plan.preset.codebook} codebook ...")
-            library = default_library(gap_plan.preset.codebook, jobs=jobs, log=output.log)
+            library = default_library(gap_plan.preset.codebook, kernels=kernels_for(gap_plan.preset.tier_k),
+                                      jobs=jobs, log=output.log)
             run_mixed_gap_bench(gap_plan, library, m_list, cold=cold, replays=replays, seed=seed, as_json=as_json)
             return
         bench = load_bench_source(source, synthetic=synthetic, partition=partition, layer=layer, rank=rank,
                                   device="cuda", seed=seed)
         output.log(f"source: {bench.description}")
         output.log(f"building or loading the kernel library for the {bench.pack.codebook} codebook ...")
-        library = default_library(bench.pack.codebook, jobs=jobs, log=output.log)
+        # A synthetic --smoke also checks each of the preset's K alone: the kernel set covers them all.
+        kernels = kernels_for(get_preset(synthetic).tier_k) if synthetic else kernel_set(bench.pack)
+        library = default_library(bench.pack.codebook, kernels=kernels, jobs=jobs, log=output.log)
         if smoke:
             _run_smoke(bench, library, synthetic, seed, as_json)
         else:
@@ -125,27 +136,28 @@ def _require_gpu() -> None:
                              "(use --compile-only to only build it)")
 
 
-def _compile_only(arch: str | None, codebook: str | None, jobs: int, as_json: bool) -> None:
+def _compile_only(arch: str | None, codebook: str | None, kernels: str, jobs: int, as_json: bool) -> None:
     import torch
 
     from trellis_cli.kernel.build import BUILD_ORDER, build_libraries
 
     target = arch or (None if torch.cuda.is_available() else "sm_90")
     codebooks = (codebook,) if codebook else BUILD_ORDER
-    output.log(f"compiling the kernel for {target or 'this GPU'}, codebook(s) {', '.join(codebooks)} ...")
-    report = build_libraries(target, codebooks, jobs=jobs, log=output.log)
+    output.log(f"compiling the kernel for {target or 'this GPU'}, codebook(s) {', '.join(codebooks)}, "
+               f"kernel set {kernels} ...")
+    report = build_libraries(target, codebooks, kernels=kernels, jobs=jobs, log=output.log)
     libraries = report.libraries
     if as_json:
         output.emit_json({
             "arch": libraries[0].arch, "nvcc": libraries[0].nvcc_version, "jobs": report.jobs,
             "units": report.units, "compiled": report.compiled, "seconds": round(report.seconds, 1),
-            "libraries": [{"codebook": b.codebook, "build_hash": b.build_hash, "path": str(b.path),
-                           "cached": b.cached} for b in libraries],
+            "libraries": [{"codebook": b.codebook, "kernels": b.kernels, "build_hash": b.build_hash,
+                           "path": str(b.path), "cached": b.cached} for b in libraries],
         })
         return
     for built in libraries:
         state = "cached" if built.cached else "built"
-        output.print_line(f"{state} {built.arch} {built.codebook} kernel {built.build_hash} "
+        output.print_line(f"{state} {built.arch} {built.codebook} kernel ({built.kernels}) {built.build_hash} "
                           f"(nvcc {built.nvcc_version}): {built.path}")
 
 

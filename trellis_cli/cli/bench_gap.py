@@ -13,41 +13,11 @@ def run_mixed_gap_bench(plan: GapPlan, library, m_list: list[int], *, cold: bool
 
     output.log(f"source: {plan.description}, with uniform "
                + " and ".join(f"K{k}" for _, k in plan.kept) + " layers of the same shape")
-    if len(m_list) > 1:
-        report = _one_process_per_m(plan, m_list, cold=cold, replays=replays, seed=seed)
-    else:
-        report = run_mixed_gap(plan, library, m_list, cold=cold, replays=replays, seed=seed, log=output.log)
+    report = run_mixed_gap(plan, library, m_list, cold=cold, replays=replays, seed=seed, log=output.log)
     if as_json:
         output.emit_json({"source": plan.description, "environment": environment(library), **report})
         return
     print_mixed_gap(report, plan.description)
-
-
-def _one_process_per_m(plan: GapPlan, m_list: list[int], *, cold: bool, replays: int, seed: int) -> dict:
-    """Each M in a child process of its own, the rows joined: in one process, the layers' CUDA graphs at a
-    second M faulted on the H200 (an open defect, tests/test_bench_gpu.py); each M alone never did."""
-    import json
-    import subprocess
-    import sys
-
-    from trellis_cli.errors import CheckFailed
-
-    report = None
-    for m in m_list:
-        argv = [sys.executable, "-m", "trellis_cli", "bench", "--synthetic", plan.preset.name, "--partition",
-                plan.label, "--mixed-gap", "--m", str(m), "--replays", str(replays), "--seed", str(seed),
-                "--cold" if cold else "--warm", "--json", "-q"]
-        output.log(f"mixed gap: M={m} in its own process")
-        done = subprocess.run(argv, capture_output=True, text=True)
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-            raise CheckFailed(f"--mixed-gap at M={m}: the run failed: {last}")
-        doc = json.loads(done.stdout)
-        if report is None:
-            report = {k: v for k, v in doc.items() if k not in ("source", "environment")}
-        else:
-            report["rows"] += doc["rows"]
-    return report
 
 
 def print_mixed_gap(report: dict, description: str) -> None:

@@ -88,6 +88,7 @@ class KernelLibrary:
     nvcc_version: str
     wgmma: bool = False  # large tiles run on Hopper wgmma (kernels/expert_wgmma.cuh)
     codebook: str = ""  # the codebook whose kernels the library holds ("" when not known)
+    kernels: str = "all"  # its K-sets: "all", or "k3k4" for layers whose tiers are all K3 or K4 (build.KERNEL_SETS)
     args_type: type[ctypes.Structure] = TrellisMoeArgs  # a lab build's arguments end with lab flags
 
     @property
@@ -101,11 +102,11 @@ class KernelLibrary:
 
 
 def load_library(path: Path, build_hash: str = "", arch: str = "", nvcc_version: str = "",
-                 codebook: str = "") -> KernelLibrary:
+                 codebook: str = "", kernels: str = "all") -> KernelLibrary:
     """The production library at `path`; a lab build is refused."""
     handle = open_library(path, TrellisMoeArgs, lab=False)
     return KernelLibrary(handle, Path(path), build_hash, arch, nvcc_version, bool(handle.trellis_has_wgmma()),
-                         codebook)
+                         codebook, kernels)
 
 
 def open_library(path: Path, args_type: type[ctypes.Structure], *, lab: bool) -> ctypes.CDLL:
@@ -137,12 +138,15 @@ def open_library(path: Path, args_type: type[ctypes.Structure], *, lab: bool) ->
 _LOADED: dict[str, KernelLibrary] = {}
 
 
-def default_library(codebook: str = "mcg", *, jobs: int | None = None, log=None) -> KernelLibrary:
-    """The library of `codebook` for the current GPU, built on first use and loaded once per process."""
+def default_library(codebook: str = "mcg", *, kernels: str = "all", jobs: int | None = None,
+                    log=None) -> KernelLibrary:
+    """The library of `codebook` and kernel set `kernels` for the current GPU, built on first use and loaded
+    once per process."""
     from trellis_cli.kernel.build import build_library
 
-    built = build_library(codebook=codebook, jobs=jobs, log=log)
+    built = build_library(codebook=codebook, kernels=kernels, jobs=jobs, log=log)
     key = str(built.path)
     if key not in _LOADED:
-        _LOADED[key] = load_library(built.path, built.build_hash, built.arch, built.nvcc_version, built.codebook)
+        _LOADED[key] = load_library(built.path, built.build_hash, built.arch, built.nvcc_version, built.codebook,
+                                    built.kernels)
     return _LOADED[key]

@@ -4,12 +4,14 @@ The CUDA C++ sources ship with the package (`kernels/`). A library serves one co
 unit (`trellis_moe.cu`: argument checks, launch sequence, route pack, rotation, activation, top-k sum)
 with that codebook's GEMM units (`gemm_unit.cu`, compiled once per tile family and K-set; `kernels/gemm_table.h`).
 A run builds only the codebook of the layer it serves (mcg for every TR3 checkpoint), and another on first
-use. Every object is cached under its own hash (its source and the headers it includes, the flags, the
+use; and of that codebook only the K3/K4 kernels where the layer's tiers are all K3 or K4 (every TR3
+checkpoint: the "k3k4" kernel set), the kernels of every K ("all") where they are not. Every object is cached under its own hash (its source and the headers it includes, the flags, the
 arch and the nvcc version), so a change recompiles only the units it touches; a library is cached under
 the hash of its objects.
 
 The cache is $TRELLIS_KERNEL_CACHE, or ($XDG_CACHE_HOME or ~/.cache)/trellis/kernels. The units compile
-$TRELLIS_BUILD_JOBS at a time (default: one per CPU core, os.cpu_count()). There is no time limit; a
+$TRELLIS_BUILD_JOBS at a time (default: one per CPU core, os.cpu_count()); where there are more cores
+than units, the longest units get several compiler threads each (unit_threads). There is no time limit; a
 compiler that uses no CPU time for $TRELLIS_BUILD_STALL_S seconds (default 300) is killed (jobs.py). Every
 file is written under a temporary name and moved into place, so a concurrent or interrupted build never
 leaves half a file behind. Every failure (no nvcc, no GPU to pick an arch from, a compile error) is a
@@ -25,6 +27,7 @@ gives the nvcc command lines of any variant.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import tempfile
@@ -58,6 +61,10 @@ SOURCE_SUFFIXES = (".cu", ".cuh", ".h")
 # kernels and the all-K kernels of a family compile as two units.
 TILE_FAMILIES = ("mma16", "mma32", "mma128", "wgmma")
 K_SETS = ("allk", "k3k4")
+# Which K-sets a library holds: "k3k4", the kernels of layers whose tiers are all K3 or K4 (every TR3
+# checkpoint; less than half the compile time of the whole library), or "all", every K from 1 to 8.
+KERNEL_SETS = {"all": K_SETS, "k3k4": ("k3k4",)}
+FAST_K = (3, 4)
 # The order codebooks are built in when all are asked for: mcg, the codebook of every TR3 checkpoint, first.
 BUILD_ORDER = ("mcg", "3inst", "mul1")
 DEFAULT_STALL_S = 300.0
@@ -66,6 +73,9 @@ DEFAULT_STALL_S = 300.0
 # these.
 UNIT_SECONDS = {"host": 7.0, "mma16-allk": 18.0, "mma16-k3k4": 6.0, "mma32-allk": 22.0, "mma32-k3k4": 7.0,
                 "mma128-allk": 14.0, "mma128-k3k4": 4.0, "wgmma-allk": 18.0, "wgmma-k3k4": 36.0}
+# Most compiler threads one unit gets (unit_threads): a GEMM unit's K3/K4 kernels are four (FC1 and FC2,
+# narrow and wide), and its all-K kernels split into a few more.
+MAX_UNIT_THREADS = 4
 _INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
@@ -94,6 +104,7 @@ class BuiltLibrary:
     cached: bool  # True when an earlier build was reused
     codebook: str = "mcg"  # the codebook whose kernels it holds
     variant: str = PRODUCTION  # or a lab variant (VARIANT_DEFINES)
+    kernels: str = "all"  # the K-sets it holds (KERNEL_SETS)
 
 
 @dataclass(frozen=True)
@@ -161,16 +172,28 @@ def check_codebook(codebook: str) -> str:
     return codebook
 
 
+def check_kernels(kernels: str) -> str:
+    if kernels not in KERNEL_SETS:
+        raise UsageError(f"unknown kernel set {kernels!r}: expected one of {', '.join(KERNEL_SETS)}")
+    return kernels
+
+
+def kernels_for(tier_bits: Iterable[int]) -> str:
+    """The smallest kernel set that serves a layer whose (non-empty) tiers have these K."""
+    return "k3k4" if all(k in FAST_K for k in tier_bits) else "all"
+
+
 def check_variant(variant: str) -> str:
     if variant not in VARIANT_DEFINES:
         raise UsageError(f"unknown kernel library variant {variant!r}: expected one of {', '.join(VARIANT_DEFINES)}")
     return variant
 
 
-def library_units(arch: str, codebook: str, variant: str = PRODUCTION) -> list[Unit]:
-    """The host unit and the codebook's GEMM units: one per tile family the arch runs and K-set (the
-    timeline variant: the whole library as one unit)."""
+def library_units(arch: str, codebook: str, variant: str = PRODUCTION, kernels: str = "all") -> list[Unit]:
+    """The host unit and the codebook's GEMM units: one per tile family the arch runs and K-set of
+    `kernels` (the timeline variant: the whole library as one unit)."""
     cb = CODEBOOK_IDS[check_codebook(codebook)]
+    k_sets = KERNEL_SETS[check_kernels(kernels)]
     extra, prefix = VARIANT_DEFINES[check_variant(variant)], "" if variant == PRODUCTION else f"{variant}-"
     if variant == "timeline":
         return [Unit(f"{prefix}{codebook}", SINGLE_SOURCE, (*extra, f"-DTRELLIS_UNIT_CODEBOOK={cb}"), "timeline")]
@@ -179,24 +202,26 @@ def library_units(arch: str, codebook: str, variant: str = PRODUCTION) -> list[U
         Unit(f"{prefix}{codebook}-{family}-{kset}", GEMM_SOURCE,
              (*extra, f"-DTRELLIS_UNIT_CODEBOOK={cb}", f"-DTRELLIS_UNIT_FAMILY={TILE_FAMILIES.index(family)}",
               f"-DTRELLIS_UNIT_KSETS={1 << K_SETS.index(kset)}"), f"{family}-{kset}")
-        for family in families for kset in K_SETS
+        for family in families for kset in k_sets
     ]
 
 
-def library_stem(variant: str) -> str:
-    """trellis_moe, or trellis_moe_lab / trellis_moe_timeline: a lab library never takes a production name."""
-    return LIBRARY_STEM if variant == PRODUCTION else f"{LIBRARY_STEM}_{check_variant(variant)}"
+def library_stem(variant: str, kernels: str = "all") -> str:
+    """trellis_moe, or trellis_moe_lab / trellis_moe_timeline: a lab library never takes a production name;
+    a library of the K3/K4 kernels alone ends in _k3k4."""
+    stem = LIBRARY_STEM if variant == PRODUCTION else f"{LIBRARY_STEM}_{check_variant(variant)}"
+    return stem if check_kernels(kernels) == "all" else f"{stem}_{kernels}"
 
 
 def build_commands(arch: str, codebook: str = "mcg", variant: str = PRODUCTION, nvcc: str = "nvcc",
-                   source_dir: Path | None = None) -> list[list[str]]:
+                   source_dir: Path | None = None, kernels: str = "all") -> list[list[str]]:
     """The nvcc command lines that build one library: one compile per unit (into <unit>.o), then the link
     (into <library stem>.so), as build_library runs them."""
     target, directory = normalize_arch(arch), source_dir or kernel_source_dir()
-    units = library_units(target, codebook, variant)
+    units = library_units(target, codebook, variant, kernels)
     objects = [Path(f"{u.name}.o") for u in units]
     return ([compile_command(nvcc, target, u, directory, o) for u, o in zip(units, objects)]
-            + [link_command(nvcc, objects, Path(f"{library_stem(variant)}-{target}-{codebook}.so"))])
+            + [link_command(nvcc, objects, Path(f"{library_stem(variant, kernels)}-{target}-{codebook}.so"))])
 
 
 def unit_sources(source_dir: Path, source: str) -> list[str]:
@@ -211,8 +236,11 @@ def unit_sources(source_dir: Path, source: str) -> list[str]:
     return sorted(seen)
 
 
-def compile_command(nvcc: str, arch: str, unit: Unit, source_dir: Path, output: Path) -> list[str]:
-    return [nvcc, "-c", *COMPILE_FLAGS, *arch_flags(arch), *unit.defines, "-o", str(output),
+def compile_command(nvcc: str, arch: str, unit: Unit, source_dir: Path, output: Path, threads: int = 1) -> list[str]:
+    """One unit's nvcc line; with `threads` > 1, nvcc optimizes and assembles the unit's kernels that many at
+    a time (-split-compile: the same code, so the object's hash leaves it out)."""
+    split = [f"-split-compile={threads}"] if threads > 1 else []
+    return [nvcc, "-c", *COMPILE_FLAGS, *arch_flags(arch), *unit.defines, *split, "-o", str(output),
             str(source_dir / unit.source)]
 
 
@@ -230,18 +258,20 @@ def unit_hash(unit: Unit, arch: str, version: str, source_dir: Path) -> str:
 
 
 def build_library(arch: str | None = None, codebook: str = "mcg", *, variant: str = PRODUCTION,
-                  jobs: int | None = None, force: bool = False,
+                  kernels: str = "all", jobs: int | None = None, force: bool = False,
                   log: Callable[[str], None] | None = None) -> BuiltLibrary:
     """The kernel library of `codebook` for `arch` (default: the current GPU's), building what is not cached."""
-    return build_libraries(arch, (codebook,), variant=variant, jobs=jobs, force=force, log=log).libraries[0]
+    return build_libraries(arch, (codebook,), variant=variant, kernels=kernels, jobs=jobs, force=force,
+                           log=log).libraries[0]
 
 
 def build_libraries(arch: str | None = None, codebooks: Iterable[str] = BUILD_ORDER, *, variant: str = PRODUCTION,
-                    jobs: int | None = None, force: bool = False,
+                    kernels: str = "all", jobs: int | None = None, force: bool = False,
                     log: Callable[[str], None] | None = None) -> BuildReport:
     """One library per codebook, their units compiled together (shared ones once), then each linked."""
     started = time.monotonic()
     check_variant(variant)
+    check_kernels(kernels)
     target = normalize_arch(arch) if arch else device_arch()
     codebooks = list(dict.fromkeys(check_codebook(c) for c in codebooks))
     parallel = build_jobs(jobs)
@@ -253,17 +283,26 @@ def build_libraries(arch: str | None = None, codebooks: Iterable[str] = BUILD_OR
         objects.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise GpuUnavailable(f"cannot create the kernel cache directory {objects}: {err}") from None
-    per_library = {c: library_units(target, c, variant) for c in codebooks}
+    per_library = {c: library_units(target, c, variant, kernels) for c in codebooks}
     paths: dict[Unit, Path] = {}
     for unit in (u for units in per_library.values() for u in units):
         paths.setdefault(unit, objects / f"{unit.name}-{target}-{unit_hash(unit, target, version, source_dir)}.o")
     missing = [u for u, p in paths.items() if force or not p.is_file()]
     _compile_units(nvcc, target, source_dir, missing, paths, parallel, log, started)
-    libraries = [_link(nvcc, target, version, c, variant, [paths[u] for u in per_library[c]], directory, force)
-                 for c in codebooks]
+    libraries = [_link(nvcc, target, version, c, variant, kernels, [paths[u] for u in per_library[c]], directory,
+                       force) for c in codebooks]
     if log and missing:
         log(f"kernel build for {target} done in {_clock(time.monotonic() - started)}")
     return BuildReport(libraries, len(paths), len(missing), parallel, time.monotonic() - started)
+
+
+def unit_threads(units: list[Unit], parallel: int) -> dict[Unit, int]:
+    """Compiler threads per unit: its share of the `parallel` cores by its compile time, rounded up, at least
+    1 and at most MAX_UNIT_THREADS (about the kernels a unit holds). A unit longer than the build's share
+    of one core would otherwise keep a many-core machine waiting on it alone (the K3/K4 wgmma unit: 36 of
+    the mcg library's 132 CPU seconds), while a build of many units gives each one thread."""
+    total = sum(u.seconds for u in units) or 1.0
+    return {u: max(1, min(MAX_UNIT_THREADS, math.ceil(parallel * u.seconds / total))) for u in units}
 
 
 def cold_build_estimate(units: list[Unit], parallel: int) -> float:
@@ -282,12 +321,12 @@ def _compile_units(nvcc: str, arch: str, source_dir: Path, units: list[Unit], pa
         log(f"kernel build for {arch}: compiling {len(units)} of {len(paths)} units, {parallel} at a time "
             f"(--jobs, TRELLIS_BUILD_JOBS); a cold build of these takes about {_clock(estimate)} at the speed "
             f"of a 2-core reference machine")
-    jobs = []
+    jobs, threads = [], unit_threads(units, parallel)
     for unit in units:
         fd, tmp = tempfile.mkstemp(prefix=f".{paths[unit].stem}-", suffix=".o.tmp", dir=paths[unit].parent)
         os.close(fd)
-        jobs.append(Job(f"{arch} unit {unit.name}", compile_command(nvcc, arch, unit, source_dir, Path(tmp)),
-                        Path(tmp), paths[unit]))
+        command = compile_command(nvcc, arch, unit, source_dir, Path(tmp), threads[unit])
+        jobs.append(Job(f"{arch} unit {unit.name}", command, Path(tmp), paths[unit]))
     done = 0
 
     def report(job: Job, seconds: float) -> None:
@@ -304,13 +343,14 @@ def _compile_units(nvcc: str, arch: str, source_dir: Path, units: list[Unit], pa
             job.tmp_output.unlink(missing_ok=True)
 
 
-def _link(nvcc: str, arch: str, version: str, codebook: str, variant: str, objects: list[Path], directory: Path,
-          force: bool) -> BuiltLibrary:
+def _link(nvcc: str, arch: str, version: str, codebook: str, variant: str, kernels: str, objects: list[Path],
+          directory: Path, force: bool) -> BuiltLibrary:
     key = hashlib.sha256("|".join((*[p.name for p in objects], *link_command("nvcc", [], Path()))).encode())
     build_hash = key.hexdigest()[:16]
-    path = directory / f"{library_stem(variant)}-{arch}-{codebook}-{build_hash}.so"
+    path = directory / f"{library_stem(variant, kernels)}-{arch}-{codebook}-{build_hash}.so"
     if path.is_file() and not force:
-        return BuiltLibrary(path, arch, build_hash, version, cached=True, codebook=codebook, variant=variant)
+        return BuiltLibrary(path, arch, build_hash, version, cached=True, codebook=codebook, variant=variant,
+                            kernels=kernels)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".so.tmp", dir=directory)
     os.close(fd)
     try:
@@ -318,7 +358,8 @@ def _link(nvcc: str, arch: str, version: str, codebook: str, variant: str, objec
                  parallel=1, stall_s=stall_seconds())
     finally:
         Path(tmp).unlink(missing_ok=True)
-    return BuiltLibrary(path, arch, build_hash, version, cached=False, codebook=codebook, variant=variant)
+    return BuiltLibrary(path, arch, build_hash, version, cached=False, codebook=codebook, variant=variant,
+                        kernels=kernels)
 
 
 def _clock(seconds: float) -> str:

@@ -15,7 +15,7 @@ import torch
 
 from trellis_cli.errors import CheckFailed, GpuUnavailable
 from trellis_cli.kernel import abi
-from trellis_cli.kernel.plan import LaunchPlan, check_pack_layout, make_plan, workspace_shapes
+from trellis_cli.kernel.plan import LaunchPlan, check_pack_layout, kernel_set, make_plan, workspace_shapes
 from trellis_cli.formats.route_pack import CODEBOOK_IDS, LayerPack, split_descriptor
 
 _X_DTYPES = {torch.float16: abi.DT_FP16, torch.bfloat16: abi.DT_BF16}
@@ -45,10 +45,14 @@ class FusedMoe:
         check_pack_layout(pack)
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self.pack = pack_to_device(pack, self.device)
-        self.library = library or abi.default_library(pack.codebook)
+        needed = kernel_set(pack)
+        self.library = library or abi.default_library(pack.codebook, kernels=needed)
         if self.library.codebook and self.library.codebook != pack.codebook:
             raise CheckFailed(f"kernel library {self.library.path} holds the {self.library.codebook} codebook's "
                               f"kernels; layer {pack.layer} uses {pack.codebook} (one library per codebook)")
+        if self.library.kernels == "k3k4" and needed != "k3k4":
+            raise CheckFailed(f"kernel library {self.library.path} holds only the K3/K4 kernels; layer "
+                              f"{pack.layer} has tiers of K {sorted(set(pack.tier_k))} (build the kernel set 'all')")
         self._workspaces: dict[LaunchPlan, dict[str, torch.Tensor]] = {}
         self._tier_maps: dict[int, torch.Tensor] = {}
 

@@ -50,6 +50,14 @@ FC1_TAIL_FROM_CHUNKS = 24
 FC1_TAIL_LARGE_BELOW_ROUTES = 32
 
 
+def kernel_set(pack: LayerPack) -> str:
+    """The library kernel set (kernel/build.py KERNEL_SETS) that serves the pack: "k3k4" where every tier
+    holding experts is K3 or K4, else "all"."""
+    from trellis_cli.kernel.build import kernels_for
+
+    return kernels_for(k for k, size in zip(pack.tier_k, pack.tier_size) if size)
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     m: int
