@@ -1,7 +1,7 @@
 """The pipe-facts probe's SASS check, ncu metric list and result table (tools/perf/pipe_facts.sh runs it):
 
     python3 tools/perf/pipe_facts.py sass PROBE.sass CASES.tsv > sass_check.tsv   # the loop of every case
-    python3 tools/perf/pipe_facts.py metrics QUERY.txt            # the valid metrics, comma-separated
+    python3 tools/perf/pipe_facts.py metrics QUERY.txt [all|core]  # the valid metrics, comma-separated
     python3 tools/perf/pipe_facts.py table RAW.csv [--sass sass_check.tsv] [--wall wall.txt]
     python3 tools/perf/pipe_facts.py selftest
 
@@ -18,8 +18,8 @@ from collections import Counter
 PIPE = "sm__inst_executed_pipe_"
 # Wanted even when the query lists nothing (an older ncu, or the query failed): the shell retries without
 # the optional ones when ncu refuses the list.
-CORE = ["sm__inst_executed.avg.per_cycle_active", "smsp__issue_active.avg.per_cycle_active",
-        "sm__cycles_active.avg", "smsp__warps_active.avg.per_cycle_active", "launch__registers_per_thread",
+CORE = ["gpu__time_duration.sum", "sm__inst_executed.avg.per_cycle_active", "smsp__issue_active.avg.per_cycle_active",
+        "sm__cycles_active.avg", "sm__cycles_elapsed.avg.per_second", "smsp__warps_active.avg.per_cycle_active", "launch__registers_per_thread",
         *(f"{PIPE}{p}.avg.per_cycle_active" for p in ("alu", "fma", "fmaheavy", "fmalite", "fp16", "xu")),
         *(f"sm__pipe_{p}_cycles_active.avg.pct_of_peak_sustained_active" for p in ("alu", "fma", "fmaheavy"))]
 STALL = re.compile(r"^smsp__average_warps_issue_stalled_([a-z0-9_]+)_per_issue_active$")
@@ -89,11 +89,13 @@ def query_names(text: str) -> set[str]:
     return {m.group(0) for line in text.splitlines() if (m := re.match(r"[a-z][a-z0-9_]*__[a-z0-9_]+", line))}
 
 
-def wanted_metrics(query_text: str) -> list[str]:
+def wanted_metrics(query_text: str, core_only: bool = False) -> list[str]:
     names = query_names(query_text)
     if not names:
         return list(CORE)
     out = [m for m in CORE if m.split(".")[0] in names or m.startswith("launch__")]
+    if core_only:
+        return out
     out += sorted(f"{n}.avg.per_cycle_active" for n in names
                   if n.startswith(PIPE) and not n.endswith("_pred_on") and f"{n}.avg.per_cycle_active" not in out)
     out += sorted(f"{n}.avg.pct_of_peak_sustained_active" for n in names
@@ -153,7 +155,7 @@ def which_pipes(values: dict, issued: float | None) -> str:
         rates.pop("fma", None)  # the sum of the two
     total = issued or sum(rates.values()) or 1.0
     parts = [f"{p} {100 * v / total:.0f}%" for p, v in sorted(rates.items(), key=lambda kv: -kv[1])
-             if v >= 0.05 * total and not p.startswith("fma_type") and "_op_" not in p]
+             if v >= 0.05 * total]
     return ", ".join(parts) or "–"
 
 
@@ -175,18 +177,22 @@ def read_wall(text: str) -> dict[str, str]:
 
 def table(launches, sass: dict[str, dict] | None = None, wall: dict[str, str] | None = None) -> str:
     sass, wall = sass or {}, wall or {}
-    head = ["case", "SASS in the loop (check)", "issued/SM/clk", "ALU", "FMA", "FMA-heavy", "FMA-lite", "FP16",
-            "XU", "ALU busy %", "FMA-heavy busy %", "which pipe", "top stalls per issue", "wall/SM/clk"]
+    head = ["case", "SASS in the loop (check)", "µs", "issued/SM/clk", "ALU", "FMA", "FMA-heavy", "FMA-lite", "FP16",
+            "XU", "ALU busy %", "FMA-heavy busy %", "which pipe", "top stalls per issue", "warps/SMSP", "MHz",
+            "wall/SM/clk"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, v in launches:
         case = short(name)
         check = sass.get(name, {})
         seen = check.get("loop", "–") + ("" if check.get("verdict", "ok") == "ok" else f" **{check['verdict']}**")
         issued = get(v, "sm__inst_executed")
-        cells = [case, seen if check else "–", fmt(issued)]
+        ns = get(v, "gpu__time_duration")
+        cells = [case, seen if check else "–", fmt(ns / 1e3 if ns else None, 1), fmt(issued)]
         cells += [fmt(get(v, PIPE + p)) for p in ("alu", "fma", "fmaheavy", "fmalite", "fp16", "xu")]
         cells += [fmt(get(v, "sm__pipe_alu_cycles_active"), 1), fmt(get(v, "sm__pipe_fmaheavy_cycles_active"), 1)]
-        cells += [which_pipes(v, issued), top_stalls(v), wall.get(name, "–")]
+        mhz = get(v, "sm__cycles_elapsed")
+        cells += [which_pipes(v, issued), top_stalls(v), fmt(get(v, "smsp__warps_active"), 1),
+                  fmt(mhz / 1e6 if mhz else None, 0), wall.get(name, "–")]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
 
@@ -222,6 +228,9 @@ def selftest() -> None:
     query = "Device NVIDIA H200 (GH100)\nMetric Name  Description\nsm__inst_executed_pipe_alu  # of warp instr\n"
     assert f"{PIPE}alu.avg.per_cycle_active" in wanted_metrics(query)
     assert f"{PIPE}fmaheavy.avg.per_cycle_active" not in wanted_metrics(query)
+    assert wanted_metrics("") == CORE and "launch__registers_per_thread" in wanted_metrics(query, core_only=True)
+    wall = read_wall("case warps ms a b c\npf_x                          64     1.060        3.987        3.001     1490\n")
+    assert wall == {"pf_x": "3.987 (attr 3.001, 64 w)"}, wall
     print("selftest ok")
 
 
@@ -241,12 +250,16 @@ def main(argv: list[str]) -> int:
             text = open(argv[1]).read() if len(argv) > 1 else ""
         except OSError:
             text = ""
-        print(",".join(wanted_metrics(text)))
+        print(",".join(wanted_metrics(text, core_only=argv[2:3] == ["core"])))
     else:
         opts = dict(zip(argv[2::2], argv[3::2]))
-        sass = read_tsv(opts["--sass"]) if "--sass" in opts else None
-        wall = read_wall(open(opts["--wall"]).read()) if "--wall" in opts else None
-        launches = read_ncu_csv(open(argv[1]).read())
+        try:
+            sass = read_tsv(opts["--sass"]) if "--sass" in opts else None
+            wall = read_wall(open(opts["--wall"]).read()) if "--wall" in opts else None
+            launches = read_ncu_csv(open(argv[1]).read())
+        except OSError as err:
+            print(f"{err.filename}: {err.strerror}", file=sys.stderr)
+            return 1
         if not launches:
             print(f"{argv[1]}: no ncu rows (no line starting with \"ID\")", file=sys.stderr)
             return 1
