@@ -59,3 +59,5 @@ if want decode; then
 fi
 tar -czf "$OUT/raw.tar.gz" -C "$OUT" raw && rm -rf "$raw" "$bin"
 echo "wrote $md, $OUT/pipe_facts.log, $OUT/raw.tar.gz"
+exec >&- 2>&-  # let tee see the end of the log and finish it
+wait

@@ -91,6 +91,7 @@ enum : int { A = 1, B = 2, C = 4, F = 8, W = 16 };
   } while (0)
 #define IADD3(x, y) asm volatile("add.u32 %0, %0, %1;\n\tadd.u32 %0, %0, %2;" : "+r"(x) : "r"(y), "r"(k1))
 #define IMAD(x) asm volatile("mad.lo.u32 %0, %0, %1, %2;" : "+r"(x) : "r"(k1), "r"(k2))             // IMAD
+#define IMAD_K34(x) asm volatile("mad.lo.u32 %0, %0, %1, %2;" : "+r"(x) : "r"(k3), "r"(k4))         // IMAD, own operands
 #define IMAD_IMM(x) asm volatile("mad.lo.u32 %0, %0, 0xCBAC1FED, %1;" : "+r"(x) : "r"(k2))           // IMAD, imm
 #define IMAD_SHL(x) asm volatile("mul.lo.u32 %0, %0, 16;" : "+r"(x))                               // IMAD.SHL.U32
 #define IMAD_HI(x) asm volatile("mul.hi.u32 %0, %0, %1;" : "+r"(x) : "r"(k1))                      // IMAD.HI.U32
@@ -147,9 +148,11 @@ PF_KERNEL(pf_i2f__lop3, 8, A | B, I2F(a[i]); LOP3(b[i]))
 PF_KERNEL(pf_i2f_f16__lop3, 8, A | B, I2F_F16(a[i]); LOP3(b[i]))
 PF_KERNEL(pf_ffma__lop3, 8, B | F, FFMA(f[i]); LOP3(b[i]))
 
-// IMAD + LOP3 every other way: immediates, one chain through both, fewer chains, other ratios, fewer warps
+// IMAD + LOP3 every other way: immediates, operand registers of their own, one chain through both, fewer
+// chains, other ratios, fewer warps
 // (the same body as pf_imad__lop3 under the names _w32, _w16, _w8: the host launches them with fewer blocks).
 PF_KERNEL(pf_imad_imm__lop3_imm, 8, A | B, IMAD_IMM(a[i]); LOP3_IMM(b[i]))
+PF_KERNEL(pf_imad_k34__lop3, 8, A | B, IMAD_K34(a[i]); LOP3(b[i]))
 PF_KERNEL(pf_imad_lop3_chain, 8, A, IMAD(a[i]); LOP3(a[i]))
 PF_KERNEL(pf_imad_lop3_chain1, 1, A, IMAD(a[i]); LOP3(a[i]))
 PF_KERNEL(pf_imad__lop3_chains1, 1, A | B, IMAD(a[i]); LOP3(b[i]))
@@ -253,6 +256,7 @@ const Case kCases[] = {
     PF_SLOW(pf_i2f_f16__lop3, 2, 4, "I2F.F16.U32=64 LOP3.LUT=64"),
     PF(pf_ffma__lop3, 2, "FFMA=64 LOP3.LUT=64"),
     PF(pf_imad_imm__lop3_imm, 2, "IMAD=64 LOP3.LUT=64"),
+    PF(pf_imad_k34__lop3, 2, "IMAD=64 LOP3.LUT=64"),
     PF(pf_imad_lop3_chain, 2, "IMAD=64 LOP3.LUT=64"),
     PF(pf_imad_lop3_chain1, 2, "IMAD=64 LOP3.LUT=64"),
     PF(pf_imad__lop3_chains1, 2, "IMAD=64 LOP3.LUT=64"),
