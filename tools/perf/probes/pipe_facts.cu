@@ -3,7 +3,7 @@
 // all of it: SASS check, ncu, table).
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o pipe_facts tools/perf/probes/pipe_facts.cu && ./pipe_facts
-//   ./pipe_facts --list    the cases, their payload per loop iteration and the SASS each must contain
+//   ./pipe_facts --list    the cases, their payload per warp and the SASS each loop iteration must hold
 //   ./pipe_facts --once    every case launched once, untimed (for ncu)
 //
 // Every case is a loop of 64 chain steps per iteration (`kSteps`), in CHAINS independent chains per
@@ -11,7 +11,9 @@
 // values in registers (or the decode's immediates, where the case says so), so ptxas can neither fold a
 // chain nor hoist it; the chains end in one store per thread. The timed run reads each SM's own clock
 // (clock64 around its blocks), so its warp instructions per clock per SM do not depend on the clock rate;
-// beside it, the same count per clock of the attribute clock rate (what pipe_mix.cu reports).
+// beside it, the same count per clock of the attribute clock rate (what pipe_mix.cu reports). ptxas
+// picks some opcodes itself (nvcc 13.0, sm_90a: half of the f16x2 fma/add become HFMA2.MMA, `mul.lo` by 16
+// becomes SHF.L.U32 where IMAD is busy): the cases that allow both say A|B, and the check shows the split.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
