@@ -161,7 +161,7 @@ class WeightPool:
 
 
 def bench_m(pool: WeightPool, m: int, *, cold: bool, replays: int, seed: int, l2_bytes: int,
-            copy_gbps: float) -> dict:
+            copy_gbps: float, compare=None) -> dict:
     base = pool.runners[0]
     pack, device = base.pack, base.device
     x = random_activations(m, pack.hidden, device=device, seed=seed)
@@ -177,6 +177,8 @@ def bench_m(pool: WeightPool, m: int, *, cold: bool, replays: int, seed: int, l2
     plan = base.plan(m, int(ids.shape[1]))
     seconds = fused_t.median_us / 1e6
     gbps = work["bytes"] / seconds / 1e9
+    del fused, two
+    extra = {} if compare is None else {"compare": compare.row(runners, x, ids, weights, fused_t.median_us, replays)}
     return {
         "m": m,
         "copies": len(runners),
@@ -189,6 +191,7 @@ def bench_m(pool: WeightPool, m: int, *, cold: bool, replays: int, seed: int, l2
         "pct_copy_bw": 100.0 * gbps / copy_gbps,
         "tflops": work["flops"] / seconds / 1e12,
         "g_weights_per_ms": work["weights"] / (seconds * 1e3) / 1e9,
+        **extra,
     }
 
 
@@ -202,7 +205,10 @@ def device_facts(device: torch.device, log: Callable[[str], None]) -> tuple[int,
 
 
 def run_throughput(pack: LayerPack, library: KernelLibrary, ms: list[int], *, cold: bool = True,
-                   replays: int = 100, seed: int = 1234, log: Callable[[str], None] = lambda s: None) -> dict:
+                   replays: int = 100, seed: int = 1234, log: Callable[[str], None] = lambda s: None,
+                   compare=None) -> dict:
+    """`compare`, when given, is a peer_compare.PeerCompare: each row gains the peer's timing of the same
+    M (same inputs, routes and weight copies)."""
     pool = WeightPool(pack, library)
     device = pool.runners[0].device
     l2_bytes, copy_gbps = device_facts(device, log)
@@ -210,6 +216,6 @@ def run_throughput(pack: LayerPack, library: KernelLibrary, ms: list[int], *, co
     for m in ms:
         log(f"throughput: M={m} ({'cold' if cold else 'warm'})")
         rows.append(bench_m(pool, m, cold=cold, replays=replays, seed=seed + m, l2_bytes=l2_bytes,
-                            copy_gbps=copy_gbps))
+                            copy_gbps=copy_gbps, compare=compare))
         torch.cuda.empty_cache()
     return {"cold": cold, "copy_gbps": copy_gbps, "l2_bytes": l2_bytes, "rows": rows}

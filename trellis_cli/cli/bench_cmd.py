@@ -36,6 +36,7 @@ def register(app: typer.Typer) -> None:
         mixed_gap: Annotated[bool, typer.Option("--mixed-gap", help="Time the --synthetic layer beside uniform layers of each K (same shape, routes, interleaved) and report its gap to their interpolation.")] = False,
         tp: Annotated[Optional[int], typer.Option("--tp", help="Run the layer tensor-parallel: N rank processes, one GPU and one slice each, outputs all-reduced.")] = None,
         device: Annotated[str, typer.Option("--device", help="cuda, or cpu: --smoke [--tp N] with the CPU reference per rank over gloo (checks the slicing without GPUs).")] = "cuda",
+        compare: Annotated[Optional[str], typer.Option("--compare", help="Also time a peer's MoE layer on the same tensors, inputs and routes: exllamav3 (one call per K tier).")] = None,
     ) -> None:
         """Benchmark the fused mixed-bitrate MoE kernel on this GPU (exit 4 without a GPU or nvcc)."""
         from trellis_cli.kernel.build import build_jobs, check_codebook, check_kernels
@@ -46,6 +47,8 @@ def register(app: typer.Typer) -> None:
         if kernels is not None:
             check_kernels(kernels)
         if compile_only:
+            if compare:
+                raise UsageError("--compare applies to a throughput run, not to --compile-only")
             _compile_only(_parse_arch(arch) if arch else None, codebook, kernels or "all", jobs, as_json)
             return
         if arch:
@@ -55,7 +58,11 @@ def register(app: typer.Typer) -> None:
         if kernels:
             raise UsageError("--kernels applies to --compile-only (a run builds the kernels its layer needs)")
         m_list = _parse_ms(ms)
+        from trellis_cli.cli.bench_compare import check_compare, locate_compare
+
+        check_compare(compare, smoke=smoke, mixed_gap=mixed_gap, tp=tp, device=device)
         check_bench_arguments(source, synthetic, partition)  # usage (2) and source (3) errors before the GPU (4)
+        peer_location = locate_compare(compare)  # a missing peer is one line and no comparison, not an error
         from trellis_cli.cli.bench_tp import TpRequest, run_tp_bench, wants_tp
 
         if wants_tp(tp, device):
@@ -94,7 +101,7 @@ def register(app: typer.Typer) -> None:
         if smoke:
             _run_smoke(bench, library, synthetic, seed, as_json)
         else:
-            _run_throughput(bench, library, m_list, cold, replays, seed, as_json)
+            _run_throughput(bench, library, m_list, cold, replays, seed, as_json, (compare, peer_location))
 
 
 def _parse_ms(text: str) -> list[int]:
@@ -208,30 +215,40 @@ def _run_smoke(bench, library, synthetic: str | None, seed: int, as_json: bool) 
     output.log(f"smoke: all {len(checks)} checks passed")
 
 
-def _run_throughput(bench, library, m_list: list[int], cold: bool, replays: int, seed: int, as_json: bool) -> None:
+def _run_throughput(bench, library, m_list: list[int], cold: bool, replays: int, seed: int, as_json: bool,
+                    peer: tuple) -> None:
     from trellis_cli.bench.environment import environment
-    from trellis_cli.bench.throughput import run_throughput
+    from trellis_cli.bench.throughput import TOP_K, run_throughput
+    from trellis_cli.cli.bench_compare import build_compare, compare_summary
 
+    name, found = peer
+    comparer = build_compare(name, found, min(TOP_K, int(bench.pack.global_to_combined.shape[0])))
     result = run_throughput(bench.pack, library, m_list, cold=cold, replays=replays, seed=seed + 1234,
-                            log=output.log)
+                            log=output.log, compare=None if isinstance(comparer, str) else comparer)
+    summary, wrong = compare_summary(name, comparer, result["rows"])
     if as_json:
-        output.emit_json({"source": bench.description, "environment": environment(library), **result})
-        return
-    _print_throughput(result, bench.description)
+        output.emit_json({"source": bench.description, "environment": environment(library), **result, **summary})
+    else:
+        _print_throughput(result, bench.description)
+    if wrong:
+        raise CheckFailed(f"--compare {name}: its output disagrees with the float64 reference, so its time is "
+                          f"not reported ({'; '.join(wrong)}): the tensors given to it are not the layer's")
 
 
 def _print_throughput(result: dict, description: str) -> None:
     from rich.table import Table
 
+    from trellis_cli.cli.bench_compare import compare_cells, compare_columns
+
     mode = "cold" if result["cold"] else "warm"
     table = Table(title=output.cell(f"{description}, {mode} L2, copy {result['copy_gbps']:.0f} GB/s"))
     for column in ("M", "fused med µs", "min", "max", "two-pass µs", "fused/2p", "experts", "MB", "GB/s",
-                   "% copy", "TFLOP/s", "Gw/ms"):
+                   "% copy", "TFLOP/s", "Gw/ms", *compare_columns(result["rows"])):
         table.add_column(column, justify="right")
     for r in result["rows"]:
         f, t = r["fused"], r["two_pass"]
         table.add_row(str(r["m"]), f"{f['median_us']:.1f}", f"{f['min_us']:.1f}", f"{f['max_us']:.1f}",
                       f"{t['median_us']:.1f}", f"{r['fused_over_two_pass']:.2f}", str(r["experts"]),
                       f"{r['bytes'] / 1e6:.1f}", f"{r['gbps']:.0f}", f"{r['pct_copy_bw']:.1f}",
-                      f"{r['tflops']:.1f}", f"{r['g_weights_per_ms']:.2f}")
+                      f"{r['tflops']:.1f}", f"{r['g_weights_per_ms']:.2f}", *compare_cells(r))
     output.stdout.print(table)
