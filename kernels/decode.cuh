@@ -56,33 +56,51 @@ __device__ __forceinline__ uint32_t lane_state(const TileWords& t, int off, int 
 // Bytes 1-2 of x as a 16-bit value: (x >> 8) & 0xFFFF in one PRMT.
 __device__ __forceinline__ uint32_t bytes12(uint32_t x) { return __byte_perm(x, 0u, 0x4421); }
 
-// All 8 states of the lane at once, in the fewest integer instructions (the decode loop is bound by their
-// total: on sm_90 the ALU and IMAD pipes share one budget, docs/kernel.md "The decode budget").
+// Bits N .. N+15 of x: a left shift that drops the bits above them, as IMAD.SHL (a multiply by 2^(16-N),
+// which runs on the FMA-heavy pipe), then a right shift by 16 on the ALU. The same two instructions as a
+// shift and a mask, but one of them off the ALU pipe, which binds the decode (docs/kernel.md "The decode
+// budget": IMAD.SHL issues at full rate beside LOP3, where IMAD.HI takes two issue slots).
+template <int N>
+__device__ __forceinline__ uint32_t bits16_at(uint32_t x) {
+  static_assert(N >= 0 && N < 16, "a 16-bit field inside one word, below bit 16");
+  uint32_t y;
+  asm("mul.lo.u32 %0, %1, %2;" : "=r"(y) : "r"(x), "n"(1u << (16 - N)));
+  return y >> 16;
+}
+
+// All 8 states of the lane at once, with the fewest instructions on the ALU pipe, which binds the decode
+// loops: the FMA-heavy pipe beside it issues IMAD and IMAD.SHL at the same rate, and the loops leave it
+// half idle (docs/kernel.md "The decode budget").
 // K4 windows start at bit 20 of w0 in every lane, so half the states are byte-aligned (one PRMT each, the
-// one across the two words with the zero bytes of state 3): 10 instructions for 8 states. K3 windows (37
-// bits) start at bit 3, 11, 19 or 27 (by lane): two funnel shifts give its first and its last 32 bits,
-// states 0-1 are a shift and a mask of the first and states 2-7 of the last, state 7 a mask alone: 16
-// (left-aligning the window into hi:lo took 17). Both equal lane_state (the GPU stage checks compare
-// every stage with the CPU decoder); other K use lane_state.
+// one across the two words with the zero bytes of state 3); states 4 and 6 are cut out by bits16_at: 11
+// instructions for 8 states, 9 of them on the ALU. K3 windows (37 bits) start at bit 3, 11, 19 or 27 (by
+// lane): two funnel shifts give its first and its last 32 bits; state 0 is a shift of the first, state 7 a
+// mask of the last, states 1-6 bits16_at: 16 instructions, 10 on the ALU (a shift and a mask each put all
+// 16 there). Both equal lane_state (the GPU stage checks compare every stage with the CPU decoder); other
+// K use lane_state.
 template <int K>
 __device__ __forceinline__ void lane_states(const TileWords& t, const LaneWindow& win, uint32_t s[8]) {
   if (K == 4) {  // s_j = (u0:u1 >> (28 - 4j)) & 0xFFFF
-    const uint32_t a = t.u1 >> 4, b = __funnelshift_r(t.u1, t.u0, 20);
+    const uint32_t b = __funnelshift_r(t.u1, t.u0, 20);
     s[0] = bytes12(b);
     s[3] = t.u1 >> 16;
     s[1] = __byte_perm(s[3], t.u0, 0x3241);  // u1's byte 3, u0's byte 0, then s3's two zero bytes
     s[2] = b & 0xFFFFu;
-    s[4] = bytes12(a);
+    s[4] = bits16_at<12>(t.u1);
     s[5] = bytes12(t.u1);
-    s[6] = a & 0xFFFFu;
+    s[6] = bits16_at<4>(t.u1);
     s[7] = t.u1 & 0xFFFFu;
   } else if (K == 3) {  // s_j = window bits 3j .. 3j + 15
     const uint32_t head = __funnelshift_l(t.u1, t.u0, win.off);       // window bits 0 .. 31
     const uint32_t tail = __funnelshift_lc(t.u1, t.u0, win.off + 5);  // bits 5 .. 36 (clamped: off + 5 may be 32)
     s[0] = head >> 16;
-    s[1] = (head >> 13) & 0xFFFFu;
-#pragma unroll
-    for (int j = 2; j <= 7; ++j) s[j] = (tail >> (21 - 3 * j)) & 0xFFFFu;
+    s[1] = bits16_at<13>(head);
+    s[2] = bits16_at<15>(tail);
+    s[3] = bits16_at<12>(tail);
+    s[4] = bits16_at<9>(tail);
+    s[5] = bits16_at<6>(tail);
+    s[6] = bits16_at<3>(tail);
+    s[7] = tail & 0xFFFFu;
   } else {
 #pragma unroll
     for (int j = 0; j < 8; ++j) s[j] = lane_state<K>(t, win.off, j);
