@@ -51,7 +51,7 @@ def load_lab_library(path: Path, build_hash: str = "", arch: str = "", nvcc_vers
     """The lab build at `path`; a production library is refused."""
     handle = abi.open_library(path, TrellisLabArgs, lab=True)
     return abi.KernelLibrary(handle, Path(path), build_hash, arch, nvcc_version, bool(handle.trellis_has_wgmma()),
-                             codebook, TrellisLabArgs)
+                             codebook, args_type=TrellisLabArgs)
 
 
 def load_any(path: Path) -> abi.KernelLibrary:
