@@ -307,8 +307,9 @@ def unit_threads(units: list[Unit], parallel: int) -> dict[Unit, int]:
 
 def cold_build_estimate(units: list[Unit], parallel: int) -> float:
     """Seconds a cold build of `units` takes `parallel` at a time on the reference 2-core machine."""
-    seconds = [u.seconds for u in units]
-    return max(max(seconds, default=0.0), sum(seconds) / min(parallel, os.cpu_count() or 1, max(len(units), 1)))
+    threads = unit_threads(units, parallel)
+    longest = max((u.seconds / threads[u] for u in units), default=0.0)  # a unit's kernels split over its threads
+    return max(longest, sum(u.seconds for u in units) / min(parallel, os.cpu_count() or 1, max(len(units), 1)))
 
 
 def _compile_units(nvcc: str, arch: str, source_dir: Path, units: list[Unit], paths: dict[Unit, Path],
