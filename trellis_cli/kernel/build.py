@@ -5,9 +5,10 @@ unit (`trellis_moe.cu`: argument checks, launch sequence, route pack, rotation, 
 with that codebook's GEMM units (`gemm_unit.cu`, compiled once per tile family and K-set; `kernels/gemm_table.h`).
 A run builds only the codebook of the layer it serves (mcg for every TR3 checkpoint), and another on first
 use; and of that codebook only the K3/K4 kernels where the layer's tiers are all K3 or K4 (every TR3
-checkpoint: the "k3k4" kernel set), the kernels of every K ("all") where they are not. Every object is cached under its own hash (its source and the headers it includes, the flags, the
-arch and the nvcc version), so a change recompiles only the units it touches; a library is cached under
-the hash of its objects.
+checkpoint: the "k3k4" kernel set), the kernels of every K ("all") where they are not. Every object is
+cached under its own hash (its source and the headers it includes, the flags, the arch and the nvcc
+version), so a change recompiles only the units it touches; a library is cached under the hash of its
+objects.
 
 The cache is $TRELLIS_KERNEL_CACHE, or ($XDG_CACHE_HOME or ~/.cache)/trellis/kernels. The units compile
 $TRELLIS_BUILD_JOBS at a time (default: one per CPU core, os.cpu_count()); where there are more cores
