@@ -68,7 +68,9 @@ def add_sparse_tensor_unhashed(root: Path, shard: str, name: str, nbytes: int) -
 
 
 def limited_repack(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MALLOC_ARENA_MAX="2")  # per-thread malloc arenas reserve 64 MB
+    # One malloc arena: each further one reserves 64 MB of address space, which threads racing for the
+    # allocator create at random, so a loaded machine could spend the margin on reservations alone.
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MALLOC_ARENA_MAX="1")
     return subprocess.run([sys.executable, "-c", LIMITED, str(MARGIN), "repack", *args], env=env,
                           capture_output=True, text=True, timeout=600)
 
