@@ -96,8 +96,8 @@ def register(app: typer.Typer) -> None:
         output.log(f"source: {bench.description}")
         output.log(f"building or loading the kernel library for the {bench.pack.codebook} codebook ...")
         # A synthetic --smoke also checks each of the preset's K alone: the kernel set covers them all.
-        kernels = kernels_for(get_preset(synthetic).tier_k) if synthetic else kernel_set(bench.pack)
-        library = default_library(bench.pack.codebook, kernels=kernels, jobs=jobs, log=output.log)
+        needed = kernels_for(get_preset(synthetic).tier_k) if synthetic else kernel_set(bench.pack)
+        library = default_library(bench.pack.codebook, kernels=needed, jobs=jobs, log=output.log)
         if smoke:
             _run_smoke(bench, library, synthetic, seed, as_json)
         else:
