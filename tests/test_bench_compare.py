@@ -5,6 +5,8 @@ to the layer), and the table/JSON pieces. The timed run is in test_bench_compare
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -17,7 +19,7 @@ from safetensors import safe_open
 from conftest import cuda_available
 from helpers import run_cli
 from trellis_cli.bench.peer_compare import disagreements
-from trellis_cli.bench.peer_exllamav3 import PEER_VERSION, locate_peer, split_routes, tier_experts
+from trellis_cli.bench.peer_exllamav3 import PEER_VERSION, locate_peer, package_shell, split_routes, tier_experts
 from trellis_cli.bench.smoke import rel_l2
 from trellis_cli.bench.synthetic import Preset, random_activations, random_routes, synthetic_pack
 from trellis_cli.checkpoint import open_checkpoint
@@ -66,6 +68,22 @@ def test_another_release_of_the_peer_is_skipped_without_importing_it(tmp_path):
     assert done.returncode == 4, done.stderr
     assert (f"exllamav3 not importable: exllamav3 1.0.0 is installed; this comparison calls {PEER_VERSION}"
             in done.stderr.replace("\n", " "))
+
+
+def test_a_package_shell_imports_submodules_and_can_still_be_located(tmp_path, monkeypatch):
+    # The peer's MoE layer is imported under shells of its packages (their __init__ never runs); locating the
+    # peer again in the same process (a second bench run, the GPU tests) must still find it.
+    package = tmp_path / "shell_probe_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise SystemExit('imported')\n")
+    (package / "part.py").write_text("VALUE = 7\n")
+    monkeypatch.setitem(sys.modules, "shell_probe_pkg", package_shell("shell_probe_pkg", str(package)))
+    spec = importlib.util.find_spec("shell_probe_pkg")
+    assert spec is not None and list(spec.submodule_search_locations) == [str(package)]
+    try:
+        assert importlib.import_module("shell_probe_pkg.part").VALUE == 7
+    finally:
+        sys.modules.pop("shell_probe_pkg.part", None)
 
 
 def test_tier_experts_are_the_checkpoints_own_linears():

@@ -13,7 +13,9 @@ median is printed, times in µs from the call's first CTA start:
     phase  CTAs  start first/median/last  waited first/median/last  end first/median/last  SM-busy %
 
 SM-busy: over the phase's window (first start to last end), the mean share of time each SM that ran the
-phase had at least one of its CTAs past its wait (the part where it can do the phase's work). Marks are
+phase had at least one of its CTAs past its wait (the part where it can do the phase's work). Where SMs
+held several CTAs of a phase, two more lines say how many SMs held how many and when those ended, and when
+the CTAs placed first, second, ... on their SM ended. Marks are
 stamps a kernel sets at points of its own (timeline_mark): the compiler may move arithmetic across them,
 so they bound where a CTA was, not what it had finished. A phase of more than 16384 CTAs (the rotation at
 M=3072) folds the rest into its last row, so its CTA count reads 16384.
@@ -49,6 +51,25 @@ def union_length(intervals: list[tuple[int, int]]) -> int:
     return total + (cur_end - cur_start if cur_end is not None else 0)
 
 
+def sm_load_lines(rows, us) -> list[str]:
+    """How a phase's CTAs sat on the SMs: per count of CTAs an SM held, how many SMs and when their last CTA
+    ended; per place on an SM (its CTAs in grid order), when those CTAs ended. CTAs sharing an SM do not end
+    together: the one placed first runs ahead (run 252)."""
+    per_sm: dict[int, list[int]] = {}
+    for row in rows:  # rows are in grid order
+        per_sm.setdefault(row[3], []).append(row[2])
+    if max(len(v) for v in per_sm.values()) < 2:
+        return []
+    counts = sorted({len(v) for v in per_sm.values()})[:6]
+    held = " / ".join(str(sum(len(v) == n for v in per_sm.values())) for n in counts)
+    last = " / ".join(f"{us(statistics.median(max(v) for v in per_sm.values() if len(v) == n)):.1f}" for n in counts)
+    places = min(4, max(len(v) for v in per_sm.values()))
+    by_place = " / ".join(f"{us(statistics.median(v[i] for v in per_sm.values() if len(v) > i)):.1f}"
+                          for i in range(places))
+    return [f"SMs holding {' / '.join(map(str, counts))} CTAs: {held}, their last end (median) {last}",
+            f"end by place on the SM (1st / 2nd ...), median: {by_place}"]
+
+
 def report(timeline, t0: int) -> None:
     us = lambda t: (t - t0) / 1000.0  # noqa: E731
     trio = lambda v: f"{us(min(v)):6.1f} {us(statistics.median(v)):6.1f} {us(max(v)):6.1f}"  # noqa: E731
@@ -70,6 +91,8 @@ def report(timeline, t0: int) -> None:
             marks = [r[4 + i] for r in rows if r[4 + i]]
             if marks:
                 print(f"{'':>7} {'':>5}   mark {i}: {trio(marks)}  ({len(marks)} CTAs)")
+        for line in sm_load_lines(rows, us):
+            print(f"{'':>7} {'':>5}   {line}")
 
 
 def main() -> None:

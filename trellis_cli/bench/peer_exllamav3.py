@@ -19,6 +19,7 @@ each one's trellis bytes unchanged (docs/format.md), so the peer's linears are v
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.metadata
 import importlib.util
 import sys
@@ -84,13 +85,21 @@ def load_peer(location: PeerLocation) -> PeerApi | str:
         return f"importing its MoE layer failed: {type(err).__name__}: {last[:300]}"
 
 
+def package_shell(name: str, path: str) -> types.ModuleType:
+    """A package module whose `__init__` never runs: its submodules import from `path`. It carries a spec,
+    so that `importlib.util.find_spec(name)` (locate_peer) still answers once it sits in sys.modules."""
+    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    spec.submodule_search_locations = [path]
+    shell = importlib.util.module_from_spec(spec)
+    shell.__path__ = [path]
+    return shell
+
+
 def _import_moe(version: str, root: str) -> PeerApi:
     added = []
     if PEER not in sys.modules:  # a full import already done by the host is used as it is
         for suffix in _SHELLS:
-            shell = types.ModuleType(PEER + suffix)
-            shell.__path__ = [root + suffix.replace(".", "/")]
-            sys.modules[PEER + suffix] = shell
+            sys.modules[PEER + suffix] = package_shell(PEER + suffix, root + suffix.replace(".", "/"))
             added.append(PEER + suffix)
     try:
         config = importlib.import_module(f"{PEER}.model.config")
