@@ -15,9 +15,9 @@ median is printed, times in µs from the call's first CTA start:
 SM-busy: over the phase's window (first start to last end), the mean share of time each SM that ran the
 phase had at least one of its CTAs past its wait (the part where it can do the phase's work). Where SMs
 held several CTAs of a phase, two more lines say how many SMs held how many and when those ended, and when
-the CTAs placed first, second, ... on their SM ended. Marks are
-stamps a kernel sets at points of its own (timeline_mark): the compiler may move arithmetic across them,
-so they bound where a CTA was, not what it had finished. A phase of more than 16384 CTAs (the rotation at
+the CTAs placed first, second, ... on their SM ended. Marks are stamps a kernel sets at points of its own
+(timeline_mark): the compiler may move arithmetic across them, so they bound where a CTA was, not what it
+had finished. A phase of more than 16384 CTAs (the rotation at
 M=3072) folds the rest into its last row, so its CTA count reads 16384.
 """
 

@@ -90,9 +90,7 @@ def package_shell(name: str, path: str) -> types.ModuleType:
     so that `importlib.util.find_spec(name)` (locate_peer) still answers once it sits in sys.modules."""
     spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
     spec.submodule_search_locations = [path]
-    shell = importlib.util.module_from_spec(spec)
-    shell.__path__ = [path]
-    return shell
+    return importlib.util.module_from_spec(spec)  # __path__ from the spec's search locations
 
 
 def _import_moe(version: str, root: str) -> PeerApi:
