@@ -20,6 +20,7 @@
 
 #include "../../../kernels/decode.cuh"
 #include "../../../kernels/wgmma.cuh"
+#include "staged_tiles.cuh"
 
 using namespace trellis;
 
@@ -69,7 +70,6 @@ __device__ __forceinline__ void wgmma_m64n128k16_acc16(uint32_t (&d)[32], const 
 __device__ __forceinline__ void wait_turn(int wg) { asm volatile("bar.sync %0, 256;" ::"r"(1 + wg) : "memory"); }
 __device__ __forceinline__ void pass_turn(int next) { asm volatile("bar.arrive %0, 256;" ::"r"(1 + next) : "memory"); }
 #endif
-constexpr int kTiles = 64;
 constexpr int kRowBytes = 128 * 128;  // 128 routes x 64 halves: one swizzled k-half atom group
 
 template <int K, int MODE, int BATCH = 1, int kThreads = 512, bool RING = false, int N = 128, int CTAS = 1>
@@ -176,29 +176,16 @@ double rate(const uint32_t* src, float* out) {
   const int smem = kRowBytes + kTiles * 8 * K * 4, iters = 512;
   cudaFuncSetAttribute(wgmma_loop<K, MODE, BATCH, kThreads, RING, N, CTAS>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   wgmma_loop<K, MODE, BATCH, kThreads, RING, N, CTAS><<<CTAS * sms, kThreads, smem>>>(src, out, 4);
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  cudaEventRecord(e0);
-  for (int rep = 0; rep < 5; ++rep) wgmma_loop<K, MODE, BATCH, kThreads, RING, N, CTAS><<<CTAS * sms, kThreads, smem>>>(src, out, iters);
-  cudaEventRecord(e1);
-  cudaEventSynchronize(e1);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, e0, e1);
-  return double(CTAS * sms) * (kThreads / 32) * iters * 8 * 256 / (ms / 5) / 1e9;
+  const float ms = mean_launch_ms(
+      [&] { wgmma_loop<K, MODE, BATCH, kThreads, RING, N, CTAS><<<CTAS * sms, kThreads, smem>>>(src, out, iters); });
+  return double(CTAS * sms) * (kThreads / 32) * iters * 8 * 256 / ms / 1e9;
 }
 
 int main(int argc, char** argv) {
   const bool all = argc < 2 || argv[1][0] != 'n';  // "new": the ping-pong and fp16-accumulator lines only
-  const int n = kTiles * 8 * 8;
-  std::vector<uint32_t> host(n);
-  srand(11);
-  for (auto& v : host) v = (uint32_t(rand()) << 16) ^ uint32_t(rand());
-  uint32_t* src;
+  const uint32_t* src = random_tile_words();
   float* out;
-  cudaMalloc(&src, n * 4);
   cudaMalloc(&out, 132 * 512 * 4);
-  cudaMemcpy(src, host.data(), n * 4, cudaMemcpyHostToDevice);
   if (all) {
     printf("16 warps per SM, G weights / ms (MMA time per tile = one m64n128k16 per warpgroup)\n");
     printf("  K4  decode + wgmma %5.2f   decode only %5.2f   wgmma only %5.2f\n", rate<4, kDecodeAndMma>(src, out),

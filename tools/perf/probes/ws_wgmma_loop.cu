@@ -18,9 +18,6 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
-#include <stdlib.h>
-
-#include <vector>
 
 #include "../../../kernels/decode.cuh"
 #include "../../../kernels/wgmma.cuh"
@@ -169,16 +166,8 @@ double ws_rate(const uint32_t* src, float* out) {
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   constexpr int threads = (P + C) * 128;
   kernel<<<sms, threads, smem>>>(src, out);
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  cudaEventRecord(e0);
-  for (int rep = 0; rep < 5; ++rep) kernel<<<sms, threads, smem>>>(src, out);
-  cudaEventRecord(e1);
-  cudaEventSynchronize(e1);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, e0, e1);
-  return double(sms) * kStagesPerCta * 4096 / (ms / 5) / 1e9;
+  const float ms = mean_launch_ms([&] { kernel<<<sms, threads, smem>>>(src, out); });
+  return double(sms) * kStagesPerCta * 4096 / ms / 1e9;
 }
 
 template <int K, int P, int C, int N>
@@ -189,15 +178,9 @@ void line(const uint32_t* src, float* out) {
 }
 
 int main() {
-  const int n = kTiles * 8 * 8;
-  std::vector<uint32_t> host(n);
-  srand(11);
-  for (auto& v : host) v = (uint32_t(rand()) << 16) ^ uint32_t(rand());
-  uint32_t* src;
+  const uint32_t* src = random_tile_words();
   float* out;
-  cudaMalloc(&src, n * 4);
   cudaMalloc(&out, 132 * 1024 * 4);
-  cudaMemcpy(src, host.data(), n * 4, cudaMemcpyHostToDevice);
   printf("warp-specialized decode -> shared memory -> wgmma (A and B from shared memory), G weights / ms\n");
   line<4, 3, 1, 32>(src, out);
   line<4, 3, 1, 96>(src, out);
