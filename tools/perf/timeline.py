@@ -51,13 +51,11 @@ def union_length(intervals: list[tuple[int, int]]) -> int:
     return total + (cur_end - cur_start if cur_end is not None else 0)
 
 
-def sm_load_lines(rows, us) -> list[str]:
-    """How a phase's CTAs sat on the SMs: per count of CTAs an SM held, how many SMs and when their last CTA
-    ended; per place on an SM (its CTAs in grid order), when those CTAs ended. CTAs sharing an SM do not end
-    together: the one placed first runs ahead (run 252)."""
-    per_sm: dict[int, list[int]] = {}
-    for row in rows:  # rows are in grid order
-        per_sm.setdefault(row[3], []).append(row[2])
+def sm_load_lines(sm_ctas: dict[int, list[tuple[int, int]]], us) -> list[str]:
+    """How a phase's CTAs sat on the SMs (per SM, its CTAs' (waited, end) in grid order): per count of CTAs
+    an SM held, how many SMs and when their last CTA ended; per place on an SM, when those CTAs ended. CTAs
+    sharing an SM do not end together: the one placed first runs ahead (run 252)."""
+    per_sm = {sm: [end for _, end in ctas] for sm, ctas in sm_ctas.items()}
     if max(len(v) for v in per_sm.values()) < 2:
         return []
     counts = sorted({len(v) for v in per_sm.values()})[:6]
@@ -91,7 +89,7 @@ def report(timeline, t0: int) -> None:
             marks = [r[4 + i] for r in rows if r[4 + i]]
             if marks:
                 print(f"{'':>7} {'':>5}   mark {i}: {trio(marks)}  ({len(marks)} CTAs)")
-        for line in sm_load_lines(rows, us):
+        for line in sm_load_lines(per_sm, us):
             print(f"{'':>7} {'':>5}   {line}")
 
 

@@ -21,6 +21,7 @@
 #include "../../../kernels/decode.cuh"
 #include "../../../kernels/wgmma.cuh"
 #include "staged_tiles.cuh"
+#include "wgmma_ss.cuh"
 
 using namespace trellis;
 
@@ -43,14 +44,6 @@ __host__ __device__ constexpr bool ffma_mode(int m) {
 }
 
 #ifdef TRELLIS_DEVICE_WGMMA
-// d += A * B with A (64 x 16) from shared memory too.
-__device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[64], uint64_t a_desc, uint64_t b_desc) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" TRELLIS_ACC_NAMES_0 TRELLIS_ACC_NAMES_16
-               TRELLIS_ACC_NAMES_32 TRELLIS_ACC_NAMES_48 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-               : TRELLIS_ACC16(0), TRELLIS_ACC16(16), TRELLIS_ACC16(32), TRELLIS_ACC16(48)
-               : "l"(a_desc), "l"(b_desc), "r"(1));
-}
 // d += A * B with fp16 accumulators (d: 64 x 128 as 32 registers of half pairs).
 __device__ __forceinline__ void wgmma_m64n128k16_acc16(uint32_t (&d)[32], const uint32_t a[4], uint64_t b_desc) {
   asm volatile(
@@ -127,7 +120,7 @@ __global__ void __launch_bounds__(kThreads, CTAS) wgmma_loop(const uint32_t* __r
       if (MODE == kDecodeAndSsMma || MODE == kSsMmaOnly) {  // A: the first 64 route rows stand in
         wgmma_wait<1>();
         wgmma_fence();
-        wgmma_ss_m64n128k16(acc, swizzled_descriptor(rows + (kt & 3) * 32, 1024),
+        wgmma_ss<128>(acc, swizzled_descriptor(rows + (kt & 3) * 32, 1024),
                             swizzled_descriptor(rows + (kt & 3) * 32, 1024));
         wgmma_commit();
         continue;

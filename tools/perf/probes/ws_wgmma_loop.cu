@@ -22,6 +22,7 @@
 #include "../../../kernels/decode.cuh"
 #include "../../../kernels/wgmma.cuh"
 #include "staged_tiles.cuh"
+#include "wgmma_ss.cuh"
 
 using namespace trellis;
 
@@ -32,25 +33,6 @@ constexpr int kStageBytes = 64 * 128;  // A: 64 weight rows x 64 halves
 constexpr int kStagesPerCta = 4096;    // 65536 weight tiles per CTA, as wgmma_loop's 16 warps x 512 x 8
 
 #ifdef TRELLIS_DEVICE_WGMMA
-template <int N>
-__device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t a_desc, uint64_t b_desc);
-#define WS_WGMMA_SS(N, NAMES, ADESC, BDESC, PRED, ...)                                                        \
-  template <>                                                                                               \
-  __device__ __forceinline__ void wgmma_ss<N>(float(&d)[64], uint64_t a_desc, uint64_t b_desc) {           \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #PRED ", 0;\n"                                         \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" NAMES "}, %" #ADESC ", %" #BDESC \
-                 ", p, 1, 1, 0, 0;\n}\n"                                                                      \
-                 : __VA_ARGS__                                                                                \
-                 : "l"(a_desc), "l"(b_desc), "r"(1));                                                         \
-  }
-WS_WGMMA_SS(32, TRELLIS_ACC_NAMES_0, 16, 17, 18, TRELLIS_ACC16(0))
-WS_WGMMA_SS(64, TRELLIS_ACC_NAMES_0 TRELLIS_ACC_NAMES_16, 32, 33, 34, TRELLIS_ACC16(0), TRELLIS_ACC16(16))
-WS_WGMMA_SS(96, TRELLIS_ACC_NAMES_0 TRELLIS_ACC_NAMES_16 TRELLIS_ACC_NAMES_32, 48, 49, 50, TRELLIS_ACC16(0),
-            TRELLIS_ACC16(16), TRELLIS_ACC16(32))
-WS_WGMMA_SS(128, TRELLIS_ACC_NAMES_0 TRELLIS_ACC_NAMES_16 TRELLIS_ACC_NAMES_32 TRELLIS_ACC_NAMES_48, 64, 65, 66,
-            TRELLIS_ACC16(0), TRELLIS_ACC16(16), TRELLIS_ACC16(32), TRELLIS_ACC16(48))
-#undef WS_WGMMA_SS
-
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
