@@ -14,7 +14,9 @@ from pathlib import Path
 from trellis_cli.errors import GpuUnavailable
 
 # Flags of every translation unit (build.py adds the arch's code generation and the unit's defines).
-COMPILE_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-lineinfo")
+# --resource-usage: ptxas reports each kernel's registers and static shared memory, which the build records
+# beside the object (kernel/resources.py) and the launch plan is checked with.
+COMPILE_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-lineinfo", "--resource-usage")
 
 
 def find_nvcc() -> str:
