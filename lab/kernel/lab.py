@@ -1,6 +1,6 @@
 """The kernel lab: lab builds of the kernel library, loaded and launched with their flags.
 
-For the tools in tools/perf/ and the GPU tests, never for the product. A lab build (kernels/lab.h; the
+For the tools in lab/perf/ and the GPU tests, never for the product. A lab build (kernels/lab.h; the
 "lab" and "timeline" variants of build.py) compiles the same kernels with -DTRELLIS_LAB: its arguments end
 with `lab_flags` and it exports trellis_lab_build. The production loader (abi.load_library) refuses a lab
 build and `load_lab_library` refuses a production one. The flags skip phases of a call (SKIP_*, NO_PDL:
@@ -8,7 +8,7 @@ timing variants, whose results are meaningless) or force a launch shape (FC2_WID
 results are unchanged). The timeline variant also stamps when each CTA of each phase starts, returns from
 its wait and ends (kernels/timeline.cuh), read with `read_timeline`.
 
-    python3 -m trellis_cli.kernel.lab [--variant lab|timeline|production] [--arch sm_90] [--codebook mcg]
+    python3 -m lab.kernel.lab [--variant lab|timeline|production] [--arch sm_90] [--codebook mcg]
                                       [--commands]
 
 builds one library and prints its path; with --commands it prints the nvcc command lines of that build
@@ -94,7 +94,7 @@ class LabMoe(FusedMoe):
             return self._launch(x, topk_ids, topk_weights, out, out_dtype, tier, plan, lab_flags=lab_flags)
         if lab_flags:
             raise CheckFailed(f"lab flags {lab_flags} need a lab build; {self.library.path} is the production "
-                              f"library (trellis_cli.kernel.lab.lab_library builds one)")
+                              f"library (lab.kernel.lab.lab_library builds one)")
         return self._launch(x, topk_ids, topk_weights, out, out_dtype, tier, plan)
 
 
@@ -118,7 +118,7 @@ def read_timeline(library: abi.KernelLibrary) -> list[list[tuple[int, ...]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m trellis_cli.kernel.lab", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m lab.kernel.lab", description=__doc__.split("\n")[0])
     parser.add_argument("--variant", default="lab", choices=(build.PRODUCTION, *LAB_VARIANTS))
     parser.add_argument("--arch", default=None, help="e.g. sm_90 (default: the current GPU's)")
     parser.add_argument("--codebook", default="mcg")

@@ -3,7 +3,7 @@
 Not used by the product: the route pack as kernels/route_pack.cuh builds it (count, padded prefix, tile
 list, scatter in route order), and the expanded column layout of the GEMM inputs undone
 (kernels/decode.cuh expanded_col). The CPU tests check the algorithm's invariants against these; the
-stage-by-stage tool (tools/perf/kernel_stages.py) reads a call's workspace through them.
+stage-by-stage tool (lab/perf/kernel_stages.py) reads a call's workspace through them.
 """
 
 from __future__ import annotations

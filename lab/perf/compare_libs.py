@@ -1,6 +1,6 @@
 """Do two kernel library builds compute bit-identical outputs? For changes meant to keep the numerics.
 
-    python3 tools/perf/compare_libs.py A.so B.so [--m 1,3,8,64,512,3072]
+    python3 lab/perf/compare_libs.py A.so B.so [--m 1,3,8,64,512,3072]
 
 Runs both on the production shape (glm52-tp4 192/64, mcg) with the same random inputs and the plan each
 library picks, fused and two-pass (production or lab builds), and prints the largest difference (0 when identical). Exit code 1 when
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from trellis_cli.bench.synthetic import PRESETS, random_activations, random_routes, synthetic_pack
-from trellis_cli.kernel import lab
+from lab.kernel import lab
 from trellis_cli.kernel.launch import FusedMoe
 
 

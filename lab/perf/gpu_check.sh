@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build, check and time the fused kernel on a GPU machine in one go; logs under $OUT (or ./gpu-out).
-#   tools/perf/gpu_check.sh [stages|tests|smoke|bench|gap|shared|warm|sample|all]...   (default: all)
+#   lab/perf/gpu_check.sh [stages|tests|smoke|bench|gap|shared|warm|sample|all]...   (default: all)
 # The kernel cache may be carried in ./.kcache (XDG_CACHE_HOME) to skip the nvcc build.
 set -u
 OUT=${OUT:-./gpu-out}
@@ -28,14 +28,14 @@ except Exception as err:
     print('carried build unusable, rebuilding:', str(err).splitlines()[0]); lib = default_library()
 print('kernel', lib.build_hash, lib.arch, lib.path)"
 if want stages; then
-  run stages python3 tools/perf/kernel_stages.py
+  run stages python3 lab/perf/kernel_stages.py
   [[ ${summary[-1]} == *"rc=0 "* ]] || { printf '%s\n' "${summary[@]}"; exit 1; }
 fi
 want tests && run tests python3 -m pytest -q -x tests/test_kernel_gpu.py tests/test_bench_gpu.py \
   tests/test_bench_mixed_gap.py
 want smoke && run smoke python3 -m trellis_cli bench --synthetic glm52-tp4 --smoke
 want bench && run bench bash -c "python3 -m trellis_cli bench --synthetic glm52-tp4 --json > $OUT/bench.json"
-want bench && python3 tools/perf/bench_table.py "$OUT/bench.json" | tee "$OUT/bench_table.txt"
+want bench && python3 lab/perf/bench_table.py "$OUT/bench.json" | tee "$OUT/bench_table.txt"
 if want gap; then  # 192/64 beside uniform K3 and K4 layers of its shape, timed interleaved in one process
   run gap bash -c "python3 -m trellis_cli bench --synthetic glm52-tp4 --mixed-gap --json > $OUT/mixed_gap.json"
   python3 -c "import json, sys; from trellis_cli.cli.bench_gap import print_mixed_gap
@@ -45,7 +45,7 @@ fi
 if want shared; then  # the same layer with one suh/svh row for every expert (shared-H)
   run shared-smoke python3 -m trellis_cli bench --synthetic glm52-tp4-shared-h --smoke
   run shared-bench bash -c "python3 -m trellis_cli bench --synthetic glm52-tp4-shared-h --json > $OUT/bench_shared.json"
-  python3 tools/perf/bench_table.py "$OUT/bench_shared.json" | tee "$OUT/bench_shared_table.txt"
+  python3 lab/perf/bench_table.py "$OUT/bench_shared.json" | tee "$OUT/bench_shared_table.txt"
 fi
 want warm && python3 -m trellis_cli bench --synthetic glm52-tp4 --warm --m 1,8,64 2>&1 | tee -a "$OUT/bench_table.txt"
 if want sample; then  # the bundled sample: repacked on disk, and repacked in memory

@@ -14,7 +14,7 @@ import torch
 from trellis_cli.bench.synthetic import Preset, random_activations, random_routes, synthetic_pack
 from trellis_cli.codec import decode, hadamard128
 from trellis_cli.kernel.launch import FusedMoe
-from trellis_cli.kernel.oracle import plain_columns, route_combined
+from lab.kernel.oracle import plain_columns, route_combined
 from trellis_cli.kernel.plan import activation_expand
 from trellis_cli.reference import layer_pack_forward, pack_expert
 

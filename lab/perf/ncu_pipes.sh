@@ -12,7 +12,7 @@ ncu_pipes() {  # ncu_pipes NAME [ncu options...] -- CMD...: $OUT/NAME.ncu-rep, $
   [[ -s $OUT/ncu_query.txt ]] || "$NCU" --query-metrics > "$OUT/ncu_query.txt" 2>&1
   : > "$OUT/$name.log"
   for set in all core; do
-    metrics=$(python3 tools/perf/pipe_facts.py metrics "$OUT/ncu_query.txt" "$set")
+    metrics=$(python3 lab/perf/pipe_facts.py metrics "$OUT/ncu_query.txt" "$set")
     echo "ncu $name ($set): $metrics" >> "$OUT/$name.log"
     timeout "${NCU_TIMEOUT:-150}" "$NCU" --clock-control none --metrics "$metrics" "${opts[@]}" \
       -f -o "$OUT/$name" "$@" >> "$OUT/$name.log" 2>&1

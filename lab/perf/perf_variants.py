@@ -1,10 +1,10 @@
 """Time kernel library variants and their phases on the production shape (glm52-tp4 192/64, cold L2).
 
-    python3 tools/perf/perf_variants.py [LIB.so ...] [--m 1,8,64,512,3072] [--phases] [--preset NAME]
+    python3 lab/perf/perf_variants.py [LIB.so ...] [--m 1,8,64,512,3072] [--phases] [--preset NAME]
 
 Each library is loaded with its own handle; the same weight copies serve every variant. Without LIB.so it
-times the lab build of this tree (trellis_cli/kernel/lab.py, built on first use). --phases and --flags
-need lab builds (python3 -m trellis_cli.kernel.lab prints the path of one): with --phases, each M is also
+times the lab build of this tree (lab/kernel/lab.py, built on first use). --phases and --flags
+need lab builds (python3 -m lab.kernel.lab prints the path of one): with --phases, each M is also
 timed with one phase skipped (results meaningless, time is what counts), the difference to the full call
 being that phase's cost. With --calls N each captured graph holds N calls in a row (each on
 the next weight copy) and times are per call: the graph's own launch is then paid once per N calls.
@@ -20,7 +20,7 @@ import torch
 
 from trellis_cli.bench.synthetic import PRESETS, clone_weights, random_activations, random_routes, synthetic_pack
 from trellis_cli.bench.throughput import capture_graph, copies_needed, time_graphs, touched
-from trellis_cli.kernel import lab
+from lab.kernel import lab
 from trellis_cli.kernel.plan import make_plan
 
 PHASES = {"full": 0, "-rot": lab.SKIP_ROTATE, "-fc1": lab.SKIP_FC1, "-act": lab.SKIP_ACT, "-fc2": lab.SKIP_FC2,

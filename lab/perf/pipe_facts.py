@@ -1,9 +1,9 @@
-"""The pipe-facts probe's SASS check, ncu metric list and result table (tools/perf/pipe_facts.sh runs it):
+"""The pipe-facts probe's SASS check, ncu metric list and result table (lab/perf/pipe_facts.sh runs it):
 
-    python3 tools/perf/pipe_facts.py sass PROBE.sass CASES.tsv > sass_check.tsv   # the loop of every case
-    python3 tools/perf/pipe_facts.py metrics QUERY.txt [all|core]  # the valid metrics, comma-separated
-    python3 tools/perf/pipe_facts.py table RAW.csv [--sass sass_check.tsv] [--wall wall.txt]
-    python3 tools/perf/pipe_facts.py selftest
+    python3 lab/perf/pipe_facts.py sass PROBE.sass CASES.tsv > sass_check.tsv   # the loop of every case
+    python3 lab/perf/pipe_facts.py metrics QUERY.txt [all|core]  # the valid metrics, comma-separated
+    python3 lab/perf/pipe_facts.py table RAW.csv [--sass sass_check.tsv] [--wall wall.txt]
+    python3 lab/perf/pipe_facts.py selftest
 
 PROBE.sass is `cuobjdump -sass` of the probe, CASES.tsv its `--list`, QUERY.txt `ncu --query-metrics`,
 RAW.csv `ncu --import REP --csv --page raw` (or the details page), wall.txt the probe's timed run.

@@ -1,6 +1,6 @@
 """One eager call of the fused kernel at production shape for a profiler:
 
-    python3 tools/perf/profile_once.py M [LIB.so]
+    python3 lab/perf/profile_once.py M [LIB.so]
 
 LIB.so: a production or lab build (default: the production library of this tree, built on first use).
 """

@@ -2,8 +2,8 @@
 
     ncu --clock-control none --kernel-name regex:fc2_wgmma --launch-skip 1 --launch-count 1 \
         --section WarpStateStats --section SourceCounters --page source --csv --print-source sass \
-        python3 tools/perf/profile_once.py 512 LIB.so > fc2.csv
-    python3 tools/perf/sass_profile.py fc2.csv [--weights 0.805e9] [--top 20] [--blocks 12]
+        python3 lab/perf/profile_once.py 512 LIB.so > fc2.csv
+    python3 lab/perf/sass_profile.py fc2.csv [--weights 0.805e9] [--top 20] [--blocks 12]
 
 Counts are warp instructions executed. With --weights (the weights the kernel decodes: FC2 of glm52-tp4
 at M=512 touches every expert's down projection, 256 x 6144 x 512 = 0.805e9; FC1 twice that) they are

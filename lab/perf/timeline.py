@@ -1,10 +1,10 @@
 """Where the microseconds of one fused call go: per-CTA start, wait and end times of every phase.
 
-    python3 tools/perf/timeline.py [TL.so] [--m 1,8,64] [--replays 20] [--warm] [--split N] [--dump FILE.json]
+    python3 lab/perf/timeline.py [TL.so] [--m 1,8,64] [--replays 20] [--warm] [--split N] [--dump FILE.json]
 
 Without TL.so it builds (on first use) and runs the timeline lab build of this tree, the mcg library as one
-translation unit with -DTRELLIS_LAB -DTRELLIS_TIMELINE (trellis_cli/kernel/lab.py; `python3 -m
-trellis_cli.kernel.lab --variant timeline [--commands]` builds it, or prints its nvcc command lines).
+translation unit with -DTRELLIS_LAB -DTRELLIS_TIMELINE (lab/kernel/lab.py; `python3 -m
+lab.kernel.lab --variant timeline [--commands]` builds it, or prints its nvcc command lines).
 Each call runs as a captured CUDA graph on the production shape (glm52-tp4 192/64), cold L2 (replays cycle
 weight copies). The timeline build stamps %globaltimer (ns) when each CTA starts,
 when its wait on the previous kernel returns, and when its last warp ends. The replay whose span is the
@@ -32,7 +32,7 @@ import torch
 
 from trellis_cli.bench.synthetic import PRESETS, clone_weights, random_activations, random_routes, synthetic_pack
 from trellis_cli.bench.throughput import capture_graph, copies_needed, touched
-from trellis_cli.kernel import lab
+from lab.kernel import lab
 from trellis_cli.kernel.plan import make_plan
 from trellis_cli.formats.route_pack import split_descriptor
 

@@ -11,7 +11,8 @@ import shlex
 
 import pytest
 
-from trellis_cli.kernel import abi, build, lab, plan
+from lab.kernel import lab
+from trellis_cli.kernel import abi, build, plan
 from trellis_cli.kernel.launch import FusedMoe
 
 KERNELS = build.kernel_source_dir()
@@ -79,7 +80,7 @@ def test_the_production_python_api_takes_no_lab_flags():
         assert not [p for p in inspect.signature(method).parameters if "flag" in p], method
     assert "lab_flags" in inspect.signature(lab.LabMoe.forward).parameters
     for name in ("route_pack_reference", "RoutePack", "route_combined", "plain_columns"):
-        assert not hasattr(plan, name), name  # oracles: trellis_cli/kernel/oracle.py
+        assert not hasattr(plan, name), name  # oracles: lab/kernel/oracle.py
 
 
 def test_lab_variants_compile_the_same_units_apart_from_the_production_ones():

@@ -1,4 +1,4 @@
-"""tools/perf/pipe_facts.py: the pipe-facts probe's SASS check and ncu CSV -> table, on small synthetic files."""
+"""lab/perf/pipe_facts.py: the pipe-facts probe's SASS check and ncu CSV -> table, on small synthetic files."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "perf" / "pipe_facts.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "perf" / "pipe_facts.py"
 
 # cuobjdump -sass of two kernels: one whose loop holds what its case asks, one where ptxas chose another opcode.
 SASS = """\t\tFunction : pf_imad__lop3

@@ -1,4 +1,4 @@
-"""tools/perf/sass_profile.py: ncu's source-page CSV summed by opcode and by straight-line block."""
+"""lab/perf/sass_profile.py: ncu's source-page CSV summed by opcode and by straight-line block."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "perf" / "sass_profile.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "perf" / "sass_profile.py"
 
 # The shape ncu writes with --page source --csv --print-source sass: its own log lines, the kernel's name,
 # one header row and one row per SASS instruction (thousands separators in the counts).

@@ -42,13 +42,13 @@ def layer_geometry(source: str | None, synthetic: str | None, partition: str | N
 def run_plan_check(geometry: LayerGeometry, arch: str | None, m_list: list[int], as_json: bool) -> None:
     import torch
 
-    from trellis_cli.kernel.arch_limits import device_limits, limits_for_arch
+    from trellis_cli.kernel.arch_limits import device_limits, limits_for_arch, override_limits
     from trellis_cli.kernel.build import cache_dir
     from trellis_cli.kernel.nvcc import has_wgmma
     from trellis_cli.kernel.plan import KernelDoesNotFit, make_plan
     from trellis_cli.kernel.resources import read_record, record_path
 
-    if arch is None and not torch.cuda.is_available():
+    if arch is None and not torch.cuda.is_available() and override_limits() is None:
         raise UsageError("--plan without a GPU needs --arch, e.g. --arch sm_120")
     limits = limits_for_arch(arch) if arch else device_limits()
     # The registers ptxas gave the kernels, where this arch's library of the codebook has been built here;
@@ -60,7 +60,7 @@ def run_plan_check(geometry: LayerGeometry, arch: str | None, m_list: list[int],
     for m in m_list:
         try:
             plan = make_plan(m, geometry.top_k, geometry.hidden, geometry.intermediate, geometry.num_combined,
-                             wgmma=has_wgmma(limits.arch), num_experts=geometry.num_experts, limits=limits,
+                             wgmma=limits.wgmma and has_wgmma(limits.arch), num_experts=geometry.num_experts, limits=limits,
                              codebook=geometry.codebook, fast=geometry.fast, usage=usage)
         except KernelDoesNotFit as err:
             raise KernelDoesNotFit(f"M={m}: {err}") from None

@@ -18,7 +18,7 @@ file is written under a temporary name and moved into place, so a concurrent or 
 leaves half a file behind. Every failure (no nvcc, no GPU to pick an arch from, a compile error) is a
 GpuUnavailable (exit 4) whose message carries the compiler's output after the first line.
 
-Besides the production library there are two lab variants (trellis_cli/kernel/lab.py, kernels/lab.h),
+Besides the production library there are two lab variants (lab/kernel/lab.py, kernels/lab.h),
 cached apart from it under names of their own: "lab", the same units compiled with -DTRELLIS_LAB (the
 arguments end with lab flags), and "timeline", one codebook's whole library as one unit (single_tu.cu)
 with -DTRELLIS_LAB -DTRELLIS_TIMELINE, so that every kernel stamps the same timeline. `build_commands`

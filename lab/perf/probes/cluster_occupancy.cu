@@ -2,7 +2,7 @@
 // (on H200: 264 CTAs without clusters, 224-248 in clusters of 3 to 8, so M=1's 256 FC1 CTAs in clusters
 // of 8 need two waves).
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 -o cluster_occupancy tools/perf/probes/cluster_occupancy.cu && ./cluster_occupancy
+//   nvcc -O3 -std=c++17 -arch=sm_90 -o cluster_occupancy lab/perf/probes/cluster_occupancy.cu && ./cluster_occupancy
 //
 // The shape is that of FC1's 16-row K3/K4 kernel: 512 threads, 2 CTAs per SM, 99,840 bytes of shared memory
 // (expert_gemm.cuh fc1_smem_bytes). A cluster starts only where one GPC has room for all of its CTAs at

@@ -2,7 +2,7 @@
 // (on H200 the kernels' split-word loop runs 4.06 G weights/ms for K4 and 3.46 for K3 at 32 warps per SM).
 // Prints decoded weights per ms over the whole GPU.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o decode_loop tools/perf/probes/decode_loop.cu && ./decode_loop
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o decode_loop lab/perf/probes/decode_loop.cu && ./decode_loop
 //
 // Each warp walks 64 random 16x16 tiles (K 3 or 4, mcg) held in shared memory, 64 times, and multiplies
 // every decoded tile into NB blocks of 8 routes (registers stand in for the route operand). Variants

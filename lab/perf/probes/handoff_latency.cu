@@ -2,7 +2,7 @@
 // (on H200: a batch of 8 loads per lane of data just written about 460 ns, 1 us from DRAM; 3 dependent
 // loads about 290 ns).
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o handoff_latency tools/perf/probes/handoff_latency.cu && ./handoff_latency
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o handoff_latency lab/perf/probes/handoff_latency.cu && ./handoff_latency
 //
 // A writer kernel (every SM) stores a small block of floats; a reader kernel of one warp, launched after it
 // (with programmatic dependent launch, or plainly), times with clock64 from its wait's return:

@@ -5,7 +5,7 @@
 // pipes set its speed, so moving part of the states there could raise the rate, if the table's bank
 // conflicts (32 random 16-bit entries per warp) leave it enough.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o lut_decode tools/perf/probes/lut_decode.cu && ./lut_decode
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o lut_decode lab/perf/probes/lut_decode.cu && ./lut_decode
 //
 // As decode_loop.cu: each warp walks 64 random 16x16 tiles (K 3 or 4, mcg) from shared memory, 64 times,
 // into split-word MMAs against one block of 8 routes. One CTA of 1024 threads per SM (the table fills

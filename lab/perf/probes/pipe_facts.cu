@@ -1,8 +1,8 @@
 // Which pipe each decode instruction issues on, and how fast, alone and beside LOP3: one kernel per case,
-// named pf_<case>, for Nsight Compute to read the per-pipe counters of (tools/perf/pipe_facts.sh runs
+// named pf_<case>, for Nsight Compute to read the per-pipe counters of (lab/perf/pipe_facts.sh runs
 // all of it: SASS check, ncu, table).
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o pipe_facts tools/perf/probes/pipe_facts.cu && ./pipe_facts
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o pipe_facts lab/perf/probes/pipe_facts.cu && ./pipe_facts
 //   ./pipe_facts --list    the cases, their payload per warp and the SASS each loop iteration must hold
 //   ./pipe_facts --once    every case launched once, untimed (for ncu)
 //

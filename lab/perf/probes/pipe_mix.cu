@@ -1,7 +1,7 @@
 // Which instruction mixes share the integer budget of the decode (on H200 each integer pipe alone issues
 // 2 warp instructions per clock per SM and any two together about 3: one shared budget; DFMA is apart).
 //
-//   nvcc -O3 -arch=sm_90a -o pipe_mix tools/perf/probes/pipe_mix.cu && ./pipe_mix
+//   nvcc -O3 -arch=sm_90a -o pipe_mix lab/perf/probes/pipe_mix.cu && ./pipe_mix
 //
 // Every thread runs 8 independent chains of the chosen instructions (inline PTX, so nothing is folded),
 // 64 warps per SM; the result is warp instructions issued per clock per SM at the reported clock.

@@ -2,7 +2,7 @@
 // decode, as the large-tile kernels (expert_wgmma.cuh) assume? (On H200, barely: together they take
 // 85-90 % of the sum of their times alone.)
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o wgmma_loop tools/perf/probes/wgmma_loop.cu && ./wgmma_loop [new]
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o wgmma_loop lab/perf/probes/wgmma_loop.cu && ./wgmma_loop [new]
 //
 // One CTA of 4 warpgroups per SM, as the kernels run. Each warp walks 64 random 16x16 tiles (mcg, K3 or
 // K4) from shared memory, decodes each into merged fp16 A fragments of W^T and issues one

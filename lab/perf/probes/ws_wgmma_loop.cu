@@ -2,7 +2,7 @@
 // consumer warpgroups that only issue the MMAs, overlap the two better than wgmma_loop's decode + wgmma on
 // the same warps (85-90 % of the sum of their times, runs 52 and 56)?
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o ws_wgmma_loop tools/perf/probes/ws_wgmma_loop.cu && ./ws_wgmma_loop
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o ws_wgmma_loop lab/perf/probes/ws_wgmma_loop.cu && ./ws_wgmma_loop
 //
 // One CTA per SM of P producer and C consumer warpgroups. A stage is a 64-row x k64 fp16 A tile in
 // shared memory in the 128-byte swizzled K-major layout (8 KB, 16 weight tiles of 16x16): warp w of a
