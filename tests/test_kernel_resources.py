@@ -269,3 +269,45 @@ def test_cli_plan_arguments(capsys, monkeypatch):
     if not torch.cuda.is_available():
         code, _, err = run_cli(capsys, "bench", "--plan", "--synthetic", "glm52-tp4")
         assert code == 2 and "--arch" in err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Where the kernel cannot run: one line, exit 4
+
+
+def test_launch_failure_is_one_line_naming_arch_reason_and_kernel():
+    from trellis_cli.kernel.launch import launch_failure
+
+    plan = make_plan(64, 8, 6144, 512, 256, num_experts=256, limits=ARCH_TABLE["sm_120"])
+    # What trellis_moe.cu reports for a refused launch, and the CUDA error numbers of a driver too old for
+    # the library's PTX (222) and of a library without code for the GPU (209).
+    library_says = ("CUDA refused the FC1 launch (512 threads, 99840 bytes of dynamic shared memory): "
+                    "too many resources requested for launch")
+    for rc, reason in ((701, "the device refused the launch"), (222, "driver is too old"),
+                       (209, "no code for this GPU's arch")):
+        line = launch_failure(rc, library_says + "\n", "sm_120", plan, ARCH_TABLE["sm_120"])
+        assert "\n" not in line and reason in line
+        assert line.startswith("fused kernel on sm_120 (library built for sm_120): ")
+        assert "FC1 launch (512 threads, 99840 bytes" in line and "16-row tiles on mma16" in line
+        assert "99 KB shared memory per block" in line
+
+
+class _OldGpu:  # what torch reports for a Turing card: the properties device_limits reads
+    major, minor, name = 7, 5, "Tesla T4"
+
+
+def test_gpu_older_than_sm80_is_one_line_exit_4(monkeypatch, capsys):
+    """No GPU here: torch's device queries answer as a T4 would (the only stand-in; the CLI and the plan are
+    the real ones)."""
+    import torch
+
+    monkeypatch.delenv(arch_limits.PLAN_LIMITS_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: _OldGpu())
+    with pytest.raises(GpuUnavailable, match=r"^GPU arch sm_75 is too old: the kernel needs sm_80 or newer$"):
+        device_limits()
+    code, out, err = run_cli(capsys, "bench", "--plan", "--synthetic", "glm52-tp4", "--m", "1")
+    assert code == 4 and out == "" and "Traceback" not in err
+    assert [l for l in err.splitlines() if l.startswith("error:")] == [
+        "error: GPU arch sm_75 is too old: the kernel needs sm_80 or newer"]

@@ -15,7 +15,7 @@ import torch
 
 from trellis_cli.errors import CheckFailed, GpuUnavailable
 from trellis_cli.kernel import abi
-from trellis_cli.kernel.arch_limits import device_limits
+from trellis_cli.kernel.arch_limits import ArchLimits, device_limits
 from trellis_cli.kernel.plan import LaunchPlan, check_pack_layout, kernel_set, make_plan, workspace_shapes
 from trellis_cli.kernel.resources import read_record, record_path
 from trellis_cli.formats.route_pack import CODEBOOK_IDS, LayerPack, split_descriptor
@@ -29,6 +29,16 @@ _CANNOT_RUN = {
     209: "the library holds no code for this GPU's arch",  # cudaErrorNoKernelImageForDevice
     222: "the NVIDIA driver is too old for the library's arch (its PTX is newer than the driver)",  # UnsupportedPtxVersion
 }
+
+
+def launch_failure(rc: int, message: str, library_arch: str, plan: LaunchPlan, limits: ArchLimits) -> str:
+    """One line for a CUDA error of the library's launch sequence: the GPU's arch and the library's, what the
+    error means, the library's own message (which names the kernel, its threads and shared memory), the plan
+    and the limits it was made for."""
+    reason = _CANNOT_RUN.get(rc, "the device refused the launch")
+    text = " ".join(f"{reason}: {message}".split())
+    return (f"fused kernel on {limits.arch} (library built for {library_arch or 'an unknown arch'}): {text} "
+            f"(plan: {plan.describe()}; {limits.describe()})")
 
 
 def pack_to_device(pack: LayerPack, device: torch.device) -> LayerPack:
@@ -114,9 +124,7 @@ class FusedMoe:
         if rc < 0:
             raise CheckFailed(f"fused kernel rejected its arguments: {message}")
         if rc > 0:
-            reason = _CANNOT_RUN.get(rc, "the device refused the launch")
-            raise GpuUnavailable(f"fused kernel on {self.limits.arch} (library built for {self.library.arch}): "
-                                 f"{reason}: {message} (plan: {plan.describe()}; {self.limits.describe()})")
+            raise GpuUnavailable(launch_failure(rc, message, self.library.arch, plan, self.limits))
         return out
 
     def _check_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
