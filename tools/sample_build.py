@@ -1,4 +1,4 @@
-"""Build the bundled sample checkpoints (`python -m trellis_cli.sample_build [--pool FILE]`).
+"""Build the bundled sample checkpoints (`python tools/sample_build.py [--pool FILE]`, from a source checkout).
 
 The "tr3" sample is written by synth's own writer with a tensor source that hands out the golden expert
 pool's real quantized tensors (each rank slice exists at K3 and K4; the bitmap picks one), so config,
@@ -68,7 +68,7 @@ def build(pool: Path = DEFAULT_POOL, root: Path = SAMPLE_ROOT) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trellis_cli.sample_build", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python tools/sample_build.py", description=__doc__.splitlines()[0])
     parser.add_argument("--pool", type=Path, default=DEFAULT_POOL, help="expert_pool_small.safetensors")
     parser.add_argument("--out", type=Path, default=SAMPLE_ROOT, help="where to write the variants")
     args = parser.parse_args(argv)
