@@ -3,7 +3,7 @@
 # wgmma, as sm_80, sm_100 and sm_12x build) with every launch plan made for sm_120's limits
 # (TRELLIS_PLAN_LIMITS=sm_120: 99 KB of shared memory per block, 16- and 32-row tiles), then the wgmma build
 # of the same tree for the table beside it. Logs and JSON under $OUT (default ./sm120-out).
-#   lab/perf/sm120_limits.sh [plan|smoke|sweep|wgmma|all]...   (default: all; "plan" needs no GPU)
+#   lab/perf/sm120_limits.sh [plan|tests|smoke|sweep|wgmma|all]...   (default: all; "plan" needs no GPU)
 set -u
 OUT=${OUT:-./sm120-out}
 mkdir -p "$OUT"
@@ -29,6 +29,9 @@ bad = [p for p in doc["plans"] if p["family"] not in ("mma16", "mma32")]
 assert not bad, bad
 print("plans under sm_120 limits:", [(p["m"], p["family"], p["k_split"]) for p in doc["plans"]])
 PY
+fi
+if want tests; then  # small layers against float64, every M's plan on 16- or 32-row tiles
+  TRELLIS_KERNEL_CACHE=$CACHE run tests python3 -m pytest -q -x tests/test_kernel_portable_gpu.py
 fi
 check_portable_env() {  # the JSON says it ran the mma.sync build under sm_120's limits
   python3 - "$1" <<'PY' || failed=1
