@@ -36,7 +36,7 @@ def fits_by_hand(kernel, limits, usage: Usage | None) -> bool:
     smem = kernel.dynamic_smem + (usage.static_smem if usage else 0)
     return (smem <= limits.smem_per_block_optin and smem + limits.reserved_smem_per_block <= limits.smem_per_sm
             and registers <= limits.max_registers_per_thread
-            and registers * kernel.threads <= limits.registers_per_sm
+            and (registers + 7) // 8 * 8 * kernel.threads <= limits.registers_per_sm  # allocated per 8
             and kernel.threads <= limits.max_threads_per_sm)
 
 

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from trellis_cli.codebooks import IDS as CODEBOOK_IDS
 from trellis_cli.kernel.arch_limits import KB, ArchLimits
 
 FC1_THREADS, FC2_THREADS, WGMMA_THREADS = 512, 256, 512  # kFc1Threads, kFc2Threads (gemm_tile.cuh), kWgThreads
@@ -68,18 +69,18 @@ class KernelShape:
         return min(255, 64 * KB // (self.threads * self.min_blocks) // 8 * 8)
 
 
-CODEBOOK_ORDER = ("3inst", "mcg", "mul1")  # kernels/abi.h codebook ids
-
-
 def gemm_kernels(codebook: str, family: str, fast: bool, narrow: bool = False) -> tuple[KernelShape, KernelShape]:
     """FC1 and FC2 of one codebook, tile family ("mma16", "mma32", "mma128", "wgmma") and K-set."""
-    cb, kset = CODEBOOK_ORDER.index(codebook), "K3/K4" if fast else "all K"
+    cb, kset = CODEBOOK_IDS[codebook], "K3/K4" if fast else "all K"
     if family == "wgmma":
         rows = WG_NARROW_ROWS if narrow else WG_WIDE_ROWS
         smem, blocks = wg_smem_bytes(fast, rows), 2 if narrow else 1
-        return tuple(KernelShape(f"{phase}_wgmma_kernel<{codebook}, {kset}, {rows} rows>",
-                                 (f"{phase}_wgmma_kernel", (cb, int(fast), rows)), WGMMA_THREADS, smem, blocks)
-                     for phase in ("fc1", "fc2"))  # type: ignore[return-value]
+
+        def wgmma(phase: str) -> KernelShape:
+            return KernelShape(f"{phase}_wgmma_kernel<{codebook}, {kset}, {rows} rows>",
+                               (f"{phase}_wgmma_kernel", (cb, int(fast), rows)), WGMMA_THREADS, smem, blocks)
+
+        return wgmma("fc1"), wgmma("fc2")
     r = ROWS_PER_FAMILY[family]
     fc1 = KernelShape(f"fc1_kernel<{codebook}, {16 * r} rows, {kset}>", ("fc1_kernel", (cb, r, int(fast))),
                       FC1_THREADS, fc1_smem_bytes(r, fast), 2 if r <= 2 and fast else 1)
@@ -119,6 +120,13 @@ class Misfit:
                 f"{self.allowed}{unit} ({limits.source} limits)")
 
 
+REGISTER_GRANULE = 8  # registers are allocated per thread in multiples of 8 (256 per warp)
+
+
+def allocated_registers(registers: int) -> int:
+    return -(-registers // REGISTER_GRANULE) * REGISTER_GRANULE
+
+
 def misfit(kernel: KernelShape, limits: ArchLimits, usage: Usage | None = None) -> Misfit | None:
     """The first limit of `limits` that one CTA of `kernel` breaks, or None when it launches there."""
     registers = usage.registers if usage else kernel.register_budget
@@ -127,7 +135,7 @@ def misfit(kernel: KernelShape, limits: ArchLimits, usage: Usage | None = None) 
         ("shared memory per block (static + dynamic)", limits.smem_per_block_optin, smem),
         ("shared memory per SM (with the reserved bytes)", limits.smem_per_sm, smem + limits.reserved_smem_per_block),
         ("registers per thread", limits.max_registers_per_thread, registers),
-        ("registers per CTA", limits.registers_per_sm, registers * kernel.threads),
+        ("registers per CTA (as allocated)", limits.registers_per_sm, allocated_registers(registers) * kernel.threads),
         ("threads per CTA", limits.max_threads_per_sm, kernel.threads),
     )
     for limit, allowed, needed in checks:
