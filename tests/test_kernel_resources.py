@@ -311,3 +311,24 @@ def test_gpu_older_than_sm80_is_one_line_exit_4(monkeypatch, capsys):
     assert code == 4 and out == "" and "Traceback" not in err
     assert [l for l in err.splitlines() if l.startswith("error:")] == [
         "error: GPU arch sm_75 is too old: the kernel needs sm_80 or newer"]
+
+
+@requires_nvcc
+@pytest.mark.slow
+def test_the_build_records_ptxas_numbers(monkeypatch, tmp_path: Path):
+    """A real build (mcg's K3/K4 kernels for sm_120) leaves ptxas's numbers beside every object and its library,
+    and a plan read from them fits."""
+    from trellis_cli.kernel import build
+    from trellis_cli.kernel.resources import record_path
+
+    monkeypatch.setenv("TRELLIS_KERNEL_CACHE", str(tmp_path))
+    library = build.build_library("sm_120", "mcg", kernels="k3k4")
+    objects = sorted((tmp_path / "objects").glob("*.o"))
+    assert len(objects) == 4 and all(record_path(o).is_file() for o in objects)
+    usage = read_record(record_path(library.path))
+    for family in ("mma16", "mma32", "mma128"):
+        for kernel in resources.gemm_kernels("mcg", family, True):
+            assert 0 < usage[kernel.symbol].registers <= kernel.register_budget
+    plan = make_plan(3072, 8, 6144, 512, 256, num_experts=256, limits=ARCH_TABLE["sm_120"], usage=usage)
+    assert plan.family == "mma32"
+    assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.rglob("*.log"))

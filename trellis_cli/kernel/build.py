@@ -337,7 +337,10 @@ def _compile_units(nvcc: str, arch: str, source_dir: Path, units: list[Unit], pa
         nonlocal done
         done += 1
         if job.keep_log is not None:  # ptxas's numbers, recorded beside the object
-            write_record(record_path(job.output), arch, parse_ptxas(job.keep_log.read_text(errors="replace")))
+            try:
+                write_record(record_path(job.output), arch, parse_ptxas(job.keep_log.read_text(errors="replace")))
+            except OSError as err:
+                raise GpuUnavailable(f"cannot record the resource usage of {job.label}: {err}") from None
             job.keep_log.unlink(missing_ok=True)
         if log:
             log(f"kernel build: {done}/{len(jobs)} units, {job.label.rpartition(' ')[2]} took {seconds:.0f} s, "
@@ -356,7 +359,10 @@ def _merge_records(objects: list[Path], library: Path, arch: str) -> None:
     kernels: dict[str, dict[str, int]] = {}
     for obj in objects:
         kernels.update(read_raw_record(record_path(obj)))
-    write_record(record_path(library), arch, kernels)
+    try:
+        write_record(record_path(library), arch, kernels)
+    except OSError as err:
+        raise GpuUnavailable(f"cannot record the resource usage of {library.name}: {err}") from None
 
 
 def _link(nvcc: str, arch: str, version: str, codebook: str, variant: str, kernels: str, objects: list[Path],
