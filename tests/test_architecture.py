@@ -23,7 +23,7 @@ ROOT = "trellis_cli"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("errors", "findings", "codebooks", "id_ranges", "header", "stwriter", "formats")),
     ("sources", ("sources", "hub_client", "integrity", "selection", "sample")),
-    ("model", ("checkpoint", "routepack", "codec", "encoder", "reference", "synth", "sample_build", "exl3v1")),
+    ("model", ("checkpoint", "routepack", "codec", "encoder", "reference", "synth", "exl3v1")),
     ("work", ("validate", "repack", "bench", "kernel", "inspect_report", "inspect_exl3v1")),
     ("entry", ("workflows",)),
     ("top", ("cli", "__main__", "")),
