@@ -64,6 +64,15 @@ _register_commands()
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: runs the app and maps failures to one line and an exit code."""
     args = hoist_global_flags(list(sys.argv[1:] if argv is None else argv))
+    stdout = sys.stdout
+    sys.stdout = output.PipeGuard(stdout)
+    try:
+        _run(args)
+    finally:
+        sys.stdout = stdout
+
+
+def _run(args: list[str]) -> None:
     try:
         # standalone_mode=False: the parser's errors come back to us (one line, not a boxed panel).
         code = app(args=args, prog_name="trellis", standalone_mode=False)

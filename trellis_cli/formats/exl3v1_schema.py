@@ -28,6 +28,12 @@ KIND_OF_CODE = {code: name for name, code in PAIR_KINDS.items()}
 CODEBOOK_BITS = {"mcg": range(2, 7), "lut_e4m3": range(2, 5), "lut_fp16": range(5, 7)}
 SHA256 = re.compile(r"[0-9a-f]{64}")
 CANONICAL_INT = re.compile(r"0|[1-9][0-9]*")
+# Named limits, checked before anything loops over slots or experts or reads a rate table: every later step
+# (row checks, rate tables, TP extents, inspect) costs time and memory in proportion to these counts, and a
+# few bytes of JSON can declare any count. GLM-5.x: 64 slots x 256 experts, far below each.
+MAX_SLOTS = 1 << 14  # an intermediate size of 524,288 channels
+MAX_EXPERTS = 1 << 13
+MAX_SLOT_EXPERTS = 1 << 20  # slots x experts: the bundles of one layer, and 8x its rate-table bytes
 
 TOP_KEYS = ({"kind", "schema", "codebook", "geometry", "rates", "hadamard", "layout", "layers"}, {"codebook_seed"})
 GEOMETRY_KEYS = ({"num_experts", "hidden_size", "intermediate_size", "slot_channels", "num_slots",
@@ -179,6 +185,17 @@ def _geometry(p: _Parser, value: Any) -> dict | None:
         if bad:
             p.bad("exl3v1.geometry", f"geometry.{key}", message, expected, found)
             ok = False
+    experts = ints["num_experts"]
+    for bad, key, message, expected, found in (
+            (slots > MAX_SLOTS, "num_slots", "more slots than trellis checks", f"<= {MAX_SLOTS}", slots),
+            (experts > MAX_EXPERTS, "num_experts", "more experts than trellis checks", f"<= {MAX_EXPERTS}", experts),
+            (slots * experts > MAX_SLOT_EXPERTS, "num_slots", "more slots x experts than trellis checks",
+             f"<= {MAX_SLOT_EXPERTS}", slots * experts)):
+        if bad:
+            p.bad("exl3v1.too-large", f"geometry.{key}", f"{message} (a named limit: no real MoE layer comes "
+                  "near it, and the checks' work grows with it)", expected, found)
+            ok = False
+            break
     if not ok:
         return None
     return {"num_experts": ints["num_experts"], "hidden": hidden, "intermediate": inter, "num_slots": slots,

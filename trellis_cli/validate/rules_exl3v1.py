@@ -18,13 +18,14 @@ from trellis_cli.errors import CheckFailed
 from trellis_cli.checkpoint.exl3v1 import (CODES, HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS, SIGN_PATTERN,
                                           Exl3Layer, container, expected_metadata, finding_where, layer_rates,
                                           local_file, rate_table_shape)
-from trellis_cli.formats.exl3v1_layout import LayerRates, row_payload
-from trellis_cli.formats.exl3v1_schema import KIND_OF_CODE, SLOT_CHANNELS, Manifest
-from trellis_cli.findings import Finding, Report, error, error_summary, warning
+from trellis_cli.formats.exl3v1_layout import LayerRates, row_payloads
+from trellis_cli.formats.exl3v1_schema import KIND_OF_CODE, PAIR_KINDS, SLOT_CHANNELS, Manifest, rate_bits
+from trellis_cli.findings import Finding, Location, Report, error, error_summary, warning
 from trellis_cli.header import DTYPE_BYTES
 from trellis_cli.formats.safetensors_layout import check_shard
 
 MAX_ROWS_SHOWN = 5  # row findings per layer and code, then one summary line
+MCG_MIN_BITS = 3  # b12x's trellis adapter (fused_moe/source.py TrellisSource) refuses mcg below K3
 
 
 def required_tensors(m: Manifest) -> dict[str, str]:
@@ -48,9 +49,11 @@ def check_exl3v1(ckpt: Checkpoint, report: Report, layers: list[int], *, deep: b
                  checksum_progress: Callable[[int], None] | None = None) -> None:
     box = container(ckpt)
     report.extend(ckpt.parse_findings)
+    report.extend(check_paths(ckpt))
     report.count("manifest", 1)
     if box.manifest is None:
         return
+    report.extend(check_mcg_bits(box.manifest, box.manifest_file))
     for done, index in enumerate(layers, 1):
         layer = box.layers[index]
         if layer.readable:
@@ -66,6 +69,36 @@ def check_exl3v1(ckpt: Checkpoint, report: Report, layers: list[int], *, deep: b
         for index in layers:
             report.extend(check_sha256(ckpt, box.layers[index], checksum_progress))
         report.count("checksums", len(layers))
+
+
+def check_paths(ckpt: Checkpoint) -> Iterator[Finding]:
+    """Every listed file, not only those the manifest names: a link leaving the directory is refused (repack
+    refuses to copy it), a dangling one reported. Layer files were reported while opening."""
+    escapes = getattr(ckpt.source, "escapes", None)
+    layer_files = {layer.file for layer in container(ckpt).layers.values()}
+    for name, size in ckpt.files.items():
+        if name in layer_files:
+            continue
+        if escapes is not None and escapes(name):
+            yield error("path.escape", Location(file=name), "file resolves outside the checkpoint directory "
+                        "(symlink)")
+        elif size < 0:
+            yield error("path.dangling", Location(file=name), "file is a dangling link (or a symlink loop)")
+
+
+def check_mcg_bits(m: Manifest, manifest_file: str) -> Iterator[Finding]:
+    """mcg below K3: b12x's trellis adapter refuses to run it (TrellisSource: "MCG trellis execution requires
+    at least K3"), though its reader and parser accept K2."""
+    if m.codebook != "mcg":
+        return
+    if m.bits is not None and m.bits < MCG_MIN_BITS:
+        yield error("exl3v1.mcg-k2", Location(file=manifest_file, tensor="rates.bits"), "mcg at K2: b12x's trellis "
+                    "adapter runs mcg at K3 and above only", f">= {MCG_MIN_BITS}", m.bits)
+    low = [k for k in m.pair_kinds if min(rate_bits(PAIR_KINDS[k])) < MCG_MIN_BITS]
+    if low:
+        yield error("exl3v1.mcg-k2", Location(file=manifest_file, tensor="rates.pair_kinds"), "mcg pair kinds with "
+                    "K2 records: b12x's trellis adapter runs mcg at K3 and above only", f"records >= K{MCG_MIN_BITS}",
+                    low)
 
 
 def check_layer(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer) -> Iterator[Finding]:
@@ -159,8 +192,7 @@ def _rows(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer, rates: LayerRates, st
 
     ref = layer.ref(CODES)
     short, dirty = [], []
-    for slot in range(m.num_slots):
-        payload = row_payload(m, rates, slot)
+    for slot, payload in enumerate(row_payloads(m, rates)):
         if payload > stride:
             short.append((slot, payload))
             continue
