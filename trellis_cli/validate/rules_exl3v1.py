@@ -46,7 +46,9 @@ def expected_shapes(m: Manifest) -> dict[str, tuple[int, ...]]:
 
 def check_exl3v1(ckpt: Checkpoint, report: Report, layers: list[int], *, deep: bool, checksums: bool,
                  progress: Callable[[str, int, int], None] | None = None,
-                 checksum_progress: Callable[[int], None] | None = None) -> None:
+                 checksum_progress: Callable[[int], None] | None = None,
+                 known_digests: dict[str, str] | None = None) -> None:
+    """`known_digests`: sha256 of files already hashed in this run (file -> hex), not read again."""
     box = container(ckpt)
     report.extend(ckpt.parse_findings)
     report.extend(check_paths(ckpt))
@@ -67,7 +69,7 @@ def check_exl3v1(ckpt: Checkpoint, report: Report, layers: list[int], *, deep: b
     report.count("files", sum(box.layers[i].readable for i in layers))
     if checksums:
         for index in layers:
-            report.extend(check_sha256(ckpt, box.layers[index], checksum_progress))
+            report.extend(check_sha256(ckpt, box.layers[index], checksum_progress, known_digests or {}))
         report.count("checksums", len(layers))
 
 
@@ -253,16 +255,21 @@ def check_finite(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer) -> Iterator[Fi
                 break
 
 
-def check_sha256(ckpt: Checkpoint, layer: Exl3Layer, progress: Callable[[int], None] | None) -> Iterator[Finding]:
+def check_sha256(ckpt: Checkpoint, layer: Exl3Layer, progress: Callable[[int], None] | None,
+                 known: dict[str, str] | None = None) -> Iterator[Finding]:
     """--checksums: the whole layer file, streamed through sha256, against the manifest's digest."""
     from trellis_cli.integrity import sha256_file
 
     if not layer.readable:
         return
+    digest = (known or {}).get(layer.file)
     try:
-        digest = sha256_file(ckpt.source.local_path(layer.file), progress)
+        digest = digest or sha256_file(ckpt.source.local_path(layer.file), progress)
     except OSError as e:
         yield error("file.unreadable", finding_where(layer), f"cannot hash the file ({e.strerror or e})")
+        return
+    except CheckFailed as e:
+        yield error(e.code or "file.unreadable", finding_where(layer), str(e))
         return
     if digest != layer.sha256:
         yield error("exl3v1.sha256-mismatch", finding_where(layer), "the layer file's sha256 differs from the "
