@@ -225,3 +225,27 @@ def test_a_reader_that_leaves_ends_the_command_quietly_with_its_own_code(tmp_pat
     (broken / "tier_bitmap.json").write_text("[]")
     done = closed_pipe_run("validate", str(broken), *extra)  # its verdict, not the pipe's
     assert done.returncode == 1 and "Exception" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("edit, code", [
+    (lambda doc: doc["layers"].update({"9" * 5000: doc["layers"]["3"]}), "exl3v1.layer-key"),
+    (lambda doc: doc["geometry"].update(moe_layer_indices=[3, 4, 1 << 20]), "exl3v1.geometry"),
+    (lambda doc: doc["geometry"].update(num_experts=10 ** 5000), "checkpoint.unreadable"),
+])
+def test_exl3v1_numbers_beyond_any_layer_or_int_conversion_are_named(capsys, tmp_path, edit, code):
+    root = synth_exl3v1(tmp_path)
+    path = root / "exl3-manifest.json"
+    doc = json.loads(path.read_text())
+    edit(doc)
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)  # only to write the file
+    try:
+        path.write_text(json.dumps(doc))
+    finally:
+        sys.set_int_max_str_digits(limit)
+    capsys.readouterr()
+    status, out, err = run_cli(capsys, "validate", str(root), "--json")
+    assert status == 1 and "internal error" not in err, err
+    assert code in {f["code"] for f in json.loads(out)["findings"]}
+    status, _, err = run_cli(capsys, "inspect", str(root))
+    assert status in (0, 1) and "internal error" not in err, err

@@ -34,6 +34,7 @@ CANONICAL_INT = re.compile(r"0|[1-9][0-9]*")
 MAX_SLOTS = 1 << 14  # an intermediate size of 524,288 channels
 MAX_EXPERTS = 1 << 13
 MAX_SLOT_EXPERTS = 1 << 20  # slots x experts: the bundles of one layer, and 8x its rate-table bytes
+MAX_LAYER_INDEX = (1 << 16) - 1  # as every --layers range; also keeps int() of a layer key short
 
 TOP_KEYS = ({"kind", "schema", "codebook", "geometry", "rates", "hadamard", "layout", "layers"}, {"codebook_seed"})
 GEOMETRY_KEYS = ({"num_experts", "hidden_size", "intermediate_size", "slot_channels", "num_slots",
@@ -203,10 +204,10 @@ def _geometry(p: _Parser, value: Any) -> dict | None:
 
 
 def _layer_indices(p: _Parser, value: Any) -> tuple[int, ...] | None:
-    if (not isinstance(value, list) or not value or not all(is_int(v) and v >= 0 for v in value)
+    if (not isinstance(value, list) or not value or not all(is_int(v) and 0 <= v <= MAX_LAYER_INDEX for v in value)
             or len(set(value)) != len(value)):
         p.bad("exl3v1.geometry", "geometry.moe_layer_indices", "must be a non-empty list of distinct non-negative "
-              "integers", "e.g. [3, 4, 5]", _shown(value))
+              f"integers up to {MAX_LAYER_INDEX}", "e.g. [3, 4, 5]", _shown(value))
         return None
     return tuple(sorted(value))
 
@@ -306,7 +307,7 @@ def _layers(p: _Parser, value: Any, indices: tuple[int, ...]) -> dict[int, Layer
     out: dict[int, LayerEntry] = {}
     for key, entry in value.items():
         where = f"layers.{key}"
-        if not isinstance(key, str) or not CANONICAL_INT.fullmatch(key):
+        if not _layer_key(key):
             p.bad("exl3v1.layer-key", where, "a layer key is the layer index in canonical decimal (no sign, no "
                   "leading zeros)", "e.g. \"3\"", key)
             continue
@@ -324,7 +325,7 @@ def _layers(p: _Parser, value: Any, indices: tuple[int, ...]) -> dict[int, Layer
             continue
         out[int(key)] = LayerEntry(file, sha)
     declared = set(indices)
-    keyed = {int(k) for k in value if isinstance(k, str) and CANONICAL_INT.fullmatch(k)}
+    keyed = {int(k) for k in value if _layer_key(k)}
     missing, extra = sorted(declared - keyed), sorted(keyed - declared)
     if missing or extra:
         p.bad("exl3v1.layers-mismatch", "layers", "layer keys must equal geometry.moe_layer_indices",
@@ -332,6 +333,13 @@ def _layers(p: _Parser, value: Any, indices: tuple[int, ...]) -> dict[int, Layer
     for layer in extra:
         out.pop(layer, None)
     return dict(sorted(out.items()))
+
+
+def _layer_key(key: Any) -> bool:
+    """A canonical decimal layer index within MAX_LAYER_INDEX (checked on the text: int() of thousands of
+    digits raises)."""
+    return (isinstance(key, str) and len(key) <= len(str(MAX_LAYER_INDEX)) and CANONICAL_INT.fullmatch(key) is not None
+            and int(key) <= MAX_LAYER_INDEX)
 
 
 def _shown(value: Any) -> Any:
