@@ -19,7 +19,7 @@ from trellis_cli.checkpoint.exl3v1 import (CODES, HIDDEN_TABLES, RATES_FC1, RATE
                                           Exl3Layer, container, expected_metadata, finding_where, layer_rates,
                                           local_file, rate_table_shape)
 from trellis_cli.formats.exl3v1_layout import LayerRates, row_payloads
-from trellis_cli.formats.exl3v1_schema import KIND_OF_CODE, PAIR_KINDS, SLOT_CHANNELS, Manifest, rate_bits
+from trellis_cli.formats.exl3v1_schema import KIND_OF_CODE, SLOT_CHANNELS, Manifest
 from trellis_cli.findings import Finding, Location, Report, error, error_summary, warning
 from trellis_cli.header import DTYPE_BYTES
 from trellis_cli.formats.safetensors_layout import check_shard
@@ -89,18 +89,12 @@ def check_paths(ckpt: Checkpoint) -> Iterator[Finding]:
 
 
 def check_mcg_bits(m: Manifest, manifest_file: str) -> Iterator[Finding]:
-    """mcg below K3: b12x's trellis adapter refuses to run it (TrellisSource: "MCG trellis execution requires
-    at least K3"), though its reader and parser accept K2."""
-    if m.codebook != "mcg":
-        return
-    if m.bits is not None and m.bits < MCG_MIN_BITS:
+    """Uniform mcg below K3: b12x's trellis adapter (the path that runs uniform exl3-v1) refuses it
+    (TrellisSource: "MCG trellis execution requires at least K3"), though its reader and parser accept K2.
+    Pair structures do not reach that adapter, so their 2-bit records are left to the reader's rules."""
+    if m.codebook == "mcg" and m.bits is not None and m.bits < MCG_MIN_BITS:
         yield error("exl3v1.mcg-k2", Location(file=manifest_file, tensor="rates.bits"), "mcg at K2: b12x's trellis "
                     "adapter runs mcg at K3 and above only", f">= {MCG_MIN_BITS}", m.bits)
-    low = [k for k in m.pair_kinds if min(rate_bits(PAIR_KINDS[k])) < MCG_MIN_BITS]
-    if low:
-        yield error("exl3v1.mcg-k2", Location(file=manifest_file, tensor="rates.pair_kinds"), "mcg pair kinds with "
-                    "K2 records: b12x's trellis adapter runs mcg at K3 and above only", f"records >= K{MCG_MIN_BITS}",
-                    low)
 
 
 def check_layer(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer) -> Iterator[Finding]:
