@@ -18,8 +18,8 @@ import torch
 from trellis_cli.errors import UsageError
 from trellis_cli.checkpoint.exl3v1 import HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS
 from trellis_cli.formats.exl3v1_layout import LayerRates, row_payload
-from trellis_cli.formats.exl3v1_schema import (HADAMARD_BLOCK_SLOTS, MANIFEST_FILE, MAX_EXPERTS, MAX_SLOT_EXPERTS,
-                                               MAX_SLOTS, PER_EXPERT_PAIR, SLOT_CHANNELS, SLOTS_PER_PAIR, UNIFORM,
+from trellis_cli.formats.exl3v1_schema import (HADAMARD_BLOCK_SLOTS, MANIFEST_FILE, MAX_EXPERTS, MAX_HIDDEN,
+                                               MAX_SLOT_EXPERTS, MAX_SLOTS, PER_EXPERT_PAIR, SLOT_CHANNELS, SLOTS_PER_PAIR, UNIFORM,
                                                LayerEntry, Manifest)
 from trellis_cli.exl3v1.write import layer_file_name, layer_plan, row_stride, write_layer, write_manifest
 from trellis_cli.integrity import sha256_file
@@ -39,6 +39,7 @@ def manifest_for(spec: SynthSpec) -> Manifest:
     slots = spec.intermediate // SLOT_CHANNELS
     for what, value, limit in (("slots (--intermediate / 32)", slots, MAX_SLOTS),
                                ("experts", spec.experts, MAX_EXPERTS),
+                               ("hidden size", spec.hidden, MAX_HIDDEN),
                                ("slots x experts", slots * spec.experts, MAX_SLOT_EXPERTS)):
         if value > limit:  # what validate refuses as exl3v1.too-large: never written
             raise UsageError(f"synth --format exl3-v1: {value} {what} is above the limit of {limit}")

@@ -33,6 +33,7 @@ CANONICAL_INT = re.compile(r"0|[1-9][0-9]*")
 # few bytes of JSON can declare any count. GLM-5.x: 64 slots x 256 experts, far below each.
 MAX_SLOTS = 1 << 14  # an intermediate size of 524,288 channels
 MAX_EXPERTS = 1 << 13
+MAX_HIDDEN = 1 << 17  # a hidden-side table row is read whole; GLM-5.x: 6144
 MAX_SLOT_EXPERTS = 1 << 20  # slots x experts: the bundles of one layer, and 8x its rate-table bytes
 MAX_LAYER_INDEX = (1 << 16) - 1  # as every --layers range; also keeps int() of a layer key short
 
@@ -190,6 +191,8 @@ def _geometry(p: _Parser, value: Any) -> dict | None:
     for bad, key, message, expected, found in (
             (slots > MAX_SLOTS, "num_slots", "more slots than trellis checks", f"<= {MAX_SLOTS}", slots),
             (experts > MAX_EXPERTS, "num_experts", "more experts than trellis checks", f"<= {MAX_EXPERTS}", experts),
+            (hidden > MAX_HIDDEN, "hidden_size", "a larger hidden size than trellis checks", f"<= {MAX_HIDDEN}",
+             hidden),
             (slots * experts > MAX_SLOT_EXPERTS, "num_slots", "more slots x experts than trellis checks",
              f"<= {MAX_SLOT_EXPERTS}", slots * experts)):
         if bad:

@@ -25,6 +25,7 @@ from trellis_cli.header import DTYPE_BYTES
 from trellis_cli.formats.safetensors_layout import check_shard
 
 MAX_ROWS_SHOWN = 5  # row findings per layer and code, then one summary line
+TAIL_CHUNK_BYTES = 16 << 20  # padding tails are read at most this much at a time
 MCG_MIN_BITS = 3  # b12x's trellis adapter (fused_moe/source.py TrellisSource) refuses mcg below K3
 
 
@@ -184,8 +185,6 @@ def _rate_codes(m: Manifest, layer: Exl3Layer, rates: LayerRates | None) -> Iter
 
 def _rows(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer, rates: LayerRates, stride: int) -> Iterator[Finding]:
     """Each row's bundles fit the stride and the bytes after them are zero (read: the padding tails only)."""
-    from trellis_cli.checkpoint.tensors import read_bytes
-
     ref = layer.ref(CODES)
     short, dirty = [], []
     for slot, payload in enumerate(row_payloads(m, rates)):
@@ -195,12 +194,12 @@ def _rows(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer, rates: LayerRates, st
         if payload == stride:
             continue
         try:
-            tail = read_bytes(ckpt, ref, slot * stride + payload, stride - payload)
+            first = _first_nonzero(ckpt, ref, slot * stride + payload, stride - payload)
         except CheckFailed as e:
             yield error("file.unreadable", finding_where(layer, CODES), str(e))
             return
-        if tail.count(0) != len(tail):
-            dirty.append((slot, payload + next(i for i, b in enumerate(tail) if b)))
+        if first is not None:
+            dirty.append((slot, payload + first))
     for slot, payload in short[:MAX_ROWS_SHOWN]:
         yield error("exl3v1.row-short", finding_where(layer, f"{CODES}[{slot}]"), "the row is shorter than its "
                     "experts' bundles", f">= {payload} bytes", f"{stride} bytes")
@@ -211,6 +210,18 @@ def _rows(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer, rates: LayerRates, st
         if len(rows) > MAX_ROWS_SHOWN:
             yield error_summary(code, finding_where(layer, CODES), len(rows) - MAX_ROWS_SHOWN,
                                 f"row(s) of layer {layer.index}")
+
+
+def _first_nonzero(ckpt: Checkpoint, ref, offset: int, length: int) -> int | None:
+    """Index of the first non-zero byte in [offset, offset+length) of the tensor's data, read in bounded
+    chunks (a stride far above its bundles must not become one allocation)."""
+    from trellis_cli.checkpoint.tensors import read_bytes
+
+    for start in range(0, length, TAIL_CHUNK_BYTES):
+        tail = read_bytes(ckpt, ref, offset + start, min(TAIL_CHUNK_BYTES, length - start))
+        if tail.count(0) != len(tail):
+            return start + next(i for i, b in enumerate(tail) if b)
+    return None
 
 
 def _sign_pattern(ckpt: Checkpoint, layer: Exl3Layer) -> Iterator[Finding]:
