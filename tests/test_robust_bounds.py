@@ -21,7 +21,7 @@ import pytest
 
 from helpers import run_cli
 from trellis_cli import synth
-from trellis_cli.formats.exl3v1_schema import MAX_EXPERTS, MAX_SLOT_EXPERTS, MAX_SLOTS, UNIFORM, LayerEntry, Manifest
+from trellis_cli.formats.exl3v1_schema import MAX_EXPERTS, MAX_HIDDEN, MAX_SLOT_EXPERTS, MAX_SLOTS, UNIFORM, LayerEntry, Manifest
 from trellis_cli.header import MAX_HEADER_TENSORS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,16 +143,21 @@ def test_the_largest_geometry_within_the_limits_validates_in_bounded_time(tmp_pa
 
 @pytest.mark.parametrize("fmt", ["tr3", "exl3-v1"])
 def test_synth_refuses_by_name_when_the_filesystem_cannot_hold_it(tmp_path, fmt):
+    from trellis_cli.exl3v1.synth import checkpoint_bytes as exl3v1_bytes
+
     free = shutil.disk_usage(tmp_path).free
-    hidden = 128
-    while synth.checkpoint_bytes(synth.SynthSpec(hidden=hidden, intermediate=256, experts=8, tp=1, layers=(3,),
-                                                 uniform_k=4, top_k=2)) <= 4 * free:
-        hidden *= 2
+    geometry = {"hidden": 128, "intermediate": 4096, "experts": 8}
+    spec = synth.SynthSpec(tp=1, layers=(3,), uniform_k=4, top_k=2, **geometry)
+    size = synth.checkpoint_bytes if fmt == "tr3" else exl3v1_bytes
+    while size(spec) <= 4 * free:  # within the exl3-v1 limits up to several TB
+        key = "hidden" if spec.hidden < MAX_HIDDEN else "experts"
+        geometry[key] *= 2
+        spec = synth.SynthSpec(tp=1, layers=(3,), uniform_k=4, top_k=2, **geometry)
     out = tmp_path / "out"
+    options = [f"--{key}={value}" for key, value in geometry.items()]
     # The file-size limit keeps a synth that does not check first from filling the disk: it fails on EFBIG.
-    done, seconds = run_limited("synth", str(out), "--format", fmt, "--hidden", str(hidden), "--intermediate",
-                                "256", "--experts", "8", "--tp", "1", "--layers", "3", "--uniform", "4", "--top-k",
-                                "2", file_limit=256 << 20)
+    done, seconds = run_limited("synth", str(out), "--format", fmt, *options, "--tp", "1", "--layers", "3",
+                                "--uniform", "4", "--top-k", "2", file_limit=256 << 20)
     assert done.returncode == 1, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: {out}: ") and "GB free on its filesystem" in last and "needs" in last, last
