@@ -29,7 +29,7 @@ MEMORY_LIMIT = 4 << 30
 SECONDS = 60  # the subprocess is killed here; the bound asserted is far lower
 
 
-def run_limited(*args: str, stdout=subprocess.PIPE, file_limit: int | None = None
+def run_limited(*args: str, stdout=subprocess.PIPE, stderr=subprocess.PIPE, file_limit: int | None = None
                 ) -> tuple[subprocess.CompletedProcess, float]:
     """The real CLI in a subprocess under MEMORY_LIMIT of address space (and, as `ulimit -f`, `file_limit`
     bytes per file); (result, seconds)."""
@@ -39,7 +39,7 @@ def run_limited(*args: str, stdout=subprocess.PIPE, file_limit: int | None = Non
             resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))
 
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "trellis_cli", *args], stdout=stdout, stderr=subprocess.PIPE,
+    done = subprocess.run([sys.executable, "-m", "trellis_cli", *args], stdout=stdout, stderr=stderr,
                           text=True, timeout=SECONDS, env={**os.environ, "PYTHONPATH": str(REPO)},
                           preexec_fn=limit_memory)
     return done, time.monotonic() - start
@@ -230,6 +230,20 @@ def test_a_reader_that_leaves_ends_the_command_quietly_with_its_own_code(tmp_pat
     (broken / "tier_bitmap.json").write_text("[]")
     done = closed_pipe_run("validate", str(broken), *extra)  # its verdict, not the pipe's
     assert done.returncode == 1 and "Exception" not in done.stderr, done.stderr
+
+
+def test_a_reader_of_both_streams_that_leaves_changes_no_exit_code(tmp_path):
+    """`trellis validate ... 2>&1 | head -c 1`: stderr's writes hit the closed pipe too."""
+    broken = synth.write_checkpoint(tmp_path / "src", synth.preset("tiny"))
+    (broken / "tier_bitmap.json").write_text("[]")
+    for args, code in ((("validate",), 0), (("validate", str(broken)), 1), (("inspect", str(tmp_path / "no")), 3)):
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            done, _ = run_limited(*args, stdout=write_end, stderr=write_end)
+        finally:
+            os.close(write_end)
+        assert done.returncode == code, args
 
 
 @pytest.mark.parametrize("edit, code", [

@@ -64,12 +64,12 @@ _register_commands()
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: runs the app and maps failures to one line and an exit code."""
     args = hoist_global_flags(list(sys.argv[1:] if argv is None else argv))
-    stdout = sys.stdout
-    sys.stdout = output.PipeGuard(stdout)
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = output.PipeGuard(sys.stdout), output.PipeGuard(sys.stderr)
     try:
         _run(args)
     finally:
-        sys.stdout = stdout
+        sys.stdout, sys.stderr = streams
 
 
 def _run(args: list[str]) -> None:

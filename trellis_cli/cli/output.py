@@ -72,9 +72,9 @@ def cell(text: object) -> Text:
 
 
 class PipeGuard:
-    """sys.stdout while a command runs. Once the reader of a pipe has gone (`trellis inspect | head -c 1`), the
-    rest of the output goes to the null device and the command ends with its own exit code, silently: text
-    (written line by line) and --json (one write) then end alike."""
+    """sys.stdout (and sys.stderr) while a command runs. Once the reader of a pipe has gone (`trellis inspect |
+    head -c 1`), the rest of the output goes to the null device and the command ends with its own exit code,
+    silently: text (written line by line) and --json (one write) then end alike."""
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
