@@ -28,7 +28,7 @@ def latent_bytes(arch: Arch, kv_dtype: str) -> int:
     if kv_dtype == "fp8":
         return lora + rope
     if kv_dtype == "fp8_ds_mla":  # fp8 latent, an fp32 scale per 128 values, the RoPE part kept in bf16
-        return lora + 4 * (lora // FP8_SCALE_BLOCK) + 2 * rope
+        return lora + 4 * -(-lora // FP8_SCALE_BLOCK) + 2 * rope
     if kv_dtype == "nvfp4_ds_mla":
         if (lora, rope) not in NVFP4_DS_MLA_BYTES:
             raise UsageError(f"--kv-dtype nvfp4_ds_mla: its size is known for kv_lora_rank 512 + qk_rope_head_dim "
