@@ -28,7 +28,7 @@ def latent_bytes(arch: Arch, kv_dtype: str) -> int:
     if kv_dtype == "fp8":
         return lora + rope
     if kv_dtype == "fp8_ds_mla":  # fp8 latent, an fp32 scale per 128 values, the RoPE part kept in bf16
-        return lora + 4 * -(-lora // FP8_SCALE_BLOCK) + 2 * rope
+        return lora + 4 * (lora // FP8_SCALE_BLOCK) + 2 * rope
     if kv_dtype == "nvfp4_ds_mla":
         if (lora, rope) not in NVFP4_DS_MLA_BYTES:
             raise UsageError(f"--kv-dtype nvfp4_ds_mla: its size is known for kv_lora_rank 512 + qk_rope_head_dim "
@@ -41,7 +41,7 @@ def indexer_bytes(arch: Arch) -> int:
     """The DSA indexer's key per token on a layer with an indexer cache: fp8 key and its fp32 scale."""
     if arch.index_head_dim is None:
         return 0
-    return arch.index_head_dim + 4 * (-(-arch.index_head_dim // FP8_SCALE_BLOCK))
+    return arch.index_head_dim + 4 * (arch.index_head_dim // FP8_SCALE_BLOCK)
 
 
 @dataclass(frozen=True)
