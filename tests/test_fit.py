@@ -365,3 +365,16 @@ def test_sizes():
     assert parse_size("96GiB") == 96 * GIB and parse_size("80GB") == 80 * 10**9 and parse_size("1024") == 1024
     with pytest.raises(UsageError):
         parse_size("0")
+
+
+def test_inspect_has_the_fit_section_when_tp_and_a_gpu_are_given(tmp_path, capsys):
+    root = str(_tiny(tmp_path))
+    code, out, _ = run_cli(capsys, "inspect", root, "--tp", "2", "--gpu", "h100", "--ctx", "2048", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["fit"]["tp"] == 2 and doc["fit"]["fits"] is True
+    direct = json.loads(run_cli(capsys, "fit", root, "--tp", "2", "--gpu", "h100", "--ctx", "2048", "--json")[1])
+    assert doc["fit"]["ranks"] == direct["ranks"]
+    code, out, _ = run_cli(capsys, "inspect", root, "--tp", "2", "--gpu-mem", "80GB")
+    assert code == 0 and "KV tokens" in out
+    assert run_cli(capsys, "inspect", root, "--tp", "2")[0] == 2
+    assert "fit" not in json.loads(run_cli(capsys, "inspect", root, "--json")[1])
