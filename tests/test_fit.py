@@ -29,7 +29,7 @@ from trellis_cli.fit.reserve import COMM_DCP, kernel_workspace, reserve_terms
 from trellis_cli.fit.run import FitRequest, fit
 from trellis_cli.fit.sharding import COLUMN, REPLICATED, ROW, VOCAB, slice_bytes
 from trellis_cli.sources import open_source
-from trellis_cli.synth import GLM_MOE_DSA, model_config, preset, write_checkpoint
+from trellis_cli.synth import GLM_MOE_DSA, preset, write_checkpoint
 
 DTYPE_BYTES = {"I16": 2, "F16": 2, "BF16": 2, "I32": 4, "F32": 4, "U8": 1}
 RANK = re.compile(r"\.rank([0-9]+)\.")

@@ -19,10 +19,8 @@ from trellis_cli.checkpoint.model import DIALECT_EXL3V1, Checkpoint
 from trellis_cli.checkpoint.names import KIND_LINEAR, KIND_R7_SHARED, KIND_SHARED_H, parse_expert_name
 from trellis_cli.errors import UsageError
 from trellis_cli.fit.arch import Arch
-from trellis_cli.fit.sharding import (COLUMN, EXPERT, PART_ATTENTION, PART_DENSE, PART_EMBED, PART_EXPERTS,
-                                      PART_HEAD, PART_INDEXER, PART_MTP, PART_NORMS, PART_ROUTER, PART_SHARED, PARTS,
-                                      REPLICATED, ROW, VOCAB, WHOLE, Rule, classify, layer_of, share, slice_bytes,
-                                      split_of)
+from trellis_cli.fit.sharding import (COLUMN, EXPERT, PART_EXPERTS, PART_MTP, PARTS, REPLICATED, ROW, VOCAB, WHOLE,
+                                      Rule, classify, layer_of, share, slice_bytes, split_of)
 
 BF16 = 2
 RANK_SLICED = "rank-sliced"  # the style of a rank-sliced checkpoint's expert tensors: each on its own rank
@@ -308,5 +306,4 @@ def to_json(rw: RankWeights) -> dict[str, Any]:
             "absent": dict(rw.absent)}
 
 
-__all__ = ["PART_ATTENTION", "PART_DENSE", "PART_EMBED", "PART_HEAD", "PART_INDEXER", "PART_NORMS", "PART_ROUTER",
-           "PART_SHARED", "RankWeights", "Tier", "Weights", "model_tensors", "rank_weights", "styles_shown"]
+__all__ = ["Inventory", "RankWeights", "Tier", "Weights", "model_tensors", "rank_weights", "scan", "styles_shown"]
