@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import run_cli
+from helpers import run_cli, to_plain_exl3, to_r7
 from hub_server import HubServer
 from trellis_cli.checkpoint.open import open_checkpoint
 from trellis_cli.errors import CheckFailed, UsageError
@@ -378,3 +378,21 @@ def test_inspect_has_the_fit_section_when_tp_and_a_gpu_are_given(tmp_path, capsy
     assert code == 0 and "KV tokens" in out
     assert run_cli(capsys, "inspect", root, "--tp", "2")[0] == 2
     assert "fit" not in json.loads(run_cli(capsys, "inspect", root, "--json")[1])
+
+
+def test_plain_exl3_experts_are_cut_as_the_loaders_cut_them(tmp_path):
+    root = to_plain_exl3(write_checkpoint(tmp_path / "p", dataclasses.replace(preset("tiny"), tp=1)))
+    expected = 0
+    for shard in sorted(root.glob("*.safetensors")):
+        for name, entry in header(shard).items():
+            proj, field = name.split(".")[-2:]
+            # trellis always; the output-side svh of gate/up and the input-side suh of down; markers whole
+            split = field == "trellis" or field in ("suh", "svh") and (field == "svh") == (proj != "down_proj")
+            expected += nbytes(entry) // 2 if split else nbytes(entry)
+    result = fit(open_checkpoint(open_source(str(root))), FitRequest(tp=2, gpu=PRESETS["h100"], ctx=1024))
+    assert [r.weight_bytes for r in result.ranks] == [expected, expected]
+
+
+def test_r7_rank_segments(tmp_path):
+    root = to_r7(write_checkpoint(tmp_path / "r", preset("tiny")))
+    check_tr3(root, 2, ctx=1024)
