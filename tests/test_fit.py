@@ -396,3 +396,11 @@ def test_plain_exl3_experts_are_cut_as_the_loaders_cut_them(tmp_path):
 def test_r7_rank_segments(tmp_path):
     root = to_r7(write_checkpoint(tmp_path / "r", preset("tiny")))
     check_tr3(root, 2, ctx=1024)
+
+
+def test_refusals_the_engine_would_make_and_configs_without_mla(tmp_path, capsys):
+    root = str(_tiny(tmp_path))
+    code, _, err = run_cli(capsys, "fit", root, "--tp", "8", "--gpu", "h100")
+    assert code == 2 and "attention heads" in err
+    code, _, err = run_cli(capsys, "fit", "--tp", "2", "--gpu", "h100")  # the bundled sample: no MLA fields
+    assert code == 1 and "config.json: model_type 'trellis_synth_moe'" in err and "Traceback" not in err

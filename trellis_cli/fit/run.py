@@ -102,6 +102,13 @@ def check_request(r: FitRequest) -> None:
         raise UsageError(f"--engine: unknown {r.engine!r} (known: {', '.join(ENGINES)})")
 
 
+def check_split(arch: Arch, tp: int) -> None:
+    """What the engine refuses at load: attention heads that do not divide among the TP ranks."""
+    if arch.heads % tp:
+        raise UsageError(f"--tp {tp}: the engine splits the {arch.heads} attention heads (num_attention_heads) "
+                         f"evenly over the ranks and refuses a TP that does not divide them")
+
+
 class _Evaluator:
     """Budgets for a request and its variations, computing each TP's weights once."""
 
@@ -117,6 +124,7 @@ class _Evaluator:
         return self.weights[key]
 
     def parts(self, r: FitRequest, reslice: bool = False):
+        check_split(self.arch, r.tp)
         weights = self.weights_for(r, reslice)
         kv = kv_per_token(self.arch, r.kv_dtype, r.dcp, r.mtp)
         reserve = reserve_terms(self.arch, r.tp, r.dcp, r.max_num_seqs, r.max_batched_tokens)
@@ -138,6 +146,7 @@ def fit(ckpt: Checkpoint, request: FitRequest) -> FitResult:
         raise UsageError("a route pack is the kernel's layout of one checkpoint's experts only: run fit on the "
                          "checkpoint it was made from")
     arch = read_arch(ckpt.config)
+    check_split(arch, request.tp)
     ctx = request.ctx or arch.max_positions
     if ctx is None:
         raise UsageError("config.json has no max_position_embeddings: give --ctx TOKENS")
