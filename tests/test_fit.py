@@ -404,3 +404,10 @@ def test_refusals_the_engine_would_make_and_configs_without_mla(tmp_path, capsys
     assert code == 2 and "attention heads" in err
     code, _, err = run_cli(capsys, "fit", "--tp", "2", "--gpu", "h100")  # the bundled sample: no MLA fields
     assert code == 1 and "config.json: model_type 'trellis_synth_moe'" in err and "Traceback" not in err
+
+
+def test_an_absurd_layer_count_is_arithmetic_not_a_loop():
+    arch = read_arch(glm5_config(num_hidden_layers=10**12, index_topk_freq=4))
+    kv = kv_per_token(arch, "fp8", 1, mtp=False)
+    assert (kv.latent_layers, kv.indexer_layers) == (10**12, 10**12 // 4)
+    assert sum(arch.has_indexer_cache(layer) for layer in range(12)) == 3  # layers 0, 4, 8

@@ -57,6 +57,14 @@ class Arch:
             return layer < len(self.indexer_types) and self.indexer_types[layer] != "shared"
         return layer % self.index_topk_freq == 0
 
+    def indexer_cache_layers(self) -> int:
+        """How many decoder layers keep an indexer cache (arithmetic, never a loop over num_hidden_layers)."""
+        if self.index_head_dim is None:
+            return 0
+        if self.indexer_types is not None:
+            return sum(t != "shared" for t in self.indexer_types[:self.layers])
+        return -(-self.layers // self.index_topk_freq)
+
 
 def _positive(config: dict, key: str, file: str, default: Any = ...) -> Any:
     value = config.get(key, default)

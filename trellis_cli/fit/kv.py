@@ -79,6 +79,6 @@ class KvPerToken:
 def kv_per_token(arch: Arch, kv_dtype: str, dcp: int, mtp: bool) -> KvPerToken:
     layers = arch.layers + (arch.mtp_layers if mtp else 0)
     # An MTP layer is a full decoder layer with its own indexer cache.
-    indexed = sum(arch.has_indexer_cache(layer) for layer in range(arch.layers))
+    indexed = arch.indexer_cache_layers()
     indexed += arch.mtp_layers if mtp and arch.index_head_dim is not None else 0
     return KvPerToken(kv_dtype, latent_bytes(arch, kv_dtype), indexer_bytes(arch), layers, indexed, dcp)

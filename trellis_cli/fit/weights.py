@@ -235,50 +235,58 @@ def _non_layer_tensors(ckpt: Checkpoint) -> list[tuple[str, tuple[int, ...], int
 
 # ---- what the checkpoint does not hold ------------------------------------------------------------------
 
-def model_tensors(arch: Arch, mtp: bool) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every non-routed-expert tensor of the architecture, in the GLM MoE DSA naming."""
+def model_tensors(arch: Arch, mtp: bool) -> list[tuple[str, tuple[int, ...], int]]:
+    """(name, shape, how many layers have it) of every non-routed-expert tensor of the architecture, in the GLM
+    MoE DSA naming: one dense, one MoE and one MTP layer stand for all of their kind (no loop over layers,
+    whatever num_hidden_layers says)."""
     h, out = arch.hidden, []
     qk = arch.qk_nope + arch.qk_rope
     shared_i = arch.moe_intermediate * arch.shared_experts
-    layers = arch.layers + (arch.mtp_layers if mtp else 0)
-    for layer in range(layers):
+    dense = min(arch.first_dense, arch.layers)
+    kinds = [(0, dense, "dense"), (dense, arch.layers - dense, "moe")]
+    if mtp and arch.mtp_layers:
+        kinds.append((arch.layers, arch.mtp_layers, "mtp"))
+    for layer, count, kind in kinds:
+        if count <= 0:
+            continue
         p = f"model.layers.{layer}."
         a = p + "self_attn."
-        out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
+        rows = [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
                 (a + "kv_a_proj_with_mqa.weight", (arch.kv_lora_rank + arch.qk_rope, h)),
                 (a + "kv_a_layernorm.weight", (arch.kv_lora_rank,)),
                 (a + "kv_b_proj.weight", (arch.heads * (arch.qk_nope + arch.v_head), arch.kv_lora_rank)),
                 (a + "o_proj.weight", (h, arch.heads * arch.v_head))]
         if arch.q_lora_rank:
-            out += [(a + "q_a_proj.weight", (arch.q_lora_rank, h)), (a + "q_a_layernorm.weight", (arch.q_lora_rank,)),
-                    (a + "q_b_proj.weight", (arch.heads * qk, arch.q_lora_rank))]
+            rows += [(a + "q_a_proj.weight", (arch.q_lora_rank, h)), (a + "q_a_layernorm.weight", (arch.q_lora_rank,)),
+                     (a + "q_b_proj.weight", (arch.heads * qk, arch.q_lora_rank))]
         else:
-            out.append((a + "q_proj.weight", (arch.heads * qk, h)))
+            rows.append((a + "q_proj.weight", (arch.heads * qk, h)))
         if arch.index_head_dim and arch.index_heads:
             ix, d = a + "indexer.", arch.index_head_dim
-            out += [(ix + "wq_b.weight", (arch.index_heads * d, arch.q_lora_rank or h)), (ix + "wk.weight", (d, h)),
-                    (ix + "k_norm.weight", (d,)), (ix + "k_norm.bias", (d,)),
-                    (ix + "weights_proj.weight", (arch.index_heads, h))]
-        if layer < arch.first_dense and layer < arch.layers:
+            rows += [(ix + "wq_b.weight", (arch.index_heads * d, arch.q_lora_rank or h)), (ix + "wk.weight", (d, h)),
+                     (ix + "k_norm.weight", (d,)), (ix + "k_norm.bias", (d,)),
+                     (ix + "weights_proj.weight", (arch.index_heads, h))]
+        if kind == "dense":
             i = arch.dense_intermediate or 0
-            out += [(p + f"mlp.{proj}.weight", (i, h)) for proj in ("gate_proj", "up_proj")]
-            out.append((p + "mlp.down_proj.weight", (h, i)))
+            rows += [(p + f"mlp.{proj}.weight", (i, h)) for proj in ("gate_proj", "up_proj")]
+            rows.append((p + "mlp.down_proj.weight", (h, i)))
         else:
-            out += [(p + "mlp.gate.weight", (arch.experts, h)), (p + "mlp.gate.e_score_correction_bias", (arch.experts,))]
+            rows += [(p + "mlp.gate.weight", (arch.experts, h)), (p + "mlp.gate.e_score_correction_bias", (arch.experts,))]
             if shared_i:
-                out += [(p + f"mlp.shared_experts.{proj}.weight", (shared_i, h)) for proj in ("gate_proj", "up_proj")]
-                out.append((p + "mlp.shared_experts.down_proj.weight", (h, shared_i)))
-        if layer >= arch.layers:  # the MTP layer's own modules
-            out += [(p + "enorm.weight", (h,)), (p + "hnorm.weight", (h,)), (p + "eh_proj.weight", (h, 2 * h)),
-                    (p + "shared_head.norm.weight", (h,))]
-    out += [("model.embed_tokens.weight", (arch.vocab, h)), ("model.norm.weight", (h,)),
-            ("lm_head.weight", (arch.vocab, h))]
+                rows += [(p + f"mlp.shared_experts.{proj}.weight", (shared_i, h)) for proj in ("gate_proj", "up_proj")]
+                rows.append((p + "mlp.shared_experts.down_proj.weight", (h, shared_i)))
+        if kind == "mtp":  # the MTP layer's own modules
+            rows += [(p + "enorm.weight", (h,)), (p + "hnorm.weight", (h,)), (p + "eh_proj.weight", (h, 2 * h)),
+                     (p + "shared_head.norm.weight", (h,))]
+        out += [(name, shape, count) for name, shape in rows]
+    out += [("model.embed_tokens.weight", (arch.vocab, h), 1), ("model.norm.weight", (h,), 1),
+            ("lm_head.weight", (arch.vocab, h), 1)]
     return out
 
 
 def _estimate_absent(arch: Arch, out: Weights, rules: tuple[Rule, ...]) -> None:
     """Estimate, at bf16, the parts the checkpoint holds nothing of (per rank, through the same table)."""
-    for name, shape in model_tensors(arch, out.mtp_loaded):
+    for name, shape, count in model_tensors(arch, out.mtp_loaded):
         part, style = classify(rules, name)
         if part in out.present:
             continue
@@ -290,7 +298,7 @@ def _estimate_absent(arch: Arch, out: Weights, rules: tuple[Rule, ...]) -> None:
         for n in shape:
             nbytes *= n
         for rw in out.ranks:
-            rw.absent[part] = rw.absent.get(part, 0) + slice_bytes(name, shape, nbytes, style, out.tp)
+            rw.absent[part] = rw.absent.get(part, 0) + count * slice_bytes(name, shape, nbytes, style, out.tp)
 
 
 def styles_shown(weights: Weights) -> dict[str, str]:
