@@ -346,7 +346,8 @@ def test_cli_exit_codes_and_json_keys(tmp_path, capsys):
     assert out.count("\n") <= 40  # one screen
     for args in (["--tp", "2", "--dcp", "3", "--gpu", "h100"], ["--gpu", "h100"], ["--tp", "2", "--gpu", "a100"],
                  ["--tp", "2", "--gpu", "h100", "--gpu-mem", "80GB"], ["--tp", "2", "--gpu-mem", "lots"],
-                 ["--tp", "4", "--gpu", "h100"], ["--tp", "2", "--gpu", "h100", "--gpu-memory-utilization", "1.5"]):
+                 ["--tp", "4", "--gpu", "h100"], ["--tp", "2", "--gpu", "h100", "--gpu-memory-utilization", "1.5"],
+                 ["--tp", "0", "--gpu", "h100"]):
         code, out, err = run_cli(capsys, "fit", root, *args)
         assert code == 2, (args, out, err)
         assert "Traceback" not in err
@@ -411,3 +412,9 @@ def test_an_absurd_layer_count_is_arithmetic_not_a_loop():
     kv = kv_per_token(arch, "fp8", 1, mtp=False)
     assert (kv.latent_layers, kv.indexer_layers) == (10**12, 10**12 // 4)
     assert sum(arch.has_indexer_cache(layer) for layer in range(12)) == 3  # layers 0, 4, 8
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a visible GPU is the default")
+def test_no_gpu_given_and_none_visible_is_a_usage_error(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "fit", str(_tiny(tmp_path)), "--tp", "2")
+    assert code == 2 and "no GPU visible here" in err

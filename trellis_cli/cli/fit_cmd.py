@@ -52,7 +52,8 @@ def register(app: typer.Typer) -> None:
     @app.command("fit", help=HELP)
     def fit_command(
         source: SourceArg = None,
-        tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree (GPUs).", rich_help_panel=_BUDGET)] = 0,
+        tp: Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel degree, the number of GPUs "
+                                                  "(required).", rich_help_panel=_BUDGET, show_default=False)] = None,
         dcp: Annotated[int, typer.Option("--dcp", help="Decode context parallelism (divides the KV cache).",
                                          rich_help_panel=_BUDGET)] = 1,
         gpu: Annotated[Optional[GpuName], typer.Option("--gpu", help="GPU preset (default: the local GPU).",
@@ -86,8 +87,8 @@ def register(app: typer.Typer) -> None:
         from trellis_cli.fit.gpus import choose_gpu
         from trellis_cli.fit.run import FitRequest, check_request, fit
 
-        if tp < 1:
-            raise UsageError("--tp N is required (the tensor-parallel degree, at least 1)")
+        if tp is None:
+            raise UsageError("--tp N is required (the tensor-parallel degree)")
         request = FitRequest(tp=tp, gpu=choose_gpu(gpu.value if gpu else None, gpu_mem), dcp=dcp, ctx=ctx,
                              max_num_seqs=max_num_seqs, kv_dtype=kv_dtype.value, gpu_memory_utilization=utilization,
                              engine=engine.value, mtp=mtp, max_batched_tokens=max_batched)
