@@ -74,6 +74,10 @@ class SynthSpec:
     sparse: bool = False
     num_hidden_layers: int | None = None  # default: last MoE layer + 1
     mtp_layers: int = 0  # config num_nextn_predict_layers (GLM-5.2: 1, the MTP head is layer 78)
+    # The model's own architecture fields (attention, indexer, vocabulary, dense MLP) that the expert geometry
+    # does not set; with them config.json describes the whole model (`trellis fit` reads it), without them
+    # config.json names a synthetic architecture that carries only what the experts need.
+    model: Mapping[str, object] | None = field(default=None, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -169,10 +173,26 @@ def _check_k_choice(spec: SynthSpec, bad: Callable[[str], UsageError]) -> None:
         raise bad(f"bitrates must be integers in 1..8, got {sorted(ks, key=str)}")
 
 
+# GLM-5 / GLM-5.2 (`GlmMoeDsaConfig`, model_type glm_moe_dsa): MLA with the DSA indexer on every layer.
+GLM_MOE_DSA = {
+    "vocab_size": 154880, "intermediate_size": 12288, "n_shared_experts": 1,
+    "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 2048, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256,
+    "index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048,
+    "max_position_embeddings": 202752, "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+}
+# The same architecture at toy size (the indexer keeps its 128-wide key: its fp8 scale block is 128).
+TINY_GLM_MOE_DSA = GLM_MOE_DSA | {
+    "vocab_size": 512, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "q_lora_rank": 128, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+    "index_n_heads": 2, "index_topk": 64, "max_position_embeddings": 4096,
+}
+
 PRESETS: dict[str, SynthSpec] = {
     "glm52-tp4": SynthSpec(hidden=6144, intermediate=2048, experts=256, tp=4, layers=tuple(range(3, 79)),
-                           partition=(192, 64), top_k=8, num_hidden_layers=78, mtp_layers=1),
-    "tiny": SynthSpec(hidden=256, intermediate=256, experts=8, tp=2, layers=(3, 4), partition=(6, 2), top_k=2),
+                           partition=(192, 64), top_k=8, num_hidden_layers=78, mtp_layers=1, model=GLM_MOE_DSA),
+    "tiny": SynthSpec(hidden=256, intermediate=256, experts=8, tp=2, layers=(3, 4), partition=(6, 2), top_k=2,
+                      model=TINY_GLM_MOE_DSA),
 }
 
 
@@ -381,10 +401,11 @@ def hybrid_tr3_tail(spec: SynthSpec) -> dict:
     return block
 
 
-def config_json(spec: SynthSpec) -> dict:
-    return {
-        "architectures": ["TrellisSynthMoeForCausalLM"],
-        "model_type": "trellis_synth_moe",
+def model_config(spec: SynthSpec) -> dict:
+    """The architecture part of config.json: geometry from the spec, the rest from `spec.model`."""
+    named = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa"} if spec.model else {
+        "architectures": ["TrellisSynthMoeForCausalLM"], "model_type": "trellis_synth_moe"}
+    return named | {
         "hidden_size": spec.hidden,
         "moe_intermediate_size": spec.intermediate,
         "n_routed_experts": spec.experts,
@@ -392,7 +413,13 @@ def config_json(spec: SynthSpec) -> dict:
         "num_hidden_layers": spec.num_hidden_layers if spec.num_hidden_layers is not None else spec.layers[-1] + 1,
         "num_nextn_predict_layers": spec.mtp_layers,
         "first_k_dense_replace": spec.layers[0],
-        "torch_dtype": "float16",
+        "torch_dtype": "bfloat16" if spec.model else "float16",
+        **(spec.model or {}),
+    }
+
+
+def config_json(spec: SynthSpec) -> dict:
+    return model_config(spec) | {
         "hybrid_tr3_tail": hybrid_tr3_tail(spec),
         "quantization_config": {"quant_method": "exl3", "bits": spec.mean_bpw(), "codebook": spec.codebook},
     }

@@ -34,6 +34,11 @@ def register(app: typer.Typer) -> None:
         layers: Annotated[Optional[str], typer.Option(help="Only these MoE layers, e.g. 3-5,40.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Emit one JSON document.")] = False,
         markdown: Annotated[bool, typer.Option("--markdown", help="Emit a Markdown table.")] = False,
+        tp: Annotated[Optional[int], typer.Option("--tp", help="With --gpu or --gpu-mem: add the `trellis fit` "
+                                                  "section at this TP (defaults of `trellis fit`).")] = None,
+        gpu: Annotated[Optional[str], typer.Option("--gpu", help="GPU preset for the fit section.")] = None,
+        gpu_mem: Annotated[Optional[str], typer.Option("--gpu-mem", help="GPU memory for the fit section.")] = None,
+        ctx: Annotated[Optional[int], typer.Option("--ctx", help="Context length for the fit section.")] = None,
     ) -> None:
         from trellis_cli.checkpoint.open import open_checkpoint
         from trellis_cli.inspect_report import build_inspect, render_markdown, render_text
@@ -41,16 +46,44 @@ def register(app: typer.Typer) -> None:
 
         if as_json and markdown:
             raise UsageError("--json and --markdown are exclusive: choose one output format")
+        fit_request = _fit_request(tp, gpu, gpu_mem, ctx)
         chosen = parse_layer_ranges(layers) if layers is not None else None
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         output.log(f"reading headers of {opened.description} ...")
         # A production checkpoint has ~80 shards and 930k tensors: a spinner with the elapsed time on a terminal.
         with output.progress_bar(f"reading headers of {opened.description}", None,
                                  enabled=output.progress_enabled(as_json)):
-            document = build_inspect(open_checkpoint(opened), chosen)
+            checkpoint = open_checkpoint(opened)
+            document = build_inspect(checkpoint, chosen)
+            fitted = None
+            if fit_request is not None:
+                from trellis_cli.fit.run import fit
+
+                fitted = fit(checkpoint, fit_request)
         if as_json:
+            if fitted is not None:
+                document["fit"] = fitted.to_json()
             output.emit_json(document)
             return
         lines = render_markdown(document) if markdown else render_text(document)
         for line in lines:
             output.print_line(line)
+        if fitted is not None:
+            from trellis_cli.cli.fit_render import render
+
+            output.print_line("")
+            render(fitted, opened.description, checkpoint.dialect)
+
+
+def _fit_request(tp: int | None, gpu: str | None, gpu_mem: str | None, ctx: int | None):
+    """The fit section's request when --tp and a GPU are given; a usage error when only one half is."""
+    if tp is None and gpu is None and gpu_mem is None and ctx is None:
+        return None
+    if tp is None or (gpu is None and gpu_mem is None):
+        raise UsageError("the fit section of inspect needs --tp N and --gpu NAME or --gpu-mem SIZE")
+    from trellis_cli.fit.gpus import choose_gpu
+    from trellis_cli.fit.run import FitRequest, check_request
+
+    request = FitRequest(tp=tp, gpu=choose_gpu(gpu, gpu_mem), ctx=ctx)
+    check_request(request)
+    return request

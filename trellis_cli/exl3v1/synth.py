@@ -10,6 +10,7 @@ takes seconds; its manifest then records no real digests (all zeros: there is no
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -23,7 +24,7 @@ from trellis_cli.formats.exl3v1_schema import (HADAMARD_BLOCK_SLOTS, MANIFEST_FI
                                                SLOTS_PER_PAIR, UNIFORM, LayerEntry, Manifest)
 from trellis_cli.exl3v1.write import layer_file_name, layer_plan, row_stride, write_layer, write_manifest
 from trellis_cli.integrity import sha256_file
-from trellis_cli.synth import SynthSpec, _generator, random_suh, random_svh, staged_output
+from trellis_cli.synth import SynthSpec, _generator, model_config, random_suh, random_svh, staged_output
 
 SPARSE_DIGEST = "0" * 64
 ROW_ALIGNMENT = 4096
@@ -110,6 +111,9 @@ def write_exl3v1_checkpoint(out_dir: str | Path, spec: SynthSpec, progress: Call
             if progress is not None:
                 progress(layer)
         write_manifest(stage, m, MANIFEST_FILE)
+        if spec.model:  # the model's architecture next to the container, as a served model directory has it
+            config = stage / "config.json"
+            config.write_text(json.dumps(model_config(spec), indent=2) + "\n", encoding="utf-8")
 
     # Sparse: only the rate tables hold data ([num_slots/8, E] bytes each, within the headroom).
     return staged_output(out_dir, overwrite, write, needed=0 if spec.sparse else checkpoint_bytes(spec))

@@ -1,0 +1,317 @@
+"""Weight bytes per rank, exact to the byte, from tensor headers (docs/fit.md, "Weights").
+
+Every tensor of the checkpoint is placed by the engine's sharding table: a rank-sliced routed expert on its
+own rank, anything else sliced or replicated as the engine loads it. Routed experts are also counted per K
+tier (how many experts at each K on the rank, and their bytes), which is what the demotion remedy reads.
+The MTP layers (stored from layer `num_hidden_layers` on) count only when the engine loads them.
+
+Parts of the model that the architecture has but the checkpoint does not store (a synthetic or experts-only
+checkpoint) are estimated at bf16 from config.json through the same table and kept apart (`absent`), so the
+header bytes stay exact and the estimate is named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from trellis_cli.checkpoint.model import DIALECT_EXL3V1, Checkpoint
+from trellis_cli.checkpoint.names import KIND_LINEAR, KIND_R7_SHARED, KIND_SHARED_H, parse_expert_name
+from trellis_cli.errors import UsageError
+from trellis_cli.fit.arch import Arch
+from trellis_cli.fit.sharding import (COLUMN, EXPERT, PART_EXPERTS, PART_MTP, PARTS, REPLICATED, ROW, VOCAB, WHOLE,
+                                      Rule, classify, layer_of, share, slice_bytes, split_of)
+
+BF16 = 2
+RANK_SLICED = "rank-sliced"  # the style of a rank-sliced checkpoint's expert tensors: each on its own rank
+
+
+@dataclass
+class Tier:
+    experts: int = 0  # expert-layers at this K on the rank
+    bytes: int = 0
+
+
+@dataclass
+class RankWeights:
+    rank: int
+    parts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PARTS, 0))
+    # K -> experts and bytes on this rank; None: layer-shared expert tensors (shared-H rows, exl3-v1 tables)
+    tiers: dict[int | None, Tier] = field(default_factory=dict)
+    absent: dict[str, int] = field(default_factory=dict)  # part -> estimated bytes, parts not in the checkpoint
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.parts[PART_EXPERTS]
+
+    @property
+    def absent_total(self) -> int:
+        return sum(self.absent.values())
+
+    def tier(self, k: int | None) -> Tier:
+        return self.tiers.setdefault(k, Tier())
+
+
+@dataclass
+class Weights:
+    tp: int
+    ranks: list[RankWeights]
+    styles: dict[str, set[str]]  # part -> the parallel styles its tensors have
+    mtp_loaded: bool
+    mtp_skipped_bytes: int  # bytes of MTP layers in the checkpoint that the engine does not load
+    resliced: bool  # a rank-sliced checkpoint evaluated at another TP (an estimate: it needs re-slicing)
+    present: set[str] = field(default_factory=set)  # parts the checkpoint stores (MTP layers included)
+
+
+@dataclass
+class _Bucket:
+    nbytes: int = 0
+    experts: int = 0  # expert-layers whose gate trellis is in this bucket
+
+
+@dataclass
+class Inventory:
+    """Every tensor the checkpoint holds, summed into buckets that place the same way at any TP: read once,
+    placed for each TP a remedy asks about."""
+
+    sliced_tp: int | None  # the TP a rank-sliced checkpoint was cut for
+    rules: tuple[Rule, ...]  # the engine's sharding table
+    # (shown part, part, MTP layer, K or None, rank of a rank-sliced tensor or None, split kind, split length)
+    buckets: dict[tuple, _Bucket] = field(default_factory=dict)
+    styles: dict[str, set[str]] = field(default_factory=dict)
+    present: set[str] = field(default_factory=set)  # parts the checkpoint stores (MTP layers included)
+
+    def add(self, key: tuple, nbytes: int, experts: int = 0) -> None:
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            bucket = self.buckets[key] = _Bucket()
+        bucket.nbytes += nbytes
+        bucket.experts += experts
+
+
+def scan(ckpt: Checkpoint, arch: Arch, rules: tuple[Rule, ...]) -> Inventory:
+    """Read every header tensor once into an Inventory (exl3-v1 layer files are placed per TP instead)."""
+    sliced_tp = ckpt.tp if any(layer.rank_sliced for layer in ckpt.layers.values()) else None
+    if ckpt.dialect == DIALECT_EXL3V1:
+        inv = Inventory(None, rules)
+        tensors = _non_layer_tensors(ckpt)
+    else:
+        inv = Inventory(sliced_tp, rules)
+        tensors = ((ref.name, ref.shape, ref.nbytes) for ref in ckpt.tensors.values())
+    k_of: dict[tuple[int, int], int | None] = {}
+    for name, shape, nbytes in tensors:
+        layer = layer_of(name)
+        is_mtp = layer is not None and layer >= arch.layers
+        part, style = (PART_EXPERTS, EXPERT) if ".mlp.experts." in name else classify(rules, name)
+        shown = PART_MTP if is_mtp else part
+        inv.present.add(part)
+        inv.styles.setdefault(shown, set()).add(style)
+        if part != PART_EXPERTS:
+            inv.add((shown, part, is_mtp, None, None, *split_of(name, shape, style)), nbytes)
+            continue
+        parsed = parse_expert_name(name)
+        k, counted, owner = None, 0, None
+        if parsed is not None and parsed.kind == KIND_LINEAR:
+            key = (parsed.layer, parsed.expert)
+            if key not in k_of:
+                moe = ckpt.layers.get(parsed.layer)
+                k_of[key] = moe.expert_k(parsed.expert) if moe is not None else None
+            k = k_of[key]
+            counted = int(parsed.field == "trellis" and parsed.projection == "gate_proj")
+        if parsed is not None and parsed.kind in (KIND_LINEAR, KIND_SHARED_H, KIND_R7_SHARED):
+            owner = parsed.rank
+        if owner is not None and inv.sliced_tp is not None:
+            split = (WHOLE, 0)
+            inv.styles[shown].discard(EXPERT)
+            inv.styles[shown].add(RANK_SLICED)
+        else:
+            owner = None
+            unsliced = EXPERT if parsed is not None and parsed.kind == KIND_LINEAR else REPLICATED
+            split = split_of(name, shape, unsliced)
+        inv.add((shown, part, is_mtp, k, owner, *split), nbytes, counted)
+    return inv
+
+
+def rank_weights(ckpt: Checkpoint, arch: Arch, inv: Inventory, tp: int, mtp: bool, reslice: bool = False) -> Weights:
+    """Bytes per rank of every tensor the engine loads at `tp`.
+
+    A rank-sliced checkpoint loads only at its own TP; with `reslice` another TP is estimated as if the
+    checkpoint were re-sliced (each rank gets an equal share of the sliced bytes).
+    """
+    sliced_tp = inv.sliced_tp
+    if sliced_tp is not None and sliced_tp != tp and not reslice:
+        raise UsageError(f"the checkpoint is sliced for TP {sliced_tp} (config.json hybrid_tr3_tail.tp) and --tp is "
+                         f"{tp}: the loaders refuse a rank-sliced checkpoint at another TP (re-slice it with "
+                         f"`trellis repack SOURCE OUT --to tr3 --tp {tp}`)")
+    out = Weights(tp, [RankWeights(r) for r in range(tp)], {k: set(v) for k, v in inv.styles.items()}, mtp, 0,
+                  sliced_tp is not None and sliced_tp != tp, set(inv.present))
+    for (shown, part, is_mtp, k, owner, kind, length), bucket in inv.buckets.items():
+        if is_mtp and not mtp:
+            out.mtp_skipped_bytes += bucket.nbytes
+            continue
+        if owner is None:
+            targets = [(rw, share(kind, length, bucket.nbytes, tp), bucket.experts) for rw in out.ranks]
+        elif sliced_tp == tp:
+            targets = [(out.ranks[owner], bucket.nbytes, bucket.experts)] if owner < tp else []
+        else:  # estimate at another TP: every rank an equal share of each slice
+            targets = [(rw, bucket.nbytes // tp, bucket.experts if owner == 0 else 0) for rw in out.ranks]
+        for rw, b, experts in targets:
+            rw.parts[shown] += b
+            if part == PART_EXPERTS and not is_mtp:
+                tier = rw.tier(k)
+                tier.bytes += b
+                tier.experts += experts
+    if ckpt.dialect == DIALECT_EXL3V1:
+        _exl3v1(ckpt, arch, out, mtp)
+    _estimate_absent(arch, out, inv.rules)
+    return out
+
+
+def _exl3v1(ckpt: Checkpoint, arch: Arch, out: Weights, mtp: bool) -> None:
+    """An exl3-v1 container: each rank reads its extent of slots from `codes`, `rotations` and the rate tables
+    (rows along dim 0), and the whole hidden-side tables and sign pattern."""
+    from trellis_cli.checkpoint.exl3v1 import CODES, RATES_FC1, RATES_FC2, ROTATIONS, container, layer_rates
+    from trellis_cli.formats.exl3v1_layout import bundle_bytes, rank_extent, tp_problem
+    from trellis_cli.formats.exl3v1_schema import SLOT_CHANNELS, SLOTS_PER_PAIR
+
+    box = container(ckpt)
+    m = box.manifest
+    if m is None:
+        raise UsageError("the exl3-v1 manifest could not be read (run `trellis validate` for the findings)")
+    problem = tp_problem(m, out.tp)
+    if problem:
+        raise UsageError(f"--tp {out.tp}: this exl3-v1 container cannot be split so ({problem})")
+    sliced = {CODES, ROTATIONS, RATES_FC1, RATES_FC2}
+    for index, layer in box.layers.items():
+        is_mtp = index >= arch.layers
+        if is_mtp and not mtp:
+            out.mtp_skipped_bytes += sum(ref.nbytes for ref in layer.tensors.values())
+            continue
+        part = PART_MTP if is_mtp else PART_EXPERTS
+        out.styles.setdefault(part, set()).add(EXPERT)
+        out.present.add(PART_EXPERTS)
+        rates = None if is_mtp else layer_rates(ckpt, index)
+        for rw in out.ranks:
+            first, count = rank_extent(m, out.tp, rw.rank)
+            layer_bytes = 0
+            for name, ref in layer.tensors.items():
+                rows = ref.shape[0] if ref.shape else 0
+                if name in sliced and rows:
+                    layer_bytes += ref.nbytes // rows * (rows // out.tp)
+                else:
+                    layer_bytes += ref.nbytes
+            rw.parts[part] += layer_bytes
+            if is_mtp:
+                continue
+            in_tiers = 0
+            if rates is not None:
+                rate_bytes = 2 * (count // SLOTS_PER_PAIR) if m.pair_structure else 0
+                for e in range(m.num_experts):
+                    b = sum(bundle_bytes(m.hidden, *rates.codes(s, e)) for s in range(first, first + count))
+                    b += count * 3 * SLOT_CHANNELS * 2 + rate_bytes
+                    tier = rw.tier(rates.expert_k(e, m.num_slots))
+                    tier.experts += 1
+                    tier.bytes += b
+                    in_tiers += b
+            rw.tier(None).bytes += layer_bytes - in_tiers
+
+
+def _non_layer_tensors(ckpt: Checkpoint) -> list[tuple[str, tuple[int, ...], int]]:
+    """Tensors of an exl3-v1 directory's other safetensors files (a served model keeps attention etc. there)."""
+    from trellis_cli.checkpoint.exl3v1 import container
+
+    layer_files = {layer.file for layer in container(ckpt).layers.values()}
+    found = []
+    for name, size in sorted(ckpt.files.items()):
+        if name.endswith(".safetensors") and name not in layer_files and size >= 0:
+            header = ckpt.source.read_header(name)
+            found += [(t, tuple(e.shape), e.end - e.begin) for t, e in header.tensors.items()]
+    return found
+
+
+# ---- what the checkpoint does not hold ------------------------------------------------------------------
+
+def model_tensors(arch: Arch, mtp: bool) -> list[tuple[str, tuple[int, ...], int]]:
+    """(name, shape, how many layers have it) of every non-routed-expert tensor of the architecture, in the GLM
+    MoE DSA naming: one dense, one MoE and one MTP layer stand for all of their kind (no loop over layers,
+    whatever num_hidden_layers says)."""
+    h, out = arch.hidden, []
+    qk = arch.qk_nope + arch.qk_rope
+    shared_i = arch.moe_intermediate * arch.shared_experts
+    dense = min(arch.first_dense, arch.layers)
+    kinds = [(0, dense, "dense"), (dense, arch.layers - dense, "moe")]
+    if mtp and arch.mtp_layers:
+        kinds.append((arch.layers, arch.mtp_layers, "mtp"))
+    for layer, count, kind in kinds:
+        if count <= 0:
+            continue
+        p = f"model.layers.{layer}."
+        a = p + "self_attn."
+        rows = [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
+                (a + "kv_a_proj_with_mqa.weight", (arch.kv_lora_rank + arch.qk_rope, h)),
+                (a + "kv_a_layernorm.weight", (arch.kv_lora_rank,)),
+                (a + "kv_b_proj.weight", (arch.heads * (arch.qk_nope + arch.v_head), arch.kv_lora_rank)),
+                (a + "o_proj.weight", (h, arch.heads * arch.v_head))]
+        if arch.q_lora_rank:
+            rows += [(a + "q_a_proj.weight", (arch.q_lora_rank, h)), (a + "q_a_layernorm.weight", (arch.q_lora_rank,)),
+                     (a + "q_b_proj.weight", (arch.heads * qk, arch.q_lora_rank))]
+        else:
+            rows.append((a + "q_proj.weight", (arch.heads * qk, h)))
+        if arch.index_head_dim and arch.index_heads:
+            ix, d = a + "indexer.", arch.index_head_dim
+            rows += [(ix + "wq_b.weight", (arch.index_heads * d, arch.q_lora_rank or h)), (ix + "wk.weight", (d, h)),
+                     (ix + "k_norm.weight", (d,)), (ix + "k_norm.bias", (d,)),
+                     (ix + "weights_proj.weight", (arch.index_heads, h))]
+        if kind == "dense":
+            i = arch.dense_intermediate or 0
+            rows += [(p + f"mlp.{proj}.weight", (i, h)) for proj in ("gate_proj", "up_proj")]
+            rows.append((p + "mlp.down_proj.weight", (h, i)))
+        else:
+            rows += [(p + "mlp.gate.weight", (arch.experts, h)), (p + "mlp.gate.e_score_correction_bias", (arch.experts,))]
+            if shared_i:
+                rows += [(p + f"mlp.shared_experts.{proj}.weight", (shared_i, h)) for proj in ("gate_proj", "up_proj")]
+                rows.append((p + "mlp.shared_experts.down_proj.weight", (h, shared_i)))
+        if kind == "mtp":  # the MTP layer's own modules
+            rows += [(p + "enorm.weight", (h,)), (p + "hnorm.weight", (h,)), (p + "eh_proj.weight", (h, 2 * h)),
+                     (p + "shared_head.norm.weight", (h,))]
+        out += [(name, shape, count) for name, shape in rows]
+    out += [("model.embed_tokens.weight", (arch.vocab, h), 1), ("model.norm.weight", (h,), 1),
+            ("lm_head.weight", (arch.vocab, h), 1)]
+    return out
+
+
+def _estimate_absent(arch: Arch, out: Weights, rules: tuple[Rule, ...]) -> None:
+    """Estimate, at bf16, the parts the checkpoint holds nothing of (per rank, through the same table)."""
+    for name, shape, count in model_tensors(arch, out.mtp_loaded):
+        part, style = classify(rules, name)
+        if part in out.present:
+            continue
+        layer = layer_of(name)
+        if layer is not None and layer >= arch.layers:
+            part = PART_MTP
+        out.styles.setdefault(part, set()).add(style)
+        nbytes = BF16
+        for n in shape:
+            nbytes *= n
+        for rw in out.ranks:
+            rw.absent[part] = rw.absent.get(part, 0) + count * slice_bytes(name, shape, nbytes, style, out.tp)
+
+
+def styles_shown(weights: Weights) -> dict[str, str]:
+    """part -> "column, row" etc., for the report."""
+    order = (RANK_SLICED, EXPERT, COLUMN, ROW, VOCAB, REPLICATED)
+    return {part: ", ".join(s for s in order if s in styles) for part, styles in weights.styles.items()}
+
+
+def to_json(rw: RankWeights) -> dict[str, Any]:
+    return {"parts": {k: v for k, v in rw.parts.items() if v},
+            "tiers": [{"k": k, "experts": t.experts, "bytes": t.bytes}
+                      for k, t in sorted(rw.tiers.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))],
+            "absent": dict(rw.absent)}
+
+
+__all__ = ["Inventory", "RankWeights", "Tier", "Weights", "model_tensors", "rank_weights", "scan", "styles_shown"]
