@@ -1,0 +1,208 @@
+"""`run_diff(a, b) -> DiffResult`: two checkpoints compared in the logical units of the normalized model.
+
+Layer by layer, so memory holds one layer's units (and at most one rearranged layer-rank) at a time:
+units present on one side only and dtype/shape differences come from headers; the rest are decided by
+storage identity (LFS sha256, the same file) when it applies, else by a streamed sha256 of each unit's bytes
+(diff/hashing.py). The TP compared is the larger of the two sides' (an exl3-v1 side is read at the other side's
+TP, or at the TP its manifest's conversion note or slot layout gives when both are exl3-v1); a TR3 side at a
+lower TP is re-sliced to it (exactly, or refused by name).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from trellis_cli.checkpoint.model import DIALECT_EXL3V1, Checkpoint
+from trellis_cli.diff.hashing import HEADER, SHA256, Hasher, storage_identity
+from trellis_cli.diff.result import (BYTES, DTYPE, ONLY_A, ONLY_B, SHAPE, DiffResult, LayerDiff, TensorDifference,
+                                     TierChange)
+from trellis_cli.diff.structure import structure_changes
+from trellis_cli.diff.units import CODES, OTHER, Key, Unit, layer_units, moe_layers, native_tp, other_units
+from trellis_cli.errors import UsageError
+
+Progress = Callable[[int], None]
+
+
+def run_diff(a: Checkpoint, b: Checkpoint, *, layers: list[int] | None = None, progress: Progress | None = None,
+             download_progress: Progress | None = None,
+             on_layer: Callable[[int, int], None] | None = None) -> DiffResult:
+    """Compare `a` and `b`. `layers` restricts the MoE layers (non-expert tensors are then not compared);
+    `progress(n)` receives bytes hashed, `download_progress(n)` bytes downloaded, `on_layer(done, total)`
+    each finished layer."""
+    tp = compared_tp(a, b)
+    layers_a, layers_b = set(moe_layers(a)), set(moe_layers(b))
+    if layers is not None:
+        absent = [layer for layer in layers if layer not in layers_a | layers_b]
+        if absent:
+            raise UsageError(f"--layers: MoE layer(s) {', '.join(map(str, absent))} in neither checkpoint "
+                             f"(A has {_span(layers_a)}, B has {_span(layers_b)})")
+        chosen = set(layers)
+        layers_a, layers_b = layers_a & chosen, layers_b & chosen
+    both = sorted(layers_a & layers_b)
+    result = DiffResult(a=_side(a), b=_side(b), compared_tp=tp, layers_compared=both,
+                        structure=structure_changes(a, b), layers_only_a=sorted(layers_a - layers_b),
+                        layers_only_b=sorted(layers_b - layers_a), other_tensors_compared=layers is None)
+    comparer = _Comparer(a, b, result, progress, download_progress)
+    for done, layer in enumerate(both, 1):
+        units_a, units_b = layer_units(a, layer, tp), layer_units(b, layer, tp)
+        counts = comparer.compare(units_a, units_b, layer)
+        result.layers.append(_layer_diff(a, b, layer, units_a, units_b, counts))
+        if on_layer is not None:
+            on_layer(done, len(both))
+    if layers is None:
+        comparer.compare(other_units(a), other_units(b), None)
+    return result
+
+
+def compared_tp(a: Checkpoint, b: Checkpoint) -> int:
+    ta, tb = native_tp(a), native_tp(b)
+    if ta is not None and tb is not None:
+        return max(ta, tb)
+    if ta is not None or tb is not None:
+        return ta or tb or 1
+    from trellis_cli.routepack.exl3v1_pack import default_tp
+
+    return default_tp(a)
+
+
+class _Comparer:
+    def __init__(self, a: Checkpoint, b: Checkpoint, result: DiffResult, progress: Progress | None,
+                 download_progress: Progress | None) -> None:
+        self.a, self.b, self.result = a, b, result
+        self.hash_a = Hasher(a.source, progress, download_progress)
+        self.hash_b = Hasher(b.source, progress, download_progress)
+        self.ids_a: dict[str, tuple | None] = {}
+        self.ids_b: dict[str, tuple | None] = {}
+
+    def compare(self, units_a: dict[Key, Unit], units_b: dict[Key, Unit], layer: int | None) -> dict[str, int]:
+        counts = dict.fromkeys(("identical", ONLY_A, ONLY_B, DTYPE, SHAPE, BYTES), 0)
+        pending: list[Key] = []
+        for key in sorted(units_a.keys() | units_b.keys(), key=_order):
+            ua, ub = units_a.get(key), units_b.get(key)
+            if ua is None or ub is None:
+                self._differ(counts, ONLY_A if ub is None else ONLY_B, HEADER, key, layer, ua, ub)
+            elif ua.dtype != ub.dtype:
+                self._differ(counts, DTYPE, HEADER, key, layer, ua, ub)
+            elif ua.shape != ub.shape or ua.nbytes != ub.nbytes:
+                self._differ(counts, SHAPE, HEADER, key, layer, ua, ub)
+            else:
+                method = self._same_storage(ua, ub)
+                if method is not None:
+                    self._identical(counts, method)
+                else:
+                    pending.append(key)
+        if pending:
+            digests_a = self.hash_a.digests(units_a[k].span for k in pending if units_a[k].digest is None)
+            digests_b = self.hash_b.digests(units_b[k].span for k in pending if units_b[k].digest is None)
+            for key in pending:
+                ua, ub = units_a[key], units_b[key]
+                da, db = ua.digest or digests_a[ua.span], ub.digest or digests_b[ub.span]
+                if da == db:
+                    self._identical(counts, SHA256)
+                else:
+                    self._differ(counts, BYTES, SHA256, key, layer, ua, ub, da, db)
+        for status, n in counts.items():
+            self.result.counts[status] += n
+        return counts
+
+    def _same_storage(self, ua: Unit, ub: Unit) -> str | None:
+        if ua.span is None or ub.span is None or (ua.span.begin, ua.span.end) != (ub.span.begin, ub.span.end):
+            return None
+        ia = storage_identity(self.a.source, ua.span.file, self.ids_a)
+        ib = storage_identity(self.b.source, ub.span.file, self.ids_b)
+        return ia[0] if ia is not None and ia == ib else None
+
+    def _identical(self, counts: dict[str, int], method: str) -> None:
+        counts["identical"] += 1
+        self.result.methods[method] = self.result.methods.get(method, 0) + 1
+
+    def _differ(self, counts: dict[str, int], status: str, method: str, key: Key, layer: int | None,
+                ua: Unit | None, ub: Unit | None, da: str | None = None, db: str | None = None) -> None:
+        counts[status] += 1
+        self.result.methods[method] = self.result.methods.get(method, 0) + 1
+        expert, proj, rank, part = key
+        where: dict[str, Any] = ({"tensor": proj} if part == OTHER else
+                                 {"layer": layer, "expert": expert, "projection": proj, "rank": rank})
+        self.result.differences.append(TensorDifference(status=status, method=method, part=part,
+                                                        a=_facts(ua, da), b=_facts(ub, db), **where))
+
+
+def _order(key: Key) -> tuple:
+    expert, proj, rank, part = key
+    return (-1 if expert is None else expert, proj, -1 if rank is None else rank, part)
+
+
+def _facts(unit: Unit | None, digest: str | None) -> dict[str, Any] | None:
+    if unit is None:
+        return None
+    facts: dict[str, Any] = {"dtype": unit.dtype, "shape": list(unit.shape), "bytes": unit.nbytes}
+    if digest or unit.digest:
+        facts["sha256"] = digest or unit.digest
+    return facts
+
+
+def _layer_diff(a: Checkpoint, b: Checkpoint, layer: int, units_a: dict[Key, Unit], units_b: dict[Key, Unit],
+                counts: dict[str, int]) -> LayerDiff:
+    ka, kb = _expert_k(units_a), _expert_k(units_b)
+    changes = [TierChange(e, ka.get(e), kb.get(e)) for e in sorted(ka.keys() | kb.keys()) if ka.get(e) != kb.get(e)]
+    da, db = _declared(a, layer), _declared(b, layer)
+    declared = []
+    if da is not None and db is not None:
+        declared = [TierChange(e, da.get(e), db.get(e)) for e in sorted(da.keys() | db.keys()) if da.get(e) != db.get(e)]
+    return LayerDiff(layer=layer, partition_a=_partition(ka), partition_b=_partition(kb), bpw_a=_bpw(units_a),
+                     bpw_b=_bpw(units_b), bytes_per_rank_a=_bytes_per_rank(units_a),
+                     bytes_per_rank_b=_bytes_per_rank(units_b), tier_changes=changes, declared_changes=declared,
+                     counts=counts)
+
+
+def _expert_k(units: dict[Key, Unit]) -> dict[int, int | None]:
+    """K per expert from its codes' shapes; None when its projections or ranks disagree."""
+    seen: dict[int, set] = {}
+    for (expert, _, _, part), unit in units.items():
+        if part == CODES:
+            seen.setdefault(expert, set()).add(unit.k)
+    return {e: (ks.pop() if len(ks) == 1 else None) for e, ks in seen.items()}
+
+
+def _partition(ks: dict[int, int | None]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for k in ks.values():
+        if k is not None:
+            out[k] = out.get(k, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def _bpw(units: dict[Key, Unit]) -> float | None:
+    bits = weights = 0
+    for (_, _, _, part), unit in units.items():
+        if part == CODES and len(unit.shape) == 3:
+            bits += unit.nbytes * 8
+            weights += unit.shape[0] * unit.shape[1] * 256
+    return round(bits / weights, 4) if weights else None
+
+
+def _bytes_per_rank(units: dict[Key, Unit]) -> list[int]:
+    out: dict[int, int] = {}
+    for (_, _, rank, _), unit in units.items():
+        out[rank] = out.get(rank, 0) + unit.nbytes
+    return [out[r] for r in sorted(out)]
+
+
+def _declared(ck: Checkpoint, layer: int) -> dict[int, int] | None:
+    moe = ck.layers.get(layer)
+    if moe is None or moe.declared_k is None:
+        return None
+    return dict(enumerate(moe.declared_k))
+
+
+def _side(ck: Checkpoint) -> dict[str, Any]:
+    describe = getattr(ck.source, "describe", None)
+    return {"description": getattr(ck.source, "description", None),
+            "source": describe() if describe is not None else str(ck.source), "dialect": ck.dialect, "tp": ck.tp
+            if ck.dialect != DIALECT_EXL3V1 else None, "codebook": ck.codebook, "rotation_layout": ck.rotation_layout}
+
+
+def _span(layers: set[int]) -> str:
+    from trellis_cli.id_ranges import compact_ranges
+
+    return compact_ranges(sorted(layers)) or "none"
