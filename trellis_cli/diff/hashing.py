@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import bisect
 import errno
 import hashlib
 import os
@@ -25,6 +26,7 @@ SAME_FILE = "same-file"
 SHA256 = "sha256"
 HEADER = "header"  # decided from the headers: present in one side only, or another dtype or shape
 READ_BYTES = 1 << 20
+PROGRESS_BYTES = 64 << 20  # progress is reported in pieces of this size (a call per unit would cost more than the hole)
 
 Progress = Callable[[int], None]
 
@@ -73,33 +75,38 @@ class Hasher:
         try:
             path = self.source.local_path(file, progress=self.download_progress)
             with open_regular(path) as f:
-                size = os.fstat(f.fileno()).st_size
-                out = {}
+                fd = f.fileno()
+                size = os.fstat(fd).st_size
+                extents = data_extents(fd, size)
+                starts = [begin for begin, _ in extents]
+                out, done = {}, 0
                 for span in spans:
                     if span.end > size:
                         raise CheckFailed(f"{file}: bytes [{span.begin}, {span.end}) run past the end of the "
                                           f"{size}-byte file")
-                    out[span] = self._digest(f, span)
+                    # the last extent starting before span.end decides: does it reach into the span?
+                    i = bisect.bisect_left(starts, span.end) - 1
+                    hole = i < 0 or extents[i][1] <= span.begin
+                    out[span] = self.zero_digest(span.end - span.begin) if hole else self._digest(fd, file, span)
+                    done += span.end - span.begin
+                    if self.progress is not None and done >= PROGRESS_BYTES:
+                        self.progress(done)
+                        done = 0
+                if self.progress is not None and done:
+                    self.progress(done)
                 return out
         except OSError as e:
             raise CheckFailed(f"{file}: cannot be read ({os_reason(e)})") from e
 
-    def _digest(self, f, span: Span) -> str:
-        length = span.end - span.begin
-        if _is_hole(f.fileno(), span.begin, span.end):
-            if self.progress is not None:
-                self.progress(length)
-            return self.zero_digest(length)
+    def _digest(self, fd: int, file: str, span: Span) -> str:
         h = hashlib.sha256()
-        left = length
-        while left:  # positional reads: the hole probe moves the descriptor's offset
-            piece = os.pread(f.fileno(), min(READ_BYTES, left), span.end - left)
+        left = span.end - span.begin
+        while left:
+            piece = os.pread(fd, min(READ_BYTES, left), span.end - left)
             if not piece:
-                raise CheckFailed(f"{self.source_name()}: short read at byte {span.end - left}")
+                raise CheckFailed(f"{file}: short read at byte {span.end - left}")
             h.update(piece)
             left -= len(piece)
-            if self.progress is not None:
-                self.progress(len(piece))
         return h.hexdigest()
 
     def zero_digest(self, length: int) -> str:
@@ -112,15 +119,24 @@ class Hasher:
             self._zero[length] = h.hexdigest()
         return self._zero[length]
 
-    def source_name(self) -> str:
-        return getattr(self.source, "description", "the checkpoint")
 
-
-def _is_hole(fd: int, begin: int, end: int) -> bool:
-    """True when [begin, end) holds no data extent (reads as zeros); False when unknown."""
-    if end <= begin or not hasattr(os, "SEEK_DATA"):
-        return False
+def data_extents(fd: int, size: int) -> list[tuple[int, int]]:
+    """The file's data extents [(begin, end)] in order, as the file system reports them (SEEK_DATA/SEEK_HOLE);
+    the whole file when it cannot say. Everything outside them reads as zeros."""
+    if not hasattr(os, "SEEK_DATA"):
+        return [(0, size)]
+    extents, position = [], 0
     try:
-        return os.lseek(fd, begin, os.SEEK_DATA) >= end
-    except OSError as e:
-        return e.errno == errno.ENXIO  # no data at or after begin: a hole up to the end of the file
+        while position < size:
+            try:
+                begin = os.lseek(fd, position, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # no data after position: a hole to the end
+                    break
+                raise
+            end = os.lseek(fd, begin, os.SEEK_HOLE)
+            extents.append((begin, end))
+            position = end
+    except OSError:
+        return [(0, size)]
+    return extents
