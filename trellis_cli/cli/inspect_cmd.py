@@ -9,7 +9,7 @@ import typer
 from trellis_cli.cli import output
 from trellis_cli.cli.options import (CacheDirOpt, EndpointOpt, OfflineOpt, RevisionOpt, SourceArg, TokenOpt,
                                      open_cli_source)
-from trellis_cli.errors import UsageError
+from trellis_cli.errors import CheckFailed, UsageError
 
 HELP = (
     "Describe a checkpoint without reading tensor data: dialect, geometry, per MoE layer the K partition "
@@ -34,6 +34,9 @@ def register(app: typer.Typer) -> None:
         layers: Annotated[Optional[str], typer.Option(help="Only these MoE layers, e.g. 3-5,40.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Emit one JSON document.")] = False,
         markdown: Annotated[bool, typer.Option("--markdown", help="Emit a Markdown table.")] = False,
+        tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor (file, name, dtype, shape, "
+                                                               "bytes; K and bpw of EXL3 codes), with per-layer and "
+                                                               "whole totals; --markdown: one table per layer.")] = False,
     ) -> None:
         from trellis_cli.checkpoint.open import open_checkpoint
         from trellis_cli.inspect_report import build_inspect, render_markdown, render_text
@@ -47,10 +50,29 @@ def register(app: typer.Typer) -> None:
         # A production checkpoint has ~80 shards and 930k tensors: a spinner with the elapsed time on a terminal.
         with output.progress_bar(f"reading headers of {opened.description}", None,
                                  enabled=output.progress_enabled(as_json)):
-            document = build_inspect(open_checkpoint(opened), chosen)
+            checkpoint = open_checkpoint(opened)
+            if tensors:
+                _list_tensors(checkpoint, chosen, as_json, markdown)
+                return
+            document = build_inspect(checkpoint, chosen)
         if as_json:
             output.emit_json(document)
             return
         lines = render_markdown(document) if markdown else render_text(document)
         for line in lines:
             output.print_line(line)
+
+
+def _list_tensors(checkpoint, chosen: list[int] | None, as_json: bool, markdown: bool) -> None:
+    from trellis_cli import inspect_tensors
+
+    document = inspect_tensors.build_tensor_listing(checkpoint, chosen)
+    if as_json:
+        output.emit_json(document)
+    else:
+        render = inspect_tensors.render_markdown if markdown else inspect_tensors.render_text
+        for line in render(document):
+            output.print_line(line)
+    if document["unreadable"]:
+        raise CheckFailed(f"{len(document['unreadable'])} file header(s) could not be read, first "
+                          f"{document['unreadable'][0]['file']}: {document['unreadable'][0]['error']}")
