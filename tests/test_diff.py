@@ -235,3 +235,12 @@ def test_production_shape_sparse_pair_names_the_expert_whose_k_changed(capsys, t
     changed = [(layer["layer"], layer["tier_changes"]) for layer in doc["layers"] if layer["tier_changes"]]
     assert changed == [(40, [{"expert": expert, "k_a": 3, "k_b": 4}])]
     assert {(d["layer"], d["expert"]) for d in doc["differences"]} == {(40, expert)}
+
+
+def test_library_run_diff_returns_the_result_the_cli_prints(capsys, family):
+    from trellis_cli import DiffResult, open_source, run_diff
+
+    result = run_diff(open_checkpoint(open_source(str(family["tr3"]))), open_checkpoint(family["pack"]))
+    assert isinstance(result, DiffResult) and result.identical
+    _, doc = diff_json(capsys, family["tr3"], family["pack"])
+    assert result.to_dict()["counts"] == doc["counts"] and result.summary() == doc["summary"]

@@ -31,8 +31,10 @@ HELP = (
 def register(app: typer.Typer) -> None:
     @app.command("diff", help=HELP)
     def diff_command(
-        a: Annotated[str, typer.Argument(help="First checkpoint: directory, or Hub id org/name[@rev].")],
-        b: Annotated[str, typer.Argument(help="Second checkpoint: directory, or Hub id org/name[@rev].")],
+        a: Annotated[str, typer.Argument(metavar="A", help="First checkpoint: directory, or Hub id org/name or "
+                                                            "org/name@rev.")],
+        b: Annotated[str, typer.Argument(metavar="B", help="Second checkpoint: directory, or Hub id org/name or "
+                                                            "org/name@rev.")],
         revision_a: Annotated[Optional[str], typer.Option("--revision-a", help="Hub revision of A (branch, tag "
                                                           "or sha).", rich_help_panel="Source")] = None,
         revision_b: Annotated[Optional[str], typer.Option("--revision-b", help="Hub revision of B.",
