@@ -244,3 +244,31 @@ def test_library_run_diff_returns_the_result_the_cli_prints(capsys, family):
     assert isinstance(result, DiffResult) and result.identical
     _, doc = diff_json(capsys, family["tr3"], family["pack"])
     assert result.to_dict()["counts"] == doc["counts"] and result.summary() == doc["summary"]
+
+
+def test_exl3v1_pair_on_the_hub_is_decided_by_lfs_hashes(capsys, exl3, tmp_path):
+    with HubServer() as hub:
+        hub.add_commit(REPO_A, exl3)
+        hub.add_commit(REPO_B, exl3)
+        hub.reset_counters()
+        code, out, err = run_cli(capsys, "diff", REPO_A, REPO_B, "--endpoint", hub.endpoint,
+                                 "--cache-dir", str(tmp_path / "cache"), "--json")
+        assert hub.total_tensor_bytes() == 0
+    assert code == 0, err
+    assert set(json.loads(out)["methods"]) == {"lfs-sha256"}
+
+
+def test_exl3v1_edit_is_named_as_its_tr3_conversion_names_it(capsys, exl3, tmp_path):
+    edited = Path(shutil.copytree(exl3, tmp_path / "edited"))
+    _flip_byte(edited, "codes", 4099)  # in the first layer file: a byte of one expert's bundle
+    code, doc = diff_json(capsys, exl3, edited)
+    assert code == 1
+    (d,) = doc["differences"]
+    assert d["part"] == "codes" and d["status"] == "bytes"
+    tp = doc["compared_tp"]
+    run_repack(str(exl3), tmp_path / "a", RepackOptions(to="tr3", tp=tp))
+    run_repack(str(edited), tmp_path / "b", RepackOptions(to="tr3", tp=tp))
+    _, reference_doc = diff_json(capsys, tmp_path / "a", tmp_path / "b")
+    (r,) = reference_doc["differences"]
+    assert [d[k] for k in ("layer", "expert", "projection", "rank")] == \
+        [r[k] for k in ("layer", "expert", "projection", "rank")]

@@ -10,15 +10,16 @@ lower TP is re-sliced to it (exactly, or refused by name).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from trellis_cli.checkpoint.model import DIALECT_EXL3V1, Checkpoint
 from trellis_cli.diff.hashing import HEADER, SHA256, Hasher, storage_identity
 from trellis_cli.diff.result import (BYTES, DTYPE, ONLY_A, ONLY_B, SHAPE, DiffResult, LayerDiff, TensorDifference,
                                      TierChange)
 from trellis_cli.diff.structure import structure_changes
-from trellis_cli.diff.units import CODES, OTHER, Key, Unit, layer_units, moe_layers, native_tp, other_units
-from trellis_cli.errors import UsageError
+from trellis_cli.diff.units import (CODES, OTHER, Key, Unit, exl3v1_layer_tensors, layer_units, moe_layers, native_tp,
+                                    other_units)
+from trellis_cli.errors import CheckFailed, UsageError
 
 Progress = Callable[[int], None]
 
@@ -43,15 +44,35 @@ def run_diff(a: Checkpoint, b: Checkpoint, *, layers: list[int] | None = None, p
                         structure=structure_changes(a, b), layers_only_a=sorted(layers_a - layers_b),
                         layers_only_b=sorted(layers_b - layers_a), other_tensors_compared=layers is None)
     comparer = _Comparer(a, b, result, progress, download_progress)
+    both_exl3v1 = a.dialect == b.dialect == DIALECT_EXL3V1
     for done, layer in enumerate(both, 1):
-        units_a, units_b = layer_units(a, layer, tp), layer_units(b, layer, tp)
-        counts = comparer.compare(units_a, units_b, layer)
-        result.layers.append(_layer_diff(a, b, layer, units_a, units_b, counts))
+        if both_exl3v1:
+            result.layers.append(_exl3v1_pair_layer(comparer, layer, tp))
+        else:
+            units_a, units_b = layer_units(a, layer, tp), layer_units(b, layer, tp)
+            counts = comparer.compare(units_a, units_b, layer)
+            result.layers.append(_layer_diff(a, b, layer, _unit_facts(units_a), _unit_facts(units_b), counts))
         if on_layer is not None:
             on_layer(done, len(both))
     if layers is None:
         comparer.compare(other_units(a), other_units(b), None)
     return result
+
+
+def _exl3v1_pair_layer(comparer: "_Comparer", layer: int, tp: int) -> LayerDiff:
+    """Two exl3-v1 layer files: the same bytes decide by storage with nothing read (a Hub pair: no download);
+    otherwise expert by expert at `tp`, or tensor by tensor where a side has no TR3 form."""
+    a, b = comparer.a, comparer.b
+    raw_a, raw_b = exl3v1_layer_tensors(a, layer), exl3v1_layer_tensors(b, layer)
+    facts_a, facts_b = _rates_facts(a, layer), _rates_facts(b, layer)
+    if raw_a and raw_a.keys() == raw_b.keys() and all(comparer.same_storage(raw_a[k], raw_b[k]) for k in raw_a):
+        return _layer_diff(a, b, layer, facts_a, facts_b, comparer.compare(raw_a, raw_b, layer))
+    try:
+        units_a, units_b = layer_units(a, layer, tp), layer_units(b, layer, tp)
+    except CheckFailed:  # refused as TR3 ranks: compare the stored tensors instead
+        return _layer_diff(a, b, layer, facts_a, facts_b, comparer.compare(raw_a, raw_b, layer))
+    counts = comparer.compare(units_a, units_b, layer)
+    return _layer_diff(a, b, layer, _unit_facts(units_a), _unit_facts(units_b), counts)
 
 
 def compared_tp(a: Checkpoint, b: Checkpoint) -> int:
@@ -86,7 +107,7 @@ class _Comparer:
             elif ua.shape != ub.shape or ua.nbytes != ub.nbytes:
                 self._differ(counts, SHAPE, HEADER, key, layer, ua, ub)
             else:
-                method = self._same_storage(ua, ub)
+                method = self.same_storage(ua, ub)
                 if method is not None:
                     self._identical(counts, method)
                 else:
@@ -105,7 +126,7 @@ class _Comparer:
             self.result.counts[status] += n
         return counts
 
-    def _same_storage(self, ua: Unit, ub: Unit) -> str | None:
+    def same_storage(self, ua: Unit, ub: Unit) -> str | None:
         if ua.span is None or ub.span is None or (ua.span.begin, ua.span.end) != (ub.span.begin, ub.span.end):
             return None
         ia = storage_identity(self.a.source, ua.span.file, self.ids_a)
@@ -121,7 +142,7 @@ class _Comparer:
         counts[status] += 1
         self.result.methods[method] = self.result.methods.get(method, 0) + 1
         expert, proj, rank, part = key
-        where: dict[str, Any] = ({"tensor": proj} if part == OTHER else
+        where: dict[str, Any] = ({"tensor": proj, "layer": layer} if part == OTHER else
                                  {"layer": layer, "expert": expert, "projection": proj, "rank": rank})
         self.result.differences.append(TensorDifference(status=status, method=method, part=part,
                                                         a=_facts(ua, da), b=_facts(ub, db), **where))
@@ -141,18 +162,41 @@ def _facts(unit: Unit | None, digest: str | None) -> dict[str, Any] | None:
     return facts
 
 
-def _layer_diff(a: Checkpoint, b: Checkpoint, layer: int, units_a: dict[Key, Unit], units_b: dict[Key, Unit],
-                counts: dict[str, int]) -> LayerDiff:
-    ka, kb = _expert_k(units_a), _expert_k(units_b)
+class _Facts(NamedTuple):
+    """What a layer summary needs from one side: K per expert, bpw of the codes, bytes per rank."""
+
+    expert_k: dict[int, int | None]
+    bpw: float | None
+    bytes_per_rank: list[int]
+
+
+def _unit_facts(units: dict[Key, Unit]) -> _Facts:
+    return _Facts(_expert_k(units), _bpw(units), _bytes_per_rank(units))
+
+
+def _rates_facts(ck: Checkpoint, layer: int) -> _Facts:
+    """An exl3-v1 layer compared file to file: K per expert from its rate tables (when readable here); bpw the
+    experts' mean K (every expert has the same number of weights); no ranks."""
+    from trellis_cli.checkpoint.exl3v1 import container, layer_rates
+
+    m, rates = container(ck).manifest, layer_rates(ck, layer)
+    if m is None or rates is None:
+        return _Facts({}, None, [])
+    ks = {e: rates.expert_k(e, m.num_slots) for e in range(m.num_experts)}
+    known = [k for k in ks.values() if k is not None]
+    return _Facts(ks, round(sum(known) / len(known), 4) if len(known) == len(ks) and known else None, [])
+
+
+def _layer_diff(a: Checkpoint, b: Checkpoint, layer: int, fa: _Facts, fb: _Facts, counts: dict[str, int]) -> LayerDiff:
+    ka, kb = fa.expert_k, fb.expert_k
     changes = [TierChange(e, ka.get(e), kb.get(e)) for e in sorted(ka.keys() | kb.keys()) if ka.get(e) != kb.get(e)]
     da, db = _declared(a, layer), _declared(b, layer)
     declared = []
     if da is not None and db is not None:
         declared = [TierChange(e, da.get(e), db.get(e)) for e in sorted(da.keys() | db.keys()) if da.get(e) != db.get(e)]
-    return LayerDiff(layer=layer, partition_a=_partition(ka), partition_b=_partition(kb), bpw_a=_bpw(units_a),
-                     bpw_b=_bpw(units_b), bytes_per_rank_a=_bytes_per_rank(units_a),
-                     bytes_per_rank_b=_bytes_per_rank(units_b), tier_changes=changes, declared_changes=declared,
-                     counts=counts)
+    return LayerDiff(layer=layer, partition_a=_partition(ka), partition_b=_partition(kb), bpw_a=fa.bpw, bpw_b=fb.bpw,
+                     bytes_per_rank_a=fa.bytes_per_rank, bytes_per_rank_b=fb.bytes_per_rank, tier_changes=changes,
+                     declared_changes=declared, counts=counts)
 
 
 def _expert_k(units: dict[Key, Unit]) -> dict[int, int | None]:
@@ -183,8 +227,9 @@ def _bpw(units: dict[Key, Unit]) -> float | None:
 
 def _bytes_per_rank(units: dict[Key, Unit]) -> list[int]:
     out: dict[int, int] = {}
-    for (_, _, rank, _), unit in units.items():
-        out[rank] = out.get(rank, 0) + unit.nbytes
+    for (_, _, rank, part), unit in units.items():
+        if part != OTHER:
+            out[rank] = out.get(rank, 0) + unit.nbytes
     return [out[r] for r in sorted(out)]
 
 

@@ -145,41 +145,71 @@ def _route_pack_units(ck: Checkpoint, layer: int) -> dict[Key, Unit]:
     doc = ck.declared.get("manifest", {})
     geometry = doc.get("geometry") or {}
     hidden, width = geometry.get("hidden"), geometry.get("intermediate_rank")
-    tiers = (doc.get("layers") or {}).get(str(layer), {}).get("tiers")
-    if not isinstance(hidden, int) or not isinstance(width, int) or not isinstance(tiers, list):
+    layers = doc.get("layers") if isinstance(doc.get("layers"), dict) else {}
+    tiers = layers.get(str(layer)).get("tiers") if isinstance(layers.get(str(layer)), dict) else None
+    if not _multiple_of_16(hidden) or not _multiple_of_16(width) or not isinstance(tiers, list):
         raise CheckFailed(f"{_where(ck)}: manifest.json has no usable geometry or tiers for layer {layer} "
                           f"(run `trellis validate`)")
     order = []  # combined order: (tier, local, expert, K)
     for t, tier in enumerate(tiers):
-        ids = expand_ranges(str(tier.get("experts", ""))) if isinstance(tier, dict) else []
+        try:
+            ids = expand_ranges(str(tier.get("experts", ""))) if isinstance(tier, dict) else []
+        except ValueError as e:
+            raise CheckFailed(f"{_where(ck)}: manifest.json layer {layer} tier {t}: {e} (run `trellis validate`)")
         order += [(t, local, expert, tier.get("k")) for local, expert in enumerate(ids)]
     units: dict[Key, Unit] = {}
     for rank in range(ck.tp):
         name = layer_file_name(layer, rank)
-        if name not in ck.files:
-            continue
+        if name not in ck.files or ck.files[name] < 0:
+            continue  # its units are absent: reported as only in the other side
         header = ck.source.read_header(name)
-        entries, start = header.tensors, header.data_start
-        inter, tables = entries.get(ROT_INTERMEDIATE), [entries.get(n) for n in HIDDEN_TABLES]
-        for combined, (t, local, expert, k) in enumerate(order):
-            slab = entries.get(tier_trellis_name(t))
-            for p, proj in enumerate(PROJECTIONS):
-                if slab is not None and len(slab.shape) == 4 and isinstance(k, int):
-                    size = slab.shape[2] * slab.shape[3] * 2
-                    begin = start + slab.begin + (local * 3 + p) * size
-                    units[expert, proj, rank, CODES] = Unit(slab.dtype, _native_shape(proj, hidden, width, k), size,
-                                                            Span(name, begin, begin + size))
-                if inter is not None:
-                    begin = start + inter.begin + (combined * 3 + p) * width * 2
-                    units[expert, proj, rank, INTERMEDIATE] = Unit(inter.dtype, (width,), width * 2,
-                                                                   Span(name, begin, begin + width * 2))
-                table = tables[p]
-                if table is not None and table.shape:
-                    row = combined if table.shape[0] > 1 else 0
-                    begin = start + table.begin + row * hidden * 2
-                    units[expert, proj, rank, HIDDEN] = Unit(table.dtype, (hidden,), hidden * 2,
-                                                             Span(name, begin, begin + hidden * 2))
+        units.update(_route_pack_file_units(header, name, order, rank, hidden, width))
     return units
+
+
+def _route_pack_file_units(header: Any, name: str, order: list, rank: int, hidden: int,
+                           width: int) -> dict[Key, Unit]:
+    """One layer file's units; a tensor whose dtype or shape does not hold the unit leaves it out (absent),
+    so no unit ever reads bytes of another tensor."""
+    entries, start = header.tensors, header.data_start
+    served = len(order)
+    inter = _entry(entries, ROT_INTERMEDIATE, "F16", (served, 3, width))
+    tables = [entries.get(n) for n in HIDDEN_TABLES]
+    tables = [t if t is not None and t.dtype == "F16" and tuple(t.shape) in ((served, hidden), (1, hidden)) else None
+              for t in tables]
+    units: dict[Key, Unit] = {}
+    for combined, (t, local, expert, k) in enumerate(order):
+        slab = entries.get(tier_trellis_name(t))
+        for p, proj in enumerate(PROJECTIONS):
+            if isinstance(k, int) and k > 0 and slab is not None and slab.dtype == "I16" and \
+                    len(slab.shape) == 4 and local < slab.shape[0] and slab.shape[1] == 3 and \
+                    slab.end - slab.begin == 2 * math.prod(slab.shape):
+                size = slab.shape[2] * slab.shape[3] * 2
+                begin = start + slab.begin + (local * 3 + p) * size
+                units[expert, proj, rank, CODES] = Unit(slab.dtype, _native_shape(proj, hidden, width, k), size,
+                                                        Span(name, begin, begin + size))
+            if inter is not None:
+                begin = start + inter.begin + (combined * 3 + p) * width * 2
+                units[expert, proj, rank, INTERMEDIATE] = Unit(inter.dtype, (width,), width * 2,
+                                                               Span(name, begin, begin + width * 2))
+            table = tables[p]
+            if table is not None:
+                row = combined if table.shape[0] > 1 else 0
+                begin = start + table.begin + row * hidden * 2
+                units[expert, proj, rank, HIDDEN] = Unit(table.dtype, (hidden,), hidden * 2,
+                                                         Span(name, begin, begin + hidden * 2))
+    return units
+
+
+def _multiple_of_16(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0 and value % 16 == 0
+
+
+def _entry(entries: dict, name: str, dtype: str, shape: tuple[int, ...]) -> Any:
+    entry = entries.get(name)
+    ok = entry is not None and entry.dtype == dtype and tuple(entry.shape) == shape and \
+        entry.end - entry.begin == 2 * math.prod(shape)
+    return entry if ok else None
 
 
 # ---- rearranged in memory, one (layer, rank) at a time -----------------------------------------------------
@@ -240,6 +270,18 @@ def pack_units(pack: "LayerPack") -> dict[Key, Unit]:
 
 def _memory_unit(dtype: str, shape: tuple[int, ...], data: memoryview) -> Unit:
     return Unit(dtype, shape, data.nbytes, None, hashlib.sha256(data).hexdigest())
+
+
+def exl3v1_layer_tensors(ck: Checkpoint, layer: int) -> dict[Key, Unit]:
+    """An exl3-v1 layer file's tensors by name (codes, rotations, tables): how two exl3-v1 sides compare when
+    their layer files are the same bytes, or when one cannot be read as TR3 ranks (several bit widths per
+    expert, the intermediate Hadamard, another codebook)."""
+    box = ck.declared.get("exl3v1")
+    found = box.layers.get(layer) if box is not None else None
+    if found is None or not found.readable:
+        return {}
+    return {(None, name, None, OTHER): Unit(ref.dtype, tuple(ref.shape), ref.nbytes, _span(ref))
+            for name, ref in found.tensors.items()}
 
 
 # ---- non-expert tensors ------------------------------------------------------------------------------------
