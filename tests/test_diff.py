@@ -272,3 +272,22 @@ def test_exl3v1_edit_is_named_as_its_tr3_conversion_names_it(capsys, exl3, tmp_p
     (r,) = reference_doc["differences"]
     assert [d[k] for k in ("layer", "expert", "projection", "rank")] == \
         [r[k] for k in ("layer", "expert", "projection", "rank")]
+
+
+def test_damaged_inputs_are_named_errors_not_tracebacks(capsys, tmp_path):
+    a = tiny_checkpoint(tmp_path, "a")
+    b = Path(shutil.copytree(a, tmp_path / "b"))
+    shard = sorted(b.glob("model-layer-*.safetensors"))[-1]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 100)
+    code, out, err = run_cli(capsys, "diff", str(a), str(b))
+    assert code == 1 and f"{shard.name}: bytes [" in err and "run past the end" in err and "Traceback" not in err
+    pack = tmp_path / "pack"
+    run_repack(str(a), pack, RepackOptions())
+    manifest = json.loads((pack / "manifest.json").read_text())
+    first = next(iter(manifest["layers"]))
+    manifest["layers"][first]["tiers"][0]["experts"] = "9-3"
+    (pack / "manifest.json").write_text(json.dumps(manifest))
+    run_repack(str(a), tmp_path / "pack2", RepackOptions())
+    code, out, err = run_cli(capsys, "diff", str(tmp_path / "pack2"), str(pack))
+    assert code == 1 and f"manifest.json layer {first} tier 0" in err and "backwards" in err
