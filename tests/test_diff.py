@@ -92,7 +92,7 @@ def test_one_byte_edit_in_one_expert_is_named(capsys, family, tmp_path):
         assert doc["counts"]["bytes"] == 1 and doc["counts"]["identical"] > 0
     code, out, _ = run_cli(capsys, "diff", str(family["exl3v1"]), str(edited))
     assert code == 1
-    assert f"layer {layer}, bytes (1):" in out and "expert 2 up_proj rank 1 codes" in out
+    assert f"layer {layer}, bytes by sha256 (1):" in out and "expert 2 up_proj rank 1 codes" in out
     assert "different: 1 bytes" in out.splitlines()[-1]
 
 
@@ -115,6 +115,7 @@ def test_changed_tier_bitmap_is_reported_as_tier_changes(capsys, tmp_path):
     assert {d["expert"] for d in doc["differences"]} == {low}
     codes = [d for d in doc["differences"] if d["part"] == "codes"]
     assert len(codes) == 3 * 2 and all(d["status"] == "shape" and d["method"] == "header" for d in codes)
+    assert layer4["methods"]["header"] == 6 and sum(layer4["methods"].values()) == sum(layer4["counts"].values())
     code, out, _ = run_cli(capsys, "diff", str(before), str(after))
     assert code == 1 and f"layer 4: 1 expert(s) K3→K4: {low}" in out and "1 expert(s) changed tier" in out
 

@@ -122,9 +122,9 @@ def _difference_groups(result) -> list[tuple[str, list[str]]]:
     groups: dict[tuple, list[str]] = {}
     for d in result.differences:
         where = "non-expert tensors" if d.layer is None else f"layer {d.layer}"
-        groups.setdefault((d.layer is None, d.layer or 0, where, d.status), []).append(_unit_label(d))
-    return [(f"{where}, {status} ({len(labels):,})", labels)
-            for (_, _, where, status), labels in sorted(groups.items(), key=lambda g: g[0][:2] + (g[0][3],))]
+        groups.setdefault((d.layer is None, d.layer or 0, where, d.status, d.method), []).append(_unit_label(d))
+    return [(f"{where}, {status} by {method} ({len(labels):,})", labels)
+            for (_, _, where, status, method), labels in sorted(groups.items(), key=lambda g: g[0][:2] + g[0][3:])]
 
 
 def _unit_label(d) -> str:

@@ -64,6 +64,7 @@ class LayerDiff:
     tier_changes: list[TierChange] = field(default_factory=list)
     declared_changes: list[TierChange] = field(default_factory=list)  # tier bitmap / declared K per expert
     counts: dict[str, int] = field(default_factory=dict)  # identical + each status, over this layer's units
+    methods: dict[str, int] = field(default_factory=dict)  # method -> units of this layer it decided
 
 
 @dataclass

@@ -50,8 +50,8 @@ def run_diff(a: Checkpoint, b: Checkpoint, *, layers: list[int] | None = None, p
             result.layers.append(_exl3v1_pair_layer(comparer, layer, tp))
         else:
             units_a, units_b = layer_units(a, layer, tp), layer_units(b, layer, tp)
-            counts = comparer.compare(units_a, units_b, layer)
-            result.layers.append(_layer_diff(a, b, layer, _unit_facts(units_a), _unit_facts(units_b), counts))
+            tally = comparer.compare(units_a, units_b, layer)
+            result.layers.append(_layer_diff(a, b, layer, _unit_facts(units_a), _unit_facts(units_b), tally))
         if on_layer is not None:
             on_layer(done, len(both))
     if layers is None:
@@ -71,8 +71,8 @@ def _exl3v1_pair_layer(comparer: "_Comparer", layer: int, tp: int) -> LayerDiff:
         units_a, units_b = layer_units(a, layer, tp), layer_units(b, layer, tp)
     except CheckFailed:  # refused as TR3 ranks: compare the stored tensors instead
         return _layer_diff(a, b, layer, facts_a, facts_b, comparer.compare(raw_a, raw_b, layer))
-    counts = comparer.compare(units_a, units_b, layer)
-    return _layer_diff(a, b, layer, _unit_facts(units_a), _unit_facts(units_b), counts)
+    tally = comparer.compare(units_a, units_b, layer)
+    return _layer_diff(a, b, layer, _unit_facts(units_a), _unit_facts(units_b), tally)
 
 
 def compared_tp(a: Checkpoint, b: Checkpoint) -> int:
@@ -95,8 +95,11 @@ class _Comparer:
         self.ids_a: dict[str, tuple | None] = {}
         self.ids_b: dict[str, tuple | None] = {}
 
-    def compare(self, units_a: dict[Key, Unit], units_b: dict[Key, Unit], layer: int | None) -> dict[str, int]:
+    def compare(self, units_a: dict[Key, Unit], units_b: dict[Key, Unit],
+                layer: int | None) -> tuple[dict[str, int], dict[str, int]]:
+        """Every unit of both sides decided; (units per status, units per method) of this comparison."""
         counts = dict.fromkeys(("identical", ONLY_A, ONLY_B, DTYPE, SHAPE, BYTES), 0)
+        self.methods: dict[str, int] = {}
         pending: list[Key] = []
         for key in sorted(units_a.keys() | units_b.keys(), key=_order):
             ua, ub = units_a.get(key), units_b.get(key)
@@ -124,7 +127,9 @@ class _Comparer:
                     self._differ(counts, BYTES, SHA256, key, layer, ua, ub, da, db)
         for status, n in counts.items():
             self.result.counts[status] += n
-        return counts
+        for method, n in self.methods.items():
+            self.result.methods[method] = self.result.methods.get(method, 0) + n
+        return counts, self.methods
 
     def same_storage(self, ua: Unit, ub: Unit) -> str | None:
         if ua.span is None or ub.span is None or (ua.span.begin, ua.span.end) != (ub.span.begin, ub.span.end):
@@ -135,12 +140,12 @@ class _Comparer:
 
     def _identical(self, counts: dict[str, int], method: str) -> None:
         counts["identical"] += 1
-        self.result.methods[method] = self.result.methods.get(method, 0) + 1
+        self.methods[method] = self.methods.get(method, 0) + 1
 
     def _differ(self, counts: dict[str, int], status: str, method: str, key: Key, layer: int | None,
                 ua: Unit | None, ub: Unit | None, da: str | None = None, db: str | None = None) -> None:
         counts[status] += 1
-        self.result.methods[method] = self.result.methods.get(method, 0) + 1
+        self.methods[method] = self.methods.get(method, 0) + 1
         expert, proj, rank, part = key
         where: dict[str, Any] = ({"tensor": proj, "layer": layer} if part == OTHER else
                                  {"layer": layer, "expert": expert, "projection": proj, "rank": rank})
@@ -187,7 +192,8 @@ def _rates_facts(ck: Checkpoint, layer: int) -> _Facts:
     return _Facts(ks, round(sum(known) / len(known), 4) if len(known) == len(ks) and known else None, [])
 
 
-def _layer_diff(a: Checkpoint, b: Checkpoint, layer: int, fa: _Facts, fb: _Facts, counts: dict[str, int]) -> LayerDiff:
+def _layer_diff(a: Checkpoint, b: Checkpoint, layer: int, fa: _Facts, fb: _Facts,
+                tally: tuple[dict[str, int], dict[str, int]]) -> LayerDiff:
     ka, kb = fa.expert_k, fb.expert_k
     changes = [TierChange(e, ka.get(e), kb.get(e)) for e in sorted(ka.keys() | kb.keys()) if ka.get(e) != kb.get(e)]
     da, db = _declared(a, layer), _declared(b, layer)
@@ -196,7 +202,7 @@ def _layer_diff(a: Checkpoint, b: Checkpoint, layer: int, fa: _Facts, fb: _Facts
         declared = [TierChange(e, da.get(e), db.get(e)) for e in sorted(da.keys() | db.keys()) if da.get(e) != db.get(e)]
     return LayerDiff(layer=layer, partition_a=_partition(ka), partition_b=_partition(kb), bpw_a=fa.bpw, bpw_b=fb.bpw,
                      bytes_per_rank_a=fa.bytes_per_rank, bytes_per_rank_b=fb.bytes_per_rank, tier_changes=changes,
-                     declared_changes=declared, counts=counts)
+                     declared_changes=declared, counts=tally[0], methods=tally[1])
 
 
 def _expert_k(units: dict[Key, Unit]) -> dict[int, int | None]:
