@@ -81,9 +81,10 @@ def compared_tp(a: Checkpoint, b: Checkpoint) -> int:
         return max(ta, tb)
     if ta is not None or tb is not None:
         return ta or tb or 1
+    from trellis_cli.checkpoint.exl3v1 import container
     from trellis_cli.routepack.exl3v1_pack import default_tp
 
-    return default_tp(a)
+    return default_tp(a) if container(a).manifest is not None else 1  # no manifest: validate's finding
 
 
 class _Comparer:
@@ -94,12 +95,13 @@ class _Comparer:
         self.hash_b = Hasher(b.source, progress, download_progress)
         self.ids_a: dict[str, tuple | None] = {}
         self.ids_b: dict[str, tuple | None] = {}
+        self.methods: dict[str, int] = {}  # of the comparison under way
 
     def compare(self, units_a: dict[Key, Unit], units_b: dict[Key, Unit],
                 layer: int | None) -> tuple[dict[str, int], dict[str, int]]:
         """Every unit of both sides decided; (units per status, units per method) of this comparison."""
         counts = dict.fromkeys(("identical", ONLY_A, ONLY_B, DTYPE, SHAPE, BYTES), 0)
-        self.methods: dict[str, int] = {}
+        self.methods = {}
         pending: list[Key] = []
         for key in sorted(units_a.keys() | units_b.keys(), key=_order):
             ua, ub = units_a.get(key), units_b.get(key)
