@@ -292,3 +292,15 @@ def test_damaged_inputs_are_named_errors_not_tracebacks(capsys, tmp_path):
     run_repack(str(a), tmp_path / "pack2", RepackOptions())
     code, out, err = run_cli(capsys, "diff", str(tmp_path / "pack2"), str(pack))
     assert code == 1 and f"manifest.json layer {first} tier 0" in err and "backwards" in err
+
+
+def test_plain_exl3_units_are_rank_0_and_an_edit_is_named(capsys, tmp_path):
+    from helpers import to_plain_exl3
+
+    a = to_plain_exl3(tiny_checkpoint(tmp_path, "a", tp=1))
+    b = Path(shutil.copytree(a, tmp_path / "b"))
+    _flip_byte(b, "model.layers.3.mlp.experts.5.gate_proj.suh", 1)
+    code, doc = diff_json(capsys, a, b)
+    assert code == 1 and doc["a"]["dialect"] == "exl3" and doc["compared_tp"] == 1
+    (d,) = doc["differences"]
+    assert (d["layer"], d["expert"], d["projection"], d["rank"], d["part"]) == (3, 5, "gate_proj", 0, "hidden")
