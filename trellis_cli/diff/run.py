@@ -103,7 +103,8 @@ class _Comparer:
         counts = dict.fromkeys(("identical", ONLY_A, ONLY_B, DTYPE, SHAPE, BYTES), 0)
         self.methods = {}
         pending: list[Key] = []
-        for key in sorted(units_a.keys() | units_b.keys(), key=_order):
+        first_difference = len(self.result.differences)
+        for key in units_a.keys() | units_b.keys():  # in any order: only the differences are sorted, below
             ua, ub = units_a.get(key), units_b.get(key)
             if ua is None or ub is None:
                 self._differ(counts, ONLY_A if ub is None else ONLY_B, HEADER, key, layer, ua, ub)
@@ -127,6 +128,7 @@ class _Comparer:
                     self._identical(counts, SHA256)
                 else:
                     self._differ(counts, BYTES, SHA256, key, layer, ua, ub, da, db)
+        self.result.differences[first_difference:] = sorted(self.result.differences[first_difference:], key=_order)
         for status, n in counts.items():
             self.result.counts[status] += n
         for method, n in self.methods.items():
@@ -155,9 +157,10 @@ class _Comparer:
                                                         a=_facts(ua, da), b=_facts(ub, db), **where))
 
 
-def _order(key: Key) -> tuple:
-    expert, proj, rank, part = key
-    return (-1 if expert is None else expert, proj, -1 if rank is None else rank, part)
+def _order(d: TensorDifference) -> tuple:
+    """Expert, projection, rank, part; non-expert tensors by name."""
+    return (-1 if d.expert is None else d.expert, d.projection or d.tensor or "", -1 if d.rank is None else d.rank,
+            d.part)
 
 
 def _facts(unit: Unit | None, digest: str | None) -> dict[str, Any] | None:
