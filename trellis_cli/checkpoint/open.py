@@ -92,7 +92,8 @@ def _open(source: Any) -> Checkpoint:
         from trellis_cli.checkpoint.exl3v1 import fill_checkpoint
 
         manifest = info.declared.pop("exl3v1_manifest")
-        fill_checkpoint(ckpt, source, files, info.declared["exl3v1_manifest_file"], manifest)
+        fill_checkpoint(ckpt, source, files, info.declared["exl3v1_manifest_file"], manifest,
+                        config_manifest=info.declared.get("exl3v1_config_manifest"))
         return ckpt
     _read_headers(ckpt, source, files)
     _read_index(ckpt, source, files)

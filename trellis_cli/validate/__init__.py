@@ -61,8 +61,12 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
     if checkpoint.dialect == DIALECT_EXL3V1:
         from trellis_cli.validate.rules_exl3v1 import check_exl3v1
 
+        # Every file against its publisher's hash first (the Hub's LFS sha256); the layer files' digests found
+        # there are then compared with the manifest without reading the files twice.
+        digests = (_run_checksums(checkpoint, report, checksum_progress)
+                   if checksums and _has_publisher_hashes(checkpoint.source) else {})
         check_exl3v1(checkpoint, report, selected, deep=deep, checksums=checksums, progress=progress,
-                     checksum_progress=checksum_progress)
+                     checksum_progress=checksum_progress, known_digests=digests)
         cap_findings(report)
         return report
     with paused_gc():
@@ -139,17 +143,29 @@ def _run_deep(ckpt: Checkpoint, selected: list[int], report: Report, progress) -
     report.context["deep_layers"] = compact_ranges(selected)
 
 
-def _run_checksums(ckpt: Checkpoint, report: Report, progress) -> None:
+def _has_publisher_hashes(source) -> bool:
+    """A Hub repo (LFS sha256 per file), or a local directory that carries a MANIFEST.sha256. An exl3-v1
+    directory without one still has its manifest's per-layer digests, so it is not an error there."""
+    from trellis_cli.integrity import CHECKSUM_MANIFEST
+    from trellis_cli.sources import LocalSource
+
+    return not isinstance(source, LocalSource) or CHECKSUM_MANIFEST in source.list_files()
+
+
+def _run_checksums(ckpt: Checkpoint, report: Report, progress) -> dict[str, str]:
+    """Checksum findings into `report`; returns the sha256 found for each file that was hashed with it."""
     from trellis_cli.integrity import verify_checksums
 
     results = verify_checksums(ckpt.source, progress=progress, strict_manifest=False)
     report.count("checksums", sum(r.ok for r in results))
+    found = {r.file: r.found for r in results if r.found is not None and len(r.found) == 64}
     for r in results:
         if r.ok:
             continue
         code, severity, message = CHECKSUM_CODES.get(r.status, ("checksum.mismatch", Severity.ERROR, r.status))
         report.findings.append(Finding(code, severity, Location(file=r.file), r.detail or message,
                                        expected=r.expected, found=r.found))
+    return found
 
 
 def _validate_route_pack(ckpt: Checkpoint, layers: list[int] | None, progress) -> Report:
