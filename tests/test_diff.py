@@ -304,3 +304,19 @@ def test_plain_exl3_units_are_rank_0_and_an_edit_is_named(capsys, tmp_path):
     assert code == 1 and doc["a"]["dialect"] == "exl3" and doc["compared_tp"] == 1
     (d,) = doc["differences"]
     assert (d["layer"], d["expert"], d["projection"], d["rank"], d["part"]) == (3, 5, "gate_proj", 0, "hidden")
+
+
+def test_a_route_pack_manifest_naming_huge_tiers_is_refused_without_expanding_them(capsys, tmp_path):
+    a = tiny_checkpoint(tmp_path, "a")
+    run_repack(str(a), tmp_path / "pack", RepackOptions())
+    run_repack(str(a), tmp_path / "hostile", RepackOptions())
+    manifest = json.loads((tmp_path / "hostile" / "manifest.json").read_text())
+    first = next(iter(manifest["layers"]))
+    manifest["layers"][first]["tiers"][0]["experts"] = "0-99999999999"
+    (tmp_path / "hostile" / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = run_cli(capsys, "diff", str(tmp_path / "pack"), str(tmp_path / "hostile"))
+    assert code == 1 and f"manifest.json layer {first} tier 0" in err
+    manifest["layers"][first]["tiers"] = [{"k": 3, "experts": "0"}] * 100_000
+    (tmp_path / "hostile" / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = run_cli(capsys, "diff", str(tmp_path / "pack"), str(tmp_path / "hostile"))
+    assert code == 1 and "100000 tiers" in err

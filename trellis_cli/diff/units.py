@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from trellis_cli.checkpoint.model import (DIALECT_EXL3V1, DIALECT_REPACKED, PROJECTIONS, Checkpoint, LinearRef,
                                           TensorRef)
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.formats.route_pack import (ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE, ROT_UP_SUH,
+from trellis_cli.formats.route_pack import (MAX_TIER_EXPERTS, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE, ROT_UP_SUH,
                                             layer_file_name, split_descriptor, tier_trellis_name)
 from trellis_cli.id_ranges import expand_ranges
 
@@ -32,6 +32,7 @@ CODES, INTERMEDIATE, HIDDEN, OTHER = "codes", "intermediate", "hidden", "tensor"
 INTERMEDIATE_FIELD = {"gate_proj": "svh", "up_proj": "svh", "down_proj": "suh"}
 HIDDEN_FIELD = {"gate_proj": "suh", "up_proj": "suh", "down_proj": "svh"}
 HIDDEN_TABLES = (ROT_GATE_SUH, ROT_UP_SUH, ROT_DOWN_SVH)  # route pack, in projection order
+MAX_TIERS = 8  # K is 1..8 bits
 EXTRA_DIR = "extra/"  # where a route pack carries the source's non-expert tensors
 
 
@@ -150,10 +151,14 @@ def _route_pack_units(ck: Checkpoint, layer: int) -> dict[Key, Unit]:
     if not _multiple_of_16(hidden) or not _multiple_of_16(width) or not isinstance(tiers, list):
         raise CheckFailed(f"{_where(ck)}: manifest.json has no usable geometry or tiers for layer {layer} "
                           f"(run `trellis validate`)")
+    if len(tiers) > MAX_TIERS:  # bounded work whatever the manifest says
+        raise CheckFailed(f"{_where(ck)}: manifest.json layer {layer} lists {len(tiers)} tiers, more than the "
+                          f"{MAX_TIERS} K values EXL3 has (run `trellis validate`)")
     order = []  # combined order: (tier, local, expert, K)
     for t, tier in enumerate(tiers):
         try:
-            ids = expand_ranges(str(tier.get("experts", ""))) if isinstance(tier, dict) else []
+            ids = expand_ranges(str(tier.get("experts", "")), limit=MAX_TIER_EXPERTS) \
+                if isinstance(tier, dict) else []
         except ValueError as e:
             raise CheckFailed(f"{_where(ck)}: manifest.json layer {layer} tier {t}: {e} (run `trellis validate`)")
         order += [(t, local, expert, tier.get("k")) for local, expert in enumerate(ids)]
