@@ -36,6 +36,8 @@ _EXPORTS = {
     "RepackResult": "trellis_cli.repack.result",
     "LayerPack": "trellis_cli.formats.route_pack",
     "read_layer_pack": "trellis_cli.routepack.layer_file",
+    "run_diff": "trellis_cli.diff.run",
+    "DiffResult": "trellis_cli.diff.result",
     "FusedMoe": "trellis_cli.kernel.launch",
     "TrellisError": "trellis_cli.errors",
 }
@@ -46,6 +48,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from trellis_cli.checkpoint.model import Checkpoint
     from trellis_cli.checkpoint.open import open_checkpoint
     from trellis_cli.checkpoint.tensors import read_tensor
+    from trellis_cli.diff.result import DiffResult
+    from trellis_cli.diff.run import run_diff
     from trellis_cli.errors import TrellisError
     from trellis_cli.findings import Finding, Report, Severity
     from trellis_cli.formats.route_pack import LayerPack

@@ -52,9 +52,9 @@ def _global_options(
 def _register_commands() -> None:
     # One thin module per command; each exposes `register(app)`. Imported here, not at package import,
     # so that `trellis --help` stays fast and torch-free commands never import torch.
-    from trellis_cli.cli import bench_cmd, fit_cmd, inspect_cmd, repack_cmd, synth_cmd, validate_cmd
+    from trellis_cli.cli import bench_cmd, diff_cmd, fit_cmd, inspect_cmd, repack_cmd, synth_cmd, validate_cmd
 
-    for module in (inspect_cmd, validate_cmd, repack_cmd, bench_cmd, synth_cmd, fit_cmd):
+    for module in (inspect_cmd, validate_cmd, repack_cmd, bench_cmd, synth_cmd, diff_cmd, fit_cmd):
         module.register(app)
 
 

@@ -9,7 +9,7 @@ import typer
 from trellis_cli.cli import output
 from trellis_cli.cli.options import (CacheDirOpt, EndpointOpt, OfflineOpt, RevisionOpt, SourceArg, TokenOpt,
                                      open_cli_source)
-from trellis_cli.errors import UsageError
+from trellis_cli.errors import CheckFailed, UsageError
 
 HELP = (
     "Describe a checkpoint without reading tensor data: dialect, geometry, per MoE layer the K partition "
@@ -39,6 +39,9 @@ def register(app: typer.Typer) -> None:
         gpu: Annotated[Optional[str], typer.Option("--gpu", help="GPU preset for the fit section.")] = None,
         gpu_mem: Annotated[Optional[str], typer.Option("--gpu-mem", help="GPU memory for the fit section.")] = None,
         ctx: Annotated[Optional[int], typer.Option("--ctx", help="Context length for the fit section.")] = None,
+        tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor (file, name, dtype, shape, "
+                                                               "bytes; K and bpw of EXL3 codes), with per-layer and "
+                                                               "whole totals; --markdown: one table per layer.")] = False,
     ) -> None:
         from trellis_cli.checkpoint.open import open_checkpoint
         from trellis_cli.inspect_report import build_inspect, render_markdown, render_text
@@ -54,6 +57,9 @@ def register(app: typer.Typer) -> None:
         with output.progress_bar(f"reading headers of {opened.description}", None,
                                  enabled=output.progress_enabled(as_json)):
             checkpoint = open_checkpoint(opened)
+            if tensors:
+                _list_tensors(checkpoint, chosen, as_json, markdown)
+                return
             document = build_inspect(checkpoint, chosen)
             fitted = None
             if fit_request is not None:
@@ -87,3 +93,18 @@ def _fit_request(tp: int | None, gpu: str | None, gpu_mem: str | None, ctx: int 
     request = FitRequest(tp=tp, gpu=choose_gpu(gpu, gpu_mem), ctx=ctx)
     check_request(request)
     return request
+
+
+def _list_tensors(checkpoint, chosen: list[int] | None, as_json: bool, markdown: bool) -> None:
+    from trellis_cli import inspect_tensors
+
+    document = inspect_tensors.build_tensor_listing(checkpoint, chosen)
+    if as_json:
+        output.emit_json(document)
+    else:
+        render = inspect_tensors.render_markdown if markdown else inspect_tensors.render_text
+        for line in render(document):
+            output.print_line(line)
+    if document["unreadable"]:
+        raise CheckFailed(f"{len(document['unreadable'])} file header(s) could not be read, first "
+                          f"{document['unreadable'][0]['file']}: {document['unreadable'][0]['error']}")

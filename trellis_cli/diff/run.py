@@ -1,0 +1,264 @@
+"""`run_diff(a, b) -> DiffResult`: two checkpoints compared in the logical units of the normalized model.
+
+Layer by layer, so memory holds one layer's units (and at most one rearranged layer-rank) at a time:
+units present on one side only and dtype/shape differences come from headers; the rest are decided by
+storage identity (LFS sha256, the same file) when it applies, else by a streamed sha256 of each unit's bytes
+(diff/hashing.py). The TP compared is the larger of the two sides' (an exl3-v1 side is read at the other side's
+TP, or at the TP its manifest's conversion note or slot layout gives when both are exl3-v1); a TR3 side at a
+lower TP is re-sliced to it (exactly, or refused by name).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+from trellis_cli.checkpoint.model import DIALECT_EXL3V1, Checkpoint
+from trellis_cli.diff.hashing import HEADER, SHA256, Hasher, storage_identity
+from trellis_cli.diff.result import (BYTES, DTYPE, ONLY_A, ONLY_B, SHAPE, DiffResult, LayerDiff, TensorDifference,
+                                     TierChange)
+from trellis_cli.diff.structure import structure_changes
+from trellis_cli.diff.units import (CODES, OTHER, Key, Unit, exl3v1_layer_tensors, layer_units, moe_layers, native_tp,
+                                    other_units)
+from trellis_cli.errors import CheckFailed, UsageError
+
+Progress = Callable[[int], None]
+
+
+def run_diff(a: Checkpoint, b: Checkpoint, *, layers: list[int] | None = None, progress: Progress | None = None,
+             download_progress: Progress | None = None,
+             on_layer: Callable[[int, int], None] | None = None) -> DiffResult:
+    """Compare `a` and `b`. `layers` restricts the MoE layers (non-expert tensors are then not compared);
+    `progress(n)` receives bytes hashed, `download_progress(n)` bytes downloaded, `on_layer(done, total)`
+    each finished layer."""
+    tp = compared_tp(a, b)
+    layers_a, layers_b = set(moe_layers(a)), set(moe_layers(b))
+    if layers is not None:
+        absent = [layer for layer in layers if layer not in layers_a | layers_b]
+        if absent:
+            raise UsageError(f"--layers: MoE layer(s) {', '.join(map(str, absent))} in neither checkpoint "
+                             f"(A has {_span(layers_a)}, B has {_span(layers_b)})")
+        chosen = set(layers)
+        layers_a, layers_b = layers_a & chosen, layers_b & chosen
+    both = sorted(layers_a & layers_b)
+    result = DiffResult(a=_side(a), b=_side(b), compared_tp=tp, layers_compared=both,
+                        structure=structure_changes(a, b), layers_only_a=sorted(layers_a - layers_b),
+                        layers_only_b=sorted(layers_b - layers_a), other_tensors_compared=layers is None)
+    comparer = _Comparer(a, b, result, progress, download_progress)
+    both_exl3v1 = a.dialect == b.dialect == DIALECT_EXL3V1
+    for done, layer in enumerate(both, 1):
+        if both_exl3v1:
+            result.layers.append(_exl3v1_pair_layer(comparer, layer, tp))
+        else:
+            units_a, units_b = layer_units(a, layer, tp), layer_units(b, layer, tp)
+            tally = comparer.compare(units_a, units_b, layer)
+            result.layers.append(_layer_diff(a, b, layer, _unit_facts(units_a), _unit_facts(units_b), tally))
+        if on_layer is not None:
+            on_layer(done, len(both))
+    if layers is None:
+        comparer.compare(other_units(a), other_units(b), None)
+    return result
+
+
+def _exl3v1_pair_layer(comparer: "_Comparer", layer: int, tp: int) -> LayerDiff:
+    """Two exl3-v1 layer files: the same bytes decide by storage with nothing read (a Hub pair: no download);
+    otherwise expert by expert at `tp`, or tensor by tensor where a side has no TR3 form."""
+    a, b = comparer.a, comparer.b
+    raw_a, raw_b = exl3v1_layer_tensors(a, layer), exl3v1_layer_tensors(b, layer)
+    facts_a, facts_b = _rates_facts(a, layer), _rates_facts(b, layer)
+    if raw_a and raw_a.keys() == raw_b.keys() and all(comparer.same_storage(raw_a[k], raw_b[k]) for k in raw_a):
+        return _layer_diff(a, b, layer, facts_a, facts_b, comparer.compare(raw_a, raw_b, layer))
+    try:
+        units_a, units_b = layer_units(a, layer, tp), layer_units(b, layer, tp)
+    except CheckFailed:  # refused as TR3 ranks: compare the stored tensors instead
+        return _layer_diff(a, b, layer, facts_a, facts_b, comparer.compare(raw_a, raw_b, layer))
+    tally = comparer.compare(units_a, units_b, layer)
+    return _layer_diff(a, b, layer, _unit_facts(units_a), _unit_facts(units_b), tally)
+
+
+def compared_tp(a: Checkpoint, b: Checkpoint) -> int:
+    ta, tb = native_tp(a), native_tp(b)
+    if ta is not None and tb is not None:
+        return max(ta, tb)
+    if ta is not None or tb is not None:
+        return ta or tb or 1
+    from trellis_cli.checkpoint.exl3v1 import container
+    from trellis_cli.routepack.exl3v1_pack import default_tp
+
+    return default_tp(a) if container(a).manifest is not None else 1  # no manifest: validate's finding
+
+
+class _Comparer:
+    def __init__(self, a: Checkpoint, b: Checkpoint, result: DiffResult, progress: Progress | None,
+                 download_progress: Progress | None) -> None:
+        self.a, self.b, self.result = a, b, result
+        self.hash_a = Hasher(a.source, progress, download_progress)
+        self.hash_b = Hasher(b.source, progress, download_progress)
+        self.ids_a: dict[str, tuple | None] = {}
+        self.ids_b: dict[str, tuple | None] = {}
+        self.methods: dict[str, int] = {}  # of the comparison under way
+
+    def compare(self, units_a: dict[Key, Unit], units_b: dict[Key, Unit],
+                layer: int | None) -> tuple[dict[str, int], dict[str, int]]:
+        """Every unit of both sides decided; (units per status, units per method) of this comparison."""
+        counts = dict.fromkeys(("identical", ONLY_A, ONLY_B, DTYPE, SHAPE, BYTES), 0)
+        self.methods = {}
+        pending: list[Key] = []
+        first_difference = len(self.result.differences)
+        for key in units_a.keys() | units_b.keys():  # in any order: only the differences are sorted, below
+            ua, ub = units_a.get(key), units_b.get(key)
+            if ua is None or ub is None:
+                self._differ(counts, ONLY_A if ub is None else ONLY_B, HEADER, key, layer, ua, ub)
+            elif ua.dtype != ub.dtype:
+                self._differ(counts, DTYPE, HEADER, key, layer, ua, ub)
+            elif ua.shape != ub.shape or ua.nbytes != ub.nbytes:
+                self._differ(counts, SHAPE, HEADER, key, layer, ua, ub)
+            else:
+                method = self.same_storage(ua, ub)
+                if method is not None:
+                    self._identical(counts, method)
+                else:
+                    pending.append(key)
+        if pending:
+            digests_a = self.hash_a.digests(units_a[k].span for k in pending if units_a[k].digest is None)
+            digests_b = self.hash_b.digests(units_b[k].span for k in pending if units_b[k].digest is None)
+            for key in pending:
+                ua, ub = units_a[key], units_b[key]
+                da, db = ua.digest or digests_a[ua.span], ub.digest or digests_b[ub.span]
+                if da == db:
+                    self._identical(counts, SHA256)
+                else:
+                    self._differ(counts, BYTES, SHA256, key, layer, ua, ub, da, db)
+        self.result.differences[first_difference:] = sorted(self.result.differences[first_difference:], key=_order)
+        for status, n in counts.items():
+            self.result.counts[status] += n
+        for method, n in self.methods.items():
+            self.result.methods[method] = self.result.methods.get(method, 0) + n
+        return counts, self.methods
+
+    def same_storage(self, ua: Unit, ub: Unit) -> str | None:
+        if ua.span is None or ub.span is None or (ua.span.begin, ua.span.end) != (ub.span.begin, ub.span.end):
+            return None
+        ia = storage_identity(self.a.source, ua.span.file, self.ids_a)
+        ib = storage_identity(self.b.source, ub.span.file, self.ids_b)
+        return ia[0] if ia is not None and ia == ib else None
+
+    def _identical(self, counts: dict[str, int], method: str) -> None:
+        counts["identical"] += 1
+        self.methods[method] = self.methods.get(method, 0) + 1
+
+    def _differ(self, counts: dict[str, int], status: str, method: str, key: Key, layer: int | None,
+                ua: Unit | None, ub: Unit | None, da: str | None = None, db: str | None = None) -> None:
+        counts[status] += 1
+        self.methods[method] = self.methods.get(method, 0) + 1
+        expert, proj, rank, part = key
+        where: dict[str, Any] = ({"tensor": proj, "layer": layer} if part == OTHER else
+                                 {"layer": layer, "expert": expert, "projection": proj, "rank": rank})
+        self.result.differences.append(TensorDifference(status=status, method=method, part=part,
+                                                        a=_facts(ua, da), b=_facts(ub, db), **where))
+
+
+def _order(d: TensorDifference) -> tuple:
+    """Expert, projection, rank, part; non-expert tensors by name."""
+    return (-1 if d.expert is None else d.expert, d.projection or d.tensor or "", -1 if d.rank is None else d.rank,
+            d.part)
+
+
+def _facts(unit: Unit | None, digest: str | None) -> dict[str, Any] | None:
+    if unit is None:
+        return None
+    facts: dict[str, Any] = {"dtype": unit.dtype, "shape": list(unit.shape), "bytes": unit.nbytes}
+    if digest or unit.digest:
+        facts["sha256"] = digest or unit.digest
+    return facts
+
+
+class _Facts(NamedTuple):
+    """What a layer summary needs from one side: K per expert, bpw of the codes, bytes per rank."""
+
+    expert_k: dict[int, int | None]
+    bpw: float | None
+    bytes_per_rank: list[int]
+
+
+def _unit_facts(units: dict[Key, Unit]) -> _Facts:
+    return _Facts(_expert_k(units), _bpw(units), _bytes_per_rank(units))
+
+
+def _rates_facts(ck: Checkpoint, layer: int) -> _Facts:
+    """An exl3-v1 layer compared file to file: K per expert from its rate tables (when readable here); bpw the
+    experts' mean K (every expert has the same number of weights); no ranks."""
+    from trellis_cli.checkpoint.exl3v1 import container, layer_rates
+
+    m, rates = container(ck).manifest, layer_rates(ck, layer)
+    if m is None or rates is None:
+        return _Facts({}, None, [])
+    ks = {e: rates.expert_k(e, m.num_slots) for e in range(m.num_experts)}
+    known = [k for k in ks.values() if k is not None]
+    return _Facts(ks, round(sum(known) / len(known), 4) if len(known) == len(ks) and known else None, [])
+
+
+def _layer_diff(a: Checkpoint, b: Checkpoint, layer: int, fa: _Facts, fb: _Facts,
+                tally: tuple[dict[str, int], dict[str, int]]) -> LayerDiff:
+    ka, kb = fa.expert_k, fb.expert_k
+    changes = [TierChange(e, ka.get(e), kb.get(e)) for e in sorted(ka.keys() | kb.keys()) if ka.get(e) != kb.get(e)]
+    da, db = _declared(a, layer), _declared(b, layer)
+    declared = []
+    if da is not None and db is not None:
+        declared = [TierChange(e, da.get(e), db.get(e)) for e in sorted(da.keys() | db.keys()) if da.get(e) != db.get(e)]
+    return LayerDiff(layer=layer, partition_a=_partition(ka), partition_b=_partition(kb), bpw_a=fa.bpw, bpw_b=fb.bpw,
+                     bytes_per_rank_a=fa.bytes_per_rank, bytes_per_rank_b=fb.bytes_per_rank, tier_changes=changes,
+                     declared_changes=declared, counts=tally[0], methods=tally[1])
+
+
+def _expert_k(units: dict[Key, Unit]) -> dict[int, int | None]:
+    """K per expert from its codes' shapes; None when its projections or ranks disagree."""
+    seen: dict[int, set] = {}
+    for (expert, _, _, part), unit in units.items():
+        if part == CODES:
+            seen.setdefault(expert, set()).add(unit.k)
+    return {e: (ks.pop() if len(ks) == 1 else None) for e, ks in seen.items()}
+
+
+def _partition(ks: dict[int, int | None]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for k in ks.values():
+        if k is not None:
+            out[k] = out.get(k, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def _bpw(units: dict[Key, Unit]) -> float | None:
+    bits = weights = 0
+    for (_, _, _, part), unit in units.items():
+        if part == CODES and len(unit.shape) == 3:
+            bits += unit.nbytes * 8
+            weights += unit.shape[0] * unit.shape[1] * 256
+    return round(bits / weights, 4) if weights else None
+
+
+def _bytes_per_rank(units: dict[Key, Unit]) -> list[int]:
+    out: dict[int, int] = {}
+    for (_, _, rank, part), unit in units.items():
+        if part != OTHER:
+            out[rank] = out.get(rank, 0) + unit.nbytes
+    return [out[r] for r in sorted(out)]
+
+
+def _declared(ck: Checkpoint, layer: int) -> dict[int, int] | None:
+    moe = ck.layers.get(layer)
+    if moe is None or moe.declared_k is None:
+        return None
+    return dict(enumerate(moe.declared_k))
+
+
+def _side(ck: Checkpoint) -> dict[str, Any]:
+    describe = getattr(ck.source, "describe", None)
+    return {"description": getattr(ck.source, "description", None),
+            "source": describe() if describe is not None else str(ck.source), "dialect": ck.dialect, "tp": ck.tp
+            if ck.dialect != DIALECT_EXL3V1 else None, "codebook": ck.codebook, "rotation_layout": ck.rotation_layout}
+
+
+def _span(layers: set[int]) -> str:
+    from trellis_cli.id_ranges import compact_ranges
+
+    return compact_ranges(sorted(layers)) or "none"
