@@ -21,7 +21,7 @@ from trellis_cli.repack import carry
 from trellis_cli.routepack.layer_file import read_layer_pack
 from trellis_cli.routepack.pack import layer_tiers, pack_layer
 from trellis_cli.routepack.plan import parse_selection, rank_pieces, resolve_target_tp
-from trellis_cli.repack.source_facts import CONFIG, NOT_COPIED, SourceHashes, has_experts, source_root, vector_ndim
+from trellis_cli.repack.source_facts import CONFIG, NOT_COPIED, SourceHashes, has_experts, protected_paths, vector_ndim
 from trellis_cli.repack.tr3_output import Tr3Output, Tr3Run, assign_shards, fingerprint_options, restored_config
 from trellis_cli.repack.tr3_shard import Tr3Layer
 from trellis_cli.routepack import manifest as mf
@@ -102,9 +102,10 @@ def tr3_to_tr3(checkpoint: Checkpoint, out: Path, options, *, on_bytes=None, on_
                 if n not in (CONFIG, *NOT_COPIED) and not n.endswith(".safetensors.index.json")
                 and not has_experts(checkpoint, n)},
         config=restored_config(dict(checkpoint.config), tp, shared), read_copied=checkpoint.source.read_json,
-        source_root=source_root(checkpoint),
+        source_root=protected_paths(checkpoint),
         fingerprint={"source": checkpoint.source.describe(), "options": fingerprint_options(options)})
     hashes = SourceHashes(checkpoint)
+    out_plan.check_copy = hashes.check_copy
     layer_files = {layer: sorted(checkpoint.layers[layer].files) for layer in layers}
     out_plan.sources = lambda shard: hashes.of(_made_from(out_plan, shard, layer_files, {n: n for n in carried}))
     return Tr3Run(out, options, out_plan, on_bytes, on_total, log).run()

@@ -26,12 +26,13 @@ from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.repack import carry
 from trellis_cli.routepack.layer_file import sync_file, write_layer_pack
 from trellis_cli.repack.lock import StageLock
+from trellis_cli.repack.out_paths import output_path
 from trellis_cli.routepack.pack import Arena, layer_tiers, pack_layer
 from trellis_cli.routepack.plan import RepackPlan, make_plan
 from trellis_cli.repack.readback import check_layer_file
 from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult, Validator, check_source, repack_note
 from trellis_cli.routepack.source_bytes import TensorReader
-from trellis_cli.repack.source_facts import (CONFIG, NOT_COPIED, SourceHashes, fingerprint, has_experts, source_root,
+from trellis_cli.repack.source_facts import (CONFIG, NOT_COPIED, SourceHashes, fingerprint, has_experts, protected_paths,
                                              used_source_files, vector_ndim)
 from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_collisions, stage_path
 from trellis_cli.routepack import manifest as mf
@@ -147,7 +148,7 @@ class _RoutePackRun:
         start = time.perf_counter()
         self.refuse_collisions()
         with StageLock(stage_path(self.out), self.out):
-            check_target(self.out, source_root(self.ck), self.opt.overwrite)
+            check_target(self.out, protected_paths(self.ck), self.opt.overwrite)
             stage = Stage(self.out, fingerprint(self.ck, self.opt, self.used), self.opt.overwrite)
             if stage.resumed:
                 self.log(f"resuming {stage.root.name}: {len(stage.done)} file(s) already staged")
@@ -232,7 +233,7 @@ class _RoutePackRun:
         self._local.arena = arena  # one per worker thread: peak memory = jobs x one layer-rank
         pack = pack_layer(self.ck, job.layer, job.rank, tp=self.plan.target_tp,
                           shared_h=True if self.opt.shared_h else None, reader=reader, arena=arena)
-        path = stage.path / job.file
+        path = output_path(stage.path, job.file)
         write_layer_pack(path, pack, on_bytes=self.on_bytes, durable=False)  # synced once in _finish
         del pack
         digest = check_layer_file(path, self.ck, job.layer, job.rank, tp=self.plan.target_tp,
@@ -289,7 +290,7 @@ class _RoutePackRun:
         """Copied files verbatim (checked against the source's sha256); carried tensors into extra/<file>."""
         entries: dict[str, dict[str, Any]] = {}
         for name in self.copied:
-            target = stage.path / name
+            target = output_path(stage.path, name, f"source file {name}")
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(self.ck.source.local_path(name), target)
             entries[name] = mf.file_entry(target, role="copied")
@@ -297,7 +298,7 @@ class _RoutePackRun:
                 raise CheckFailed(f"{name}: the copy differs from the source file (did it change during the repack?)")
         with TensorReader(self.ck.source) as reader:
             for name, refs in self.carried.items():
-                extra = stage.path / EXTRA_DIR / name
+                extra = output_path(stage.path, f"{EXTRA_DIR}/{name}", f"the non-expert tensors of {name}")
                 extra.parent.mkdir(parents=True, exist_ok=True)
                 carry.write_subset(extra, refs, reader, self.ck.headers[name].metadata)
                 entries[f"{EXTRA_DIR}/{name}"] = mf.file_entry(extra, role="extra", source_file=name)

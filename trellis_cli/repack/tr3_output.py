@@ -27,6 +27,7 @@ from trellis_cli.integrity import CHECKSUM_MANIFEST, write_manifest
 from trellis_cli.repack import carry
 from trellis_cli.routepack import manifest as mf
 from trellis_cli.repack.lock import StageLock
+from trellis_cli.repack.out_paths import output_path
 from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult
 from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_collisions, stage_path
@@ -58,10 +59,12 @@ class Tr3Output:
     copied: dict[str, Path]  # written unchanged
     config: dict[str, Any]
     read_copied: Callable[[str], Any]  # the JSON of a copied file (to narrow the bitmap)
-    source_root: Path | None
+    source_root: Path | list[Path] | None  # what OUT may not overlap (source_facts.protected_paths)
     fingerprint: dict[str, Any]
     sources: Callable[[str], dict[str, str]] = lambda _shard: {}  # shard -> sha256 of the files it is made from
     rewritten: dict[str, str] = field(default_factory=dict)  # name -> text, instead of a copy
+    # (name, the copy written) -> refuse a copy that does not hash to the source's own recorded hash
+    check_copy: Callable[[str, Path], None] = lambda _name, _copy: None
 
     def all_shards(self) -> list[str]:
         return sorted(set(self.shards) | set(self.carried))
@@ -150,7 +153,7 @@ class Tr3Run:
                 specs = [plan.specs[layer] for layer in plan.shards.get(shard, [])]
                 carried = plan.carried.get(shard, [])
                 sources = plan.sources(shard)
-                path = stage.path / shard
+                path = output_path(stage.path, shard, f"the TR3 shard of layers {plan.shards.get(shard, [])}")
                 if stage.completed(shard, sources):
                     result.files_resumed += 1
                     self.on_bytes(path.stat().st_size)
@@ -167,13 +170,16 @@ class Tr3Run:
 
     def _write_rest(self, stage: Stage, weight_map: dict[str, str]) -> None:
         for name, path in self.plan.copied.items():
-            (stage.path / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, stage.path / name)
+            target = output_path(stage.path, name, f"source file {name}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+            self.plan.check_copy(name, target)
             if name.endswith(".safetensors"):
-                weight_map.update(dict.fromkeys(read_local_header(stage.path / name, name).tensors, name))
+                weight_map.update(dict.fromkeys(read_local_header(target, name).tensors, name))
         for name, text in self.plan.rewritten.items():
-            (stage.path / name).parent.mkdir(parents=True, exist_ok=True)
-            (stage.path / name).write_text(text, encoding="utf-8")
+            target = output_path(stage.path, name, f"the rewritten {name}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text, encoding="utf-8")
         (stage.path / CONFIG).write_text(json.dumps(self.plan.config, indent=2) + "\n", encoding="utf-8")
         # total_size counts tensor data bytes, not file sizes (the index convention validate checks).
         total = sum(entry.nbytes for f in set(weight_map.values())

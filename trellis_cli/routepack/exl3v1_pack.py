@@ -8,9 +8,10 @@ TR3 and the route pack hold one K per expert, so an expert whose records use sev
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trellis_cli.errors import CheckFailed, UsageError
+from trellis_cli.header import plain_relative
 from trellis_cli.checkpoint.exl3v1 import CODES, HIDDEN_TABLES, ROTATIONS, Exl3Layer, container, layer_rates
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.formats.exl3v1_layout import (LayerRates, expert_offsets, plane_span, rank_extent, slot_channels,
@@ -180,9 +181,43 @@ def checked_rates(ck: Checkpoint, layer: int) -> LayerRates:
     return rates
 
 
-def default_tp(ck: Checkpoint) -> int:
+def conversion_note(ck: Checkpoint) -> dict[str, Any]:
+    """config.json's NOTE_KEY (written by `repack TR3 --to exl3-v1`), checked before anything uses it: an
+    object whose `tp` is an integer, `vector_ndim` {per_expert, shared_h} each 1 or 2, and `shard_names` an
+    object of layer -> a plain `.safetensors` name under OUT (never a path elsewhere). {} when absent."""
     note = ck.config.get(NOTE_KEY) if isinstance(ck.config, dict) else None
+    if note is None:
+        return {}
+
+    def bad(key: str, expected: str, found: Any) -> CheckFailed:
+        shown = repr(found) if len(repr(found)) <= 80 else repr(found)[:77] + "..."
+        return CheckFailed(f"[exl3v1.note] config.json {NOTE_KEY}{key}: expected {expected}, found {shown} (a JSON "
+                           f"{type(found).__name__}); the note says how to restore the TR3 layout: fix or remove "
+                           f"it (without it, default shard names and [n] vectors are written)", code="exl3v1.note")
+
+    if not isinstance(note, dict):
+        raise bad("", "an object", note)
+    if "tp" in note and type(note["tp"]) is not int:
+        raise bad(".tp", "an integer", note["tp"])
+    ndim = note.get("vector_ndim", {})
+    if not isinstance(ndim, dict):
+        raise bad(".vector_ndim", "an object {per_expert, shared_h}", ndim)
+    for key in ("per_expert", "shared_h"):
+        if key in ndim and (type(ndim[key]) is not int or ndim[key] not in (1, 2)):
+            raise bad(f".vector_ndim.{key}", "1 or 2", ndim[key])
+    names = note.get("shard_names", {})
+    if not isinstance(names, dict):
+        raise bad(".shard_names", "an object of layer -> shard file name", names)
+    for key, name in names.items():
+        if not (plain_relative(name) and name.endswith(".safetensors")):
+            raise bad(f".shard_names[{key!r}]", "a relative `.safetensors` file name under OUT (no absolute path, "
+                      "`..`, empty part or backslash)", name)
+    return note
+
+
+def default_tp(ck: Checkpoint) -> int:
+    note = conversion_note(ck)
     allowed = tp_degrees(container(ck).manifest)
-    if isinstance(note, dict) and note.get("tp") in allowed:
+    if note.get("tp") in allowed:
         return note["tp"]
     return max((tp for tp in allowed if tp <= DEFAULT_MAX_TP), default=1)
