@@ -151,3 +151,42 @@ def test_a_good_source_still_converts_both_ways(capsys, work, tmp_path):
         code, text = run_cli_merged(capsys, "repack", str(work / "exl3"), str(tmp_path / to), "--to", to)
         assert code == 0, text
     assert tree_snapshot(work) == source
+
+
+# ---- class 7: what TR3 cannot declare is refused before writing ----------------------------------------
+
+K2_SPECS = {
+    "uniform-k2": dict(hidden=256, intermediate=512, experts=4, tp=1, layers=(3,), uniform_k=2, top_k=2,
+                       rotation_layout="shared_h_v1"),
+    "mixed-k2": dict(hidden=256, intermediate=1024, experts=6, tp=1, layers=(3,), bitmap={3: (2, 3, 4, 2, 3, 4)},
+                     top_k=2),
+}
+
+
+@pytest.mark.parametrize("spec", list(K2_SPECS))
+def test_mcg_k2_to_tr3_is_refused_before_writing(capsys, tmp_path, spec):
+    from trellis_cli import RepackOptions, run_repack
+    from trellis_cli.errors import UsageError
+    from trellis_cli.exl3v1.synth import write_exl3v1_checkpoint
+    from trellis_cli.synth import SynthSpec
+
+    source = write_exl3v1_checkpoint(tmp_path / "exl3", SynthSpec(**K2_SPECS[spec]))
+    before = tree_snapshot(tmp_path)
+    code, text = run_cli_merged(capsys, "repack", str(source), str(tmp_path / "out"), "--to", "tr3")
+    assert code in (1, 2) and "K2" in text, text  # refused by the conversion (or by a source check before it)
+    assert tree_snapshot(tmp_path) == before
+    with pytest.raises(UsageError, match="layer 3 expert 0 is K2.*refusing before any work"):
+        run_repack(str(source), tmp_path / "out", RepackOptions(to="tr3", validate=False))
+    assert tree_snapshot(tmp_path) == before
+    # The same K through a route pack: the pack holds it, the way back to TR3 refuses it the same way.
+    run_repack(str(source), tmp_path / "pack", RepackOptions(validate=False))
+    code, text = run_cli_merged(capsys, "repack", str(tmp_path / "pack"), str(tmp_path / "out"), "--to", "tr3")
+    assert code == 2 and "is K2" in text and "refusing before any work" in text, text
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_repack_and_validate_agree_on_the_k_tr3_declares():
+    from trellis_cli.checkpoint.declared import TR3_MIXED_K, TR3_UNIFORM_K
+    from trellis_cli.validate.rules_config import MIXED_K_RANGE, UNIFORM_K_VALUES
+
+    assert set(TR3_UNIFORM_K) == set(UNIFORM_K_VALUES) and set(TR3_MIXED_K) == set(MIXED_K_RANGE)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from trellis_cli.checkpoint.declared import layer_range
+from trellis_cli.checkpoint.declared import TR3_MIXED_K, TR3_UNIFORM_K, layer_range
 from trellis_cli.checkpoint.model import TensorRef
 from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, shard_name
 from trellis_cli.errors import CheckFailed, UsageError
@@ -94,6 +94,20 @@ class Tr3Output:
                 self.rewritten[bitmap] = json.dumps(kept, indent=2) + "\n"
                 del self.copied[bitmap]
 
+    def refuse_unrepresentable(self) -> None:
+        """Refuse, before any work, K that a TR3 config cannot declare: its validator and loaders would refuse
+        the output (exl3-v1 and route packs also hold mcg K2, which TR3 does not)."""
+        used = {k for spec in self.specs.values() for k in spec.expert_k.values()}
+        allowed, how = ((TR3_UNIFORM_K, "one K for every expert: 3, 4, 5, 6 or 8") if len(used) == 1 else
+                        (TR3_MIXED_K, "mixed K within 3..6"))
+        bad = sorted(k for k in used if k not in allowed)
+        if bad:
+            layer, expert = next((li, e) for li, spec in sorted(self.specs.items())
+                                 for e, k in sorted(spec.expert_k.items()) if k == bad[0])
+            raise UsageError(f"--to tr3: layer {layer} expert {expert} is K{bad[0]} (K used: {sorted(used)}); a TR3 "
+                             f"checkpoint declares {how}, so its validator and loaders would refuse the output; "
+                             f"refusing before any work (keep this checkpoint's format)")
+
     def refuse_collisions(self) -> None:
         claims = [(CONFIG, "the TR3 config.json"), (INDEX_NAME, "the TR3 index"), (CHECKSUM_MANIFEST, "the TR3 MANIFEST.sha256")]
         for shard in self.all_shards():
@@ -126,6 +140,7 @@ class Tr3Run:
 
     def run(self):
         start = time.perf_counter()
+        self.plan.refuse_unrepresentable()
         self.plan.narrow_declarations()
         self.plan.refuse_collisions()
         result = RepackResult(self.out)
