@@ -112,6 +112,19 @@ def test_a_corrupt_download_is_refused(capsys, hub, tmp_path):
     hub.corrupt(REPO, hub.main_sha, "exl3-layer-00004.safetensors")
     code, text = run_cli_merged(capsys, "repack", REPO, str(tmp_path / "out"), "--to", "tr3", "--endpoint",
                                 hub.endpoint, "--cache-dir", str(tmp_path / "cache"))
-    assert code in (1, 3), text
+    assert code == 1 and "[exl3v1.sha256-mismatch]" in text, text
     assert "exl3-layer-00004.safetensors" in text and "internal error" not in text
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+@pytest.mark.parametrize("to", ["tr3", "route-pack", "exl3-v1"])
+def test_a_tr3_shard_that_differs_from_its_lfs_sha256_is_refused(capsys, converted, tmp_path, to):
+    with HubServer() as hub:
+        sha = hub.add_commit("org/tr3", converted.parent / "tr3")
+        hub.corrupt("org/tr3", sha, "model-layer-004.safetensors")
+        args = ["--tp", "1"] if to == "tr3" else []
+        code, text = run_cli_merged(capsys, "repack", "org/tr3", str(tmp_path / "out"), "--to", to, *args,
+                                    "--endpoint", hub.endpoint, "--cache-dir", str(tmp_path / "cache"))
+    assert code == 1 and "[checksum.mismatch]" in text and "the Hub's LFS sha256" in text, text
+    assert "model-layer-004.safetensors" in text
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
