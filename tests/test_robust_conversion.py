@@ -190,3 +190,12 @@ def test_repack_and_validate_agree_on_the_k_tr3_declares():
     from trellis_cli.validate.rules_config import MIXED_K_RANGE, UNIFORM_K_VALUES
 
     assert set(TR3_UNIFORM_K) == set(UNIFORM_K_VALUES) and set(TR3_MIXED_K) == set(MIXED_K_RANGE)
+
+
+def test_validate_names_a_bad_note_as_a_warning(capsys, work):
+    """b12x never reads config.json, so the verdict stands; the finding says a conversion will refuse it."""
+    edit_note(work / "exl3", lambda c: c[NOTE].update({"shard_names": {"3": 3}, "vector_ndim": "abc"}))
+    code, text = run_cli_merged(capsys, "validate", str(work / "exl3"))
+    assert code == 0, text
+    assert text.count("exl3v1.note") == 2 and "shard_names['3']" in text and "vector_ndim" in text
+    assert "internal error" not in text

@@ -181,43 +181,53 @@ def checked_rates(ck: Checkpoint, layer: int) -> LayerRates:
     return rates
 
 
-def conversion_note(ck: Checkpoint) -> dict[str, Any]:
-    """config.json's NOTE_KEY (written by `repack TR3 --to exl3-v1`), checked before anything uses it: an
-    object whose `tp` is an integer, `vector_ndim` {per_expert, shared_h} each 1 or 2, and `shard_names` an
-    object of layer -> a plain `.safetensors` name under OUT (never a path elsewhere). {} when absent."""
+def note_problems(ck: Checkpoint) -> list[tuple[str, str, Any]]:
+    """What is wrong with config.json's NOTE_KEY (written by `repack TR3 --to exl3-v1`), as (key, expected,
+    found): it must be an object whose `tp` is an integer, `vector_ndim` {per_expert, shared_h} each 1 or 2, and
+    `shard_names` an object of layer -> a relative `.safetensors` name under OUT (never a path elsewhere)."""
     note = ck.config.get(NOTE_KEY) if isinstance(ck.config, dict) else None
     if note is None:
-        return {}
-
-    def bad(key: str, expected: str, found: Any) -> CheckFailed:
-        shown = repr(found) if len(repr(found)) <= 80 else repr(found)[:77] + "..."
-        return CheckFailed(f"[exl3v1.note] config.json {NOTE_KEY}{key}: expected {expected}, found {shown} (a JSON "
-                           f"{type(found).__name__}); the note says how to restore the TR3 layout: fix or remove "
-                           f"it (without it, default shard names and [n] vectors are written)", code="exl3v1.note")
-
+        return []
     if not isinstance(note, dict):
-        raise bad("", "an object", note)
+        return [("", "an object", note)]
+    problems: list[tuple[str, str, Any]] = []
     if "tp" in note and type(note["tp"]) is not int:
-        raise bad(".tp", "an integer", note["tp"])
+        problems.append((".tp", "an integer", note["tp"]))
     ndim = note.get("vector_ndim", {})
     if not isinstance(ndim, dict):
-        raise bad(".vector_ndim", "an object {per_expert, shared_h}", ndim)
-    for key in ("per_expert", "shared_h"):
-        if key in ndim and (type(ndim[key]) is not int or ndim[key] not in (1, 2)):
-            raise bad(f".vector_ndim.{key}", "1 or 2", ndim[key])
+        problems.append((".vector_ndim", "an object {per_expert, shared_h}", ndim))
+    else:
+        problems += [(f".vector_ndim.{key}", "1 or 2", ndim[key]) for key in ("per_expert", "shared_h")
+                     if key in ndim and (type(ndim[key]) is not int or ndim[key] not in (1, 2))]
     names = note.get("shard_names", {})
     if not isinstance(names, dict):
-        raise bad(".shard_names", "an object of layer -> shard file name", names)
-    for key, name in names.items():
-        if not (plain_relative(name) and name.endswith(".safetensors")):
-            raise bad(f".shard_names[{key!r}]", "a relative `.safetensors` file name under OUT (no absolute path, "
-                      "`..`, empty part or backslash)", name)
-    return note
+        problems.append((".shard_names", "an object of layer -> shard file name", names))
+    else:
+        problems += [(f".shard_names[{key!r}]", "a relative `.safetensors` file name under OUT (no absolute path, "
+                      "`..`, empty part or backslash)", name) for key, name in names.items()
+                     if not (plain_relative(name) and name.endswith(".safetensors"))]
+    return problems
+
+
+def shown_value(found: Any) -> str:
+    text = repr(found) if len(repr(found)) <= 80 else repr(found)[:77] + "..."
+    return f"{text} (a JSON {type(found).__name__})"
+
+
+def conversion_note(ck: Checkpoint) -> dict[str, Any]:
+    """The note, checked before a conversion uses it ({} when absent); its first problem is refused by name."""
+    for key, expected, found in note_problems(ck)[:1]:
+        raise CheckFailed(f"[exl3v1.note] config.json {NOTE_KEY}{key}: expected {expected}, found {shown_value(found)}; "
+                          f"the note says how to restore the TR3 layout: fix or remove it (without it, default shard "
+                          f"names and [n] vectors are written)", code="exl3v1.note")
+    return ck.config.get(NOTE_KEY) or {}
 
 
 def default_tp(ck: Checkpoint) -> int:
-    note = conversion_note(ck)
+    # Lenient (bench needs only a TP); a conversion refuses a bad note through conversion_note before using it.
+    note = ck.config.get(NOTE_KEY) if isinstance(ck.config, dict) else None
+    tp = note.get("tp") if isinstance(note, dict) else None
     allowed = tp_degrees(container(ck).manifest)
-    if note.get("tp") in allowed:
-        return note["tp"]
+    if type(tp) is int and tp in allowed:
+        return tp
     return max((tp for tp in allowed if tp <= DEFAULT_MAX_TP), default=1)

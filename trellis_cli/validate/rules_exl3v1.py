@@ -20,9 +20,10 @@ from trellis_cli.checkpoint.exl3v1 import (CODES, HIDDEN_TABLES, RATES_FC1, RATE
                                           local_file, rate_table_shape)
 from trellis_cli.formats.exl3v1_layout import LayerRates, row_payload
 from trellis_cli.formats.exl3v1_schema import KIND_OF_CODE, SLOT_CHANNELS, Manifest
-from trellis_cli.findings import Finding, Report, error, error_summary, warning
+from trellis_cli.findings import Finding, Location, Report, error, error_summary, warning
 from trellis_cli.header import DTYPE_BYTES
 from trellis_cli.formats.safetensors_layout import check_shard
+from trellis_cli.routepack.exl3v1_pack import NOTE_KEY, note_problems, shown_value
 
 MAX_ROWS_SHOWN = 5  # row findings per layer and code, then one summary line
 
@@ -48,6 +49,7 @@ def check_exl3v1(ckpt: Checkpoint, report: Report, layers: list[int], *, deep: b
                  checksum_progress: Callable[[int], None] | None = None) -> None:
     box = container(ckpt)
     report.extend(ckpt.parse_findings)
+    report.extend(note_findings(ckpt))
     report.count("manifest", 1)
     if box.manifest is None:
         return
@@ -66,6 +68,14 @@ def check_exl3v1(ckpt: Checkpoint, report: Report, layers: list[int], *, deep: b
         for index in layers:
             report.extend(check_sha256(ckpt, box.layers[index], checksum_progress))
         report.count("checksums", len(layers))
+
+
+def note_findings(ckpt: Checkpoint) -> Iterator[Finding]:
+    """A warning (b12x never reads config.json): a conversion to TR3 or a route pack refuses the same note."""
+    for key, expected, found in note_problems(ckpt):
+        yield warning("exl3v1.note", Location(file="config.json"), f"{NOTE_KEY}{key}: the note a TR3 -> exl3-v1 "
+                      "conversion records is unusable; `repack --to tr3` and `--to route-pack` refuse it",
+                      expected=expected, found=shown_value(found))
 
 
 def check_layer(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer) -> Iterator[Finding]:
