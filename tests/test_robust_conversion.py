@@ -199,3 +199,19 @@ def test_validate_names_a_bad_note_as_a_warning(capsys, work):
     assert code == 0, text
     assert text.count("exl3v1.note") == 2 and "shard_names['3']" in text and "vector_ndim" in text
     assert "internal error" not in text
+
+
+# ---- class 2: nothing is created or changed in the source, not even the lock file -----------------------
+
+@pytest.mark.parametrize("to", ["tr3", "route-pack"])
+def test_out_inside_the_source_is_refused_before_the_lock_file_is_made(work, tmp_path, to):
+    """Through the library (the CLI refuses a local OUT inside SOURCE even earlier): OUT.partial.lock would be a
+    source file here, and taking the lock truncates it."""
+    from trellis_cli import RepackOptions, run_repack
+    from trellis_cli.errors import UsageError
+
+    (work / "exl3" / "o.partial.lock").write_bytes(b"a source file that happens to have this name")
+    before = tree_snapshot(tmp_path)
+    with pytest.raises(UsageError, match="refusing"):
+        run_repack(str(work / "exl3"), work / "exl3" / "o", RepackOptions(to=to))
+    assert tree_snapshot(tmp_path) == before

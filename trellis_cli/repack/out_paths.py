@@ -68,11 +68,15 @@ def _hub_homes(constants) -> list[Path]:
     return [Path(p).expanduser() for p in found if p]
 
 
-def check_overlap(out: Path, stage: Path, protected: Iterable[Path]) -> None:
-    """Refuse an OUT (or its stage, OUT.partial) that equals, lies inside or contains a protected path."""
+def check_overlap(out: Path, stage: Path, protected: Iterable[Path], lock: Path | None = None) -> None:
+    """Refuse an OUT (or its stage, OUT.partial) that equals, lies inside or contains a protected path, and a
+    lock file (OUT.partial.lock) that would be one of them or lie inside one."""
     real_out, real_stage = out.resolve(), stage.resolve()
     for path in protected:
         src = Path(os.path.realpath(path))
+        if lock is not None and Path(os.path.realpath(lock)).is_relative_to(src):
+            raise UsageError(f"{lock}: the lock file of {out} would be written at or inside the source {src}; "
+                             f"refusing to write into the source")
         if real_out == src or real_out.is_relative_to(src):
             raise UsageError(f"{out}: is inside the source {src} (the checkpoint, a file it is made of, or the Hub "
                              f"cache holding it); refusing to write into the source")

@@ -34,7 +34,7 @@ from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult, Validator, 
 from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.repack.source_facts import (CONFIG, NOT_COPIED, SourceHashes, fingerprint, has_experts, protected_paths,
                                              used_source_files, vector_ndim)
-from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_collisions, stage_path
+from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_overlap, refuse_collisions, stage_path
 from trellis_cli.routepack import manifest as mf
 
 EXTRA_DIR = "extra"  # extra/<shard>: the non-expert tensors of a source shard that held routed experts
@@ -147,6 +147,7 @@ class _RoutePackRun:
     def run(self) -> RepackResult:
         start = time.perf_counter()
         self.refuse_collisions()
+        refuse_overlap(self.out, protected_paths(self.ck))
         with StageLock(stage_path(self.out), self.out):
             check_target(self.out, protected_paths(self.ck), self.opt.overwrite)
             stage = Stage(self.out, fingerprint(self.ck, self.opt, self.used), self.opt.overwrite)

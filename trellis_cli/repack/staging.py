@@ -46,8 +46,7 @@ def check_target(out: Path, source_root: Path | Iterable[Path] | None, overwrite
         # directory it points at behind, outside OUT. Repack writes a directory, never through a link.
         raise UsageError(f"{out}: is a symbolic link (to {os.readlink(out.absolute())}); repack writes OUT as a "
                          f"directory of its own: name the directory itself, or remove the link")
-    protected = [] if source_root is None else [source_root] if isinstance(source_root, Path) else list(source_root)
-    check_overlap(out, stage, protected)
+    refuse_overlap(out, source_root)
     out = out.resolve()
     if stage.is_symlink() or (stage.exists() and not stage.is_dir()):
         what = "a symbolic link" if stage.is_symlink() else "not a directory"
@@ -56,6 +55,14 @@ def check_target(out: Path, source_root: Path | Iterable[Path] | None, overwrite
         raise UsageError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UsageError(f"{out}: exists and is not empty (pass --overwrite to replace it)")
+
+
+def refuse_overlap(out: Path, source_root: Path | Iterable[Path] | None) -> None:
+    """OUT, OUT.partial and OUT.partial.lock apart from every path of the source: checked before the lock file
+    is created (next to OUT) and again in check_target."""
+    protected = [] if source_root is None else [source_root] if isinstance(source_root, Path) else list(source_root)
+    stage = stage_path(out)
+    check_overlap(out, stage, protected, stage.with_name(stage.name + ".lock"))
 
 
 def refuse_collisions(claims: list[tuple[str, str]], temporary: list[str]) -> None:

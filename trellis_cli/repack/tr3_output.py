@@ -30,7 +30,7 @@ from trellis_cli.repack.lock import StageLock
 from trellis_cli.repack.out_paths import output_path
 from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult
 from trellis_cli.routepack.source_bytes import TensorReader
-from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_collisions, stage_path
+from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_overlap, refuse_collisions, stage_path
 from trellis_cli.repack.tr3_shard import check_tr3_shard, write_tr3_shard
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -144,6 +144,7 @@ class Tr3Run:
         self.plan.narrow_declarations()
         self.plan.refuse_collisions()
         result = RepackResult(self.out)
+        refuse_overlap(self.out, self.plan.source_root)
         with StageLock(stage_path(self.out), self.out):
             check_target(self.out, self.plan.source_root, self.opt.overwrite)
             stage = Stage(self.out, self.plan.fingerprint, self.opt.overwrite)

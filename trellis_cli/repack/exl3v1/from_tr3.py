@@ -29,7 +29,7 @@ from trellis_cli.repack.result import RepackResult, Validator
 from trellis_cli.repack.source_facts import SourceHashes, protected_paths, vector_ndim
 from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.repack.lock import StageLock
-from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_collisions, stage_path
+from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_overlap, refuse_collisions, stage_path
 
 PAIR_K = (2, 3, 4)
 
@@ -182,6 +182,7 @@ def tr3_to_exl3v1(ck: Checkpoint, out: Path, options, validator: Validator, *, o
     check_hidden_side_equal(ck, layers)
     hashes = SourceHashes(ck)
     result = RepackResult(out)
+    refuse_overlap(out, protected_paths(ck))
     with StageLock(stage_path(out), out):
         check_target(out, protected_paths(ck), options.overwrite)
         stage = Stage(out, {"source": ck.source.describe(), "to": "exl3-v1", "layers": layers}, options.overwrite)

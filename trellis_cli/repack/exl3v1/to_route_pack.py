@@ -35,7 +35,7 @@ from trellis_cli.repack.source_facts import SourceHashes, fingerprint, protected
 from trellis_cli.repack.lock import StageLock
 from trellis_cli.repack.out_paths import output_path
 from trellis_cli.routepack.source_bytes import TensorReader
-from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_collisions, stage_path
+from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_overlap, refuse_collisions, stage_path
 
 CONFIG = "config.json"
 
@@ -88,6 +88,7 @@ class _Exl3RoutePack:
         start = time.perf_counter()
         self._refuse_collisions()
         result = RepackResult(self.out)
+        refuse_overlap(self.out, protected_paths(self.ck))
         with StageLock(stage_path(self.out), self.out):
             check_target(self.out, protected_paths(self.ck), self.opt.overwrite)
             stage = Stage(self.out, {**fingerprint(self.ck, self.opt, self.used), "tp": self.tp}, self.opt.overwrite)
