@@ -32,9 +32,10 @@ from trellis_cli.routepack.plan import RepackPlan, make_plan
 from trellis_cli.repack.readback import check_layer_file
 from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult, Validator, check_source, repack_note
 from trellis_cli.routepack.source_bytes import TensorReader
-from trellis_cli.repack.source_facts import (CONFIG, NOT_COPIED, SourceHashes, fingerprint, has_experts, protected_paths,
-                                             used_source_files, vector_ndim)
-from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_overlap, refuse_collisions, stage_path
+from trellis_cli.repack.source_facts import (CONFIG, NOT_COPIED, SourceHashes, fingerprint, has_experts,
+                                             protected_paths, used_source_files, vector_ndim)
+from trellis_cli.repack.staging import (Stage, check_free_space, check_target, refuse_collisions, refuse_overlap,
+                                        stage_path)
 from trellis_cli.routepack import manifest as mf
 
 EXTRA_DIR = "extra"  # extra/<shard>: the non-expert tensors of a source shard that held routed experts

@@ -30,7 +30,8 @@ from trellis_cli.repack.lock import StageLock
 from trellis_cli.repack.out_paths import output_path
 from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult
 from trellis_cli.routepack.source_bytes import TensorReader
-from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_overlap, refuse_collisions, stage_path
+from trellis_cli.repack.staging import (Stage, check_free_space, check_target, refuse_collisions, refuse_overlap,
+                                        stage_path)
 from trellis_cli.repack.tr3_shard import check_tr3_shard, write_tr3_shard
 
 INDEX_NAME = "model.safetensors.index.json"

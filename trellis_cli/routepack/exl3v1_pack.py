@@ -217,7 +217,8 @@ def shown_value(found: Any) -> str:
 def conversion_note(ck: Checkpoint) -> dict[str, Any]:
     """The note, checked before a conversion uses it ({} when absent); its first problem is refused by name."""
     for key, expected, found in note_problems(ck)[:1]:
-        raise CheckFailed(f"[exl3v1.note] config.json {NOTE_KEY}{key}: expected {expected}, found {shown_value(found)}; "
+        raise CheckFailed(f"[exl3v1.note] config.json {NOTE_KEY}{key}: expected {expected}, found "
+                          f"{shown_value(found)}; "
                           f"the note says how to restore the TR3 layout: fix or remove it (without it, default shard "
                           f"names and [n] vectors are written)", code="exl3v1.note")
     return ck.config.get(NOTE_KEY) or {}

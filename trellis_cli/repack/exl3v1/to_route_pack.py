@@ -35,7 +35,8 @@ from trellis_cli.repack.source_facts import SourceHashes, fingerprint, protected
 from trellis_cli.repack.lock import StageLock
 from trellis_cli.repack.out_paths import output_path
 from trellis_cli.routepack.source_bytes import TensorReader
-from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_overlap, refuse_collisions, stage_path
+from trellis_cli.repack.staging import (Stage, check_free_space, check_target, refuse_collisions, refuse_overlap,
+                                        stage_path)
 
 CONFIG = "config.json"
 
