@@ -185,6 +185,16 @@ def test_mcg_k2_to_tr3_is_refused_before_writing(capsys, tmp_path, spec):
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
 
+@pytest.mark.parametrize("key,value,code", [("bits", "x", "config.tr3-bits"),
+                                            ("trellis_bits_by_layer", [], "config.tr3-bits-by-layer")])
+def test_a_tr3_output_its_validator_refuses_is_never_written(capsys, work, tmp_path, key, value, code):
+    """The TR3 config carried from an exl3-v1 source holds what TR3 cannot declare: the staged output is
+    validated as a format (not by engine profile) before it is moved into place."""
+    edit_note(work / "exl3", lambda c: c["hybrid_tr3_tail"].update({key: value}))
+    text = refused_and_untouched(capsys, tmp_path, work / "exl3", tmp_path / "out", "--to", "tr3")
+    assert "the TR3 output would not validate" in text and f"[{code}]" in text
+
+
 def test_repack_and_validate_agree_on_the_k_tr3_declares():
     from trellis_cli.checkpoint.declared import TR3_MIXED_K, TR3_UNIFORM_K
     from trellis_cli.validate.rules_config import MIXED_K_RANGE, UNIFORM_K_VALUES

@@ -80,7 +80,8 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
     if root is not None and is_route_pack(root):
         from trellis_cli.repack.convert import route_pack_to_tr3
 
-        return route_pack_to_tr3(root, Path(out), options, on_bytes=on_bytes, on_total=on_total, log=log)
+        return route_pack_to_tr3(root, Path(out), options, on_bytes=on_bytes, on_total=on_total, log=log,
+                                 validator=validator)
     checkpoint = source if isinstance(source, Checkpoint) else open_repack_source(source)
     from trellis_cli.repack.exl3v1 import dispatch as exl3v1_repack  # exl3-v1 in or out: its own drivers
 

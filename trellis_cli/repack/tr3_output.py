@@ -66,6 +66,8 @@ class Tr3Output:
     rewritten: dict[str, str] = field(default_factory=dict)  # name -> text, instead of a copy
     # (name, the copy written) -> refuse a copy that does not hash to the source's own recorded hash
     check_copy: Callable[[str, Path], None] = lambda _name, _copy: None
+    # the staged tree -> refuse an output the TR3 validator refuses (conversions from other formats)
+    final_check: Callable[[Path], None] = lambda _tree: None
 
     def all_shards(self) -> list[str]:
         return sorted(set(self.shards) | set(self.carried))
@@ -158,6 +160,7 @@ class Tr3Run:
             self.on_total(result.bytes_needed)
             with stage.discard_on_refusal():
                 self._write_all(stage, result)
+                self.plan.final_check(stage.path)
             stage.move_into_place()
         result.seconds = time.perf_counter() - start
         return result

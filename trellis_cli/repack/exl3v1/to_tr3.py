@@ -21,7 +21,7 @@ from trellis_cli.checkpoint.exl3v1 import container
 from trellis_cli.routepack.exl3v1_pack import (NOTE_KEY, check_convertible, checked_rates, conversion_note, default_tp,
                                                expert_tiers, exl3v1_pack)
 from trellis_cli.routepack.plan import parse_selection
-from trellis_cli.repack.result import Validator, check_source
+from trellis_cli.repack.result import Validator, check_output, check_source
 from trellis_cli.repack.source_facts import SourceHashes, protected_paths
 from trellis_cli.repack.tr3_output import Tr3Output, Tr3Run, assign_shards, fingerprint_options, restored_config
 from trellis_cli.repack.tr3_shard import Tr3Layer
@@ -87,6 +87,7 @@ def exl3v1_to_tr3(ck: Checkpoint, out: Path, options, validator: Validator, *, o
         rewritten={name: json.dumps(doc, indent=2) + "\n" for name, doc in form.extra_json.items()})
     hashes = SourceHashes(ck)
     plan.check_copy = hashes.check_copy
+    plan.final_check = lambda tree: check_output(tree, validator, "TR3")
     # A shard is made from its layers' exl3-v1 files, read as the manifest describes them.
     plan.sources = lambda shard: hashes.of({box.manifest_file, *(box.layers[li].file for li in plan.shards[shard])})
     return Tr3Run(out, options, plan, on_bytes, on_total, log).run()
