@@ -73,6 +73,22 @@ def test_a_nested_shard_name_stays_under_out(capsys, work, tmp_path):
     assert "sub/model-layer-003.safetensors" in index["weight_map"].values()
 
 
+@pytest.mark.parametrize("name", ["{victim}", "../x.safetensors", "./x.safetensors", "a//x.safetensors",
+                                  "a/./x.safetensors"])
+def test_a_tr3_shard_name_from_a_route_pack_manifest_stays_under_out(capsys, work, tmp_path, name):
+    from helpers import edited_pack
+    from trellis_cli import RepackOptions, run_repack
+
+    victim = tmp_path / "victim.safetensors"
+    victim.write_bytes(b"not to be overwritten")
+    run_repack(str(work / "exl3"), work / "pack0", RepackOptions())
+    pack = edited_pack(work / "pack0", work / "pack",
+                       lambda doc: doc["layers"]["3"].update({"tr3_shard": name.format(victim=victim)}))
+    text = refused_and_untouched(capsys, tmp_path, pack, tmp_path / "out", "--to", "tr3")
+    assert "path.escape" in text
+    assert victim.read_bytes() == b"not to be overwritten"
+
+
 @pytest.mark.parametrize("name", ["/etc/passwd", "../x", "a/../b", "a//b", "a/./b", "./a", "a/", "", ".", "a\\b",
                                   "C:a", "a\0b", "a\nb", "a\x7fb", 3, None, ["a"]])
 def test_every_output_name_is_checked_by_one_helper(name):
