@@ -167,3 +167,51 @@ def exl3v1_specs() -> dict:
         "uniform-shared": SynthSpec(hidden=256, intermediate=512, experts=4, tp=1, layers=(3,), uniform_k=4, top_k=2,
                                     rotation_layout="shared_h_v1"),
     }
+
+
+def tree_snapshot(root: Path, *, skip: tuple[Path, ...] = ()) -> dict[str, tuple]:
+    """Every entry under `root` (links not followed, `skip` subtrees left out): relative path -> ("file", sha256,
+    mode), ("link", target) or ("dir",). Two equal snapshots: nothing under `root` was created, changed or
+    deleted."""
+    import hashlib
+    import os
+
+    skipped = {Path(os.path.abspath(p)) for p in skip}
+    out: dict[str, tuple] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = sorted(d for d in dirnames if Path(os.path.abspath(here / d)) not in skipped)
+        for name in [*dirnames, *sorted(filenames)]:
+            path = here / name
+            rel = path.relative_to(root).as_posix()
+            if Path(os.path.abspath(path)) in skipped:
+                continue
+            if path.is_symlink():
+                out[rel] = ("link", os.readlink(path))
+            elif path.is_dir():
+                out[rel] = ("dir",)
+            else:
+                out[rel] = ("file", hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mode)
+    return out
+
+
+def exl3v1_from_tr3(root: Path) -> Path:
+    """A small exl3-v1 checkpoint converted from TR3 (so its config.json carries the conversion note), at
+    root/exl3 (the TR3 source stays at root/tr3)."""
+    from trellis_cli import RepackOptions, run_repack
+    from trellis_cli.synth import SynthSpec
+
+    spec = SynthSpec(hidden=256, intermediate=512, experts=4, tp=1, layers=(3, 4), uniform_k=4, top_k=2,
+                     rotation_layout="shared_h_v1")
+    run_repack(str(write_checkpoint(root / "tr3", spec)), root / "exl3", RepackOptions(to="exl3-v1"))
+    return root / "exl3"
+
+
+def flip_tensor_byte(path: Path, tensor: str, at: int = 100) -> None:
+    """Flip one byte of `tensor`'s data in a safetensors file (same size: only a hash can tell)."""
+    from trellis_cli.header import read_local_header
+
+    header = read_local_header(path, path.name)
+    data = bytearray(path.read_bytes())
+    data[header.data_start + header.tensors[tensor].begin + at] ^= 0xFF
+    path.write_bytes(bytes(data))

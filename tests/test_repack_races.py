@@ -83,6 +83,10 @@ def test_resume_after_the_source_changed_redoes_what_came_from_it(capsys, source
     layer, rank = int(name.split("layer-")[1][:3]), int(name.split("rank-")[1][0]) if "rank-" in name else 0
     _flip_trellis_byte(src / f"model-layer-{layer:03d}.safetensors",
                        f"model.layers.{layer}.mlp.experts.0.gate_proj.rank{rank}.trellis")
+    # A new version of the source, its MANIFEST.sha256 with it (a shard unlike its recorded hash is refused).
+    from trellis_cli.integrity import CHECKSUM_MANIFEST, write_manifest
+
+    write_manifest(src, [p.name for p in src.iterdir() if p.name != CHECKSUM_MANIFEST])
     code, stdout, err = run_cli(capsys, "repack", str(src), str(out), "--to", to, "--json")
     assert code == 0, err
     if to == "route-pack":

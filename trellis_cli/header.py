@@ -135,6 +135,13 @@ def safe_relative(name: str) -> bool:
     return ".." not in PurePosixPath(name).parts
 
 
+def plain_relative(name: object) -> bool:
+    """A name trellis may write under an output directory: `safe_relative`, and every `/`-separated part a plain
+    name (none empty, `.` or `..`), no control character."""
+    return (isinstance(name, str) and safe_relative(name) and not any(ord(c) < 32 or ord(c) == 127 for c in name)
+            and all(part not in ("", ".", "..") for part in name.split("/")))
+
+
 def open_regular(path: str | os.PathLike) -> BinaryIO:
     """Open a file for reading, refusing FIFOs, sockets and devices without blocking on them.
 

@@ -17,6 +17,10 @@ from trellis_cli.findings import Finding, Location, error, error_summary, missin
 from trellis_cli.header import is_int
 from trellis_cli.id_ranges import parse_id
 
+# The K a TR3 config can declare (validate/rules_config.py checks the same sets; a test keeps them equal): one K
+# for every expert as `bits`, or several as `k_values`. A conversion to TR3 refuses any other K before writing.
+TR3_UNIFORM_K = (3, 4, 5, 6, 8)
+TR3_MIXED_K = range(3, 7)
 TAIL_FALLBACK_K = 3  # a tail_tr3 list covering every expert means "all trellis-3" (the MTP overlay)
 
 

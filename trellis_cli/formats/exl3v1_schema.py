@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any
 
 from trellis_cli.findings import Finding, Location, error
@@ -318,7 +319,10 @@ def _layers(p: _Parser, value: Any, indices: tuple[int, ...]) -> dict[int, Layer
         if e is None or not LAYER_KEYS[0] <= set(e):
             continue
         file, sha = e["file"], e["sha256"]
-        if not isinstance(file, str) or not safe_relative(file):
+        if isinstance(file, str) and safe_relative(file):
+            # b12x joins the name onto the directory with pathlib: `./x`, `x/` and `a//x` all name file x.
+            file = PurePosixPath(file).as_posix()
+        if not isinstance(file, str) or not safe_relative(file) or file == ".":
             p.bad("exl3v1.file-path", f"{where}.file", "the layer file must be a relative path inside the "
                   "checkpoint directory", "relative path without ..", _shown(file))
             continue

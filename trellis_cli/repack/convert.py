@@ -21,16 +21,17 @@ from trellis_cli.repack import carry
 from trellis_cli.routepack.layer_file import read_layer_pack
 from trellis_cli.routepack.pack import layer_tiers, pack_layer
 from trellis_cli.routepack.plan import parse_selection, rank_pieces, resolve_target_tp
-from trellis_cli.repack.source_facts import CONFIG, NOT_COPIED, SourceHashes, has_experts, source_root, vector_ndim
+from trellis_cli.repack.source_facts import CONFIG, NOT_COPIED, SourceHashes, has_experts, protected_paths, vector_ndim
 from trellis_cli.repack.tr3_output import Tr3Output, Tr3Run, assign_shards, fingerprint_options, restored_config
 from trellis_cli.repack.tr3_shard import Tr3Layer
 from trellis_cli.routepack import manifest as mf
+from trellis_cli.repack.result import check_output
 from trellis_cli.sources import LocalSource
 
 
 # ---- the two drivers ------------------------------------------------------------------------------------
 
-def route_pack_to_tr3(root: Path, out: Path, options, *, on_bytes=None, on_total=None, log=None):
+def route_pack_to_tr3(root: Path, out: Path, options, *, on_bytes=None, on_total=None, log=None, validator=None):
     """A route-pack directory -> the TR3 layout (config, bitmap and other files restored, shards rebuilt)."""
     from trellis_cli.routepack.verify import verify_repacked
 
@@ -72,6 +73,9 @@ def route_pack_to_tr3(root: Path, out: Path, options, *, on_bytes=None, on_total
     # The pack's files are hashed against its manifest above; a shard is tied to those hashes.
     layer_files = {layer: [layer_file_name(layer, r) for r in range(tp)] for layer in layers}
     out_plan.sources = lambda shard: {n: files[n]["sha256"] for n in _made_from(out_plan, shard, layer_files, extras)}
+    out_plan.check_copy = lambda name, copy: _check_copy(name, copy, files[name]["sha256"])
+    if validator is not None:
+        out_plan.final_check = lambda tree: check_output(tree, validator, "TR3")
     return Tr3Run(out, options, out_plan, on_bytes, on_total, log).run()
 
 
@@ -102,12 +106,18 @@ def tr3_to_tr3(checkpoint: Checkpoint, out: Path, options, *, on_bytes=None, on_
                 if n not in (CONFIG, *NOT_COPIED) and not n.endswith(".safetensors.index.json")
                 and not has_experts(checkpoint, n)},
         config=restored_config(dict(checkpoint.config), tp, shared), read_copied=checkpoint.source.read_json,
-        source_root=source_root(checkpoint),
+        source_root=protected_paths(checkpoint),
         fingerprint={"source": checkpoint.source.describe(), "options": fingerprint_options(options)})
     hashes = SourceHashes(checkpoint)
+    out_plan.check_copy = hashes.check_copy
     layer_files = {layer: sorted(checkpoint.layers[layer].files) for layer in layers}
     out_plan.sources = lambda shard: hashes.of(_made_from(out_plan, shard, layer_files, {n: n for n in carried}))
     return Tr3Run(out, options, out_plan, on_bytes, on_total, log).run()
+
+
+def _check_copy(name: str, copy: Path, expected: str) -> None:
+    if mf.sha256_file(copy) != expected:
+        raise CheckFailed(f"{name}: the copy differs from the route pack's file (did it change during the repack?)")
 
 
 def _tr3_shards(entry: dict[str, Any]) -> list[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.errors import ValidationFailed
+from trellis_cli.errors import CheckFailed, ValidationFailed
 from trellis_cli.findings import Report
 from trellis_cli.formats.route_pack import SCHEMA, SCHEMA_VERSION
 
@@ -38,6 +38,18 @@ def check_source(checkpoint: Checkpoint, validator: Validator) -> None:
         raise ValidationFailed(report, list_errors=True)
 
 
+def check_output(tree: Path, validator: Validator, target: str) -> None:
+    """Refuse a staged conversion output that its own validator refuses as a format (an engine profile's
+    verdict is the user's choice of loader, not the format's): nothing then reaches OUT."""
+    from trellis_cli.checkpoint import open_checkpoint
+
+    report = validator(open_checkpoint(tree))
+    errors = [f for f in report.errors if not f.code.startswith("engine.")]
+    if errors:
+        raise CheckFailed(f"the {target} output would not validate: {errors[0].line()}; refusing (nothing written "
+                          f"to OUT; the source holds what {target} cannot declare)", code=errors[0].code)
+
+
 def repack_note(tp: int, rotation: str) -> dict[str, Any]:
     return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "manifest": "manifest.json", "tp": tp,
             "rotation": rotation,
@@ -45,4 +57,4 @@ def repack_note(tp: int, rotation: str) -> dict[str, Any]:
                     "in manifest.json); `trellis repack OUT DEST --to tr3` restores the TR3 layout"}
 
 
-__all__ = ["REPACK_NOTE_KEY", "RepackResult", "Validator", "check_source", "repack_note"]
+__all__ = ["REPACK_NOTE_KEY", "RepackResult", "Validator", "check_output", "check_source", "repack_note"]

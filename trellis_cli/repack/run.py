@@ -26,14 +26,16 @@ from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.repack import carry
 from trellis_cli.routepack.layer_file import sync_file, write_layer_pack
 from trellis_cli.repack.lock import StageLock
+from trellis_cli.repack.out_paths import output_path
 from trellis_cli.routepack.pack import Arena, layer_tiers, pack_layer
 from trellis_cli.routepack.plan import RepackPlan, make_plan
 from trellis_cli.repack.readback import check_layer_file
 from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult, Validator, check_source, repack_note
 from trellis_cli.routepack.source_bytes import TensorReader
-from trellis_cli.repack.source_facts import (CONFIG, NOT_COPIED, SourceHashes, fingerprint, has_experts, source_root,
-                                             used_source_files, vector_ndim)
-from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_collisions, stage_path
+from trellis_cli.repack.source_facts import (CONFIG, NOT_COPIED, SourceHashes, fingerprint, has_experts,
+                                             protected_paths, used_source_files, vector_ndim)
+from trellis_cli.repack.staging import (Stage, check_free_space, check_target, refuse_collisions, refuse_overlap,
+                                        stage_path)
 from trellis_cli.routepack import manifest as mf
 
 EXTRA_DIR = "extra"  # extra/<shard>: the non-expert tensors of a source shard that held routed experts
@@ -78,7 +80,8 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
     if root is not None and is_route_pack(root):
         from trellis_cli.repack.convert import route_pack_to_tr3
 
-        return route_pack_to_tr3(root, Path(out), options, on_bytes=on_bytes, on_total=on_total, log=log)
+        return route_pack_to_tr3(root, Path(out), options, on_bytes=on_bytes, on_total=on_total, log=log,
+                                 validator=validator)
     checkpoint = source if isinstance(source, Checkpoint) else open_repack_source(source)
     from trellis_cli.repack.exl3v1 import dispatch as exl3v1_repack  # exl3-v1 in or out: its own drivers
 
@@ -146,8 +149,9 @@ class _RoutePackRun:
     def run(self) -> RepackResult:
         start = time.perf_counter()
         self.refuse_collisions()
+        refuse_overlap(self.out, protected_paths(self.ck))
         with StageLock(stage_path(self.out), self.out):
-            check_target(self.out, source_root(self.ck), self.opt.overwrite)
+            check_target(self.out, protected_paths(self.ck), self.opt.overwrite)
             stage = Stage(self.out, fingerprint(self.ck, self.opt, self.used), self.opt.overwrite)
             if stage.resumed:
                 self.log(f"resuming {stage.root.name}: {len(stage.done)} file(s) already staged")
@@ -232,7 +236,7 @@ class _RoutePackRun:
         self._local.arena = arena  # one per worker thread: peak memory = jobs x one layer-rank
         pack = pack_layer(self.ck, job.layer, job.rank, tp=self.plan.target_tp,
                           shared_h=True if self.opt.shared_h else None, reader=reader, arena=arena)
-        path = stage.path / job.file
+        path = output_path(stage.path, job.file)
         write_layer_pack(path, pack, on_bytes=self.on_bytes, durable=False)  # synced once in _finish
         del pack
         digest = check_layer_file(path, self.ck, job.layer, job.rank, tp=self.plan.target_tp,
@@ -289,7 +293,7 @@ class _RoutePackRun:
         """Copied files verbatim (checked against the source's sha256); carried tensors into extra/<file>."""
         entries: dict[str, dict[str, Any]] = {}
         for name in self.copied:
-            target = stage.path / name
+            target = output_path(stage.path, name, f"source file {name}")
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(self.ck.source.local_path(name), target)
             entries[name] = mf.file_entry(target, role="copied")
@@ -297,7 +301,7 @@ class _RoutePackRun:
                 raise CheckFailed(f"{name}: the copy differs from the source file (did it change during the repack?)")
         with TensorReader(self.ck.source) as reader:
             for name, refs in self.carried.items():
-                extra = stage.path / EXTRA_DIR / name
+                extra = output_path(stage.path, f"{EXTRA_DIR}/{name}", f"the non-expert tensors of {name}")
                 extra.parent.mkdir(parents=True, exist_ok=True)
                 carry.write_subset(extra, refs, reader, self.ck.headers[name].metadata)
                 entries[f"{EXTRA_DIR}/{name}"] = mf.file_entry(extra, role="extra", source_file=name)

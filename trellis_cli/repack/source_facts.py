@@ -8,10 +8,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.checkpoint.model import DIALECT_EXL3V1, Checkpoint
 from trellis_cli.checkpoint.names import parse_expert_name
-from trellis_cli.integrity import CHECKSUM_MANIFEST
+from trellis_cli.errors import CheckFailed
+from trellis_cli.integrity import CHECKSUM_MANIFEST, read_manifest
 from trellis_cli.routepack import manifest as mf
+from trellis_cli.sources import LocalSource
 
 CONFIG = "config.json"
 NOT_COPIED = (CHECKSUM_MANIFEST,)  # source-side hashes; the manifest replaces them
@@ -20,6 +22,13 @@ NOT_COPIED = (CHECKSUM_MANIFEST,)  # source-side hashes; the manifest replaces t
 def source_root(checkpoint: Checkpoint) -> Path | None:
     root = getattr(checkpoint.source, "root", None)
     return Path(root) if root is not None else None
+
+
+def protected_paths(checkpoint: Checkpoint) -> list[Path]:
+    """What OUT may not overlap: the source directory, the real files its names lead to, a Hub cache."""
+    from trellis_cli.repack.out_paths import source_paths
+
+    return source_paths(checkpoint.source, list(checkpoint.files))
 
 
 def fingerprint(checkpoint: Checkpoint, options: Any, used: list[str]) -> dict[str, Any]:
@@ -49,33 +58,71 @@ def used_source_files(checkpoint: Checkpoint, layers: list[int], copy_other: boo
 
 class SourceHashes:
     """sha256 of source files, each computed once however many threads ask (the first one hashes, the others
-    wait for it: never a pool task waiting on a queued one)."""
+    wait for it: never a pool task waiting on a queued one), and each checked against the hash the source
+    itself records for the file (recorded_hashes): a mismatch is refused, so a conversion never re-hashes
+    corrupt bytes as good."""
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         self.ck = checkpoint
         self.done: dict[str, str] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
+        self._recorded: dict[str, list[tuple[str, str, str]]] | None = None
 
     def get(self, name: str) -> str:
         with self._guard:
             lock = self._locks.setdefault(name, threading.Lock())
         with lock:
             if name not in self.done:
-                self.done[name] = source_sha256(self.ck, name)
+                digest = mf.sha256_file(self.ck.source.local_path(name))
+                self._check(name, digest)
+                self.done[name] = digest
             return self.done[name]
+
+    def _check(self, name: str, digest: str) -> None:
+        with self._guard:
+            if self._recorded is None:
+                self._recorded = recorded_hashes(self.ck)
+        for expected, authority, code in [*self._recorded.get(name, ()), *_hub_hash(self.ck, name)]:
+            if digest != expected:
+                raise CheckFailed(f"[{code}] {name}: sha256 {digest} differs from {authority} ({expected}); the "
+                                  f"source file is corrupt or changed: refusing to convert it (nothing written to "
+                                  f"OUT)", code=code)
+
+    def check_copy(self, name: str, copy: Path) -> None:
+        """A carried copy must hash to what its (verified) source file hashed to."""
+        if mf.sha256_file(copy) != self.get(name):
+            raise CheckFailed(f"{name}: the copy differs from the source file (did it change during the repack?)")
 
     def of(self, names) -> dict[str, str]:
         return {n: self.get(n) for n in sorted(names)}
 
 
-def source_sha256(checkpoint: Checkpoint, name: str) -> str:
+def recorded_hashes(checkpoint: Checkpoint) -> dict[str, list[tuple[str, str, str]]]:
+    """name -> [(sha256, who records it, finding code)]: the exl3-v1 manifest's layer digests (the all-zero
+    digest of a sparse synthetic checkpoint records nothing) and a local MANIFEST.sha256's lines."""
+    out: dict[str, list[tuple[str, str, str]]] = {}
+    if checkpoint.dialect == DIALECT_EXL3V1:
+        from trellis_cli.checkpoint.exl3v1 import container
+
+        box = container(checkpoint)
+        for index, layer in box.layers.items():
+            if layer.sha256 and set(layer.sha256) != {"0"}:
+                out.setdefault(layer.file, []).append(
+                    (layer.sha256, f"the manifest's layers.{index}.sha256 in {box.manifest_file}",
+                     "exl3v1.sha256-mismatch"))
+    if isinstance(checkpoint.source, LocalSource):
+        loaded = read_manifest(checkpoint.source)
+        for name, digest in (loaded[0] if loaded is not None else {}).items():
+            out.setdefault(name, []).append((digest, CHECKSUM_MANIFEST, "checksum.mismatch"))
+    return out
+
+
+def _hub_hash(checkpoint: Checkpoint, name: str) -> list[tuple[str, str, str]]:
+    """The sha256 the Hub lists for an LFS file (git blob ids of small files are not sha256: not compared)."""
     info = getattr(checkpoint.source, "file_info", None)
-    if info is not None:
-        known = getattr(info(name), "lfs_sha256", None)
-        if known:
-            return known  # the Hub states it; the download is checked against it
-    return mf.sha256_file(checkpoint.source.local_path(name))
+    known = getattr(info(name), "lfs_sha256", None) if info is not None else None
+    return [(known, "the Hub's LFS sha256", "checksum.mismatch")] if known else []
 
 
 def vector_ndim(checkpoint: Checkpoint) -> dict[str, int]:

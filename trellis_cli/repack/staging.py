@@ -17,9 +17,10 @@ import shutil
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from trellis_cli.errors import CheckFailed, TrellisError, UsageError
+from trellis_cli.repack.out_paths import check_overlap, output_name
 from trellis_cli.routepack.manifest import sha256_file
 
 STATE_NAME = "state.json"  # in OUT.partial, beside the tree
@@ -35,26 +36,18 @@ def stage_path(out: Path) -> Path:
     return out.with_name(out.name + STAGE_SUFFIX)
 
 
-def check_target(out: Path, source_root: Path | None, overwrite: bool) -> None:
+def check_target(out: Path, source_root: Path | Iterable[Path] | None, overwrite: bool) -> None:
     """Refuse an OUT that is (inside) the source, contains the source, is a file, a symbolic link or non-empty,
-    and an OUT.partial that holds the source or is not a plain directory: the stage is deleted and rebuilt."""
+    and an OUT.partial that holds the source or is not a plain directory: the stage is deleted and rebuilt.
+    `source_root`: the source directory, or every path of the source (out_paths.source_paths)."""
     stage = stage_path(out)
     if out.absolute().is_symlink():
         # Replacing OUT renames it aside and deletes it: through a link that would leave the link and the
         # directory it points at behind, outside OUT. Repack writes a directory, never through a link.
         raise UsageError(f"{out}: is a symbolic link (to {os.readlink(out.absolute())}); repack writes OUT as a "
                          f"directory of its own: name the directory itself, or remove the link")
+    refuse_overlap(out, source_root)
     out = out.resolve()
-    if source_root is not None:
-        src = source_root.resolve()
-        if out == src or out.is_relative_to(src):
-            raise UsageError(f"{out}: is inside the source checkpoint {src}; refusing to write into the source")
-        if src.is_relative_to(out):
-            raise UsageError(f"{out}: contains the source checkpoint {src}; refusing to replace it")
-        real_stage = stage.resolve()
-        if real_stage == src or src.is_relative_to(real_stage) or real_stage.is_relative_to(src):
-            raise UsageError(f"{stage}: the staging directory of {out} overlaps the source checkpoint {src}; "
-                             f"refusing (it is deleted and rebuilt); choose another OUT or move the source")
     if stage.is_symlink() or (stage.exists() and not stage.is_dir()):
         what = "a symbolic link" if stage.is_symlink() else "not a directory"
         raise UsageError(f"{stage}: the staging directory of {out} exists and is {what} (remove it)")
@@ -64,6 +57,14 @@ def check_target(out: Path, source_root: Path | None, overwrite: bool) -> None:
         raise UsageError(f"{out}: exists and is not empty (pass --overwrite to replace it)")
 
 
+def refuse_overlap(out: Path, source_root: Path | Iterable[Path] | None) -> None:
+    """OUT, OUT.partial and OUT.partial.lock apart from every path of the source: checked before the lock file
+    is created (next to OUT) and again in check_target."""
+    protected = [] if source_root is None else [source_root] if isinstance(source_root, Path) else list(source_root)
+    stage = stage_path(out)
+    check_overlap(out, stage, protected, stage.with_name(stage.name + ".lock"))
+
+
 def refuse_collisions(claims: list[tuple[str, str]], temporary: list[str]) -> None:
     """Refuse, before any work, two things that would be written under one name in OUT.
 
@@ -71,6 +72,8 @@ def refuse_collisions(claims: list[tuple[str, str]], temporary: list[str]) -> No
     ("manifest.json", "source file manifest.json"). `temporary`: outputs written under `NAME.partial` first,
     a name no other output may take either.
     """
+    for name, who in claims:
+        output_name(name, who)
     seen: dict[str, str] = {}
     for name, who in [*claims, *((f"{t}.partial", f"the temporary name of {t}") for t in temporary)]:
         if name in seen:

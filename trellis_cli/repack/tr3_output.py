@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from trellis_cli.checkpoint.declared import layer_range
+from trellis_cli.checkpoint.declared import TR3_MIXED_K, TR3_UNIFORM_K, layer_range
 from trellis_cli.checkpoint.model import TensorRef
 from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, shard_name
 from trellis_cli.errors import CheckFailed, UsageError
@@ -27,9 +27,11 @@ from trellis_cli.integrity import CHECKSUM_MANIFEST, write_manifest
 from trellis_cli.repack import carry
 from trellis_cli.routepack import manifest as mf
 from trellis_cli.repack.lock import StageLock
+from trellis_cli.repack.out_paths import output_path
 from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult
 from trellis_cli.routepack.source_bytes import TensorReader
-from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_collisions, stage_path
+from trellis_cli.repack.staging import (Stage, check_free_space, check_target, refuse_collisions, refuse_overlap,
+                                        stage_path)
 from trellis_cli.repack.tr3_shard import check_tr3_shard, write_tr3_shard
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -58,10 +60,14 @@ class Tr3Output:
     copied: dict[str, Path]  # written unchanged
     config: dict[str, Any]
     read_copied: Callable[[str], Any]  # the JSON of a copied file (to narrow the bitmap)
-    source_root: Path | None
+    source_root: Path | list[Path] | None  # what OUT may not overlap (source_facts.protected_paths)
     fingerprint: dict[str, Any]
     sources: Callable[[str], dict[str, str]] = lambda _shard: {}  # shard -> sha256 of the files it is made from
     rewritten: dict[str, str] = field(default_factory=dict)  # name -> text, instead of a copy
+    # (name, the copy written) -> refuse a copy that does not hash to the source's own recorded hash
+    check_copy: Callable[[str, Path], None] = lambda _name, _copy: None
+    # the staged tree -> refuse an output the TR3 validator refuses (conversions from other formats)
+    final_check: Callable[[Path], None] = lambda _tree: None
 
     def all_shards(self) -> list[str]:
         return sorted(set(self.shards) | set(self.carried))
@@ -90,6 +96,20 @@ class Tr3Output:
                 kept = {k: v for k, v in doc.items() if not (k.isdecimal() and int(k) not in self.specs)}
                 self.rewritten[bitmap] = json.dumps(kept, indent=2) + "\n"
                 del self.copied[bitmap]
+
+    def refuse_unrepresentable(self) -> None:
+        """Refuse, before any work, K that a TR3 config cannot declare: its validator and loaders would refuse
+        the output (exl3-v1 and route packs also hold mcg K2, which TR3 does not)."""
+        used = {k for spec in self.specs.values() for k in spec.expert_k.values()}
+        allowed, how = ((TR3_UNIFORM_K, "one K for every expert: 3, 4, 5, 6 or 8") if len(used) == 1 else
+                        (TR3_MIXED_K, "mixed K within 3..6"))
+        bad = sorted(k for k in used if k not in allowed)
+        if bad:
+            layer, expert = next((li, e) for li, spec in sorted(self.specs.items())
+                                 for e, k in sorted(spec.expert_k.items()) if k == bad[0])
+            raise UsageError(f"--to tr3: layer {layer} expert {expert} is K{bad[0]} (K used: {sorted(used)}); a TR3 "
+                             f"checkpoint declares {how}, so its validator and loaders would refuse the output; "
+                             f"refusing before any work (keep this checkpoint's format)")
 
     def refuse_collisions(self) -> None:
         claims = [(CONFIG, "the TR3 config.json"), (INDEX_NAME, "the TR3 index"), (CHECKSUM_MANIFEST, "the TR3 MANIFEST.sha256")]
@@ -123,9 +143,11 @@ class Tr3Run:
 
     def run(self):
         start = time.perf_counter()
+        self.plan.refuse_unrepresentable()
         self.plan.narrow_declarations()
         self.plan.refuse_collisions()
         result = RepackResult(self.out)
+        refuse_overlap(self.out, self.plan.source_root)
         with StageLock(stage_path(self.out), self.out):
             check_target(self.out, self.plan.source_root, self.opt.overwrite)
             stage = Stage(self.out, self.plan.fingerprint, self.opt.overwrite)
@@ -138,6 +160,7 @@ class Tr3Run:
             self.on_total(result.bytes_needed)
             with stage.discard_on_refusal():
                 self._write_all(stage, result)
+                self.plan.final_check(stage.path)
             stage.move_into_place()
         result.seconds = time.perf_counter() - start
         return result
@@ -150,7 +173,7 @@ class Tr3Run:
                 specs = [plan.specs[layer] for layer in plan.shards.get(shard, [])]
                 carried = plan.carried.get(shard, [])
                 sources = plan.sources(shard)
-                path = stage.path / shard
+                path = output_path(stage.path, shard, f"the TR3 shard of layers {plan.shards.get(shard, [])}")
                 if stage.completed(shard, sources):
                     result.files_resumed += 1
                     self.on_bytes(path.stat().st_size)
@@ -167,13 +190,16 @@ class Tr3Run:
 
     def _write_rest(self, stage: Stage, weight_map: dict[str, str]) -> None:
         for name, path in self.plan.copied.items():
-            (stage.path / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, stage.path / name)
+            target = output_path(stage.path, name, f"source file {name}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+            self.plan.check_copy(name, target)
             if name.endswith(".safetensors"):
-                weight_map.update(dict.fromkeys(read_local_header(stage.path / name, name).tensors, name))
+                weight_map.update(dict.fromkeys(read_local_header(target, name).tensors, name))
         for name, text in self.plan.rewritten.items():
-            (stage.path / name).parent.mkdir(parents=True, exist_ok=True)
-            (stage.path / name).write_text(text, encoding="utf-8")
+            target = output_path(stage.path, name, f"the rewritten {name}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text, encoding="utf-8")
         (stage.path / CONFIG).write_text(json.dumps(self.plan.config, indent=2) + "\n", encoding="utf-8")
         # total_size counts tensor data bytes, not file sizes (the index convention validate checks).
         total = sum(entry.nbytes for f in set(weight_map.values())

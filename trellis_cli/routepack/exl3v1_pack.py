@@ -8,9 +8,10 @@ TR3 and the route pack hold one K per expert, so an expert whose records use sev
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trellis_cli.errors import CheckFailed, UsageError
+from trellis_cli.header import plain_relative
 from trellis_cli.checkpoint.exl3v1 import CODES, HIDDEN_TABLES, ROTATIONS, Exl3Layer, container, layer_rates
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.formats.exl3v1_layout import (LayerRates, expert_offsets, plane_span, rank_extent, slot_channels,
@@ -180,9 +181,54 @@ def checked_rates(ck: Checkpoint, layer: int) -> LayerRates:
     return rates
 
 
-def default_tp(ck: Checkpoint) -> int:
+def note_problems(ck: Checkpoint) -> list[tuple[str, str, Any]]:
+    """What is wrong with config.json's NOTE_KEY (written by `repack TR3 --to exl3-v1`), as (key, expected,
+    found): it must be an object whose `tp` is an integer, `vector_ndim` {per_expert, shared_h} each 1 or 2, and
+    `shard_names` an object of layer -> a relative `.safetensors` name under OUT (never a path elsewhere)."""
     note = ck.config.get(NOTE_KEY) if isinstance(ck.config, dict) else None
+    if note is None:
+        return []
+    if not isinstance(note, dict):
+        return [("", "an object", note)]
+    problems: list[tuple[str, str, Any]] = []
+    if "tp" in note and type(note["tp"]) is not int:
+        problems.append((".tp", "an integer", note["tp"]))
+    ndim = note.get("vector_ndim", {})
+    if not isinstance(ndim, dict):
+        problems.append((".vector_ndim", "an object {per_expert, shared_h}", ndim))
+    else:
+        problems += [(f".vector_ndim.{key}", "1 or 2", ndim[key]) for key in ("per_expert", "shared_h")
+                     if key in ndim and (type(ndim[key]) is not int or ndim[key] not in (1, 2))]
+    names = note.get("shard_names", {})
+    if not isinstance(names, dict):
+        problems.append((".shard_names", "an object of layer -> shard file name", names))
+    else:
+        problems += [(f".shard_names[{key!r}]", "a relative `.safetensors` file name under OUT (no absolute path, "
+                      "`..`, empty part or backslash)", name) for key, name in names.items()
+                     if not (plain_relative(name) and name.endswith(".safetensors"))]
+    return problems
+
+
+def shown_value(found: Any) -> str:
+    text = repr(found) if len(repr(found)) <= 80 else repr(found)[:77] + "..."
+    return f"{text} (a JSON {type(found).__name__})"
+
+
+def conversion_note(ck: Checkpoint) -> dict[str, Any]:
+    """The note, checked before a conversion uses it ({} when absent); its first problem is refused by name."""
+    for key, expected, found in note_problems(ck)[:1]:
+        raise CheckFailed(f"[exl3v1.note] config.json {NOTE_KEY}{key}: expected {expected}, found "
+                          f"{shown_value(found)}; "
+                          f"the note says how to restore the TR3 layout: fix or remove it (without it, default shard "
+                          f"names and [n] vectors are written)", code="exl3v1.note")
+    return ck.config.get(NOTE_KEY) or {}
+
+
+def default_tp(ck: Checkpoint) -> int:
+    # Lenient (bench needs only a TP); a conversion refuses a bad note through conversion_note before using it.
+    note = ck.config.get(NOTE_KEY) if isinstance(ck.config, dict) else None
+    tp = note.get("tp") if isinstance(note, dict) else None
     allowed = tp_degrees(container(ck).manifest)
-    if isinstance(note, dict) and note.get("tp") in allowed:
-        return note["tp"]
+    if type(tp) is int and tp in allowed:
+        return tp
     return max((tp for tp in allowed if tp <= DEFAULT_MAX_TP), default=1)

@@ -23,6 +23,7 @@ from trellis_cli.formats.exl3v1_schema import KIND_OF_CODE, SLOT_CHANNELS, Manif
 from trellis_cli.findings import Finding, Location, Report, error, error_summary, warning
 from trellis_cli.header import DTYPE_BYTES
 from trellis_cli.formats.safetensors_layout import check_shard
+from trellis_cli.routepack.exl3v1_pack import NOTE_KEY, note_problems, shown_value
 
 MAX_ROWS_SHOWN = 5  # row findings per layer and code, then one summary line
 TAIL_CHUNK_BYTES = 16 << 20  # padding tails are read at most this much at a time
@@ -53,6 +54,7 @@ def check_exl3v1(ckpt: Checkpoint, report: Report, layers: list[int], *, deep: b
     box = container(ckpt)
     report.extend(ckpt.parse_findings)
     report.extend(check_paths(ckpt))
+    report.extend(note_findings(ckpt))
     report.count("manifest", 1)
     if box.manifest is None:
         return
@@ -96,6 +98,14 @@ def check_mcg_bits(m: Manifest, manifest_file: str) -> Iterator[Finding]:
     if m.codebook == "mcg" and m.bits is not None and m.bits < MCG_MIN_BITS:
         yield error("exl3v1.mcg-k2", Location(file=manifest_file, tensor="rates.bits"), "mcg at K2: b12x's trellis "
                     "adapter runs mcg at K3 and above only", f">= {MCG_MIN_BITS}", m.bits)
+
+
+def note_findings(ckpt: Checkpoint) -> Iterator[Finding]:
+    """A warning (b12x never reads config.json): a conversion to TR3 or a route pack refuses the same note."""
+    for key, expected, found in note_problems(ckpt):
+        yield warning("exl3v1.note", Location(file="config.json"), f"{NOTE_KEY}{key}: the note a TR3 -> exl3-v1 "
+                      "conversion records is unusable; `repack --to tr3` and `--to route-pack` refuse it",
+                      expected=expected, found=shown_value(found))
 
 
 def check_layer(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer) -> Iterator[Finding]:

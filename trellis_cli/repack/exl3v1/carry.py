@@ -16,6 +16,7 @@ from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.errors import UsageError
+from trellis_cli.repack.out_paths import output_path
 
 CONFIG = "config.json"
 NOT_CARRIED = ("MANIFEST.sha256",)
@@ -41,8 +42,9 @@ def carried_files(ck: Checkpoint, copy_other: bool, skip: frozenset[str] = froze
 def write_carried(ck: Checkpoint, stage: Path, copies: dict[str, Path], note_key: str | None,
                   note: dict[str, Any] | None, config: dict[str, Any] | None = None) -> None:
     for name, path in copies.items():
-        (stage / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, stage / name)
+        target = output_path(stage, name, f"source file {name}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
     if config is None and CONFIG in ck.files:
         config = {k: v for k, v in ck.config.items() if k != note_key}
         if note_key is not None:

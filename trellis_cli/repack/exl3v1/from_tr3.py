@@ -26,10 +26,11 @@ from trellis_cli.routepack.pack import HIDDEN_SIDE, expected_hidden, expected_in
 from trellis_cli.routepack.plan import parse_selection, rank_pieces
 from trellis_cli.repack.readback import same_bits
 from trellis_cli.repack.result import RepackResult, Validator
-from trellis_cli.repack.source_facts import SourceHashes, source_root, vector_ndim
+from trellis_cli.repack.source_facts import SourceHashes, protected_paths, vector_ndim
 from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.repack.lock import StageLock
-from trellis_cli.repack.staging import Stage, check_free_space, check_target, stage_path
+from trellis_cli.repack.staging import (Stage, check_free_space, check_target, refuse_collisions, refuse_overlap,
+                                        stage_path)
 
 PAIR_K = (2, 3, 4)
 
@@ -176,11 +177,15 @@ def tr3_to_exl3v1(ck: Checkpoint, out: Path, options, validator: Validator, *, o
     tiers = {li: layer_tiers(ck, li) for li in layers}
     m = target_manifest(ck, tiers)
     copies = carried_files(ck, options.copy_other)
+    refuse_collisions([(MANIFEST_FILE, "the exl3-v1 manifest"), ("config.json", "the carried config.json")]
+                      + [(layer_file_name(li), f"the exl3-v1 file of layer {li}") for li in layers]
+                      + [(name, f"source file {name}") for name in copies], [])
     check_hidden_side_equal(ck, layers)
     hashes = SourceHashes(ck)
     result = RepackResult(out)
+    refuse_overlap(out, protected_paths(ck))
     with StageLock(stage_path(out), out):
-        check_target(out, source_root(ck), options.overwrite)
+        check_target(out, protected_paths(ck), options.overwrite)
         stage = Stage(out, {"source": ck.source.describe(), "to": "exl3-v1", "layers": layers}, options.overwrite)
         total = sum(ck.headers[f].data_end for li in layers for f in ck.layers[li].files if f in ck.headers)
         try:
@@ -203,6 +208,8 @@ def tr3_to_exl3v1(ck: Checkpoint, out: Path, options, validator: Validator, *, o
             note = {"source_dialect": ck.dialect, "tp": ck.tp, "vector_ndim": vector_ndim(ck),
                     "shard_names": {str(li): sorted(ck.layers[li].files)[0] for li in layers}}
             write_carried(ck, stage.path, copies, NOTE_KEY, note)
+            for name in copies:
+                hashes.check_copy(name, stage.path / name)
             write_manifest(stage.path, m, MANIFEST_FILE)
             _final_check(stage.path, validator)
         stage.move_into_place()

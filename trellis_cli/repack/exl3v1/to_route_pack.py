@@ -31,10 +31,12 @@ from trellis_cli.formats.route_pack import MANIFEST_NAME, layer_file_name, tier_
 from trellis_cli.routepack.layer_file import sync_file, write_layer_pack
 from trellis_cli.routepack.plan import LayerRankJob, parse_selection
 from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult, Validator, check_source, repack_note
-from trellis_cli.repack.source_facts import SourceHashes, fingerprint, source_root, source_sha256
+from trellis_cli.repack.source_facts import SourceHashes, fingerprint, protected_paths
 from trellis_cli.repack.lock import StageLock
+from trellis_cli.repack.out_paths import output_path
 from trellis_cli.routepack.source_bytes import TensorReader
-from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_collisions, stage_path
+from trellis_cli.repack.staging import (Stage, check_free_space, check_target, refuse_collisions, refuse_overlap,
+                                        stage_path)
 
 CONFIG = "config.json"
 
@@ -87,8 +89,9 @@ class _Exl3RoutePack:
         start = time.perf_counter()
         self._refuse_collisions()
         result = RepackResult(self.out)
+        refuse_overlap(self.out, protected_paths(self.ck))
         with StageLock(stage_path(self.out), self.out):
-            check_target(self.out, source_root(self.ck), self.opt.overwrite)
+            check_target(self.out, protected_paths(self.ck), self.opt.overwrite)
             stage = Stage(self.out, {**fingerprint(self.ck, self.opt, self.used), "tp": self.tp}, self.opt.overwrite)
             if stage.resumed:
                 self.log(f"resuming {stage.root.name}: {len(stage.done)} file(s) already staged")
@@ -131,7 +134,7 @@ class _Exl3RoutePack:
                     result.files_resumed += 1
                     self.on_bytes(job.bytes)
                     continue
-                path = stage.path / job.file
+                path = output_path(stage.path, job.file)
                 pack = exl3v1_pack(self.ck, job.layer, job.rank, self.tp, reader)
                 write_layer_pack(path, pack, on_bytes=self.on_bytes, durable=False)  # synced once in _finish
                 del pack
@@ -166,11 +169,13 @@ class _Exl3RoutePack:
         """The files `--to tr3` would carry or write next to the shards, as the pack's copied files."""
         entries = {}
         for name, path in self.form.copy_from.items():
-            (stage.path / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, stage.path / name)
-            entries[name] = mf.file_entry(stage.path / name, role="copied")
+            target = output_path(stage.path, name, f"source file {name}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+            self.hashes.check_copy(name, target)
+            entries[name] = mf.file_entry(target, role="copied")
         for name, doc in self.form.extra_json.items():
-            (stage.path / name).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+            output_path(stage.path, name).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
             entries[name] = mf.file_entry(stage.path / name, role="copied")
         return entries
 
@@ -181,7 +186,7 @@ class _Exl3RoutePack:
             source["path"] = str(Path(source["path"]).resolve())
         source.update({"dialect": ck.dialect, "rotation_layout": ck.rotation_layout, "tp": ck.tp,
                        "vector_ndim": self.form.vector_ndim,
-                       "files": {n: {"sha256": source_sha256(ck, n), "size": ck.files.get(n)} for n in self.used}})
+                       "files": {n: {"sha256": self.hashes.get(n), "size": ck.files.get(n)} for n in self.used}})
         return source
 
     def _geometry(self) -> dict[str, Any]:

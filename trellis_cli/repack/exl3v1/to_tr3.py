@@ -18,11 +18,11 @@ from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import shard_name
 from trellis_cli.errors import UsageError
 from trellis_cli.checkpoint.exl3v1 import container
-from trellis_cli.routepack.exl3v1_pack import (NOTE_KEY, check_convertible, checked_rates, default_tp, expert_tiers,
-                                               exl3v1_pack)
+from trellis_cli.routepack.exl3v1_pack import (NOTE_KEY, check_convertible, checked_rates, conversion_note, default_tp,
+                                               expert_tiers, exl3v1_pack)
 from trellis_cli.routepack.plan import parse_selection
-from trellis_cli.repack.result import Validator, check_source
-from trellis_cli.repack.source_facts import SourceHashes, source_root
+from trellis_cli.repack.result import Validator, check_output, check_source
+from trellis_cli.repack.source_facts import SourceHashes, protected_paths
 from trellis_cli.repack.tr3_output import Tr3Output, Tr3Run, assign_shards, fingerprint_options, restored_config
 from trellis_cli.repack.tr3_shard import Tr3Layer
 
@@ -44,7 +44,7 @@ def tr3_form(ck: Checkpoint, layers: list[int], tiers, tp: int, copy_other: bool
     from trellis_cli.repack.exl3v1.carry import carried_files
 
     m = container(ck).manifest
-    note = ck.config.get(NOTE_KEY) if isinstance(ck.config.get(NOTE_KEY), dict) else {}
+    note = conversion_note(ck)
     shared = not m.per_expert_input_rotations
     names = note.get("shard_names", {})
     copy_from = carried_files(ck, copy_other, frozenset({container(ck).manifest_file}))
@@ -82,10 +82,12 @@ def exl3v1_to_tr3(ck: Checkpoint, out: Path, options, validator: Validator, *, o
         specs=specs, packs=lambda li, rank: exl3v1_pack(ck, li, rank, tp),
         shards=assign_shards({li: [form.shard_names[li]] for li in layers}),
         carried={}, carried_source=ck.source, metadata={}, copied=form.copy_from, config=form.config,
-        read_copied=ck.source.read_json, source_root=source_root(ck),
+        read_copied=ck.source.read_json, source_root=protected_paths(ck),
         fingerprint={"source": ck.source.describe(), "options": fingerprint_options(options), "tp": tp},
         rewritten={name: json.dumps(doc, indent=2) + "\n" for name, doc in form.extra_json.items()})
     hashes = SourceHashes(ck)
+    plan.check_copy = hashes.check_copy
+    plan.final_check = lambda tree: check_output(tree, validator, "TR3")
     # A shard is made from its layers' exl3-v1 files, read as the manifest describes them.
     plan.sources = lambda shard: hashes.of({box.manifest_file, *(box.layers[li].file for li in plan.shards[shard])})
     return Tr3Run(out, options, plan, on_bytes, on_total, log).run()
