@@ -215,3 +215,15 @@ def flip_tensor_byte(path: Path, tensor: str, at: int = 100) -> None:
     data = bytearray(path.read_bytes())
     data[header.data_start + header.tensors[tensor].begin + at] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def restamp_exl3v1_hashes(root: Path) -> None:
+    """Record each layer file's current sha256 in exl3-manifest.json: an edit a producer re-published, which
+    conversions then take as the source's own data."""
+    import hashlib
+
+    manifest_path = root / "exl3-manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for entry in manifest["layers"].values():
+        entry["sha256"] = hashlib.sha256((root / entry["file"]).read_bytes()).hexdigest()
+    manifest_path.write_text(json.dumps(manifest, indent=2))
