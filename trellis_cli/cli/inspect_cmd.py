@@ -35,7 +35,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Emit one JSON document.")] = False,
         markdown: Annotated[bool, typer.Option("--markdown", help="Emit a Markdown table.")] = False,
     ) -> None:
-        from trellis_cli.checkpoint.open import open_checkpoint
+        from trellis_cli.dialects.open import open_checkpoint
         from trellis_cli.inspect_report import build_inspect, render_markdown, render_text
         from trellis_cli.selection import parse_layer_ranges
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Iterator, NamedTuple
 
 from trellis_cli.checkpoint.declared import layer_range
-from trellis_cli.checkpoint.dialect import QUANT_CONFIG
+from trellis_cli.dialects.detect import QUANT_CONFIG
 from trellis_cli.checkpoint.model import (
     DIALECT_EXL3,
     DIALECT_R7,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from trellis_cli.checkpoint.declared import layer_range, layer_span
-from trellis_cli.checkpoint.dialect import QUANT_CONFIG
+from trellis_cli.dialects.detect import QUANT_CONFIG
 from trellis_cli.checkpoint.model import DIALECT_EXL3, DIALECT_R7, Checkpoint
 from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, TENSOR_SCHEMA
 from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, error_summary, warning

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from trellis_cli.checkpoint import declared as decl
-from trellis_cli.checkpoint.dialect import CONFIG, QUANT_CONFIG, DialectInfo, detect_dialect, route_pack_info
+from trellis_cli.dialects.detect import CONFIG, QUANT_CONFIG, DialectInfo, detect_dialect, route_pack_info
 from trellis_cli.checkpoint.model import (
     DIALECT_EXL3,
     DIALECT_EXL3V1,
@@ -89,7 +89,7 @@ def _open(source: Any) -> Checkpoint:
                       declared=info.declared, parse_findings=findings, files=dict(files),
                       quant_config=quant_config)
     if info.dialect == DIALECT_EXL3V1:
-        from trellis_cli.checkpoint.exl3v1 import fill_checkpoint
+        from trellis_cli.dialects.exl3v1.container import fill_checkpoint
 
         manifest = info.declared.pop("exl3v1_manifest")
         fill_checkpoint(ckpt, source, files, info.declared["exl3v1_manifest_file"], manifest)
