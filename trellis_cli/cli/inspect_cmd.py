@@ -8,7 +8,7 @@ import typer
 
 from trellis_cli.cli import output
 from trellis_cli.cli.options import (CacheDirOpt, EndpointOpt, OfflineOpt, RevisionOpt, SourceArg, TokenOpt,
-                                     open_cli_source)
+                                     open_cli_source, parse_layers)
 from trellis_cli.errors import UsageError
 
 HELP = (
@@ -35,19 +35,17 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Emit one JSON document.")] = False,
         markdown: Annotated[bool, typer.Option("--markdown", help="Emit a Markdown table.")] = False,
     ) -> None:
-        from trellis_cli.dialects.open import open_checkpoint
-        from trellis_cli.inspect_report import build_inspect, render_markdown, render_text
-        from trellis_cli.selection import parse_layer_ranges
+        from trellis_cli.inspect_report import inspect_source, render_markdown, render_text
 
         if as_json and markdown:
             raise UsageError("--json and --markdown are exclusive: choose one output format")
-        chosen = parse_layer_ranges(layers) if layers is not None else None
+        chosen = parse_layers(layers)
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         output.log(f"reading headers of {opened.description} ...")
         # A production checkpoint has ~80 shards and 930k tensors: a spinner with the elapsed time on a terminal.
         with output.progress_bar(f"reading headers of {opened.description}", None,
                                  enabled=output.progress_enabled(as_json)):
-            document = build_inspect(open_checkpoint(opened), chosen)
+            document = inspect_source(opened, chosen)
         if as_json:
             output.emit_json(document)
             return
