@@ -1,4 +1,4 @@
-// The lab build of the kernel library (-DTRELLIS_LAB; trellis_cli/kernel/lab.py builds and loads it):
+// The lab build of the kernel library (-DTRELLIS_LAB; lab/kernel/lab.py builds and loads it):
 // TrellisMoeArgs then ends with `lab_flags`, which skip phases of a call (timing variants: the results
 // are then meaningless) or force a launch shape (comparisons and tests: the results are unchanged), and
 // the library exports trellis_lab_build. The timeline (timeline.cuh) is a lab build too.

@@ -1,12 +1,12 @@
 // The timeline lab build only (-DTRELLIS_LAB -DTRELLIS_TIMELINE, one translation unit: single_tu.cu;
-// trellis_cli/kernel/lab.py): when each CTA of each phase started, returned from its wait on the previous
+// lab/kernel/lab.py): when each CTA of each phase started, returned from its wait on the previous
 // kernel, and ended, read with %globaltimer (ns) and exported by trellis_timeline_read. Without the flag
 // every hook below compiles to nothing, so the production library is unchanged.
 #pragma once
 #include <stdint.h>
 
 #if defined(TRELLIS_TIMELINE) && !defined(TRELLIS_LAB)
-#error "the timeline is a lab build: compile it with -DTRELLIS_LAB (trellis_cli/kernel/lab.py)"
+#error "the timeline is a lab build: compile it with -DTRELLIS_LAB (lab/kernel/lab.py)"
 #endif
 
 namespace trellis {

@@ -35,6 +35,16 @@ using trellis::SmLimits;
 
 char g_error[512] = "";
 
+// The launch a failure is reported against: its kernel, threads and dynamic shared memory, so that a launch
+// the device refuses names the kernel and what it asked for.
+struct LaunchNote {
+  const char* kernel = "";
+  int threads = 0, smem = 0;
+};
+LaunchNote g_last_launch;
+
+void note_launch(const char* kernel, int threads, int smem) { g_last_launch = {kernel, threads, smem}; }
+
 int fail(const char* message) {
   snprintf(g_error, sizeof(g_error), "%s", message);
   return -1;
@@ -141,25 +151,32 @@ dim3 fc1_grid(const TrellisMoeArgs& a, const trellis::Fc1Pieces& p) {
 cudaError_t launch_gemms(const TrellisMoeArgs& a, const GemmKernels& k, cudaStream_t stream, bool pdl) {
   using namespace trellis;
   cudaError_t err = cudaSuccess;
+  note_launch("FC1", k.fc1_threads, k.fc1_smem);
   if ((err = allow_smem(k.fc1, k.fc1_smem)) != cudaSuccess) return err;
+  note_launch("FC2", k.fc2_threads, k.fc2_smem);
   if ((err = allow_smem(k.fc2, k.fc2_smem)) != cudaSuccess) return err;
   const int tiles = a.tile_capacity;
   // Direct mode: FC1 rotates its own rows and is the call's first kernel, so it launches fully serialized.
   if (!a.direct && !lab_flag(a, TRELLIS_LAB_SKIP_ROTATE)) {
     const RotationLaunch rotation = rotation_for(a, tiles);
+    note_launch("input rotation", 256, 0);
     err = launch(rotation.kernel, rotation.grid, 256, 0, stream, pdl, a);
   }
   const Fc1Pieces pieces = fc1_pieces(a, k.fc1, k.fc1_threads, k.fc1_smem);
-  if (err == cudaSuccess && !lab_flag(a, TRELLIS_LAB_SKIP_FC1))
+  if (err == cudaSuccess && !lab_flag(a, TRELLIS_LAB_SKIP_FC1)) {
+    note_launch("FC1", k.fc1_threads, k.fc1_smem);
     err = launch(k.fc1, fc1_grid(a, pieces), k.fc1_threads, k.fc1_smem, stream, pdl && !a.direct, a, pieces);
+  }
   if (err == cudaSuccess && !lab_flag(a, TRELLIS_LAB_SKIP_ACT)) {
     const int act_blocks = a.intermediate / 128, act_warps = act_blocks < kActWarps ? act_blocks : kActWarps;
     const dim3 act_grid(tiles, activation_row_steps(a), (act_blocks + act_warps - 1) / act_warps);
+    note_launch("activation", act_warps * 32, 0);
     err = launch(activation_for(a), act_grid, act_warps * 32, 0, stream, pdl, a, pieces);
   }
   if (err == cudaSuccess && !lab_flag(a, TRELLIS_LAB_SKIP_FC2)) {
     const int blocks = static_cast<int>(k.fc2_grid.x * k.fc2_grid.y);
     const int fc2_smem = even_wave_smem(k.fc2, blocks, k.fc2_threads, k.fc2_smem);
+    note_launch("FC2", k.fc2_threads, fc2_smem);
     if ((err = allow_smem(k.fc2, fc2_smem)) == cudaSuccess)
       err = launch(k.fc2, k.fc2_grid, k.fc2_threads, fc2_smem, stream, pdl, a);
   }
@@ -234,6 +251,7 @@ extern "C" int trellis_moe_forward(const TrellisMoeArgs* args, void* stream_hand
   if (!a.direct) {
     // The call's first kernel, launched without PDL: it starts once the previous call has finished.
     const int numel = a.m * a.top_k, per_expert = a.num_combined * static_cast<int>(sizeof(int));
+    note_launch("route pack", kPackThreads, (numel >= kWidePackFrom ? 4 : 3) * per_expert);
     if (numel >= kWidePackFrom) {
       const int ctas = (numel + kPackThreads - 1) / kPackThreads;
       route_count_kernel<<<ctas, kPackThreads, per_expert, stream>>>(a);
@@ -247,6 +265,7 @@ extern "C" int trellis_moe_forward(const TrellisMoeArgs* args, void* stream_hand
   if (err == cudaSuccess) err = launch_gemms(a, gemm_kernels(a), stream, pdl);
   if (err == cudaSuccess && !lab_flag(a, TRELLIS_LAB_SKIP_SUM)) {
     dim3 grid(a.m, (a.hidden + 4 * kSumThreads - 1) / (4 * kSumThreads));
+    note_launch("top-k sum", kSumThreads, 0);
     err = launch(topk_sum_for(a), grid, kSumThreads, 0, stream, pdl, a);
   }
 #ifdef TRELLIS_LAB
@@ -256,7 +275,8 @@ extern "C" int trellis_moe_forward(const TrellisMoeArgs* args, void* stream_hand
     err = cudaMemsetAsync(a.handover, 0, 3 * sizeof(int) * a.tile_capacity, stream);
 #endif
   if (err != cudaSuccess) {
-    snprintf(g_error, sizeof(g_error), "CUDA launch failed: %s", cudaGetErrorString(err));
+    snprintf(g_error, sizeof(g_error), "CUDA refused the %s launch (%d threads, %d bytes of dynamic shared memory): %s",
+             g_last_launch.kernel, g_last_launch.threads, g_last_launch.smem, cudaGetErrorString(err));
     return static_cast<int>(err);
   }
   return 0;

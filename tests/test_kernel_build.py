@@ -269,7 +269,7 @@ def test_mcg_library_for_sm90_builds_cold_holds_its_kernels_and_is_cached(cache:
     # The production library exports the C ABI of kernels/abi.h and nothing of the lab (kernels/lab.h).
     assert {n for n in exported_functions(library) if n.startswith("trellis_")} == PRODUCTION_EXPORTS
     assert not hasattr(ctypes.CDLL(str(library)), "trellis_timeline_read")
-    from trellis_cli.kernel.lab import load_lab_library
+    from lab.kernel.lab import load_lab_library
 
     with pytest.raises(GpuUnavailable, match="is not a lab build"):
         load_lab_library(library)
@@ -316,10 +316,10 @@ def _unit_objects(arch: str, cache: Path, codebooks=build.BUILD_ORDER, kernels: 
 @requires_nvcc
 @pytest.mark.slow
 def test_timeline_lab_build_holds_the_same_kernels_and_exports_its_reader(cache: Path):
-    # tools/perf/timeline.py runs this build (trellis_cli/kernel/lab.py): one codebook in one unit
+    # lab/perf/timeline.py runs this build (lab/kernel/lab.py): one codebook in one unit
     # (kernels/single_tu.cu) with -DTRELLIS_LAB -DTRELLIS_TIMELINE, cached apart from the production library.
     from trellis_cli.kernel.abi import load_library
-    from trellis_cli.kernel.lab import load_lab_library
+    from lab.kernel.lab import load_lab_library
 
     built = build.build_library("sm_90", "mcg", variant="timeline")
     assert built.path.parent == cache and built.path.name.startswith("trellis_moe_timeline-sm_90-mcg-")

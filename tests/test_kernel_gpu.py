@@ -38,15 +38,15 @@ def library():
 
 @pytest.fixture(scope="module")
 def lab_library():
-    """The lab build of the mcg library (trellis_cli/kernel/lab.py): the calls that take lab flags."""
-    from trellis_cli.kernel.lab import lab_library
+    """The lab build of the mcg library (lab/kernel/lab.py): the calls that take lab flags."""
+    from lab.kernel.lab import lab_library
 
     return lab_library("mcg")
 
 
 def lab_twin(moe, lab_library):
     """The same layer on the lab build, whose calls take lab flags."""
-    from trellis_cli.kernel.lab import LabMoe
+    from lab.kernel.lab import LabMoe
 
     return LabMoe(moe.pack, lab_library)
 
@@ -96,7 +96,7 @@ def test_large_tiles_of_every_route_count(library, lab_library, tier_k):
     # K3/K4 layers run the narrow kernels, 64 routes per pass (a tile of more takes two). Here the 16
     # experts get 1, 16, 17, 32, ..., 113 and 128 routes: every width at both ends of its range, and 1 or 2
     # narrow passes. Both kinds of kernel must give the same bits (forced by the lab build's flags).
-    from trellis_cli.kernel import lab
+    from lab.kernel import lab
 
     counts = [1, 16, 17, 32, 33, 48, 49, 64, 65, 80, 81, 96, 97, 112, 113, 128]
     moe = moe_for(small(tier_k=tier_k), library)
@@ -209,7 +209,7 @@ def test_fc2_output_blocks_per_cta_leave_results_unchanged(library, lab_library,
     # from one block into the next, where the grid has waves to spare (gemm_unit.cu fc2_span); the lab
     # build's flag forces the widest span on this small layer (H/128 = 8 blocks: 2 CTAs per tile). I/128 = 3
     # is no power of two: one block per CTA there.
-    from trellis_cli.kernel import lab
+    from lab.kernel import lab
 
     moe = moe_for(Preset("span", 1024, intermediate, 16, 4, "mcg", (12, 4), (3, 4), 1), library)
     plan = make_plan(m, 4, 1024, intermediate, 16, m_tile=m_tile, wgmma=library.wgmma)
@@ -229,7 +229,7 @@ def test_tiles_hand_over_one_by_one(library, lab_library, m, m_tile, direct):
     # tile, through counters in the workspace (kernels/handover.cuh). Every call must leave them at zero,
     # also one of the lab build that skipped a phase, or the next call would read a tile too early. M=20 in
     # direct mode (80 routes) is past the plan's own direct-mode limit: the counters follow the tile capacity.
-    from trellis_cli.kernel import lab
+    from lab.kernel import lab
 
     moe = moe_for(small(), library)
     twin = lab_twin(moe, lab_library)

@@ -30,7 +30,7 @@ def header_fields(lab: bool = False) -> list[str]:
 
 
 def test_ctypes_struct_mirrors_abi_header_field_for_field():
-    from trellis_cli.kernel.lab import TrellisLabArgs
+    from lab.kernel.lab import TrellisLabArgs
 
     assert header_fields() == [name for name, _ in abi.TrellisMoeArgs._fields_]
     assert header_fields(lab=True) == [name for name, _ in TrellisLabArgs._fields_]
@@ -101,7 +101,7 @@ def expanded_col(col: int) -> int:
 
 
 def test_expanded_columns_round_trip_through_plain_columns():
-    from trellis_cli.kernel.oracle import plain_columns
+    from lab.kernel.oracle import plain_columns
 
     rows = torch.randn(3, 256, dtype=torch.float64)
     expanded = torch.zeros(3, 512, dtype=torch.float64)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trellis_cli.errors import CheckFailed
-from trellis_cli.kernel.oracle import route_pack_reference
+from lab.kernel.oracle import route_pack_reference
 from trellis_cli.kernel.plan import (
     BLOCK_ROWS, LARGE_TILE, MID_TILE, SMALL_TILE, make_plan, slot_capacity, tile_capacity,
 )

@@ -9,6 +9,9 @@ wrap edges at position 0, a pass constrained to start and end on each gives a va
 and one more constrained pass re-cut at position 128 polishes it (it can only lower the cost).
 
 Everything is vectorized over tiles and states; only the 256 positions are a Python loop.
+
+Public, tested API (tests/test_encoder.py, against golden vectors): encode_tiles, pack_trellis,
+quantize_linear.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from trellis_cli.errors import CheckFailed
 # Per tile and wrap candidate: ~10 bytes x 2^16 states of working set, 256 x 2^(16-K) bytes of back-pointers.
 _CPU_BATCH, _CPU_BACK_BYTES = 8, 1 << 26
 _GPU_BATCH, _GPU_BACK_BYTES = 256, 1 << 31
+
+__all__ = ["encode_tiles", "pack_trellis", "quantize_linear"]
 
 
 def _check_k(k: int) -> None:

@@ -79,6 +79,10 @@ def load_json(data: bytes | str, *, strict_numbers: bool = False) -> Any:
         raise JsonError(f"not valid JSON ({e.msg} at byte {e.pos})") from e
     except RecursionError as e:
         raise JsonError("invalid JSON (nested too deeply)") from e
+    except JsonError:  # the hooks' own refusals (a ValueError too)
+        raise
+    except ValueError as e:  # Python's int() refuses numbers of more than 4300 digits (sys.get_int_max_str_digits)
+        raise JsonError("not usable (a number with more digits than Python converts)") from e
     if _SURROGATE_ESCAPE.search(text):
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")

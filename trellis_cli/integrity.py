@@ -80,8 +80,14 @@ def verify_checksums(source: Source, files: Iterable[str] | None = None, progres
     """
     if isinstance(source, HubSource):
         expected = _hub_expected(source, files)
-        paths = {name: _hub_local(source, name, download, download_progress) for name in expected}
         extra: list[ChecksumResult] = []
+        paths = {}
+        for name in list(expected):
+            if source.escapes(name):  # a link out of the cache: never hashed, whatever its target is named
+                extra.append(ChecksumResult(name, expected.pop(name), None, UNSAFE_PATH, "the cached file is a link "
+                                            "that resolves outside the Hub cache: not read"))
+                continue
+            paths[name] = _hub_local(source, name, download, download_progress)
         missing = NOT_CACHED
     elif isinstance(source, LocalSource):
         loaded = read_manifest(source)

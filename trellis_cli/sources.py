@@ -211,6 +211,7 @@ class HubSource:
         self.endpoint = endpoint.rstrip("/") if endpoint else None
         self.offline = hub_client.is_offline(offline)
         self._fs = None
+        self._repo_folder: Path | None = None
         self._headers: dict[str, Header | Exception] = {}
         # Offline, the listing is what the cache holds: shards never downloaded are absent from it.
         self.listing_complete = not self.offline
@@ -298,6 +299,30 @@ class HubSource:
         found = try_to_load_from_cache(self.repo_id, name, cache_dir=self.cache_dir, revision=self.revision)
         return Path(found) if isinstance(found, str) else None
 
+    def escapes(self, name: str) -> bool:
+        """True when `name` leaves the repository: `..` or an absolute path, or a cached snapshot file that is a
+        link resolving outside this repository's folder of the Hub cache (its blobs live there; a link to a copy
+        elsewhere is never read, and offline its target's name would stand in for the Hub's hash)."""
+        if not safe_relative(name):
+            return True
+        cached = self.cached_path(name)
+        return cached is not None and self._outside_cache(cached)
+
+    def _outside_cache(self, path: Path) -> bool:
+        try:
+            real = path.resolve()
+        except (OSError, RuntimeError):  # a link loop: dangling, not an escape
+            return False
+        if self._repo_folder is None:
+            self._repo_folder = self._hub.repo_cache_folder(self.repo_id, self.cache_dir).resolve()
+        return not real.is_relative_to(self._repo_folder)
+
+    def _refuse_escape(self, name: str, path: Path) -> Path:
+        if self._outside_cache(path):
+            raise CheckFailed(f"{name}: the cached file resolves to {path.resolve()}, outside the Hub cache folder "
+                              f"of {self.repo_id}; not read", code="path.escape")
+        return path
+
     def local_path(self, name: str, *, progress: ProgressCallback | None = None) -> Path:
         """Download `name` at the pinned commit into the Hub cache (no-op when cached); its local path."""
         from huggingface_hub import hf_hub_download
@@ -309,7 +334,7 @@ class HubSource:
                 self.repo_id, name, revision=self.revision, cache_dir=self.cache_dir, endpoint=self.endpoint,
                 token=self.token, local_files_only=self.offline, tqdm_class=bar,
             )
-        return Path(path)
+        return self._refuse_escape(name, Path(path))
 
     def read_json(self, name: str) -> Any:
         size = self.file_info(name).size
@@ -343,7 +368,7 @@ class HubSource:
         cached = self.cached_path(name)
         try:
             if cached is not None:
-                return read_local_header(cached, name)
+                return read_local_header(self._refuse_escape(name, cached), name)
             if self.offline:
                 raise SourceUnavailable(
                     f"{name} in {self.repo_id}@{self.revision}: not in the local Hub cache and {self._hub.OFFLINE_HINT}"

@@ -30,7 +30,9 @@ from trellis_cli.checkpoint.model import PROJECTIONS
 from trellis_cli.checkpoint.names import H_SIDE as HIDDEN_SIDE_FIELD
 from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, TENSOR_SCHEMA, expert_key, shard_name, shared_h_key
 from trellis_cli.codebooks import MARKERS, MCG_MARKER
+from trellis_cli.disk_space import require_free_space
 from trellis_cli.errors import CheckFailed, UsageError
+from trellis_cli.header import MAX_HEADER_TENSORS
 from trellis_cli.integrity import write_manifest
 from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter
 
@@ -279,8 +281,32 @@ def layer_bytes(spec: SynthSpec, layer: int) -> int:
     return spec.tp * experts + (3 * spec.tp * 2 * h if shared else 0)
 
 
+def layer_tensor_count(spec: SynthSpec) -> int:
+    """Tensors in one layer's shard, by arithmetic (equals len(layer_plan))."""
+    fields = (2 if spec.rotation_layout == "shared_h_v1" else 3) + (CODEBOOK_MARKERS[spec.codebook] is not None)
+    shared_rows = 3 * spec.tp if spec.rotation_layout == "shared_h_v1" else 0
+    return spec.experts * 3 * spec.tp * fields + shared_rows
+
+
+def check_limits(spec: SynthSpec) -> None:
+    """Refuse, before any work, a shard with more tensors than a safetensors header may list here (validate's
+    file.too-many-tensors): its plan alone would take minutes and gigabytes to build."""
+    tensors = layer_tensor_count(spec)
+    if tensors > MAX_HEADER_TENSORS:
+        raise UsageError(f"synth: one layer shard would hold {tensors:,} tensors ({spec.experts} experts x 3 "
+                         f"projections x tp {spec.tp}), above the limit of {MAX_HEADER_TENSORS:,} per file")
+
+
+def disk_bytes(spec: SynthSpec) -> int:
+    """What writing `spec` puts on disk: the tensor data (none when sparse) and about 256 bytes per tensor of
+    headers and index."""
+    data = 0 if spec.sparse else checkpoint_bytes(spec)
+    return data + 256 * layer_tensor_count(spec) * len(spec.layers)
+
+
 def checkpoint_bytes(spec: SynthSpec) -> int:
     """Tensor data bytes of the whole checkpoint (the index's total_size)."""
+    check_limits(spec)
     return sum(layer_bytes(spec, layer) for layer in spec.layers)
 
 
@@ -399,16 +425,20 @@ def write_checkpoint(out_dir: str | Path, spec: SynthSpec, progress: Callable[[i
     data. A non-empty `out_dir` is refused unless `overwrite`. Nothing appears at `out_dir` unless the
     whole checkpoint was written (it is staged in `out_dir.partial`, removed on any error).
     """
+    check_limits(spec)
     return staged_output(out_dir, overwrite, lambda stage: _write_all(stage, spec, source or RandomTensors(spec),
-                                                                      progress))
+                                                                      progress), needed=disk_bytes(spec))
 
 
-def staged_output(out_dir: str | Path, overwrite: bool, write: Callable[[Path], None]) -> Path:
+def staged_output(out_dir: str | Path, overwrite: bool, write: Callable[[Path], None], *, needed: int = 0) -> Path:
     """`write(stage)` into `OUT.partial`, then move it into place; on any error (Ctrl-C too) the stage is
-    removed and OUT is untouched. A non-empty OUT is refused unless `overwrite`."""
+    removed and OUT is untouched. A non-empty OUT is refused unless `overwrite`; so are an OUT or OUT.partial
+    that is a symbolic link or not a directory, and a filesystem without `needed` bytes free (before anything
+    is written)."""
     out = Path(out_dir)
-    _check_target(out, overwrite)
     stage = out.with_name(out.name + ".partial")
+    _check_target(out, stage, overwrite)
+    require_free_space(out, needed, "synth")
     if stage.exists():
         shutil.rmtree(stage)  # left over from an interrupted run: it is ours by name
     stage.mkdir(parents=True)
@@ -423,7 +453,13 @@ def staged_output(out_dir: str | Path, overwrite: bool, write: Callable[[Path], 
     return out
 
 
-def _check_target(out: Path, overwrite: bool) -> None:
+def _check_target(out: Path, stage: Path, overwrite: bool) -> None:
+    for path, what in ((out, "OUT"), (stage, "the staging directory of OUT")):
+        if path.is_symlink():  # replacing it would delete through the link, outside OUT
+            raise UsageError(f"synth: {path} ({what}) is a symbolic link (to {os.readlink(path)}); synth writes "
+                             "a directory of its own: name the directory itself, or remove the link")
+    if stage.exists() and not stage.is_dir():
+        raise UsageError(f"synth: {stage} (the staging directory of OUT) exists and is not a directory (remove it)")
     if out.exists() and not out.is_dir():
         raise UsageError(f"synth: {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:

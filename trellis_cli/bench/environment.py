@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 
 import torch
 
 from trellis_cli.kernel.abi import KernelLibrary
+from trellis_cli.kernel.arch_limits import device_limits
 
 _SMI_FIELDS = ("driver_version", "clocks.sm", "clocks.max.sm", "clocks.mem", "power.limit", "temperature.gpu")
 
@@ -45,5 +47,14 @@ def environment(library: KernelLibrary, device: torch.device | None = None) -> d
             "nvcc": library.nvcc_version,
             "path": str(library.path),
             "large_tiles": "wgmma" if library.wgmma else "mma.sync",
+            "plan_limits": dataclasses.asdict(device_limits(device.index)),
         },
     }
+
+
+def kernel_line(library: KernelLibrary, device: torch.device | None = None) -> str:
+    """What `trellis bench` says before it runs: the arch, the GEMM path and the limits its plans are made for."""
+    limits = device_limits((device or torch.device("cuda", torch.cuda.current_device())).index)
+    path = "wgmma" if library.wgmma else "mma.sync"
+    return (f"kernel: built for {library.arch}, large tiles on {path}; plans for {limits.describe()} "
+            f"({limits.source} limits)")

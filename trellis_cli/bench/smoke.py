@@ -125,7 +125,7 @@ def run_smoke(packs: list[tuple[str, LayerPack]], library: KernelLibrary, *, ms=
     for index, (label, pack) in enumerate(packs):
         moe = FusedMoe(pack, library)
         for m in ms:
-            log(f"smoke: {label} M={m}")
+            log(f"smoke: {label} M={m}, plan: {moe.plan(m, min(8, int(pack.global_to_combined.shape[0]))).describe()}")
             checks += accuracy_checks(moe, label, m, seed + 100 * index + m)
         if index == len(packs) - 1:
             for m in DETERMINISM_MS:

@@ -182,7 +182,8 @@ def bench_m(pool: WeightPool, m: int, *, cold: bool, replays: int, seed: int, l2
     return {
         "m": m,
         "copies": len(runners),
-        "plan": {"m_tile": plan.m_tile, "k_split": plan.k_split, "direct": plan.direct},
+        "plan": {"m_tile": plan.m_tile, "k_split": plan.k_split, "direct": plan.direct, "family": plan.family,
+                 "fc1_tail_split": plan.fc1_tail_split},
         **work,
         "fused": fused_t.as_dict(),
         "two_pass": two_t.as_dict(),
@@ -214,7 +215,8 @@ def run_throughput(pack: LayerPack, library: KernelLibrary, ms: list[int], *, co
     l2_bytes, copy_gbps = device_facts(device, log)
     rows = []
     for m in ms:
-        log(f"throughput: M={m} ({'cold' if cold else 'warm'})")
+        plan = pool.runners[0].plan(m, min(TOP_K, int(pack.global_to_combined.shape[0])))
+        log(f"throughput: M={m} ({'cold' if cold else 'warm'}), plan: {plan.describe()}")
         rows.append(bench_m(pool, m, cold=cold, replays=replays, seed=seed + m, l2_bytes=l2_bytes,
                             copy_gbps=copy_gbps, compare=compare))
         torch.cuda.empty_cache()

@@ -65,6 +65,15 @@ _register_commands()
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: runs the app and maps failures to one line and an exit code."""
     args = hoist_global_flags(list(sys.argv[1:] if argv is None else argv))
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = output.PipeGuard(sys.stdout), output.PipeGuard(sys.stderr)
+    try:
+        _run(args)
+    finally:
+        sys.stdout, sys.stderr = streams
+
+
+def _run(args: list[str]) -> None:
     try:
         # standalone_mode=False: the parser's errors come back to us (one line, not a boxed panel).
         code = app(args=args, prog_name="trellis", standalone_mode=False)

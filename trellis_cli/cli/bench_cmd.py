@@ -29,7 +29,8 @@ def register(app: typer.Typer) -> None:
         seed: Annotated[int, typer.Option("--seed", help="Seed for synthetic weights, inputs and routes.")] = 0,
         as_json: Annotated[bool, typer.Option("--json", help="Emit one JSON document on stdout.")] = False,
         compile_only: Annotated[bool, typer.Option("--compile-only", help="Build the kernel library and exit (no GPU needed).")] = False,
-        arch: Annotated[Optional[str], typer.Option("--arch", help="Target arch for --compile-only, e.g. sm_90 (default: this GPU's, else sm_90).")] = None,
+        plan: Annotated[bool, typer.Option("--plan", help="Print the launch plan of each --m for the layer on --arch (or this GPU), checked against the arch's limits; no build, no GPU needed (exit 4 where no plan fits).")] = False,
+        arch: Annotated[Optional[str], typer.Option("--arch", help="Target arch for --compile-only or --plan, e.g. sm_90 (default: this GPU's, else sm_90).")] = None,
         codebook: Annotated[Optional[str], typer.Option("--codebook", help="Codebook to build with --compile-only: mcg, 3inst or mul1 (default: all).")] = None,
         kernels: Annotated[Optional[str], typer.Option("--kernels", help="Kernel set to build with --compile-only: all (every K, default) or k3k4 (only the K3/K4 kernels, all a TR3 checkpoint uses).")] = None,
         jobs: Annotated[Optional[int], typer.Option("--jobs", help="Kernel units compiled at once (default: $TRELLIS_BUILD_JOBS, else one per CPU core).")] = None,
@@ -46,6 +47,17 @@ def register(app: typer.Typer) -> None:
             check_codebook(codebook)
         if kernels is not None:
             check_kernels(kernels)
+        if plan:
+            if compile_only or smoke or compare or mixed_gap or tp:
+                raise UsageError("--plan prints launch plans only: it does not combine with --compile-only, "
+                                 "--smoke, --compare, --mixed-gap or --tp")
+            from trellis_cli.cli.bench_plan import layer_geometry, run_plan_check
+
+            m_list = _parse_ms(ms)
+            check_bench_arguments(source, synthetic, partition)
+            run_plan_check(layer_geometry(source, synthetic, partition, layer, rank),
+                           _parse_arch(arch) if arch else None, m_list, as_json)
+            return
         if compile_only:
             if compare:
                 raise UsageError("--compare applies to a throughput run, not to --compile-only")
@@ -98,6 +110,9 @@ def register(app: typer.Typer) -> None:
         # A synthetic --smoke also checks each of the preset's K alone: the kernel set covers them all.
         needed = kernels_for(get_preset(synthetic).tier_k) if synthetic else kernel_set(bench.pack)
         library = default_library(bench.pack.codebook, kernels=needed, jobs=jobs, log=output.log)
+        from trellis_cli.bench.environment import kernel_line
+
+        output.log(kernel_line(library))
         if smoke:
             _run_smoke(bench, library, synthetic, seed, as_json)
         else:

@@ -71,6 +71,44 @@ def cell(text: object) -> Text:
     return Text(printable(text))
 
 
+class PipeGuard:
+    """sys.stdout (and sys.stderr) while a command runs. Once the reader of a pipe has gone (`trellis inspect |
+    head -c 1`), the rest of the output goes to the null device and the command ends with its own exit code,
+    silently: text (written line by line) and --json (one write) then end alike."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._discard_rest()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._discard_rest()
+
+    def _discard_rest(self) -> None:
+        # The descriptor itself is pointed at the null device, so the interpreter's last flush at exit (of
+        # what is still buffered) cannot fail either.
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, self._stream.fileno())
+            finally:
+                os.close(null)
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def print_line(text: object, *, style: str | None = None, err: bool = False) -> None:
     """One line of data on stdout (or stderr), escaped."""
     (stderr if err else stdout).print(printable(text), style=style)

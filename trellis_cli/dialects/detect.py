@@ -30,7 +30,7 @@ TR3_FORMAT = "exl3-trellis"
 ROTATION_LAYOUTS = {"per_expert_v1": DIALECT_TR3_PER_EXPERT, "shared_h_v1": DIALECT_TR3_SHARED_H}
 CONFIG = "config.json"
 QUANT_CONFIG = "quantization_config.json"
-EXL3V1_MANIFEST = "exl3-manifest.json"  # where b12x's reader looks; config.json may name another
+EXL3V1_MANIFEST = "exl3-manifest.json"  # the only name b12x's reader opens; config.json may name another
 EXL3V1_KIND, EXL3V1_SCHEMA = "exl3-manifest", "exl3-v1"
 
 
@@ -98,29 +98,44 @@ def _methods(embedded: dict | None, quant_config: dict | None) -> list:
 
 
 def _exl3v1(files: dict[str, int], config: dict | None, read_json: Callable[[str], Any]) -> DialectInfo | None:
-    """exl3-v1, decided by the manifest's own identity strings (the layer files' names decide nothing)."""
-    name = _exl3v1_manifest_name(config)
-    if name not in files:
-        return None
-    doc = read_json(name)
+    """exl3-v1, decided by the manifest's own identity strings (the layer files' names decide nothing).
+
+    The manifest is the one b12x's reader opens, `exl3-manifest.json`, whatever config.json's
+    `quantization_config.exl3.manifest` names: a directory whose exl3-v1 manifest exists only under that other
+    name is still exl3-v1 (so it is refused by name, not called unknown), with no manifest to load.
+    """
+    named = _config_manifest_name(config)
+    if EXL3V1_MANIFEST not in files:
+        if named is None or named not in files or not _is_exl3v1(read_json(named)):
+            return None
+        return DialectInfo(DIALECT_EXL3V1, "n/a", 1, None, {"exl3v1_manifest": None,
+                                                            "exl3v1_manifest_file": EXL3V1_MANIFEST,
+                                                            "exl3v1_config_manifest": named})
+    doc = read_json(EXL3V1_MANIFEST)
     if not isinstance(doc, dict) or (doc.get("kind") != EXL3V1_KIND and doc.get("schema") != EXL3V1_SCHEMA):
         return None
-    if doc.get("kind") != EXL3V1_KIND or doc.get("schema") != EXL3V1_SCHEMA:
-        raise UnknownDialect(f"{name}: kind {doc.get('kind')!r}, schema {doc.get('schema')!r}; trellis reads "
-                             f"kind {EXL3V1_KIND!r} with schema {EXL3V1_SCHEMA!r}")
+    if not _is_exl3v1(doc):
+        raise UnknownDialect(f"{EXL3V1_MANIFEST}: kind {doc.get('kind')!r}, schema {doc.get('schema')!r}; trellis "
+                             f"reads kind {EXL3V1_KIND!r} with schema {EXL3V1_SCHEMA!r}")
     codebook = doc.get("codebook")
     return DialectInfo(DIALECT_EXL3V1, "n/a", 1, codebook if isinstance(codebook, str) else None,
-                       {"exl3v1_manifest": doc, "exl3v1_manifest_file": name})
+                       {"exl3v1_manifest": doc, "exl3v1_manifest_file": EXL3V1_MANIFEST,
+                        "exl3v1_config_manifest": named})
 
 
-def _exl3v1_manifest_name(config: dict | None) -> str:
-    """config.json's `quantization_config.exl3.manifest` when it names a file, else the reader's default."""
+def _is_exl3v1(doc: Any) -> bool:
+    return isinstance(doc, dict) and doc.get("kind") == EXL3V1_KIND and doc.get("schema") == EXL3V1_SCHEMA
+
+
+def _config_manifest_name(config: dict | None) -> str | None:
+    """config.json's `quantization_config.exl3.manifest` when it names a file inside the directory other than
+    the reader's own name; else None."""
     quant = (config or {}).get("quantization_config")
     exl3 = quant.get("exl3") if isinstance(quant, dict) else None
     name = exl3.get("manifest") if isinstance(exl3, dict) else None
     from trellis_cli.header import safe_relative
 
-    return name if isinstance(name, str) and safe_relative(name) else EXL3V1_MANIFEST
+    return name if isinstance(name, str) and name != EXL3V1_MANIFEST and safe_relative(name) else None
 
 
 def _tr3(hybrid: Any, embedded: dict | None) -> DialectInfo:

@@ -59,6 +59,7 @@ class CheckRequest:
     deep: bool
     checksums: bool
     narrowed: bool = False  # --layers was given (a dialect that cannot narrow its checks says so)
+    known_digests: dict[str, str] = field(default_factory=dict)  # sha256 already found this run (file -> hex)
     progress: Callable[[str, int, int], None] | None = None
     checksum_progress: Callable[[int], None] | None = None
 
@@ -78,6 +79,7 @@ class Dialect:
     default_engine: str | None = None  # the profile validate enforces without --engine
     tensor_data: bool = True  # --deep reads its vectors (False: its values are covered by recorded hashes)
     records_hashes: bool = False  # its own metadata records each file's sha256
+    publisher_digests: bool = False  # with --checksums, the publisher's hashes are compared first and reused
     inspect_view: str = "shards"  # which inspect document describes it: "shards", "slot-rows" or "route-pack"
     read_by: frozenset[str] = frozenset()  # the loader families that open this container
     container_notes: dict[str, str] = {}  # family -> why it does not, where that says more than the default

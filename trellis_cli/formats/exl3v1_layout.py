@@ -76,6 +76,15 @@ def row_payload(m: Manifest, rates: LayerRates, slot: int) -> int:
     return sum(bundle_bytes(m.hidden, *rates.codes(slot, e)) for e in range(m.num_experts))
 
 
+def row_payloads(m: Manifest, rates: LayerRates) -> list[int]:
+    """`row_payload` of every slot, summed once per 8-slot pair (its slots share their rates) or once in all."""
+    group = m.num_slots if rates.uniform is not None else SLOTS_PER_PAIR
+    out: list[int] = []
+    for first in range(0, m.num_slots, group):
+        out += [row_payload(m, rates, first)] * min(group, m.num_slots - first)
+    return out
+
+
 def plane_span(m: Manifest, rates: LayerRates, slot: int, expert: int, matrix: int, plane: int,
                expert_offset: int | None = None) -> tuple[int, int]:
     """(byte offset in the row, length) of one plane; `expert_offset` skips summing earlier bundles."""

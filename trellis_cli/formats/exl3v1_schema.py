@@ -28,6 +28,14 @@ KIND_OF_CODE = {code: name for name, code in PAIR_KINDS.items()}
 CODEBOOK_BITS = {"mcg": range(2, 7), "lut_e4m3": range(2, 5), "lut_fp16": range(5, 7)}
 SHA256 = re.compile(r"[0-9a-f]{64}")
 CANONICAL_INT = re.compile(r"0|[1-9][0-9]*")
+# Named limits, checked before anything loops over slots or experts or reads a rate table: every later step
+# (row checks, rate tables, TP extents, inspect) costs time and memory in proportion to these counts, and a
+# few bytes of JSON can declare any count. GLM-5.x: 64 slots x 256 experts, far below each.
+MAX_SLOTS = 1 << 14  # an intermediate size of 524,288 channels
+MAX_EXPERTS = 1 << 13
+MAX_HIDDEN = 1 << 17  # a hidden-side table row is read whole; GLM-5.x: 6144
+MAX_SLOT_EXPERTS = 1 << 20  # slots x experts: the bundles of one layer, and 8x its rate-table bytes
+MAX_LAYER_INDEX = (1 << 16) - 1  # as every --layers range; also keeps int() of a layer key short
 
 TOP_KEYS = ({"kind", "schema", "codebook", "geometry", "rates", "hadamard", "layout", "layers"}, {"codebook_seed"})
 GEOMETRY_KEYS = ({"num_experts", "hidden_size", "intermediate_size", "slot_channels", "num_slots",
@@ -179,6 +187,19 @@ def _geometry(p: _Parser, value: Any) -> dict | None:
         if bad:
             p.bad("exl3v1.geometry", f"geometry.{key}", message, expected, found)
             ok = False
+    experts = ints["num_experts"]
+    for bad, key, message, expected, found in (
+            (slots > MAX_SLOTS, "num_slots", "more slots than trellis checks", f"<= {MAX_SLOTS}", slots),
+            (experts > MAX_EXPERTS, "num_experts", "more experts than trellis checks", f"<= {MAX_EXPERTS}", experts),
+            (hidden > MAX_HIDDEN, "hidden_size", "a larger hidden size than trellis checks", f"<= {MAX_HIDDEN}",
+             hidden),
+            (slots * experts > MAX_SLOT_EXPERTS, "num_slots", "more slots x experts than trellis checks",
+             f"<= {MAX_SLOT_EXPERTS}", slots * experts)):
+        if bad:
+            p.bad("exl3v1.too-large", f"geometry.{key}", f"{message} (a named limit: no real MoE layer comes "
+                  "near it, and the checks' work grows with it)", expected, found)
+            ok = False
+            break
     if not ok:
         return None
     return {"num_experts": ints["num_experts"], "hidden": hidden, "intermediate": inter, "num_slots": slots,
@@ -186,10 +207,10 @@ def _geometry(p: _Parser, value: Any) -> dict | None:
 
 
 def _layer_indices(p: _Parser, value: Any) -> tuple[int, ...] | None:
-    if (not isinstance(value, list) or not value or not all(is_int(v) and v >= 0 for v in value)
+    if (not isinstance(value, list) or not value or not all(is_int(v) and 0 <= v <= MAX_LAYER_INDEX for v in value)
             or len(set(value)) != len(value)):
         p.bad("exl3v1.geometry", "geometry.moe_layer_indices", "must be a non-empty list of distinct non-negative "
-              "integers", "e.g. [3, 4, 5]", _shown(value))
+              f"integers up to {MAX_LAYER_INDEX}", "e.g. [3, 4, 5]", _shown(value))
         return None
     return tuple(sorted(value))
 
@@ -289,7 +310,7 @@ def _layers(p: _Parser, value: Any, indices: tuple[int, ...]) -> dict[int, Layer
     out: dict[int, LayerEntry] = {}
     for key, entry in value.items():
         where = f"layers.{key}"
-        if not isinstance(key, str) or not CANONICAL_INT.fullmatch(key):
+        if not _layer_key(key):
             p.bad("exl3v1.layer-key", where, "a layer key is the layer index in canonical decimal (no sign, no "
                   "leading zeros)", "e.g. \"3\"", key)
             continue
@@ -307,7 +328,7 @@ def _layers(p: _Parser, value: Any, indices: tuple[int, ...]) -> dict[int, Layer
             continue
         out[int(key)] = LayerEntry(file, sha)
     declared = set(indices)
-    keyed = {int(k) for k in value if isinstance(k, str) and CANONICAL_INT.fullmatch(k)}
+    keyed = {int(k) for k in value if _layer_key(k)}
     missing, extra = sorted(declared - keyed), sorted(keyed - declared)
     if missing or extra:
         p.bad("exl3v1.layers-mismatch", "layers", "layer keys must equal geometry.moe_layer_indices",
@@ -315,6 +336,13 @@ def _layers(p: _Parser, value: Any, indices: tuple[int, ...]) -> dict[int, Layer
     for layer in extra:
         out.pop(layer, None)
     return dict(sorted(out.items()))
+
+
+def _layer_key(key: Any) -> bool:
+    """A canonical decimal layer index within MAX_LAYER_INDEX (checked on the text: int() of thousands of
+    digits raises)."""
+    return (isinstance(key, str) and len(key) <= len(str(MAX_LAYER_INDEX)) and CANONICAL_INT.fullmatch(key) is not None
+            and int(key) <= MAX_LAYER_INDEX)
 
 
 def _shown(value: Any) -> Any:

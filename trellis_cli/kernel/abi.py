@@ -2,7 +2,7 @@
 
 `TrellisMoeArgs` must match the C struct field for field; the library reports its ABI version and
 sizeof(TrellisMoeArgs), and `load_library` refuses a library whose numbers differ from this module's,
-and a lab build (trellis_cli/kernel/lab.py loads those).
+and a lab build (lab/kernel/lab.py loads those).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def open_library(path: Path, args_type: type[ctypes.Structure], *, lab: bool) ->
         raise GpuUnavailable(f"cannot load the kernel library {path}: {err}") from None
     if hasattr(handle, "trellis_lab_build") != lab:
         raise GpuUnavailable(f"kernel library {path} is {'not ' if lab else ''}a lab build: "
-                             f"{'abi.load_library' if lab else 'trellis_cli/kernel/lab.py'} loads it")
+                             f"{'abi.load_library' if lab else 'lab/kernel/lab.py'} loads it")
     try:
         for name in ("trellis_abi_version", "trellis_args_size", "trellis_has_wgmma", "trellis_moe_forward"):
             getattr(handle, name).restype = ctypes.c_int

@@ -18,7 +18,7 @@ file is written under a temporary name and moved into place, so a concurrent or 
 leaves half a file behind. Every failure (no nvcc, no GPU to pick an arch from, a compile error) is a
 GpuUnavailable (exit 4) whose message carries the compiler's output after the first line.
 
-Besides the production library there are two lab variants (trellis_cli/kernel/lab.py, kernels/lab.h),
+Besides the production library there are two lab variants (lab/kernel/lab.py, kernels/lab.h),
 cached apart from it under names of their own: "lab", the same units compiled with -DTRELLIS_LAB (the
 arguments end with lab flags), and "timeline", one codebook's whole library as one unit (single_tu.cu)
 with -DTRELLIS_LAB -DTRELLIS_TIMELINE, so that every kernel stamps the same timeline. `build_commands`
@@ -40,6 +40,7 @@ from typing import Callable, Iterable
 from trellis_cli.codebooks import IDS as CODEBOOK_IDS
 from trellis_cli.errors import GpuUnavailable, UsageError
 from trellis_cli.kernel.jobs import Job, run_jobs
+from trellis_cli.kernel.resources import parse_ptxas, read_raw_record, record_path, write_record
 from trellis_cli.kernel.nvcc import (  # noqa: F401  (re-exported: the build's public names)
     COMPILE_FLAGS,
     arch_flags,
@@ -288,7 +289,7 @@ def build_libraries(arch: str | None = None, codebooks: Iterable[str] = BUILD_OR
     paths: dict[Unit, Path] = {}
     for unit in (u for units in per_library.values() for u in units):
         paths.setdefault(unit, objects / f"{unit.name}-{target}-{unit_hash(unit, target, version, source_dir)}.o")
-    missing = [u for u, p in paths.items() if force or not p.is_file()]
+    missing = [u for u, p in paths.items() if force or not p.is_file() or not record_path(p).is_file()]
     _compile_units(nvcc, target, source_dir, missing, paths, parallel, log, started)
     libraries = [_link(nvcc, target, version, c, variant, kernels, [paths[u] for u in per_library[c]], directory,
                        force) for c in codebooks]
@@ -328,12 +329,19 @@ def _compile_units(nvcc: str, arch: str, source_dir: Path, units: list[Unit], pa
         fd, tmp = tempfile.mkstemp(prefix=f".{paths[unit].stem}-", suffix=".o.tmp", dir=paths[unit].parent)
         os.close(fd)
         command = compile_command(nvcc, arch, unit, source_dir, Path(tmp), threads[unit])
-        jobs.append(Job(f"{arch} unit {unit.name}", command, Path(tmp), paths[unit]))
+        jobs.append(Job(f"{arch} unit {unit.name}", command, Path(tmp), paths[unit],
+                        keep_log=Path(f"{tmp}.log")))
     done = 0
 
     def report(job: Job, seconds: float) -> None:
         nonlocal done
         done += 1
+        if job.keep_log is not None:  # ptxas's numbers, recorded beside the object
+            try:
+                write_record(record_path(job.output), arch, parse_ptxas(job.keep_log.read_text(errors="replace")))
+            except OSError as err:
+                raise GpuUnavailable(f"cannot record the resource usage of {job.label}: {err}") from None
+            job.keep_log.unlink(missing_ok=True)
         if log:
             log(f"kernel build: {done}/{len(jobs)} units, {job.label.rpartition(' ')[2]} took {seconds:.0f} s, "
                 f"{_clock(time.monotonic() - started)} elapsed")
@@ -343,6 +351,18 @@ def _compile_units(nvcc: str, arch: str, source_dir: Path, units: list[Unit], pa
     finally:
         for job in jobs:
             job.tmp_output.unlink(missing_ok=True)
+            if job.keep_log is not None:
+                job.keep_log.unlink(missing_ok=True)
+
+
+def _merge_records(objects: list[Path], library: Path, arch: str) -> None:
+    kernels: dict[str, dict[str, int]] = {}
+    for obj in objects:
+        kernels.update(read_raw_record(record_path(obj)))
+    try:
+        write_record(record_path(library), arch, kernels)
+    except OSError as err:
+        raise GpuUnavailable(f"cannot record the resource usage of {library.name}: {err}") from None
 
 
 def _link(nvcc: str, arch: str, version: str, codebook: str, variant: str, kernels: str, objects: list[Path],
@@ -351,6 +371,8 @@ def _link(nvcc: str, arch: str, version: str, codebook: str, variant: str, kerne
     build_hash = key.hexdigest()[:16]
     path = directory / f"{library_stem(variant, kernels)}-{arch}-{codebook}-{build_hash}.so"
     if path.is_file() and not force:
+        if not record_path(path).is_file():
+            _merge_records(objects, path, arch)
         return BuiltLibrary(path, arch, build_hash, version, cached=True, codebook=codebook, variant=variant,
                             kernels=kernels)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".so.tmp", dir=directory)
@@ -360,6 +382,7 @@ def _link(nvcc: str, arch: str, version: str, codebook: str, variant: str, kerne
                  parallel=1, stall_s=stall_seconds())
     finally:
         Path(tmp).unlink(missing_ok=True)
+    _merge_records(objects, path, arch)
     return BuiltLibrary(path, arch, build_hash, version, cached=False, codebook=codebook, variant=variant,
                         kernels=kernels)
 

@@ -31,6 +31,7 @@ class Job:
     command: list[str]
     tmp_output: Path  # what the command writes
     output: Path  # where it goes when the command succeeds
+    keep_log: Path | None = None  # where the command's stdout and stderr go when it succeeds (None: dropped)
 
 
 @dataclass
@@ -99,6 +100,9 @@ def _finish(job: _Running, code: int) -> None:
             text = job.log.read().decode(errors="replace").strip()
             tail = "\n".join(text.splitlines()[-_LOG_LINES:])
             raise GpuUnavailable(f"kernel build failed for {job.job.label} (nvcc exit {code})\n{tail}")
+        if job.job.keep_log is not None:
+            job.log.seek(0)
+            job.job.keep_log.write_bytes(job.log.read())
         os.replace(job.job.tmp_output, job.job.output)
     finally:
         job.log.close()

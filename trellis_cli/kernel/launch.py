@@ -15,11 +15,30 @@ import torch
 
 from trellis_cli.errors import CheckFailed, GpuUnavailable
 from trellis_cli.kernel import abi
+from trellis_cli.kernel.arch_limits import ArchLimits, device_limits
 from trellis_cli.kernel.plan import LaunchPlan, check_pack_layout, kernel_set, make_plan, workspace_shapes
+from trellis_cli.kernel.resources import read_record, record_path
 from trellis_cli.formats.route_pack import CODEBOOK_IDS, LayerPack, split_descriptor
 
 _X_DTYPES = {torch.float16: abi.DT_FP16, torch.bfloat16: abi.DT_BF16}
 _OUT_DTYPES = {torch.float32: abi.DT_FP32, torch.float16: abi.DT_FP16, torch.bfloat16: abi.DT_BF16}
+# CUDA errors that mean the library cannot run on this GPU at all: what each says, in one line.
+_CANNOT_RUN = {
+    35: "the NVIDIA driver is older than this CUDA runtime",  # cudaErrorInsufficientDriver
+    98: "the library holds no code for this GPU's arch",  # cudaErrorInvalidDeviceFunction
+    209: "the library holds no code for this GPU's arch",  # cudaErrorNoKernelImageForDevice
+    222: "the NVIDIA driver is too old for the library's arch (its PTX is newer than the driver)",  # UnsupportedPtxVersion
+}
+
+
+def launch_failure(rc: int, message: str, library_arch: str, plan: LaunchPlan, limits: ArchLimits) -> str:
+    """One line for a CUDA error of the library's launch sequence: the GPU's arch and the library's, what the
+    error means, the library's own message (which names the kernel, its threads and shared memory), the plan
+    and the limits it was made for."""
+    reason = _CANNOT_RUN.get(rc, "the device refused the launch")
+    text = " ".join(f"{reason}: {message}".split())
+    return (f"fused kernel on {limits.arch} (library built for {library_arch or 'an unknown arch'}): {text} "
+            f"(plan: {plan.describe()}; {limits.describe()})")
 
 
 def pack_to_device(pack: LayerPack, device: torch.device) -> LayerPack:
@@ -53,6 +72,10 @@ class FusedMoe:
         if self.library.kernels == "k3k4" and needed != "k3k4":
             raise CheckFailed(f"kernel library {self.library.path} holds only the K3/K4 kernels; layer "
                               f"{pack.layer} has tiers of K {sorted(set(pack.tier_k))} (build the kernel set 'all')")
+        # The plan is made for this device's own limits (or TRELLIS_PLAN_LIMITS's arch, test-only), with the
+        # registers and static shared memory ptxas recorded for the library's kernels.
+        self.limits = device_limits(self.device.index)
+        self.usage = read_record(record_path(self.library.path))
         self._workspaces: dict[LaunchPlan, dict[str, torch.Tensor]] = {}
         self._tier_maps: dict[int, torch.Tensor] = {}
 
@@ -62,7 +85,9 @@ class FusedMoe:
 
     def plan(self, m: int, top_k: int) -> LaunchPlan:
         return make_plan(m, top_k, self.pack.hidden, self.pack.intermediate, self.pack.num_combined,
-                         wgmma=self.library.wgmma, num_experts=int(self.pack.global_to_combined.shape[0]))
+                         wgmma=self.library.wgmma, num_experts=int(self.pack.global_to_combined.shape[0]),
+                         limits=self.limits, codebook=self.pack.codebook, fast=kernel_set(self.pack) == "k3k4",
+                         usage=self.usage)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                 out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
@@ -99,7 +124,7 @@ class FusedMoe:
         if rc < 0:
             raise CheckFailed(f"fused kernel rejected its arguments: {message}")
         if rc > 0:
-            raise GpuUnavailable(f"fused kernel launch failed: {message}")
+            raise GpuUnavailable(launch_failure(rc, message, self.library.arch, plan, self.limits))
         return out
 
     def _check_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:

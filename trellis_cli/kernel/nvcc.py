@@ -14,7 +14,9 @@ from pathlib import Path
 from trellis_cli.errors import GpuUnavailable
 
 # Flags of every translation unit (build.py adds the arch's code generation and the unit's defines).
-COMPILE_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-lineinfo")
+# --resource-usage: ptxas reports each kernel's registers and static shared memory, which the build records
+# beside the object (kernel/resources.py) and the launch plan is checked with.
+COMPILE_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-lineinfo", "--resource-usage")
 
 
 def find_nvcc() -> str:
@@ -62,11 +64,21 @@ def device_arch() -> str:
     return normalize_arch(f"{major}{minor}")
 
 
+# Test-only: TRELLIS_MMA_SYNC_ONLY=1 builds sm_90 as every other arch, without wgmma (the portable path that
+# sm_80, sm_100 and sm_12x run), so that path can be run and timed on a Hopper GPU (docs/kernel.md).
+MMA_SYNC_ONLY_ENV = "TRELLIS_MMA_SYNC_ONLY"
+
+
+def mma_sync_only() -> bool:
+    return os.environ.get(MMA_SYNC_ONLY_ENV, "").strip() not in ("", "0")
+
+
 def arch_flags(arch: str) -> list[str]:
     """Code generation for `arch`. Hopper builds its arch-specific target (sm_90a), which has wgmma: the
-    large-tile GEMM then runs on it (kernels/expert_wgmma.cuh); every other arch uses mma.sync only."""
+    large-tile GEMM then runs on it (kernels/expert_wgmma.cuh); every other arch uses mma.sync only (and
+    sm_90 too under TRELLIS_MMA_SYNC_ONLY)."""
     number = arch.removeprefix("sm_")
-    if number == "90":
+    if number == "90" and not mma_sync_only():
         return ["-gencode=arch=compute_90a,code=sm_90a", "-DTRELLIS_WGMMA"]
     return [f"-gencode=arch=compute_{number},code=sm_{number}"]
 

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from trellis_cli.codebooks import NAMES as CODEBOOK_NAMES
-from trellis_cli.errors import CheckFailed
+from trellis_cli.errors import CheckFailed, GpuUnavailable
 from trellis_cli.formats.route_pack import MAX_TIER_EXPERTS, LayerPack
+from trellis_cli.kernel.arch_limits import ArchLimits
+from trellis_cli.kernel.resources import KernelShape, Usage, gemm_kernels, misfit, pack_kernel
 
 BLOCK_ROWS = 16  # each expert's slot segment is padded to one MMA m16 block
 SMALL_TILE, MID_TILE, LARGE_TILE = 16, 32, 128
@@ -48,6 +50,13 @@ FC1_TAIL_FROM_CHUNKS = 24
 # kernels (two CTAs per SM) run below 52 (kernels/tile_kernels.cuh kNarrowBelowRoutes), and the tail bought
 # -1.5 % at 16-24 routes (glm52-tp4 M = 512-768), nothing at 32 and cost 1.8 % at 39.
 FC1_TAIL_LARGE_BELOW_ROUTES = 32
+# K3/K4 layers whose experts average fewer routes than this run the narrow wgmma kernels
+# (kernels/tile_kernels.cuh kNarrowBelowRoutes).
+WGMMA_NARROW_BELOW_ROUTES = 52
+
+
+class KernelDoesNotFit(GpuUnavailable):
+    """No plan's kernels fit the arch's limits (exit 4): the message names the arch, the limit and the kernel."""
 
 
 def kernel_set(pack: LayerPack) -> str:
@@ -68,6 +77,12 @@ class LaunchPlan:
     tile_capacity: int
     direct: bool = False
     fc1_tail_split: int = 1  # the partial sums hold k_split * fc1_tail_split planes
+    family: str = ""  # the GEMM kernels' tile family: "mma16", "mma32", "mma128" or "wgmma" (narrow or wide)
+
+    def describe(self) -> str:
+        mode = "direct" if self.direct else "packed"
+        return (f"{mode}, {self.m_tile}-row tiles on {self.family or 'the default kernels'}, k_split {self.k_split}"
+                f"{f' (tail x{self.fc1_tail_split})' if self.fc1_tail_split > 1 else ''}")
 
 
 def slot_capacity(numel: int, num_combined: int) -> int:
@@ -111,24 +126,38 @@ def choose_k_split(m_tile: int, tiles: int, hidden: int, intermediate: int, targ
 
 def make_plan(m: int, top_k: int, hidden: int, intermediate: int, num_combined: int,
               m_tile: int | None = None, k_split: int | None = None, direct: bool | None = None,
-              wgmma: bool = False, num_experts: int | None = None) -> LaunchPlan:
+              wgmma: bool = False, num_experts: int | None = None, *, limits: ArchLimits | None = None,
+              codebook: str = "mcg", fast: bool = True,
+              usage: dict[tuple[str, tuple[int, ...]], Usage] | None = None) -> LaunchPlan:
     """num_combined: the experts this pack serves (E_c, which bounds the workspace); num_experts: the
-    layer's E (len(global_to_combined); E_c when omitted), which sets the expected routes per expert."""
+    layer's E (len(global_to_combined); E_c when omitted), which sets the expected routes per expert.
+
+    With `limits` (kernel/arch_limits.py) every kernel of the plan fits that arch: a tile family whose FC1 or
+    FC2 does not (shared memory, registers from ptxas's `usage` record, threads) gives way to the next smaller
+    tile, and where none fits, or the `m_tile` asked for does not, KernelDoesNotFit names the arch, the limit
+    and the kernel. `codebook` and `fast` (every served tier K3 or K4) name the kernels the call runs."""
     numel = m * top_k
     num_experts = num_experts or num_combined
     chunks = hidden // HADAMARD
+    if limits is not None:
+        wgmma = wgmma and limits.wgmma
+        _check_fits(pack_kernel(numel, num_combined), limits, usage)
     if direct is None:
         direct = numel <= DIRECT_MAX_ROUTES and m_tile in (None, SMALL_TILE)
     if direct:
+        if limits is not None:
+            _check_fits_family(SMALL_TILE, numel, num_experts, False, limits, codebook, fast, usage)
         split = k_split or choose_k_split(SMALL_TILE, numel, hidden, intermediate, DIRECT_FC1_CTAS)
         while not k_split and (chunks // split > DIRECT_MAX_CHUNKS or chunks % split):
             split += 1
         if chunks % split or chunks // split > DIRECT_MAX_CHUNKS:
             raise CheckFailed(f"k_split {split} must divide hidden/128 = {chunks} into ranges of at most "
                               f"{DIRECT_MAX_CHUNKS} chunks (direct mode)")
-        return LaunchPlan(m, top_k, SMALL_TILE, split, numel, numel, direct=True)
+        return LaunchPlan(m, top_k, SMALL_TILE, split, numel, numel, direct=True, family="mma16")
     wgmma = wgmma and hidden % WGMMA_FEATURES == 0 and intermediate % WGMMA_FEATURES == 0
     tile = m_tile or choose_m_tile(numel, num_experts, wgmma)
+    if limits is not None:
+        tile = _fitting_tile(tile, m_tile is not None, numel, num_experts, wgmma, limits, codebook, fast, usage)
     tiles = tile_capacity(numel, tile, num_combined)
     # Expected busy tiles: distinct experts touched, plus one extra tile per m_tile routes (of the routes
     # this pack serves).
@@ -138,7 +167,50 @@ def make_plan(m: int, top_k: int, hidden: int, intermediate: int, num_combined: 
     if chunks % split:
         raise CheckFailed(f"k_split {split} must divide hidden/128 = {chunks}")
     tail = choose_fc1_tail_split(tile, chunks // split, numel, num_experts, wgmma)
-    return LaunchPlan(m, top_k, tile, split, slot_capacity(numel, num_combined), tiles, fc1_tail_split=tail)
+    return LaunchPlan(m, top_k, tile, split, slot_capacity(numel, num_combined), tiles, fc1_tail_split=tail,
+                      family=tile_family(tile, wgmma))
+
+
+def tile_family(m_tile: int, wgmma: bool) -> str:
+    """The GEMM kernels that serve tiles of `m_tile` rows (kernels/trellis_moe.cu tile_family); `wgmma`: the
+    library has them and the layer's H and I suit them."""
+    return "wgmma" if m_tile == LARGE_TILE and wgmma else f"mma{m_tile}"
+
+
+def plan_kernels(m_tile: int, numel: int, num_experts: int, wgmma: bool, codebook: str,
+                 fast: bool) -> tuple[KernelShape, KernelShape]:
+    """FC1 and FC2 as a call with these tiles launches them (the narrow wgmma kernels below
+    WGMMA_NARROW_BELOW_ROUTES routes per expert on K3/K4 layers, kernels/tile_kernels.cuh)."""
+    family = tile_family(m_tile, wgmma)
+    narrow = family == "wgmma" and fast and numel < WGMMA_NARROW_BELOW_ROUTES * max(1, num_experts)
+    return gemm_kernels(codebook, family, fast, narrow)
+
+
+def _check_fits(kernel: KernelShape, limits: ArchLimits,
+                usage: dict[tuple[str, tuple[int, ...]], Usage] | None) -> None:
+    found = misfit(kernel, limits, (usage or {}).get(kernel.symbol))
+    if found:
+        raise KernelDoesNotFit(found.message(limits))
+
+
+def _check_fits_family(m_tile: int, numel: int, num_experts: int, wgmma: bool, limits: ArchLimits, codebook: str,
+                       fast: bool, usage: dict[tuple[str, tuple[int, ...]], Usage] | None) -> None:
+    for kernel in plan_kernels(m_tile, numel, num_experts, wgmma, codebook, fast):
+        _check_fits(kernel, limits, usage)
+
+
+def _fitting_tile(tile: int, forced: bool, numel: int, num_experts: int, wgmma: bool, limits: ArchLimits,
+                  codebook: str, fast: bool, usage: dict[tuple[str, tuple[int, ...]], Usage] | None) -> int:
+    """`tile`, or the largest smaller tile whose kernels fit `limits` (a forced tile must fit as it is)."""
+    candidates = [tile] if forced else [t for t in (LARGE_TILE, MID_TILE, SMALL_TILE) if t <= tile]
+    refusal = ""
+    for candidate in candidates:
+        try:
+            _check_fits_family(candidate, numel, num_experts, wgmma, limits, codebook, fast, usage)
+            return candidate
+        except KernelDoesNotFit as err:
+            refusal = str(err)
+    raise KernelDoesNotFit(f"no launch plan fits {limits.arch}: {refusal}")
 
 
 def choose_fc1_tail_split(m_tile: int, range_chunks: int, numel: int, num_experts: int, wgmma: bool) -> int:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 from pathlib import Path
 
 from trellis_cli.errors import UsageError
+from trellis_cli.header import file_kind
 
 LOCK_SUFFIX = ".lock"
 
@@ -46,12 +48,19 @@ class StageLock:
 
     def _open(self) -> int:
         try:
-            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            # O_NONBLOCK: a FIFO planted under the lock's name must not block the open.
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
         except OSError as e:
             if e.errno != errno.ELOOP:  # an I/O error (no such folder, permission, full disk): exit 1, named
                 e.filename = str(self.path)
                 raise
             raise UsageError(f"{self.path}: the lock file of {self.out} is a symbolic link; refusing it") from e
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):  # a FIFO, socket or device: flock fails on some with a bare EINVAL
+            os.close(fd)
+            raise UsageError(f"{self.path}: the lock file of {self.out} is {file_kind(mode)}, not a regular file; "
+                             f"remove it and rerun")
+        return fd
 
     def __exit__(self, *exc) -> None:
         if self.fd >= 0:

@@ -6,7 +6,7 @@ Used as the default source when a command is given none, so the tool works with 
   partitions (layer 3: 6/2, layer 4: 4/4, interleaved global ids).
 - "tr3-shared-h": the same geometry and partitions in the shared_h_v1 layout. Synthetic (seeded random
   codes): real per-expert quantization gives per-expert hidden-side vectors, so shared-H cannot be real here.
-Rebuild with `python -m trellis_cli.sample_build`. Importing this module does not import torch.
+Rebuild with `python tools/sample_build.py` (a source checkout's builder, not in the package). Importing this module does not import torch.
 """
 
 from __future__ import annotations

@@ -60,8 +60,12 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
     enforced = engines.enforced_name(engine, checkpoint.dialect)
     selected = _selected_layers(checkpoint, dialect, layers)  # a usage error before any rule runs
     report = Report(subject=_subject(checkpoint), context=_context(checkpoint))
+    # A dialect whose own hash check can reuse the publisher's digests (the Hub's LFS sha256, a MANIFEST.sha256)
+    # gets them first, so no file is read twice.
+    digests = (_run_checksums(checkpoint, report, checksum_progress) if checksums and dialect.publisher_digests
+               and _has_publisher_hashes(checkpoint.source) else {})
     request = CheckRequest(selected, deep, checksums, narrowed=layers is not None, progress=progress,
-                           checksum_progress=checksum_progress)
+                           checksum_progress=checksum_progress, known_digests=digests)
     if dialect.shard_rules:
         with paused_gc():
             _run_header_rules(checkpoint, selected, report, progress)
@@ -146,17 +150,29 @@ def _run_deep(ckpt: Checkpoint, dialect: Dialect, selected: list[int], report: R
     report.context["deep_layers"] = compact_ranges(selected)
 
 
-def _run_checksums(ckpt: Checkpoint, report: Report, progress) -> None:
+def _has_publisher_hashes(source) -> bool:
+    """A Hub repo (LFS sha256 per file), or a local directory that carries a MANIFEST.sha256. An exl3-v1
+    directory without one still has its manifest's per-layer digests, so it is not an error there."""
+    from trellis_cli.integrity import CHECKSUM_MANIFEST
+    from trellis_cli.sources import LocalSource
+
+    return not isinstance(source, LocalSource) or CHECKSUM_MANIFEST in source.list_files()
+
+
+def _run_checksums(ckpt: Checkpoint, report: Report, progress) -> dict[str, str]:
+    """Checksum findings into `report`; returns the sha256 found for each file that was hashed with it."""
     from trellis_cli.integrity import verify_checksums
 
     results = verify_checksums(ckpt.source, progress=progress, strict_manifest=False)
     report.count("checksums", sum(r.ok for r in results))
+    found = {r.file: r.found for r in results if r.found is not None and len(r.found) == 64}
     for r in results:
         if r.ok:
             continue
         code, severity, message = CHECKSUM_CODES.get(r.status, ("checksum.mismatch", Severity.ERROR, r.status))
         report.findings.append(Finding(code, severity, Location(file=r.file), r.detail or message,
                                        expected=r.expected, found=r.found))
+    return found
 
 
 def cap_findings(report: Report, limit: int = MAX_FINDINGS_PER_CODE) -> None:

@@ -26,6 +26,7 @@ class Exl3v1Dialect(Dialect):
     default_engine = "b12x-exl3-v1"
     inspect_view = "slot-rows"
     records_hashes = True  # the manifest's sha256 per layer file
+    publisher_digests = True  # a Hub file's LFS sha256 is the layer file's digest too
     read_by = frozenset({B12X})
     container_notes = {VLLM: "exl3-v1 is b12x's container"}
     converts_from = {DIALECT_TR3_PER_EXPERT: "tr3-to-exl3-v1", DIALECT_TR3_SHARED_H: "tr3-to-exl3-v1"}
@@ -37,7 +38,8 @@ class Exl3v1Dialect(Dialect):
         from trellis_cli.dialects.exl3v1.container import fill_checkpoint
 
         manifest = info.declared.pop("exl3v1_manifest")
-        fill_checkpoint(ckpt, ckpt.source, probe.files, info.declared["exl3v1_manifest_file"], manifest)
+        fill_checkpoint(ckpt, ckpt.source, probe.files, info.declared["exl3v1_manifest_file"], manifest,
+                        config_manifest=info.declared.get("exl3v1_config_manifest"))
         return True
 
     def check(self, ckpt, request: CheckRequest, report) -> None:
@@ -47,7 +49,8 @@ class Exl3v1Dialect(Dialect):
         # by default a digest of all zeros (recorded for no data, as a sparse synth writes) is not hashed.
         check_exl3v1(ckpt, report, request.layers, deep=request.deep,
                      checksums=request.checksums or self.hashes_by_default(ckpt), every_digest=request.checksums,
-                     progress=request.progress, checksum_progress=request.checksum_progress)
+                     progress=request.progress, checksum_progress=request.checksum_progress,
+                     known_digests=request.known_digests)
 
     def vectors(self, ckpt, layer: int) -> Iterator[VectorRef]:
         """The hidden-side tables: one row per expert ([E, hidden]), or one vector for all of them ([hidden])."""

@@ -16,7 +16,7 @@ from trellis_cli.checkpoint.model import Checkpoint, MoeLayer, TensorRef
 from trellis_cli.errors import CheckFailed
 from trellis_cli.formats.exl3v1_layout import LayerRates, uniform_rates
 from trellis_cli.formats.exl3v1_schema import SLOTS_PER_PAIR, Manifest, parse_manifest
-from trellis_cli.findings import Location, error
+from trellis_cli.findings import Location, error, warning
 
 CODES, ROTATIONS, RATES_FC1, RATES_FC2, SIGN_PATTERN = "codes", "rotations", "rates_fc1", "rates_fc2", "sign_pattern"
 HIDDEN_TABLES = ("gate_suh", "up_suh", "down_svh")  # matrix order: gate, up, down
@@ -54,8 +54,11 @@ def expected_metadata(m: Manifest, layer: int) -> dict[str, str]:
             "hidden_size": str(m.hidden), "intermediate_size": str(m.intermediate), "slot_channels": "32"}
 
 
-def fill_checkpoint(ckpt: Checkpoint, source: Any, files: dict[str, int], manifest_file: str, doc: Any) -> None:
-    manifest, findings = parse_manifest(doc, manifest_file)
+def fill_checkpoint(ckpt: Checkpoint, source: Any, files: dict[str, int], manifest_file: str, doc: Any, *,
+                    config_manifest: str | None = None) -> None:
+    """`doc` None: the directory has no `manifest_file`, only the other manifest config.json names."""
+    ckpt.parse_findings.extend(_config_manifest_findings(manifest_file, config_manifest, doc is None))
+    manifest, findings = parse_manifest(doc, manifest_file) if doc is not None else (None, [])
     ckpt.parse_findings.extend(findings)
     box = Exl3Container(manifest_file, manifest)
     ckpt.declared["exl3v1"] = box
@@ -69,6 +72,21 @@ def fill_checkpoint(ckpt: Checkpoint, source: Any, files: dict[str, int], manife
         ckpt.layers[index] = MoeLayer(index, files={entry.file})
         _read_layer_header(ckpt, source, files, layer)
     ckpt.layers = dict(sorted(ckpt.layers.items()))
+
+
+def _config_manifest_findings(manifest_file: str, named: str | None, missing: bool) -> list:
+    """b12x's reader opens `manifest_file` only: a manifest config.json names under another name is never read
+    (an error when it is the only one, a warning beside the real one, which is what gets validated)."""
+    if named is None:
+        return []
+    where = Location(file="config.json", tensor="quantization_config.exl3.manifest")
+    if missing:
+        return [error("exl3v1.manifest-name", where, f"the exl3-v1 manifest is only under the name config.json "
+                      f"gives; b12x's reader opens {manifest_file} and nothing else, so it finds no manifest",
+                      manifest_file, named)]
+    return [warning("exl3v1.manifest-name", where, f"config.json names another manifest than the one b12x's reader "
+                    f"opens: {manifest_file} is what loads and what is validated here; {named} is never read",
+                    manifest_file, named)]
 
 
 def _read_layer_header(ckpt: Checkpoint, source: Any, files: dict[str, int], layer: Exl3Layer) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.exl3v1.container import CODES, container, layer_rates
-from trellis_cli.formats.exl3v1_layout import hidden_table_bytes, rank_bytes, row_payload, tp_degrees
+from trellis_cli.formats.exl3v1_layout import hidden_table_bytes, rank_bytes, row_payloads, tp_degrees
 from trellis_cli.formats.exl3v1_schema import SLOT_CHANNELS
 from trellis_cli.id_ranges import compact_ranges
 
@@ -51,7 +51,7 @@ def exl3v1_rows(ckpt: Checkpoint, chosen: list[int]) -> list[dict[str, Any]]:
                 tiers.setdefault(k if k is not None else MIXED, []).append(e)
             bpw = round(sum(rates.expert_bpw(e, m.num_slots) for e in range(m.num_experts)) / m.num_experts, 3)
         ordered = sorted(tiers.items(), key=lambda kv: (isinstance(kv[0], str), kv[0]))
-        payload = max((row_payload(m, rates, s) for s in range(m.num_slots)), default=0) if rates else None
+        payload = max(row_payloads(m, rates), default=0) if rates else None
         rows.append({
             "layer": index,
             "partition": "/".join(str(len(ids)) for _, ids in ordered) if ordered else "-",

@@ -19,15 +19,17 @@ from trellis_cli.errors import CheckFailed
 from trellis_cli.dialects.exl3v1.container import (CODES, HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS, SIGN_PATTERN,
                                           Exl3Layer, container, expected_metadata, finding_where, layer_rates,
                                           local_file, rate_table_shape)
-from trellis_cli.formats.exl3v1_layout import LayerRates, row_payload
+from trellis_cli.formats.exl3v1_layout import LayerRates, row_payloads
 from trellis_cli.formats.exl3v1_schema import KIND_OF_CODE, SLOT_CHANNELS, Manifest
-from trellis_cli.findings import Finding, Report, error, error_summary, warning
+from trellis_cli.findings import Finding, Location, Report, error, error_summary, warning
 from trellis_cli.header import DTYPE_BYTES
 from trellis_cli.formats.safetensors_layout import check_shard
 
 # A digest of all zeros records no hash (a sparse synth has no data to hash): compared only with --checksums.
 UNRECORDED_DIGEST = "0" * 64
 MAX_ROWS_SHOWN = 5  # row findings per layer and code, then one summary line
+TAIL_CHUNK_BYTES = 16 << 20  # padding tails are read at most this much at a time
+MCG_MIN_BITS = 3  # b12x's trellis adapter (fused_moe/source.py TrellisSource) refuses mcg below K3
 
 
 def required_tensors(m: Manifest) -> dict[str, str]:
@@ -48,12 +50,17 @@ def expected_shapes(m: Manifest) -> dict[str, tuple[int, ...]]:
 
 def check_exl3v1(ckpt: Checkpoint, report: Report, layers: list[int], *, deep: bool, checksums: bool,
                  every_digest: bool = True, progress: Callable[[str, int, int], None] | None = None,
-                 checksum_progress: Callable[[int], None] | None = None) -> None:
+                 checksum_progress: Callable[[int], None] | None = None,
+                 known_digests: dict[str, str] | None = None) -> None:
+    """`known_digests`: sha256 of files already hashed in this run (file -> hex), not read again.
+    `every_digest` False leaves out a manifest digest of all zeros (none recorded), saying so in the notes."""
     box = container(ckpt)
     report.extend(ckpt.parse_findings)
+    report.extend(check_paths(ckpt))
     report.count("manifest", 1)
     if box.manifest is None:
         return
+    report.extend(check_mcg_bits(box.manifest, box.manifest_file))
     for done, index in enumerate(layers, 1):
         layer = box.layers[index]
         if layer.readable:
@@ -68,11 +75,35 @@ def check_exl3v1(ckpt: Checkpoint, report: Report, layers: list[int], *, deep: b
     if checksums:
         hashed = [i for i in layers if every_digest or box.layers[i].sha256 != UNRECORDED_DIGEST]
         for index in hashed:
-            report.extend(check_sha256(ckpt, box.layers[index], checksum_progress))
+            report.extend(check_sha256(ckpt, box.layers[index], checksum_progress, known_digests or {}))
         report.count("checksums", len(hashed))
         if len(hashed) < len(layers):
             report.notes.append(f"sha256 not compared for {len(layers) - len(hashed)} layer file(s) whose manifest "
                                 "digest is all zeros (none recorded; --checksums hashes them)")
+
+
+def check_paths(ckpt: Checkpoint) -> Iterator[Finding]:
+    """Every listed file, not only those the manifest names: a link leaving the directory is refused (repack
+    refuses to copy it), a dangling one reported. Layer files were reported while opening."""
+    escapes = getattr(ckpt.source, "escapes", None)
+    layer_files = {layer.file for layer in container(ckpt).layers.values()}
+    for name, size in ckpt.files.items():
+        if name in layer_files:
+            continue
+        if escapes is not None and escapes(name):
+            yield error("path.escape", Location(file=name), "file resolves outside the checkpoint directory "
+                        "(symlink)")
+        elif size < 0:
+            yield error("path.dangling", Location(file=name), "file is a dangling link (or a symlink loop)")
+
+
+def check_mcg_bits(m: Manifest, manifest_file: str) -> Iterator[Finding]:
+    """Uniform mcg below K3: b12x's trellis adapter (the path that runs uniform exl3-v1) refuses it
+    (TrellisSource: "MCG trellis execution requires at least K3"), though its reader and parser accept K2.
+    Pair structures do not reach that adapter, so their 2-bit records are left to the reader's rules."""
+    if m.codebook == "mcg" and m.bits is not None and m.bits < MCG_MIN_BITS:
+        yield error("exl3v1.mcg-k2", Location(file=manifest_file, tensor="rates.bits"), "mcg at K2: b12x's trellis "
+                    "adapter runs mcg at K3 and above only", f">= {MCG_MIN_BITS}", m.bits)
 
 
 def check_layer(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer) -> Iterator[Finding]:
@@ -162,24 +193,21 @@ def _rate_codes(m: Manifest, layer: Exl3Layer, rates: LayerRates | None) -> Iter
 
 def _rows(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer, rates: LayerRates, stride: int) -> Iterator[Finding]:
     """Each row's bundles fit the stride and the bytes after them are zero (read: the padding tails only)."""
-    from trellis_cli.checkpoint.tensors import read_bytes
-
     ref = layer.ref(CODES)
     short, dirty = [], []
-    for slot in range(m.num_slots):
-        payload = row_payload(m, rates, slot)
+    for slot, payload in enumerate(row_payloads(m, rates)):
         if payload > stride:
             short.append((slot, payload))
             continue
         if payload == stride:
             continue
         try:
-            tail = read_bytes(ckpt, ref, slot * stride + payload, stride - payload)
+            first = _first_nonzero(ckpt, ref, slot * stride + payload, stride - payload)
         except CheckFailed as e:
             yield error("file.unreadable", finding_where(layer, CODES), str(e))
             return
-        if tail.count(0) != len(tail):
-            dirty.append((slot, payload + next(i for i, b in enumerate(tail) if b)))
+        if first is not None:
+            dirty.append((slot, payload + first))
     for slot, payload in short[:MAX_ROWS_SHOWN]:
         yield error("exl3v1.row-short", finding_where(layer, f"{CODES}[{slot}]"), "the row is shorter than its "
                     "experts' bundles", f">= {payload} bytes", f"{stride} bytes")
@@ -190,6 +218,18 @@ def _rows(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer, rates: LayerRates, st
         if len(rows) > MAX_ROWS_SHOWN:
             yield error_summary(code, finding_where(layer, CODES), len(rows) - MAX_ROWS_SHOWN,
                                 f"row(s) of layer {layer.index}")
+
+
+def _first_nonzero(ckpt: Checkpoint, ref, offset: int, length: int) -> int | None:
+    """Index of the first non-zero byte in [offset, offset+length) of the tensor's data, read in bounded
+    chunks (a stride far above its bundles must not become one allocation)."""
+    from trellis_cli.checkpoint.tensors import read_bytes
+
+    for start in range(0, length, TAIL_CHUNK_BYTES):
+        tail = read_bytes(ckpt, ref, offset + start, min(TAIL_CHUNK_BYTES, length - start))
+        if tail.count(0) != len(tail):
+            return start + next(i for i, b in enumerate(tail) if b)
+    return None
 
 
 def _sign_pattern(ckpt: Checkpoint, layer: Exl3Layer) -> Iterator[Finding]:
@@ -228,16 +268,21 @@ def check_finite(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer) -> Iterator[Fi
                 break
 
 
-def check_sha256(ckpt: Checkpoint, layer: Exl3Layer, progress: Callable[[int], None] | None) -> Iterator[Finding]:
+def check_sha256(ckpt: Checkpoint, layer: Exl3Layer, progress: Callable[[int], None] | None,
+                 known: dict[str, str] | None = None) -> Iterator[Finding]:
     """--checksums: the whole layer file, streamed through sha256, against the manifest's digest."""
     from trellis_cli.integrity import sha256_file
 
     if not layer.readable:
         return
+    digest = (known or {}).get(layer.file)
     try:
-        digest = sha256_file(ckpt.source.local_path(layer.file), progress)
+        digest = digest or sha256_file(ckpt.source.local_path(layer.file), progress)
     except OSError as e:
         yield error("file.unreadable", finding_where(layer), f"cannot hash the file ({e.strerror or e})")
+        return
+    except CheckFailed as e:
+        yield error(e.code or "file.unreadable", finding_where(layer), str(e))
         return
     if digest != layer.sha256:
         yield error("exl3v1.sha256-mismatch", finding_where(layer), "the layer file's sha256 differs from the "

@@ -18,8 +18,9 @@ import torch
 from trellis_cli.errors import UsageError
 from trellis_cli.dialects.exl3v1.container import HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS
 from trellis_cli.formats.exl3v1_layout import LayerRates, row_payload
-from trellis_cli.formats.exl3v1_schema import (HADAMARD_BLOCK_SLOTS, MANIFEST_FILE, PER_EXPERT_PAIR, SLOT_CHANNELS,
-                                       SLOTS_PER_PAIR, UNIFORM, LayerEntry, Manifest)
+from trellis_cli.formats.exl3v1_schema import (HADAMARD_BLOCK_SLOTS, MANIFEST_FILE, MAX_EXPERTS, MAX_HIDDEN,
+                                               MAX_SLOT_EXPERTS, MAX_SLOTS, PER_EXPERT_PAIR, SLOT_CHANNELS,
+                                               SLOTS_PER_PAIR, UNIFORM, LayerEntry, Manifest)
 from trellis_cli.dialects.exl3v1.write import layer_file_name, layer_plan, row_stride, write_layer, write_manifest
 from trellis_cli.integrity import sha256_file
 from trellis_cli.synth import SynthSpec, _generator, random_suh, random_svh, staged_output
@@ -36,6 +37,12 @@ def manifest_for(spec: SynthSpec) -> Manifest:
     if spec.intermediate % SLOT_CHANNELS:
         raise UsageError(f"synth --format exl3-v1: intermediate {spec.intermediate} is not a multiple of 32")
     slots = spec.intermediate // SLOT_CHANNELS
+    for what, value, limit in (("slots (--intermediate / 32)", slots, MAX_SLOTS),
+                               ("experts", spec.experts, MAX_EXPERTS),
+                               ("hidden size", spec.hidden, MAX_HIDDEN),
+                               ("slots x experts", slots * spec.experts, MAX_SLOT_EXPERTS)):
+        if value > limit:  # what validate refuses as exl3v1.too-large: never written
+            raise UsageError(f"synth --format exl3-v1: {value} {what} is above the limit of {limit}")
     mixed = len(ks) > 1
     align = SLOTS_PER_PAIR if mixed else HADAMARD_BLOCK_SLOTS
     if slots % align:
@@ -104,7 +111,8 @@ def write_exl3v1_checkpoint(out_dir: str | Path, spec: SynthSpec, progress: Call
                 progress(layer)
         write_manifest(stage, m, MANIFEST_FILE)
 
-    return staged_output(out_dir, overwrite, write)
+    # Sparse: only the rate tables hold data ([num_slots/8, E] bytes each, within the headroom).
+    return staged_output(out_dir, overwrite, write, needed=0 if spec.sparse else checkpoint_bytes(spec))
 
 
 def checkpoint_bytes(spec: SynthSpec) -> int:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 
 from trellis_cli.dialects.exl3v1.container import CODES, HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS, SIGN_PATTERN
 from trellis_cli.dialects.exl3v1.container import expected_metadata, rate_table_shape
-from trellis_cli.formats.exl3v1_layout import LayerRates, row_payload
+from trellis_cli.formats.exl3v1_layout import LayerRates, row_payloads
 from trellis_cli.formats.exl3v1_schema import KIND, MCG_SEED, SCHEMA, SLOT_CHANNELS, Manifest
 from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter
 
@@ -25,7 +25,7 @@ def layer_file_name(layer: int) -> str:
 
 
 def row_stride(m: Manifest, rates: LayerRates) -> int:
-    longest = max(row_payload(m, rates, slot) for slot in range(m.num_slots))
+    longest = max(row_payloads(m, rates))
     return -(-longest // m.row_alignment) * m.row_alignment
 
 
