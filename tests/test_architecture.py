@@ -23,16 +23,15 @@ ROOT = "trellis_cli"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("errors", "findings", "codebooks", "id_ranges", "header", "stwriter", "disk_space", "formats")),
     ("sources", ("sources", "hub_client", "integrity", "selection", "sample")),
-    ("model", ("checkpoint", "routepack", "codec", "encoder", "reference", "synth", "exl3v1")),
-    ("work", ("validate", "repack", "bench", "kernel", "inspect_report", "inspect_exl3v1", "inspect_tensors", "diff",
-              "fit")),
+    ("model", ("checkpoint", "routepack", "codec", "encoder", "reference", "synth")),
+    ("dialects", ("dialects",)),
+    ("work", ("validate", "repack", "bench", "kernel", "inspect_report", "inspect_tensors", "diff", "fit")),
     ("entry", ("workflows",)),
     ("top", ("cli", "__main__", "")),
 ]
 # The work packages are siblings: one never imports another, except along these edges.
 SIBLINGS = {"validate": "validate", "repack": "repack", "bench": "bench", "kernel": "kernel",
-            "inspect_report": "inspect", "inspect_exl3v1": "inspect", "inspect_tensors": "inspect", "diff": "diff",
-            "fit": "fit"}
+            "inspect_report": "inspect", "inspect_tensors": "inspect", "diff": "diff", "fit": "fit"}
 ALLOWED_SIBLING_EDGES = {
     ("bench", "kernel"),  # bench runs the fused kernel
     ("fit", "kernel"),  # fit reads the fused kernel's workspace from its launch plan

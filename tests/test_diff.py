@@ -17,7 +17,7 @@ from safetensors import safe_open
 from helpers import restamp_exl3v1_hashes, run_cli, tiny_checkpoint
 from hub_server import HubServer
 from trellis_cli import RepackOptions, run_repack
-from trellis_cli.checkpoint import open_checkpoint
+from trellis_cli.dialects import open_checkpoint
 from trellis_cli.diff.hashing import Hasher
 from trellis_cli.diff.units import Span
 from trellis_cli.synth import SynthSpec, write_checkpoint

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import exl3v1_specs, run_cli_merged
-from trellis_cli.exl3v1.synth import write_exl3v1_checkpoint
+from trellis_cli.dialects.exl3v1.synth import write_exl3v1_checkpoint
 
 LAYER = "exl3-layer-00003.safetensors"
 

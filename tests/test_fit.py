@@ -19,9 +19,9 @@ from safetensors.torch import save_file
 
 from helpers import run_cli, to_plain_exl3, to_r7
 from hub_server import HubServer
-from trellis_cli.checkpoint.open import open_checkpoint
+from trellis_cli.dialects import open_checkpoint
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.exl3v1.synth import write_exl3v1_checkpoint
+from trellis_cli.dialects.exl3v1.synth import write_exl3v1_checkpoint
 from trellis_cli.fit.arch import read_arch
 from trellis_cli.fit.gpus import GIB, PRESETS, Gpu, parse_size
 from trellis_cli.fit.kv import BLOCK_TOKENS, indexer_bytes, kv_per_token, latent_bytes

@@ -87,7 +87,7 @@ def edit_geometry(root: Path, **geometry) -> None:
 def consistent_sparse_layer(root: Path, slots: int) -> Path:
     """A whole exl3-v1 checkpoint of one uniform K3 expert and `slots` slots, every header consistent, its data
     holes (hundreds of GB apparent, nothing on disk)."""
-    from trellis_cli.exl3v1.write import layer_file_name, row_stride, write_layer, write_manifest
+    from trellis_cli.dialects.exl3v1.write import layer_file_name, row_stride, write_layer, write_manifest
     from trellis_cli.formats.exl3v1_layout import uniform_rates
 
     root.mkdir()
@@ -143,7 +143,7 @@ def test_the_largest_geometry_within_the_limits_validates_in_bounded_time(tmp_pa
 
 @pytest.mark.parametrize("fmt", ["tr3", "exl3-v1"])
 def test_synth_refuses_by_name_when_the_filesystem_cannot_hold_it(tmp_path, fmt):
-    from trellis_cli.exl3v1.synth import checkpoint_bytes as exl3v1_bytes
+    from trellis_cli.dialects.exl3v1.synth import checkpoint_bytes as exl3v1_bytes
 
     free = shutil.disk_usage(tmp_path).free
     geometry = {"hidden": 128, "intermediate": 4096, "experts": 8}

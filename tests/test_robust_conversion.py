@@ -183,7 +183,7 @@ K2_SPECS = {
 def test_mcg_k2_to_tr3_is_refused_before_writing(capsys, tmp_path, spec):
     from trellis_cli import RepackOptions, run_repack
     from trellis_cli.errors import UsageError
-    from trellis_cli.exl3v1.synth import write_exl3v1_checkpoint
+    from trellis_cli.dialects.exl3v1.synth import write_exl3v1_checkpoint
     from trellis_cli.synth import SynthSpec
 
     source = write_exl3v1_checkpoint(tmp_path / "exl3", SynthSpec(**K2_SPECS[spec]))

@@ -5,7 +5,8 @@ The library API (docs/architecture.md, "Library API"); every name is imported on
 
     source = open_source("org/name@rev")           # or a local path; None is the bundled sample
     checkpoint = open_checkpoint(source)             # the normalized, torch-free model of the checkpoint
-    report = run_validation(checkpoint, deep=True)   # Report of Findings; report.ok
+    report = run_validation(checkpoint, deep=True)   # Report of Findings; report.ok (the dialect's default engine)
+    report = validate_source(source, ValidateRequest(deep=True))   # the same, opening included: `trellis validate`
     result = run_repack(checkpoint, "OUT", RepackOptions(tp=4))
     moe = FusedMoe(read_layer_pack("OUT", layer=3, rank=0))   # needs a CUDA GPU
     y = moe.forward(x, topk_ids, topk_weights)
@@ -24,10 +25,12 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "open_source": "trellis_cli.sources",
     "Source": "trellis_cli.sources",
-    "open_checkpoint": "trellis_cli.checkpoint.open",
+    "open_checkpoint": "trellis_cli.dialects.open",
     "read_tensor": "trellis_cli.checkpoint.tensors",
     "Checkpoint": "trellis_cli.checkpoint.model",
     "run_validation": "trellis_cli.validate",
+    "validate_source": "trellis_cli.validate.request",
+    "ValidateRequest": "trellis_cli.validate.request",
     "Report": "trellis_cli.findings",
     "Finding": "trellis_cli.findings",
     "Severity": "trellis_cli.findings",
@@ -46,7 +49,7 @@ __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on demand
     from trellis_cli.checkpoint.model import Checkpoint
-    from trellis_cli.checkpoint.open import open_checkpoint
+    from trellis_cli.dialects.open import open_checkpoint
     from trellis_cli.checkpoint.tensors import read_tensor
     from trellis_cli.diff.result import DiffResult
     from trellis_cli.diff.run import run_diff
@@ -59,6 +62,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from trellis_cli.repack.run import RepackOptions
     from trellis_cli.sources import Source, open_source
     from trellis_cli.validate import run_validation
+    from trellis_cli.validate.request import ValidateRequest, validate_source
     from trellis_cli.workflows import run_repack
 
 

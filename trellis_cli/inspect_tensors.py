@@ -13,7 +13,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, Checkpoint
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects.registry import ROUTE_PACK, SLOT_ROWS, storage_of
 from trellis_cli.errors import CheckFailed
 
 _LAYER_IN_NAME = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.")
@@ -61,14 +62,14 @@ def _layer_of(name: str) -> int | None:
 
 def _file_layers(ckpt: Checkpoint) -> dict[str, int]:
     """Files that hold one MoE layer under names without a layer (route-pack and exl3-v1 layer files)."""
-    if ckpt.dialect == DIALECT_REPACKED:
+    if storage_of(ckpt) == ROUTE_PACK:
         out = {}
         for name in ckpt.files:
             m = _ROUTE_PACK_FILE.fullmatch(name)
             if m:
                 out[name] = int(m.group(1))
         return out
-    if ckpt.dialect == DIALECT_EXL3V1:
+    if storage_of(ckpt) == SLOT_ROWS:
         box = ckpt.declared.get("exl3v1")
         return {layer.file: index for index, layer in box.layers.items()} if box is not None else {}
     return {}
@@ -76,7 +77,7 @@ def _file_layers(ckpt: Checkpoint) -> dict[str, int]:
 
 def _exl3v1_layer_weights(ckpt: Checkpoint) -> dict[str, int]:
     """exl3-v1 layer file -> the routed weights its codes encode (E * 3 * H * I)."""
-    if ckpt.dialect != DIALECT_EXL3V1:
+    if storage_of(ckpt) != SLOT_ROWS:
         return {}
     box = ckpt.declared.get("exl3v1")
     m = box.manifest if box is not None else None

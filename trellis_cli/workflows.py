@@ -1,6 +1,7 @@
 """Entry points that join two work packages, so that neither imports the other.
 
-`run_repack` is repack.run.run_repack handed validate.run_validation as its validator: the source is
+`run_repack` is repack.run.run_repack handed validate.run_validation as its validator, with the format rules
+alone deciding (no engine profile enforced: a repack changes the layout a loader sees): the source is
 validated before anything is written (unless `options.validate` is off) and a staged exl3-v1 output must
 validate before it is moved into place. The CLI (`trellis repack`) and the library API call this one.
 """
@@ -18,10 +19,12 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
                on_bytes: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
                log: Callable[[str], None] | None = None) -> RepackResult:
     """Repack `source` (a Source, a path, or an opened Checkpoint) into `out`, validated (repack/run.py)."""
+    from functools import partial
+
     from trellis_cli.repack.run import run_repack as repack
     from trellis_cli.validate import run_validation
 
-    return repack(source, out, options, validator=run_validation, on_bytes=on_bytes, on_total=on_total, log=log)
+    return repack(source, out, options, validator=partial(run_validation, engine=None), on_bytes=on_bytes, on_total=on_total, log=log)
 
 
 __all__ = ["run_repack"]

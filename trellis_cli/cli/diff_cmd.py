@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Emit one JSON document with every difference.")] = False,
         markdown: Annotated[bool, typer.Option("--markdown", help="Emit Markdown tables.")] = False,
     ) -> None:
-        from trellis_cli.checkpoint.open import open_checkpoint
+        from trellis_cli.dialects import open_checkpoint
         from trellis_cli.diff import run_diff
         from trellis_cli.selection import parse_layer_ranges
 

@@ -82,7 +82,7 @@ def register(app: typer.Typer) -> None:
         cache_dir: CacheDirOpt = None,
         as_json: Annotated[bool, typer.Option("--json", help="Emit one JSON document with every term.")] = False,
     ) -> None:
-        from trellis_cli.checkpoint.open import open_checkpoint
+        from trellis_cli.dialects import open_checkpoint
         from trellis_cli.errors import UsageError
         from trellis_cli.fit.gpus import choose_gpu
         from trellis_cli.fit.run import FitRequest, check_request, fit

@@ -8,7 +8,7 @@ import typer
 
 from trellis_cli.cli import output
 from trellis_cli.cli.options import (CacheDirOpt, EndpointOpt, OfflineOpt, RevisionOpt, SourceArg, TokenOpt,
-                                     open_cli_source)
+                                     open_cli_source, parse_layers)
 from trellis_cli.errors import CheckFailed, UsageError
 
 HELP = (
@@ -43,14 +43,13 @@ def register(app: typer.Typer) -> None:
                                                                "bytes; K and bpw of EXL3 codes), with per-layer and "
                                                                "whole totals; --markdown: one table per layer.")] = False,
     ) -> None:
-        from trellis_cli.checkpoint.open import open_checkpoint
+        from trellis_cli.dialects import open_checkpoint
         from trellis_cli.inspect_report import build_inspect, render_markdown, render_text
-        from trellis_cli.selection import parse_layer_ranges
 
         if as_json and markdown:
             raise UsageError("--json and --markdown are exclusive: choose one output format")
         fit_request = _fit_request(tp, gpu, gpu_mem, ctx)
-        chosen = parse_layer_ranges(layers) if layers is not None else None
+        chosen = parse_layers(layers)
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         output.log(f"reading headers of {opened.description} ...")
         # A production checkpoint has ~80 shards and 930k tensors: a spinner with the elapsed time on a terminal.

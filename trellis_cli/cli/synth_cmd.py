@@ -48,11 +48,11 @@ def parse_layers(text: str) -> tuple[int, ...]:
 
 
 def parse_partition(text: str) -> tuple[int, int]:
-    """"192/64" -> (192, 64): experts at the lower and the higher K."""
-    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
-    if not match:
-        raise UsageError(f"--partition: cannot read {text!r} (expected LOW/HIGH counts, e.g. 192/64)")
-    return int(match[1]), int(match[2])
+    """"192/64" -> (192, 64): experts at the lower and the higher K (selection.parse_partition)."""
+    from trellis_cli.selection import parse_partition as parse
+
+    low, high = parse(text, 2)
+    return low, high
 
 
 def parse_k_values(text: str) -> tuple[int, int]:
@@ -179,7 +179,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _write_exl3v1(out: Path, spec, overwrite: bool, as_json: bool) -> None:
-    from trellis_cli.exl3v1 import synth as synth_exl3v1
+    from trellis_cli.dialects.exl3v1 import synth as synth_exl3v1
 
     size = synth_exl3v1.checkpoint_bytes(spec)
     output.log(f"writing {out}: exl3-v1, {len(spec.layers)} layer files, {size / 1e9:.2f} GB of tensor data"

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
-from trellis_cli.checkpoint.model import DIALECT_EXL3V1, Checkpoint
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects.registry import SLOT_ROWS, storage_of
 from trellis_cli.diff.hashing import HEADER, SHA256, Hasher, storage_identity
 from trellis_cli.diff.result import (BYTES, DTYPE, ONLY_A, ONLY_B, SHAPE, DiffResult, LayerDiff, TensorDifference,
                                      TierChange)
@@ -44,7 +45,7 @@ def run_diff(a: Checkpoint, b: Checkpoint, *, layers: list[int] | None = None, p
                         structure=structure_changes(a, b), layers_only_a=sorted(layers_a - layers_b),
                         layers_only_b=sorted(layers_b - layers_a), other_tensors_compared=layers is None)
     comparer = _Comparer(a, b, result, progress, download_progress)
-    both_exl3v1 = a.dialect == b.dialect == DIALECT_EXL3V1
+    both_exl3v1 = storage_of(a) == storage_of(b) == SLOT_ROWS
     for done, layer in enumerate(both, 1):
         if both_exl3v1:
             result.layers.append(_exl3v1_pair_layer(comparer, layer, tp))
@@ -81,8 +82,8 @@ def compared_tp(a: Checkpoint, b: Checkpoint) -> int:
         return max(ta, tb)
     if ta is not None or tb is not None:
         return ta or tb or 1
-    from trellis_cli.checkpoint.exl3v1 import container
-    from trellis_cli.routepack.exl3v1_pack import default_tp
+    from trellis_cli.dialects.exl3v1.container import container
+    from trellis_cli.dialects.exl3v1.pack import default_tp
 
     return default_tp(a) if container(a).manifest is not None else 1  # no manifest: validate's finding
 
@@ -187,7 +188,7 @@ def _unit_facts(units: dict[Key, Unit]) -> _Facts:
 def _rates_facts(ck: Checkpoint, layer: int) -> _Facts:
     """An exl3-v1 layer compared file to file: K per expert from its rate tables (when readable here); bpw the
     experts' mean K (every expert has the same number of weights); no ranks."""
-    from trellis_cli.checkpoint.exl3v1 import container, layer_rates
+    from trellis_cli.dialects.exl3v1.container import container, layer_rates
 
     m, rates = container(ck).manifest, layer_rates(ck, layer)
     if m is None or rates is None:
@@ -255,7 +256,7 @@ def _side(ck: Checkpoint) -> dict[str, Any]:
     describe = getattr(ck.source, "describe", None)
     return {"description": getattr(ck.source, "description", None),
             "source": describe() if describe is not None else str(ck.source), "dialect": ck.dialect, "tp": ck.tp
-            if ck.dialect != DIALECT_EXL3V1 else None, "codebook": ck.codebook, "rotation_layout": ck.rotation_layout}
+            if storage_of(ck) != SLOT_ROWS else None, "codebook": ck.codebook, "rotation_layout": ck.rotation_layout}
 
 
 def _span(layers: set[int]) -> str:

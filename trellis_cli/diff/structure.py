@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, Checkpoint
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects.registry import ROUTE_PACK, SLOT_ROWS, storage_of
 from trellis_cli.diff.result import StructureChange
 from trellis_cli.errors import CheckFailed
 
@@ -32,27 +33,27 @@ def model_facts(ck: Checkpoint) -> dict[str, Any]:
     """The model's facts; a route pack's geometry and rotation layout come from its manifest (the model leaves
     them to the route-pack verifier)."""
     facts = {name: getattr(ck, name) for name in FACTS}
-    manifest = ck.declared.get("manifest") if ck.dialect == DIALECT_REPACKED else None
+    manifest = ck.declared.get("manifest") if storage_of(ck) == ROUTE_PACK else None
     if isinstance(manifest, dict):
         geometry = manifest.get("geometry") if isinstance(manifest.get("geometry"), dict) else {}
         facts.update(hidden=geometry.get("hidden"), intermediate=geometry.get("intermediate"),
                      num_experts=geometry.get("num_experts"),
                      rotation_layout=ROUTE_PACK_ROTATIONS.get(manifest.get("rotation"), ck.rotation_layout))
-    if ck.dialect == DIALECT_EXL3V1:
+    if storage_of(ck) == SLOT_ROWS:
         facts["tp"] = None  # a rank is a slot extent: no stored TP
     return facts
 
 
 def _documents(ck: Checkpoint) -> dict[str, Any]:
     docs: dict[str, Any] = {}
-    config = ck.config or (_read(ck, CONFIG) if ck.dialect == DIALECT_REPACKED else None)
+    config = ck.config or (_read(ck, CONFIG) if storage_of(ck) == ROUTE_PACK else None)
     if config:
         docs[CONFIG] = config
     if ck.quant_config:
         docs[QUANT_CONFIG] = ck.quant_config
-    if ck.dialect == DIALECT_REPACKED and isinstance(ck.declared.get("manifest"), dict):
+    if storage_of(ck) == ROUTE_PACK and isinstance(ck.declared.get("manifest"), dict):
         docs["manifest.json"] = ck.declared["manifest"]
-    if ck.dialect == DIALECT_EXL3V1:
+    if storage_of(ck) == SLOT_ROWS:
         name = ck.declared.get("exl3v1_manifest_file")
         manifest = _read(ck, name) if isinstance(name, str) else None
         if manifest is not None:

@@ -18,8 +18,8 @@ import hashlib
 import math
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from trellis_cli.checkpoint.model import (DIALECT_EXL3V1, DIALECT_REPACKED, PROJECTIONS, Checkpoint, LinearRef,
-                                          TensorRef)
+from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, LinearRef, TensorRef
+from trellis_cli.dialects.registry import ROUTE_PACK, SHARDS, SLOT_ROWS, storage_of
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.formats.route_pack import (MAX_TIER_EXPERTS, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE, ROT_UP_SUH,
                                             layer_file_name, split_descriptor, tier_trellis_name)
@@ -62,19 +62,19 @@ Key = tuple[Any, str, Any, str]
 
 def native_tp(ck: Checkpoint) -> int | None:
     """The TP a side stores; None for exl3-v1, whose slot layout is read at any TP it allows."""
-    return None if ck.dialect == DIALECT_EXL3V1 else max(ck.tp, 1)
+    return None if storage_of(ck) == SLOT_ROWS else max(ck.tp, 1)
 
 
 def layer_units(ck: Checkpoint, layer: int, tp: int) -> dict[Key, Unit]:
     """Every unit of MoE layer `layer` at `tp` ranks (empty when the side has no such layer)."""
     if layer not in moe_layers(ck):
         return {}
-    if ck.dialect == DIALECT_REPACKED:
+    if storage_of(ck) == ROUTE_PACK:
         if tp != ck.tp:
             raise CheckFailed(f"{_where(ck)} is a route pack at TP {ck.tp}; its ranks cannot be compared at TP "
                               f"{tp} (convert one side with `trellis repack --to tr3 --tp {tp}`)")
         return _route_pack_units(ck, layer)
-    if ck.dialect == DIALECT_EXL3V1:
+    if storage_of(ck) == SLOT_ROWS:
         return _exl3v1_units(ck, layer, tp)
     if tp == max(ck.tp, 1):
         return _span_units(ck, layer)
@@ -82,7 +82,7 @@ def layer_units(ck: Checkpoint, layer: int, tp: int) -> dict[Key, Unit]:
 
 
 def moe_layers(ck: Checkpoint) -> list[int]:
-    if ck.dialect == DIALECT_REPACKED:
+    if storage_of(ck) == ROUTE_PACK:
         layers = ck.declared.get("manifest", {}).get("layers")
         return sorted(int(k) for k in layers if str(k).isdigit()) if isinstance(layers, dict) else []
     return sorted(ck.layers)
@@ -220,7 +220,7 @@ def _entry(entries: dict, name: str, dtype: str, shape: tuple[int, ...]) -> Any:
 # ---- rearranged in memory, one (layer, rank) at a time -----------------------------------------------------
 
 def _exl3v1_units(ck: Checkpoint, layer: int, tp: int) -> dict[Key, Unit]:
-    from trellis_cli.routepack.exl3v1_pack import exl3v1_pack
+    from trellis_cli.dialects.exl3v1.pack import exl3v1_pack
     from trellis_cli.routepack.source_bytes import TensorReader
 
     units: dict[Key, Unit] = {}
@@ -294,14 +294,14 @@ def exl3v1_layer_tensors(ck: Checkpoint, layer: int) -> dict[Key, Unit]:
 def other_units(ck: Checkpoint) -> dict[Key, Unit]:
     """Every tensor outside the MoE expert layout, by name (the first file holding a name wins)."""
     refs: list[TensorRef] = []
-    if ck.dialect in (DIALECT_REPACKED, DIALECT_EXL3V1):
+    if storage_of(ck) != SHARDS:
         layer_files = _layer_files(ck)
         for name in sorted(ck.files):
             if name.endswith(".safetensors") and name not in layer_files and ck.files[name] >= 0:
                 header = ck.source.read_header(name)
                 refs += [TensorRef(e.name, name, e.dtype, tuple(e.shape), e.begin, e.end, header.data_start)
                          for e in header.tensors.values()]
-        strip = EXTRA_DIR if ck.dialect == DIALECT_REPACKED else ""
+        strip = EXTRA_DIR if storage_of(ck) == ROUTE_PACK else ""
     else:
         consumed = expert_tensor_names(ck)
         refs = [ref for name, ref in ck.tensors.items() if name not in consumed]
@@ -317,7 +317,7 @@ def other_units(ck: Checkpoint) -> dict[Key, Unit]:
 
 
 def _layer_files(ck: Checkpoint) -> set[str]:
-    if ck.dialect == DIALECT_REPACKED:
+    if storage_of(ck) == ROUTE_PACK:
         return {name for name in ck.files if name.startswith("layer-") and "/" not in name}
     box = ck.declared.get("exl3v1")
     return {layer.file for layer in box.layers.values()} if box is not None else set()

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from trellis_cli.checkpoint.model import DIALECT_REPACKED, Checkpoint
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects.registry import ROUTE_PACK, storage_of
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.fit.arch import Arch, read_arch
 from trellis_cli.fit.budget import Outcome, RankBudget, outcome, rank_budgets, usable_bytes
@@ -142,7 +143,7 @@ class _Evaluator:
 
 def fit(ckpt: Checkpoint, request: FitRequest) -> FitResult:
     check_request(request)
-    if ckpt.dialect == DIALECT_REPACKED:
+    if storage_of(ckpt) == ROUTE_PACK:
         raise UsageError("a route pack is the kernel's layout of one checkpoint's experts only: run fit on the "
                          "checkpoint it was made from")
     arch = read_arch(ckpt.config)

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from trellis_cli.checkpoint.model import DIALECT_EXL3V1, Checkpoint
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects.registry import SLOT_ROWS, storage_of
 from trellis_cli.checkpoint.names import KIND_LINEAR, KIND_R7_SHARED, KIND_SHARED_H, parse_expert_name
 from trellis_cli.errors import UsageError
 from trellis_cli.fit.arch import Arch
@@ -96,7 +97,7 @@ class Inventory:
 def scan(ckpt: Checkpoint, arch: Arch, rules: tuple[Rule, ...]) -> Inventory:
     """Read every header tensor once into an Inventory (exl3-v1 layer files are placed per TP instead)."""
     sliced_tp = ckpt.tp if any(layer.rank_sliced for layer in ckpt.layers.values()) else None
-    if ckpt.dialect == DIALECT_EXL3V1:
+    if storage_of(ckpt) == SLOT_ROWS:
         inv = Inventory(None, rules)
         tensors = _non_layer_tensors(ckpt)
     else:
@@ -165,7 +166,7 @@ def rank_weights(ckpt: Checkpoint, arch: Arch, inv: Inventory, tp: int, mtp: boo
                 tier = rw.tier(k)
                 tier.bytes += b
                 tier.experts += experts
-    if ckpt.dialect == DIALECT_EXL3V1:
+    if storage_of(ckpt) == SLOT_ROWS:
         _exl3v1(ckpt, arch, out, mtp)
     _estimate_absent(arch, out, inv.rules)
     return out
@@ -174,7 +175,7 @@ def rank_weights(ckpt: Checkpoint, arch: Arch, inv: Inventory, tp: int, mtp: boo
 def _exl3v1(ckpt: Checkpoint, arch: Arch, out: Weights, mtp: bool) -> None:
     """An exl3-v1 container: each rank reads its extent of slots from `codes`, `rotations` and the rate tables
     (rows along dim 0), and the whole hidden-side tables and sign pattern."""
-    from trellis_cli.checkpoint.exl3v1 import CODES, RATES_FC1, RATES_FC2, ROTATIONS, container, layer_rates
+    from trellis_cli.dialects.exl3v1.container import CODES, RATES_FC1, RATES_FC2, ROTATIONS, container, layer_rates
     from trellis_cli.formats.exl3v1_layout import bundle_bytes, rank_extent, tp_problem
     from trellis_cli.formats.exl3v1_schema import SLOT_CHANNELS, SLOTS_PER_PAIR
 
@@ -222,7 +223,7 @@ def _exl3v1(ckpt: Checkpoint, arch: Arch, out: Weights, mtp: bool) -> None:
 
 def _non_layer_tensors(ckpt: Checkpoint) -> list[tuple[str, tuple[int, ...], int]]:
     """Tensors of an exl3-v1 directory's other safetensors files (a served model keeps attention etc. there)."""
-    from trellis_cli.checkpoint.exl3v1 import container
+    from trellis_cli.dialects.exl3v1.container import container
 
     layer_files = {layer.file for layer in container(ckpt).layers.values()}
     found = []

@@ -41,7 +41,7 @@ def check_source(checkpoint: Checkpoint, validator: Validator) -> None:
 def check_output(tree: Path, validator: Validator, target: str) -> None:
     """Refuse a staged conversion output that its own validator refuses as a format (an engine profile's
     verdict is the user's choice of loader, not the format's): nothing then reaches OUT."""
-    from trellis_cli.checkpoint import open_checkpoint
+    from trellis_cli.dialects import open_checkpoint
 
     report = validator(open_checkpoint(tree))
     errors = [f for f in report.errors if not f.code.startswith("engine.")]

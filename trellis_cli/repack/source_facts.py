@@ -8,7 +8,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from trellis_cli.checkpoint.model import DIALECT_EXL3V1, Checkpoint
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects.registry import SLOT_ROWS, storage_of
 from trellis_cli.checkpoint.names import parse_expert_name
 from trellis_cli.errors import CheckFailed
 from trellis_cli.integrity import CHECKSUM_MANIFEST, read_manifest
@@ -102,8 +103,8 @@ def recorded_hashes(checkpoint: Checkpoint) -> dict[str, list[tuple[str, str, st
     """name -> [(sha256, who records it, finding code)]: the exl3-v1 manifest's layer digests (the all-zero
     digest of a sparse synthetic checkpoint records nothing) and a local MANIFEST.sha256's lines."""
     out: dict[str, list[tuple[str, str, str]]] = {}
-    if checkpoint.dialect == DIALECT_EXL3V1:
-        from trellis_cli.checkpoint.exl3v1 import container
+    if storage_of(checkpoint) == SLOT_ROWS:
+        from trellis_cli.dialects.exl3v1.container import container
 
         box = container(checkpoint)
         for index, layer in box.layers.items():

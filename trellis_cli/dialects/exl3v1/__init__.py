@@ -1,0 +1,93 @@
+"""b12x's `exl3-v1` MoE container: exl3-manifest.json plus one slot-major safetensors file per layer.
+
+Everything trellis knows about it lives here: `container` (the container in the normalized model), `rules`
+(every check of b12x's reader, and what it leaves unchecked), `inspect` (its inspect rows), `pack` (a rank's
+slot extent as a route-pack LayerPack, and back), `write` (layer files and manifest) and `synth` (synthetic
+exl3-v1 checkpoints). Its schema and byte arithmetic are the torch-free formats/exl3v1_schema.py and
+formats/exl3v1_layout.py; the repack drivers that read or write it are repack/exl3v1/.
+docs/checkpoint-dialects.md describes the container.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from trellis_cli.checkpoint.model import (DIALECT_EXL3V1, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H, PROJECTIONS,
+                                         VectorRef)
+from trellis_cli.findings import Location
+from trellis_cli.dialects.detect import exl3v1_info
+from trellis_cli.dialects.interface import B12X, VLLM, CheckRequest, Dialect, DialectInfo, Probe
+
+
+class Exl3v1Dialect(Dialect):
+    name = DIALECT_EXL3V1
+    target = "exl3-v1"
+    described_as = "an exl3-v1"
+    default_engine = "b12x-exl3-v1"
+    inspect_view = "slot-rows"
+    records_hashes = True  # the manifest's sha256 per layer file
+    publisher_digests = True  # a Hub file's LFS sha256 is the layer file's digest too
+    read_by = frozenset({B12X})
+    container_notes = {VLLM: "exl3-v1 is b12x's container"}
+    converts_from = {DIALECT_TR3_PER_EXPERT: "tr3-to-exl3-v1", DIALECT_TR3_SHARED_H: "tr3-to-exl3-v1"}
+
+    def detect(self, probe: Probe) -> DialectInfo | None:
+        return exl3v1_info(probe)
+
+    def fill(self, ckpt, probe: Probe, info: DialectInfo) -> bool:
+        from trellis_cli.dialects.exl3v1.container import fill_checkpoint
+
+        manifest = info.declared.pop("exl3v1_manifest")
+        fill_checkpoint(ckpt, ckpt.source, probe.files, info.declared["exl3v1_manifest_file"], manifest,
+                        config_manifest=info.declared.get("exl3v1_config_manifest"))
+        return True
+
+    def check(self, ckpt, request: CheckRequest, report) -> None:
+        from trellis_cli.dialects.exl3v1.rules import check_exl3v1
+
+        # The manifest's digests are compared by default where the bytes are local, as a route pack's are;
+        # by default a digest of all zeros (recorded for no data, as a sparse synth writes) is not hashed.
+        check_exl3v1(ckpt, report, request.layers, deep=request.deep,
+                     checksums=request.checksums or self.hashes_by_default(ckpt), every_digest=request.checksums,
+                     progress=request.progress, checksum_progress=request.checksum_progress,
+                     known_digests=request.known_digests)
+
+    def vectors(self, ckpt, layer: int) -> Iterator[VectorRef]:
+        """The hidden-side tables: one row per expert ([E, hidden]), or one vector for all of them ([hidden])."""
+        from trellis_cli.dialects.exl3v1.container import HIDDEN_TABLES, container
+        from trellis_cli.dialects.exl3v1.rules import expected_shapes
+
+        box = container(ckpt)
+        entry = box.layers.get(layer)
+        if box.manifest is None or entry is None or not entry.readable:
+            return
+        shapes = expected_shapes(box.manifest)
+        for table, proj in zip(HIDDEN_TABLES, PROJECTIONS):
+            ref = entry.ref(table)
+            if ref is None or ref.dtype != "F16" or tuple(ref.shape) != shapes[table]:
+                continue  # the layer's header findings say what is wrong with it
+            kind = "svh" if table.endswith("svh") else "suh"
+            if len(ref.shape) == 1:
+                yield VectorRef(Location(ref.file, layer, None, proj, None, table), kind, ref)
+                continue
+            for expert in range(ref.shape[0]):
+                yield VectorRef(Location(ref.file, layer, expert, proj, None, f"{table}[{expert}]"), kind, ref, expert)
+
+    def hashes_by_default(self, ckpt) -> bool:
+        """The manifest records each layer file's sha256: compared whenever the bytes are local."""
+        return getattr(ckpt.source, "root", None) is not None
+
+    def rank_tp_degrees(self, ckpt) -> list[int] | None:
+        from trellis_cli.dialects.exl3v1.container import container
+        from trellis_cli.formats.exl3v1_layout import tp_degrees
+
+        return list(tp_degrees(container(ckpt).manifest))
+
+    def layer_pack(self, ckpt, layer, rank, tp=None, device="cpu"):
+        from trellis_cli.dialects.exl3v1.pack import default_tp, exl3v1_pack
+        from trellis_cli.routepack.pack import to_device
+
+        return to_device(exl3v1_pack(ckpt, layer, rank, default_tp(ckpt) if tp is None else tp), device)
+
+
+DIALECT = Exl3v1Dialect()
