@@ -25,10 +25,15 @@ HELP = (
     "  trellis validate                      # the bundled sample\n\n"
     "  trellis validate ./GLM-TR3 --deep --layers 3-5,40\n\n"
     "  trellis validate org/model --revision main --json\n\n"
-    "  trellis validate ./GLM-TR3 --engine vllm-exl3-190"
+    "  trellis validate ./GLM-TR3 --engine vllm-exl3-190\n\n"
+    "  trellis validate ./GLM-R7 --engine vllm-exl3-r7 --tp 8"
 )
 ENGINE_HELP = "Loader profile whose refusals are errors: " + ", ".join(
-    ["vllm-exl3-shared-h", "vllm-exl3-190", "b12x-exl3-v1", "exllamav3"]) + " (default: per dialect)."
+    ["vllm-exl3-shared-h", "vllm-exl3-190", "vllm-exl3-r7", "vllm-exl3-manifest", "b12x-exl3-v1", "exllamav3"]
+) + " (default: per dialect)."
+TP_HELP = ("The tensor-parallel degree the server will run: checked against each engine's TP contract (a "
+           "rank-sliced checkpoint's recorded tp, 128-aligned slices, the exl3-manifest extent plan). Without it "
+           "the report lists the TP degrees each engine would accept.")
 
 
 def register(app: typer.Typer) -> None:
@@ -49,6 +54,7 @@ def register(app: typer.Typer) -> None:
                                                                     "MANIFEST.sha256.")] = False,
         strict: Annotated[bool, typer.Option("--strict", help="Warnings fail too.")] = False,
         engine: Annotated[Optional[str], typer.Option("--engine", help=ENGINE_HELP)] = None,
+        tp: Annotated[Optional[int], typer.Option("--tp", min=1, help=TP_HELP)] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Emit the report as one JSON document.")] = False,
     ) -> None:
         from trellis_cli.selection import parse_layer_ranges
@@ -58,7 +64,7 @@ def register(app: typer.Typer) -> None:
             engine_named(engine)  # an unknown name is a usage error before anything is read
         chosen = parse_layer_ranges(layers) if layers is not None else None
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
-        report = _validate(opened, chosen, deep, download, checksums, as_json, engine)
+        report = _validate(opened, chosen, deep, download, checksums, as_json, engine, tp)
         report.context.setdefault("source", opened.describe())
         failed = not report.ok or (strict and report.warning_count > 0)
         if as_json:
@@ -75,7 +81,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _validate(opened, layers: list[int] | None, deep: bool, download: bool, checksums: bool,
-              as_json: bool, engine: str | None) -> Report:
+              as_json: bool, engine: str | None, tp: int | None = None) -> Report:
     from trellis_cli.checkpoint.model import DIALECT_REPACKED
     from trellis_cli.checkpoint.open import open_checkpoint
     from trellis_cli.selection import require_present
@@ -108,7 +114,7 @@ def _validate(opened, layers: list[int] | None, deep: bool, download: bool, chec
             progress.advance(tasks["hash"], n)
 
         return run_validation(checkpoint, deep=deep, layers=layers, checksums=checksums,
-                              engine=engine or DEFAULT, progress=advance, checksum_progress=hashed)
+                              engine=engine or DEFAULT, tp=tp, progress=advance, checksum_progress=hashed)
 
 
 def _fetch_layers(checkpoint, layers: list[int] | None, as_json: bool) -> None:
@@ -161,4 +167,4 @@ def render_report(report: Report) -> None:
                           "enforces one)")
     output.print_line(report.summary(), style="bold green" if report.ok else "bold red")
     if report.engines:
-        output.print_line(compatibility_line(report.engines, context.get("markers") != "not read"))
+        output.print_line(compatibility_line(report.engines, context.get("markers") != "not read", context.get("tp")))

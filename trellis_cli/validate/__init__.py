@@ -38,20 +38,21 @@ CHECKSUM_CODES = {  # integrity status -> (code, severity, message)
 
 
 def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[int] | None = None,
-                   checksums: bool = False, engine: str | None = None,
+                   checksums: bool = False, engine: str | None = None, tp: int | None = None,
                    progress: Callable[[str, int, int], None] | None = None,
                    checksum_progress: Callable[[int], None] | None = None) -> Report:
     """Validate `checkpoint`; `layers` limits the per-layer rules (file and config rules always run).
 
     `engine` names the loader profile to enforce (validate/engines.py): `engines.DEFAULT` (what the CLI passes
     without --engine) enforces the dialect's default; None enforces none (the format rules alone decide, as for
-    repack's check of its source); either way every profile's verdict is in `report.engines`.
+    repack's check of its source); either way every profile's verdict is in `report.engines`. `tp`: the TP the
+    server will run (--tp), checked against every profile's TP contract (validate/engine_tp.py).
     `progress(stage, done, total)` is called as layers complete; `checksum_progress(n)` with bytes hashed.
     """
     enforced = engines.enforced_name(engine, checkpoint.dialect)
     if checkpoint.dialect == DIALECT_REPACKED:
         report = _validate_route_pack(checkpoint, layers, checksum_progress)
-        engines.assess(checkpoint, [], report, enforced)
+        engines.assess(checkpoint, [], report, enforced, tp)
         cap_findings(report)
         return report
     from trellis_cli.checkpoint.open import paused_gc
@@ -63,6 +64,8 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
 
         check_exl3v1(checkpoint, report, selected, deep=deep, checksums=checksums, progress=progress,
                      checksum_progress=checksum_progress)
+        engines.assess(checkpoint, selected, report, enforced, tp)
+        report.context["engine"] = enforced
         cap_findings(report)
         return report
     with paused_gc():
@@ -74,7 +77,7 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
         report.notes.append(NOT_DEEP_NOTE)
     if checksums:
         _run_checksums(checkpoint, report, checksum_progress)
-    engines.assess(checkpoint, selected, report, enforced)
+    engines.assess(checkpoint, selected, report, enforced, tp)
     report.context["engine"] = enforced
     cap_findings(report)
     return report

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, NamedTuple
 
-from trellis_cli.checkpoint.declared import layer_range
+from trellis_cli.checkpoint.declared import layer_range, uniform_bits
 from trellis_cli.checkpoint.dialect import QUANT_CONFIG
 from trellis_cli.checkpoint.model import (
     DIALECT_EXL3,
@@ -162,12 +162,10 @@ def uniform_map(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
 def uniform_k_190(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """#190 version: uniform bits (read for every layer; trellis_bits_by_layer is unknown to it) in 3..6."""
     h = _hybrid(ckpt)
-    bits = h.get("bits")
-    if ckpt.dialect not in TR3_DIALECTS or not isinstance(bits, (int, float)) or isinstance(bits, bool):
-        return
-    if not float(bits).is_integer():
-        return  # config.tr3-bits reports it for every version
-    if int(bits) not in UNIFORM_K_190:
+    bits = uniform_bits(h.get("bits"))  # float(), as this version reads it: "4" is K4
+    if ckpt.dialect not in TR3_DIALECTS or bits is None:
+        return  # a non-integral bits: config.tr3-bits reports it for every version
+    if bits not in UNIFORM_K_190:
         yield Refusal("engine.uniform-k", f"uniform K{int(bits)} unsupported", _at("bits"), "this version serves "
                       "uniform rank-sliced layers at K3..K6 only", expected="3..6", found=bits)
     by_layer = h.get("trellis_bits_by_layer")
@@ -241,8 +239,13 @@ def one_k_per_projection(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusa
 
 def tensor_storage(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Both fork versions, non-rank-sliced EXL3: per-module records in tensor_storage, checked before loading."""
-    if ckpt.dialect != DIALECT_EXL3:
-        return
+    if ckpt.dialect == DIALECT_EXL3:
+        yield from storage_refusals(ckpt)
+
+
+def storage_refusals(ckpt: Checkpoint) -> Iterator[Refusal]:
+    """tensor_storage (embedded, else quantization_config.json): non-empty, records complete (every path that
+    reads it: plain EXL3 in all fork versions, R7 in the R7 version)."""
     embedded = ckpt.config.get("quantization_config")
     storage = embedded.get("tensor_storage") if isinstance(embedded, dict) else None
     where = Location(file="config.json" if storage else QUANT_CONFIG, tensor="tensor_storage")

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from trellis_cli.checkpoint.declared import layer_range, layer_span
+from trellis_cli.checkpoint.declared import layer_range, layer_span, uniform_bits
 from trellis_cli.checkpoint.dialect import QUANT_CONFIG
 from trellis_cli.checkpoint.model import DIALECT_EXL3, DIALECT_R7, Checkpoint
 from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, TENSOR_SCHEMA
 from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, error_summary, warning
-from trellis_cli.header import is_int
+from trellis_cli.header import coerced_int, is_int
 
 REQUIRED_TR3_KEYS = ("bits", "codebook", "experts_per_layer", "moe_layers", "tensor_schema", "tp")
 MIXED_K_RANGE = range(3, 7)
@@ -54,6 +54,8 @@ def _check_tr3_contract(h: dict, limit: int) -> Iterator[Finding]:
     if "moe_layers" in h and not layer_span(h["moe_layers"]):
         yield error("config.tr3-moe-layers", _where("moe_layers"), "must be [first, last] integers with "
                     "0 <= first <= last", found=h["moe_layers"])
+    elif "moe_layers" in h and not all(is_int(v) for v in h["moe_layers"]):
+        yield _int_spelling("moe_layers", h["moe_layers"])
     if "tensor_schema" in h and h["tensor_schema"] != TENSOR_SCHEMA:
         yield error("config.tr3-tensor-schema", _where("tensor_schema"), "tensor_schema is not the canonical string",
                     expected=TENSOR_SCHEMA, found=h["tensor_schema"])
@@ -66,8 +68,11 @@ def _check_tr3_contract(h: dict, limit: int) -> Iterator[Finding]:
         yield error("config.tr3-shared-h-schema", _where("shared_h_tensor_schema"), "shared_h_tensor_schema is only "
                     "allowed with rotation_layout shared_h_v1", found=h.get("rotation_layout", "per_expert_v1"))
     for key in ("experts_per_layer", "tp"):
-        if key in h and not (is_int(h[key]) and h[key] > 0):
+        n = coerced_int(h[key]) if key in h else None
+        if key in h and not (n is not None and n > 0):
             yield error("config.tr3-positive-int", _where(key), "must be a positive integer", found=h[key])
+        elif key in h and not is_int(h[key]):
+            yield _int_spelling(key, h[key])
     bits = h.get("bits")
     if isinstance(bits, str) and bits.lower().startswith("mixed"):
         yield from _check_mixed(h, bits)
@@ -78,9 +83,12 @@ def _check_tr3_contract(h: dict, limit: int) -> Iterator[Finding]:
 def _check_mixed(h: dict, bits: str) -> Iterator[Finding]:
     yield from _check_bits_spelling(bits)
     k_values = h.get("k_values")
-    if not isinstance(k_values, list) or not k_values or not all(is_int(k) and k in MIXED_K_RANGE for k in k_values):
+    coerced = [coerced_int(k) for k in k_values] if isinstance(k_values, list) else []
+    if not coerced or not all(k is not None and k in MIXED_K_RANGE for k in coerced):
         yield error("config.tr3-k-values", _where("k_values"), "mixed bits need a non-empty k_values list within "
                     "3..6", found=k_values)
+    elif not all(is_int(k) for k in k_values):
+        yield _int_spelling("k_values", k_values)
     if not isinstance(h.get("bits_per_expert"), str):
         yield error("config.tr3-bits-per-expert", _where("bits_per_expert"), "mixed bits need a 'file.json:field' "
                     "string", found=h.get("bits_per_expert"))
@@ -90,8 +98,10 @@ def _check_mixed(h: dict, bits: str) -> Iterator[Finding]:
 
 
 def _check_uniform(h: dict, bits: Any, limit: int) -> Iterator[Finding]:
-    if not (is_int(bits) or (isinstance(bits, float) and bits.is_integer())):
+    if uniform_bits(bits) is None:
         yield error("config.tr3-bits", _where("bits"), "bits must be an integral K or 'mixed'", found=bits)
+    elif isinstance(bits, str):
+        yield _int_spelling("bits", bits)
     yield from _check_uniform_k(h, bits)
     by_layer = h.get("trellis_bits_by_layer")
     if by_layer is None:
@@ -108,6 +118,13 @@ def _check_uniform(h: dict, bits: Any, limit: int) -> Iterator[Finding]:
         if not (is_int(k) and k in UNIFORM_K_VALUES):
             yield error("config.tr3-bits-by-layer", _where(f"trellis_bits_by_layer.{key}"), "K must be one of "
                         "3, 4, 5, 6, 8", found=k)
+
+
+def _int_spelling(key: str, value: Any) -> Finding:
+    """A count or bitrate spelled as a string or a float: the #190-era loaders read it with int() and load; the
+    shared-H version refuses it (engine_stamps.json_ints)."""
+    return warning("config.int-spelling", _where(key), "not a JSON integer: the #190 and R7 loader versions "
+                   "coerce it with int(), the shared-H version refuses it", expected="a JSON integer", found=value)
 
 
 def _check_counts(ckpt: Checkpoint, h: dict) -> Iterator[Finding]:
@@ -132,10 +149,16 @@ def check_bitmaps(ckpt: Checkpoint, h: dict) -> Iterator[Finding]:
         if is_int(experts) and len(ks) != experts:
             yield error("bitmap.length", where, "bitmap lists a different number of experts than experts_per_layer",
                         expected=experts, found=len(ks))
-        bad = sorted({repr(k) for k in ks if not (is_int(k) and (k_values is None or k in k_values))})
+        declared = None if k_values is None else {coerced_int(k) for k in k_values}
+        bad = sorted({repr(k) for k in ks if not (coerced_int(k) is not None
+                                                  and (declared is None or coerced_int(k) in declared))})
         if bad:
             yield error("bitmap.k-value", where, "bitmap values outside the declared k_values", expected=k_values,
                         found=bad[:8])
+        elif not all(is_int(k) for k in ks):
+            yield warning("config.int-spelling", where, "bitmap values are not JSON integers: the loaders read "
+                          "them with int(), so they load, but other tools may not",
+                          found=sorted({repr(k) for k in ks if not is_int(k)})[:8])
 
 
 def _check_r7_maps(ckpt: Checkpoint) -> Iterator[Finding]:
