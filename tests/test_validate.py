@@ -220,8 +220,9 @@ def test_default_source_is_the_bundled_sample(capsys):
     code, out, _ = run_cli(capsys, "validate")
     verdict, engines = out.strip().splitlines()[-2:]
     assert code == 0 and verdict.startswith("PASS: bundled sample")
-    assert engines == ("loads on: vllm-exl3 (shared-H rules) ✓ · vllm-exl3 (#190 rules) ✓ · b12x exl3-v1 ✗ wrong "
-                       "container · exllamav3 ✗ rank-sliced names")
+    assert engines == ("loads on: vllm-exl3 (shared-H rules) ✓ TP 2 · vllm-exl3 (#190 rules) ✓ TP 2 · "
+                       "vllm-exl3 (R7 rules) ✓ TP 2 · vllm-exl3 (manifest rules) ✗ wrong container · "
+                       "b12x exl3-v1 ✗ wrong container · exllamav3 ✗ rank-sliced names")
 
 
 def test_route_pack_is_validated_by_its_own_verifier(tmp_path, capsys):

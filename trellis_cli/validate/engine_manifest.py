@@ -49,8 +49,8 @@ def manifest_config(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
         yield Refusal("engine.manifest-config", "needs exl3.manifest and dense_format mxfp8", QUANT,
                       f"quantization_config must name {EXL3V1_MANIFEST!r} as exl3.manifest (no other file name) "
                       f"and {DENSE_FORMAT!r} as dense_format: the dense weights are read as MXFP8",
-                      expected={"exl3.manifest": EXL3V1_MANIFEST, "dense_format": DENSE_FORMAT},
-                      found={"exl3.manifest": manifest, "dense_format": q.get("dense_format")})
+                      expected={"exl3": {"manifest": EXL3V1_MANIFEST}, "dense_format": DENSE_FORMAT},
+                      found={"exl3": {"manifest": manifest}, "dense_format": q.get("dense_format")})
     ignored = q.get("ignored_layers")
     if not (isinstance(ignored, list) and all(isinstance(x, str) for x in ignored)
             and set(BF16_REQUIRED) <= set(ignored) and not set(MXFP8_REQUIRED) & set(ignored)):
