@@ -167,3 +167,92 @@ def exl3v1_specs() -> dict:
         "uniform-shared": SynthSpec(hidden=256, intermediate=512, experts=4, tp=1, layers=(3,), uniform_k=4, top_k=2,
                                     rotation_layout="shared_h_v1"),
     }
+
+
+R7_SCHEMA = "r7-complete-v2-checkpoint-v1"
+HIDDEN_SIDE = {"gate_proj": "suh", "up_proj": "suh", "down_proj": "svh"}
+
+
+def to_r7_v2(root: Path, *, k_values: list | None = None, embed: bool = True) -> Path:
+    """A tp=1 synth checkpoint as an R7 v2 (topology-neutral) one the R7 loader version reads: rank-free expert
+    names, one layer-shared gate/up suh and down svh per layer (`experts.r7_shared.*`), the R7 block with its
+    schema in config.json's quantization_config (or, with `embed=False`, only in quantization_config.json),
+    tensor_storage records and per-layer bit maps."""
+    config = json.loads((root / "config.json").read_text())
+    hybrid = config.pop("hybrid_tr3_tail")
+    storage: dict = {}
+    weight_map: dict = {}
+    manifests: list[str] = []
+    used: set[int] = set()
+    for shard in sorted(root.glob("model-layer-*.safetensors")):
+        tensors = {k.replace(".rank0.", "."): v for k, v in load_file(str(shard)).items()}
+        out: dict = {}
+        layer_ks: dict[tuple[int, str], int] = {}
+        for name, t in tensors.items():
+            parts = name.split(".")  # model.layers.L.mlp.experts.E.proj.field
+            layer, expert, proj, fieldname = int(parts[2]), int(parts[5]), parts[6], parts[7]
+            base = ".".join(parts[:5])
+            if fieldname == HIDDEN_SIDE[proj]:
+                shared = f"{base}.r7_shared.{'down_svh' if proj == 'down_proj' else 'gate_up_suh'}"
+                out.setdefault(shared, t)  # one vector per layer: expert 0's stands for all
+                continue
+            out[name] = t
+            module = name.rsplit(".", 1)[0]
+            record = storage.setdefault(module, {"quant_format": "exl3", "stored_tensors": {}})
+            record["stored_tensors"].update({f"{module}.{f}": {} for f in ("suh", "svh", fieldname)})
+            if fieldname == "trellis":
+                record["bits_per_weight"] = t.shape[-1] // 16
+                layer_ks[(expert, proj)] = t.shape[-1] // 16
+                used.add(t.shape[-1] // 16)
+        save_file(out, str(shard), metadata={"format": "pt"})
+        weight_map.update({name: shard.name for name in out})
+        layer = int(next(iter(out)).split(".")[2])
+        name = f"r7-experts-layer-{layer:03d}.json"
+        experts = 1 + max(e for e, _ in layer_ks)
+        (root / name).write_text(json.dumps([layer_ks[(e, p)] for e in range(experts)
+                                             for p in ("gate_proj", "up_proj", "down_proj")]))
+        manifests.append(name)
+    r7 = {"schema": R7_SCHEMA, "feature": "r7-asymmetric-two-stack", "codebook": "mcg", "bits": "mixed_tensor",
+          "moe_layers": hybrid["moe_layers"], "k_values": sorted(used) if k_values is None else k_values,
+          "bit_map_manifests": manifests}
+    quant = config["quantization_config"]
+    external = {"quant_method": "exl3", "tensor_storage": storage}
+    if embed:
+        quant["r7_routed_experts"] = r7
+    else:
+        external["r7_routed_experts"] = r7
+    (root / "config.json").write_text(json.dumps(config))
+    (root / "quantization_config.json").write_text(json.dumps(external))
+    index = json.loads((root / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if ".mlp.experts." not in k} | weight_map
+    index.setdefault("metadata", {})["total_size"] = sum(
+        t.numel() * t.element_size() for f in sorted(set(index["weight_map"].values()))
+        for t in load_file(str(root / f)).values())
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    (root / "MANIFEST.sha256").unlink()
+    return root
+
+
+def edit_json(path: Path, edit) -> Path:
+    """Apply `edit(document)` (in place) to one JSON file."""
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def serve_exl3v1(root: Path, *, barrier: bool = True) -> Path:
+    """An exl3-v1 checkpoint as the mainline manifest loader wants it: a config.json stamped exl3 that names
+    exl3-manifest.json and MXFP8 dense weights, and (with `barrier`) one extent barrier at the halfway slot."""
+    manifest = json.loads((root / "exl3-manifest.json").read_text())
+    geometry = manifest["geometry"]
+    if barrier:
+        manifest["layout"]["extent_barriers"] = [geometry["num_slots"] // 2]
+        (root / "exl3-manifest.json").write_text(json.dumps(manifest, indent=2))
+    config = {"model_type": "glm_moe_dsa", "hidden_size": geometry["hidden_size"],
+              "n_routed_experts": geometry["num_experts"],
+              "quantization_config": {"quant_method": "exl3", "exl3": {"manifest": "exl3-manifest.json"},
+                                      "dense_format": "mxfp8",
+                                      "ignored_layers": ["g_proj", "f_a_proj", "f_b_proj", "b_proj", "kv_b_proj"]}}
+    (root / "config.json").write_text(json.dumps(config))
+    return root

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from corrupt import SHARD3, SHARD4, edit_json, key, rebuild_shard, write_tensor_bytes
-from helpers import tiny_checkpoint as synth, to_plain_exl3, to_r7
+from helpers import tiny_checkpoint as synth, to_plain_exl3, to_r7, to_r7_v2
 from trellis_cli.cli import validate_cmd
 from trellis_cli.validate.engines import BY_NAME, ENGINES
 from helpers import run_cli
@@ -174,11 +174,18 @@ def test_remote_source_says_its_markers_were_not_read(tmp_path):
 # ---- runtime traps -------------------------------------------------------------------------------------
 
 def test_r7_metadata_boots_eager(tmp_path, capsys):
-    code, doc = report(to_r7(synth(tmp_path)), capsys)
+    code, doc = report(to_r7_v2(synth(tmp_path, tp=1)), capsys)
     eager = [f for f in doc["findings"] if f["code"] == "runtime.eager"]
     assert code == 0 and eager and eager[0]["severity"] == "warning" and "eager" in eager[0]["message"]
-    assert doc["context"]["engine"] is None and not any(verdicts(doc).values())
+    assert doc["context"]["engine"] == "vllm-exl3-r7"  # the R7 dialect's default: the one profile that reads it
+    assert [name for name, loads in verdicts(doc).items() if loads] == ["vllm-exl3-r7"]
     assert run(["validate", str(tmp_path / "ckpt"), "--strict"], capsys)[0] == 1
+
+
+def test_incomplete_r7_metadata_is_the_r7_loaders_refusal(tmp_path, capsys):
+    code, doc = report(to_r7(synth(tmp_path)), capsys)  # no schema, codebook or moe_layers; rank-sliced names
+    assert code == 1 and doc["context"]["engine"] == "vllm-exl3-r7"
+    assert {"engine.r7-schema", "engine.r7-bits", "engine.r7-layers"} <= set(error_codes(doc))
 
 
 def test_embedded_quantization_config_disagreeing_with_the_file(tmp_path, capsys):

@@ -66,9 +66,9 @@ ENGINES: tuple[Engine, ...] = (
 BY_NAME = {e.name: e for e in ENGINES}
 NEWEST_RANK_SLICED = "vllm-exl3-shared-h"
 DEFAULT = "default"  # run_validation(engine=DEFAULT): the dialect's default profile
-# The default profile per dialect: the newest rank-sliced loader for TR3, each other container's own reader.
-# A dialect with no profiled reader (R7, a route pack) gets no enforced profile; its verdicts are reported.
-DEFAULT_BY_DIALECT = {DIALECT_EXL3: "exllamav3", r.DIALECT_EXL3V1: "b12x-exl3-v1"} | {
+# The default profile per dialect: the newest rank-sliced loader for TR3, the fork's R7 loader for R7, each other
+# container's own reader. A route pack has no profiled reader: no enforced profile, its verdicts are reported.
+DEFAULT_BY_DIALECT = {DIALECT_EXL3: "exllamav3", r.DIALECT_EXL3V1: "b12x-exl3-v1", r.DIALECT_R7: "vllm-exl3-r7"} | {
     d: NEWEST_RANK_SLICED for d in r.TR3_DIALECTS}
 
 
