@@ -80,7 +80,6 @@ def test_tensor_count_formula_matches_production_numbers():
     (lambda h: h.update(tensor_schema="model.layers.{L}.experts.{E}"), "config.tr3-tensor-schema"),
     (lambda h: h.update(moe_layers=[4, 3]), "config.tr3-moe-layers"),
     (lambda h: h.update(k_values=[3, 9]), "config.tr3-k-values"),
-    (lambda h: h.update(trellis_bits_by_layer={"3": 3, "4": 3}), "config.tr3-mixed"),
     (lambda h: h.update(shared_h_tensor_schema="x"), "config.tr3-shared-h-schema"),
     (lambda h: h.update(experts_per_layer=6), "expert.extra"),
     (lambda h: h.update(bits_per_expert="tier_bitmap.json"), "bitmap.reference"),

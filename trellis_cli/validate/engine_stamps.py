@@ -84,3 +84,22 @@ def protected_unread(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
                       "this version has no protected_tensor_policy and reads no tensor_storage for a rank-sliced "
                       "checkpoint: the protected dense tensors are not EXL3 to it and their tensors have no "
                       "parameter to load into", expected="no protected tensors", found="protected_tensor_policy")
+
+
+def bits_map(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+    """Shared-H version: trellis_bits_by_layer is forbidden with bits 'mixed'; otherwise an object keyed by every
+    layer of moe_layers (decimal strings) with JSON-integer K in 3, 4, 5, 6, 8 (#190 does not read it)."""
+    from trellis_cli.validate.rules_config import bits_map_problems
+
+    h = ckpt.declared.get("hybrid_tr3_tail")
+    if ckpt.dialect not in TR3_DIALECTS or not isinstance(h, dict) or "trellis_bits_by_layer" not in h:
+        return
+    where = Location(file="config.json", tensor="hybrid_tr3_tail.trellis_bits_by_layer")
+    if h.get("bits") == "mixed":
+        yield Refusal("engine.bits-map", "trellis_bits_by_layer with bits 'mixed'", where, "a mixed checkpoint may "
+                      "not declare trellis_bits_by_layer in this version", expected="no trellis_bits_by_layer",
+                      found="trellis_bits_by_layer")
+        return
+    for problem, expected, found in bits_map_problems(h, ckpt.count_limit):
+        yield Refusal("engine.bits-map", "trellis_bits_by_layer malformed", where, f"trellis_bits_by_layer: "
+                      f"{problem}", expected=expected, found=found)

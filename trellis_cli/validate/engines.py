@@ -44,7 +44,7 @@ _VLLM_COMMON = (r.vllm_container, st.embedded_quant_config, st.stamp_selects_exl
 ENGINES: tuple[Engine, ...] = (
     Engine("vllm-exl3-shared-h", "vllm-exl3 (shared-H rules)", 2,
            "local-inference-lab/vllm exl3.py with rotation_layout and _normalize_rank_sliced_metadata",
-           _VLLM_COMMON + (st.json_ints, r.bits_exact, r.k_values_two, r.every_k_used, r.bitmap_field,
+           _VLLM_COMMON + (st.json_ints, st.bits_map, r.bits_exact, r.k_values_two, r.every_k_used, r.bitmap_field,
                            r.uniform_map), tpc.fork_tp),
     Engine("vllm-exl3-190", "vllm-exl3 (#190 rules)", 2,
            "yatesdr/vllm-opt@1f0baf95 exl3.py (#190: rank-sliced, int() coercion, no rotation_layout)",

@@ -93,8 +93,8 @@ def _check_mixed(h: dict, bits: str) -> Iterator[Finding]:
         yield error("config.tr3-bits-per-expert", _where("bits_per_expert"), "mixed bits need a 'file.json:field' "
                     "string", found=h.get("bits_per_expert"))
     if "trellis_bits_by_layer" in h:
-        yield error("config.tr3-mixed", _where("trellis_bits_by_layer"), "trellis_bits_by_layer is forbidden with "
-                    "bits 'mixed'")
+        yield warning("config.tr3-mixed", _where("trellis_bits_by_layer"), "trellis_bits_by_layer with bits "
+                      "'mixed': the shared-H loader refuses it (engine.bits-map), the #190 one ignores the map")
 
 
 def _check_uniform(h: dict, bits: Any, limit: int) -> Iterator[Finding]:
@@ -106,18 +106,25 @@ def _check_uniform(h: dict, bits: Any, limit: int) -> Iterator[Finding]:
     by_layer = h.get("trellis_bits_by_layer")
     if by_layer is None:
         return
+    for problem, expected, found in bits_map_problems(h, limit):  # the shared-H loader's: engine.bits-map
+        yield warning("config.tr3-bits-by-layer", _where("trellis_bits_by_layer"), f"{problem} (the shared-H loader "
+                      "refuses it; the #190 one does not read trellis_bits_by_layer)", expected=expected, found=found)
+
+
+def bits_map_problems(h: dict, limit: int | None = None) -> Iterator[tuple[str, Any, Any]]:
+    """What is wrong with a uniform checkpoint's trellis_bits_by_layer, for the loader version that reads it."""
+    by_layer = h.get("trellis_bits_by_layer")
+    if by_layer is None:
+        return
     if not isinstance(by_layer, dict):
-        yield error("config.tr3-bits-by-layer", _where("trellis_bits_by_layer"), "must be an object",
-                    found=type(by_layer).__name__)
+        yield "must be an object", "object", type(by_layer).__name__
         return
     wanted = {str(layer) for layer in layer_range(h.get("moe_layers"), limit)}
     if wanted and set(by_layer) != wanted:
-        yield error("config.tr3-bits-by-layer", _where("trellis_bits_by_layer"), "keys must cover moe_layers exactly",
-                    expected=f"{len(wanted)} layers", found=sorted(set(by_layer) ^ wanted)[:8])
-    for key, k in by_layer.items():
-        if not (is_int(k) and k in UNIFORM_K_VALUES):
-            yield error("config.tr3-bits-by-layer", _where(f"trellis_bits_by_layer.{key}"), "K must be one of "
-                        "3, 4, 5, 6, 8", found=k)
+        yield "keys must cover moe_layers exactly", f"{len(wanted)} layers", sorted(set(by_layer) ^ wanted)[:8]
+    bad = {key: k for key, k in by_layer.items() if not (is_int(k) and k in UNIFORM_K_VALUES)}
+    if bad:
+        yield "K must be one of 3, 4, 5, 6, 8", "3, 4, 5, 6 or 8", dict(list(bad.items())[:8])
 
 
 def _int_spelling(key: str, value: Any) -> Finding:
