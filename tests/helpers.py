@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from corrupt import edit_json
 from trellis_cli.cli.app import main
 from trellis_cli.routepack.manifest import write_manifest
 from trellis_cli.synth import preset, write_checkpoint
@@ -233,14 +234,6 @@ def to_r7_v2(root: Path, *, k_values: list | None = None, embed: bool = True) ->
     return root
 
 
-def edit_json(path: Path, edit) -> Path:
-    """Apply `edit(document)` (in place) to one JSON file."""
-    doc = json.loads(path.read_text())
-    edit(doc)
-    path.write_text(json.dumps(doc))
-    return path
-
-
 def serve_exl3v1(root: Path, *, barrier: bool = True) -> Path:
     """An exl3-v1 checkpoint as the mainline manifest loader wants it: a config.json stamped exl3 that names
     exl3-manifest.json and MXFP8 dense weights, and (with `barrier`) one extent barrier at the halfway slot."""
@@ -255,4 +248,34 @@ def serve_exl3v1(root: Path, *, barrier: bool = True) -> Path:
                                       "dense_format": "mxfp8",
                                       "ignored_layers": ["g_proj", "f_a_proj", "f_b_proj", "b_proj", "kv_b_proj"]}}
     (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+def add_protected(root: Path, prefix: str = "model.layers.0.self_attn.q_proj", *, bits: int = 6,
+                  declared: object = None, marker: str = "mcg") -> Path:
+    """Give a TR3 checkpoint one protected dense EXL3 tensor (exl3-protected-v1): its trellis at `bits`, fp16
+    suh/svh and a codebook marker in a shard of its own, declared in hybrid_tr3_tail.protected_tensor_policy at
+    `declared` bits (default: `bits`) and recorded in quantization_config.json's tensor_storage."""
+    from trellis_cli.codebooks import BY_NAME
+
+    gen = torch.Generator().manual_seed(47)
+    tensors = {f"{prefix}.trellis": torch.randint(-32768, 32767, (16, 16, 16 * bits), dtype=torch.int16,
+                                                  generator=gen),
+               f"{prefix}.suh": torch.randn(256, generator=gen).half(),
+               f"{prefix}.svh": torch.randn(256, generator=gen).half(),
+               f"{prefix}.{marker}": torch.tensor(BY_NAME[marker].marker_value, dtype=torch.int32)}
+    shard = "model-protected.safetensors"
+    save_file(tensors, str(root / shard), metadata={"format": "pt"})
+    edit_json(root / "config.json", lambda c: c["hybrid_tr3_tail"].update(protected_tensor_policy={
+        "format": "exl3-protected-v1", "tensors": {prefix: {"bits": bits if declared is None else declared,
+                                                            "codebook": "mcg"}}}))
+    storage = {prefix: {"quant_format": "exl3", "bits_per_weight": bits,
+                        "stored_tensors": {name: {"shape": list(t.shape)} for name, t in tensors.items()}}}
+    (root / "quantization_config.json").write_text(json.dumps({"quant_method": "exl3", "tensor_storage": storage}))
+
+    def index(doc: dict) -> None:
+        doc["weight_map"].update({name: shard for name in tensors})
+        doc["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in tensors.values())
+    edit_json(root / "model.safetensors.index.json", index)
+    (root / "MANIFEST.sha256").unlink()
     return root
