@@ -320,3 +320,35 @@ def test_tp_is_checked_under_the_default_engine_too(tmp_path, capsys):
 def test_tp_must_be_positive(tmp_path, capsys):
     code, _, err = run_cli(capsys, "validate", str(tiny_checkpoint(tmp_path)), "--tp", "0")
     assert code == 2 and "--tp" in err
+
+
+def test_inspect_at_tp_gives_each_ranks_share_and_the_k_map(tmp_path, capsys):
+    """R7 experts are cut per rank at load: rank 0's share, sliced here with torch as the loader slices (trellis
+    and intermediate-side vectors split, hidden-side and layer-shared vectors whole), equals inspect's figure."""
+    from safetensors.torch import load_file
+
+    root = to_r7_v2(tiny_checkpoint(tmp_path, tp=1))
+    tp = 2
+    code, out, _ = run_cli(capsys, "inspect", str(root), "--tp", str(tp), "--json")
+    view = json.loads(out)["serve_tp"]
+    for row in view["layers"]:
+        tensors = load_file(str(root / f"model-layer-{row['layer']:03d}.safetensors"))
+        expected, ks = 0, {}
+        for name, t in tensors.items():
+            if ".r7_shared." in name or name.endswith(".mcg"):
+                expected += t.numel() * t.element_size()
+                continue
+            proj, field = name.split(".")[-2:]
+            # trellis [in/16, out/16, 16K]: gate/up cut on the output (intermediate) axis, down on the input one;
+            # the intermediate-side vector (gate/up svh, down suh) is cut too, the hidden-side one stays whole
+            split = {("trellis", "down_proj"): 0, ("suh", "down_proj"): 0, ("trellis", "gate_proj"): 1,
+                     ("trellis", "up_proj"): 1, ("svh", "gate_proj"): 0, ("svh", "up_proj"): 0}.get((field, proj))
+            part = t if split is None else t.narrow(split, 0, t.shape[split] // tp)
+            expected += part.numel() * part.element_size()
+            if field == "trellis":
+                ks.setdefault(proj, {}).setdefault(f"K{t.shape[-1] // 16}", 0)
+                ks[proj][f"K{t.shape[-1] // 16}"] += 1
+        assert row["bytes_per_rank"] == expected and row["projection_k"] == ks
+    assert code == 0 and view["engines"]["vllm-exl3-r7"] == {"accepts": True, "reason": None}
+    code, out, _ = run_cli(capsys, "inspect", str(root), "--tp", "4")
+    assert code == 0 and "vllm-exl3-r7: refuses (intermediate 256 / TP 4 not 128-aligned)" in out

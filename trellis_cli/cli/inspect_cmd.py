@@ -34,6 +34,9 @@ def register(app: typer.Typer) -> None:
         layers: Annotated[Optional[str], typer.Option(help="Only these MoE layers, e.g. 3-5,40.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Emit one JSON document.")] = False,
         markdown: Annotated[bool, typer.Option("--markdown", help="Emit a Markdown table.")] = False,
+        tp: Annotated[Optional[int], typer.Option("--tp", min=1, help="The TP the server will run: K per "
+                                                  "projection and routed bytes per rank at that TP, and which "
+                                                  "engines accept it.")] = None,
     ) -> None:
         from trellis_cli.checkpoint.open import open_checkpoint
         from trellis_cli.inspect_report import build_inspect, render_markdown, render_text
@@ -47,10 +50,31 @@ def register(app: typer.Typer) -> None:
         # A production checkpoint has ~80 shards and 930k tensors: a spinner with the elapsed time on a terminal.
         with output.progress_bar(f"reading headers of {opened.description}", None,
                                  enabled=output.progress_enabled(as_json)):
-            document = build_inspect(open_checkpoint(opened), chosen)
+            checkpoint = open_checkpoint(opened)
+            document = build_inspect(checkpoint, chosen)
+        if tp is not None:
+            document["serve_tp"] = _tp_view(checkpoint, chosen, tp)
         if as_json:
             output.emit_json(document)
             return
         lines = render_markdown(document) if markdown else render_text(document)
+        if tp is not None:
+            from trellis_cli.inspect_report import human_bytes
+            from trellis_cli.inspect_tp import render_tp_view
+
+            lines = [*lines, "", *render_tp_view(document["serve_tp"], human_bytes)]
         for line in lines:
             output.print_line(line)
+
+
+def _tp_view(checkpoint, chosen: list[int] | None, tp: int) -> dict:
+    """The rank's share at `tp` (inspect_tp) and each engine's TP contract at `tp` (validate's engine_tp)."""
+    from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED
+    from trellis_cli.inspect_tp import tp_view
+    from trellis_cli.validate.engines import tp_verdicts
+
+    layers = list(checkpoint.layers) if chosen is None else chosen
+    plain = checkpoint.dialect not in (DIALECT_REPACKED, DIALECT_EXL3V1)
+    view = tp_view(checkpoint, layers, tp) if plain else {"tp": tp, "layers": [], "routed_bytes_per_rank": None}
+    view["engines"] = tp_verdicts(checkpoint, tp)
+    return view

@@ -152,6 +152,17 @@ def _verdict(engine: Engine, refused: list[r.Refusal], format_errors: list[Findi
     return verdict
 
 
+def tp_verdicts(ckpt: Checkpoint, tp: int) -> dict[str, dict]:
+    """Each engine that reads this container: whether its TP contract accepts `tp`, and why not (inspect --tp)."""
+    out = {}
+    for engine in ENGINES:
+        if any(x.code == CONTAINER for rule in engine.rules for x in rule(ckpt, list(ckpt.layers))):
+            continue
+        refused = engine.tp_rule(ckpt, tp) if engine.tp_rule is not None else None
+        out[engine.name] = {"accepts": refused is None, "reason": refused.reason if refused else None}
+    return out
+
+
 def _tp_accepted(engine: Engine, ckpt: Checkpoint, refused: list[r.Refusal]) -> list[int] | str | None:
     """The TP degrees this profile would take; "any" when it sets no limit; None for a container it cannot read."""
     if any(x.code == CONTAINER for x in refused):
