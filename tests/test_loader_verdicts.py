@@ -352,3 +352,11 @@ def test_inspect_at_tp_gives_each_ranks_share_and_the_k_map(tmp_path, capsys):
     assert code == 0 and view["engines"]["vllm-exl3-r7"] == {"accepts": True, "reason": None}
     code, out, _ = run_cli(capsys, "inspect", str(root), "--tp", "4")
     assert code == 0 and "vllm-exl3-r7: refuses (intermediate 256 / TP 4 not 128-aligned)" in out
+
+
+def test_r7_without_bit_maps_loads_as_the_r7_loader_reads_k_from_shapes(tmp_path, capsys):
+    root = to_r7_v2(tiny_checkpoint(tmp_path, tp=1))
+    edit_json(root / "config.json", lambda c: c["quantization_config"]["r7_routed_experts"].pop("bit_map_manifests"))
+    code, doc = _validate(root, Case(lambda t: t, "vllm-exl3-r7", 2, None, ""), capsys)
+    warned = {f["code"] for f in doc["findings"] if f["severity"] == "warning"}
+    assert code == 0 and "bitmap.reference" in warned

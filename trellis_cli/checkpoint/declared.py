@@ -130,15 +130,20 @@ _MANIFEST_LAYER = re.compile(r"layer-([0-9]+)")  # a file name: zero-padded, ASC
 def r7_declared(r7: dict, read_json: Callable[[str], Any], files: dict[str, int]) -> Declared:
     """R7 per-layer maps: 768 entries (experts x projections), as a list or a {"E.proj"|E: ...} mapping."""
     out = Declared()
+    # The R7 loader reads each tensor's K from its trellis shape, not from these maps: without them nothing is
+    # declared to compare the shapes with, which is a warning, not a refusal.
     manifests = r7.get("bit_map_manifests")
     if not isinstance(manifests, list):
-        out.findings.append(error("bitmap.reference", Location(file="config.json", tensor="r7_routed_experts"),
-                                  "bit_map_manifests must be a list of file names", found=type(manifests).__name__))
+        out.findings.append(warning("bitmap.reference", Location(file="config.json", tensor="r7_routed_experts"),
+                                    "bit_map_manifests is not a list of file names: no declared K to compare the "
+                                    "trellis shapes with (the R7 loader reads K from the shapes)",
+                                    found=type(manifests).__name__))
         return out
     for name in manifests:
         m = _MANIFEST_LAYER.search(str(name))
         if name not in files or m is None:
-            out.findings.append(error("bitmap.missing", Location(file=str(name)), "R7 bit map manifest not found"))
+            out.findings.append(warning("bitmap.missing", Location(file=str(name)), "R7 bit map manifest not "
+                                        "found (the R7 loader does not read it; its layer has no declared K)"))
             continue
         try:
             data = read_json(name)
