@@ -77,6 +77,12 @@ def r7_stamped(stamp: str) -> Callable[[Path], Path]:
     return build
 
 
+def r7_embedded_modelopt(t: Path) -> Path:
+    root = to_r7_v2(tiny_checkpoint(t, tp=1))
+    edit_json(root / "config.json", lambda c: c["quantization_config"].update(quant_method="modelopt"))
+    return root
+
+
 def r7_without_tensor_storage(t: Path) -> Path:
     root = to_r7_v2(tiny_checkpoint(t, tp=1))
     edit_json(root / "quantization_config.json", lambda q: q.update(tensor_storage={}))
@@ -237,6 +243,9 @@ CASES: dict[str, Case] = {
                                  f"{V190} override_quantization_method claims only hybrid_tr3_tail: the stamp rules"),
     "stamp/r7-external-modelopt": Case(r7_stamped("modelopt"), "vllm-exl3-r7", None, "engine.quant-method",
                                        f"{VR7} override_quantization_method reads the embedded config only"),
+    "stamp/r7-embedded-modelopt": Case(r7_embedded_modelopt, "vllm-exl3-r7", 2, None,
+                                       f"{VR7} override_quantization_method claims an embedded R7 block first, "
+                                       "whatever the stamp says"),
     "stamp/r7-external-exl3": Case(r7_stamped("exl3"), "vllm-exl3-r7", None, "engine.r7-external",
                                    f"{VR7} Exl3Config.from_config sees no r7_routed_experts in config.json"),
     "no-config/shared-h": Case(tr3_without_quant_config, "vllm-exl3-shared-h", None, "engine.quant-config",
@@ -261,6 +270,12 @@ CASES: dict[str, Case] = {
                                                   uniform_k=4),
                                        "vllm-exl3-shared-h", 2, "engine.json-int",
                                        f"{VSHARED} _normalize_rank_sliced_metadata derives no map from a string"),
+    "bits-map/shared-h-without-bits": Case(tr3_hybrid({"bits": None, "trellis_bits_by_layer": {"3": 4, "4": 4}},
+                                                   partition=None, uniform_k=4), "vllm-exl3-shared-h", 2, None,
+                                        f"{VSHARED} _configure_rank_sliced: bits is not required; the map is read"),
+    "bits-map/190-needs-bits": Case(tr3_hybrid({"bits": None, "trellis_bits_by_layer": {"3": 4, "4": 4}},
+                                               partition=None, uniform_k=4), "vllm-exl3-190", 2,
+                                    "engine.bits-required", f"{V190} _configure_rank_sliced: bits is required"),
     "bits-map/190-ignores": Case(tr3_hybrid({"trellis_bits_by_layer": {"3": 4, "4": 4}}),
                                  "vllm-exl3-190", 2, None,
                                  f"{V190} _configure_rank_sliced never reads trellis_bits_by_layer"),

@@ -103,3 +103,13 @@ def bits_map(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     for problem, expected, found in bits_map_problems(h, ckpt.count_limit):
         yield Refusal("engine.bits-map", "trellis_bits_by_layer malformed", where, f"trellis_bits_by_layer: "
                       f"{problem}", expected=expected, found=found)
+
+
+def bits_required(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+    """#190 and R7 versions: `bits` is a required hybrid_tr3_tail key (trellis_bits_by_layer does not replace
+    it: they never read the map)."""
+    h = ckpt.declared.get("hybrid_tr3_tail")
+    if ckpt.dialect in TR3_DIALECTS and isinstance(h, dict) and "bits" not in h:
+        yield Refusal("engine.bits-required", "bits missing", Location(file="config.json",
+                      tensor="hybrid_tr3_tail.bits"), "this version requires bits among the rank-sliced keys and "
+                      "does not read trellis_bits_by_layer", expected="bits", found=None)

@@ -46,7 +46,10 @@ def check_config(ckpt: Checkpoint) -> Iterator[Finding]:
 
 def _check_tr3_contract(h: dict, limit: int) -> Iterator[Finding]:
     for key in REQUIRED_TR3_KEYS:
-        if key not in h:
+        if key == "bits" and key not in h and isinstance(h.get("trellis_bits_by_layer"), dict):
+            yield warning("config.tr3-key-missing", _where(key), "bits is missing: the shared-H loader reads "
+                          "trellis_bits_by_layer instead, the #190 and R7 versions require bits (engine.bits-required)")
+        elif key not in h:
             yield error("config.tr3-key-missing", _where(key), "required hybrid_tr3_tail key is missing")
     if "codebook" in h and h["codebook"] != "mcg":
         yield error("config.tr3-codebook", _where("codebook"), "rank-sliced checkpoints must use the mcg codebook",
