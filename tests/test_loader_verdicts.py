@@ -185,6 +185,10 @@ CASES: dict[str, Case] = {
                                    f"{VMAN} plan_exl3_extent: exactly one barrier, at the halfway slot"),
     # 3. R7
     "r7/loads": Case(r7(), "vllm-exl3-r7", None, None, f"{VR7} Exl3Config.from_config, maybe_update_config"),
+    "r7/k5-three-tiers": Case(lambda t: to_r7_v2(tiny_checkpoint(t, tp=1, partition=None, bitmap={
+                                  3: (3, 4, 5, 3, 4, 5, 3, 4), 4: (5, 5, 4, 4, 3, 3, 5, 3)})), "vllm-exl3-r7", 2, None,
+                              f"{VR7} Exl3Config.from_config: k_values within 3, 4, 5; "
+                              "Exl3MoEMethod.process_weights_after_loading prepares two or three tiers"),
     "r7/k2": Case(r7(k_values=[2, 3, 4]), "vllm-exl3-r7", None, "engine.r7-k-values",
                   f"{VR7} Exl3Config.from_config: k_values outside 3, 4, 5 are unsupported"),
     "r7/k-strings": Case(r7_block({"k_values": ["3", "4"]}), "vllm-exl3-r7", None, "engine.r7-k-values",
