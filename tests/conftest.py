@@ -61,6 +61,6 @@ requires_nvcc = pytest.mark.skipif(not nvcc_available(), reason="needs nvcc (CUD
 def exl3(request, tmp_path_factory) -> Path:
     """A small exl3-v1 checkpoint, once per spec of helpers.exl3v1_specs."""
     from helpers import exl3v1_specs
-    from trellis_cli.exl3v1.synth import write_exl3v1_checkpoint
+    from trellis_cli.dialects.exl3v1.synth import write_exl3v1_checkpoint
 
     return write_exl3v1_checkpoint(tmp_path_factory.mktemp(request.param) / "exl3", exl3v1_specs()[request.param])

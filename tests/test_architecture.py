@@ -23,14 +23,15 @@ ROOT = "trellis_cli"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("errors", "findings", "codebooks", "id_ranges", "header", "stwriter", "formats")),
     ("sources", ("sources", "hub_client", "integrity", "selection", "sample")),
-    ("model", ("checkpoint", "routepack", "codec", "encoder", "reference", "synth", "sample_build", "exl3v1")),
-    ("work", ("validate", "repack", "bench", "kernel", "inspect_report", "inspect_exl3v1", "inspect_tp")),
+    ("model", ("checkpoint", "routepack", "codec", "encoder", "reference", "synth", "sample_build")),
+    ("dialects", ("dialects",)),
+    ("work", ("validate", "repack", "bench", "kernel", "inspect_report", "inspect_tp")),
     ("entry", ("workflows",)),
     ("top", ("cli", "__main__", "")),
 ]
 # The work packages are siblings: one never imports another, except along these edges.
 SIBLINGS = {"validate": "validate", "repack": "repack", "bench": "bench", "kernel": "kernel",
-            "inspect_report": "inspect", "inspect_exl3v1": "inspect", "inspect_tp": "inspect"}
+            "inspect_report": "inspect", "inspect_tp": "inspect"}
 ALLOWED_SIBLING_EDGES = {
     ("bench", "kernel"),  # bench runs the fused kernel
 }

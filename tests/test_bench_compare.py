@@ -22,7 +22,7 @@ from trellis_cli.bench.peer_compare import disagreements
 from trellis_cli.bench.peer_exllamav3 import PEER_VERSION, locate_peer, package_shell, split_routes, tier_experts
 from trellis_cli.bench.smoke import rel_l2
 from trellis_cli.bench.synthetic import Preset, random_activations, random_routes, synthetic_pack
-from trellis_cli.checkpoint import open_checkpoint
+from trellis_cli.dialects import open_checkpoint
 from trellis_cli.cli.bench_compare import compare_cells, compare_columns, compare_summary
 from trellis_cli.reference import layer_pack_forward, moe_forward
 from trellis_cli.routepack.pack import pack_layer

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import run_cli, tiny_checkpoint, to_plain_exl3, to_r7
-from trellis_cli.checkpoint import open_checkpoint, read_tensor
+from trellis_cli.checkpoint import read_tensor
+from trellis_cli.dialects import open_checkpoint
 from trellis_cli.checkpoint.model import (
     DIALECT_EXL3,
     DIALECT_R7,

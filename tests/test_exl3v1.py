@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trellis_cli.checkpoint import open_checkpoint
+from trellis_cli.dialects import open_checkpoint
 from trellis_cli.header import read_local_header
 from trellis_cli.synth import SynthSpec, preset
 from helpers import run_cli as run_cli_split
@@ -34,7 +34,7 @@ def synth_exl3v1(capsys, out: Path, *extra: str) -> Path:
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory) -> Path:
     """Mixed K3/K4 (per_expert_pair), 5 + 1 experts so rows carry 3072 bytes of padding, per-expert H tables."""
-    from trellis_cli.exl3v1.synth import write_exl3v1_checkpoint
+    from trellis_cli.dialects.exl3v1.synth import write_exl3v1_checkpoint
 
     spec = SynthSpec(hidden=256, intermediate=512, experts=6, tp=1, layers=(3, 4), partition=(5, 1), top_k=2)
     return write_exl3v1_checkpoint(tmp_path_factory.mktemp("exl3v1") / "mixed", spec)
@@ -215,7 +215,7 @@ def test_synth_refuses_what_exl3v1_cannot_hold(capsys, tmp_path):
     assert code == 2 and "mcg" in text
     spec = replace(preset("tiny"), partition=None, uniform_k=None, bitmap={3: (3,) * 7 + (5,), 4: (3,) * 8})
     from trellis_cli.errors import UsageError
-    from trellis_cli.exl3v1.synth import manifest_for
+    from trellis_cli.dialects.exl3v1.synth import manifest_for
 
     with pytest.raises(UsageError, match="pair kinds"):
         manifest_for(spec)

@@ -57,7 +57,7 @@ def read_every_extent(root: Path) -> list:
               rotation_layout="shared_h_v1"),
 ], ids=["uniform", "pair"])
 def test_b12x_reads_trellis_synth(tmp_path, spec):
-    from trellis_cli.exl3v1.synth import write_exl3v1_checkpoint
+    from trellis_cli.dialects.exl3v1.synth import write_exl3v1_checkpoint
 
     root = write_exl3v1_checkpoint(tmp_path / "ck", spec)
     layers = read_every_extent(root)
@@ -113,7 +113,7 @@ def test_b12x_reassembles_the_tr3_source_tiles(capsys, tmp_path):
     from trellis_cli.checkpoint.names import expert_key
     from b12x.moe.fused_moe.trellis_layout import assemble_uniform_slots
 
-    from trellis_cli.exl3v1.synth import write_exl3v1_checkpoint
+    from trellis_cli.dialects.exl3v1.synth import write_exl3v1_checkpoint
 
     spec = SynthSpec(hidden=256, intermediate=1024, experts=4, tp=1, layers=(3,), uniform_k=3, top_k=2)
     seed = write_exl3v1_checkpoint(tmp_path / "seed", spec)

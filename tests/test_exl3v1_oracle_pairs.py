@@ -83,7 +83,7 @@ def test_b12x_reads_the_pair_placement_of_a_mixed_k_tr3_source(tmp_path, tp):
     if tp == 1:
         source = write_checkpoint(tmp_path / "tr3", spec)  # one rank: nothing to agree across ranks
     else:  # two ranks with byte-identical hidden-side vectors: the way a TR3 source can convert exactly
-        from trellis_cli.exl3v1.synth import write_exl3v1_checkpoint
+        from trellis_cli.dialects.exl3v1.synth import write_exl3v1_checkpoint
 
         seed = write_exl3v1_checkpoint(tmp_path / "seed", spec)
         run_ok("repack", str(seed), str(tmp_path / "tr3"), "--to", "tr3", "--tp", "2")

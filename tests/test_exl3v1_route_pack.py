@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trellis_cli.exl3v1.synth import write_exl3v1_checkpoint
+from trellis_cli.dialects.exl3v1.synth import write_exl3v1_checkpoint
 from helpers import Interrupted, interrupt_after
 from helpers import run_cli_merged as run_cli
 from helpers import exl3v1_specs, tensor_bytes
@@ -96,10 +96,10 @@ def test_interrupted_pack_resumes(tmp_path, monkeypatch):
 
 def test_read_back_names_a_changed_byte(capsys, tmp_path):
     """The read-back check itself: one trellis byte changed in a written layer file is found and named."""
-    from trellis_cli.checkpoint import open_checkpoint
+    from trellis_cli.dialects import open_checkpoint
     from trellis_cli.errors import CheckFailed
-    from trellis_cli.checkpoint.exl3v1 import container, layer_rates
-    from trellis_cli.routepack.exl3v1_pack import expert_tiers
+    from trellis_cli.dialects.exl3v1.container import container, layer_rates
+    from trellis_cli.dialects.exl3v1.pack import expert_tiers
     from trellis_cli.repack.exl3v1.pack_readback import check_written
     from trellis_cli.header import read_local_header
     from trellis_cli.routepack.source_bytes import TensorReader

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from helpers import run_cli
-from trellis_cli.checkpoint import open_checkpoint
+from trellis_cli.dialects import open_checkpoint
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.inspect_report import build_inspect
 from trellis_cli.synth import SynthSpec, preset, write_checkpoint

@@ -18,7 +18,7 @@ import pytest
 from corrupt import edit_json, rebuild_shard
 from helpers import (add_protected, exl3v1_specs, run_cli, serve_exl3v1, tiny_checkpoint, to_plain_exl3, to_r7,
                      to_r7_v2)
-from trellis_cli.exl3v1.synth import write_exl3v1_checkpoint
+from trellis_cli.dialects.exl3v1.synth import write_exl3v1_checkpoint
 
 # The loader versions, as docs/engines.md names them.
 V190 = "yatesdr/vllm-opt@1f0baf95 quantization/exl3.py (#190)"

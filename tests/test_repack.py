@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from helpers import Interrupted, all_tensors, assert_same_tensors, interrupt_after
 from trellis_cli import synth
-from trellis_cli.checkpoint import open_checkpoint
+from trellis_cli.dialects import open_checkpoint
 from trellis_cli.errors import CheckFailed
 from trellis_cli.routepack.layer_file import read_layer_pack, write_layer_pack
 from trellis_cli.routepack.pack import pack_layer
@@ -22,7 +22,7 @@ from trellis_cli.validate import run_validation
 from trellis_cli.id_ranges import compact_ranges, expand_ranges
 from trellis_cli.formats.route_pack import SCHEMA, split_descriptor
 from trellis_cli import RepackOptions, run_repack
-from trellis_cli.routepack.verify import describe_repacked, verify_repacked
+from trellis_cli.dialects.routepack.verify import describe_repacked, verify_repacked
 from trellis_cli.sample import sample_path
 
 TINY = synth.preset("tiny")

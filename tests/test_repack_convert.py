@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from trellis_cli import synth
-from trellis_cli.checkpoint import open_checkpoint
+from trellis_cli.dialects import open_checkpoint
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.routepack.pack import pack_layer
 from trellis_cli.formats.route_pack import split_descriptor
 from trellis_cli import RepackOptions, run_repack
-from trellis_cli.routepack.verify import verify_repacked
+from trellis_cli.dialects.routepack.verify import verify_repacked
 
 from helpers import all_tensors, assert_same_tensors
 

@@ -6,7 +6,7 @@ import json
 
 from hub_server import HubServer
 from trellis_cli import RepackOptions, run_repack
-from trellis_cli.routepack.verify import verify_repacked
+from trellis_cli.dialects.routepack.verify import verify_repacked
 from trellis_cli.sources import open_source
 from trellis_cli.synth import preset, write_checkpoint
 

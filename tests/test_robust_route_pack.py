@@ -180,7 +180,7 @@ def test_layers_on_a_route_pack_mean_what_they_mean_on_a_checkpoint(capsys, pack
 
 def test_route_pack_hashing_reports_its_progress(pack):
     """The bytes hashed reach the progress callback (the CLI's sha256 bar) as they are read."""
-    from trellis_cli.checkpoint import open_checkpoint
+    from trellis_cli.dialects import open_checkpoint
     from trellis_cli.validate import run_validation
 
     seen: list[int] = []

@@ -122,7 +122,7 @@ def test_fifo_config_is_unreadable_not_unknown(ckpt, capsys):
 # Root can read anything: the permission cases run under capsh without the DAC capabilities.
 _AS_USER = """
 import json, sys
-from trellis_cli.checkpoint import open_checkpoint
+from trellis_cli.dialects import open_checkpoint
 from trellis_cli.errors import TrellisError
 from trellis_cli.validate import run_validation
 out = {}

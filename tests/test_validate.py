@@ -12,7 +12,7 @@ import torch
 
 from corrupt import INDEX, SHARD3, edit_json, key, rebuild_shard, write_tensor_bytes
 from helpers import run_cli, tiny_checkpoint, to_plain_exl3, to_r7
-from trellis_cli.checkpoint import open_checkpoint
+from trellis_cli.dialects import open_checkpoint
 from trellis_cli.findings import Location, Severity, error
 from trellis_cli.sample import sample_path
 from trellis_cli.synth import SynthSpec, write_checkpoint

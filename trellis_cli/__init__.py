@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "open_source": "trellis_cli.sources",
     "Source": "trellis_cli.sources",
-    "open_checkpoint": "trellis_cli.checkpoint.open",
+    "open_checkpoint": "trellis_cli.dialects.open",
     "read_tensor": "trellis_cli.checkpoint.tensors",
     "Checkpoint": "trellis_cli.checkpoint.model",
     "run_validation": "trellis_cli.validate",
@@ -44,7 +44,7 @@ __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on demand
     from trellis_cli.checkpoint.model import Checkpoint
-    from trellis_cli.checkpoint.open import open_checkpoint
+    from trellis_cli.dialects.open import open_checkpoint
     from trellis_cli.checkpoint.tensors import read_tensor
     from trellis_cli.errors import TrellisError
     from trellis_cli.findings import Finding, Report, Severity

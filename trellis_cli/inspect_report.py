@@ -18,7 +18,7 @@ GiB = 1024**3
 
 def build_inspect(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str, Any]:
     if ckpt.dialect == DIALECT_REPACKED:
-        from trellis_cli.routepack.verify import describe_repacked
+        from trellis_cli.dialects.routepack.verify import describe_repacked
 
         pack = _as_tr3_terms(describe_repacked(ckpt.source))
         if layers is not None:  # as for a checkpoint: every chosen layer must be there, and only those show
@@ -73,7 +73,7 @@ def _as_tr3_terms(pack: dict[str, Any]) -> dict[str, Any]:
 
 
 def _exl3v1_document(ckpt: Checkpoint, chosen: list[int], whole: bool) -> dict[str, Any]:
-    from trellis_cli.inspect_exl3v1 import exl3v1_rows, exl3v1_section
+    from trellis_cli.dialects.exl3v1.inspect import exl3v1_rows, exl3v1_section
 
     rows = exl3v1_rows(ckpt, chosen)
     every = rows if whole else exl3v1_rows(ckpt, list(ckpt.layers))  # totals cover the whole checkpoint

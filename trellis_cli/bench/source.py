@@ -95,14 +95,14 @@ def first_repacked_layer(path: Path) -> int:
 
 
 def _checkpoint(source: str, layer: int | None, rank: int, device: str) -> BenchSource:
-    from trellis_cli.checkpoint import open_checkpoint
+    from trellis_cli.dialects import open_checkpoint
     from trellis_cli.routepack.pack import pack_layer
     from trellis_cli.sources import open_source
 
     checkpoint = open_checkpoint(open_source(source))
     chosen = chosen_layer(checkpoint, source, layer)
     if checkpoint.dialect == "exl3-v1":  # one rank of its slot extents
-        from trellis_cli.routepack.exl3v1_pack import default_tp, exl3v1_pack
+        from trellis_cli.dialects.exl3v1.pack import default_tp, exl3v1_pack
         from trellis_cli.routepack.pack import to_device
 
         tp = default_tp(checkpoint)

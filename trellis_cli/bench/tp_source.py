@@ -87,7 +87,7 @@ def _plan_route_pack(path: Path, layer: int, tp: int) -> TpPlan:
 
 
 def _open(source: str):
-    from trellis_cli.checkpoint import open_checkpoint
+    from trellis_cli.dialects import open_checkpoint
     from trellis_cli.sources import open_source
 
     return open_checkpoint(open_source(source))
@@ -100,7 +100,7 @@ def _plan_checkpoint(source: str, layer: int | None, tp: int) -> TpPlan:
     chosen = chosen_layer(checkpoint, source, layer)
     if checkpoint.dialect == "exl3-v1":
         from trellis_cli.formats.exl3v1_layout import tp_degrees
-        from trellis_cli.checkpoint.exl3v1 import container
+        from trellis_cli.dialects.exl3v1.container import container
 
         allowed = tp_degrees(container(checkpoint).manifest)
         if tp not in allowed:
@@ -147,7 +147,7 @@ def load_rank_pack(plan: TpPlan, rank: int, device: torch.device | str, seed: in
         return read_layer_pack(plan.source, plan.layer, rank, device=str(device))
     checkpoint = _open(plan.source)
     if plan.kind == "exl3-v1":
-        from trellis_cli.routepack.exl3v1_pack import exl3v1_pack
+        from trellis_cli.dialects.exl3v1.pack import exl3v1_pack
         from trellis_cli.routepack.pack import to_device
 
         return to_device(exl3v1_pack(checkpoint, plan.layer, rank, plan.tp), device)
@@ -163,7 +163,7 @@ def whole_layer_reference(plan: TpPlan, x: torch.Tensor, ids: torch.Tensor, weig
         return None
     checkpoint = _open(plan.source)
     if plan.kind == "exl3-v1":
-        from trellis_cli.routepack.exl3v1_pack import exl3v1_pack
+        from trellis_cli.dialects.exl3v1.pack import exl3v1_pack
 
         return layer_pack_forward(exl3v1_pack(checkpoint, plan.layer, 0, 1), x.cpu(), ids.cpu(),
                                   weights.cpu()).to(x.device)

@@ -38,7 +38,7 @@ def register(app: typer.Typer) -> None:
                                                   "projection and routed bytes per rank at that TP, and which "
                                                   "engines accept it.")] = None,
     ) -> None:
-        from trellis_cli.checkpoint.open import open_checkpoint
+        from trellis_cli.dialects.open import open_checkpoint
         from trellis_cli.inspect_report import build_inspect, render_markdown, render_text
         from trellis_cli.selection import parse_layer_ranges
 
@@ -69,12 +69,12 @@ def register(app: typer.Typer) -> None:
 
 def _tp_view(checkpoint, chosen: list[int] | None, tp: int) -> dict:
     """The rank's share at `tp` (inspect_tp) and each engine's TP contract at `tp` (validate's engine_tp)."""
-    from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED
+    from trellis_cli.dialects.registry import dialect_of
     from trellis_cli.inspect_tp import tp_view
     from trellis_cli.validate.engines import tp_verdicts
 
     layers = list(checkpoint.layers) if chosen is None else chosen
-    plain = checkpoint.dialect not in (DIALECT_REPACKED, DIALECT_EXL3V1)
+    plain = dialect_of(checkpoint).shard_rules  # per-linear tensors in shards: what inspect_tp reads
     view = tp_view(checkpoint, layers, tp) if plain else {"tp": tp, "layers": [], "routed_bytes_per_rank": None}
     view["engines"] = tp_verdicts(checkpoint, tp)
     return view

@@ -179,7 +179,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _write_exl3v1(out: Path, spec, overwrite: bool, as_json: bool) -> None:
-    from trellis_cli.exl3v1 import synth as synth_exl3v1
+    from trellis_cli.dialects.exl3v1 import synth as synth_exl3v1
 
     size = synth_exl3v1.checkpoint_bytes(spec)
     output.log(f"writing {out}: exl3-v1, {len(spec.layers)} layer files, {size / 1e9:.2f} GB of tensor data"

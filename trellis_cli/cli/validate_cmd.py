@@ -83,7 +83,7 @@ def register(app: typer.Typer) -> None:
 def _validate(opened, layers: list[int] | None, deep: bool, download: bool, checksums: bool,
               as_json: bool, engine: str | None, tp: int | None = None) -> Report:
     from trellis_cli.checkpoint.model import DIALECT_REPACKED
-    from trellis_cli.checkpoint.open import open_checkpoint
+    from trellis_cli.dialects.open import open_checkpoint
     from trellis_cli.selection import require_present
     from trellis_cli.validate import run_validation
     from trellis_cli.validate.engines import DEFAULT

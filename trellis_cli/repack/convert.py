@@ -32,7 +32,7 @@ from trellis_cli.sources import LocalSource
 
 def route_pack_to_tr3(root: Path, out: Path, options, *, on_bytes=None, on_total=None, log=None):
     """A route-pack directory -> the TR3 layout (config, bitmap and other files restored, shards rebuilt)."""
-    from trellis_cli.routepack.verify import verify_repacked
+    from trellis_cli.dialects.routepack.verify import verify_repacked
 
     if options.to != "tr3":
         raise UsageError(f"{root} is already a route pack; pass --to tr3 to convert it back to TR3")

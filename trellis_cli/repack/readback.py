@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trellis_cli.checkpoint.model import DIALECT_TR3_SHARED_H, PROJECTIONS, Checkpoint
+from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint
 from trellis_cli.errors import CheckFailed
 from trellis_cli.header import HeaderError, header_length, parse_header
 from trellis_cli.formats.route_pack import (
@@ -22,7 +22,7 @@ from trellis_cli.formats.route_pack import (
     TIER_SIZE, descriptor, tier_trellis_name,
 )
 from trellis_cli.routepack.pack import (
-    expected_hidden, expected_intermediate, expected_trellis, layer_tiers, linear_slice,
+    expected_hidden, expected_intermediate, expected_trellis, layer_tiers, linear_slice, source_is_shared_h,
 )
 from trellis_cli.routepack.plan import is_identity, rank_pieces
 from trellis_cli.routepack.source_bytes import READ_CHUNK, ST_TO_TORCH, Scratch, TensorReader
@@ -141,7 +141,7 @@ def _compare(written: _WrittenFile, checkpoint: Checkpoint, layer: int, rank: in
     moe = checkpoint.layers[layer]
     hidden, inter = checkpoint.hidden, checkpoint.intermediate
     pieces, source_width = rank_pieces(inter, checkpoint.tp, tp, rank), inter // checkpoint.tp
-    source_shared = checkpoint.rotation_layout == "shared_h_v1" or checkpoint.dialect == DIALECT_TR3_SHARED_H
+    source_shared = source_is_shared_h(checkpoint)
     tiers = layer_tiers(checkpoint, layer)
     num_experts = checkpoint.num_experts or max(moe.experts) + 1
     name = written.path.name

@@ -54,7 +54,7 @@ class RepackOptions:
 
 
 def open_repack_source(source: Any) -> Checkpoint:
-    from trellis_cli.checkpoint import open_checkpoint
+    from trellis_cli.dialects import open_checkpoint
 
     return open_checkpoint(source)
 
@@ -161,7 +161,7 @@ class _RoutePackRun:
             with stage.discard_on_refusal():
                 self._run_jobs(stage)
                 doc = self._finish(stage)
-                from trellis_cli.routepack.verify import verify_repacked
+                from trellis_cli.dialects.routepack.verify import verify_repacked
 
                 report = verify_repacked(stage.path, check_hashes=False)
                 if not report.ok:

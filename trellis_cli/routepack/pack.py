@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trellis_cli.checkpoint.model import DIALECT_TR3_SHARED_H, PROJECTIONS, Checkpoint, LinearRef, MoeLayer
+from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, LinearRef, MoeLayer
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.formats.route_pack import MAX_TIER_EXPERTS, LayerPack, descriptor, tier_trellis_shape
 from trellis_cli.routepack.plan import Piece, is_identity, rank_pieces, resolve_target_tp
@@ -61,7 +61,7 @@ def _prod(shape: tuple[int, ...]) -> int:
 
 def source_is_shared_h(checkpoint: Checkpoint) -> bool:
     """Whether the source stores one hidden-side row per (projection, rank) instead of one per expert."""
-    return checkpoint.rotation_layout == "shared_h_v1" or checkpoint.dialect == DIALECT_TR3_SHARED_H
+    return checkpoint.rotation_layout == "shared_h_v1"  # a shared_h_v1 TR3 checkpoint's layout, always
 
 
 def layer_tiers(checkpoint: Checkpoint, layer: int) -> list[tuple[int, list[int]]]:

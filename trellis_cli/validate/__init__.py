@@ -55,12 +55,12 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
         engines.assess(checkpoint, [], report, enforced, tp)
         cap_findings(report)
         return report
-    from trellis_cli.checkpoint.open import paused_gc
+    from trellis_cli.dialects.open import paused_gc
 
     selected = _selected_layers(checkpoint, layers)  # a usage error before any rule runs
     report = Report(subject=_subject(checkpoint), context=_context(checkpoint))
     if checkpoint.dialect == DIALECT_EXL3V1:
-        from trellis_cli.validate.rules_exl3v1 import check_exl3v1
+        from trellis_cli.dialects.exl3v1.rules import check_exl3v1
 
         check_exl3v1(checkpoint, report, selected, deep=deep, checksums=checksums, progress=progress,
                      checksum_progress=checksum_progress)
@@ -157,7 +157,7 @@ def _run_checksums(ckpt: Checkpoint, report: Report, progress) -> None:
 
 def _validate_route_pack(ckpt: Checkpoint, layers: list[int] | None, progress) -> Report:
     from trellis_cli.routepack.manifest import declared_layers
-    from trellis_cli.routepack.verify import verify_repacked
+    from trellis_cli.dialects.routepack.verify import verify_repacked
     from trellis_cli.selection import require_present
 
     if layers is not None:  # the same meaning as for a checkpoint: naming a layer the pack lacks is a mistake

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from trellis_cli.checkpoint.dialect import EXL3V1_MANIFEST
-from trellis_cli.checkpoint.model import DIALECT_EXL3V1, Checkpoint
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects.detect import EXL3V1_MANIFEST
+from trellis_cli.dialects.interface import VLLM_MANIFEST
+from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import Location
-from trellis_cli.validate.engine_rules import Refusal
+from trellis_cli.validate.engine_rules import Refusal, container_refusal
 from trellis_cli.validate.engine_stamps import STAMP, embedded
 
 DENSE_FORMAT = "mxfp8"
@@ -26,10 +28,7 @@ QUANT = Location(file="config.json", tensor="quantization_config")
 
 def manifest_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Only an exl3-v1 container: every TR3, R7, plain EXL3 checkpoint or route pack is the wrong container."""
-    if ckpt.dialect != DIALECT_EXL3V1:
-        yield Refusal("engine.container", "wrong container", Location(), f"a {ckpt.dialect} checkpoint: this "
-                      f"loader reads routed experts only from a b12x {EXL3V1_MANIFEST} container",
-                      expected=DIALECT_EXL3V1, found=ckpt.dialect)
+    yield from container_refusal(ckpt, VLLM_MANIFEST)
 
 
 def manifest_config(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
@@ -62,11 +61,11 @@ def manifest_config(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
 
 def manifest_geometry(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """The manifest's expert count and hidden size are the model's (config.json)."""
-    from trellis_cli.checkpoint.exl3v1 import container
-
-    m = container(ckpt).manifest if ckpt.dialect == DIALECT_EXL3V1 else None
+    m = _manifest(ckpt)
     if m is None:
         return
+    from trellis_cli.dialects.exl3v1.container import container
+
     text = ckpt.config.get("text_config") if isinstance(ckpt.config.get("text_config"), dict) else ckpt.config
     experts = next((text.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts") if k in text),
                    None)
@@ -80,10 +79,19 @@ def manifest_geometry(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
 
 def uniform_rates(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """b12x 1.5.1's trellis adapter (trellis_from_exl3) prepares uniform rates only."""
-    from trellis_cli.checkpoint.exl3v1 import container
+    from trellis_cli.dialects.exl3v1.container import container
 
-    m = container(ckpt).manifest if ckpt.dialect == DIALECT_EXL3V1 else None
+    m = _manifest(ckpt)
     if m is not None and m.structure != "uniform":
         yield Refusal("engine.manifest-rates", "per-expert rates", Location(file=container(ckpt).manifest_file,
                       tensor="rates"), "b12x 1.5.1's trellis adapter takes uniform EXL3 rates only",
                       expected="uniform", found=m.structure)
+
+
+def _manifest(ckpt: Checkpoint):
+    """The exl3-v1 manifest of a checkpoint this loader reads, None otherwise (or when it did not parse)."""
+    if dialect_of(ckpt).container_refusal(VLLM_MANIFEST) is not None:
+        return None
+    from trellis_cli.dialects.exl3v1.container import container
+
+    return container(ckpt).manifest

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from trellis_cli.checkpoint.model import (
-    DIALECT_R7,
-    DIALECT_REPACKED,
-    DIALECT_EXL3V1,
-    Checkpoint,
-)
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects.interface import VLLM_R7
+from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import Location
 from trellis_cli.header import is_int
-from trellis_cli.validate.engine_rules import TR3_DIALECTS, Refusal, storage_refusals, uniform_k_190
+from trellis_cli.validate.engine_rules import Refusal, container_refusal, storage_refusals, uniform_k_190
 from trellis_cli.validate.engine_stamps import STAMP, embedded
 
 R7_SCHEMA = "r7-complete-v2-checkpoint-v1"
@@ -55,19 +52,14 @@ def _r7(ckpt: Checkpoint) -> Any:
 def r7_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """This version reads hybrid_tr3_tail, r7_routed_experts, the GLM-5.3 scope and tensor_storage; not b12x's
     exl3-v1 container and not a route pack."""
-    if ckpt.dialect in (DIALECT_EXL3V1, DIALECT_REPACKED):
-        what = "exl3-v1 is b12x's container" if ckpt.dialect == DIALECT_EXL3V1 else \
-            "a route pack is trellis' own layout (repack --to tr3 rebuilds the served one)"
-        yield Refusal("engine.container", "wrong container", Location(), f"{what}: this loader reads "
-                      "hybrid_tr3_tail, r7_routed_experts or tensor_storage", expected="TR3, R7 or plain EXL3",
-                      found=ckpt.dialect)
+    yield from container_refusal(ckpt, VLLM_R7)
 
 
 def r7_detected(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """R7 is recognized from the embedded quantization_config alone; described only in quantization_config.json
     it is not seen: the stamp then picks the loader (modelopt: not this one), or, stamped exl3, the R7 block is
     never configured and the layer-shared vectors have no reader."""
-    if ckpt.dialect != DIALECT_R7 or embedded(ckpt) is None or _r7(ckpt) is not None:
+    if not dialect_of(ckpt).r7_maps or embedded(ckpt) is None or _r7(ckpt) is not None:
         return
     stamp = embedded(ckpt).get("quant_method")
     if stamp != "exl3":
@@ -143,13 +135,12 @@ def glm53_contract(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
 
 def r7_tensor_storage(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Outside the rank-sliced path (R7, the GLM-5.3 scope, plain EXL3) tensor_storage is required."""
-    if ckpt.dialect in TR3_DIALECTS:
-        return
-    yield from storage_refusals(ckpt)
+    if not dialect_of(ckpt).hybrid_tr3_tail:
+        yield from storage_refusals(ckpt)
 
 
 def _r7_layers(ckpt: Checkpoint, layers: list[int]) -> list[int]:
-    return [li for li in layers if li in ckpt.layers] if ckpt.dialect == DIALECT_R7 else []
+    return [li for li in layers if li in ckpt.layers] if dialect_of(ckpt).r7_maps else []
 
 
 def r7_layer_range(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
@@ -209,5 +200,5 @@ def r7_undeclared_k(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
 
 def uniform_k_r7(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Its rank-sliced TR3 path is the #190 one: a uniform bits is every layer's K, served at K3..K6."""
-    if ckpt.dialect in TR3_DIALECTS:
+    if dialect_of(ckpt).hybrid_tr3_tail:
         yield from uniform_k_190(ckpt, layers)

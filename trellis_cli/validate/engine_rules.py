@@ -11,22 +11,14 @@ from __future__ import annotations
 from typing import Any, Iterator, NamedTuple
 
 from trellis_cli.checkpoint.declared import layer_range, uniform_bits
-from trellis_cli.checkpoint.dialect import QUANT_CONFIG
-from trellis_cli.checkpoint.model import (
-    DIALECT_EXL3,
-    DIALECT_R7,
-    DIALECT_REPACKED,
-    DIALECT_EXL3V1,
-    DIALECT_TR3_PER_EXPERT,
-    DIALECT_TR3_SHARED_H,
-    PROJECTIONS,
-    Checkpoint,
-)
+from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint
+from trellis_cli.dialects.detect import QUANT_CONFIG
+from trellis_cli.dialects.interface import B12X, EXLLAMAV3, VLLM, ContainerRefusal
+from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.checkpoint.names import H_SIDE
 from trellis_cli.findings import Location
 from trellis_cli.header import is_int
 
-TR3_DIALECTS = (DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H)
 ONE_GRID_TIERS = 2  # the mixed path takes exactly two bitrates per layer, with no serial fallback
 UNIFORM_K_190 = range(3, 7)
 UNIFORM_K_SHARED_H = (3, 4, 5, 6, 8)
@@ -51,46 +43,47 @@ def _at(key: str) -> Location:
     return Location(file="config.json", tensor=f"hybrid_tr3_tail.{key}")
 
 
-def _dialect_name(ckpt: Checkpoint) -> str:
-    return {DIALECT_R7: "an R7 (r7_routed_experts)", DIALECT_EXL3: "a plain exllamav3",
-            DIALECT_REPACKED: "a trellis route pack", DIALECT_EXL3V1: "an exl3-v1"}.get(
-        ckpt.dialect, f"a {ckpt.dialect}")
+def _container(ckpt: Checkpoint, refusal: ContainerRefusal) -> Refusal:
+    return Refusal("engine.container", refusal.reason, Location(), refusal.message, expected=refusal.expected,
+                   found=refusal.found if refusal.found is not None else ckpt.dialect)
 
 
-# ---- containers: which dialects a loader reads at all -----------------------------------------------------
+# ---- containers: which dialects a loader reads at all (each dialect says why a loader refuses it) -------
+
+def container_refusal(ckpt: Checkpoint, family: str) -> Iterator[Refusal]:
+    """The dialect's named refusal when loader `family` does not read its container."""
+    refusal = dialect_of(ckpt).container_refusal(family)
+    if refusal is not None:
+        yield _container(ckpt, refusal)
+
 
 def vllm_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """The fork detects hybrid_tr3_tail (format exl3-trellis) and reads tensor_storage; nothing else."""
-    if ckpt.dialect in TR3_DIALECTS or ckpt.dialect == DIALECT_EXL3:
-        return
-    what = {DIALECT_R7: "r7_routed_experts is not a contract this version reads (it knows hybrid_tr3_tail and "
-                        "tensor_storage only)",
-            DIALECT_REPACKED: "a route pack is trellis' own layout (repack --to tr3 rebuilds the served one)",
-            DIALECT_EXL3V1: "exl3-v1 is b12x's container"}.get(ckpt.dialect, "not a layout this loader reads")
-    yield Refusal("engine.container", "wrong container", Location(), f"{_dialect_name(ckpt)} checkpoint: {what}",
-                  expected="hybrid_tr3_tail or tensor_storage", found=ckpt.dialect)
+    refusal = dialect_of(ckpt).container_refusal(VLLM)
+    if refusal is not None:
+        yield _container(ckpt, refusal)
 
 
 def b12x_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """b12x's exl3-v1 reader opens exl3-manifest.json and the layer files it names, and nothing else."""
-    if ckpt.dialect != DIALECT_EXL3V1:
-        yield Refusal("engine.container", "wrong container", Location(), f"{_dialect_name(ckpt)} checkpoint: the "
-                      "exl3-v1 reader opens exl3-manifest.json and the layer files it lists, which this is not",
-                      expected=DIALECT_EXL3V1, found=ckpt.dialect)
+    refusal = dialect_of(ckpt).container_refusal(B12X)
+    if refusal is not None:
+        yield _container(ckpt, refusal)
 
 
 def exllamav3_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """exllamav3 looks up `experts.{E}.{proj}.{trellis|suh|svh|su|sv}` per linear, with no rank segment."""
-    if ckpt.dialect in TR3_DIALECTS or any(ckpt.layers[li].rank_sliced for li in layers if li in ckpt.layers):
+    dialect = dialect_of(ckpt)
+    refusal = dialect.container_refusal(EXLLAMAV3)
+    if refusal is not None:
+        yield _container(ckpt, refusal)
+    elif any(ckpt.layers[li].rank_sliced for li in layers if li in ckpt.layers):
         yield Refusal("engine.container", "rank-sliced names", Location(), "expert tensors carry a .rank{r}. "
                       "segment: exllamav3 finds no experts.{E}.{proj}.trellis and loads no expert",
                       expected="experts.{E}.{proj}.trellis", found="experts.{E}.{proj}.rank{r}.trellis")
-    elif ckpt.dialect == DIALECT_R7 and any(ckpt.layers[li].r7_shared for li in layers if li in ckpt.layers):
+    elif dialect.r7_maps and any(ckpt.layers[li].r7_shared for li in layers if li in ckpt.layers):
         yield Refusal("engine.container", "layer-shared vectors", Location(), "hidden-side vectors live once per "
                       "layer (experts.r7_shared): exllamav3 needs suh/svh (or su/sv) under every linear")
-    elif ckpt.dialect not in (DIALECT_EXL3, DIALECT_R7):
-        yield Refusal("engine.container", "wrong container", Location(), f"{_dialect_name(ckpt)} checkpoint: "
-                      "exllamav3 reads per-linear safetensors names only", found=ckpt.dialect)
 
 
 # ---- bits / k_values spelling: where the two fork versions differ -----------------------------------------
@@ -146,7 +139,7 @@ def uniform_map(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Shared-H version: a uniform checkpoint needs trellis_bits_by_layer, or the legacy pair it is derived from."""
     h = _hybrid(ckpt)
     bits = h.get("bits")
-    if ckpt.dialect not in TR3_DIALECTS or isinstance(bits, str) or "trellis_bits_by_layer" in h:
+    if not dialect_of(ckpt).hybrid_tr3_tail or isinstance(bits, str) or "trellis_bits_by_layer" in h:
         return
     integral = isinstance(bits, (int, float)) and not isinstance(bits, bool) and float(bits).is_integer()
     derivable = (integral and bool(layer_range(h.get("moe_layers"))) and h.get("nvfp4_keep_per_layer") == 0
@@ -163,7 +156,7 @@ def uniform_k_190(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """#190 version: uniform bits (read for every layer; trellis_bits_by_layer is unknown to it) in 3..6."""
     h = _hybrid(ckpt)
     bits = uniform_bits(h.get("bits"))  # float(), as this version reads it: "4" is K4
-    if ckpt.dialect not in TR3_DIALECTS or bits is None:
+    if not dialect_of(ckpt).hybrid_tr3_tail or bits is None:
         return  # a non-integral bits: config.tr3-bits reports it for every version
     if bits not in UNIFORM_K_190:
         yield Refusal("engine.uniform-k", f"uniform K{int(bits)} unsupported", _at("bits"), "this version serves "
@@ -180,7 +173,7 @@ def uniform_k_190(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
 
 def shared_h_unsupported(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """#190 version: no rotation_layout; every expert needs its own hidden-side suh/svh."""
-    if ckpt.dialect == DIALECT_TR3_SHARED_H or any(ckpt.layers[li].shared_h for li in layers if li in ckpt.layers):
+    if dialect_of(ckpt).shared_h or any(ckpt.layers[li].shared_h for li in layers if li in ckpt.layers):
         yield Refusal("engine.shared-h", "shared_h_v1 unsupported", _at("rotation_layout"), "this version has no "
                       "rotation_layout: it loads per-expert hidden-side suh/svh, which a shared_h_v1 checkpoint "
                       "does not have", expected="per_expert_v1", found=ckpt.rotation_layout)
@@ -190,7 +183,7 @@ def shared_h_unsupported(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusa
 
 def tier_count(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Both fork versions: a mixed rank-sliced layer runs on the one-grid path, which takes exactly two bitrates."""
-    if ckpt.dialect not in TR3_DIALECTS:
+    if not dialect_of(ckpt).hybrid_tr3_tail:
         return
     for li in layers:
         tiers = ckpt.layers[li].partition() if li in ckpt.layers else {}
@@ -202,9 +195,10 @@ def tier_count(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
 
 def legacy_signs(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Both fork versions: MoE experts get suh/svh parameters only; packed su/sv is a dense-layer form."""
-    if ckpt.dialect not in TR3_DIALECTS + (DIALECT_EXL3,):
+    dialect = dialect_of(ckpt)
+    if not (dialect.hybrid_tr3_tail or dialect.tensor_storage):
         return
-    shared = ckpt.dialect == DIALECT_TR3_SHARED_H
+    shared = dialect.shared_h
     for li in layers:
         first, count = None, 0
         for projs in ckpt.layers[li].experts.values() if li in ckpt.layers else ():
@@ -239,7 +233,7 @@ def one_k_per_projection(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusa
 
 def tensor_storage(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Both fork versions, non-rank-sliced EXL3: per-module records in tensor_storage, checked before loading."""
-    if ckpt.dialect == DIALECT_EXL3:
+    if dialect_of(ckpt).tensor_storage:
         yield from storage_refusals(ckpt)
 
 

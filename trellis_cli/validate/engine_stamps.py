@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from trellis_cli.checkpoint.model import DIALECT_EXL3, Checkpoint
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import Location
 from trellis_cli.header import is_int
-from trellis_cli.validate.engine_rules import TR3_DIALECTS, Refusal
+from trellis_cli.validate.engine_rules import Refusal
 
 STAMP = Location(file="config.json", tensor="quantization_config.quant_method")
 
@@ -42,7 +43,7 @@ def stamp_selects_exl3(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]
     """#190 and shared-H: the EXL3 override recognizes only hybrid_tr3_tail; a plain EXL3 checkpoint is served
     by the method its stamp names, so a `modelopt` (or any other) stamp hands it to another quantizer."""
     q = embedded(ckpt)
-    if ckpt.dialect != DIALECT_EXL3 or q is None or q.get("quant_method") == "exl3":
+    if not dialect_of(ckpt).tensor_storage or q is None or q.get("quant_method") == "exl3":
         return
     yield Refusal("engine.quant-method", f"stamped {q.get('quant_method')!r}", STAMP,
                   "without hybrid_tr3_tail the EXL3 override does not claim the checkpoint, so config.json's "
@@ -53,7 +54,7 @@ def json_ints(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Shared-H version: tp and experts_per_layer positive JSON integers, moe_layers two JSON integers, a uniform
     `bits` a number (a string other than 'mixed' takes the uniform path and finds no per-layer map)."""
     h = ckpt.declared.get("hybrid_tr3_tail")
-    if ckpt.dialect not in TR3_DIALECTS or not isinstance(h, dict):
+    if not dialect_of(ckpt).hybrid_tr3_tail or not isinstance(h, dict):
         return
     for key in ("tp", "experts_per_layer"):
         if key in h and not is_int(h[key]):
@@ -78,7 +79,7 @@ def protected_unread(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     is not read and neither is tensor_storage, so the protected (dense EXL3) tensors get no EXL3 parameters and
     their trellis/suh/svh/mcg have nowhere to load."""
     h = ckpt.declared.get("hybrid_tr3_tail")
-    if ckpt.dialect in TR3_DIALECTS and isinstance(h, dict) and "protected_tensor_policy" in h:
+    if dialect_of(ckpt).hybrid_tr3_tail and isinstance(h, dict) and "protected_tensor_policy" in h:
         yield Refusal("engine.protected-unread", "protected tensors not read",
                       Location(file="config.json", tensor="hybrid_tr3_tail.protected_tensor_policy"),
                       "this version has no protected_tensor_policy and reads no tensor_storage for a rank-sliced "
@@ -92,7 +93,7 @@ def bits_map(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     from trellis_cli.validate.rules_config import bits_map_problems
 
     h = ckpt.declared.get("hybrid_tr3_tail")
-    if ckpt.dialect not in TR3_DIALECTS or not isinstance(h, dict) or "trellis_bits_by_layer" not in h:
+    if not dialect_of(ckpt).hybrid_tr3_tail or not isinstance(h, dict) or "trellis_bits_by_layer" not in h:
         return
     where = Location(file="config.json", tensor="hybrid_tr3_tail.trellis_bits_by_layer")
     if h.get("bits") == "mixed":
@@ -109,7 +110,7 @@ def bits_required(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """#190 and R7 versions: `bits` is a required hybrid_tr3_tail key (trellis_bits_by_layer does not replace
     it: they never read the map)."""
     h = ckpt.declared.get("hybrid_tr3_tail")
-    if ckpt.dialect in TR3_DIALECTS and isinstance(h, dict) and "bits" not in h:
+    if dialect_of(ckpt).hybrid_tr3_tail and isinstance(h, dict) and "bits" not in h:
         yield Refusal("engine.bits-required", "bits missing", Location(file="config.json",
                       tensor="hybrid_tr3_tail.bits"), "this version requires bits among the rank-sliced keys and "
                       "does not read trellis_bits_by_layer", expected="bits", found=None)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from trellis_cli.checkpoint.model import DIALECT_EXL3, DIALECT_EXL3V1, DIALECT_R7, Checkpoint
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects.interface import VLLM_MANIFEST
+from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import Location
 from trellis_cli.header import coerced_int
-from trellis_cli.validate.engine_rules import TR3_DIALECTS, Refusal
+from trellis_cli.validate.engine_rules import Refusal
 
 MAX_TP = 64  # the degrees listed without --tp: beyond any rig the loaders serve
 SLICE_QUANTUM = 128  # per-rank intermediate slices are cut on Hadamard-block boundaries
@@ -56,9 +58,10 @@ def sliced_at_load_tp(ckpt: Checkpoint, tp: int) -> Refusal | None:
 
 def fork_tp(ckpt: Checkpoint, tp: int) -> Refusal | None:
     """#190 and shared-H versions: rank-sliced TR3 at its recorded tp; plain EXL3 MoE sliced at load."""
-    if ckpt.dialect in TR3_DIALECTS:
+    dialect = dialect_of(ckpt)
+    if dialect.hybrid_tr3_tail:
         return rank_sliced_tp(ckpt, tp)
-    if ckpt.dialect == DIALECT_EXL3:
+    if dialect.tensor_storage:
         return sliced_at_load_tp(ckpt, tp)
     return None
 
@@ -70,16 +73,16 @@ def r7_fork_tp(ckpt: Checkpoint, tp: int) -> Refusal | None:
     if glm53_scope(ckpt) and tp != GLM53_SCOPE_TP:
         return _refuse(f"GLM-5.3 scope needs TP {GLM53_SCOPE_TP}", "the GLM-5.3 unsliced-stream scope fixes the "
                        f"checkpoint TP at {GLM53_SCOPE_TP} (without expert parallelism)", GLM53_SCOPE_TP, tp)
-    if ckpt.dialect == DIALECT_R7:
+    if dialect_of(ckpt).r7_maps:
         return sliced_at_load_tp(ckpt, tp)
     return fork_tp(ckpt, tp)
 
 
 def manifest_tp(ckpt: Checkpoint, tp: int) -> Refusal | None:
     """The mainline loader's extent plan (utils/exl3.py plan_exl3_extent, then b12x's validate_extent)."""
-    from trellis_cli.checkpoint.exl3v1 import container
+    from trellis_cli.dialects.exl3v1.container import container
 
-    if ckpt.dialect != DIALECT_EXL3V1:
+    if dialect_of(ckpt).container_refusal(VLLM_MANIFEST) is not None:
         return None
     m = container(ckpt).manifest
     if m is None:

@@ -14,7 +14,8 @@ from typing import Callable, Iterator
 
 from trellis_cli.id_ranges import compact_ranges
 
-from trellis_cli.checkpoint.model import DIALECT_EXL3, Checkpoint
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects.registry import dialect_named
 from trellis_cli.errors import UsageError
 from trellis_cli.findings import Finding, Report, Severity
 from trellis_cli.validate import engine_manifest as m
@@ -64,12 +65,7 @@ ENGINES: tuple[Engine, ...] = (
            (r.exllamav3_container, r.one_k_per_projection)),
 )
 BY_NAME = {e.name: e for e in ENGINES}
-NEWEST_RANK_SLICED = "vllm-exl3-shared-h"
 DEFAULT = "default"  # run_validation(engine=DEFAULT): the dialect's default profile
-# The default profile per dialect: the newest rank-sliced loader for TR3, the fork's R7 loader for R7, each other
-# container's own reader. A route pack has no profiled reader: no enforced profile, its verdicts are reported.
-DEFAULT_BY_DIALECT = {DIALECT_EXL3: "exllamav3", r.DIALECT_EXL3V1: "b12x-exl3-v1", r.DIALECT_R7: "vllm-exl3-r7"} | {
-    d: NEWEST_RANK_SLICED for d in r.TR3_DIALECTS}
 
 
 def engine_named(name: str) -> Engine:
@@ -80,7 +76,9 @@ def engine_named(name: str) -> Engine:
 
 
 def default_engine(dialect: str) -> str | None:
-    return DEFAULT_BY_DIALECT.get(dialect)
+    """The dialect's own choice (Dialect.default_engine): the newest rank-sliced loader for TR3, each other
+    container's own reader; None for a dialect no profiled loader reads (R7, a route pack)."""
+    return dialect_named(dialect).default_engine
 
 
 def enforced_name(engine: str | None, dialect: str) -> str | None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from trellis_cli.checkpoint.declared import layer_range, layer_span, uniform_bits
-from trellis_cli.checkpoint.dialect import QUANT_CONFIG
-from trellis_cli.checkpoint.model import DIALECT_EXL3, DIALECT_R7, Checkpoint
+from trellis_cli.dialects.detect import QUANT_CONFIG
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, TENSOR_SCHEMA
 from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, error_summary, warning
 from trellis_cli.header import coerced_int, is_int
@@ -39,7 +40,7 @@ def check_config(ckpt: Checkpoint) -> Iterator[Finding]:
             yield from _check_protected_policy(ckpt, hybrid["protected_tensor_policy"])
         yield from check_undeclared_layers(ckpt, hybrid)
     yield from check_model_fields(ckpt)
-    if ckpt.dialect == DIALECT_R7:
+    if dialect_of(ckpt).r7_maps:
         yield from _check_r7_maps(ckpt)
     yield from _check_quant_configs(ckpt)
 
@@ -197,7 +198,7 @@ def _check_quant_configs(ckpt: Checkpoint) -> Iterator[Finding]:
     external = ckpt.quant_config
     if isinstance(embedded, dict) and isinstance(external, dict):
         yield from _check_quant_config_drift(embedded, external)
-    if ckpt.dialect == DIALECT_EXL3 and isinstance(external, dict):
+    if dialect_of(ckpt).tensor_storage and isinstance(external, dict):
         storage = external.get("tensor_storage")
         if storage is not None and not isinstance(storage, dict):
             yield error("config.tensor-storage", Location(file=QUANT_CONFIG, tensor="tensor_storage"),

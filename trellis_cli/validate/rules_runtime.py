@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from trellis_cli.checkpoint.model import DIALECT_EXL3, DIALECT_R7, Checkpoint
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import Finding, Location, Severity, warning
 from trellis_cli.header import is_int
 
@@ -20,13 +21,14 @@ def check_runtime(ckpt: Checkpoint, layers: list[int]) -> Iterator[Finding]:
 
 def _eager(ckpt: Checkpoint) -> Iterator[Finding]:
     """The vLLM fork lets only hybrid_tr3_tail checkpoints run with CUDA graphs; every other EXL3 one is eager."""
-    if ckpt.dialect == DIALECT_R7:
+    dialect = dialect_of(ckpt)
+    if dialect.r7_maps:
         yield warning("runtime.eager", Location(file="config.json", tensor="quantization_config.r7_routed_experts"),
                       "R7 metadata is not the hybrid_tr3_tail contract that vLLM's EXL3 loader exempts from its "
                       "eager check: without a build that adds r7_routed_experts to that exemption the server "
                       "runs eager (no CUDA graph capture, several times slower decode) and says nothing",
                       expected="hybrid_tr3_tail (format exl3-trellis)", found="r7_routed_experts")
-    elif ckpt.dialect == DIALECT_EXL3:
+    elif dialect.tensor_storage:
         yield warning("runtime.eager", Location(file="config.json", tensor="quantization_config"),
                       "plain EXL3 is not auto-detected by vLLM: it serves only with --quantization exl3 and "
                       "--enforce-eager (exl3_gemm autotunes on first use), so it runs without CUDA graphs",

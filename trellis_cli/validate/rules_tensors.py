@@ -10,22 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from trellis_cli.checkpoint.model import (
-    DIALECT_EXL3,
-    DIALECT_R7,
-    DIALECT_TR3_PER_EXPERT,
-    DIALECT_TR3_SHARED_H,
-    PROJECTIONS,
-    Checkpoint,
-    LinearRef,
-    MoeLayer,
-)
+from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, LinearRef, MoeLayer
 from trellis_cli.checkpoint.names import H_SIDE
 from trellis_cli.codebooks import MARKERS
 from trellis_cli.codebooks import NAMES as CODEBOOK_NAMES
+from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, error_summary, missing_ids, warning
 
-TR3_DIALECTS = (DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H)
 MAX_TIER_EXPERTS = 256  # local expert ids are 8 bits in the mixed kernel
 HADAMARD_TILES = 8  # 128-wide Hadamard blocks = 8 tiles of 16
 
@@ -51,9 +42,10 @@ def check_layers(ckpt: Checkpoint, layers: list[int]) -> Iterator[Finding]:
 
 
 def _context(ckpt: Checkpoint, layer: MoeLayer) -> LayerContext:
+    dialect = dialect_of(ckpt)
     return LayerContext(layer.index, ckpt.num_experts, ckpt.tp, ckpt.hidden, ckpt.intermediate_per_rank,
-                        ckpt.codebook, ckpt.dialect in TR3_DIALECTS, ckpt.dialect == DIALECT_TR3_SHARED_H,
-                        ckpt.dialect == DIALECT_R7 and bool(layer.r7_shared))
+                        ckpt.codebook, dialect.hybrid_tr3_tail, dialect.shared_h,
+                        dialect.r7_maps and bool(layer.r7_shared))
 
 
 def check_layer(ckpt: Checkpoint, layer: MoeLayer) -> Iterator[Finding]:
@@ -223,7 +215,7 @@ def _check_expert_k(ckpt: Checkpoint, ctx: LayerContext, layer: MoeLayer, expert
         elif ks and layer.declared_projection_k is not None:
             declared = layer.declared_projection_k.get((expert, proj))
             if declared is not None and declared != next(iter(ks)):
-                source = "tensor_storage" if ckpt.dialect == DIALECT_EXL3 else "the R7 bit map"
+                source = "tensor_storage" if dialect_of(ckpt).tensor_storage else "the R7 bit map"
                 yield error("tensor.k-mismatch", where, f"{source} K differs from the K of the trellis shape",
                             expected=declared, found=next(iter(ks)))
 

@@ -16,12 +16,12 @@ from typing import Any
 
 from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.checkpoint.exl3v1 import HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS, Exl3Layer
+from trellis_cli.dialects.exl3v1.container import HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS, Exl3Layer
 from trellis_cli.formats.exl3v1_layout import LayerRates, slot_channels
-from trellis_cli.routepack.exl3v1_pack import NOTE_KEY, pack_rows, read_extent_pack
+from trellis_cli.dialects.exl3v1.pack import NOTE_KEY, pack_rows, read_extent_pack
 from trellis_cli.formats.exl3v1_schema import (MANIFEST_FILE, PER_EXPERT_PAIR, SLOT_CHANNELS, SLOTS_PER_PAIR, UNIFORM,
                                        LayerEntry, Manifest)
-from trellis_cli.exl3v1.write import layer_file_name, row_stride, write_layer, write_manifest
+from trellis_cli.dialects.exl3v1.write import layer_file_name, row_stride, write_layer, write_manifest
 from trellis_cli.routepack.pack import HIDDEN_SIDE, expected_hidden, expected_intermediate, layer_tiers, pack_layer
 from trellis_cli.routepack.plan import parse_selection, rank_pieces
 from trellis_cli.repack.readback import same_bits
@@ -211,7 +211,7 @@ def tr3_to_exl3v1(ck: Checkpoint, out: Path, options, validator: Validator, *, o
 
 
 def _final_check(root: Path, validator: Validator) -> None:
-    from trellis_cli.checkpoint import open_checkpoint
+    from trellis_cli.dialects import open_checkpoint
 
     report = validator(open_checkpoint(root))
     if not report.ok:

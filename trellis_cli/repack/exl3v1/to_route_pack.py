@@ -20,11 +20,11 @@ from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.checkpoint.exl3v1 import container
-from trellis_cli.routepack.exl3v1_pack import check_convertible, expert_tiers
+from trellis_cli.dialects.exl3v1.container import container
+from trellis_cli.dialects.exl3v1.pack import check_convertible, expert_tiers
 from trellis_cli.repack.exl3v1.pack_readback import check_written
 from trellis_cli.repack.exl3v1.to_tr3 import tr3_form
-from trellis_cli.routepack.exl3v1_pack import checked_rates, default_tp, exl3v1_pack
+from trellis_cli.dialects.exl3v1.pack import checked_rates, default_tp, exl3v1_pack
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.routepack import manifest as mf
 from trellis_cli.formats.route_pack import MANIFEST_NAME, layer_file_name, tier_trellis_shape
@@ -82,7 +82,7 @@ class _Exl3RoutePack:
         self.hashes = SourceHashes(ck)
 
     def run(self):
-        from trellis_cli.routepack.verify import verify_repacked
+        from trellis_cli.dialects.routepack.verify import verify_repacked
 
         start = time.perf_counter()
         self._refuse_collisions()

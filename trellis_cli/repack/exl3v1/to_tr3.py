@@ -17,8 +17,8 @@ from typing import Any
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import shard_name
 from trellis_cli.errors import UsageError
-from trellis_cli.checkpoint.exl3v1 import container
-from trellis_cli.routepack.exl3v1_pack import (NOTE_KEY, check_convertible, checked_rates, default_tp, expert_tiers,
+from trellis_cli.dialects.exl3v1.container import container
+from trellis_cli.dialects.exl3v1.pack import (NOTE_KEY, check_convertible, checked_rates, default_tp, expert_tiers,
                                                exl3v1_pack)
 from trellis_cli.routepack.plan import parse_selection
 from trellis_cli.repack.result import Validator, check_source

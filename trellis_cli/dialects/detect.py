@@ -1,6 +1,7 @@
-"""Dialect detection: which on-disk contract a checkpoint follows, decided from its JSON files only.
+"""Dialect detection helpers: which on-disk contract a checkpoint follows, decided from its JSON files only.
 
-Order (fail closed, never guessed):
+Each dialect's `detect` calls its reader here; registry.detect asks them in this order (fail closed, never
+guessed):
 1. `manifest.json` with schema "trellis-route-pack" -> the repacked layout;
 2. a JSON manifest with kind "exl3-manifest" and schema "exl3-v1" -> the exl3-v1 container (exl3v1/);
 3. `config.json["hybrid_tr3_tail"]` with format "exl3-trellis" -> TR3 rank-sliced (per_expert_v1 / shared_h_v1);
@@ -11,7 +12,6 @@ anything else raises UnknownDialect naming what was found.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from trellis_cli.checkpoint.model import (
@@ -22,6 +22,7 @@ from trellis_cli.checkpoint.model import (
     DIALECT_TR3_PER_EXPERT,
     DIALECT_TR3_SHARED_H,
 )
+from trellis_cli.dialects.interface import DialectInfo, Probe
 from trellis_cli.errors import UnknownDialect
 from trellis_cli.formats.route_pack import MANIFEST_NAME as ROUTE_PACK_MANIFEST
 
@@ -31,15 +32,6 @@ CONFIG = "config.json"
 QUANT_CONFIG = "quantization_config.json"
 EXL3V1_MANIFEST = "exl3-manifest.json"  # where b12x's reader looks; config.json may name another
 EXL3V1_KIND, EXL3V1_SCHEMA = "exl3-manifest", "exl3-v1"
-
-
-@dataclass
-class DialectInfo:
-    dialect: str
-    rotation_layout: str
-    tp: int
-    codebook: str | None
-    declared: dict[str, Any] = field(default_factory=dict)
 
 
 def route_pack_info(files: dict[str, int], read_json: Callable[[str], Any]) -> DialectInfo | None:
@@ -57,29 +49,52 @@ def route_pack_info(files: dict[str, int], read_json: Callable[[str], Any]) -> D
     return None
 
 
-def detect_dialect(files: dict[str, int], config: dict | None, quant_config: dict | None,
-                   read_json: Callable[[str], Any]) -> DialectInfo:
-    pack = route_pack_info(files, read_json)
-    if pack is not None:
-        return pack
-    exl3v1 = _exl3v1(files, config, read_json)
-    if exl3v1 is not None:
-        return exl3v1
-    if config is None:
-        raise UnknownDialect(_nothing_found(files, "no config.json"))
-    embedded = config.get("quantization_config")
-    embedded = embedded if isinstance(embedded, dict) else None
-    hybrid = config.get("hybrid_tr3_tail")
-    if hybrid is not None:
-        return _tr3(hybrid, embedded)
-    r7 = _first_dict(embedded, quant_config, key="r7_routed_experts")
-    if r7 is not None:
-        return DialectInfo(DIALECT_R7, "r7_shared", 1, _codebook(embedded, quant_config), {"r7_routed_experts": r7})
-    methods = [q.get("quant_method") for q in (embedded, quant_config) if q is not None]
-    if "exl3" in methods:
-        return DialectInfo(DIALECT_EXL3, "n/a", 1, _codebook(embedded, quant_config), {})
+def exl3v1_info(probe: Probe) -> DialectInfo | None:
+    return _exl3v1(probe.files, probe.config, probe.read_json)
+
+
+def tr3_info(probe: Probe) -> DialectInfo | None:
+    """TR3 when config.json has hybrid_tr3_tail (either rotation layout); UnknownDialect when it cannot be read."""
+    if probe.config is None or probe.config.get("hybrid_tr3_tail") is None:
+        return None
+    return _tr3(probe.config["hybrid_tr3_tail"], _embedded(probe.config))
+
+
+def r7_info(probe: Probe) -> DialectInfo | None:
+    if probe.config is None:
+        return None
+    embedded = _embedded(probe.config)
+    r7 = _first_dict(embedded, probe.quant_config, key="r7_routed_experts")
+    if r7 is None:
+        return None
+    return DialectInfo(DIALECT_R7, "r7_shared", 1, _codebook(embedded, probe.quant_config), {"r7_routed_experts": r7})
+
+
+def exl3_info(probe: Probe) -> DialectInfo | None:
+    if probe.config is None:
+        return None
+    embedded = _embedded(probe.config)
+    if "exl3" not in _methods(embedded, probe.quant_config):
+        return None
+    return DialectInfo(DIALECT_EXL3, "n/a", 1, _codebook(embedded, probe.quant_config), {})
+
+
+def not_understood(probe: Probe) -> UnknownDialect:
+    """The refusal when no dialect claims the checkpoint, naming what was found."""
+    if probe.config is None:
+        return UnknownDialect(_nothing_found(probe.files, "no config.json"))
+    methods = _methods(_embedded(probe.config), probe.quant_config)
     found = f"quant_method {methods[0]!r}" if methods else "no quantization_config"
-    raise UnknownDialect(_nothing_found(files, f"config.json has {found} and no hybrid_tr3_tail"))
+    return UnknownDialect(_nothing_found(probe.files, f"config.json has {found} and no hybrid_tr3_tail"))
+
+
+def _embedded(config: dict) -> dict | None:
+    embedded = config.get("quantization_config")
+    return embedded if isinstance(embedded, dict) else None
+
+
+def _methods(embedded: dict | None, quant_config: dict | None) -> list:
+    return [q.get("quant_method") for q in (embedded, quant_config) if q is not None]
 
 
 def _exl3v1(files: dict[str, int], config: dict | None, read_json: Callable[[str], Any]) -> DialectInfo | None:

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.errors import CheckFailed
-from trellis_cli.checkpoint.exl3v1 import (CODES, HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS, SIGN_PATTERN,
+from trellis_cli.dialects.exl3v1.container import (CODES, HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS, SIGN_PATTERN,
                                           Exl3Layer, container, expected_metadata, finding_where, layer_rates,
                                           local_file, rate_table_shape)
 from trellis_cli.formats.exl3v1_layout import LayerRates, row_payload

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.checkpoint.exl3v1 import CODES, container, layer_rates
+from trellis_cli.dialects.exl3v1.container import CODES, container, layer_rates
 from trellis_cli.formats.exl3v1_layout import hidden_table_bytes, rank_bytes, row_payload, tp_degrees
 from trellis_cli.formats.exl3v1_schema import SLOT_CHANNELS
 from trellis_cli.id_ranges import compact_ranges

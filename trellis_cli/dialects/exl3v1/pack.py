@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.checkpoint.exl3v1 import CODES, HIDDEN_TABLES, ROTATIONS, Exl3Layer, container, layer_rates
+from trellis_cli.dialects.exl3v1.container import CODES, HIDDEN_TABLES, ROTATIONS, Exl3Layer, container, layer_rates
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.formats.exl3v1_layout import (LayerRates, expert_offsets, plane_span, rank_extent, slot_channels,
                                        slot_tiles, tp_degrees, tp_problem)

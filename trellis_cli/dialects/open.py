@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from trellis_cli.checkpoint import declared as decl
-from trellis_cli.checkpoint.dialect import CONFIG, QUANT_CONFIG, DialectInfo, detect_dialect, route_pack_info
+from trellis_cli.dialects import registry
+from trellis_cli.dialects.detect import CONFIG, QUANT_CONFIG, route_pack_info
+from trellis_cli.dialects.interface import DialectInfo, Probe
 from trellis_cli.checkpoint.model import (
     DIALECT_EXL3,
-    DIALECT_EXL3V1,
     DIALECT_R7,
     Checkpoint,
     LinearRef,
@@ -83,16 +84,13 @@ def _open(source: Any) -> Checkpoint:
         findings.append(warning("json.unreadable", Location(file=QUANT_CONFIG), "not a JSON object: ignored",
                                 expected="object", found=type(quant_config).__name__))
         quant_config = None
-    info = detect_dialect(files, config, quant_config, source.read_json)
+    probe = Probe(files, config, quant_config, source.read_json)
+    info = registry.detect(probe)
     ckpt = Checkpoint(source=source, dialect=info.dialect, config=config or {}, hidden=None, intermediate=None,
                       num_experts=None, tp=info.tp, codebook=info.codebook, rotation_layout=info.rotation_layout,
                       declared=info.declared, parse_findings=findings, files=dict(files),
                       quant_config=quant_config)
-    if info.dialect == DIALECT_EXL3V1:
-        from trellis_cli.checkpoint.exl3v1 import fill_checkpoint
-
-        manifest = info.declared.pop("exl3v1_manifest")
-        fill_checkpoint(ckpt, source, files, info.declared["exl3v1_manifest_file"], manifest)
+    if registry.dialect_named(info.dialect).fill(ckpt, probe, info):  # a container read its own way
         return ckpt
     _read_headers(ckpt, source, files)
     _read_index(ckpt, source, files)

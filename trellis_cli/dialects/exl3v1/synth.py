@@ -16,11 +16,11 @@ from typing import Callable
 import torch
 
 from trellis_cli.errors import UsageError
-from trellis_cli.checkpoint.exl3v1 import HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS
+from trellis_cli.dialects.exl3v1.container import HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS
 from trellis_cli.formats.exl3v1_layout import LayerRates, row_payload
 from trellis_cli.formats.exl3v1_schema import (HADAMARD_BLOCK_SLOTS, MANIFEST_FILE, PER_EXPERT_PAIR, SLOT_CHANNELS,
                                        SLOTS_PER_PAIR, UNIFORM, LayerEntry, Manifest)
-from trellis_cli.exl3v1.write import layer_file_name, layer_plan, row_stride, write_layer, write_manifest
+from trellis_cli.dialects.exl3v1.write import layer_file_name, layer_plan, row_stride, write_layer, write_manifest
 from trellis_cli.integrity import sha256_file
 from trellis_cli.synth import SynthSpec, _generator, random_suh, random_svh, staged_output
 

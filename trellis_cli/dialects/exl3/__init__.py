@@ -1,0 +1,25 @@
+"""Plain exllamav3 checkpoints (quant_method "exl3"): per-linear expert tensors, no rank slices. Read by
+exllamav3 and by the vLLM fork through tensor_storage; checked by the shared shard rules.
+"""
+
+from __future__ import annotations
+
+from trellis_cli.checkpoint.model import DIALECT_EXL3
+from trellis_cli.dialects.detect import exl3_info
+from trellis_cli.dialects.interface import EXLLAMAV3, VLLM, VLLM_R7, Dialect, DialectInfo, Probe
+
+
+class Exl3Dialect(Dialect):
+    name = DIALECT_EXL3
+    described_as = "a plain exllamav3"
+    shard_rules = True
+    tensor_storage = True
+    default_engine = "exllamav3"
+    read_by = frozenset({VLLM, VLLM_R7, EXLLAMAV3})
+
+    def detect(self, probe: Probe) -> DialectInfo | None:
+        return exl3_info(probe)
+
+
+
+DIALECT = Exl3Dialect()

@@ -1,0 +1,61 @@
+"""b12x's `exl3-v1` MoE container: exl3-manifest.json plus one slot-major safetensors file per layer.
+
+Everything trellis knows about it lives here: `container` (the container in the normalized model), `rules`
+(every check of b12x's reader, and what it leaves unchecked), `inspect` (its inspect rows), `pack` (a rank's
+slot extent as a route-pack LayerPack, and back), `write` (layer files and manifest) and `synth` (synthetic
+exl3-v1 checkpoints). Its schema and byte arithmetic are the torch-free formats/exl3v1_schema.py and
+formats/exl3v1_layout.py; the repack drivers that read or write it are repack/exl3v1/.
+docs/checkpoint-dialects.md describes the container.
+"""
+
+from __future__ import annotations
+
+from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H
+from trellis_cli.dialects.detect import exl3v1_info
+from trellis_cli.dialects.interface import B12X, VLLM, VLLM_MANIFEST, CheckRequest, Dialect, DialectInfo, Probe
+
+
+class Exl3v1Dialect(Dialect):
+    name = DIALECT_EXL3V1
+    target = "exl3-v1"
+    described_as = "an exl3-v1"
+    default_engine = "b12x-exl3-v1"
+    inspect_view = "exl3-v1"
+    read_by = frozenset({B12X, VLLM_MANIFEST})
+    container_notes = {VLLM: "exl3-v1 is b12x's container"}
+    converts_from = {DIALECT_TR3_PER_EXPERT: "tr3-to-exl3-v1", DIALECT_TR3_SHARED_H: "tr3-to-exl3-v1"}
+
+    def detect(self, probe: Probe) -> DialectInfo | None:
+        return exl3v1_info(probe)
+
+    def fill(self, ckpt, probe: Probe, info: DialectInfo) -> bool:
+        from trellis_cli.dialects.exl3v1.container import fill_checkpoint
+
+        manifest = info.declared.pop("exl3v1_manifest")
+        fill_checkpoint(ckpt, ckpt.source, probe.files, info.declared["exl3v1_manifest_file"], manifest)
+        return True
+
+    def check(self, ckpt, request: CheckRequest, report) -> None:
+        from trellis_cli.dialects.exl3v1.rules import check_exl3v1
+
+        check_exl3v1(ckpt, report, request.layers, deep=request.deep, checksums=request.checksums,
+                     progress=request.progress, checksum_progress=request.checksum_progress)
+
+    def hashes_by_default(self, ckpt) -> bool:
+        """The manifest records each layer file's sha256: compared whenever the bytes are local."""
+        return getattr(ckpt.source, "root", None) is not None
+
+    def rank_tp_degrees(self, ckpt) -> list[int] | None:
+        from trellis_cli.dialects.exl3v1.container import container
+        from trellis_cli.formats.exl3v1_layout import tp_degrees
+
+        return list(tp_degrees(container(ckpt).manifest))
+
+    def layer_pack(self, ckpt, layer, rank, tp=None, device="cpu"):
+        from trellis_cli.dialects.exl3v1.pack import default_tp, exl3v1_pack
+        from trellis_cli.routepack.pack import to_device
+
+        return to_device(exl3v1_pack(ckpt, layer, rank, default_tp(ckpt) if tp is None else tp), device)
+
+
+DIALECT = Exl3v1Dialect()

@@ -1,0 +1,144 @@
+"""The `Dialect` interface: everything one checkpoint format owns, in one object per dialect name.
+
+validate, inspect, repack and bench never compare a checkpoint's dialect name: they ask its Dialect (through
+`registry.dialect_of`) for the answer. A method or trait left at its default here means "nothing of that kind":
+no own rules, no conversion, read by no profiled loader.
+
+docs/architecture.md ("Dialects") shows this page and how to add a dialect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.findings import Report
+
+# The loader families of the engine profiles (validate/engines.py): whose container reader is asked.
+VLLM, B12X, EXLLAMAV3 = "vllm", "b12x", "exllamav3"
+# The fork's R7 loader version (also reads TR3 and tensor_storage) and its mainline exl3-manifest loader.
+VLLM_R7, VLLM_MANIFEST = "vllm-r7", "vllm-manifest"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What detection may look at: the file listing and the JSON metadata. Never tensor data, never a name
+    pattern of a layer file."""
+
+    files: dict[str, int]
+    config: dict | None
+    quant_config: dict | None
+    read_json: Callable[[str], Any]
+
+
+@dataclass
+class DialectInfo:
+    """What detection found: the dialect's name and the declarations opening needs."""
+
+    dialect: str
+    rotation_layout: str
+    tp: int
+    codebook: str | None
+    declared: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ContainerRefusal:
+    """Why one loader family does not read this dialect's container at all: a named refusal, never a skip."""
+
+    reason: str  # a few words for the compatibility line
+    message: str
+    expected: str | None = None
+    found: str | None = None  # None: the checkpoint's dialect name
+
+
+@dataclass(frozen=True)
+class CheckRequest:
+    """One validation as a dialect's own rules see it; `layers` is the selection, already checked present."""
+
+    layers: list[int]
+    deep: bool
+    checksums: bool
+    narrowed: bool = False  # --layers was given (a dialect that cannot narrow its checks says so)
+    progress: Callable[[str, int, int], None] | None = None
+    checksum_progress: Callable[[int], None] | None = None
+
+
+class Dialect:
+    """One on-disk format. Subclasses set the traits and override what they own."""
+
+    name: str = ""  # the Checkpoint.dialect value and the report's "dialect"
+    target: str | None = None  # what `repack --to` calls it when it is a conversion target
+    described_as: str = ""  # "an exl3-v1": how a message names a checkpoint of it
+    # Traits the shared rules read instead of a name:
+    shard_rules: bool = False  # per-linear EXL3 tensors in safetensors shards: validate's shard rules apply
+    hybrid_tr3_tail: bool = False  # the rank-sliced TR3 contract in config.json
+    shared_h: bool = False  # hidden-side vectors once per expert (shared_h_v1)
+    tensor_storage: bool = False  # plain exllamav3 per-linear names and tensor_storage
+    r7_maps: bool = False  # R7 per-projection K maps
+    default_engine: str | None = None  # the profile validate enforces without --engine
+    inspect_view: str = "shards"  # which inspect document describes it: "shards", "exl3-v1" or "route-pack"
+    read_by: frozenset[str] = frozenset()  # the loader families that open this container
+    container_notes: dict[str, str] = {}  # family -> why it does not, where that says more than the default
+    # Conversions this dialect writes: source dialect name -> the repack driver that writes it.
+    converts_from: dict[str, str] = {}
+
+    def detect(self, probe: Probe) -> DialectInfo | None:
+        """This dialect's DialectInfo when the metadata says so, None when it is not this dialect; raise
+        UnknownDialect when the metadata claims this dialect but cannot be read as it."""
+        return None
+
+    def fill(self, ckpt: Checkpoint, probe: Probe, info: DialectInfo) -> bool:
+        """Fill `ckpt` its own way and return True; False leaves it to the shared shard reader."""
+        return False
+
+    def check(self, ckpt: Checkpoint, request: CheckRequest, report: Report) -> None:
+        """This dialect's own rules (header, config, tensor, --deep data, checksums), as findings in `report`.
+
+        The shared rules (validate's shard rules where `shard_rules`, the data and hash rules of every dialect)
+        run besides these."""
+
+    def declared_layers(self, ckpt: Checkpoint) -> list[int]:
+        """The MoE layers `--layers` may name."""
+        return list(ckpt.layers)
+
+    def hashes_by_default(self, ckpt: Checkpoint) -> bool:
+        """Whether validate compares recorded hashes without --checksums (a container that records its own)."""
+        return False
+
+    def container_refusal(self, family: str) -> ContainerRefusal | None:
+        """Why loader `family` (VLLM, B12X, EXLLAMAV3) does not read this container; None when it does."""
+        if family in self.read_by:
+            return None
+        if family == VLLM:
+            why = self.container_notes.get(VLLM, "not a layout this loader reads")
+            return ContainerRefusal("wrong container", f"{self.described_as} checkpoint: {why}",
+                                    expected="hybrid_tr3_tail or tensor_storage")
+        if family == VLLM_R7:
+            return ContainerRefusal("wrong container", f"{self.described_as} checkpoint: this loader reads "
+                                    "hybrid_tr3_tail, r7_routed_experts or tensor_storage",
+                                    expected="TR3, R7 or plain EXL3")
+        if family == VLLM_MANIFEST:
+            return ContainerRefusal("wrong container", f"{self.described_as} checkpoint: this loader reads "
+                                    "routed experts only from a b12x exl3-manifest.json container",
+                                    expected="exl3-v1")
+        if family == B12X:
+            return ContainerRefusal("wrong container", f"{self.described_as} checkpoint: the exl3-v1 reader opens "
+                                    "exl3-manifest.json and the layer files it lists, which this is not",
+                                    expected="exl3-v1")
+        return ContainerRefusal("wrong container", f"{self.described_as} checkpoint: exllamav3 reads per-linear "
+                                "safetensors names only")
+
+    def rank_tp_degrees(self, ckpt: Checkpoint) -> list[int] | None:
+        """The TP degrees a rank slice can be cut at, when the container fixes them; None: any exact re-slice."""
+        return None
+
+    def layer_pack(self, ckpt: Checkpoint, layer: int, rank: int, tp: int | None = None, device: str = "cpu"):
+        """One (layer, rank) of target TP `tp` (None: the source's) as the LayerPack a repack would write."""
+        from trellis_cli.routepack.pack import pack_layer
+
+        return pack_layer(ckpt, layer, rank, device=device, **({} if tp is None else {"tp": tp}))
+
+    def __repr__(self) -> str:
+        return f"<dialect {self.name}>"

@@ -1,0 +1,58 @@
+"""The one registry of dialects: detection in order, lookup by name, the conversion table.
+
+Adding a dialect is one package under dialects/ (a `Dialect` subclass, interface.py) and one line in
+DIALECTS. Order is detection order: the first dialect whose metadata claims the checkpoint wins.
+"""
+
+from __future__ import annotations
+
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects import exl3, exl3v1, r7, routepack, tr3
+from trellis_cli.dialects.detect import not_understood
+from trellis_cli.dialects.interface import Dialect, DialectInfo, Probe
+
+DIALECTS: tuple[Dialect, ...] = (
+    routepack.DIALECT,  # manifest.json says so; needs no config.json
+    exl3v1.DIALECT,  # its manifest's kind and schema
+    tr3.PER_EXPERT,  # config.json hybrid_tr3_tail, rotation_layout per_expert_v1
+    tr3.SHARED_H,  # ... shared_h_v1
+    r7.DIALECT,  # r7_routed_experts in the quantization config
+    exl3.DIALECT,  # quant_method exl3
+)
+_BY_NAME = {d.name: d for d in DIALECTS}
+
+
+def detect(probe: Probe) -> DialectInfo:
+    """The first dialect that claims the checkpoint; UnknownDialect naming what was found when none does."""
+    for dialect in DIALECTS:
+        info = dialect.detect(probe)
+        if info is not None:
+            return info
+    raise not_understood(probe)
+
+
+def dialect_named(name: str) -> Dialect:
+    return _BY_NAME[name]
+
+
+def dialect_of(ckpt: Checkpoint) -> Dialect:
+    return _BY_NAME[ckpt.dialect]
+
+
+def targets() -> list[str]:
+    """What `repack --to` accepts: every dialect that is a conversion target."""
+    return list(dict.fromkeys(d.target for d in DIALECTS if d.target))
+
+
+def conversion(source: str, target: str) -> str | None:
+    """The repack driver that writes dialect `target` from a checkpoint of dialect `source` (the table keyed by
+    (from, to) that the target dialects declare); None when there is none."""
+    for dialect in DIALECTS:
+        if dialect.target == target and source in dialect.converts_from:
+            return dialect.converts_from[source]
+    return None
+
+
+def sources_of(target: str) -> list[str]:
+    """The dialects `target` can be written from, for a refusal that says what would work."""
+    return sorted({s for d in DIALECTS if d.target == target for s in d.converts_from})

@@ -1,0 +1,54 @@
+"""trellis's own route pack (manifest.json, schema "trellis-route-pack"): what `trellis repack` writes.
+
+The layout itself (layer files, manifest, plan, packer) is routepack/ in the model layer, shared by repack,
+bench and the kernel; this dialect owns reading a route-pack directory as a checkpoint: detection, the
+verification against its manifest (`verify.py`: every hash, every name, bounded by what the directory holds),
+and its verdicts (no profiled loader reads it; `repack --to tr3` rebuilds the served layout).
+"""
+
+from __future__ import annotations
+
+from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H
+from trellis_cli.dialects.detect import route_pack_info
+from trellis_cli.dialects.interface import VLLM, CheckRequest, Dialect, DialectInfo, Probe
+
+NOTE = ("tensor values not checked: the sha256 of every file matches the manifest repack wrote "
+        "(validate the source with --deep to check its data)")
+
+
+class RoutePackDialect(Dialect):
+    name = DIALECT_REPACKED
+    target = "route-pack"
+    described_as = "a trellis route pack"
+    inspect_view = "route-pack"
+    container_notes = {VLLM: "a route pack is trellis' own layout (repack --to tr3 rebuilds the served one)"}
+    converts_from = {DIALECT_TR3_PER_EXPERT: "tr3-to-route-pack", DIALECT_TR3_SHARED_H: "tr3-to-route-pack",
+                     DIALECT_EXL3V1: "exl3-v1-to-route-pack"}
+
+    def detect(self, probe: Probe) -> DialectInfo | None:
+        return route_pack_info(probe.files, probe.read_json)
+
+    def declared_layers(self, ckpt) -> list[int]:
+        from trellis_cli.routepack.manifest import declared_layers
+
+        return declared_layers(ckpt.declared.get("manifest"))
+
+    def check(self, ckpt, request: CheckRequest, report) -> None:
+        """Every file against the manifest repack wrote, hashes included: always, --checksums or not (one read
+        of the directory; hashing is the only check that sees a flipped byte inside tensor data)."""
+        from trellis_cli.dialects.routepack.verify import verify_repacked
+
+        found = verify_repacked(ckpt.source, check_hashes=True, progress=request.checksum_progress)
+        report.findings.extend(found.findings)
+        report.checked.update(found.checked)
+        report.omitted.update(found.omitted)
+        report.notes.extend(found.notes)
+        for key, value in found.context.items():
+            report.context.setdefault(key, value)
+        report.notes.append(NOTE)
+        if request.narrowed:
+            report.notes.append("--layers does not narrow a route pack's checks: every file is checked against "
+                                "its manifest")
+
+
+DIALECT = RoutePackDialect()

@@ -1,0 +1,44 @@
+"""TR3 rank-sliced checkpoints (config.json `hybrid_tr3_tail`, format exl3-trellis): per_expert_v1 and
+shared_h_v1, one Dialect each. Read by the local-inference-lab vLLM fork; the shared shard rules of validate
+check them; repack writes them from a route pack, an exl3-v1 or another TR3 (docs/checkpoint-dialects.md).
+"""
+
+from __future__ import annotations
+
+from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H
+from trellis_cli.dialects.detect import tr3_info
+from trellis_cli.dialects.interface import EXLLAMAV3, VLLM, VLLM_R7, ContainerRefusal, Dialect, DialectInfo, Probe
+
+# The rank-sliced vLLM loader that reads both rotation layouts.
+NEWEST_RANK_SLICED = "vllm-exl3-shared-h"
+
+
+class Tr3Dialect(Dialect):
+    target = "tr3"
+    shard_rules = True
+    hybrid_tr3_tail = True
+    default_engine = NEWEST_RANK_SLICED
+    read_by = frozenset({VLLM, VLLM_R7})
+
+    def __init__(self, name: str, shared_h: bool) -> None:
+        self.name = name
+        self.shared_h = shared_h
+        self.described_as = f"a {name}"
+        self.converts_from = {DIALECT_REPACKED: "route-pack-to-tr3", DIALECT_EXL3V1: "exl3-v1-to-tr3",
+                              DIALECT_TR3_PER_EXPERT: "tr3-to-tr3", DIALECT_TR3_SHARED_H: "tr3-to-tr3"}
+
+    def detect(self, probe: Probe) -> DialectInfo | None:
+        info = tr3_info(probe)
+        return info if info is not None and info.dialect == self.name else None
+
+    def container_refusal(self, family: str) -> ContainerRefusal | None:
+        if family == EXLLAMAV3:
+            return ContainerRefusal("rank-sliced names", "expert tensors carry a .rank{r}. segment: exllamav3 finds "
+                                    "no experts.{E}.{proj}.trellis and loads no expert",
+                                    expected="experts.{E}.{proj}.trellis", found="experts.{E}.{proj}.rank{r}.trellis")
+        return super().container_refusal(family)
+
+
+
+PER_EXPERT = Tr3Dialect(DIALECT_TR3_PER_EXPERT, shared_h=False)
+SHARED_H = Tr3Dialect(DIALECT_TR3_SHARED_H, shared_h=True)
