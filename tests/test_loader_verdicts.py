@@ -379,3 +379,45 @@ def test_r7_without_bit_maps_loads_as_the_r7_loader_reads_k_from_shapes(tmp_path
     code, doc = _validate(root, Case(lambda t: t, "vllm-exl3-r7", 2, None, ""), capsys)
     warned = {f["code"] for f in doc["findings"] if f["severity"] == "warning"}
     assert code == 0 and "bitmap.reference" in warned
+
+
+def _planned_extents(num_slots: int, alignment: int, layer_position: int, tp: int) -> list[tuple[int, int]]:
+    """(first slot, count) per rank as the mainline planner deals them (utils/exl3.py, written here from its
+    description): each half of the slots in whole alignment blocks, the first half over ceil(tp/2) ranks and the
+    second over the rest, earlier ranks of a half taking the remainder; ownership rotates by one rank per layer
+    (two at TP 10)."""
+    half = num_slots // 2
+    groups = [(0, (tp + 1) // 2), (half, tp // 2)]
+    shares: list[tuple[int, int]] = []
+    for start, ranks in groups:
+        blocks = half // alignment
+        counts = [blocks // ranks + (1 if r < blocks % ranks else 0) for r in range(ranks)]
+        offsets = [sum(counts[:r]) for r in range(ranks)]
+        shares += [(start + alignment * o, alignment * c) for o, c in zip(offsets, counts)]
+    shift = layer_position * (2 if tp == 10 else 1)
+    return [shares[(rank - shift) % tp] for rank in range(tp)]
+
+
+@pytest.mark.parametrize("spec", ["uniform-shared", "pair-per-expert"])
+def test_manifest_tp_contract_agrees_with_b12x_extent_checks(spec, tmp_path, capsys):
+    """The TP degrees the manifest profile accepts are those where every rank's planned extent passes b12x
+    1.5.1's own Exl3Manifest.validate_extent (the real reader, installed here) within the planner's 2..24."""
+    from b12x.moe.checkpoints.exl3 import read_exl3_manifest
+
+    root = served(spec)(tmp_path)
+    manifest = read_exl3_manifest(root)
+    geometry, layout = manifest.geometry, manifest.layout
+    expected = []
+    for tp in range(1, 65):
+        ok = 2 <= tp <= 24
+        for position in range(len(geometry.moe_layer_indices)) if ok else ():
+            for first, count in _planned_extents(geometry.num_slots, layout.extent_alignment_slots, position, tp):
+                try:
+                    manifest.validate_extent(first, count)
+                except ValueError:
+                    ok = False
+        if ok:
+            expected.append(tp)
+    code, out, _ = run_cli(capsys, "validate", str(root), "--json")
+    accepted = {v["name"]: v["tp_accepted"] for v in json.loads(out)["engines"]}["vllm-exl3-manifest"]
+    assert expected and accepted == expected

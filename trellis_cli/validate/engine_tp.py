@@ -90,35 +90,20 @@ def manifest_tp(ckpt: Checkpoint, tp: int) -> Refusal | None:
     if tp not in MANIFEST_TP:
         return _refuse(f"TP {tp} outside 2..24", "the extent planner takes TP 2..24 only", "2..24", tp)
     half = m.num_slots // 2
-    if tuple(m.barriers) != (half,) or 2 * half != m.num_slots or half % m.extent_alignment:
+    align = m.extent_alignment
+    if tuple(m.barriers) != (half,) or 2 * half != m.num_slots or align <= 0 or half % align:
         return _refuse("not one barrier at the halfway slot", "the extent planner needs exactly one barrier, at "
                        "the halfway slot, between two halves of whole alignment blocks",
                        f"barriers [{half}]", tp, Location(file=container(ckpt).manifest_file, tensor="layout"))
-    for layer in m.layer_indices:
-        for rank in range(tp):
-            first, count = plan_extent(m.layer_indices, layer, half, m.extent_alignment, tp, rank)
-            if count <= 0:
-                return _refuse(f"empty extent at TP {tp}", f"layer {layer}, rank {rank} gets no slots: the "
-                               f"{half // m.extent_alignment} alignment blocks of a half cannot cover "
-                               f"{(tp + 1) // 2} ranks, and an empty extent is refused", "a non-empty extent", tp,
-                               Location(layer=layer))
+    # Each half's blocks are dealt to ceil(tp/2) (first half) or floor(tp/2) ranks, in whole blocks; ownership
+    # only rotates between layers, so every layer has the same shares: a rank gets none when the first half has
+    # fewer blocks than ranks.
+    blocks, ranks = half // align, (tp + 1) // 2
+    if blocks < ranks:
+        return _refuse(f"empty extent at TP {tp}", f"each half has {blocks} alignment block(s) of {align} slots for "
+                       f"{ranks} ranks: a rank gets no slots, and an empty extent is refused", "a non-empty extent",
+                       tp, Location(file=container(ckpt).manifest_file, tensor="layout"))
     return None
-
-
-def plan_extent(layers: tuple[int, ...], layer: int, half: int, alignment: int, tp: int,
-                rank: int) -> tuple[int, int]:
-    """(first slot, slot count) of one rank, as the planner assigns them: each half is split in whole alignment
-    blocks over ceil(tp/2) or floor(tp/2) ranks, ownership rotating by one rank per layer (two at TP 10)."""
-    step = 2 if tp == 10 else 1
-    owner = (rank - layers.index(layer) * step) % tp
-    first_half_ranks = (tp + 1) // 2
-    second = owner >= first_half_ranks
-    half_rank = owner - first_half_ranks if second else owner
-    ranks = tp - first_half_ranks if second else first_half_ranks
-    blocks, extra = divmod(half // alignment, ranks)
-    first_block = half_rank * blocks + min(half_rank, extra)
-    count = blocks + (1 if half_rank < extra else 0)
-    return half * int(second) + alignment * first_block, alignment * count
 
 
 def accepted_tp(rule: TpRule | None, ckpt: Checkpoint) -> list[int] | None:
