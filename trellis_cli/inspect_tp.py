@@ -78,8 +78,11 @@ def tp_view(ckpt: Checkpoint, layers: list[int], tp: int) -> dict[str, Any]:
 def render_tp_view(view: dict[str, Any], human_bytes) -> list[str]:
     tp = view["tp"]
     total = view["routed_bytes_per_rank"]
-    lines = [f"at TP {tp}: routed experts per rank "
-             + (human_bytes(total) if total is not None else "- (rank slices are for another TP)")]
+    if view.get("note"):
+        lines = [f"at TP {tp}: {view['note']}"]
+    else:
+        lines = [f"at TP {tp}: routed experts per rank "
+                 + (human_bytes(total) if total is not None else "- (rank slices are for another TP)")]
     for row in view["layers"]:
         ks = " · ".join(f"{proj} " + "/".join(f"{k} {n}" for k, n in counts.items())
                         for proj, counts in row["projection_k"].items())

@@ -75,6 +75,8 @@ def _tp_view(checkpoint, chosen: list[int] | None, tp: int) -> dict:
 
     layers = list(checkpoint.layers) if chosen is None else chosen
     plain = dialect_of(checkpoint).shard_rules  # per-linear tensors in shards: what inspect_tp reads
-    view = tp_view(checkpoint, layers, tp) if plain else {"tp": tp, "layers": [], "routed_bytes_per_rank": None}
+    view = tp_view(checkpoint, layers, tp) if plain else {
+        "tp": tp, "layers": [], "routed_bytes_per_rank": None,
+        "note": "per-rank bytes of this container are in its own rows above"}
     view["engines"] = tp_verdicts(checkpoint, tp)
     return view
