@@ -1,7 +1,9 @@
 """Loader profiles: which serving engine will take a checkpoint, rule by rule.
 
 A profile is a named, versioned rule set: plain data (name, label, the loader version it was read from) plus
-the small checks of engine_rules.py that yield what that loader refuses. `trellis validate` enforces one
+the small checks that yield what that loader refuses (engine_rules.py; engine_stamps.py for the quantization
+config, stamps, JSON integers and protected tensors; engine_r7.py for the R7 loader version; engine_manifest.py
+for the mainline exl3-manifest loader) and its TP contract (engine_tp.py). `trellis validate` enforces one
 profile (`--engine NAME`, or the default for the checkpoint's dialect): its refusals become error findings
 carrying the engine name. Every other profile is evaluated too and reported in the compatibility verdicts,
 not enforced. docs/engines.md lists each rule with where it comes from.
@@ -12,12 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from trellis_cli.id_ranges import compact_ranges
-
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.registry import dialect_named
 from trellis_cli.errors import UsageError
 from trellis_cli.findings import Finding, Report, Severity
+from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.validate import engine_manifest as m
 from trellis_cli.validate import engine_r7 as r7
 from trellis_cli.validate import engine_rules as r
@@ -54,8 +55,9 @@ ENGINES: tuple[Engine, ...] = (
     Engine("vllm-exl3-r7", "vllm-exl3 (R7 rules)", 1,
            "the fork's exl3.py with r7_routed_experts (r7-complete-v2-checkpoint-v1) and the GLM-5.3 scope",
            (r7.r7_container, st.embedded_quant_config, r7.r7_detected, r7.r7_contract, r7.glm53_contract,
-            st.stamp_selects_exl3, st.bits_required, st.protected_unread, r7.r7_tensor_storage, r7.r7_layer_range, r7.r7_rank_free,
-            r7.r7_shared_vectors, r7.r7_undeclared_k, r.legacy_signs, r.tier_count, r7.uniform_k_r7),
+            st.stamp_selects_exl3, st.bits_required, st.protected_unread, r7.r7_tensor_storage, r7.r7_layer_range,
+            r7.r7_rank_free, r7.r7_shared_vectors, r7.r7_undeclared_k, r.legacy_signs, r.tier_count,
+            r7.uniform_k_r7),
            tpc.r7_fork_tp),
     Engine("vllm-exl3-manifest", "vllm-exl3 (manifest rules)", 1,
            "local-inference-lab/vllm@174fe4d exl3.py + utils/exl3.py over b12x 1.5.1's exl3-v1 reader",
@@ -76,8 +78,9 @@ def engine_named(name: str) -> Engine:
 
 
 def default_engine(dialect: str) -> str | None:
-    """The dialect's own choice (Dialect.default_engine): the newest rank-sliced loader for TR3, each other
-    container's own reader; None for a dialect no profiled loader reads (R7, a route pack)."""
+    """The dialect's own choice (Dialect.default_engine): the newest rank-sliced loader for TR3, the fork's R7
+    loader for R7, each other container's own reader; None for a dialect no profiled loader reads (a route
+    pack)."""
     return dialect_named(dialect).default_engine
 
 
