@@ -23,8 +23,9 @@ def projection_k_map(layer: MoeLayer) -> dict[str, dict[str, int]]:
     for projs in layer.experts.values():
         for proj, by_rank in projs.items():
             ks = {lin.k for lin in by_rank.values()}
-            if proj in out and len(ks) == 1 and None not in ks:
-                out[proj][ks.pop()] += 1
+            k = ks.pop() if len(ks) == 1 else None
+            if proj in out and k is not None:
+                out[proj][k] += 1
     return {p: {f"K{k}": n for k, n in sorted(c.items())} for p, c in out.items() if c}
 
 

@@ -18,7 +18,7 @@ from trellis_cli.dialects.interface import VLLM_MANIFEST
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import Location
 from trellis_cli.validate.engine_rules import Refusal, container_refusal
-from trellis_cli.validate.engine_stamps import STAMP, embedded
+from trellis_cli.validate.engine_stamps import STAMP, embedded, text_config
 
 DENSE_FORMAT = "mxfp8"
 BF16_REQUIRED = ("g_proj", "f_a_proj", "f_b_proj", "b_proj", "kv_b_proj")  # kept in BF16, listed as ignored
@@ -66,7 +66,7 @@ def manifest_geometry(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
         return
     from trellis_cli.dialects.exl3v1.container import container
 
-    text = ckpt.config.get("text_config") if isinstance(ckpt.config.get("text_config"), dict) else ckpt.config
+    text = text_config(ckpt)
     experts = next((text.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts") if k in text),
                    None)
     model = {"num_experts": experts, "hidden_size": text.get("hidden_size")}

@@ -19,7 +19,7 @@ from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import Location
 from trellis_cli.header import is_int
 from trellis_cli.validate.engine_rules import Refusal, container_refusal, storage_refusals, uniform_k_190
-from trellis_cli.validate.engine_stamps import STAMP, embedded
+from trellis_cli.validate.engine_stamps import STAMP, embedded, text_config
 
 R7_SCHEMA = "r7-complete-v2-checkpoint-v1"
 R7_K_VALUES = (3, 4, 5)
@@ -59,9 +59,10 @@ def r7_detected(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """R7 is recognized from the embedded quantization_config alone; described only in quantization_config.json
     it is not seen: the stamp then picks the loader (modelopt: not this one), or, stamped exl3, the R7 block is
     never configured and the layer-shared vectors have no reader."""
-    if not dialect_of(ckpt).r7_maps or embedded(ckpt) is None or _r7(ckpt) is not None:
+    q = embedded(ckpt)
+    if not dialect_of(ckpt).r7_maps or q is None or _r7(ckpt) is not None:
         return
-    stamp = embedded(ckpt).get("quant_method")
+    stamp = q.get("quant_method")
     if stamp != "exl3":
         yield Refusal("engine.quant-method", f"stamped {stamp!r}, R7 only external", STAMP, "config.json's "
                       "quantization_config has no r7_routed_experts, so the EXL3 override does not claim the "
@@ -122,7 +123,7 @@ def glm53_contract(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
         yield Refusal("engine.glm53-scope", "GLM-5.3 scope keys differ", Location(file="config.json",
                       tensor="quantization_config"), "the GLM-5.3 routed-only scope needs exactly these "
                       "quantization keys", expected=GLM53_QUANT, found=wrong)
-    text = ckpt.config.get("text_config") if isinstance(ckpt.config.get("text_config"), dict) else ckpt.config
+    text = text_config(ckpt)
     arch = {k: text.get(k) for k, v in GLM53_ARCHITECTURE.items() if text.get(k) != v}
     linear = text.get("linear_attn_config")
     if not isinstance(linear, dict) or any(linear.get(k) != v for k, v in GLM53_LINEAR_ATTN.items()):

@@ -26,6 +26,12 @@ def embedded(ckpt: Checkpoint) -> dict | None:
     return q if isinstance(q, dict) else None
 
 
+def text_config(ckpt: Checkpoint) -> dict:
+    """The text model's config: `text_config` where config.json nests one (multimodal), else config.json."""
+    nested = ckpt.config.get("text_config")
+    return nested if isinstance(nested, dict) else ckpt.config
+
+
 def embedded_quant_config(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """vLLM reads the quantization method from config.json's quantization_config; without one no quantized
     loader is ever called (quantization_config.json alone is not consulted), and the EXL3 tensors meet an
