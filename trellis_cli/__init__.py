@@ -5,7 +5,8 @@ The library API (docs/architecture.md, "Library API"); every name is imported on
 
     source = open_source("org/name@rev")           # or a local path; None is the bundled sample
     checkpoint = open_checkpoint(source)             # the normalized, torch-free model of the checkpoint
-    report = run_validation(checkpoint, deep=True)   # Report of Findings; report.ok
+    report = run_validation(checkpoint, deep=True)   # Report of Findings; report.ok (the dialect's default engine)
+    report = validate_source(source, ValidateRequest(deep=True))   # the same, opening included: `trellis validate`
     result = run_repack(checkpoint, "OUT", RepackOptions(tp=4))
     moe = FusedMoe(read_layer_pack("OUT", layer=3, rank=0))   # needs a CUDA GPU
     y = moe.forward(x, topk_ids, topk_weights)
@@ -28,6 +29,8 @@ _EXPORTS = {
     "read_tensor": "trellis_cli.checkpoint.tensors",
     "Checkpoint": "trellis_cli.checkpoint.model",
     "run_validation": "trellis_cli.validate",
+    "validate_source": "trellis_cli.validate.request",
+    "ValidateRequest": "trellis_cli.validate.request",
     "Report": "trellis_cli.findings",
     "Finding": "trellis_cli.findings",
     "Severity": "trellis_cli.findings",
@@ -55,6 +58,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from trellis_cli.repack.run import RepackOptions
     from trellis_cli.sources import Source, open_source
     from trellis_cli.validate import run_validation
+    from trellis_cli.validate.request import ValidateRequest, validate_source
     from trellis_cli.workflows import run_repack
 
 

@@ -154,6 +154,7 @@ class Report:
     engines: list[dict[str, Any]] = field(default_factory=list)  # per-engine verdicts (validate/engines.py)
     omitted: dict[tuple[str, Severity], int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what was not checked, said beside the verdict
+    strict: bool = False  # warnings fail too (`validate --strict`): `ok` is what the exit code says
 
     def extend(self, items: Iterable[Finding]) -> None:
         self.findings.extend(items)
@@ -195,7 +196,7 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return self.error_count == 0
+        return self.error_count == 0 and not (self.strict and self.warning_count > 0)
 
     def summary(self) -> str:
         checked = ", ".join(f"{n} {what}" for what, n in self.checked.items()) or "nothing"

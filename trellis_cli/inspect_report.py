@@ -10,14 +10,17 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, Checkpoint, MoeLayer
+from trellis_cli.checkpoint.model import Checkpoint, MoeLayer
+from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.id_ranges import compact_ranges
 
 GiB = 1024**3
 
 
 def build_inspect(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str, Any]:
-    if ckpt.dialect == DIALECT_REPACKED:
+    """The inspect document; its shape is the one the dialect's `inspect_view` names."""
+    view = dialect_of(ckpt).inspect_view
+    if view == "route-pack":
         from trellis_cli.dialects.routepack.verify import describe_repacked
 
         pack = _as_tr3_terms(describe_repacked(ckpt.source))
@@ -26,11 +29,11 @@ def build_inspect(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str
 
             require_present(layers, [row["layer"] for row in pack.get("layers", [])])
             pack["layers"] = [row for row in pack.get("layers", []) if row["layer"] in layers]
-        return {"dialect": DIALECT_REPACKED, "source": _describe_source(ckpt), "route_pack": pack}
+        return {"dialect": ckpt.dialect, "source": _describe_source(ckpt), "route_pack": pack}
     from trellis_cli.selection import require_present
 
     chosen = list(ckpt.layers) if layers is None else require_present(layers, ckpt.layers)
-    if ckpt.dialect == DIALECT_EXL3V1:
+    if view == "exl3-v1":
         return _exl3v1_document(ckpt, chosen, whole=layers is None)
     rows = [layer_summary(ckpt, ckpt.layers[li]) for li in chosen]
     # Totals describe the whole checkpoint, whatever --layers shows; the selection gets its own.
@@ -260,7 +263,7 @@ def _tiers_text(run: dict[str, Any]) -> str:
 
 
 def render_text(doc: dict[str, Any]) -> list[str]:
-    if doc["dialect"] == DIALECT_REPACKED:
+    if "route_pack" in doc:
         return _render_route_pack(doc)
     g, src, t = doc["geometry"], doc["source"], doc["totals"]
     lines = [f"source: {_source_line(src)}",
@@ -298,7 +301,7 @@ def render_text(doc: dict[str, Any]) -> list[str]:
 
 
 def render_markdown(doc: dict[str, Any]) -> list[str]:
-    if doc["dialect"] == DIALECT_REPACKED:
+    if "route_pack" in doc:
         return ["```", *_render_route_pack(doc), "```"]
     g, t = doc["geometry"], doc["totals"]
     lines = [f"**Source:** {_source_line(doc['source'])}  ",
@@ -324,7 +327,7 @@ def _source_line(src: dict[str, Any]) -> str:
 
 def _render_route_pack(doc: dict[str, Any]) -> list[str]:
     pack, g = doc["route_pack"], doc["route_pack"]["geometry"]
-    lines = [f"source: {_source_line(doc['source'])}", f"dialect: {DIALECT_REPACKED} v{pack.get('schema_version')} "
+    lines = [f"source: {_source_line(doc['source'])}", f"dialect: {doc['dialect']} v{pack.get('schema_version')} "
              f"(rotation {g['rotation_layout']}, codebook {g['codebook']}, tp {g['tp']})",
              f"repacked from: {_source_line(pack.get('source') or {})} ({(pack.get('source') or {}).get('dialect')})",
              f"geometry: hidden {g['hidden']}, intermediate {g['intermediate']} ({g['intermediate_per_rank']} per "

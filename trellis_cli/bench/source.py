@@ -96,17 +96,15 @@ def first_repacked_layer(path: Path) -> int:
 
 def _checkpoint(source: str, layer: int | None, rank: int, device: str) -> BenchSource:
     from trellis_cli.dialects import open_checkpoint
-    from trellis_cli.routepack.pack import pack_layer
+    from trellis_cli.dialects.registry import dialect_of
     from trellis_cli.sources import open_source
 
     checkpoint = open_checkpoint(open_source(source))
     chosen = chosen_layer(checkpoint, source, layer)
-    if checkpoint.dialect == "exl3-v1":  # one rank of its slot extents
-        from trellis_cli.dialects.exl3v1.pack import default_tp, exl3v1_pack
-        from trellis_cli.routepack.pack import to_device
-
-        tp = default_tp(checkpoint)
-        pack = to_device(exl3v1_pack(checkpoint, chosen, rank, tp), device)
-        return BenchSource(f"exl3-v1 {source} layer {chosen} rank {rank} of tp {tp}", pack, "checkpoint")
-    pack = pack_layer(checkpoint, chosen, rank, device=device)
+    dialect = dialect_of(checkpoint)
+    degrees = dialect.rank_tp_degrees(checkpoint)
+    pack = dialect.layer_pack(checkpoint, chosen, rank, None, device=device)  # as a repack would write it
+    if degrees is not None:  # a container whose slot extents fix the slicing: one rank of them
+        return BenchSource(f"{checkpoint.dialect} {source} layer {chosen} rank {rank} of tp {pack.tp}", pack,
+                           "checkpoint")
     return BenchSource(f"checkpoint {source} layer {chosen} rank {rank} (repacked in memory)", pack, "checkpoint")

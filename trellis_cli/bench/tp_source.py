@@ -29,7 +29,9 @@ from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.reference import layer_pack_forward, moe_forward
 from trellis_cli.formats.route_pack import LayerPack
 
-KINDS = ("checkpoint", "exl3-v1", "repacked", "synthetic")
+# "sliced": a container whose slot extents fix the TP degrees (each rank is one extent, the whole layer is
+# rank 0 of TP1); "checkpoint": per-linear shards re-sliced exactly.
+KINDS = ("checkpoint", "sliced", "repacked", "synthetic")
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class TpPlan:
 
     @property
     def has_whole_layer(self) -> bool:
-        return self.kind in ("checkpoint", "exl3-v1")
+        return self.kind in ("checkpoint", "sliced")
 
 
 def plan_tp_source(source: str | None, *, synthetic: str | None, partition: str | None, layer: int | None,
@@ -96,17 +98,17 @@ def _open(source: str):
 def _plan_checkpoint(source: str, layer: int | None, tp: int) -> TpPlan:
     from trellis_cli.bench.source import chosen_layer
 
+    from trellis_cli.dialects.registry import dialect_of
+
     checkpoint = _open(source)
     chosen = chosen_layer(checkpoint, source, layer)
-    if checkpoint.dialect == "exl3-v1":
-        from trellis_cli.formats.exl3v1_layout import tp_degrees
-        from trellis_cli.dialects.exl3v1.container import container
-
-        allowed = tp_degrees(container(checkpoint).manifest)
+    allowed = dialect_of(checkpoint).rank_tp_degrees(checkpoint)
+    if allowed is not None:
         if tp not in allowed:
-            raise UsageError(f"--tp {tp}: this exl3-v1 checkpoint's slot extents split into TP "
+            raise UsageError(f"--tp {tp}: this {checkpoint.dialect} checkpoint's slot extents split into TP "
                              f"{', '.join(map(str, allowed))} only")
-        return TpPlan("exl3-v1", source, chosen, tp, description=f"exl3-v1 {source} layer {chosen} at TP{tp}")
+        return TpPlan("sliced", source, chosen, tp, description=f"{checkpoint.dialect} {source} layer {chosen} at "
+                      f"TP{tp}")
     _check_checkpoint_slicing(checkpoint, chosen, tp)
     return TpPlan("checkpoint", source, chosen, tp,
                   description=f"checkpoint {source} layer {chosen} at TP{tp} (source TP{checkpoint.tp})")
@@ -145,15 +147,10 @@ def load_rank_pack(plan: TpPlan, rank: int, device: torch.device | str, seed: in
         from trellis_cli.routepack.layer_file import read_layer_pack
 
         return read_layer_pack(plan.source, plan.layer, rank, device=str(device))
+    from trellis_cli.dialects.registry import dialect_of
+
     checkpoint = _open(plan.source)
-    if plan.kind == "exl3-v1":
-        from trellis_cli.dialects.exl3v1.pack import exl3v1_pack
-        from trellis_cli.routepack.pack import to_device
-
-        return to_device(exl3v1_pack(checkpoint, plan.layer, rank, plan.tp), device)
-    from trellis_cli.routepack.pack import pack_layer
-
-    return pack_layer(checkpoint, plan.layer, rank, device=str(device), tp=plan.tp)
+    return dialect_of(checkpoint).layer_pack(checkpoint, plan.layer, rank, plan.tp, device=str(device))
 
 
 def whole_layer_reference(plan: TpPlan, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -162,11 +159,11 @@ def whole_layer_reference(plan: TpPlan, x: torch.Tensor, ids: torch.Tensor, weig
     if not plan.has_whole_layer:
         return None
     checkpoint = _open(plan.source)
-    if plan.kind == "exl3-v1":
-        from trellis_cli.dialects.exl3v1.pack import exl3v1_pack
+    if plan.kind == "sliced":  # the whole layer is its one rank at TP1
+        from trellis_cli.dialects.registry import dialect_of
 
-        return layer_pack_forward(exl3v1_pack(checkpoint, plan.layer, 0, 1), x.cpu(), ids.cpu(),
-                                  weights.cpu()).to(x.device)
+        whole = dialect_of(checkpoint).layer_pack(checkpoint, plan.layer, 0, 1)
+        return layer_pack_forward(whole, x.cpu(), ids.cpu(), weights.cpu()).to(x.device)
     return _stored_slices_forward(checkpoint, plan.layer, x, ids, weights)
 
 

@@ -24,6 +24,16 @@ DIALECT_R7 = "r7"  # per-projection K maps (recognized and inspected)
 DIALECT_REPACKED = "trellis-route-pack"  # output of `trellis repack`
 DIALECT_EXL3V1 = "exl3-v1"  # b12x's slot-major container (exl3-manifest.json + one file per layer)
 
+class VectorRef(NamedTuple):
+    """One hidden- or output-side vector (suh / svh) as the data rules read it, whatever the dialect stores:
+    a whole tensor (`row` None) or one row of a per-layer table."""
+
+    at: Any  # findings.Location of the vector
+    kind: str  # "suh" or "svh"
+    ref: "TensorRef"
+    row: int | None = None
+
+
 # Floor of Checkpoint.count_limit, so a checkpoint whose shards are absent still gets per-item findings.
 MIN_COUNT_LIMIT = 4096
 

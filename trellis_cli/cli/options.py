@@ -39,3 +39,17 @@ def open_cli_source(source: str | None, revision: str | None = None, token: str 
 
     return open_source(source, revision=revision, token=token, cache_dir=cache_dir, endpoint=endpoint,
                        offline=True if offline else None)
+
+
+def parse_layers(text: str | None, option: str = "--layers") -> list[int] | None:
+    """`--layers 3-5,40` typed once at the edge: the sorted layer list every library call takes (None: all)."""
+    from trellis_cli.selection import parse_layer_ranges
+
+    return None if text is None else parse_layer_ranges(text, option=option)
+
+
+def engine_option(name: str | None) -> str | None:
+    """`--engine NAME` checked at the edge; without it the library's default (the dialect's own profile)."""
+    from trellis_cli.validate.engines import DEFAULT, engine_named
+
+    return DEFAULT if name is None else engine_named(name).name

@@ -8,9 +8,9 @@ import typer
 
 from trellis_cli.cli import output
 from trellis_cli.cli.options import (CacheDirOpt, EndpointOpt, OfflineOpt, RevisionOpt, SourceArg, TokenOpt,
-                                     open_cli_source)
-from trellis_cli.errors import CheckFailed, UnknownDialect, ValidationFailed
-from trellis_cli.findings import Finding, Location, Report, Severity
+                                     engine_option, open_cli_source, parse_layers)
+from trellis_cli.errors import CheckFailed, ValidationFailed
+from trellis_cli.findings import Report, Severity
 
 HELP = (
     "Validate a checkpoint: file safety (header bounds, sizes, offsets, index <-> headers, paths), the "
@@ -57,16 +57,14 @@ def register(app: typer.Typer) -> None:
         tp: Annotated[Optional[int], typer.Option("--tp", min=1, help=TP_HELP)] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Emit the report as one JSON document.")] = False,
     ) -> None:
-        from trellis_cli.selection import parse_layer_ranges
-        from trellis_cli.validate.engines import engine_named
+        from trellis_cli.validate.request import ValidateRequest, validate_source
 
-        if engine is not None:
-            engine_named(engine)  # an unknown name is a usage error before anything is read
-        chosen = parse_layer_ranges(layers) if layers is not None else None
+        request = ValidateRequest(layers=parse_layers(layers), deep=deep, checksums=checksums, download=download,
+                                  engine=engine_option(engine), tp=tp, strict=strict)
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
-        report = _validate(opened, chosen, deep, download, checksums, as_json, engine, tp)
+        with output.make_progress(enabled=output.progress_enabled(as_json)) as bars:
+            report = validate_source(opened, request, _progress(bars, as_json))
         report.context.setdefault("source", opened.describe())
-        failed = not report.ok or (strict and report.warning_count > 0)
         if as_json:
             document = report.to_dict()
             document["source"] = opened.describe()
@@ -75,72 +73,31 @@ def register(app: typer.Typer) -> None:
             output.emit_json(document)
         else:
             render_report(report)
-        if failed:
-            raise ValidationFailed(report) if not report.ok else CheckFailed(
+        if not report.ok:
+            raise ValidationFailed(report) if report.error_count else CheckFailed(
                 f"{report.warning_count} warning(s) with --strict: {report.summary()}")
 
 
-def _validate(opened, layers: list[int] | None, deep: bool, download: bool, checksums: bool,
-              as_json: bool, engine: str | None, tp: int | None = None) -> Report:
-    from trellis_cli.checkpoint.model import DIALECT_REPACKED
-    from trellis_cli.dialects.open import open_checkpoint
-    from trellis_cli.selection import require_present
-    from trellis_cli.validate import run_validation
-    from trellis_cli.validate.engines import DEFAULT
+def _progress(bars, as_json: bool):
+    """Progress callbacks for validate_source: one bar per rule stage, one for sha256, one for downloads."""
+    from trellis_cli.validate.request import ValidateProgress
 
-    output.log(f"reading {opened.description} ...")
-    try:
-        checkpoint = open_checkpoint(opened)
-    except UnknownDialect as e:
-        return _single(opened, "dialect.unknown", str(e))
-    except CheckFailed as e:
-        return _single(opened, "checkpoint.unreadable", str(e))
-    if layers is not None and checkpoint.dialect != DIALECT_REPACKED:  # a route pack's: run_validation's
-        require_present(layers, checkpoint.layers)  # before any download or rule
-    if deep or download:
-        _fetch_layers(checkpoint, layers, as_json)
-    with output.make_progress(enabled=output.progress_enabled(as_json)) as progress:
-        tasks: dict[str, object] = {}
+    tasks: dict[str, object] = {}
 
-        def advance(stage: str, done: int, total: int) -> None:
-            if stage not in tasks:
-                tasks[stage] = progress.add_task(f"{stage} rules", total=total)
-            progress.update(tasks[stage], completed=done)
+    def stage(name: str, done: int, total: int) -> None:
+        if name not in tasks:
+            tasks[name] = bars.add_task(f"{name} rules", total=total)
+        bars.update(tasks[name], completed=done)
 
-        def hashed(n: int) -> None:
-            if "hash" not in tasks:  # every file that can have a recorded hash: a total in human units
-                total = sum(size for size in checkpoint.files.values() if size > 0) or None
-                tasks["hash"] = progress.add_task("sha256", total=total, bytes=True)
-            progress.advance(tasks["hash"], n)
+    def counter(name: str, description: str):
+        def advance(n: int) -> None:
+            if name not in tasks:
+                tasks[name] = bars.add_task(description, total=None, bytes=True)
+            bars.advance(tasks[name], n)
+        return advance
 
-        return run_validation(checkpoint, deep=deep, layers=layers, checksums=checksums,
-                              engine=engine or DEFAULT, tp=tp, progress=advance, checksum_progress=hashed)
-
-
-def _fetch_layers(checkpoint, layers: list[int] | None, as_json: bool) -> None:
-    """A Hub source downloads only the shards of the chosen layers before their data is read."""
-    from trellis_cli.sources import LocalSource
-
-    if isinstance(checkpoint.source, LocalSource):
-        return
-    from trellis_cli.selection import fetch_files
-
-    chosen = layers if layers is not None else list(checkpoint.layers)
-    files = sorted({f for li in chosen if li in checkpoint.layers for f in checkpoint.layers[li].files})
-    if not files:
-        return
-    output.log(f"downloading {len(files)} shard(s) ...")
-    with output.progress_bar("download", None, bytes_mode=True, enabled=output.progress_enabled(as_json)) as advance:
-        fetch_files(checkpoint.source, files, progress=advance)
-
-
-def _single(opened, code: str, message: str) -> Report:
-    from trellis_cli.validate.engines import unreadable_verdicts
-
-    report = Report(subject=opened.description, context={"source": opened.describe()})
-    report.findings.append(Finding(code, Severity.ERROR, Location(), message))
-    report.engines = unreadable_verdicts("not a checkpoint it reads" if code == "dialect.unknown" else "unreadable")
-    return report
+    return ValidateProgress(stage=stage, hashed=counter("hash", "sha256"), downloaded=counter("download", "download"),
+                            log=output.log)
 
 
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}

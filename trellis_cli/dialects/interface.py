@@ -10,10 +10,10 @@ docs/architecture.md ("Dialects") shows this page and how to add a dialect.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.findings import Report
+from trellis_cli.checkpoint.model import Checkpoint, VectorRef
+from trellis_cli.findings import Location, Report
 
 # The loader families of the engine profiles (validate/engines.py): whose container reader is asked.
 VLLM, B12X, EXLLAMAV3 = "vllm", "b12x", "exllamav3"
@@ -78,6 +78,8 @@ class Dialect:
     tensor_storage: bool = False  # plain exllamav3 per-linear names and tensor_storage
     r7_maps: bool = False  # R7 per-projection K maps
     default_engine: str | None = None  # the profile validate enforces without --engine
+    tensor_data: bool = True  # --deep reads its vectors (False: its values are covered by recorded hashes)
+    records_hashes: bool = False  # its own metadata records each file's sha256
     inspect_view: str = "shards"  # which inspect document describes it: "shards", "exl3-v1" or "route-pack"
     read_by: frozenset[str] = frozenset()  # the loader families that open this container
     container_notes: dict[str, str] = {}  # family -> why it does not, where that says more than the default
@@ -98,6 +100,23 @@ class Dialect:
 
         The shared rules (validate's shard rules where `shard_rules`, the data and hash rules of every dialect)
         run besides these."""
+
+    def vectors(self, ckpt: Checkpoint, layer: int) -> Iterator[VectorRef]:
+        """Every suh / svh vector of MoE layer `layer`, for the shared data rules; by default those of the
+        per-linear shards (one per linear and rank, and a shared_h_v1 layer's shared rows)."""
+        moe = ckpt.layers.get(layer)
+        if moe is None:
+            return
+        for expert, projs in moe.experts.items():
+            for proj, by_rank in projs.items():
+                for rank, lin in by_rank.items():
+                    for kind in ("suh", "svh"):
+                        ref = getattr(lin, kind)
+                        if ref is not None and ref.dtype in ("F16", "BF16", "F32"):
+                            yield VectorRef(Location(None, layer, expert, proj, rank, ref.name), kind, ref)
+        for fields in moe.shared_h.values():
+            for ref in fields.values():
+                yield VectorRef(Location(layer=layer, tensor=ref.name), "suh", ref)
 
     def declared_layers(self, ckpt: Checkpoint) -> list[int]:
         """The MoE layers `--layers` may name."""

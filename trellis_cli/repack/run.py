@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from trellis_cli.checkpoint.model import DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H, Checkpoint
+from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.formats.route_pack import MANIFEST_NAME
 from trellis_cli.id_ranges import compact_ranges
@@ -37,7 +37,6 @@ from trellis_cli.repack.staging import Stage, check_free_space, check_target, re
 from trellis_cli.routepack import manifest as mf
 
 EXTRA_DIR = "extra"  # extra/<shard>: the non-expert tensors of a source shard that held routed experts
-TR3_DIALECTS = (DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H)
 
 
 @dataclass
@@ -46,7 +45,7 @@ class RepackOptions:
     ranks: str | None = None  # "0,1" (of the target TP)
     tp: int | None = None  # target TP; None keeps the source's
     shared_h: bool = False  # collapse hidden-side rows to [1, H] (refused unless byte-equal)
-    to: str = "route-pack"  # or "tr3"
+    to: str = "route-pack"  # a conversion target of the dialect registry: route-pack, tr3, exl3-v1
     jobs: int = 1
     overwrite: bool = False
     copy_other: bool = True  # carry non-expert files and tensors through
@@ -68,8 +67,10 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
     exl3-v1 output is sound: `trellis_cli.run_repack` passes validate.run_validation."""
     options = options or RepackOptions()
     log = log or (lambda _m: None)
-    if options.to not in ("route-pack", "tr3", "exl3-v1"):
-        raise UsageError(f"--to {options.to!r}: expected route-pack, tr3 or exl3-v1")
+    from trellis_cli.dialects import registry
+
+    if options.to not in registry.targets():
+        raise UsageError(f"--to {options.to!r}: expected {', '.join(registry.targets())}")
     if options.jobs < 1:
         raise UsageError(f"--jobs {options.jobs}: must be at least 1")
     from trellis_cli.routepack.manifest import is_route_pack
@@ -80,22 +81,33 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
 
         return route_pack_to_tr3(root, Path(out), options, on_bytes=on_bytes, on_total=on_total, log=log)
     checkpoint = source if isinstance(source, Checkpoint) else open_repack_source(source)
+    driver = registry.conversion(checkpoint.dialect, options.to)  # the table keyed by (from, to)
+    if driver is None:
+        raise UsageError(_no_conversion(checkpoint.dialect, options.to))
     from trellis_cli.repack.exl3v1 import dispatch as exl3v1_repack  # exl3-v1 in or out: its own drivers
 
-    if exl3v1_repack.handles(checkpoint, options.to):
-        return exl3v1_repack.run_exl3v1_repack(checkpoint, Path(out), options, validator, on_bytes=on_bytes,
-                                               on_total=on_total, log=log)
-    if checkpoint.dialect not in TR3_DIALECTS:
-        raise UsageError(f"repack reads rank-sliced TR3 checkpoints ({', '.join(TR3_DIALECTS)}); the source is "
-                         f"{checkpoint.dialect}")
+    if driver in exl3v1_repack.DRIVERS:
+        return exl3v1_repack.run_exl3v1_repack(driver, checkpoint, Path(out), options, validator,
+                                               on_bytes=on_bytes, on_total=on_total, log=log)
+    if driver == "route-pack-to-tr3":  # a route pack converts back from a local directory (above)
+        raise UsageError("a route pack converts back to TR3 from a local directory only")
     if options.validate:
         check_source(checkpoint, validator)
     import torch  # noqa: F401 - imported once here, not concurrently by the first workers
-    if options.to == "tr3":
+    if driver == "tr3-to-tr3":
         from trellis_cli.repack.convert import tr3_to_tr3
 
         return tr3_to_tr3(checkpoint, Path(out), options, on_bytes=on_bytes, on_total=on_total, log=log)
     return _RoutePackRun(checkpoint, Path(out), options, on_bytes, on_total, log).run()
+
+
+def _no_conversion(source: str, target: str) -> str:
+    from trellis_cli.dialects import registry
+
+    reachable = [t for t in registry.targets() if registry.conversion(source, t) is not None]
+    instead = f"; from {source}: --to {' or --to '.join(reachable)}" if reachable else ""
+    return (f"--to {target} reads {', '.join(registry.sources_of(target))} checkpoints; the source is "
+            f"{source}{instead}")
 
 
 def _local_root(source: Any) -> Path | None:

@@ -4,8 +4,12 @@ Rules live in one module per family: rules_files (byte layout, index, paths), ru
 contracts), rules_tensors (header facts per linear and per layer), rules_runtime (traps after a clean load),
 rules_markers (codebook marker values, read by default for local sources), rules_data (--deep: tensor
 values), and last the loader profiles of engines.py (the enforced one's refusals, every one's verdict).
-Every rule runs even after errors, so one run shows every problem. A repacked directory is checked by the
-route-pack verifier instead. Rules never raise on bad input; they yield findings.
+Which rules apply is the dialect's answer (dialects/registry.py), never a comparison of names: the shard
+rules where the dialect stores per-linear shards, the dialect's own rules (`Dialect.check`: an exl3-v1's
+reader checks, a route pack's verification against its manifest), then for every dialect the shared data
+rules over the normalized model (--deep), the recorded hashes, and every engine profile's verdict.
+Every rule runs even after errors, so one run shows every problem. Rules never raise on bad input; they yield
+findings. `validate_source` (request.py) is the one call behind `trellis validate`.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Callable
 
-from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, Checkpoint
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects.interface import CheckRequest, Dialect
+from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import MAX_FINDINGS_PER_CODE, Finding, Location, Report, Severity
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.validate import (engines, rules_config, rules_files, rules_markers, rules_runtime,
@@ -21,8 +27,7 @@ from trellis_cli.validate import (engines, rules_config, rules_files, rules_mark
 
 # Said beside every verdict that did not read tensor values: a header-perfect checkpoint of zeros passes.
 NOT_DEEP_NOTE = "tensor data not checked (headers only; --deep reads it)"
-ROUTE_PACK_NOTE = ("tensor values not checked: the sha256 of every file matches the manifest repack wrote "
-                   "(validate the source with --deep to check its data)")
+NOT_HASHED_NOTE = "recorded hashes not compared (the files are not local; --checksums hashes them)"
 
 CHECKSUM_CODES = {  # integrity status -> (code, severity, message)
     "mismatch": ("checksum.mismatch", Severity.ERROR, "sha256 differs from the recorded hash"),
@@ -38,45 +43,41 @@ CHECKSUM_CODES = {  # integrity status -> (code, severity, message)
 
 
 def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[int] | None = None,
-                   checksums: bool = False, engine: str | None = None, tp: int | None = None,
+                   checksums: bool = False, engine: str | None = engines.DEFAULT, tp: int | None = None,
                    progress: Callable[[str, int, int], None] | None = None,
                    checksum_progress: Callable[[int], None] | None = None) -> Report:
     """Validate `checkpoint`; `layers` limits the per-layer rules (file and config rules always run).
 
-    `engine` names the loader profile to enforce (validate/engines.py): `engines.DEFAULT` (what the CLI passes
-    without --engine) enforces the dialect's default; None enforces none (the format rules alone decide, as for
-    repack's check of its source); either way every profile's verdict is in `report.engines`. `tp`: the TP the
-    server will run (--tp), checked against every profile's TP contract (validate/engine_tp.py).
+    `engine` names the loader profile to enforce (validate/engines.py): `engines.DEFAULT`, the default, enforces
+    the dialect's own choice (what `trellis validate` does without --engine); None enforces none (the format
+    rules alone decide, as for repack's check of its source); either way every profile's verdict is in
+    `report.engines` and `report.context["engine"]` says which one was enforced. `tp`: the TP the server will
+    run (--tp), checked against every profile's TP contract (validate/engine_tp.py); without it each verdict lists
+    the TP degrees its profile accepts.
     `progress(stage, done, total)` is called as layers complete; `checksum_progress(n)` with bytes hashed.
     """
-    enforced = engines.enforced_name(engine, checkpoint.dialect)
-    if checkpoint.dialect == DIALECT_REPACKED:
-        report = _validate_route_pack(checkpoint, layers, checksum_progress)
-        engines.assess(checkpoint, [], report, enforced, tp)
-        cap_findings(report)
-        return report
     from trellis_cli.dialects.open import paused_gc
 
-    selected = _selected_layers(checkpoint, layers)  # a usage error before any rule runs
+    dialect = dialect_of(checkpoint)
+    enforced = engines.enforced_name(engine, checkpoint.dialect)
+    selected = _selected_layers(checkpoint, dialect, layers)  # a usage error before any rule runs
     report = Report(subject=_subject(checkpoint), context=_context(checkpoint))
-    if checkpoint.dialect == DIALECT_EXL3V1:
-        from trellis_cli.dialects.exl3v1.rules import check_exl3v1
-
-        check_exl3v1(checkpoint, report, selected, deep=deep, checksums=checksums, progress=progress,
-                     checksum_progress=checksum_progress)
-        engines.assess(checkpoint, selected, report, enforced, tp)
-        report.context["engine"] = enforced
-        cap_findings(report)
-        return report
-    with paused_gc():
-        _run_header_rules(checkpoint, selected, report, progress)
-    _run_markers(checkpoint, selected, report, deep)
-    if deep:
-        _run_deep(checkpoint, selected, report, progress)
-    else:
-        report.notes.append(NOT_DEEP_NOTE)
-    if checksums:
+    request = CheckRequest(selected, deep, checksums, narrowed=layers is not None, progress=progress,
+                           checksum_progress=checksum_progress)
+    if dialect.shard_rules:
+        with paused_gc():
+            _run_header_rules(checkpoint, selected, report, progress)
+        _run_markers(checkpoint, selected, report, deep)
+    dialect.check(checkpoint, request, report)
+    if dialect.tensor_data:
+        if deep:
+            _run_deep(checkpoint, dialect, selected, report, progress)
+        else:
+            report.notes.append(NOT_DEEP_NOTE)
+    if checksums and dialect.shard_rules:
         _run_checksums(checkpoint, report, checksum_progress)
+    elif not checksums and dialect.records_hashes and not dialect.hashes_by_default(checkpoint):
+        report.notes.append(NOT_HASHED_NOTE)
     engines.assess(checkpoint, selected, report, enforced, tp)
     report.context["engine"] = enforced
     cap_findings(report)
@@ -124,19 +125,24 @@ def _context(ckpt: Checkpoint) -> dict:
             "rotation_layout": ckpt.rotation_layout, "tp": ckpt.tp, "revision": getattr(ckpt.source, "revision", None)}
 
 
-def _selected_layers(ckpt: Checkpoint, layers: list[int] | None) -> list[int]:
+def _selected_layers(ckpt: Checkpoint, dialect: Dialect, layers: list[int] | None) -> list[int]:
+    """The layers the per-layer rules read: naming one the checkpoint lacks is a mistake, whatever the dialect."""
     if layers is None:
         return list(ckpt.layers)
     from trellis_cli.selection import require_present
 
-    return require_present(layers, ckpt.layers)
+    return require_present(layers, dialect.declared_layers(ckpt))
 
 
-def _run_deep(ckpt: Checkpoint, selected: list[int], report: Report, progress) -> None:
+def _run_deep(ckpt: Checkpoint, dialect: Dialect, selected: list[int], report: Report, progress) -> None:
+    """The data rules: every dialect's hidden-side vectors (NaN/Inf, all zero, subnormal), as its normalized
+    model lists them; then, for per-linear shards, the sampled tile decode and the shareable-rows check."""
     from trellis_cli.validate import rules_data
 
     for done, li in enumerate(selected, 1):
-        report.extend(rules_data.check_layer_data(ckpt, ckpt.layers[li], report.count))
+        report.extend(rules_data.check_vectors(ckpt, dialect.vectors(ckpt, li), report.count))
+        if dialect.shard_rules:
+            report.extend(rules_data.check_layer_tiles(ckpt, ckpt.layers[li], report.count))
         if progress is not None:
             progress("data", done, len(selected))
     report.context["deep_layers"] = compact_ranges(selected)
@@ -153,24 +159,6 @@ def _run_checksums(ckpt: Checkpoint, report: Report, progress) -> None:
         code, severity, message = CHECKSUM_CODES.get(r.status, ("checksum.mismatch", Severity.ERROR, r.status))
         report.findings.append(Finding(code, severity, Location(file=r.file), r.detail or message,
                                        expected=r.expected, found=r.found))
-
-
-def _validate_route_pack(ckpt: Checkpoint, layers: list[int] | None, progress) -> Report:
-    from trellis_cli.routepack.manifest import declared_layers
-    from trellis_cli.dialects.routepack.verify import verify_repacked
-    from trellis_cli.selection import require_present
-
-    if layers is not None:  # the same meaning as for a checkpoint: naming a layer the pack lacks is a mistake
-        require_present(layers, declared_layers(ckpt.declared.get("manifest")))
-    # A route pack's manifest records the sha256 of every file it wrote, and hashing is the only check that
-    # sees a flipped byte inside tensor data: always done, --checksums or not (one read of the output).
-    report = verify_repacked(ckpt.source, check_hashes=True, progress=progress)
-    report.context.setdefault("dialect", DIALECT_REPACKED)
-    report.notes.append(ROUTE_PACK_NOTE)
-    if layers is not None:
-        report.notes.append("--layers does not narrow a route pack's checks: every file is checked against its "
-                            "manifest")
-    return report
 
 
 def cap_findings(report: Report, limit: int = MAX_FINDINGS_PER_CODE) -> None:

@@ -10,9 +10,9 @@ rules_markers' (read by default for local sources, and with --deep for remote on
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
-from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, LinearRef, MoeLayer
+from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, MoeLayer, VectorRef
 from trellis_cli.checkpoint.names import H_SIDE
 from trellis_cli.checkpoint.tensors import read_rows, read_tensor
 from trellis_cli.errors import CheckFailed
@@ -24,39 +24,35 @@ SAMPLED_TILE_ROWS = 2  # leading tile rows decoded per sampled trellis
 DECODE_RMS_RANGE = (0.3, 3.0)
 
 
-def check_layer_data(ckpt: Checkpoint, layer: MoeLayer, count: Callable[[str, int], None]) -> Iterator[Finding]:
-    for expert, projs in layer.experts.items():
-        for proj, by_rank in projs.items():
-            for rank, lin in by_rank.items():
-                at = Location(layer=layer.index, expert=expert, projection=proj, rank=rank)
-                yield from _check_vectors(ckpt, lin, at, count)
-    for fields in layer.shared_h.values():
-        for ref in fields.values():
-            yield from _check_vector(ckpt, ref, Location(layer=layer.index, tensor=ref.name), "suh", count)
+def check_vectors(ckpt: Checkpoint, vectors: Iterable[VectorRef], count: Callable[[str, int], None]
+                  ) -> Iterator[Finding]:
+    """Every dialect's suh / svh (as its Dialect.vectors lists them): finite, not all zero, not all subnormal."""
+    for vector in vectors:
+        yield from _check_vector(ckpt, vector, count)
+
+
+def check_layer_tiles(ckpt: Checkpoint, layer: MoeLayer, count: Callable[[str, int], None]) -> Iterator[Finding]:
+    """Per-linear shards: a decode of sampled tiles, and whether per-expert hidden-side rows could be shared."""
     yield from _check_sampled_decode(ckpt, layer, count)
     if not layer.shared_h:
         yield from _check_h_rows_shareable(ckpt, layer)
 
 
-def _read(ckpt: Checkpoint, ref, at: Location) -> tuple[object, Finding | None]:
+def _read(ckpt: Checkpoint, vector: VectorRef) -> tuple[object, Finding | None]:
+    ref = vector.ref
     try:
-        return read_tensor(ckpt, ref), None
+        if vector.row is None:
+            return read_tensor(ckpt, ref), None
+        return read_rows(ckpt, ref, vector.row, vector.row + 1), None
     except CheckFailed as e:
         return None, error("data.unreadable", Location(file=ref.file, tensor=ref.name), str(e).split(": ", 2)[-1])
 
 
-def _check_vectors(ckpt: Checkpoint, lin: LinearRef, at: Location, count) -> Iterator[Finding]:
-    for name in ("suh", "svh"):
-        ref = getattr(lin, name)
-        if ref is not None and ref.dtype in ("F16", "BF16", "F32"):
-            yield from _check_vector(ckpt, ref, Location(at.file, at.layer, at.expert, at.projection, at.rank,
-                                                         ref.name), name, count)
-
-
-def _check_vector(ckpt: Checkpoint, ref, at: Location, name: str, count) -> Iterator[Finding]:
+def _check_vector(ckpt: Checkpoint, vector: VectorRef, count) -> Iterator[Finding]:
     import torch
 
-    values, problem = _read(ckpt, ref, at)
+    at, name = vector.at, vector.kind
+    values, problem = _read(ckpt, vector)
     if problem is not None:
         yield problem
         return

@@ -10,7 +10,11 @@ docs/checkpoint-dialects.md describes the container.
 
 from __future__ import annotations
 
-from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H
+from typing import Iterator
+
+from trellis_cli.checkpoint.model import (DIALECT_EXL3V1, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H, PROJECTIONS,
+                                         VectorRef)
+from trellis_cli.findings import Location
 from trellis_cli.dialects.detect import exl3v1_info
 from trellis_cli.dialects.interface import B12X, VLLM, VLLM_MANIFEST, CheckRequest, Dialect, DialectInfo, Probe
 
@@ -21,6 +25,7 @@ class Exl3v1Dialect(Dialect):
     described_as = "an exl3-v1"
     default_engine = "b12x-exl3-v1"
     inspect_view = "exl3-v1"
+    records_hashes = True  # the manifest's sha256 per layer file
     read_by = frozenset({B12X, VLLM_MANIFEST})
     container_notes = {VLLM: "exl3-v1 is b12x's container"}
     converts_from = {DIALECT_TR3_PER_EXPERT: "tr3-to-exl3-v1", DIALECT_TR3_SHARED_H: "tr3-to-exl3-v1"}
@@ -38,8 +43,32 @@ class Exl3v1Dialect(Dialect):
     def check(self, ckpt, request: CheckRequest, report) -> None:
         from trellis_cli.dialects.exl3v1.rules import check_exl3v1
 
-        check_exl3v1(ckpt, report, request.layers, deep=request.deep, checksums=request.checksums,
+        # The manifest's digests are compared by default where the bytes are local, as a route pack's are;
+        # by default a digest of all zeros (recorded for no data, as a sparse synth writes) is not hashed.
+        check_exl3v1(ckpt, report, request.layers, deep=request.deep,
+                     checksums=request.checksums or self.hashes_by_default(ckpt), every_digest=request.checksums,
                      progress=request.progress, checksum_progress=request.checksum_progress)
+
+    def vectors(self, ckpt, layer: int) -> Iterator[VectorRef]:
+        """The hidden-side tables: one row per expert ([E, hidden]), or one vector for all of them ([hidden])."""
+        from trellis_cli.dialects.exl3v1.container import HIDDEN_TABLES, container
+        from trellis_cli.dialects.exl3v1.rules import expected_shapes
+
+        box = container(ckpt)
+        entry = box.layers.get(layer)
+        if box.manifest is None or entry is None or not entry.readable:
+            return
+        shapes = expected_shapes(box.manifest)
+        for table, proj in zip(HIDDEN_TABLES, PROJECTIONS):
+            ref = entry.ref(table)
+            if ref is None or ref.dtype != "F16" or tuple(ref.shape) != shapes[table]:
+                continue  # the layer's header findings say what is wrong with it
+            kind = "svh" if table.endswith("svh") else "suh"
+            if len(ref.shape) == 1:
+                yield VectorRef(Location(ref.file, layer, None, proj, None, table), kind, ref)
+                continue
+            for expert in range(ref.shape[0]):
+                yield VectorRef(Location(ref.file, layer, expert, proj, None, f"{table}[{expert}]"), kind, ref, expert)
 
     def hashes_by_default(self, ckpt) -> bool:
         """The manifest records each layer file's sha256: compared whenever the bytes are local."""

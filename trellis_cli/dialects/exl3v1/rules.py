@@ -4,8 +4,9 @@ what that reader leaves unchecked (docs/findings.md, `exl3v1.*`).
 Default run: the manifest (parsed while opening), each layer file's header (byte layout, metadata identity,
 exact tensor set, dtypes, shapes, row stride), plus three small bounded reads per layer from local files:
 the rate tables ([num_slots/8, E] bytes), each row's padding tail, and sign_pattern. `deep` adds the
-finiteness of rotations and hidden-side tables; `checksums` streams each layer file through sha256 and
-compares it with the manifest.
+finiteness of the rotations (the hidden-side tables are the shared data rules' vectors: validate/rules_data);
+`checksums` (by default for local files) streams each layer file through sha256 and compares it with the
+manifest.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from trellis_cli.findings import Finding, Report, error, error_summary, warning
 from trellis_cli.header import DTYPE_BYTES
 from trellis_cli.formats.safetensors_layout import check_shard
 
+# A digest of all zeros records no hash (a sparse synth has no data to hash): compared only with --checksums.
+UNRECORDED_DIGEST = "0" * 64
 MAX_ROWS_SHOWN = 5  # row findings per layer and code, then one summary line
 
 
@@ -44,7 +47,7 @@ def expected_shapes(m: Manifest) -> dict[str, tuple[int, ...]]:
 
 
 def check_exl3v1(ckpt: Checkpoint, report: Report, layers: list[int], *, deep: bool, checksums: bool,
-                 progress: Callable[[str, int, int], None] | None = None,
+                 every_digest: bool = True, progress: Callable[[str, int, int], None] | None = None,
                  checksum_progress: Callable[[int], None] | None = None) -> None:
     box = container(ckpt)
     report.extend(ckpt.parse_findings)
@@ -56,16 +59,20 @@ def check_exl3v1(ckpt: Checkpoint, report: Report, layers: list[int], *, deep: b
         if layer.readable:
             report.extend(check_shard(layer.file, ckpt.headers[layer.file]))
             report.extend(check_layer(ckpt, box.manifest, layer))
-            if deep:
+            if deep:  # the hidden-side tables' values are the shared data rules' (Dialect.vectors)
                 report.extend(check_finite(ckpt, box.manifest, layer))
         if progress is not None:
             progress("headers", done, len(layers))
     report.count("layers", len(layers))
     report.count("files", sum(box.layers[i].readable for i in layers))
     if checksums:
-        for index in layers:
+        hashed = [i for i in layers if every_digest or box.layers[i].sha256 != UNRECORDED_DIGEST]
+        for index in hashed:
             report.extend(check_sha256(ckpt, box.layers[index], checksum_progress))
-        report.count("checksums", len(layers))
+        report.count("checksums", len(hashed))
+        if len(hashed) < len(layers):
+            report.notes.append(f"sha256 not compared for {len(layers) - len(hashed)} layer file(s) whose manifest "
+                                "digest is all zeros (none recorded; --checksums hashes them)")
 
 
 def check_layer(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer) -> Iterator[Finding]:
@@ -196,12 +203,12 @@ def _sign_pattern(ckpt: Checkpoint, layer: Exl3Layer) -> Iterator[Finding]:
 
 
 def check_finite(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer) -> Iterator[Finding]:
-    """--deep: rotations and hidden-side tables hold no NaN or Inf (read in bounded row chunks)."""
+    """--deep: the rotations hold no NaN or Inf (read in bounded row chunks)."""
     import torch
 
     from trellis_cli.checkpoint.tensors import read_rows
 
-    for name in (ROTATIONS, *HIDDEN_TABLES):
+    for name in (ROTATIONS,):
         ref = layer.ref(name)
         if ref is None or ref.dtype != "F16" or tuple(ref.shape) != expected_shapes(m)[name]:
             continue

@@ -21,6 +21,8 @@ class RoutePackDialect(Dialect):
     target = "route-pack"
     described_as = "a trellis route pack"
     inspect_view = "route-pack"
+    tensor_data = False  # every file's sha256 is compared with the manifest instead (NOTE)
+    records_hashes = True
     container_notes = {VLLM: "a route pack is trellis' own layout (repack --to tr3 rebuilds the served one)"}
     converts_from = {DIALECT_TR3_PER_EXPERT: "tr3-to-route-pack", DIALECT_TR3_SHARED_H: "tr3-to-route-pack",
                      DIALECT_EXL3V1: "exl3-v1-to-route-pack"}
