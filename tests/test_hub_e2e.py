@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from hub_server import HubServer
+from trellis_cli.cli.exit_codes import exit_code
 from trellis_cli.errors import EXIT_SOURCE, SourceUnavailable
 from trellis_cli.header import read_local_header
 from trellis_cli.integrity import MISMATCH, NOT_CACHED, OK, verify_checksums
@@ -174,7 +175,7 @@ def test_missing_repo_is_exit_3_with_a_hint(hub, cache):
     with pytest.raises(SourceUnavailable) as info:
         open_hub(hub, cache, "org/does-not-exist")
     message = str(info.value)
-    assert info.value.exit_code == EXIT_SOURCE
+    assert exit_code(info.value) == EXIT_SOURCE
     assert "org/does-not-exist" in message and "not found" in message and "HF_TOKEN" in message
     assert "\n" not in message
 
@@ -182,7 +183,7 @@ def test_missing_repo_is_exit_3_with_a_hint(hub, cache):
 def test_bad_revision_is_exit_3_naming_the_revision(hub, cache):
     with pytest.raises(SourceUnavailable, match="revision 'no-such-branch' not found") as info:
         open_hub(hub, cache, revision="no-such-branch")
-    assert info.value.exit_code == EXIT_SOURCE
+    assert exit_code(info.value) == EXIT_SOURCE
 
 
 def test_private_repo_needs_the_token(hub, cache, checkpoint):
@@ -203,7 +204,7 @@ def test_gated_repo_says_so(hub, cache, checkpoint):
     hub.add_commit("org/gated", checkpoint, gated=True)
     with pytest.raises(SourceUnavailable, match="org/gated is gated: request access") as info:
         open_hub(hub, cache, "org/gated", token=False)
-    assert info.value.exit_code == EXIT_SOURCE
+    assert exit_code(info.value) == EXIT_SOURCE
     assert open_hub(hub, cache, "org/gated", token=hub.token).revision
 
 
@@ -221,7 +222,7 @@ def test_unreachable_endpoint_is_exit_3(cache):
 def test_offline_without_cache_is_exit_3(hub, cache):
     with pytest.raises(SourceUnavailable, match="not in the local Hub cache") as info:
         open_hub(hub, cache, offline=True)
-    assert info.value.exit_code == EXIT_SOURCE
+    assert exit_code(info.value) == EXIT_SOURCE
     assert hub.requests == []
 
 

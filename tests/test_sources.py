@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from trellis_cli.cli.exit_codes import exit_code
 from trellis_cli.errors import EXIT_SOURCE, CheckFailed, SourceUnavailable, UsageError
 from trellis_cli.integrity import (
     MISMATCH, MISSING, NO_MANIFEST, OK, UNLISTED, UNSAFE_PATH, git_blob_sha1, sha256_file, verify_checksums,
@@ -61,7 +62,7 @@ def test_revision_with_a_local_directory_is_a_usage_error(checkpoint_dir):
 def test_unusable_specs_name_themselves_and_exit_3(spec, message):
     with pytest.raises(SourceUnavailable) as info:
         open_source(spec)
-    assert info.value.exit_code == EXIT_SOURCE
+    assert exit_code(info.value) == EXIT_SOURCE
     assert spec in str(info.value) and message in str(info.value)
 
 

@@ -1,7 +1,8 @@
-"""Expected failures and the exit code each maps to.
+"""Expected failures, by what went wrong, and the exit codes of the CLI.
 
 A leaf module: it imports nothing from trellis_cli, so every layer can raise these. Only the CLI turns
-them into a one-line message and an exit code; library code never prints or exits.
+them into a one-line message and an exit code (its table: cli/exit_codes.py); library code never prints or
+exits.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ EXIT_INTERRUPTED = 130
 
 
 class TrellisError(Exception):
-    """An expected failure: shown as one line (no traceback unless --debug), mapped to an exit code."""
+    """An expected failure: shown as one line (no traceback unless --debug)."""
 
-    exit_code = EXIT_FINDINGS
     # Whether lines after the first are details worth showing (a compiler log). Otherwise a line break in
     # the message came from data, such as a tensor name, and is shown escaped so the error stays one line.
     multiline = False
@@ -30,8 +30,6 @@ class CheckFailed(TrellisError):
     leaves the choice to the caller. Never recovered from the message text.
     """
 
-    exit_code = EXIT_FINDINGS
-
     def __init__(self, *args: object, code: str | None = None) -> None:
         super().__init__(*args)
         self.code = code
@@ -40,19 +38,14 @@ class CheckFailed(TrellisError):
 class UsageError(TrellisError):
     """Option combinations the argument parser cannot express, or arguments that make no sense together."""
 
-    exit_code = EXIT_USAGE
-
 
 class SourceUnavailable(TrellisError):
     """The checkpoint cannot be reached: missing path, Hub 401/404, bad revision, offline and not cached."""
-
-    exit_code = EXIT_SOURCE
 
 
 class GpuUnavailable(TrellisError):
     """No CUDA device, no nvcc, or the kernel build failed (the compiler's output follows the first line)."""
 
-    exit_code = EXIT_GPU
     multiline = True
 
 

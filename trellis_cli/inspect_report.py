@@ -33,7 +33,7 @@ def build_inspect(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str
     from trellis_cli.selection import require_present
 
     chosen = list(ckpt.layers) if layers is None else require_present(layers, ckpt.layers)
-    if view == "exl3-v1":
+    if view == "slot-rows":
         return _exl3v1_document(ckpt, chosen, whole=layers is None)
     rows = [layer_summary(ckpt, ckpt.layers[li]) for li in chosen]
     # Totals describe the whole checkpoint, whatever --layers shows; the selection gets its own.

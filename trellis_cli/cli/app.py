@@ -12,6 +12,7 @@ import typer
 
 from trellis_cli import __version__
 from trellis_cli.cli import output
+from trellis_cli.cli.exit_codes import exit_code
 from trellis_cli.errors import EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_USAGE, TrellisError
 
 GLOBAL_FLAGS = ("-q", "--quiet", "--debug")  # accepted before or after the subcommand
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         _report_interrupted()
     except TrellisError as err:
         _report_trellis_error(err)
-        raise SystemExit(err.exit_code) from None
+        raise SystemExit(exit_code(err)) from None
     except KeyboardInterrupt:
         _report_interrupted()
     except BrokenPipeError:  # `trellis inspect | head`: the reader left; nothing to say to it
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as err:
         # Permission denied, disk full, a file vanishing: the system's reason and the file are enough.
         _report_error(output.describe_os_error(err))
-        raise SystemExit(EXIT_FINDINGS) from None
+        raise SystemExit(exit_code(err)) from None
     except Exception as err:
         # A bug, not bad input: still one line, with the way to get the traceback.
         what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
@@ -101,14 +102,11 @@ def _report_interrupted() -> None:
 
 
 def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
-    """The parser's error and abort classes: click's, and those of the click copy newer typer vendors."""
-    errors, aborts = [click.exceptions.ClickException], [click.exceptions.Abort, getattr(typer, "Abort", None)]
-    try:
-        from typer._click import exceptions as vendored
-
-        errors.append(vendored.ClickException)
-    except ImportError:
-        pass
+    """The parser's error and abort classes: click's, and those of the click copy newer typer vendors (found
+    through typer's public BadParameter, never a private module)."""
+    errors = [click.exceptions.ClickException]
+    errors += [k for k in typer.BadParameter.__mro__ if k.__name__ == "ClickException" and k not in errors]
+    aborts = [click.exceptions.Abort, getattr(typer, "Abort", None)]
     return tuple(errors), tuple(a for a in aborts if isinstance(a, type))
 
 

@@ -89,15 +89,17 @@ def _progress(bars, as_json: bool):
             tasks[name] = bars.add_task(f"{name} rules", total=total)
         bars.update(tasks[name], completed=done)
 
+    totals: dict[str, int | None] = {}
+
     def counter(name: str, description: str):
         def advance(n: int) -> None:
-            if name not in tasks:
-                tasks[name] = bars.add_task(description, total=None, bytes=True)
+            if name not in tasks:  # a total in human units where one is known
+                tasks[name] = bars.add_task(description, total=totals.get(name), bytes=True)
             bars.advance(tasks[name], n)
         return advance
 
     return ValidateProgress(stage=stage, hashed=counter("hash", "sha256"), downloaded=counter("download", "download"),
-                            log=output.log)
+                            log=output.log, hash_total=lambda n: totals.__setitem__("hash", n))
 
 
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}

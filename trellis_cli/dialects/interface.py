@@ -80,7 +80,7 @@ class Dialect:
     default_engine: str | None = None  # the profile validate enforces without --engine
     tensor_data: bool = True  # --deep reads its vectors (False: its values are covered by recorded hashes)
     records_hashes: bool = False  # its own metadata records each file's sha256
-    inspect_view: str = "shards"  # which inspect document describes it: "shards", "exl3-v1" or "route-pack"
+    inspect_view: str = "shards"  # which inspect document describes it: "shards", "slot-rows" or "route-pack"
     read_by: frozenset[str] = frozenset()  # the loader families that open this container
     container_notes: dict[str, str] = {}  # family -> why it does not, where that says more than the default
     # Conversions this dialect writes: source dialect name -> the repack driver that writes it.

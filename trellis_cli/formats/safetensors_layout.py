@@ -2,7 +2,7 @@
 
 file size == 8 + header length + data end; every byte range inside the data buffer; no overlaps and no holes
 (the format forbids unindexed bytes); dtype x shape == byte length. Shared by the checkpoint rules
-(validate/rules_files.py) and the route-pack verification (routepack/verify.py).
+(validate/rules_files.py) and the route-pack verification (dialects/routepack/verify.py).
 """
 
 from __future__ import annotations

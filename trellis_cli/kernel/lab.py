@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from trellis_cli.errors import CheckFailed, GpuUnavailable, TrellisError
+from trellis_cli.errors import EXIT_FINDINGS, EXIT_GPU, EXIT_USAGE, CheckFailed, GpuUnavailable, TrellisError, UsageError
 from trellis_cli.kernel import abi, build
 from trellis_cli.kernel.launch import FusedMoe
 from trellis_cli.kernel.plan import LaunchPlan
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             print(build.build_library(args.arch, args.codebook, variant=args.variant, log=print).path)
     except TrellisError as err:
         print(f"error: {err}", file=sys.stderr)
-        return err.exit_code
+        return EXIT_GPU if isinstance(err, GpuUnavailable) else EXIT_USAGE if isinstance(err, UsageError) else EXIT_FINDINGS
     return 0
 
 

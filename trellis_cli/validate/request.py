@@ -34,6 +34,7 @@ class ValidateProgress:
     hashed: Callable[[int], None] | None = None
     downloaded: Callable[[int], None] | None = None
     log: Callable[[str], None] | None = None
+    hash_total: Callable[[int | None], None] | None = None  # before hashing: every file's bytes, when known
 
 
 def validate_source(source: Any, request: ValidateRequest | None = None,
@@ -60,6 +61,8 @@ def validate_source(source: Any, request: ValidateRequest | None = None,
         require_present(request.layers, dialect_of(checkpoint).declared_layers(checkpoint))
     if request.deep or request.download:
         _fetch_layers(checkpoint, request.layers, progress)
+    if progress.hash_total is not None:  # every file that can have a recorded hash
+        progress.hash_total(sum(size for size in checkpoint.files.values() if size > 0) or None)
     report = run_validation(checkpoint, deep=request.deep, layers=request.layers, checksums=request.checksums,
                             engine=request.engine, tp=request.tp, progress=progress.stage, checksum_progress=progress.hashed)
     report.strict = request.strict

@@ -295,7 +295,7 @@ def _check_quant_config_drift(embedded: dict, external: dict) -> Iterator[Findin
 
 # ---- the model's own config.json fields, as the serving engine reads them -----------------------------
 
-# Positive integers the engine sizes the model by (GLM / DeepSeek names, as checkpoint/open.py reads them);
+# Positive integers the engine sizes the model by (GLM / DeepSeek names, as dialects/open.py reads them);
 # `true` is not one, although Python's bool is an int.
 MODEL_SIZE_FIELDS = ("hidden_size", "moe_intermediate_size", "n_routed_experts", "num_experts", "num_local_experts",
                      "moe_num_experts", "num_experts_per_tok", "num_hidden_layers")

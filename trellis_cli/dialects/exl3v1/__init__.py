@@ -24,7 +24,7 @@ class Exl3v1Dialect(Dialect):
     target = "exl3-v1"
     described_as = "an exl3-v1"
     default_engine = "b12x-exl3-v1"
-    inspect_view = "exl3-v1"
+    inspect_view = "slot-rows"
     records_hashes = True  # the manifest's sha256 per layer file
     read_by = frozenset({B12X, VLLM_MANIFEST})
     container_notes = {VLLM: "exl3-v1 is b12x's container"}
