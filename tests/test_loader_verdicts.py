@@ -421,3 +421,14 @@ def test_manifest_tp_contract_agrees_with_b12x_extent_checks(spec, tmp_path, cap
     code, out, _ = run_cli(capsys, "validate", str(root), "--json")
     accepted = {v["name"]: v["tp_accepted"] for v in json.loads(out)["engines"]}["vllm-exl3-manifest"]
     assert expected and accepted == expected
+
+
+def test_protected_tensors_are_checked_against_the_embedded_tensor_storage_first(tmp_path, capsys):
+    """The shared-H loader takes config.json's tensor_storage when it has one: a record there that disagrees with
+    the declared bits is its refusal even when quantization_config.json agrees."""
+    root = add_protected(tiny_checkpoint(tmp_path))
+    storage = json.loads((root / "quantization_config.json").read_text())["tensor_storage"]
+    wrong = {k: dict(v, bits_per_weight=8) for k, v in storage.items()}
+    edit_json(root / "config.json", lambda c: c["quantization_config"].update(tensor_storage=wrong))
+    code, doc = _validate(root, Case(lambda t: t, "vllm-exl3-shared-h", 2, None, ""), capsys)
+    assert code == 1 and "config.protected-k" in {f["code"] for f in doc["findings"] if f["severity"] == "error"}

@@ -221,13 +221,23 @@ def _check_protected_policy(ckpt: Checkpoint, policy: Any) -> Iterator[Finding]:
         return
     for prefix, entry in tensors.items():
         yield from _check_protected_entry(ckpt, prefix, entry)
-    storage = (ckpt.quant_config or {}).get("tensor_storage")
+    storage = _protected_storage(ckpt)
     if isinstance(storage, dict):
         stored = {key for key, rec in storage.items() if isinstance(rec, dict) and rec.get("quant_format") == "exl3"}
         if stored != set(tensors):
             yield error("config.protected-policy", Location(file=QUANT_CONFIG, tensor="tensor_storage"),
                         "the EXL3 modules of tensor_storage must be exactly the protected set",
                         expected=len(tensors), found=f"{len(stored)} ({len(stored ^ set(tensors))} differ)")
+
+
+def _protected_storage(ckpt: Checkpoint) -> Any:
+    """The tensor_storage the shared-H loader checks protected tensors against: config.json's embedded one when
+    it is a non-empty object, else quantization_config.json's (its _hydrate_tensor_storage)."""
+    embedded = ckpt.config.get("quantization_config")
+    storage = embedded.get("tensor_storage") if isinstance(embedded, dict) else None
+    if isinstance(storage, dict) and storage:
+        return storage
+    return (ckpt.quant_config or {}).get("tensor_storage")
 
 
 def _check_protected_entry(ckpt: Checkpoint, prefix: str, entry: Any) -> Iterator[Finding]:
@@ -253,7 +263,7 @@ def _check_protected_entry(ckpt: Checkpoint, prefix: str, entry: Any) -> Iterato
     if f"{prefix}.mcg" not in ckpt.tensors or f"{prefix}.mul1" in ckpt.tensors:
         yield error("config.protected-marker", tensor_where, "protected tensors carry an .mcg marker and no .mul1",
                     expected=".mcg only", found=[m for m in (".mcg", ".mul1") if f"{prefix}{m}" in ckpt.tensors])
-    record = ((ckpt.quant_config or {}).get("tensor_storage") or {}).get(prefix)
+    record = (_protected_storage(ckpt) or {}).get(prefix)
     if isinstance(record, dict) and record.get("bits_per_weight") != bits:
         yield error("config.protected-k", Location(file=QUANT_CONFIG, tensor=prefix),
                     "tensor_storage bits_per_weight differs from the declared bits", expected=bits,
