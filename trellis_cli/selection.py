@@ -110,3 +110,15 @@ def _serialized(callback: Callable[[int], None]) -> Callable[[int], None]:
             callback(n)
 
     return report
+
+
+def parse_partition(text: str, tiers: int | None = 2, *, option: str = "--partition") -> tuple[int, ...]:
+    """"192/64" -> (192, 64): experts per tier in ascending-K order; `tiers` counts are required (None: any
+    number of at least two). The one reader of a partition, for synth and bench alike."""
+    parts = [p.strip() for p in text.split("/")]
+    if not all(p.isdigit() for p in parts) or len(parts) < 2:
+        raise UsageError(f"{option} {text!r}: expected non-negative counts separated by '/', e.g. 192/64")
+    counts = tuple(int(p) for p in parts)
+    if tiers is not None and len(counts) != tiers:
+        raise UsageError(f"{option} {text!r}: expected {tiers} non-negative counts separated by '/'")
+    return counts

@@ -50,14 +50,10 @@ def get_preset(name: str) -> Preset:
 
 
 def parse_partition(text: str, tiers: int) -> tuple[int, ...]:
-    """'192/64' -> (192, 64): experts per tier in ascending-K order."""
-    try:
-        parts = tuple(int(p) for p in text.split("/"))
-    except ValueError:
-        raise UsageError(f"--partition {text!r}: expected counts like 192/64") from None
-    if len(parts) != tiers or any(p < 0 for p in parts):
-        raise UsageError(f"--partition {text!r}: expected {tiers} non-negative counts separated by '/'")
-    return parts
+    """'192/64' -> (192, 64) for a preset of `tiers` tiers (selection.parse_partition, the one reader)."""
+    from trellis_cli.selection import parse_partition as parse
+
+    return parse(text, tiers)
 
 
 def synthetic_pack(preset: Preset, partition: tuple[int, ...] | None = None, tier_k: tuple[int, ...] | None = None,

@@ -8,7 +8,7 @@ import typer
 
 from trellis_cli.cli import output
 from trellis_cli.cli.options import (CacheDirOpt, EndpointOpt, OfflineOpt, RevisionOpt, SourceArg, TokenOpt,
-                                     open_cli_source)
+                                     open_cli_source, parse_layers)
 from trellis_cli.errors import UsageError
 
 HELP = (
@@ -38,22 +38,18 @@ def register(app: typer.Typer) -> None:
                                                   "projection and routed bytes per rank at that TP, and which "
                                                   "engines accept it.")] = None,
     ) -> None:
-        from trellis_cli.dialects.open import open_checkpoint
-        from trellis_cli.inspect_report import build_inspect, render_markdown, render_text
-        from trellis_cli.selection import parse_layer_ranges
+        from trellis_cli.inspect_report import inspect_source, render_markdown, render_text
+        from trellis_cli.workflows import inspect_at_tp
 
         if as_json and markdown:
             raise UsageError("--json and --markdown are exclusive: choose one output format")
-        chosen = parse_layer_ranges(layers) if layers is not None else None
+        chosen = parse_layers(layers)
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         output.log(f"reading headers of {opened.description} ...")
         # A production checkpoint has ~80 shards and 930k tensors: a spinner with the elapsed time on a terminal.
         with output.progress_bar(f"reading headers of {opened.description}", None,
                                  enabled=output.progress_enabled(as_json)):
-            checkpoint = open_checkpoint(opened)
-            document = build_inspect(checkpoint, chosen)
-        if tp is not None:
-            document["serve_tp"] = _tp_view(checkpoint, chosen, tp)
+            document = inspect_source(opened, chosen) if tp is None else inspect_at_tp(opened, chosen, tp)
         if as_json:
             output.emit_json(document)
             return
@@ -66,17 +62,3 @@ def register(app: typer.Typer) -> None:
         for line in lines:
             output.print_line(line)
 
-
-def _tp_view(checkpoint, chosen: list[int] | None, tp: int) -> dict:
-    """The rank's share at `tp` (inspect_tp) and each engine's TP contract at `tp` (validate's engine_tp)."""
-    from trellis_cli.dialects.registry import dialect_of
-    from trellis_cli.inspect_tp import tp_view
-    from trellis_cli.validate.engines import tp_verdicts
-
-    layers = list(checkpoint.layers) if chosen is None else chosen
-    plain = dialect_of(checkpoint).shard_rules  # per-linear tensors in shards: what inspect_tp reads
-    view = tp_view(checkpoint, layers, tp) if plain else {
-        "tp": tp, "layers": [], "routed_bytes_per_rank": None,
-        "note": "per-rank bytes of this container are in its own rows above"}
-    view["engines"] = tp_verdicts(checkpoint, tp)
-    return view

@@ -10,7 +10,8 @@ from typing import Annotated, Optional
 import typer
 
 from trellis_cli.cli import output
-from trellis_cli.cli.options import CacheDirOpt, EndpointOpt, OfflineOpt, RevisionOpt, TokenOpt, open_cli_source
+from trellis_cli.cli.options import (CacheDirOpt, EndpointOpt, OfflineOpt, RevisionOpt, TokenOpt, open_cli_source,
+                                     parse_layers)
 from trellis_cli.errors import TrellisError, UsageError
 
 
@@ -65,8 +66,11 @@ def register(app: typer.Typer) -> None:
         from trellis_cli.repack.run import RepackOptions
 
         started = time.perf_counter()  # the summary's time covers opening, validating and planning too
-        check_arguments(source, out, layers, ranks, tp, jobs, overwrite)
-        options = RepackOptions(layers=layers, ranks=ranks, tp=tp, shared_h=shared_h, to=to.value, jobs=jobs,
+        # --layers / --ranks typed once here: the syntax and id bound validate and inspect use (an empty text or
+        # 0-99999999999 is a usage error before the source is opened)
+        chosen_layers, chosen_ranks = parse_layers(layers), parse_layers(ranks, "--ranks")
+        check_arguments(source, out, tp, jobs, overwrite)
+        options = RepackOptions(layers=chosen_layers, ranks=chosen_ranks, tp=tp, shared_h=shared_h, to=to.value, jobs=jobs,
                                 overwrite=overwrite, copy_other=not experts_only)
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         # A plain line even off a terminal: opening and validating a 300 GB source reads ~80 headers first.
@@ -75,16 +79,8 @@ def register(app: typer.Typer) -> None:
         _print_summary(result, options, source, time.perf_counter() - started, as_json)
 
 
-def check_arguments(source: str, out: Path, layers: str | None, ranks: str | None, tp: int | None, jobs: int,
-                    overwrite: bool) -> None:
+def check_arguments(source: str, out: Path, tp: int | None, jobs: int, overwrite: bool) -> None:
     """Usage errors found before the source is opened (which can take a minute on a production checkpoint)."""
-    from trellis_cli.selection import parse_layer_ranges
-
-    # The syntax and id bound validate and inspect use: an empty text or a range like 0-99999999999 is a
-    # usage error here, where the plan alone would take "" for "everything".
-    for option, text in (("--layers", layers), ("--ranks", ranks)):
-        if text is not None:
-            parse_layer_ranges(text, option=option)
     if tp is not None and tp < 1:
         raise UsageError(f"--tp {tp}: must be at least 1 (leave it out to keep the source's TP)")
     if jobs < 1:

@@ -48,11 +48,11 @@ def parse_layers(text: str) -> tuple[int, ...]:
 
 
 def parse_partition(text: str) -> tuple[int, int]:
-    """"192/64" -> (192, 64): experts at the lower and the higher K."""
-    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
-    if not match:
-        raise UsageError(f"--partition: cannot read {text!r} (expected LOW/HIGH counts, e.g. 192/64)")
-    return int(match[1]), int(match[2])
+    """"192/64" -> (192, 64): experts at the lower and the higher K (selection.parse_partition)."""
+    from trellis_cli.selection import parse_partition as parse
+
+    low, high = parse(text, 2)
+    return low, high
 
 
 def parse_k_values(text: str) -> tuple[int, int]:

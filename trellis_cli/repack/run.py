@@ -41,8 +41,8 @@ EXTRA_DIR = "extra"  # extra/<shard>: the non-expert tensors of a source shard t
 
 @dataclass
 class RepackOptions:
-    layers: str | None = None  # "3-5,40"
-    ranks: str | None = None  # "0,1" (of the target TP)
+    layers: list[int] | None = None  # [3, 4, 5, 40] (a "3-5,40" text is parsed once, here)
+    ranks: list[int] | None = None  # [0, 1] (of the target TP)
     tp: int | None = None  # target TP; None keeps the source's
     shared_h: bool = False  # collapse hidden-side rows to [1, H] (refused unless byte-equal)
     to: str = "route-pack"  # a conversion target of the dialect registry: route-pack, tr3, exl3-v1
@@ -50,6 +50,15 @@ class RepackOptions:
     overwrite: bool = False
     copy_other: bool = True  # carry non-expert files and tensors through
     validate: bool = True
+
+    def __post_init__(self) -> None:
+        """Typed once: a `--layers` / `--ranks` text becomes the id list every driver reads."""
+        from trellis_cli.selection import parse_layer_ranges
+
+        for name in ("layers", "ranks"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, parse_layer_ranges(value, option=f"--{name}") if value.strip() else None)
 
 
 def open_repack_source(source: Any) -> Checkpoint:

@@ -55,11 +55,17 @@ def is_identity(pieces: list[Piece], source_width: int) -> bool:
     return len(pieces) == 1 and pieces[0].lo == 0 and pieces[0].hi == source_width
 
 
-def parse_selection(text: str | None, available: list[int], what: str) -> list[int]:
-    """`--layers 3-5,40` -> [3, 4, 5, 40]; None selects everything; ids not available are refused."""
-    if text is None or text.strip() == "":
+def parse_selection(text: str | list[int] | None, available: list[int], what: str) -> list[int]:
+    """`--layers 3-5,40` (or the ids [3, 4, 5, 40], as options typed at the edge hold them) -> [3, 4, 5, 40];
+    None selects everything; ids not available are refused."""
+    if text is None or (isinstance(text, str) and text.strip() == ""):
         return sorted(available)
     have = set(available)
+    if not isinstance(text, str):
+        absent = sorted(i for i in set(text) if i not in have)
+        if absent:
+            raise UsageError(f"--{what}: {absent[:5]} not in the source (it has {_span(available)})")
+        return sorted(set(text))
     chosen: set[int] = set()
     missing: list[int] = []
     for part in (p.strip() for p in text.split(",")):
@@ -145,7 +151,7 @@ def resolve_target_tp(requested: int | None, source_tp: int) -> int:
     return requested
 
 
-def make_plan(checkpoint: Checkpoint, *, layers: str | None, ranks: str | None, tp: int | None,
+def make_plan(checkpoint: Checkpoint, *, layers: str | list[int] | None, ranks: str | list[int] | None, tp: int | None,
               shared_h: bool) -> RepackPlan:
     """Select layers and ranks, check the re-slicing is expressible, and list the output files."""
     if checkpoint.hidden is None or checkpoint.intermediate is None:
