@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from corrupt import edit_json
 from trellis_cli.cli.app import main
 from trellis_cli.routepack.manifest import write_manifest
 from trellis_cli.synth import preset, write_checkpoint
@@ -227,3 +228,114 @@ def restamp_exl3v1_hashes(root: Path) -> None:
     for entry in manifest["layers"].values():
         entry["sha256"] = hashlib.sha256((root / entry["file"]).read_bytes()).hexdigest()
     manifest_path.write_text(json.dumps(manifest, indent=2))
+
+
+R7_SCHEMA = "r7-complete-v2-checkpoint-v1"
+HIDDEN_SIDE = {"gate_proj": "suh", "up_proj": "suh", "down_proj": "svh"}
+
+
+def to_r7_v2(root: Path, *, k_values: list | None = None, embed: bool = True) -> Path:
+    """A tp=1 synth checkpoint as an R7 v2 (topology-neutral) one the R7 loader version reads: rank-free expert
+    names, one layer-shared gate/up suh and down svh per layer (`experts.r7_shared.*`), the R7 block with its
+    schema in config.json's quantization_config (or, with `embed=False`, only in quantization_config.json),
+    tensor_storage records and per-layer bit maps."""
+    config = json.loads((root / "config.json").read_text())
+    hybrid = config.pop("hybrid_tr3_tail")
+    storage: dict = {}
+    weight_map: dict = {}
+    manifests: list[str] = []
+    used: set[int] = set()
+    for shard in sorted(root.glob("model-layer-*.safetensors")):
+        tensors = {k.replace(".rank0.", "."): v for k, v in load_file(str(shard)).items()}
+        out: dict = {}
+        layer_ks: dict[tuple[int, str], int] = {}
+        for name, t in tensors.items():
+            parts = name.split(".")  # model.layers.L.mlp.experts.E.proj.field
+            layer, expert, proj, fieldname = int(parts[2]), int(parts[5]), parts[6], parts[7]
+            base = ".".join(parts[:5])
+            if fieldname == HIDDEN_SIDE[proj]:
+                shared = f"{base}.r7_shared.{'down_svh' if proj == 'down_proj' else 'gate_up_suh'}"
+                out.setdefault(shared, t)  # one vector per layer: expert 0's stands for all
+                continue
+            out[name] = t
+            module = name.rsplit(".", 1)[0]
+            record = storage.setdefault(module, {"quant_format": "exl3", "stored_tensors": {}})
+            record["stored_tensors"].update({f"{module}.{f}": {} for f in ("suh", "svh", fieldname)})
+            if fieldname == "trellis":
+                record["bits_per_weight"] = t.shape[-1] // 16
+                layer_ks[(expert, proj)] = t.shape[-1] // 16
+                used.add(t.shape[-1] // 16)
+        save_file(out, str(shard), metadata={"format": "pt"})
+        weight_map.update({name: shard.name for name in out})
+        layer = int(next(iter(out)).split(".")[2])
+        name = f"r7-experts-layer-{layer:03d}.json"
+        experts = 1 + max(e for e, _ in layer_ks)
+        (root / name).write_text(json.dumps([layer_ks[(e, p)] for e in range(experts)
+                                             for p in ("gate_proj", "up_proj", "down_proj")]))
+        manifests.append(name)
+    r7 = {"schema": R7_SCHEMA, "feature": "r7-asymmetric-two-stack", "codebook": "mcg", "bits": "mixed_tensor",
+          "moe_layers": hybrid["moe_layers"], "k_values": sorted(used) if k_values is None else k_values,
+          "bit_map_manifests": manifests}
+    quant = config["quantization_config"]
+    external = {"quant_method": "exl3", "tensor_storage": storage}
+    if embed:
+        quant["r7_routed_experts"] = r7
+    else:
+        external["r7_routed_experts"] = r7
+    (root / "config.json").write_text(json.dumps(config))
+    (root / "quantization_config.json").write_text(json.dumps(external))
+    index = json.loads((root / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if ".mlp.experts." not in k} | weight_map
+    index.setdefault("metadata", {})["total_size"] = sum(
+        t.numel() * t.element_size() for f in sorted(set(index["weight_map"].values()))
+        for t in load_file(str(root / f)).values())
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    (root / "MANIFEST.sha256").unlink()
+    return root
+
+
+def serve_exl3v1(root: Path, *, barrier: bool = True) -> Path:
+    """An exl3-v1 checkpoint as the mainline manifest loader wants it: a config.json stamped exl3 that names
+    exl3-manifest.json and MXFP8 dense weights, and (with `barrier`) one extent barrier at the halfway slot."""
+    manifest = json.loads((root / "exl3-manifest.json").read_text())
+    geometry = manifest["geometry"]
+    if barrier:
+        manifest["layout"]["extent_barriers"] = [geometry["num_slots"] // 2]
+        (root / "exl3-manifest.json").write_text(json.dumps(manifest, indent=2))
+    config = {"model_type": "glm_moe_dsa", "hidden_size": geometry["hidden_size"],
+              "n_routed_experts": geometry["num_experts"],
+              "quantization_config": {"quant_method": "exl3", "exl3": {"manifest": "exl3-manifest.json"},
+                                      "dense_format": "mxfp8",
+                                      "ignored_layers": ["g_proj", "f_a_proj", "f_b_proj", "b_proj", "kv_b_proj"]}}
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+def add_protected(root: Path, prefix: str = "model.layers.0.self_attn.q_proj", *, bits: int = 6,
+                  declared: object = None, marker: str = "mcg") -> Path:
+    """Give a TR3 checkpoint one protected dense EXL3 tensor (exl3-protected-v1): its trellis at `bits`, fp16
+    suh/svh and a codebook marker in a shard of its own, declared in hybrid_tr3_tail.protected_tensor_policy at
+    `declared` bits (default: `bits`) and recorded in quantization_config.json's tensor_storage."""
+    from trellis_cli.codebooks import BY_NAME
+
+    gen = torch.Generator().manual_seed(47)
+    tensors = {f"{prefix}.trellis": torch.randint(-32768, 32767, (16, 16, 16 * bits), dtype=torch.int16,
+                                                  generator=gen),
+               f"{prefix}.suh": torch.randn(256, generator=gen).half(),
+               f"{prefix}.svh": torch.randn(256, generator=gen).half(),
+               f"{prefix}.{marker}": torch.tensor(BY_NAME[marker].marker_value, dtype=torch.int32)}
+    shard = "model-protected.safetensors"
+    save_file(tensors, str(root / shard), metadata={"format": "pt"})
+    edit_json(root / "config.json", lambda c: c["hybrid_tr3_tail"].update(protected_tensor_policy={
+        "format": "exl3-protected-v1", "tensors": {prefix: {"bits": bits if declared is None else declared,
+                                                            "codebook": "mcg"}}}))
+    storage = {prefix: {"quant_format": "exl3", "bits_per_weight": bits,
+                        "stored_tensors": {name: {"shape": list(t.shape)} for name, t in tensors.items()}}}
+    (root / "quantization_config.json").write_text(json.dumps({"quant_method": "exl3", "tensor_storage": storage}))
+
+    def index(doc: dict) -> None:
+        doc["weight_map"].update({name: shard for name in tensors})
+        doc["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in tensors.values())
+    edit_json(root / "model.safetensors.index.json", index)
+    (root / "MANIFEST.sha256").unlink()
+    return root

@@ -25,13 +25,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("sources", ("sources", "hub_client", "integrity", "selection", "sample")),
     ("model", ("checkpoint", "routepack", "codec", "encoder", "reference", "synth")),
     ("dialects", ("dialects",)),
-    ("work", ("validate", "repack", "bench", "kernel", "inspect_report", "inspect_tensors", "diff", "fit")),
+    ("work", ("validate", "repack", "bench", "kernel", "inspect_report", "inspect_tensors", "inspect_tp", "diff",
+              "fit")),
     ("entry", ("workflows",)),
     ("top", ("cli", "__main__", "")),
 ]
 # The work packages are siblings: one never imports another, except along these edges.
 SIBLINGS = {"validate": "validate", "repack": "repack", "bench": "bench", "kernel": "kernel",
-            "inspect_report": "inspect", "inspect_tensors": "inspect", "diff": "diff", "fit": "fit"}
+            "inspect_report": "inspect", "inspect_tensors": "inspect", "inspect_tp": "inspect", "diff": "diff",
+            "fit": "fit"}
 ALLOWED_SIBLING_EDGES = {
     ("bench", "kernel"),  # bench runs the fused kernel
     ("fit", "kernel"),  # fit reads the fused kernel's workspace from its launch plan

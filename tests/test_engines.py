@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from corrupt import SHARD3, SHARD4, edit_json, key, rebuild_shard, write_tensor_bytes
-from helpers import tiny_checkpoint as synth, to_plain_exl3, to_r7
+from helpers import tiny_checkpoint as synth, to_plain_exl3, to_r7, to_r7_v2
 from trellis_cli.cli import validate_cmd
 from trellis_cli.validate.engines import BY_NAME, ENGINES
 from helpers import run_cli
@@ -174,11 +174,18 @@ def test_remote_source_says_its_markers_were_not_read(tmp_path):
 # ---- runtime traps -------------------------------------------------------------------------------------
 
 def test_r7_metadata_boots_eager(tmp_path, capsys):
-    code, doc = report(to_r7(synth(tmp_path)), capsys)
+    code, doc = report(to_r7_v2(synth(tmp_path, tp=1)), capsys)
     eager = [f for f in doc["findings"] if f["code"] == "runtime.eager"]
     assert code == 0 and eager and eager[0]["severity"] == "warning" and "eager" in eager[0]["message"]
-    assert doc["context"]["engine"] is None and not any(verdicts(doc).values())
+    assert doc["context"]["engine"] == "vllm-exl3-r7"  # the R7 dialect's default: the one profile that reads it
+    assert [name for name, loads in verdicts(doc).items() if loads] == ["vllm-exl3-r7"]
     assert run(["validate", str(tmp_path / "ckpt"), "--strict"], capsys)[0] == 1
+
+
+def test_incomplete_r7_metadata_is_the_r7_loaders_refusal(tmp_path, capsys):
+    code, doc = report(to_r7(synth(tmp_path)), capsys)  # no schema, codebook or moe_layers; rank-sliced names
+    assert code == 1 and doc["context"]["engine"] == "vllm-exl3-r7"
+    assert {"engine.r7-schema", "engine.r7-bits", "engine.r7-layers"} <= set(error_codes(doc))
 
 
 def test_embedded_quantization_config_disagreeing_with_the_file(tmp_path, capsys):
@@ -202,14 +209,17 @@ def test_scale_tensor_no_loader_applies(tmp_path, capsys):
 
 @pytest.mark.parametrize("changes,expected", [
     ({"rotation_layout": "shared_h_v1"},
-     {"vllm-exl3-shared-h": None, "vllm-exl3-190": "shared_h_v1 unsupported", "b12x-exl3-v1": "wrong container",
+     {"vllm-exl3-shared-h": None, "vllm-exl3-190": "shared_h_v1 unsupported", "vllm-exl3-r7": None,
+      "vllm-exl3-manifest": "wrong container", "b12x-exl3-v1": "wrong container",
       "exllamav3": "rank-sliced names"}),
     ({"partition": None, "uniform_k": 3},
-     {"vllm-exl3-shared-h": None, "vllm-exl3-190": None, "b12x-exl3-v1": "wrong container",
+     {"vllm-exl3-shared-h": None, "vllm-exl3-190": None, "vllm-exl3-r7": None,
+      "vllm-exl3-manifest": "wrong container", "b12x-exl3-v1": "wrong container",
       "exllamav3": "rank-sliced names"}),
     ({"partition": None, "uniform_k": 8},
-     {"vllm-exl3-shared-h": None, "vllm-exl3-190": "uniform K8 unsupported", "b12x-exl3-v1": "wrong container",
-      "exllamav3": "rank-sliced names"}),
+     {"vllm-exl3-shared-h": None, "vllm-exl3-190": "uniform K8 unsupported",
+      "vllm-exl3-r7": "uniform K8 unsupported", "vllm-exl3-manifest": "wrong container",
+      "b12x-exl3-v1": "wrong container", "exllamav3": "rank-sliced names"}),
 ], ids=["shared-h", "uniform-k3", "uniform-k8"])
 def test_profile_verdicts_on_valid_checkpoints(tmp_path, capsys, changes, expected):
     root = synth(tmp_path, **changes)
@@ -236,7 +246,8 @@ def test_human_report_ends_with_the_compatibility_line(tmp_path, capsys):
     root = synth(tmp_path, rotation_layout="shared_h_v1")
     code, out, _ = run(["validate", str(root)], capsys)
     assert code == 0 and out.strip().splitlines()[-1] == (
-        "loads on: vllm-exl3 (shared-H rules) ✓ · vllm-exl3 (#190 rules) ✗ shared_h_v1 unsupported · "
+        "loads on: vllm-exl3 (shared-H rules) ✓ TP 2 · vllm-exl3 (#190 rules) ✗ shared_h_v1 unsupported · "
+        "vllm-exl3 (R7 rules) ✓ TP 2 · vllm-exl3 (manifest rules) ✗ wrong container · "
         "b12x exl3-v1 ✗ wrong container · exllamav3 ✗ rank-sliced names")
     code, out, _ = run(["validate", str(root), "--engine", "vllm-exl3-190"], capsys)
     assert code == 1 and "error[engine.shared-h] (vllm-exl3-190)" in out

@@ -377,7 +377,9 @@ def test_inspect_has_the_fit_section_when_tp_and_a_gpu_are_given(tmp_path, capsy
     assert doc["fit"]["ranks"] == direct["ranks"]
     code, out, _ = run_cli(capsys, "inspect", root, "--tp", "2", "--gpu-mem", "80GB")
     assert code == 0 and "KV tokens" in out
-    assert run_cli(capsys, "inspect", root, "--tp", "2")[0] == 2
+    assert run_cli(capsys, "inspect", root, "--gpu", "h100")[0] == 2  # a fit section needs the TP
+    alone = json.loads(run_cli(capsys, "inspect", root, "--tp", "2", "--json")[1])  # the server TP's view only
+    assert "fit" not in alone and alone["serve_tp"]["tp"] == 2
     assert "fit" not in json.loads(run_cli(capsys, "inspect", root, "--json")[1])
 
 

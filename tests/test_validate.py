@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from corrupt import INDEX, SHARD3, edit_json, key, rebuild_shard, write_tensor_bytes
-from helpers import run_cli, tiny_checkpoint, to_plain_exl3, to_r7
+from helpers import run_cli, tiny_checkpoint, to_plain_exl3, to_r7, to_r7_v2
 from trellis_cli.dialects import open_checkpoint
 from trellis_cli.findings import Location, Severity, error
 from trellis_cli.sample import sample_path
@@ -59,7 +59,9 @@ def test_r7_manifest_layer_that_is_not_a_number_is_a_finding(tmp_path):
 def test_plain_exl3_and_r7_pass(tmp_path):
     # the format rules alone (no profile enforced): exllamav3 would refuse its per-expert K
     assert validate(to_plain_exl3(tiny_checkpoint(tmp_path, "a", tp=1)), deep=True, engine=None).ok
-    assert validate(to_r7(tiny_checkpoint(tmp_path, "b")), deep=True).ok
+    assert validate(to_r7(tiny_checkpoint(tmp_path, "b")), deep=True, engine=None).ok
+    # under R7's default profile, the fork's R7 loader: a complete v2 checkpoint (schema, rank-free names, ...)
+    assert validate(to_r7_v2(tiny_checkpoint(tmp_path, "c", tp=1)), deep=True).ok
 
 
 def test_plain_exl3_with_per_expert_k_is_refused_by_exllamav3(tmp_path):
@@ -81,7 +83,6 @@ def test_tensor_count_formula_matches_production_numbers():
     (lambda h: h.update(tensor_schema="model.layers.{L}.experts.{E}"), "config.tr3-tensor-schema"),
     (lambda h: h.update(moe_layers=[4, 3]), "config.tr3-moe-layers"),
     (lambda h: h.update(k_values=[3, 9]), "config.tr3-k-values"),
-    (lambda h: h.update(trellis_bits_by_layer={"3": 3, "4": 3}), "config.tr3-mixed"),
     (lambda h: h.update(shared_h_tensor_schema="x"), "config.tr3-shared-h-schema"),
     (lambda h: h.update(experts_per_layer=6), "expert.extra"),
     (lambda h: h.update(bits_per_expert="tier_bitmap.json"), "bitmap.reference"),
@@ -221,8 +222,9 @@ def test_default_source_is_the_bundled_sample(capsys):
     code, out, _ = run_cli(capsys, "validate")
     verdict, engines = out.strip().splitlines()[-2:]
     assert code == 0 and verdict.startswith("PASS: bundled sample")
-    assert engines == ("loads on: vllm-exl3 (shared-H rules) ✓ · vllm-exl3 (#190 rules) ✓ · b12x exl3-v1 ✗ wrong "
-                       "container · exllamav3 ✗ rank-sliced names")
+    assert engines == ("loads on: vllm-exl3 (shared-H rules) ✓ TP 2 · vllm-exl3 (#190 rules) ✓ TP 2 · "
+                       "vllm-exl3 (R7 rules) ✓ TP 2 · vllm-exl3 (manifest rules) ✗ wrong container · "
+                       "b12x exl3-v1 ✗ wrong container · exllamav3 ✗ rank-sliced names")
 
 
 def test_route_pack_is_validated_by_its_own_verifier(tmp_path, capsys):
@@ -321,5 +323,5 @@ def test_r7_v2_layer_shared_vectors(tmp_path):
     (root / INDEX).unlink()
     ckpt = open_checkpoint(root)
     assert ckpt.dialect == "r7" and set(ckpt.layers[3].r7_shared) == {"gate_up_suh", "down_svh"}
-    report = run_validation(ckpt, deep=True)
+    report = run_validation(ckpt, deep=True, engine=None)  # the format rules (the R7 loader's: test_loader_verdicts)
     assert report.ok, [f.line() for f in report.findings]

@@ -256,6 +256,21 @@ def is_int(value: object) -> bool:
     return type(value) is int
 
 
+def coerced_int(value: object) -> int | None:
+    """What Python's int() makes of a JSON integer, an integral number or a string (as the #190-era loaders
+    read counts and bitrates: "4" and 4.0 pass), or None where int() would raise or round (3.5, "3.0", true)."""
+    if type(value) is int:
+        return value
+    if type(value) is float:
+        return int(value) if value.is_integer() else None
+    if type(value) is str and len(value) <= 32:
+        try:
+            return int(value)
+        except ValueError:
+            return None
+    return None
+
+
 def _parse_entry(file: str, name: str, info: object) -> TensorEntry:
     if type(info) is not dict:
         raise HeaderError(f"{file}: {name}: entry is not an object")

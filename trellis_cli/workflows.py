@@ -1,5 +1,8 @@
 """Entry points that join two work packages, so that neither imports the other.
 
+`inspect_at_tp` is `trellis inspect --tp N`: the inspect document, the rank's share at N (inspect_tp.py) and
+each engine's TP contract at N (validate's engines.tp_verdicts), one call.
+
 `run_repack` is repack.run.run_repack handed validate.run_validation as its validator, with the format rules
 alone deciding (no engine profile enforced: a repack changes the layout a loader sees): the source is
 validated before anything is written (unless `options.validate` is off) and a staged exl3-v1 output must
@@ -27,4 +30,33 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
     return repack(source, out, options, validator=partial(run_validation, engine=None), on_bytes=on_bytes, on_total=on_total, log=log)
 
 
-__all__ = ["run_repack"]
+def inspect_at_tp(source: Any, layers: list[int] | None, tp: int) -> dict[str, Any]:
+    """Open `source` and describe it as `trellis inspect` does, with `serve_tp`: per layer the K per projection
+    and the routed bytes one rank holds at TP `tp`, and which engines' TP contracts accept `tp`."""
+    from trellis_cli.dialects import open_checkpoint
+    from trellis_cli.inspect_report import build_inspect
+
+    checkpoint = open_checkpoint(source)
+    document = build_inspect(checkpoint, layers)
+    document["serve_tp"] = serve_tp_view(checkpoint, layers, tp)
+    return document
+
+
+def serve_tp_view(checkpoint: Any, layers: list[int] | None, tp: int) -> dict[str, Any]:
+    """The `serve_tp` section of the inspect document: the routed bytes one rank holds at TP `tp`, K per
+    projection, and which engines' TP contracts accept `tp`."""
+    from trellis_cli.dialects.registry import dialect_of
+    from trellis_cli.inspect_tp import tp_view
+    from trellis_cli.validate.engines import tp_verdicts
+
+    chosen = list(checkpoint.layers) if layers is None else layers
+    if dialect_of(checkpoint).shard_rules:  # per-linear tensors in shards: what inspect_tp reads
+        view = tp_view(checkpoint, chosen, tp)
+    else:
+        view = {"tp": tp, "layers": [], "routed_bytes_per_rank": None,
+                "note": "per-rank bytes of this container are in its own rows above"}
+    view["engines"] = tp_verdicts(checkpoint, tp)
+    return view
+
+
+__all__ = ["inspect_at_tp", "run_repack", "serve_tp_view"]

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from trellis_cli.checkpoint.names import PROJECTIONS_BY_INDEX, parse_expert_name
 from trellis_cli.errors import CheckFailed, SourceUnavailable
 from trellis_cli.findings import Finding, Location, error, error_summary, missing_ids, warning
-from trellis_cli.header import is_int
+from trellis_cli.header import coerced_int, is_int
 from trellis_cli.id_ranges import parse_id
 
 # The K a TR3 config can declare (validate/rules_config.py checks the same sets; a test keeps them equal): one K
@@ -38,8 +38,8 @@ def tr3_declared(hybrid: dict, read_json: Callable[[str], Any], files: dict[str,
     """`limit`: Checkpoint.count_limit. Counts above it are reported by open.py; here they declare nothing."""
     out = Declared()
     bits = hybrid.get("bits")
-    experts = hybrid.get("experts_per_layer")
-    experts = experts if is_int(experts) and experts <= limit else None
+    experts = coerced_int(hybrid.get("experts_per_layer"))
+    experts = experts if experts is not None and experts <= limit else None
     layers = layer_range(hybrid.get("moe_layers"), limit)
     if isinstance(bits, str) and bits.lower().startswith("mixed"):
         _load_bitmap(out, hybrid.get("bits_per_expert"), read_json, files, experts, layers)
@@ -52,9 +52,10 @@ def tr3_declared(hybrid: dict, read_json: Callable[[str], Any], files: dict[str,
                 out.expert_k[layer] = [k] * experts
                 out.k_source[layer] = "trellis_bits_by_layer"
         return out
-    if _is_integral(bits) and experts is not None and experts > 0:
+    uniform = uniform_bits(bits)
+    if uniform is not None and experts is not None and experts > 0:
         for layer in layers:
-            out.expert_k[layer] = [int(bits)] * experts
+            out.expert_k[layer] = [uniform] * experts
             out.k_source[layer] = "bits"
     return out
 
@@ -133,15 +134,20 @@ _MANIFEST_LAYER = re.compile(r"layer-([0-9]+)")  # a file name: zero-padded, ASC
 def r7_declared(r7: dict, read_json: Callable[[str], Any], files: dict[str, int]) -> Declared:
     """R7 per-layer maps: 768 entries (experts x projections), as a list or a {"E.proj"|E: ...} mapping."""
     out = Declared()
+    # The R7 loader reads each tensor's K from its trellis shape, not from these maps: without them nothing is
+    # declared to compare the shapes with, which is a warning, not a refusal.
     manifests = r7.get("bit_map_manifests")
     if not isinstance(manifests, list):
-        out.findings.append(error("bitmap.reference", Location(file="config.json", tensor="r7_routed_experts"),
-                                  "bit_map_manifests must be a list of file names", found=type(manifests).__name__))
+        out.findings.append(warning("bitmap.reference", Location(file="config.json", tensor="r7_routed_experts"),
+                                    "bit_map_manifests is not a list of file names: no declared K to compare the "
+                                    "trellis shapes with (the R7 loader reads K from the shapes)",
+                                    found=type(manifests).__name__))
         return out
     for name in manifests:
         m = _MANIFEST_LAYER.search(str(name))
         if name not in files or m is None:
-            out.findings.append(error("bitmap.missing", Location(file=str(name)), "R7 bit map manifest not found"))
+            out.findings.append(warning("bitmap.missing", Location(file=str(name)), "R7 bit map manifest not "
+                                        "found (the R7 loader does not read it; its layer has no declared K)"))
             continue
         try:
             data = read_json(name)
@@ -184,16 +190,30 @@ def layer_range(moe_layers: Any, limit: int | None = None) -> range:
     span = layer_span(moe_layers)
     if span == 0 or (limit is not None and span > limit):
         return range(0)
-    return range(moe_layers[0], moe_layers[1] + 1)
+    first = coerced_int(moe_layers[0])
+    assert first is not None
+    return range(first, first + span)
 
 
 def layer_span(moe_layers: Any) -> int:
     """How many layers `moe_layers` [first, last] names (0 when malformed), by arithmetic: len() of a range
     longer than sys.maxsize raises, and a config may say [3, 10**30]."""
-    if (isinstance(moe_layers, list) and len(moe_layers) == 2 and all(is_int(v) for v in moe_layers)
-            and 0 <= moe_layers[0] <= moe_layers[1]):
-        return moe_layers[1] - moe_layers[0] + 1
-    return 0
+    if not isinstance(moe_layers, list) or len(moe_layers) != 2:
+        return 0
+    first, last = (coerced_int(v) for v in moe_layers)  # "3" and 3.0 as int() reads them (#190)
+    if first is None or last is None or not 0 <= first <= last:
+        return 0
+    return last - first + 1
+
+
+def uniform_bits(bits: Any) -> int | None:
+    """A uniform `bits` as the #190 loader reads it (float(), then integral): 4, 4.0 and "4" are K4."""
+    if isinstance(bits, str) and len(bits) <= 32:
+        try:
+            bits = float(bits)
+        except ValueError:
+            return None
+    return int(bits) if _is_integral(bits) else None
 
 
 def _is_integral(value: Any) -> bool:

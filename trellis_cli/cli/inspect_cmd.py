@@ -34,8 +34,10 @@ def register(app: typer.Typer) -> None:
         layers: Annotated[Optional[str], typer.Option(help="Only these MoE layers, e.g. 3-5,40.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Emit one JSON document.")] = False,
         markdown: Annotated[bool, typer.Option("--markdown", help="Emit a Markdown table.")] = False,
-        tp: Annotated[Optional[int], typer.Option("--tp", help="With --gpu or --gpu-mem: add the `trellis fit` "
-                                                  "section at this TP (defaults of `trellis fit`).")] = None,
+        tp: Annotated[Optional[int], typer.Option("--tp", min=1, help="The TP the server will run: K per "
+                                                  "projection and routed bytes per rank at that TP, and which "
+                                                  "engines accept it; with --gpu or --gpu-mem also the "
+                                                  "`trellis fit` section at this TP.")] = None,
         gpu: Annotated[Optional[str], typer.Option("--gpu", help="GPU preset for the fit section.")] = None,
         gpu_mem: Annotated[Optional[str], typer.Option("--gpu-mem", help="GPU memory for the fit section.")] = None,
         ctx: Annotated[Optional[int], typer.Option("--ctx", help="Context length for the fit section.")] = None,
@@ -45,6 +47,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from trellis_cli.dialects import open_checkpoint
         from trellis_cli.inspect_report import build_inspect, render_markdown, render_text
+        from trellis_cli.workflows import serve_tp_view
 
         if as_json and markdown:
             raise UsageError("--json and --markdown are exclusive: choose one output format")
@@ -60,6 +63,8 @@ def register(app: typer.Typer) -> None:
                 _list_tensors(checkpoint, chosen, as_json, markdown)
                 return
             document = build_inspect(checkpoint, chosen)
+            if tp is not None:
+                document["serve_tp"] = serve_tp_view(checkpoint, chosen, tp)
             fitted = None
             if fit_request is not None:
                 from trellis_cli.fit.run import fit
@@ -71,6 +76,11 @@ def register(app: typer.Typer) -> None:
             output.emit_json(document)
             return
         lines = render_markdown(document) if markdown else render_text(document)
+        if tp is not None:
+            from trellis_cli.inspect_report import human_bytes
+            from trellis_cli.inspect_tp import render_tp_view
+
+            lines = [*lines, "", *render_tp_view(document["serve_tp"], human_bytes)]
         for line in lines:
             output.print_line(line)
         if fitted is not None:
@@ -82,8 +92,8 @@ def register(app: typer.Typer) -> None:
 
 def _fit_request(tp: int | None, gpu: str | None, gpu_mem: str | None, ctx: int | None):
     """The fit section's request when --tp and a GPU are given; a usage error when only one half is."""
-    if tp is None and gpu is None and gpu_mem is None and ctx is None:
-        return None
+    if gpu is None and gpu_mem is None and ctx is None:
+        return None  # --tp alone: the server TP's view, no fit section
     if tp is None or (gpu is None and gpu_mem is None):
         raise UsageError("the fit section of inspect needs --tp N and --gpu NAME or --gpu-mem SIZE")
     from trellis_cli.fit.gpus import choose_gpu

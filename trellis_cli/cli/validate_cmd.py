@@ -25,10 +25,15 @@ HELP = (
     "  trellis validate                      # the bundled sample\n\n"
     "  trellis validate ./GLM-TR3 --deep --layers 3-5,40\n\n"
     "  trellis validate org/model --revision main --json\n\n"
-    "  trellis validate ./GLM-TR3 --engine vllm-exl3-190"
+    "  trellis validate ./GLM-TR3 --engine vllm-exl3-190\n\n"
+    "  trellis validate ./GLM-R7 --engine vllm-exl3-r7 --tp 8"
 )
 ENGINE_HELP = "Loader profile whose refusals are errors: " + ", ".join(
-    ["vllm-exl3-shared-h", "vllm-exl3-190", "b12x-exl3-v1", "exllamav3"]) + " (default: per dialect)."
+    ["vllm-exl3-shared-h", "vllm-exl3-190", "vllm-exl3-r7", "vllm-exl3-manifest", "b12x-exl3-v1", "exllamav3"]
+) + " (default: per dialect)."
+TP_HELP = ("The tensor-parallel degree the server will run: checked against each engine's TP contract (a "
+           "rank-sliced checkpoint's recorded tp, 128-aligned slices, the exl3-manifest extent plan). Without it "
+           "the report lists the TP degrees each engine would accept.")
 
 
 def register(app: typer.Typer) -> None:
@@ -49,12 +54,13 @@ def register(app: typer.Typer) -> None:
                                                                     "MANIFEST.sha256.")] = False,
         strict: Annotated[bool, typer.Option("--strict", help="Warnings fail too.")] = False,
         engine: Annotated[Optional[str], typer.Option("--engine", help=ENGINE_HELP)] = None,
+        tp: Annotated[Optional[int], typer.Option("--tp", min=1, help=TP_HELP)] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Emit the report as one JSON document.")] = False,
     ) -> None:
         from trellis_cli.validate.request import ValidateRequest, validate_source
 
         request = ValidateRequest(layers=parse_layers(layers), deep=deep, checksums=checksums, download=download,
-                                  engine=engine_option(engine), strict=strict)
+                                  engine=engine_option(engine), tp=tp, strict=strict)
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         with output.make_progress(enabled=output.progress_enabled(as_json)) as bars:
             report = validate_source(opened, request, _progress(bars, as_json))
@@ -120,4 +126,4 @@ def render_report(report: Report) -> None:
                           "enforces one)")
     output.print_line(report.summary(), style="bold green" if report.ok else "bold red")
     if report.engines:
-        output.print_line(compatibility_line(report.engines, context.get("markers") != "not read"))
+        output.print_line(compatibility_line(report.engines, context.get("markers") != "not read", context.get("tp")))

@@ -170,7 +170,12 @@ def _codebook(*configs: dict | None) -> str | None:
 
 
 def _positive_int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    """A positive count as the loaders that coerce with int() read it (the shared-H version's refusal of a
+    string is its own engine rule)."""
+    from trellis_cli.header import coerced_int
+
+    n = coerced_int(value)
+    return n if n is not None and n > 0 else None
 
 
 def _nothing_found(files: dict[str, int], what: str) -> str:

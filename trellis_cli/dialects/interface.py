@@ -17,6 +17,8 @@ from trellis_cli.findings import Location, Report
 
 # The loader families of the engine profiles (validate/engines.py): whose container reader is asked.
 VLLM, B12X, EXLLAMAV3 = "vllm", "b12x", "exllamav3"
+# The fork's R7 loader version (also reads TR3 and tensor_storage) and its mainline exl3-manifest loader.
+VLLM_R7, VLLM_MANIFEST = "vllm-r7", "vllm-manifest"
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,14 @@ class Dialect:
             why = self.container_notes.get(VLLM, "not a layout this loader reads")
             return ContainerRefusal("wrong container", f"{self.described_as} checkpoint: {why}",
                                     expected="hybrid_tr3_tail or tensor_storage")
+        if family == VLLM_R7:
+            return ContainerRefusal("wrong container", f"{self.described_as} checkpoint: this loader reads "
+                                    "hybrid_tr3_tail, r7_routed_experts or tensor_storage",
+                                    expected="TR3, R7 or plain EXL3")
+        if family == VLLM_MANIFEST:
+            return ContainerRefusal("wrong container", f"{self.described_as} checkpoint: this loader reads "
+                                    "routed experts only from a b12x exl3-manifest.json container",
+                                    expected="exl3-v1")
         if family == B12X:
             return ContainerRefusal("wrong container", f"{self.described_as} checkpoint: the exl3-v1 reader opens "
                                     "exl3-manifest.json and the layer files it lists, which this is not",

@@ -43,7 +43,7 @@ CHECKSUM_CODES = {  # integrity status -> (code, severity, message)
 
 
 def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[int] | None = None,
-                   checksums: bool = False, engine: str | None = engines.DEFAULT,
+                   checksums: bool = False, engine: str | None = engines.DEFAULT, tp: int | None = None,
                    progress: Callable[[str, int, int], None] | None = None,
                    checksum_progress: Callable[[int], None] | None = None) -> Report:
     """Validate `checkpoint`; `layers` limits the per-layer rules (file and config rules always run).
@@ -51,7 +51,9 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
     `engine` names the loader profile to enforce (validate/engines.py): `engines.DEFAULT`, the default, enforces
     the dialect's own choice (what `trellis validate` does without --engine); None enforces none (the format
     rules alone decide, as for repack's check of its source); either way every profile's verdict is in
-    `report.engines` and `report.context["engine"]` says which one was enforced.
+    `report.engines` and `report.context["engine"]` says which one was enforced. `tp`: the TP the server will
+    run (--tp), checked against every profile's TP contract (validate/engine_tp.py); without it each verdict lists
+    the TP degrees its profile accepts.
     `progress(stage, done, total)` is called as layers complete; `checksum_progress(n)` with bytes hashed.
     """
     from trellis_cli.dialects.open import paused_gc
@@ -80,7 +82,7 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
         _run_checksums(checkpoint, report, checksum_progress)
     elif not checksums and dialect.records_hashes and not dialect.hashes_by_default(checkpoint):
         report.notes.append(NOT_HASHED_NOTE)
-    engines.assess(checkpoint, selected, report, enforced)
+    engines.assess(checkpoint, selected, report, enforced, tp)
     report.context["engine"] = enforced
     cap_findings(report)
     return report

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, NamedTuple
 
-from trellis_cli.checkpoint.declared import layer_range
+from trellis_cli.checkpoint.declared import layer_range, uniform_bits
 from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint
 from trellis_cli.dialects.detect import QUANT_CONFIG
 from trellis_cli.dialects.interface import B12X, EXLLAMAV3, VLLM, ContainerRefusal
@@ -49,6 +49,13 @@ def _container(ckpt: Checkpoint, refusal: ContainerRefusal) -> Refusal:
 
 
 # ---- containers: which dialects a loader reads at all (each dialect says why a loader refuses it) -------
+
+def container_refusal(ckpt: Checkpoint, family: str) -> Iterator[Refusal]:
+    """The dialect's named refusal when loader `family` does not read its container."""
+    refusal = dialect_of(ckpt).container_refusal(family)
+    if refusal is not None:
+        yield _container(ckpt, refusal)
+
 
 def vllm_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """The fork detects hybrid_tr3_tail (format exl3-trellis) and reads tensor_storage; nothing else."""
@@ -148,12 +155,10 @@ def uniform_map(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
 def uniform_k_190(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """#190 version: uniform bits (read for every layer; trellis_bits_by_layer is unknown to it) in 3..6."""
     h = _hybrid(ckpt)
-    bits = h.get("bits")
-    if not dialect_of(ckpt).hybrid_tr3_tail or not isinstance(bits, (int, float)) or isinstance(bits, bool):
-        return
-    if not float(bits).is_integer():
-        return  # config.tr3-bits reports it for every version
-    if int(bits) not in UNIFORM_K_190:
+    bits = uniform_bits(h.get("bits"))  # float(), as this version reads it: "4" is K4
+    if not dialect_of(ckpt).hybrid_tr3_tail or bits is None:
+        return  # a non-integral bits: config.tr3-bits reports it for every version
+    if bits not in UNIFORM_K_190:
         yield Refusal("engine.uniform-k", f"uniform K{int(bits)} unsupported", _at("bits"), "this version serves "
                       "uniform rank-sliced layers at K3..K6 only", expected="3..6", found=bits)
     by_layer = h.get("trellis_bits_by_layer")
@@ -228,8 +233,13 @@ def one_k_per_projection(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusa
 
 def tensor_storage(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Both fork versions, non-rank-sliced EXL3: per-module records in tensor_storage, checked before loading."""
-    if not dialect_of(ckpt).tensor_storage:
-        return
+    if dialect_of(ckpt).tensor_storage:
+        yield from storage_refusals(ckpt)
+
+
+def storage_refusals(ckpt: Checkpoint) -> Iterator[Refusal]:
+    """tensor_storage (embedded, else quantization_config.json): non-empty, records complete (every path that
+    reads it: plain EXL3 in all fork versions, R7 in the R7 version)."""
     embedded = ckpt.config.get("quantization_config")
     storage = embedded.get("tensor_storage") if isinstance(embedded, dict) else None
     where = Location(file="config.json" if storage else QUANT_CONFIG, tensor="tensor_storage")

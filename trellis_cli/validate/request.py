@@ -22,6 +22,7 @@ class ValidateRequest:
     checksums: bool = False  # compare sha256 with the Hub's LFS hashes or MANIFEST.sha256
     download: bool = False  # fetch the chosen layers' shards of a Hub source (implied by deep)
     engine: str | None = engines.DEFAULT  # the profile to enforce; None: the format rules alone
+    tp: int | None = None  # the TP the server will run, checked against every profile's TP contract
     strict: bool = False  # warnings fail too
 
 
@@ -63,7 +64,7 @@ def validate_source(source: Any, request: ValidateRequest | None = None,
     if progress.hash_total is not None:  # every file that can have a recorded hash
         progress.hash_total(sum(size for size in checkpoint.files.values() if size > 0) or None)
     report = run_validation(checkpoint, deep=request.deep, layers=request.layers, checksums=request.checksums,
-                            engine=request.engine, progress=progress.stage, checksum_progress=progress.hashed)
+                            engine=request.engine, tp=request.tp, progress=progress.stage, checksum_progress=progress.hashed)
     report.strict = request.strict
     return report
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from trellis_cli.checkpoint.declared import layer_range, layer_span
+from trellis_cli.checkpoint.declared import layer_range, layer_span, uniform_bits
 from trellis_cli.dialects.detect import QUANT_CONFIG
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, TENSOR_SCHEMA
 from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, error_summary, warning
-from trellis_cli.header import is_int
+from trellis_cli.header import coerced_int, is_int
 
 REQUIRED_TR3_KEYS = ("bits", "codebook", "experts_per_layer", "moe_layers", "tensor_schema", "tp")
 MIXED_K_RANGE = range(3, 7)
@@ -47,7 +47,10 @@ def check_config(ckpt: Checkpoint) -> Iterator[Finding]:
 
 def _check_tr3_contract(h: dict, limit: int) -> Iterator[Finding]:
     for key in REQUIRED_TR3_KEYS:
-        if key not in h:
+        if key == "bits" and key not in h and isinstance(h.get("trellis_bits_by_layer"), dict):
+            yield warning("config.tr3-key-missing", _where(key), "bits is missing: the shared-H loader reads "
+                          "trellis_bits_by_layer instead, the #190 and R7 versions require bits (engine.bits-required)")
+        elif key not in h:
             yield error("config.tr3-key-missing", _where(key), "required hybrid_tr3_tail key is missing")
     if "codebook" in h and h["codebook"] != "mcg":
         yield error("config.tr3-codebook", _where("codebook"), "rank-sliced checkpoints must use the mcg codebook",
@@ -55,6 +58,8 @@ def _check_tr3_contract(h: dict, limit: int) -> Iterator[Finding]:
     if "moe_layers" in h and not layer_span(h["moe_layers"]):
         yield error("config.tr3-moe-layers", _where("moe_layers"), "must be [first, last] integers with "
                     "0 <= first <= last", found=h["moe_layers"])
+    elif "moe_layers" in h and not all(is_int(v) for v in h["moe_layers"]):
+        yield _int_spelling("moe_layers", h["moe_layers"])
     if "tensor_schema" in h and h["tensor_schema"] != TENSOR_SCHEMA:
         yield error("config.tr3-tensor-schema", _where("tensor_schema"), "tensor_schema is not the canonical string",
                     expected=TENSOR_SCHEMA, found=h["tensor_schema"])
@@ -67,8 +72,11 @@ def _check_tr3_contract(h: dict, limit: int) -> Iterator[Finding]:
         yield error("config.tr3-shared-h-schema", _where("shared_h_tensor_schema"), "shared_h_tensor_schema is only "
                     "allowed with rotation_layout shared_h_v1", found=h.get("rotation_layout", "per_expert_v1"))
     for key in ("experts_per_layer", "tp"):
-        if key in h and not (is_int(h[key]) and h[key] > 0):
+        n = coerced_int(h[key]) if key in h else None
+        if key in h and not (n is not None and n > 0):
             yield error("config.tr3-positive-int", _where(key), "must be a positive integer", found=h[key])
+        elif key in h and not is_int(h[key]):
+            yield _int_spelling(key, h[key])
     bits = h.get("bits")
     if isinstance(bits, str) and bits.lower().startswith("mixed"):
         yield from _check_mixed(h, bits)
@@ -79,36 +87,55 @@ def _check_tr3_contract(h: dict, limit: int) -> Iterator[Finding]:
 def _check_mixed(h: dict, bits: str) -> Iterator[Finding]:
     yield from _check_bits_spelling(bits)
     k_values = h.get("k_values")
-    if not isinstance(k_values, list) or not k_values or not all(is_int(k) and k in MIXED_K_RANGE for k in k_values):
+    coerced = [coerced_int(k) for k in k_values] if isinstance(k_values, list) else []
+    if not coerced or not all(k is not None and k in MIXED_K_RANGE for k in coerced):
         yield error("config.tr3-k-values", _where("k_values"), "mixed bits need a non-empty k_values list within "
                     "3..6", found=k_values)
+    elif not all(is_int(k) for k in k_values):
+        yield _int_spelling("k_values", k_values)
     if not isinstance(h.get("bits_per_expert"), str):
         yield error("config.tr3-bits-per-expert", _where("bits_per_expert"), "mixed bits need a 'file.json:field' "
                     "string", found=h.get("bits_per_expert"))
     if "trellis_bits_by_layer" in h:
-        yield error("config.tr3-mixed", _where("trellis_bits_by_layer"), "trellis_bits_by_layer is forbidden with "
-                    "bits 'mixed'")
+        yield warning("config.tr3-mixed", _where("trellis_bits_by_layer"), "trellis_bits_by_layer with bits "
+                      "'mixed': the shared-H loader refuses it (engine.bits-map), the #190 one ignores the map")
 
 
 def _check_uniform(h: dict, bits: Any, limit: int) -> Iterator[Finding]:
-    if not (is_int(bits) or (isinstance(bits, float) and bits.is_integer())):
+    if uniform_bits(bits) is None:
         yield error("config.tr3-bits", _where("bits"), "bits must be an integral K or 'mixed'", found=bits)
+    elif isinstance(bits, str):
+        yield _int_spelling("bits", bits)
     yield from _check_uniform_k(h, bits)
     by_layer = h.get("trellis_bits_by_layer")
     if by_layer is None:
         return
+    for problem, expected, found in bits_map_problems(h, limit):  # the shared-H loader's: engine.bits-map
+        yield warning("config.tr3-bits-by-layer", _where("trellis_bits_by_layer"), f"{problem} (the shared-H loader "
+                      "refuses it; the #190 one does not read trellis_bits_by_layer)", expected=expected, found=found)
+
+
+def bits_map_problems(h: dict, limit: int | None = None) -> Iterator[tuple[str, Any, Any]]:
+    """What is wrong with a uniform checkpoint's trellis_bits_by_layer, for the loader version that reads it."""
+    by_layer = h.get("trellis_bits_by_layer")
+    if by_layer is None:
+        return
     if not isinstance(by_layer, dict):
-        yield error("config.tr3-bits-by-layer", _where("trellis_bits_by_layer"), "must be an object",
-                    found=type(by_layer).__name__)
+        yield "must be an object", "object", type(by_layer).__name__
         return
     wanted = {str(layer) for layer in layer_range(h.get("moe_layers"), limit)}
     if wanted and set(by_layer) != wanted:
-        yield error("config.tr3-bits-by-layer", _where("trellis_bits_by_layer"), "keys must cover moe_layers exactly",
-                    expected=f"{len(wanted)} layers", found=sorted(set(by_layer) ^ wanted)[:8])
-    for key, k in by_layer.items():
-        if not (is_int(k) and k in UNIFORM_K_VALUES):
-            yield error("config.tr3-bits-by-layer", _where(f"trellis_bits_by_layer.{key}"), "K must be one of "
-                        "3, 4, 5, 6, 8", found=k)
+        yield "keys must cover moe_layers exactly", f"{len(wanted)} layers", sorted(set(by_layer) ^ wanted)[:8]
+    bad = {key: k for key, k in by_layer.items() if not (is_int(k) and k in UNIFORM_K_VALUES)}
+    if bad:
+        yield "K must be one of 3, 4, 5, 6, 8", "3, 4, 5, 6 or 8", dict(list(bad.items())[:8])
+
+
+def _int_spelling(key: str, value: Any) -> Finding:
+    """A count or bitrate spelled as a string or a float: the #190-era loaders read it with int() and load; the
+    shared-H version refuses it (engine_stamps.json_ints)."""
+    return warning("config.int-spelling", _where(key), "not a JSON integer: the #190 and R7 loader versions "
+                   "coerce it with int(), the shared-H version refuses it", expected="a JSON integer", found=value)
 
 
 def _check_counts(ckpt: Checkpoint, h: dict) -> Iterator[Finding]:
@@ -133,10 +160,16 @@ def check_bitmaps(ckpt: Checkpoint, h: dict) -> Iterator[Finding]:
         if is_int(experts) and len(ks) != experts:
             yield error("bitmap.length", where, "bitmap lists a different number of experts than experts_per_layer",
                         expected=experts, found=len(ks))
-        bad = sorted({repr(k) for k in ks if not (is_int(k) and (k_values is None or k in k_values))})
+        declared = None if k_values is None else {coerced_int(k) for k in k_values}
+        bad = sorted({repr(k) for k in ks if not (coerced_int(k) is not None
+                                                  and (declared is None or coerced_int(k) in declared))})
         if bad:
             yield error("bitmap.k-value", where, "bitmap values outside the declared k_values", expected=k_values,
                         found=bad[:8])
+        elif not all(is_int(k) for k in ks):
+            yield warning("config.int-spelling", where, "bitmap values are not JSON integers: the loaders read "
+                          "them with int(), so they load, but other tools may not",
+                          found=sorted({repr(k) for k in ks if not is_int(k)})[:8])
 
 
 def _check_r7_maps(ckpt: Checkpoint) -> Iterator[Finding]:
@@ -188,13 +221,23 @@ def _check_protected_policy(ckpt: Checkpoint, policy: Any) -> Iterator[Finding]:
         return
     for prefix, entry in tensors.items():
         yield from _check_protected_entry(ckpt, prefix, entry)
-    storage = (ckpt.quant_config or {}).get("tensor_storage")
+    storage = _protected_storage(ckpt)
     if isinstance(storage, dict):
         stored = {key for key, rec in storage.items() if isinstance(rec, dict) and rec.get("quant_format") == "exl3"}
         if stored != set(tensors):
             yield error("config.protected-policy", Location(file=QUANT_CONFIG, tensor="tensor_storage"),
                         "the EXL3 modules of tensor_storage must be exactly the protected set",
                         expected=len(tensors), found=f"{len(stored)} ({len(stored ^ set(tensors))} differ)")
+
+
+def _protected_storage(ckpt: Checkpoint) -> Any:
+    """The tensor_storage the shared-H loader checks protected tensors against: config.json's embedded one when
+    it is a non-empty object, else quantization_config.json's (its _hydrate_tensor_storage)."""
+    embedded = ckpt.config.get("quantization_config")
+    storage = embedded.get("tensor_storage") if isinstance(embedded, dict) else None
+    if isinstance(storage, dict) and storage:
+        return storage
+    return (ckpt.quant_config or {}).get("tensor_storage")
 
 
 def _check_protected_entry(ckpt: Checkpoint, prefix: str, entry: Any) -> Iterator[Finding]:
@@ -220,7 +263,7 @@ def _check_protected_entry(ckpt: Checkpoint, prefix: str, entry: Any) -> Iterato
     if f"{prefix}.mcg" not in ckpt.tensors or f"{prefix}.mul1" in ckpt.tensors:
         yield error("config.protected-marker", tensor_where, "protected tensors carry an .mcg marker and no .mul1",
                     expected=".mcg only", found=[m for m in (".mcg", ".mul1") if f"{prefix}{m}" in ckpt.tensors])
-    record = ((ckpt.quant_config or {}).get("tensor_storage") or {}).get(prefix)
+    record = (_protected_storage(ckpt) or {}).get(prefix)
     if isinstance(record, dict) and record.get("bits_per_weight") != bits:
         yield error("config.protected-k", Location(file=QUANT_CONFIG, tensor=prefix),
                     "tensor_storage bits_per_weight differs from the declared bits", expected=bits,

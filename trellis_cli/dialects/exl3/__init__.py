@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from trellis_cli.checkpoint.model import DIALECT_EXL3
 from trellis_cli.dialects.detect import exl3_info
-from trellis_cli.dialects.interface import EXLLAMAV3, VLLM, Dialect, DialectInfo, Probe
+from trellis_cli.dialects.interface import EXLLAMAV3, VLLM, VLLM_R7, Dialect, DialectInfo, Probe
 
 
 class Exl3Dialect(Dialect):
@@ -15,7 +15,7 @@ class Exl3Dialect(Dialect):
     shard_rules = True
     tensor_storage = True
     default_engine = "exllamav3"
-    read_by = frozenset({VLLM, EXLLAMAV3})
+    read_by = frozenset({VLLM, VLLM_R7, EXLLAMAV3})
 
     def detect(self, probe: Probe) -> DialectInfo | None:
         return exl3_info(probe)

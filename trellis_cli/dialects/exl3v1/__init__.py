@@ -16,7 +16,7 @@ from trellis_cli.checkpoint.model import (DIALECT_EXL3V1, DIALECT_TR3_PER_EXPERT
                                          VectorRef)
 from trellis_cli.findings import Location
 from trellis_cli.dialects.detect import exl3v1_info
-from trellis_cli.dialects.interface import B12X, VLLM, CheckRequest, Dialect, DialectInfo, Probe
+from trellis_cli.dialects.interface import B12X, VLLM, VLLM_MANIFEST, CheckRequest, Dialect, DialectInfo, Probe
 
 
 class Exl3v1Dialect(Dialect):
@@ -27,7 +27,7 @@ class Exl3v1Dialect(Dialect):
     inspect_view = "slot-rows"
     records_hashes = True  # the manifest's sha256 per layer file
     publisher_digests = True  # a Hub file's LFS sha256 is the layer file's digest too
-    read_by = frozenset({B12X})
+    read_by = frozenset({B12X, VLLM_MANIFEST})
     container_notes = {VLLM: "exl3-v1 is b12x's container"}
     converts_from = {DIALECT_TR3_PER_EXPERT: "tr3-to-exl3-v1", DIALECT_TR3_SHARED_H: "tr3-to-exl3-v1"}
 

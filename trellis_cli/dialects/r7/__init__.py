@@ -1,13 +1,14 @@
 """R7 checkpoints: per-projection K maps in `r7_routed_experts` of the quantization config, hidden-side
 vectors once per layer (experts.r7_shared). Recognized, inspected and checked by the shared shard rules; read
-by exllamav3 where its vectors sit under every linear (docs/checkpoint-dialects.md).
+by the fork's R7 loader version (its default profile, vllm-exl3-r7) and by exllamav3 where its vectors sit under
+every linear (docs/checkpoint-dialects.md).
 """
 
 from __future__ import annotations
 
 from trellis_cli.checkpoint.model import DIALECT_R7
 from trellis_cli.dialects.detect import r7_info
-from trellis_cli.dialects.interface import EXLLAMAV3, VLLM, Dialect, DialectInfo, Probe
+from trellis_cli.dialects.interface import EXLLAMAV3, VLLM, VLLM_R7, Dialect, DialectInfo, Probe
 
 
 class R7Dialect(Dialect):
@@ -15,7 +16,8 @@ class R7Dialect(Dialect):
     described_as = "an R7 (r7_routed_experts)"
     shard_rules = True
     r7_maps = True
-    read_by = frozenset({EXLLAMAV3})
+    default_engine = "vllm-exl3-r7"  # the fork's R7 loader version (validate/engine_r7.py)
+    read_by = frozenset({EXLLAMAV3, VLLM_R7})
     container_notes = {VLLM: "r7_routed_experts is not a contract this version reads (it knows hybrid_tr3_tail "
                                "and tensor_storage only)"}
 

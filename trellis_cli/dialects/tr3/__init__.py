@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H
 from trellis_cli.dialects.detect import tr3_info
-from trellis_cli.dialects.interface import EXLLAMAV3, VLLM, ContainerRefusal, Dialect, DialectInfo, Probe
+from trellis_cli.dialects.interface import EXLLAMAV3, VLLM, VLLM_R7, ContainerRefusal, Dialect, DialectInfo, Probe
 
 # The rank-sliced vLLM loader that reads both rotation layouts.
 NEWEST_RANK_SLICED = "vllm-exl3-shared-h"
@@ -18,7 +18,7 @@ class Tr3Dialect(Dialect):
     shard_rules = True
     hybrid_tr3_tail = True
     default_engine = NEWEST_RANK_SLICED
-    read_by = frozenset({VLLM})
+    read_by = frozenset({VLLM, VLLM_R7})
 
     def __init__(self, name: str, shared_h: bool) -> None:
         self.name = name
