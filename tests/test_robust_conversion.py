@@ -202,7 +202,7 @@ def test_mcg_k2_to_tr3_is_refused_before_writing(capsys, tmp_path, spec):
 
 
 @pytest.mark.parametrize("key,value,code", [("bits", "x", "config.tr3-bits"),
-                                            ("trellis_bits_by_layer", [], "config.tr3-bits-by-layer")])
+                                            ("trellis_bits_by_layer", [], "engine.bits-map")])
 def test_a_tr3_output_its_validator_refuses_is_never_written(capsys, work, tmp_path, key, value, code):
     """The TR3 config carried from an exl3-v1 source holds what TR3 cannot declare: the staged output is
     validated as a format (not by engine profile) before it is moved into place."""

@@ -38,16 +38,29 @@ def check_source(checkpoint: Checkpoint, validator: Validator) -> None:
         raise ValidationFailed(report, list_errors=True)
 
 
+# Loader refusals of the K layout itself (tier counts, K sets): a conversion carries the data's K faithfully, and
+# which loader serves that layout is the user's choice. Every other refusal is of a declaration trellis wrote.
+CARRIED_K_LAYOUT = frozenset({"engine.tier-count", "engine.k-values", "engine.unused-k", "engine.uniform-k",
+                              "engine.k-per-projection"})
+
+
 def check_output(tree: Path, validator: Validator, target: str) -> None:
-    """Refuse a staged conversion output that its own validator refuses as a format (an engine profile's
-    verdict is the user's choice of loader, not the format's): nothing then reaches OUT."""
+    """Refuse a staged conversion output that its own validator refuses: a format error, or a refusal of the
+    output dialect's default loader other than of the K layout the data carries. Nothing then reaches OUT."""
     from trellis_cli.dialects import open_checkpoint
 
     report = validator(open_checkpoint(tree))
-    errors = [f for f in report.errors if not f.code.startswith("engine.")]
+    errors = [f.line() for f in report.errors if not f.code.startswith("engine.")]
+    codes = [f.code for f in report.errors if not f.code.startswith("engine.")]
+    for verdict in report.engines:
+        if verdict["default"]:
+            for reason in verdict["reasons"]:
+                if reason["code"] not in CARRIED_K_LAYOUT and reason["code"] != "format":
+                    errors.append(f"[{reason['code']}] {verdict['name']}: {reason['message']}")
+                    codes.append(reason["code"])
     if errors:
-        raise CheckFailed(f"the {target} output would not validate: {errors[0].line()}; refusing (nothing written "
-                          f"to OUT; the source holds what {target} cannot declare)", code=errors[0].code)
+        raise CheckFailed(f"the {target} output would not validate: {errors[0]}; refusing (nothing written "
+                          f"to OUT; the source holds what {target} cannot declare)", code=codes[0])
 
 
 def repack_note(tp: int, rotation: str) -> dict[str, Any]:
