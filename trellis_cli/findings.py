@@ -7,6 +7,7 @@ warnings. Rules yield findings and never raise on bad input; the CLI renders a R
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Iterable
@@ -143,8 +144,9 @@ def warning(code: str, where: Location, message: str, expected: Any = None, foun
 class Report:
     """All findings of one run, plus what was checked. Complete: every rule runs even after errors.
 
-    `findings` is what is listed; `omitted` counts, per (code, severity), the findings left out of the list
-    by the cap, so that `counts()` and the verdict are the true totals.
+    `findings` is what the human view lists; `omitted` counts, per (code, severity), the findings the cap left
+    out of that list (kept in `unlisted`), so that `counts()` and the verdict are the true totals and the JSON
+    document (`to_dict`) carries every finding.
     """
 
     subject: str
@@ -154,6 +156,11 @@ class Report:
     engines: list[dict[str, Any]] = field(default_factory=list)  # per-engine verdicts (validate/engines.py)
     omitted: dict[tuple[str, Severity], int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what was not checked, said beside the verdict
+    unlisted: list[Finding] = field(default_factory=list)  # left out of the human listing by the cap
+
+    def every_finding(self) -> list[Finding]:
+        """Listed and unlisted findings together, in a stable order (see `finding_order`)."""
+        return sorted([*self.findings, *self.unlisted], key=finding_order)
 
     def extend(self, items: Iterable[Finding]) -> None:
         self.findings.extend(items)
@@ -212,8 +219,11 @@ class Report:
                            f"({totals[code][severity.value]} in all)")
                 for (code, severity), n in self.omitted.items()]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
+    def to_dict(self, *, with_findings: bool = True) -> dict[str, Any]:
+        """The whole report as plain data; "findings" holds every finding, the capped ones included.
+
+        `with_findings=False` leaves "findings" out, for a writer that streams them (`every_finding`)."""
+        document: dict[str, Any] = {
             "subject": self.subject,
             "ok": self.ok,
             "summary": self.summary(),
@@ -221,8 +231,28 @@ class Report:
             "checked": self.checked,
             "notes": self.notes,
             "counts": self.counts(),
-            "findings": [f.to_dict() for f in self.findings],
+            "findings": [f.to_dict() for f in self.every_finding()] if with_findings else None,
             "engines": self.engines,
-            "omitted": [{"code": code, "severity": severity.value, "count": n}
-                        for (code, severity), n in self.omitted.items()],
         }
+        if not with_findings:
+            del document["findings"]
+        return document
+
+
+_NUMBER = re.compile(r"(\d+)")
+
+
+def natural_key(text: str | None) -> tuple:
+    """`experts.2` before `experts.10`: digit runs compare as numbers."""
+    return tuple(int(part) if part.isdigit() else part for part in _NUMBER.split(text or ""))
+
+
+_SEVERITY_ORDER = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.INFO: 2}
+
+
+def finding_order(f: Finding) -> tuple:
+    """Errors first, then by code, file, layer, expert, projection, rank and tensor (numbers as numbers)."""
+    w = f.where
+    return (_SEVERITY_ORDER[f.severity], f.code, natural_key(w.file), -1 if w.layer is None else w.layer,
+            -1 if w.expert is None else w.expert, w.projection or "", -1 if w.rank is None else w.rank,
+            natural_key(w.tensor), f.summary)

@@ -8,7 +8,7 @@ import re
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from rich.console import Console
 from rich.progress import (
@@ -84,9 +84,23 @@ def describe_os_error(err: OSError) -> str:
     return f"{' -> '.join(names)}: {reason}" if names else reason
 
 
-def emit_json(document: Any) -> None:
-    """Print one JSON document on stdout, nothing else (no colour, no markup)."""
-    sys.stdout.write(json.dumps(document, indent=2, sort_keys=False, default=str) + "\n")
+def emit_json(document: Any, *, streamed: tuple[str, Iterable[Any]] | None = None) -> None:
+    """Print one JSON document on stdout, nothing else (no colour, no markup).
+
+    `streamed=(key, items)` adds the top-level array `key`, written item by item: a report with 100,000
+    findings is never held as one string."""
+    if streamed is None:
+        sys.stdout.write(json.dumps(document, indent=2, sort_keys=False, default=str) + "\n")
+        sys.stdout.flush()
+        return
+    key, items = streamed
+    text = json.dumps(document, indent=2, sort_keys=False, default=str)
+    head = text[:text.rstrip().rindex("}")].rstrip()  # the document without its closing brace
+    sys.stdout.write(f"{head}{',' if document else ''}\n  {json.dumps(key)}: [")
+    for n, item in enumerate(items):
+        body = json.dumps(item, indent=2, sort_keys=False, default=str).replace("\n", "\n    ")
+        sys.stdout.write(f"{',' if n else ''}\n    {body}")
+    sys.stdout.write("\n  ]\n}\n")
     sys.stdout.flush()
 
 

@@ -9,7 +9,7 @@ import typer
 from trellis_cli.cli import output
 from trellis_cli.cli.options import (CacheDirOpt, EndpointOpt, OfflineOpt, RevisionOpt, SourceArg, TokenOpt,
                                      open_cli_source)
-from trellis_cli.errors import CheckFailed, UnknownDialect, ValidationFailed
+from trellis_cli.errors import EXIT_FINDINGS, CheckFailed, UnknownDialect
 from trellis_cli.findings import Finding, Location, Report, Severity
 
 HELP = (
@@ -62,16 +62,21 @@ def register(app: typer.Typer) -> None:
         report.context.setdefault("source", opened.describe())
         failed = not report.ok or (strict and report.warning_count > 0)
         if as_json:
-            document = report.to_dict()
-            document["source"] = opened.describe()
-            document["revision"] = getattr(opened, "revision", None)
-            document["strict"] = strict
-            output.emit_json(document)
+            emit_report_json(report, source=opened.describe(), revision=getattr(opened, "revision", None),
+                             strict=strict)
         else:
             render_report(report)
         if failed:
-            raise ValidationFailed(report) if not report.ok else CheckFailed(
-                f"{report.warning_count} warning(s) with --strict: {report.summary()}")
+            if not report.ok:  # the FAIL verdict is already on stdout (or in the JSON): said once
+                raise typer.Exit(EXIT_FINDINGS)
+            raise CheckFailed(f"{report.warning_count} warning(s) with --strict (the verdict above counts errors "
+                              f"only)")
+
+
+def emit_report_json(report: Report, **extra: object) -> None:
+    """The report as one JSON document on stdout, every finding in it (streamed: no cap, bounded memory)."""
+    document = {**report.to_dict(with_findings=False), **extra}
+    output.emit_json(document, streamed=("findings", (f.to_dict() for f in report.every_finding())))
 
 
 def _validate(opened, layers: list[int] | None, deep: bool, download: bool, checksums: bool,

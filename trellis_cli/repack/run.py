@@ -33,7 +33,8 @@ from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult, Validator, 
 from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.repack.source_facts import (CONFIG, NOT_COPIED, SourceHashes, fingerprint, has_experts, source_root,
                                              used_source_files, vector_ndim)
-from trellis_cli.repack.staging import Stage, check_free_space, check_target, refuse_collisions, stage_path
+from trellis_cli.repack.staging import (Stage, announce, check_free_space, check_target, free_bytes, refuse_collisions,
+                                       resumable_bytes, space_refusal, stage_path)
 from trellis_cli.routepack import manifest as mf
 
 EXTRA_DIR = "extra"  # extra/<shard>: the non-expert tensors of a source shard that held routed experts
@@ -51,6 +52,7 @@ class RepackOptions:
     overwrite: bool = False
     copy_other: bool = True  # carry non-expert files and tensors through
     validate: bool = True
+    dry_run: bool = False  # plan and check (OUT, names, free space), write nothing, skip the source validation
 
 
 def open_repack_source(source: Any) -> Checkpoint:
@@ -76,6 +78,8 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
 
     root = _local_root(source)
     if root is not None and is_route_pack(root):
+        if options.dry_run:
+            return unplanned_dry_run(Path(out), options, "route-pack", root, options.overwrite)
         from trellis_cli.repack.convert import route_pack_to_tr3
 
         return route_pack_to_tr3(root, Path(out), options, on_bytes=on_bytes, on_total=on_total, log=log)
@@ -83,11 +87,31 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
     from trellis_cli.repack.exl3v1 import dispatch as exl3v1_repack  # exl3-v1 in or out: its own drivers
 
     if exl3v1_repack.handles(checkpoint, options.to):
+        if options.dry_run:
+            return unplanned_dry_run(Path(out), options, checkpoint.dialect, source_root(checkpoint),
+                                     options.overwrite)
         return exl3v1_repack.run_exl3v1_repack(checkpoint, Path(out), options, validator, on_bytes=on_bytes,
                                                on_total=on_total, log=log)
     if checkpoint.dialect not in TR3_DIALECTS:
         raise UsageError(f"repack reads rank-sliced TR3 checkpoints ({', '.join(TR3_DIALECTS)}); the source is "
                          f"{checkpoint.dialect}")
+    run = None
+    if options.to == "route-pack":
+        # OUT, option conflicts, name collisions and free space are known from headers: refused here, before
+        # the source's validation (tens of seconds on a production checkpoint).
+        try:
+            run = _RoutePackRun(checkpoint, Path(out), options, on_bytes, on_total, log)
+        except UsageError:
+            raise
+        except Exception:  # a source the plan cannot read: its validation below names what is wrong
+            run = None
+        if run is not None:
+            preflight = run.preflight()
+            if options.dry_run:
+                run.result.plan = preflight
+                return run.result
+    if options.dry_run:
+        return unplanned_dry_run(Path(out), options, checkpoint.dialect, source_root(checkpoint), options.overwrite)
     if options.validate:
         check_source(checkpoint, validator)
     import torch  # noqa: F401 - imported once here, not concurrently by the first workers
@@ -95,7 +119,21 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
         from trellis_cli.repack.convert import tr3_to_tr3
 
         return tr3_to_tr3(checkpoint, Path(out), options, on_bytes=on_bytes, on_total=on_total, log=log)
-    return _RoutePackRun(checkpoint, Path(out), options, on_bytes, on_total, log).run()
+    return (run or _RoutePackRun(checkpoint, Path(out), options, on_bytes, on_total, log)).run()
+
+
+def unplanned_dry_run(out: Path, options: RepackOptions, source_dialect: str, root: Path | None,
+                      overwrite: bool) -> RepackResult:
+    """--dry-run of a conversion whose byte count is known only once it plans: OUT and free space checked."""
+    check_target(out, root, overwrite)
+    result = RepackResult(out)
+    result.plan = {"conversion": f"{source_dialect} -> {options.to}", "out": str(out), "files": None,
+                   "bytes_needed": None, "bytes_resumable": 0, "free_bytes": free_bytes(out),
+                   "space_ok": None, "refusals": [],
+                   "notes": ["the byte count of this conversion is known once it plans; a real run checks the "
+                             "free space before writing anything",
+                             "the source was not validated (dry run)"]}
+    return result
 
 
 def _local_root(source: Any) -> Path | None:
@@ -143,14 +181,39 @@ class _RoutePackRun:
             claims.append((name, f"source file {name}"))
         refuse_collisions(claims, [job.file for job in self.plan.jobs] + extras + [MANIFEST_NAME])
 
+    def preflight(self) -> dict[str, Any]:
+        """What this run would write, checked before any work: names, OUT and free space (refusals raise).
+
+        Reads nothing but what the plan already knows and OUT.partial's record; writes nothing."""
+        self.refuse_collisions()
+        check_target(self.out, source_root(self.ck), self.opt.overwrite)
+        needed = self.bytes_to_write()
+        resumable = resumable_bytes(self.out, fingerprint(self.ck, self.opt, self.used))
+        free = free_bytes(self.out)
+        refusal = space_refusal(self.out, free, needed - resumable)
+        # Layer files: their tensor data (each header adds a few KB, inside the headroom); others: their size.
+        files = [{"name": job.file, "data_bytes": job.bytes} for job in self.plan.jobs]
+        files += [{"name": n, "bytes": max(self.ck.files.get(n, 0), 0)} for n in self.copied]
+        files += [{"name": f"{EXTRA_DIR}/{n}", "bytes": carry.file_bytes(carry.planned(refs),
+                                                                       self.ck.headers[n].metadata)}
+                  for n, refs in self.carried.items()]
+        files += [{"name": CONFIG}, {"name": MANIFEST_NAME}]  # written last, small
+        plan = {"conversion": f"{self.ck.dialect} -> route-pack", "out": str(self.out),
+                "layers": compact_ranges(self.plan.layers), "ranks": list(self.plan.ranks),
+                "tp": self.plan.target_tp, "files": files, "bytes_needed": needed, "bytes_resumable": resumable,
+                "free_bytes": free, "space_ok": refusal is None, "refusals": [refusal] if refusal else [],
+                "notes": ["the source was not validated (dry run): a real run validates it first"]}
+        if refusal and not self.opt.dry_run:
+            raise CheckFailed(refusal)
+        return plan
+
     def run(self) -> RepackResult:
         start = time.perf_counter()
         self.refuse_collisions()
         with StageLock(stage_path(self.out), self.out):
             check_target(self.out, source_root(self.ck), self.opt.overwrite)
             stage = Stage(self.out, fingerprint(self.ck, self.opt, self.used), self.opt.overwrite)
-            if stage.resumed:
-                self.log(f"resuming {stage.root.name}: {len(stage.done)} file(s) already staged")
+            announce(stage, self.log)
             self.result.bytes_needed = self.bytes_to_write()
             try:
                 check_free_space(self.out, self.result.bytes_needed - stage.bytes_done())

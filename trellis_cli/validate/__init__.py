@@ -14,7 +14,7 @@ from collections import Counter
 from typing import Callable
 
 from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, Checkpoint
-from trellis_cli.findings import MAX_FINDINGS_PER_CODE, Finding, Location, Report, Severity
+from trellis_cli.findings import MAX_FINDINGS_PER_CODE, Finding, Location, Report, Severity, finding_order
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.validate import (engines, rules_config, rules_files, rules_markers, rules_runtime,
                                   rules_tensors)
@@ -171,13 +171,14 @@ def _validate_route_pack(ckpt: Checkpoint, layers: list[int] | None, progress) -
 
 
 def cap_findings(report: Report, limit: int = MAX_FINDINGS_PER_CODE) -> None:
-    """List the first `limit` findings of each code; count the rest in `report.omitted` (the totals stay true).
+    """Order the findings (`finding_order`: numbers as numbers), list the first `limit` of each code and move
+    the rest to `report.unlisted`, counted in `report.omitted` (the totals stay true; JSON carries them all).
 
     Summaries the rules already made (one per layer, carrying their own count) are always listed.
     """
     seen: Counter[str] = Counter()
     kept: list[Finding] = []
-    for f in report.findings:
+    for f in sorted(report.findings, key=finding_order):
         if f.summary:
             kept.append(f)
             continue
@@ -187,4 +188,5 @@ def cap_findings(report: Report, limit: int = MAX_FINDINGS_PER_CODE) -> None:
         else:
             key = (f.code, f.severity)
             report.omitted[key] = report.omitted.get(key, 0) + f.count
+            report.unlisted.append(f)
     report.findings = kept

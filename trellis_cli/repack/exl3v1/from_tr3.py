@@ -29,7 +29,7 @@ from trellis_cli.repack.result import RepackResult, Validator
 from trellis_cli.repack.source_facts import SourceHashes, source_root, vector_ndim
 from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.repack.lock import StageLock
-from trellis_cli.repack.staging import Stage, check_free_space, check_target, stage_path
+from trellis_cli.repack.staging import Stage, announce, check_free_space, check_target, stage_path
 
 PAIR_K = (2, 3, 4)
 
@@ -182,6 +182,7 @@ def tr3_to_exl3v1(ck: Checkpoint, out: Path, options, validator: Validator, *, o
     with StageLock(stage_path(out), out):
         check_target(out, source_root(ck), options.overwrite)
         stage = Stage(out, {"source": ck.source.describe(), "to": "exl3-v1", "layers": layers}, options.overwrite)
+        announce(stage, log or (lambda _m: None))
         total = sum(ck.headers[f].data_end for li in layers for f in ck.layers[li].files if f in ck.headers)
         try:
             check_free_space(out, total - stage.bytes_done())
