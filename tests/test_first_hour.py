@@ -4,6 +4,7 @@ part, `repack --dry-run`, clear messages, one unit convention, help that reads a
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,73 @@ def test_space_and_out_are_refused_before_the_source_is_validated(tiny, tmp_path
     with pytest.raises(CheckFailed, match="GB free on its filesystem"):
         repack_run.run_repack(tiny, tmp_path / "pack", validator=validator)
     assert validated == [] and not (tmp_path / "pack").exists()
+
+
+# ---- 5: messages that say what to do ------------------------------------------------------------------
+
+def test_cpu_check_without_tp_says_to_pass_the_checkpoints_tp(capsys, tiny):
+    code, out, err = run_cli(capsys, "bench", str(tiny), "--smoke", "--device", "cpu")
+    assert code == 2 and out == ""
+    assert "without --tp the layer runs as one rank" in err and "pass --tp 2" in err
+    assert "--tp 1 merges" not in err
+
+
+def test_synth_scales_the_presets_partition_to_experts(capsys, tmp_path):
+    code, out, _ = run_cli(capsys, "synth", str(tmp_path / "s"), "--experts", "64", "--sparse", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["experts"] == 64
+    assert {json.dumps(p, sort_keys=True) for p in doc["partitions"].values()} == {'{"K3": 48, "K4": 16}'}
+
+
+def test_synth_refuses_an_existing_directory_before_saying_it_writes(capsys, tiny):
+    code, out, err = run_cli(capsys, "synth", str(tiny))
+    assert code == 2 and out == ""
+    assert err.splitlines() == [f"error: synth: {tiny} exists and is not empty (pass --overwrite to replace it)"]
+
+
+def test_deep_on_a_sparse_synth_says_why_the_data_is_zero(capsys, many):
+    _, out, _ = run_cli(capsys, "validate", str(many), "--deep", "--layers", "3")
+    assert "`trellis synth --sparse` wrote this checkpoint with headers only" in out
+    _, out, _ = run_cli(capsys, "validate", str(many), "--layers", "3")
+    assert "trellis synth --sparse" not in out  # no data read, no zero vectors, nothing to explain
+
+
+# ---- 6: numbers that agree -----------------------------------------------------------------------------
+
+def test_inspect_and_validate_count_a_route_packs_files_alike(capsys, tiny, tmp_path):
+    pack = tmp_path / "pack"
+    assert run_cli(capsys, "repack", str(tiny), str(pack))[0] == 0
+    on_disk = sum(1 for p in pack.rglob("*") if p.is_file())
+    _, out, _ = run_cli(capsys, "inspect", str(pack), "--json")
+    assert json.loads(out)["route_pack"]["files"] == on_disk
+    _, out, _ = run_cli(capsys, "validate", str(pack), "--json")
+    assert json.loads(out)["checked"]["files"] == on_disk
+
+
+def test_one_unit_convention_and_counts_that_agree_in_number(capsys, many):
+    _, out, _ = run_cli(capsys, "inspect", str(many))
+    assert "GiB" not in out and "MiB" not in out and " GB" in out or " MB" in out
+    _, out, _ = run_cli(capsys, "validate", str(many), "--layers", "3")
+    assert "checked" in out and " 1 layer," in out and "1 layers" not in out
+
+
+def test_zero_rows_are_not_called_shareable(capsys, many):
+    _, out, _ = run_cli(capsys, "validate", str(many), "--deep", "--layers", "3", "--json")
+    codes = {f["code"] for f in json.loads(out)["findings"]}
+    assert "data.zero-vector" in codes and "data.h-shareable" not in codes
+
+
+# ---- 7: help and conventions ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["inspect", "validate", "repack", "bench", "synth"])
+def test_help_shows_no_bool_type_and_names_arguments_in_capitals(capsys, command):
+    code, out, _ = run_cli(capsys, command, "--help")
+    assert code == 0 and "<bool>" not in out
+    usage = next(line for line in out.splitlines() if "Usage:" in line)
+    arguments = re.findall(r"[\[{]([A-Za-z_]+)[\]}]", usage.split("[OPTIONS]", 1)[1])
+    assert arguments and all(name.isupper() for name in arguments), usage  # SOURCE, OUT: not {source} {out}
+
+
+def test_top_level_help_lists_exit_130_and_offers_completion(capsys):
+    code, out, _ = run_cli(capsys, "--help")
+    assert code == 0 and "130 interrupted" in out and "--install-completion" in out and "<bool>" not in out

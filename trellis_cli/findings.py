@@ -205,7 +205,7 @@ class Report:
         return self.error_count == 0
 
     def summary(self) -> str:
-        checked = ", ".join(f"{n} {what}" for what, n in self.checked.items()) or "nothing"
+        checked = ", ".join(counted(n, what) for what, n in self.checked.items()) or "nothing"
         verdict = "PASS" if self.ok else "FAIL"
         counts = self.counts()
         text = (f"{verdict}: {self.subject}: {counts['error']} error(s), {counts['warning']} warning(s); "
@@ -237,6 +237,17 @@ class Report:
         if not with_findings:
             del document["findings"]
         return document
+
+
+def counted(n: int, what: str) -> str:
+    """"1 layer", "2 layers", "1 byte hashed": a count with its noun (given in the plural) agreeing."""
+    if n != 1:
+        return f"{n} {what}"
+    words = what.split(" ")
+    noun = next((i for i in range(len(words) - 1, -1, -1) if words[i].endswith("s") and words[i] != "hashed"), None)
+    if noun is not None:
+        words[noun] = words[noun][:-1]
+    return f"{n} {' '.join(words)}"
 
 
 _NUMBER = re.compile(r"(\d+)")

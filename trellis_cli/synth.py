@@ -150,7 +150,8 @@ def _check_k_choice(spec: SynthSpec, bad: Callable[[str], UsageError]) -> None:
     if spec.partition is not None:
         if len(spec.partition) != 2 or any(n < 0 for n in spec.partition) or sum(spec.partition) != spec.experts:
             shown = "/".join(map(str, spec.partition))
-            raise bad(f"partition {shown} must be two counts summing to experts {spec.experts}")
+            raise bad(f"partition {shown} must be two counts summing to experts {spec.experts} (pass "
+                      f"--partition LOW/HIGH with LOW + HIGH = {spec.experts})")
         if len(set(spec.k_values)) != 2:
             raise bad(f"k_values {spec.k_values} must be two different bitrates")
         ks = set(spec.k_values)
@@ -407,7 +408,7 @@ def staged_output(out_dir: str | Path, overwrite: bool, write: Callable[[Path], 
     """`write(stage)` into `OUT.partial`, then move it into place; on any error (Ctrl-C too) the stage is
     removed and OUT is untouched. A non-empty OUT is refused unless `overwrite`."""
     out = Path(out_dir)
-    _check_target(out, overwrite)
+    check_target(out, overwrite)
     stage = out.with_name(out.name + ".partial")
     if stage.exists():
         shutil.rmtree(stage)  # left over from an interrupted run: it is ours by name
@@ -423,11 +424,12 @@ def staged_output(out_dir: str | Path, overwrite: bool, write: Callable[[Path], 
     return out
 
 
-def _check_target(out: Path, overwrite: bool) -> None:
+def check_target(out: Path, overwrite: bool) -> None:
+    """Refuse a file, or a non-empty directory without `overwrite`: before anything is said or written."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"synth: {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UsageError(f"synth: {out} exists and is not empty (refusing to replace it without overwrite)")
+        raise UsageError(f"synth: {out} exists and is not empty (pass --overwrite to replace it)")
 
 
 def _write_all(stage: Path, spec: SynthSpec, source: TensorSource, progress: Callable[[int], None] | None) -> None:

@@ -73,8 +73,9 @@ def register(app: typer.Typer) -> None:
                                 overwrite=overwrite, copy_other=not experts_only, dry_run=dry_run)
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         # A plain line even off a terminal: opening and validating a 300 GB source reads ~80 headers first.
-        output.log(f"opening {opened.description}: reading headers, then checking OUT and free space"
-                   + ("" if dry_run else " and validating the source before writing") + " ...")
+        output.log(f"opening {opened.description}: " + (
+            "reading headers (dry run: nothing is validated or written) ..." if dry_run else
+            "reading headers and validating it before writing (OUT and free space are checked first) ..."))
         result = _run(opened, out, options, as_json)
         if result.plan is not None:
             _print_plan(result.plan, as_json)

@@ -140,6 +140,8 @@ def _check_h_rows_shareable(ckpt: Checkpoint, layer: MoeLayer) -> Iterator[Findi
                 except CheckFailed:
                     return
                 if first is None:
+                    if not bool(row.view(torch.int16).any()):  # zero rows are data.zero-vector, not shareable
+                        return
                     first = row
                 elif not torch.equal(first.view(torch.int16), row.view(torch.int16)):
                     shareable = False
