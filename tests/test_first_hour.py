@@ -229,3 +229,37 @@ def test_help_shows_no_bool_type_and_names_arguments_in_capitals(capsys, command
 def test_top_level_help_lists_exit_130_and_offers_completion(capsys):
     code, out, _ = run_cli(capsys, "--help")
     assert code == 0 and "130 interrupted" in out and "--install-completion" in out and "<bool>" not in out
+
+
+# ---- 4: every long phase shows what it does and how far it is -----------------------------------------
+
+@pytest.fixture
+def terminal(monkeypatch):
+    """stderr as a terminal (progress is drawn only there), recorded."""
+    import io
+
+    from rich.console import Console
+
+    from trellis_cli.cli import output
+
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=200, color_system=None, markup=False,
+                      emoji=False, highlight=False)
+    monkeypatch.setattr(output, "stderr", console)
+    return buffer
+
+
+@pytest.mark.parametrize("argv", [["inspect"], ["validate", "--deep"], ["repack"]])
+def test_long_phases_show_their_stage_and_count(capsys, many, tmp_path, terminal, argv):
+    command, *rest = argv
+    extra = [str(tmp_path / "pack"), "--layers", "3"] if command == "repack" else []
+    code, _, err = run_cli(capsys, command, str(many), *extra, *rest)
+    assert code == (1 if command == "validate" else 0), err
+    drawn = terminal.getvalue()
+    assert "reading headers (files)" in drawn and "4/4" in drawn  # 4 shards
+    assert "building the checkpoint model (steps)" in drawn and "5/5" in drawn
+    assert "0/?" not in drawn
+    if command == "validate":
+        assert "header rules (layers)" in drawn and "data rules (layers)" in drawn
+    if command == "repack":
+        assert "header rules (layers)" in drawn and "repack (bytes)" in drawn

@@ -16,12 +16,19 @@ from trellis_cli.repack.run import RepackOptions
 
 def run_repack(source: Any, out: str | Path, options: RepackOptions | None = None, *,
                on_bytes: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
-               log: Callable[[str], None] | None = None) -> RepackResult:
-    """Repack `source` (a Source, a path, or an opened Checkpoint) into `out`, validated (repack/run.py)."""
+               log: Callable[[str], None] | None = None,
+               on_stage: Callable[[str, int, int], None] | None = None) -> RepackResult:
+    """Repack `source` (a Source, a path, or an opened Checkpoint) into `out`, validated (repack/run.py).
+
+    `on_stage(stage, done, total)` follows opening the source and validating it (headers, model, rules)."""
     from trellis_cli.repack.run import run_repack as repack
     from trellis_cli.validate import run_validation
 
-    return repack(source, out, options, validator=run_validation, on_bytes=on_bytes, on_total=on_total, log=log)
+    def validator(checkpoint):
+        return run_validation(checkpoint, progress=on_stage)
+
+    return repack(source, out, options, validator=validator, on_bytes=on_bytes, on_total=on_total, log=log,
+                  on_stage=on_stage)
 
 
 __all__ = ["run_repack"]

@@ -108,15 +108,17 @@ def _run(opened, out: Path, options, as_json: bool):
     from trellis_cli.errors import ValidationFailed
     from trellis_cli.workflows import run_repack
 
-    with output.make_progress(bytes_mode=True, enabled=output.progress_enabled(as_json)) as progress:
-        task = progress.add_task("repack", total=None, visible=False)  # shown once its total is known
+    enabled = output.progress_enabled(as_json)
+    with output.make_progress(bytes_mode=True, enabled=enabled) as progress:
+        stage = output.stage_advancer(progress)  # opening and validating the source, then the bytes written
+        task = progress.add_task("repack (bytes)", total=None, visible=False)  # shown once its total is known
 
         def total(n: int) -> None:
             progress.update(task, total=n, visible=True)
 
         try:
             return run_repack(opened, out, options, on_bytes=lambda n: progress.advance(task, n),
-                              on_total=total, log=output.log)
+                              on_total=total, log=output.log, on_stage=stage)
         except OSError as err:
             raise _write_failed(err, out) from err
         except ValidationFailed as err:

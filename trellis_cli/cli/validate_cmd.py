@@ -89,7 +89,8 @@ def _validate(opened, layers: list[int] | None, deep: bool, download: bool, chec
 
     output.log(f"reading {opened.description} ...")
     try:
-        checkpoint = open_checkpoint(opened)
+        with output.stage_progress(enabled=output.progress_enabled(as_json)) as advance:
+            checkpoint = open_checkpoint(opened, progress=advance)
     except UnknownDialect as e:
         return _single(opened, "dialect.unknown", str(e))
     except CheckFailed as e:
@@ -98,13 +99,9 @@ def _validate(opened, layers: list[int] | None, deep: bool, download: bool, chec
         require_present(layers, checkpoint.layers)  # before any download or rule
     if deep or download:
         _fetch_layers(checkpoint, layers, as_json)
-    with output.make_progress(enabled=output.progress_enabled(as_json)) as progress:
+    with output.stage_progress(enabled=output.progress_enabled(as_json)) as advance:
+        progress = advance.progress
         tasks: dict[str, object] = {}
-
-        def advance(stage: str, done: int, total: int) -> None:
-            if stage not in tasks:
-                tasks[stage] = progress.add_task(f"{stage} rules", total=total)
-            progress.update(tasks[stage], completed=done)
 
         def hashed(n: int) -> None:
             if "hash" not in tasks:  # every file that can have a recorded hash: a total in human units

@@ -55,19 +55,21 @@ class RepackOptions:
     dry_run: bool = False  # plan and check (OUT, names, free space), write nothing, skip the source validation
 
 
-def open_repack_source(source: Any) -> Checkpoint:
-    from trellis_cli.checkpoint import open_checkpoint
+def open_repack_source(source: Any, progress: Callable[[str, int, int], None] | None = None) -> Checkpoint:
+    from trellis_cli.checkpoint.open import open_checkpoint
 
-    return open_checkpoint(source)
+    return open_checkpoint(source, progress=progress)
 
 
 def run_repack(source: Any, out: str | Path, options: RepackOptions | None = None, *, validator: Validator,
                on_bytes: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
-               log: Callable[[str], None] | None = None) -> RepackResult:
+               log: Callable[[str], None] | None = None,
+               on_stage: Callable[[str, int, int], None] | None = None) -> RepackResult:
     """Repack `source` (a Source, a path, or an opened Checkpoint) into `out`; see the module docstring.
 
     `validator` decides whether the source may be repacked (with `options.validate`) and whether a staged
-    exl3-v1 output is sound: `trellis_cli.run_repack` passes validate.run_validation."""
+    exl3-v1 output is sound: `trellis_cli.run_repack` passes validate.run_validation. `on_stage(stage, done,
+    total)` follows the opening of the source (headers, model)."""
     options = options or RepackOptions()
     log = log or (lambda _m: None)
     if options.to not in ("route-pack", "tr3", "exl3-v1"):
@@ -83,7 +85,7 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
         from trellis_cli.repack.convert import route_pack_to_tr3
 
         return route_pack_to_tr3(root, Path(out), options, on_bytes=on_bytes, on_total=on_total, log=log)
-    checkpoint = source if isinstance(source, Checkpoint) else open_repack_source(source)
+    checkpoint = source if isinstance(source, Checkpoint) else open_repack_source(source, on_stage)
     from trellis_cli.repack.exl3v1 import dispatch as exl3v1_repack  # exl3-v1 in or out: its own drivers
 
     if exl3v1_repack.handles(checkpoint, options.to):
