@@ -105,7 +105,7 @@ MAX_MISSING_SHOWN = 50  # per kind and layer; then one finding with the total
 MAX_FINDINGS_PER_CODE = 50  # then counted, not listed: a missing shard must not print 12,288 lines
 
 
-def missing_ids(ids: range, present, limit: int = MAX_MISSING_SHOWN) -> tuple[list[int], int]:
+def missing_ids(ids: range, present: Iterable[int], limit: int = MAX_MISSING_SHOWN) -> tuple[list[int], int]:
     """The first `limit` ids of `ids` not in `present` (a set or dict), and how many are missing in all.
 
     Costs O(len(present) + limit), not O(len(ids)): `ids` comes from a declared count, which can be huge.
@@ -194,11 +194,11 @@ class Report:
 
     @property
     def error_count(self) -> int:
-        return self.counts()["error"]
+        return int(self.counts()["error"])
 
     @property
     def warning_count(self) -> int:
-        return self.counts()["warning"]
+        return int(self.counts()["warning"])
 
     @property
     def ok(self) -> bool:
@@ -253,7 +253,7 @@ def counted(n: int, what: str) -> str:
 _NUMBER = re.compile(r"(\d+)")
 
 
-def natural_key(text: str | None) -> tuple:
+def natural_key(text: str | None) -> tuple[int | str, ...]:
     """`experts.2` before `experts.10`: digit runs compare as numbers."""
     return tuple(int(part) if part.isdigit() else part for part in _NUMBER.split(text or ""))
 
@@ -261,7 +261,7 @@ def natural_key(text: str | None) -> tuple:
 _SEVERITY_ORDER = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.INFO: 2}
 
 
-def finding_order(f: Finding) -> tuple:
+def finding_order(f: Finding) -> tuple[Any, ...]:
     """Errors first, then by code, file, layer, expert, projection, rank and tensor (numbers as numbers)."""
     w = f.where
     return (_SEVERITY_ORDER[f.severity], f.code, natural_key(w.file), -1 if w.layer is None else w.layer,

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.findings import Report
 from trellis_cli.repack.result import RepackResult
 from trellis_cli.repack.run import RepackOptions
 
@@ -24,7 +26,7 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
     from trellis_cli.repack.run import run_repack as repack
     from trellis_cli.validate import run_validation
 
-    def validator(checkpoint):
+    def validator(checkpoint: Checkpoint) -> Report:
         return run_validation(checkpoint, progress=on_stage)
 
     return repack(source, out, options, validator=validator, on_bytes=on_bytes, on_total=on_total, log=log,

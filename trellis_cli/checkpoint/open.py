@@ -126,7 +126,7 @@ def _listing_findings(source: Any) -> Iterator[Finding]:
         yield error("file.unreadable", Location(file=name), f"directory cannot be listed ({reason})")
 
 
-def _read_config(source: Any, files: dict[str, int]) -> dict | None:
+def _read_config(source: Any, files: dict[str, int]) -> dict[str, Any] | None:
     special = getattr(source, "special", {})
     if CONFIG in special:
         raise CheckFailed(f"{CONFIG}: {special[CONFIG]}, not a regular file")
@@ -302,8 +302,11 @@ def _add_other_expert_tensor(ckpt: Checkpoint, name: str, ref: TensorRef) -> Non
         layer = layers[parsed.layer] = MoeLayer(parsed.layer)
     layer.files.add(ref.file)
     if parsed.kind == KIND_SHARED_H:
+        # the shared-H grammar always yields a projection, a rank and a field
+        assert parsed.projection is not None and parsed.rank is not None and parsed.field is not None
         layer.shared_h.setdefault((parsed.projection, parsed.rank), {})[parsed.field] = ref
     elif parsed.kind == KIND_R7_SHARED:
+        assert parsed.field is not None  # the R7 grammar always yields a field
         layer.r7_shared[parsed.field if parsed.rank is None else f"rank{parsed.rank}.{parsed.field}"] = ref
     else:
         layer.unparsed.append(ref)

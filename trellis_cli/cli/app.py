@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         # standalone_mode=False: the parser's errors come back to us (one line, not a boxed panel).
         code = build_command()(args=args, prog_name="trellis", standalone_mode=False)
     except _PARSER_ERRORS as err:
-        if err.format_message():  # empty when bare `trellis` has already printed the help
+        if err.format_message():  # type: ignore[attr-defined]  # empty when bare `trellis` printed the help
             _report_error(_usage_message(err))
         raise SystemExit(getattr(err, "exit_code", EXIT_USAGE)) from None
     except _ABORTS:  # EOF at a prompt, or Ctrl-C while the parser itself ran
@@ -120,16 +120,17 @@ def _report_interrupted() -> None:
     raise SystemExit(EXIT_INTERRUPTED) from None
 
 
-def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
+def _click_exceptions() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
     """The parser's error and abort classes: click's, and those of the click copy newer typer vendors."""
-    errors, aborts = [click.exceptions.ClickException], [click.exceptions.Abort, getattr(typer, "Abort", None)]
+    errors: list[type[BaseException]] = [click.exceptions.ClickException]
+    aborts = [click.exceptions.Abort, getattr(typer, "Abort", None)]
     try:
         from typer._click import exceptions as vendored
 
         errors.append(vendored.ClickException)
     except ImportError:
         pass
-    return tuple(errors), tuple(a for a in aborts if isinstance(a, type))
+    return tuple(errors), tuple(a for a in aborts if isinstance(a, type) and issubclass(a, BaseException))
 
 
 _PARSER_ERRORS, _ABORTS = _click_exceptions()

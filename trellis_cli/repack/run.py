@@ -14,7 +14,7 @@ import re
 import shutil
 import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -27,7 +27,7 @@ from trellis_cli.repack import carry
 from trellis_cli.routepack.layer_file import sync_file, write_layer_pack
 from trellis_cli.repack.lock import StageLock
 from trellis_cli.routepack.pack import Arena, layer_tiers, pack_layer
-from trellis_cli.routepack.plan import RepackPlan, make_plan
+from trellis_cli.routepack.plan import LayerRankJob, RepackPlan, make_plan
 from trellis_cli.repack.readback import check_layer_file
 from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult, Validator, check_source, repack_note
 from trellis_cli.routepack.source_bytes import TensorReader
@@ -84,7 +84,9 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
             return unplanned_dry_run(Path(out), options, "route-pack", root, options.overwrite)
         from trellis_cli.repack.convert import route_pack_to_tr3
 
-        return route_pack_to_tr3(root, Path(out), options, on_bytes=on_bytes, on_total=on_total, log=log)
+        converted: RepackResult = route_pack_to_tr3(root, Path(out), options, on_bytes=on_bytes,
+                                                    on_total=on_total, log=log)
+        return converted
     checkpoint = source if isinstance(source, Checkpoint) else open_repack_source(source, on_stage)
     from trellis_cli.repack.exl3v1 import dispatch as exl3v1_repack  # exl3-v1 in or out: its own drivers
 
@@ -92,8 +94,9 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
         if options.dry_run:
             return unplanned_dry_run(Path(out), options, checkpoint.dialect, source_root(checkpoint),
                                      options.overwrite)
-        return exl3v1_repack.run_exl3v1_repack(checkpoint, Path(out), options, validator, on_bytes=on_bytes,
-                                               on_total=on_total, log=log)
+        result: RepackResult = exl3v1_repack.run_exl3v1_repack(checkpoint, Path(out), options, validator,
+                                                               on_bytes=on_bytes, on_total=on_total, log=log)
+        return result
     if checkpoint.dialect not in TR3_DIALECTS:
         raise UsageError(f"repack reads rank-sliced TR3 checkpoints ({', '.join(TR3_DIALECTS)}); the source is "
                          f"{checkpoint.dialect}")
@@ -120,7 +123,9 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
     if options.to == "tr3":
         from trellis_cli.repack.convert import tr3_to_tr3
 
-        return tr3_to_tr3(checkpoint, Path(out), options, on_bytes=on_bytes, on_total=on_total, log=log)
+        resliced: RepackResult = tr3_to_tr3(checkpoint, Path(out), options, on_bytes=on_bytes, on_total=on_total,
+                                            log=log)
+        return resliced
     return (run or _RoutePackRun(checkpoint, Path(out), options, on_bytes, on_total, log)).run()
 
 
@@ -151,7 +156,9 @@ LAYER_FILE_NAME = re.compile(r"layer-[0-9]+-rank-[0-9]+\.safetensors")
 
 
 class _RoutePackRun:
-    def __init__(self, checkpoint: Checkpoint, out: Path, options: RepackOptions, on_bytes, on_total, log) -> None:
+    def __init__(self, checkpoint: Checkpoint, out: Path, options: RepackOptions,
+                 on_bytes: Callable[[int], None] | None, on_total: Callable[[int], None] | None,
+                 log: Callable[[str], None]) -> None:
         self.ck, self.out, self.opt = checkpoint, out, options
         self.on_bytes = on_bytes or (lambda _n: None)
         self.on_total = on_total or (lambda _n: None)
@@ -245,7 +252,7 @@ class _RoutePackRun:
 
     def _run_jobs(self, stage: Stage) -> None:
         with TensorReader(self.ck.source) as reader, ThreadPoolExecutor(self.opt.jobs) as pool:
-            futures = []
+            futures: list[Future[Any]] = []
             for name in self._hash_order()[0]:
                 futures.append(pool.submit(self.hashes.get, name))
             for layer, files in zip(self.plan.layers, self._hash_order()[1]):
@@ -262,10 +269,11 @@ class _RoutePackRun:
                     future.cancel()
                 raise
             for future in done:
-                if future.exception() is not None:
+                error = future.exception()
+                if error is not None:
                     for other in futures:
                         other.cancel()
-                    raise future.exception()
+                    raise error
 
     def _hash_order(self) -> tuple[list[str], list[list[str]]]:
         """Source files to hash: those of no selected layer first (small JSON files), then per layer."""
@@ -281,7 +289,7 @@ class _RoutePackRun:
         later = [li for li in self.plan.layers if li > layer]
         return sorted(self.ck.layers[later[0]].files) if later else []
 
-    def _resume_or_redo(self, job, stage: Stage, reader: TensorReader) -> None:
+    def _resume_or_redo(self, job: LayerRankJob, stage: Stage, reader: TensorReader) -> None:
         """A staged file is reused only when the source files it came from still hash to what it recorded."""
         if stage.completed(job.file, self.hashes.of(self.ck.layers[job.layer].files)):
             with self._counts:
@@ -290,7 +298,7 @@ class _RoutePackRun:
             return
         self._layer_job(job, stage, reader)
 
-    def _layer_job(self, job, stage: Stage, reader: TensorReader) -> None:
+    def _layer_job(self, job: LayerRankJob, stage: Stage, reader: TensorReader) -> None:
         for file in self._next_files(job.layer):  # overlap the next layer's disk reads with this one's work
             reader.prefetch(file)
         arena = getattr(self._local, "arena", None) or Arena()
@@ -321,6 +329,7 @@ class _RoutePackRun:
         source.update({"dialect": ck.dialect, "rotation_layout": ck.rotation_layout, "tp": ck.tp,
                        "vector_ndim": vector_ndim(ck),
                        "files": {n: {"sha256": self.hashes.get(n), "size": ck.files.get(n)} for n in self.used}})
+        assert ck.intermediate is not None  # make_plan refused a source without one
         geometry = {"hidden": ck.hidden, "intermediate": ck.intermediate,
                     "intermediate_rank": ck.intermediate // plan.target_tp, "num_experts": ck.num_experts}
         codebook = self._codebook()

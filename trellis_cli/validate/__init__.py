@@ -11,13 +11,15 @@ route-pack verifier instead. Rules never raise on bad input; they yield findings
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable
+from typing import Any, Callable
 
 from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, Checkpoint
 from trellis_cli.findings import MAX_FINDINGS_PER_CODE, Finding, Location, Report, Severity, finding_order
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.validate import (engines, rules_config, rules_files, rules_markers, rules_runtime,
                                   rules_tensors)
+
+Progress = Callable[[str, int, int], None] | None  # (stage, done, total) as layers complete
 
 # Said beside every verdict that did not read tensor values: a header-perfect checkpoint of zeros passes.
 NOT_DEEP_NOTE = "tensor data not checked (headers only; --deep reads it)"
@@ -80,7 +82,7 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
     return report
 
 
-def _run_header_rules(checkpoint: Checkpoint, selected: list[int], report: Report, progress) -> None:
+def _run_header_rules(checkpoint: Checkpoint, selected: list[int], report: Report, progress: Progress) -> None:
     report.extend(checkpoint.parse_findings)
     report.extend(rules_files.check_files(checkpoint))
     report.count("files", len(checkpoint.headers))
@@ -115,7 +117,7 @@ def _subject(ckpt: Checkpoint) -> str:
     return getattr(ckpt.source, "description", None) or str(ckpt.source)
 
 
-def _context(ckpt: Checkpoint) -> dict:
+def _context(ckpt: Checkpoint) -> dict[str, Any]:
     describe = getattr(ckpt.source, "describe", None)
     return {"source": describe() if describe else str(ckpt.source), "dialect": ckpt.dialect,
             "rotation_layout": ckpt.rotation_layout, "tp": ckpt.tp, "revision": getattr(ckpt.source, "revision", None)}
@@ -129,7 +131,7 @@ def _selected_layers(ckpt: Checkpoint, layers: list[int] | None) -> list[int]:
     return require_present(layers, ckpt.layers)
 
 
-def _run_deep(ckpt: Checkpoint, selected: list[int], report: Report, progress) -> None:
+def _run_deep(ckpt: Checkpoint, selected: list[int], report: Report, progress: Progress) -> None:
     from trellis_cli.validate import rules_data
 
     for done, li in enumerate(selected, 1):
@@ -164,7 +166,7 @@ def _sparse_synthetic(ckpt: Checkpoint, selected: list[int]) -> bool:
     return True
 
 
-def _run_checksums(ckpt: Checkpoint, report: Report, progress) -> None:
+def _run_checksums(ckpt: Checkpoint, report: Report, progress: Callable[[int], None] | None) -> None:
     from trellis_cli.integrity import verify_checksums
 
     results = verify_checksums(ckpt.source, progress=progress, strict_manifest=False)
@@ -177,7 +179,8 @@ def _run_checksums(ckpt: Checkpoint, report: Report, progress) -> None:
                                        expected=r.expected, found=r.found))
 
 
-def _validate_route_pack(ckpt: Checkpoint, layers: list[int] | None, progress) -> Report:
+def _validate_route_pack(ckpt: Checkpoint, layers: list[int] | None,
+                         progress: Callable[[int], None] | None) -> Report:
     from trellis_cli.routepack.manifest import declared_layers
     from trellis_cli.routepack.verify import verify_repacked
     from trellis_cli.selection import require_present
