@@ -64,6 +64,14 @@ def test_every_json_document_parses_on_a_checkpoint_with_many_findings(capsys, m
     assert code == 0 and json.loads(out)
 
 
+@pytest.mark.slow
+def test_bench_json_on_the_cpu_parses_on_a_checkpoint_with_many_findings(capsys, many):
+    code, out, err = run_cli(capsys, "bench", str(many), "--tp", "2", "--device", "cpu", "--smoke", "--json")
+    doc = json.loads(out)
+    assert code == 0, err
+    assert doc["tp"] == 2 and doc["device"] == "cpu" and doc["checks"] and doc["passed"]
+
+
 def test_a_refused_repack_gives_every_finding_in_json(capsys, tmp_path):
     source = many_findings_checkpoint(tmp_path / "bad")
     bitmap = json.loads((source / "tier_bitmap.json").read_text())
