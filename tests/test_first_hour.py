@@ -271,3 +271,16 @@ def test_long_phases_show_their_stage_and_count(capsys, many, tmp_path, terminal
         assert "header rules (layers)" in drawn and "data rules (layers)" in drawn
     if command == "repack":
         assert "header rules (layers)" in drawn and "repack (bytes)" in drawn
+
+
+def test_to_exl3v1_refuses_space_before_validating(tmp_path, monkeypatch):
+    from trellis_cli.errors import CheckFailed
+    from trellis_cli.repack import staging
+    from trellis_cli.repack.run import RepackOptions, run_repack
+
+    source = tiny_checkpoint(tmp_path, tp=1, intermediate=1024)
+    validated = []
+    monkeypatch.setattr(staging, "free_bytes", lambda _out: 1000)
+    with pytest.raises(CheckFailed, match="GB free on its filesystem"):
+        run_repack(source, tmp_path / "v1", RepackOptions(to="exl3-v1"), validator=validated.append)
+    assert validated == [] and not (tmp_path / "v1").exists()

@@ -28,7 +28,9 @@ def run_exl3v1_repack(checkpoint: Checkpoint, out: Path, options, validator: Val
         return exl3v1_to_tr3(checkpoint, out, options, validator, **progress)
     if checkpoint.dialect not in (DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H):
         raise UsageError(f"--to exl3-v1 reads rank-sliced TR3 checkpoints; the source is {checkpoint.dialect}")
-    from trellis_cli.repack.exl3v1.from_tr3 import tr3_to_exl3v1
+    from trellis_cli.repack.exl3v1.from_tr3 import preflight_exl3v1, tr3_to_exl3v1
+
+    preflight_exl3v1(checkpoint, out, options)  # options, OUT, free space: before the validation
     if options.validate:
         check_source(checkpoint, validator)
     return tr3_to_exl3v1(checkpoint, out, options, validator, **progress)
