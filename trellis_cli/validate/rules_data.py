@@ -10,7 +10,7 @@ rules_markers' (read by default for local sources, and with --deep for remote on
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, LinearRef, MoeLayer
 from trellis_cli.checkpoint.names import H_SIDE
@@ -38,7 +38,7 @@ def check_layer_data(ckpt: Checkpoint, layer: MoeLayer, count: Callable[[str, in
         yield from _check_h_rows_shareable(ckpt, layer)
 
 
-def _read(ckpt: Checkpoint, ref, at: Location) -> tuple[object, Finding | None]:
+def _read(ckpt: Checkpoint, ref, at: Location) -> tuple[Any, Finding | None]:  # (a tensor or None, problem)
     try:
         return read_tensor(ckpt, ref), None
     except CheckFailed as e:
