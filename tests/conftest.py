@@ -11,6 +11,11 @@ import pytest
 
 DATA = Path(__file__).parent / "data"
 
+# The CLI's consoles take their width when first imported, which happens at collection, before the pinned
+# environment below applies: set here, it is the same in every process (a pytest-xdist worker's stdout can
+# be a terminal, where rich would otherwise fall back to 80 columns).
+os.environ["COLUMNS"] = "160"
+
 
 @pytest.fixture(autouse=True)
 def _pinned_environment(monkeypatch):
