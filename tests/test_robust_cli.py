@@ -159,7 +159,7 @@ def test_full_disk_keeps_the_stage_and_a_rerun_resumes(source, tmp_path):
 
     rerun = subprocess.run(argv, capture_output=True, text=True, env=env)
     assert rerun.returncode == 0, rerun.stderr
-    assert "resuming out.partial" in rerun.stderr and out.is_dir()
+    assert f"resuming {out}.partial: " in rerun.stderr and out.is_dir()  # where the stage is, and how much
 
 
 def test_unexpected_exception_is_an_internal_error(capsys, monkeypatch):
