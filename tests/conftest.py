@@ -11,6 +11,11 @@ import pytest
 
 DATA = Path(__file__).parent / "data"
 
+# The CLI's consoles take their width when first imported, which happens at collection, before the pinned
+# environment below applies: set here, it is the same in every process (a pytest-xdist worker's stdout can
+# be a terminal, where rich would otherwise fall back to 80 columns).
+os.environ["COLUMNS"] = "160"
+
 
 @pytest.fixture(autouse=True)
 def _pinned_environment(monkeypatch):
@@ -64,3 +69,30 @@ def exl3(request, tmp_path_factory) -> Path:
     from trellis_cli.dialects.exl3v1.synth import write_exl3v1_checkpoint
 
     return write_exl3v1_checkpoint(tmp_path_factory.mktemp(request.param) / "exl3", exl3v1_specs()[request.param])
+
+
+@pytest.fixture(scope="session")
+def kernel_cache(tmp_path_factory, request) -> Path:
+    """The one kernel-build cache of a test run: $TRELLIS_KERNEL_CACHE when the caller set one (CI's
+    --compile-only steps fill it first), else one folder shared by every pytest-xdist worker of this run, so a
+    build made by one is reused by the others. Builds write each object under a temporary name and rename it
+    (trellis_cli/kernel/build.py), so workers building at once never see half a file; `kernel_build_lock`
+    makes the second wait for the first instead of building the same units again."""
+    given = os.environ.get("TRELLIS_KERNEL_CACHE")
+    if given:
+        return Path(given)
+    worker = getattr(request.config, "workerinput", None)  # set on pytest-xdist workers only
+    if worker is None:
+        return tmp_path_factory.mktemp("kcache")
+    shared = tmp_path_factory.getbasetemp().parent / "kcache"  # the run's root, above each worker's folder
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
+@pytest.fixture
+def kernel_build_lock(kernel_cache):
+    """Hold while building into `kernel_cache`: one worker builds, the others then find the build cached."""
+    from filelock import FileLock
+
+    with FileLock(str(kernel_cache) + ".lock"):
+        yield kernel_cache

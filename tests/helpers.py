@@ -126,9 +126,10 @@ class Interrupted(RuntimeError):
 LAYER_FILE_WRITERS = ("trellis_cli.repack.run", "trellis_cli.repack.exl3v1.to_route_pack")
 
 
-def interrupt_after(monkeypatch, files: int) -> None:
-    """Make the next repack raise Interrupted as it starts its layer file number files + 1 (no byte of it
-    written), so that its stage holds `files` finished layer files: the state an interrupted run leaves."""
+def interrupt_after(monkeypatch, files: int, error: type[BaseException] = Interrupted) -> None:
+    """Make the next repack raise `error` (Interrupted, or KeyboardInterrupt for Ctrl-C) as it starts its layer
+    file number files + 1 (no byte of it written), so that its stage holds `files` finished layer files: the
+    state an interrupted run leaves."""
     import importlib
     import threading
 
@@ -141,10 +142,17 @@ def interrupt_after(monkeypatch, files: int) -> None:
             with lock:
                 started[0] += 1
                 if started[0] > files:
-                    raise Interrupted(f"interrupted after {files} layer file(s)")
+                    raise error(f"interrupted after {files} layer file(s)")
             return _write(*args, **kwargs)
 
         monkeypatch.setattr(module, "write_layer_pack", interrupting)
+
+
+def many_findings_checkpoint(root: Path) -> Path:
+    """A sparse (all-zero data) tiny-shaped checkpoint with 256 experts over 4 layers: 12,288 data.zero-vector
+    errors under --deep, and valid headers otherwise."""
+    return write_checkpoint(root, replace(preset("tiny"), sparse=True, experts=256, partition=(192, 64),
+                                          layers=(3, 4, 5, 6)))
 
 
 def tensor_bytes(root: Path, pattern: str = "*.safetensors") -> dict[tuple[str, str], tuple]:

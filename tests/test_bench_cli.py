@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -30,9 +29,9 @@ def test_bad_bench_arguments_are_usage_errors(argv, capsys):
 
 @requires_nvcc
 @pytest.mark.slow
-def test_compile_only_builds_without_a_gpu(capsys, monkeypatch, tmp_path):
-    # Never the user's cache: the caller's $TRELLIS_KERNEL_CACHE (CI fills it first) or a fresh folder.
-    monkeypatch.setenv("TRELLIS_KERNEL_CACHE", os.environ.get("TRELLIS_KERNEL_CACHE") or str(tmp_path))
+def test_compile_only_builds_without_a_gpu(capsys, monkeypatch, kernel_build_lock):
+    # Never the user's cache: the run's shared one (conftest.py: CI's, or one for all workers of this run).
+    monkeypatch.setenv("TRELLIS_KERNEL_CACHE", str(kernel_build_lock))
     code, out, _ = run_cli(capsys, "bench", "--compile-only", "--arch", "sm_90", "--codebook", "mcg", "--json")
     assert code == 0
     doc = json.loads(out)

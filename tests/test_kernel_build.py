@@ -277,12 +277,10 @@ def test_mcg_library_for_sm90_builds_cold_holds_its_kernels_and_is_cached(cache:
     assert json.loads(out)["compiled"] == 0 and json.loads(out)["libraries"][0]["path"] == str(library)
 
 
-@pytest.fixture(scope="module")
-def full_cache(tmp_path_factory) -> Path:
-    """Where the complete builds go: $TRELLIS_KERNEL_CACHE when the caller set one (CI's --compile-only
-    steps have filled it), else a fresh folder."""
-    given = os.environ.get("TRELLIS_KERNEL_CACHE")
-    return Path(given) if given else tmp_path_factory.mktemp("kcache")
+@pytest.fixture
+def full_cache(kernel_build_lock) -> Path:
+    """Where the complete builds go: the run's shared kernel cache (conftest.py), held while building."""
+    return kernel_build_lock
 
 
 @requires_nvcc

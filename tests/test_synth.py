@@ -359,7 +359,7 @@ def test_cli_bitmap_file(tmp_path, capsys):
     (["--layers", "3-x"], "--layers"),
     (["--layers", "5-3"], "backwards"),
     (["--partition", "6-2"], "--partition"),
-    (["--experts", "16"], "summing to experts 16"),
+    (["--experts", "16", "--partition", "6/2"], "pass --partition LOW/HIGH with LOW + HIGH = 16"),
     (["--hidden", "100"], "multiple of 128"),
     (["--bitmap", "missing.json"], "cannot read"),
     (["--uniform", "3", "--k-values", "3,5"], "--k-values"),

@@ -7,6 +7,8 @@ exits.
 
 from __future__ import annotations
 
+from typing import Any
+
 EXIT_FINDINGS = 1
 EXIT_USAGE = 2
 EXIT_SOURCE = 3
@@ -61,7 +63,7 @@ class ValidationFailed(CheckFailed):
     MAX_LISTED = 10
     multiline = True  # the listed findings follow the summary; their own line breaks are escaped below
 
-    def __init__(self, report, *, list_errors: bool = False) -> None:  # report: findings.Report (a leaf module)
+    def __init__(self, report: Any, *, list_errors: bool = False) -> None:  # report: findings.Report (a leaf module)
         lines = [report.summary()]
         if list_errors:
             errors = report.errors
@@ -74,7 +76,7 @@ class ValidationFailed(CheckFailed):
         self.report = report
 
 
-def _source_of(report) -> str:
+def _source_of(report: Any) -> str:
     """What to pass to `trellis validate` again: the local path or Hub repo id the report was made for."""
     source = report.context.get("source")
     if isinstance(source, dict):

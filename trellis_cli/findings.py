@@ -7,6 +7,7 @@ warnings. Rules yield findings and never raise on bad input; the CLI renders a R
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Iterable
@@ -104,7 +105,7 @@ MAX_MISSING_SHOWN = 50  # per kind and layer; then one finding with the total
 MAX_FINDINGS_PER_CODE = 50  # then counted, not listed: a missing shard must not print 12,288 lines
 
 
-def missing_ids(ids: range, present, limit: int = MAX_MISSING_SHOWN) -> tuple[list[int], int]:
+def missing_ids(ids: range, present: Iterable[int], limit: int = MAX_MISSING_SHOWN) -> tuple[list[int], int]:
     """The first `limit` ids of `ids` not in `present` (a set or dict), and how many are missing in all.
 
     Costs O(len(present) + limit), not O(len(ids)): `ids` comes from a declared count, which can be huge.
@@ -143,8 +144,9 @@ def warning(code: str, where: Location, message: str, expected: Any = None, foun
 class Report:
     """All findings of one run, plus what was checked. Complete: every rule runs even after errors.
 
-    `findings` is what is listed; `omitted` counts, per (code, severity), the findings left out of the list
-    by the cap, so that `counts()` and the verdict are the true totals.
+    `findings` is what the human view lists; `omitted` counts, per (code, severity), the findings the cap left
+    out of that list (kept in `unlisted`), so that `counts()` and the verdict are the true totals and the JSON
+    document (`to_dict`) carries every finding.
     """
 
     subject: str
@@ -155,6 +157,11 @@ class Report:
     omitted: dict[tuple[str, Severity], int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what was not checked, said beside the verdict
     strict: bool = False  # warnings fail too (`validate --strict`): `ok` is what the exit code says
+    unlisted: list[Finding] = field(default_factory=list)  # left out of the human listing by the cap
+
+    def every_finding(self) -> list[Finding]:
+        """Listed and unlisted findings together, in a stable order (see `finding_order`)."""
+        return sorted([*self.findings, *self.unlisted], key=finding_order)
 
     def extend(self, items: Iterable[Finding]) -> None:
         self.findings.extend(items)
@@ -188,18 +195,18 @@ class Report:
 
     @property
     def error_count(self) -> int:
-        return self.counts()["error"]
+        return int(self.counts()["error"])
 
     @property
     def warning_count(self) -> int:
-        return self.counts()["warning"]
+        return int(self.counts()["warning"])
 
     @property
     def ok(self) -> bool:
         return self.error_count == 0 and not (self.strict and self.warning_count > 0)
 
     def summary(self) -> str:
-        checked = ", ".join(f"{n} {what}" for what, n in self.checked.items()) or "nothing"
+        checked = ", ".join(counted(n, what) for what, n in self.checked.items()) or "nothing"
         verdict = "PASS" if self.ok else "FAIL"
         counts = self.counts()
         text = (f"{verdict}: {self.subject}: {counts['error']} error(s), {counts['warning']} warning(s); "
@@ -213,8 +220,11 @@ class Report:
                            f"({totals[code][severity.value]} in all)")
                 for (code, severity), n in self.omitted.items()]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
+    def to_dict(self, *, with_findings: bool = True) -> dict[str, Any]:
+        """The whole report as plain data; "findings" holds every finding, the capped ones included.
+
+        `with_findings=False` leaves "findings" out, for a writer that streams them (`every_finding`)."""
+        document: dict[str, Any] = {
             "subject": self.subject,
             "ok": self.ok,
             "summary": self.summary(),
@@ -222,8 +232,41 @@ class Report:
             "checked": self.checked,
             "notes": self.notes,
             "counts": self.counts(),
-            "findings": [f.to_dict() for f in self.findings],
+            "findings": [f.to_dict() for f in self.every_finding()] if with_findings else None,
             "engines": self.engines,
-            "omitted": [{"code": code, "severity": severity.value, "count": n}
-                        for (code, severity), n in self.omitted.items()],
         }
+        if not with_findings:
+            del document["findings"]
+        return document
+
+
+def counted(n: int, what: str) -> str:
+    """"1 layer", "2 layers", "1 byte hashed": a count with its noun (given in the plural) agreeing."""
+    if n != 1:
+        return f"{n} {what}"
+    words = what.split(" ")
+    noun = next((i for i in range(len(words) - 1, -1, -1) if words[i].endswith("s") and words[i] != "hashed"), None)
+    if noun is not None:
+        words[noun] = words[noun][:-1]
+    return f"{n} {' '.join(words)}"
+
+
+_NUMBER = re.compile(r"(\d+)")
+
+
+def natural_key(text: str | None) -> tuple[str | tuple[int, str], ...]:
+    """`experts.2` before `experts.10`: digit runs compare as numbers, by length then digits (never converted to
+    int, so a name from a checkpoint with thousands of digits sorts too)."""
+    return tuple((len(part.lstrip("0")), part.lstrip("0")) if i % 2 else part
+                 for i, part in enumerate(_NUMBER.split(text or "")))
+
+
+_SEVERITY_ORDER = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.INFO: 2}
+
+
+def finding_order(f: Finding) -> tuple[Any, ...]:
+    """Errors first, then by code, file, layer, expert, projection, rank and tensor (numbers as numbers)."""
+    w = f.where
+    return (_SEVERITY_ORDER[f.severity], f.code, natural_key(w.file), -1 if w.layer is None else w.layer,
+            -1 if w.expert is None else w.expert, w.projection or "", -1 if w.rank is None else w.rank,
+            natural_key(w.tensor), f.summary)

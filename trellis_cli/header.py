@@ -92,11 +92,17 @@ def load_json(data: bytes | str, *, strict_numbers: bool = False) -> Any:
     return value
 
 
+def _added(seen: set[str], key: str) -> bool:
+    """Add `key` to `seen`; False, so that a generator's condition goes on to the next key."""
+    seen.add(key)
+    return False
+
+
 def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
     out = dict(pairs)
     if len(out) != len(pairs):  # the cheap test first: a production header has ~12k entries per shard
         seen: set[str] = set()
-        duplicate = next(key for key, _ in pairs if key in seen or seen.add(key))
+        duplicate = next(key for key, _ in pairs if key in seen or _added(seen, key))
         raise JsonError(f"not usable (the key {text_escape(repr(duplicate))[:80]} appears twice in one object)")
     return out
 

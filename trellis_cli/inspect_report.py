@@ -12,9 +12,8 @@ from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint, MoeLayer
 from trellis_cli.dialects.registry import dialect_of
+from trellis_cli.findings import counted
 from trellis_cli.id_ranges import compact_ranges
-
-GiB = 1024**3
 
 
 def inspect_source(source: Any, layers: list[int] | None = None) -> dict[str, Any]:
@@ -231,7 +230,8 @@ def _expert_tensor_bytes(ckpt: Checkpoint) -> int:
 # ---- renderings ----------------------------------------------------------------------------------------
 
 def human_bytes(n: int) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+    """Decimal units, as every command prints sizes (1 GB = 10^9 bytes); JSON carries exact bytes."""
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} B"
@@ -295,7 +295,8 @@ def render_text(doc: dict[str, Any]) -> list[str]:
         lines += ["", f"selected layers {selection['layers']}: routed experts per rank "
                       f"{human_bytes(selection['routed_bytes_per_rank'])} "
                       f"(trellis {human_bytes(selection['routed_trellis_bytes_per_rank'])})"]
-    lines += ["", f"totals (whole checkpoint): {t['layers']} MoE layers, {t['tensors']} tensors in {t['files']} files",
+    lines += ["", f"totals (whole checkpoint): {counted(t['layers'], 'MoE layers')}, {counted(t['tensors'], 'tensors')} "
+                    f"in {counted(t['files'], 'files')}",
               f"  routed experts per rank: {human_bytes(t['routed_bytes_per_rank'])} "
               f"(trellis {human_bytes(t['routed_trellis_bytes_per_rank'])})",
               f"  whole checkpoint: {human_bytes(t['checkpoint_bytes'])}",
@@ -343,7 +344,7 @@ def _render_route_pack(doc: dict[str, Any]) -> list[str]:
         k_part = "/".join(f"K{k}" for k in layer["k_values"])
         lines.append(f"layer {layer['layer']}: {layer['partition']} ({k_part}), {layer.get('bpw')} bpw")
         lines.append("    " + "; ".join(f"{k}: {ids}" for k, ids in layer["tiers"].items()))
-    lines += ["", f"totals: {len(pack.get('layers', []))} MoE layers, {pack.get('files')} files, "
+    lines += ["", f"totals: {counted(len(pack.get('layers', [])), 'MoE layers')}, {counted(pack.get('files', 0), 'files')}, "
               f"{human_bytes(pack.get('total_bytes', 0))}"]
     return lines
 

@@ -42,7 +42,9 @@ MAX_JSON_BYTES = 64 * 1024 * 1024
 
 class Source(Protocol):
     description: str  # for reports: "local directory X" or "hub org/repo@sha"
-    revision: str | None  # resolved commit sha (Hub) or None
+
+    @property
+    def revision(self) -> str | None: ...  # resolved commit sha (Hub) or None
 
     def list_files(self) -> dict[str, int]: ...
 
@@ -197,7 +199,7 @@ class HubSource:
     """
 
     def __init__(self, repo_id: str, *, revision: str | None = None, token: str | bool | None = None,
-                 cache_dir: str | os.PathLike | None = None, endpoint: str | None = None,
+                 cache_dir: str | os.PathLike[str] | None = None, endpoint: str | None = None,
                  offline: bool | None = None) -> None:
         from trellis_cli import hub_client
 
@@ -210,7 +212,7 @@ class HubSource:
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None
         self.endpoint = endpoint.rstrip("/") if endpoint else None
         self.offline = hub_client.is_offline(offline)
-        self._fs = None
+        self._fs: Any = None  # huggingface_hub's HfFileSystem, made on first use
         self._repo_folder: Path | None = None
         self._headers: dict[str, Header | Exception] = {}
         # Offline, the listing is what the cache holds: shards never downloaded are absent from it.
@@ -223,12 +225,12 @@ class HubSource:
 
     # -- resolution --------------------------------------------------------------------------------------
 
-    def _api(self):
+    def _api(self) -> Any:
         from huggingface_hub import HfApi
 
         return HfApi(endpoint=self.endpoint, token=self.token)
 
-    def _errors(self, file: str | None = None, revision: str | None = None):
+    def _errors(self, file: str | None = None, revision: str | None = None) -> Any:
         return self._hub.hub_errors(self.repo_id, revision or self.revision_label, self.endpoint, file=file)
 
     @property
@@ -394,7 +396,7 @@ class HubSource:
                 raise SourceUnavailable(f"{name}: not found in {self.repo_id}@{self.revision}") from e
         return parse_header(name, body, n, size)
 
-    def _filesystem(self):
+    def _filesystem(self) -> Any:
         if self._fs is None:
             from huggingface_hub import HfFileSystem
 
@@ -436,7 +438,7 @@ def _looks_like_path(spec: str) -> bool:
 
 
 def open_source(spec: str | None, *, revision: str | None = None, token: str | bool | None = None,
-                cache_dir: str | os.PathLike | None = None, endpoint: str | None = None,
+                cache_dir: str | os.PathLike[str] | None = None, endpoint: str | None = None,
                 offline: bool | None = None) -> Source:
     """The Source for `spec`: None -> the bundled sample, an existing path -> local, `org/name[@rev]` -> Hub.
 

@@ -156,7 +156,8 @@ def _check_k_choice(spec: SynthSpec, bad: Callable[[str], UsageError]) -> None:
     if spec.partition is not None:
         if len(spec.partition) != 2 or any(n < 0 for n in spec.partition) or sum(spec.partition) != spec.experts:
             shown = "/".join(map(str, spec.partition))
-            raise bad(f"partition {shown} must be two counts summing to experts {spec.experts}")
+            raise bad(f"partition {shown} must be two counts summing to experts {spec.experts} (pass "
+                      f"--partition LOW/HIGH with LOW + HIGH = {spec.experts})")
         if len(set(spec.k_values)) != 2:
             raise bad(f"k_values {spec.k_values} must be two different bitrates")
         ks = set(spec.k_values)
@@ -463,6 +464,7 @@ def staged_output(out_dir: str | Path, overwrite: bool, write: Callable[[Path], 
     that is a symbolic link or not a directory, and a filesystem without `needed` bytes free (before anything
     is written)."""
     out = Path(out_dir)
+    check_target(out, overwrite)
     stage = out.with_name(out.name + ".partial")
     _check_target(out, stage, overwrite)
     require_free_space(out, needed, "synth")
@@ -487,10 +489,14 @@ def _check_target(out: Path, stage: Path, overwrite: bool) -> None:
                              "a directory of its own: name the directory itself, or remove the link")
     if stage.exists() and not stage.is_dir():
         raise UsageError(f"synth: {stage} (the staging directory of OUT) exists and is not a directory (remove it)")
+
+
+def check_target(out: Path, overwrite: bool) -> None:
+    """Refuse a file, or a non-empty directory without `overwrite`: before anything is said or written."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"synth: {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UsageError(f"synth: {out} exists and is not empty (refusing to replace it without overwrite)")
+        raise UsageError(f"synth: {out} exists and is not empty (pass --overwrite to replace it)")
 
 
 def _write_all(stage: Path, spec: SynthSpec, source: TensorSource, progress: Callable[[int], None] | None) -> None:

@@ -14,20 +14,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.findings import Report
 from trellis_cli.repack.result import RepackResult
 from trellis_cli.repack.run import RepackOptions
 
 
 def run_repack(source: Any, out: str | Path, options: RepackOptions | None = None, *,
                on_bytes: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
-               log: Callable[[str], None] | None = None) -> RepackResult:
-    """Repack `source` (a Source, a path, or an opened Checkpoint) into `out`, validated (repack/run.py)."""
-    from functools import partial
+               log: Callable[[str], None] | None = None,
+               on_stage: Callable[[str, int, int], None] | None = None) -> RepackResult:
+    """Repack `source` (a Source, a path, or an opened Checkpoint) into `out`, validated (repack/run.py).
 
+    `on_stage(stage, done, total)` follows opening the source and validating it (headers, model, rules)."""
     from trellis_cli.repack.run import run_repack as repack
     from trellis_cli.validate import run_validation
 
-    return repack(source, out, options, validator=partial(run_validation, engine=None), on_bytes=on_bytes, on_total=on_total, log=log)
+    def validator(checkpoint: Checkpoint) -> Report:
+        return run_validation(checkpoint, engine=None, progress=on_stage)
+
+    return repack(source, out, options, validator=validator, on_bytes=on_bytes, on_total=on_total, log=log,
+                  on_stage=on_stage)
 
 
 def inspect_at_tp(source: Any, layers: list[int] | None, tp: int) -> dict[str, Any]:

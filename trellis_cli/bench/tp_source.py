@@ -49,7 +49,8 @@ class TpPlan:
 
 
 def plan_tp_source(source: str | None, *, synthetic: str | None, partition: str | None, layer: int | None,
-                   tp: int) -> TpPlan:
+                   tp: int, tp_given: bool = True) -> TpPlan:
+    """`tp_given=False`: the user gave no --tp (the CPU check runs one rank), which refusals say."""
     from trellis_cli.bench.source import choose_source, first_repacked_layer
 
     if tp < 1:
@@ -62,7 +63,7 @@ def plan_tp_source(source: str | None, *, synthetic: str | None, partition: str 
     path = Path(source)
     if path.is_dir() and is_route_pack(path):
         return _plan_route_pack(path, first_repacked_layer(path) if layer is None else layer, tp)
-    return _plan_checkpoint(source, layer, tp)
+    return _plan_checkpoint(source, layer, tp, tp_given)
 
 
 def _plan_synthetic(preset: Preset, parts: tuple[int, ...], tp: int) -> TpPlan:
@@ -95,7 +96,7 @@ def _open(source: str):
     return open_checkpoint(open_source(source))
 
 
-def _plan_checkpoint(source: str, layer: int | None, tp: int) -> TpPlan:
+def _plan_checkpoint(source: str, layer: int | None, tp: int, tp_given: bool = True) -> TpPlan:
     from trellis_cli.bench.source import chosen_layer
 
     from trellis_cli.dialects.registry import dialect_of
@@ -109,12 +110,12 @@ def _plan_checkpoint(source: str, layer: int | None, tp: int) -> TpPlan:
                              f"{', '.join(map(str, allowed))} only")
         return TpPlan("sliced", source, chosen, tp, description=f"{checkpoint.dialect} {source} layer {chosen} at "
                       f"TP{tp}")
-    _check_checkpoint_slicing(checkpoint, chosen, tp)
+    _check_checkpoint_slicing(checkpoint, chosen, tp, tp_given)
     return TpPlan("checkpoint", source, chosen, tp,
                   description=f"checkpoint {source} layer {chosen} at TP{tp} (source TP{checkpoint.tp})")
 
 
-def _check_checkpoint_slicing(checkpoint, layer: int, tp: int) -> None:
+def _check_checkpoint_slicing(checkpoint, layer: int, tp: int, tp_given: bool = True) -> None:
     """UsageError unless every target rank is an exact re-slice of the source's ranks."""
     from trellis_cli.routepack.pack import PROJECTIONS, expected_hidden, source_is_shared_h
     from trellis_cli.routepack.plan import rank_pieces
@@ -134,6 +135,10 @@ def _check_checkpoint_slicing(checkpoint, layer: int, tp: int) -> None:
                     for proj in PROJECTIONS:
                         expected_hidden(reader, moe, expert, proj, rank_pieces_, checkpoint.hidden, shared)
         except CheckFailed as err:
+            if not tp_given:
+                raise UsageError(f"without --tp the layer runs as one rank, which merges this checkpoint's "
+                                 f"{checkpoint.tp} ranks, and they cannot be merged exactly: {err}; pass --tp "
+                                 f"{checkpoint.tp} (the checkpoint's own slicing)") from None
             raise UsageError(f"--tp {tp} merges source ranks, which this checkpoint cannot give: {err}") from None
 
 

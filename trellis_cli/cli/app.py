@@ -16,18 +16,21 @@ from trellis_cli.cli.exit_codes import exit_code
 from trellis_cli.errors import EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_USAGE, TrellisError
 
 GLOBAL_FLAGS = ("-q", "--quiet", "--debug")  # accepted before or after the subcommand
+HELP_OPTION_NAMES = ["-h", "--help"]
 
 app = typer.Typer(
     name="trellis",
     help=(
         "Inspect, validate, repack and benchmark mixed-bitrate EXL3 (trellis) MoE checkpoints.\n\n"
-        "Exit codes: 0 ok, 1 findings or failed check, 2 usage, 3 source unavailable, 4 no usable GPU/CUDA toolkit."
+        "Exit codes: 0 ok, 1 findings or failed check, 2 usage, 3 source unavailable, 4 no usable GPU/CUDA toolkit, "
+        "130 interrupted.\n\n"
+        "Shell completion: `trellis --install-completion` (bash, zsh, fish, PowerShell)."
     ),
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
-    context_settings={"help_option_names": ["-h", "--help"]},
+    context_settings={"help_option_names": HELP_OPTION_NAMES},
 )
 
 
@@ -62,6 +65,23 @@ def _register_commands() -> None:
 _register_commands()
 
 
+def build_command():
+    """The click command of the app, with help that reads as the conventions: a flag shows no `<bool>` type,
+    an argument its name in capitals (SOURCE, OUT). Built from typer's public `get_command`."""
+    import typer.main
+
+    command = typer.main.get_command(app)
+    for sub in [command, *getattr(command, "commands", {}).values()]:
+        # The help option is made on first use and kept by the command: made here, with the app's names.
+        context = sub.context_class(sub, help_option_names=HELP_OPTION_NAMES)
+        for param in [*sub.params, sub.get_help_option(context)]:
+            if getattr(param, "param_type_name", "") == "option" and getattr(param, "is_flag", False):
+                param.metavar = ""
+            elif getattr(param, "param_type_name", "") == "argument" and param.metavar is None and param.name:
+                param.metavar = param.name.upper()
+    return command
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: runs the app and maps failures to one line and an exit code."""
     args = hoist_global_flags(list(sys.argv[1:] if argv is None else argv))
@@ -76,9 +96,9 @@ def main(argv: list[str] | None = None) -> None:
 def _run(args: list[str]) -> None:
     try:
         # standalone_mode=False: the parser's errors come back to us (one line, not a boxed panel).
-        code = app(args=args, prog_name="trellis", standalone_mode=False)
+        code = build_command()(args=args, prog_name="trellis", standalone_mode=False)
     except _PARSER_ERRORS as err:
-        if err.format_message():  # empty when bare `trellis` has already printed the help
+        if err.format_message():  # type: ignore[attr-defined]  # empty when bare `trellis` printed the help
             _report_error(_usage_message(err))
         raise SystemExit(getattr(err, "exit_code", EXIT_USAGE)) from None
     except _ABORTS:  # EOF at a prompt, or Ctrl-C while the parser itself ran
@@ -110,13 +130,13 @@ def _report_interrupted() -> None:
     raise SystemExit(EXIT_INTERRUPTED) from None
 
 
-def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
+def _click_exceptions() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
     """The parser's error and abort classes: click's, and those of the click copy newer typer vendors (found
     through typer's public BadParameter, never a private module)."""
-    errors = [click.exceptions.ClickException]
+    errors: list[type[BaseException]] = [click.exceptions.ClickException]
     errors += [k for k in typer.BadParameter.__mro__ if k.__name__ == "ClickException" and k not in errors]
     aborts = [click.exceptions.Abort, getattr(typer, "Abort", None)]
-    return tuple(errors), tuple(a for a in aborts if isinstance(a, type))
+    return tuple(errors), tuple(a for a in aborts if isinstance(a, type) and issubclass(a, BaseException))
 
 
 _PARSER_ERRORS, _ABORTS = _click_exceptions()
@@ -135,9 +155,7 @@ def hoist_global_flags(args: list[str]) -> list[str]:
     Walks the subcommand's own options so that an option's value (`--token -q`) is never taken for a flag,
     and stops at `--`.
     """
-    import typer.main
-
-    group = typer.main.get_command(app)
+    group = build_command()
     sub_index = next((i for i, a in enumerate(args) if not a.startswith("-")), None)
     command = getattr(group, "commands", {}).get(args[sub_index]) if sub_index is not None else None
     if command is None:

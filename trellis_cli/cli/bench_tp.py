@@ -43,7 +43,7 @@ def run_tp_bench(request: TpRequest) -> None:
     if launched is not None and launched.world != tp:
         raise UsageError(f"--tp {tp} but the launcher's WORLD_SIZE is {launched.world}")
     plan = plan_tp_source(request.source, synthetic=request.synthetic, partition=request.partition,
-                          layer=request.layer, tp=tp)
+                          layer=request.layer, tp=tp, tp_given=request.tp is not None)
     if request.device == "cuda":
         require_gpus(tp, None if launched is None else launched.local_rank)
         from trellis_cli.kernel.abi import default_library

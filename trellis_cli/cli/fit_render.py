@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from trellis_cli.cli import output
+from trellis_cli.fit.budget import RankBudget
 from trellis_cli.fit.run import FitResult
 from trellis_cli.fit.sharding import PARTS, PART_EXPERTS
 from trellis_cli.fit.weights import styles_shown
@@ -16,7 +17,7 @@ def gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def _columns(result: FitResult) -> list[tuple[str, object]]:
+def _columns(result: FitResult) -> list[tuple[str, RankBudget]]:
     """(heading, RankBudget) per distinct rank: ranks with identical numbers share one column."""
     groups: dict[tuple, list] = {}
     for b in result.ranks:

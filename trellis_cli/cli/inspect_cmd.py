@@ -55,10 +55,9 @@ def register(app: typer.Typer) -> None:
         chosen = parse_layers(layers)
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         output.log(f"reading headers of {opened.description} ...")
-        # A production checkpoint has ~80 shards and 930k tensors: a spinner with the elapsed time on a terminal.
-        with output.progress_bar(f"reading headers of {opened.description}", None,
-                                 enabled=output.progress_enabled(as_json)):
-            checkpoint = open_checkpoint(opened)
+        # A production checkpoint has ~80 shards and 930k tensors: on a terminal, a bar per stage with its count.
+        with output.stage_progress(enabled=output.progress_enabled(as_json)) as advance:
+            checkpoint = open_checkpoint(opened, progress=advance)
             if tensors:
                 _list_tensors(checkpoint, chosen, as_json, markdown)
                 return

@@ -8,7 +8,7 @@ import re
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from rich.console import Console
 from rich.progress import (
@@ -122,9 +122,23 @@ def describe_os_error(err: OSError) -> str:
     return f"{' -> '.join(names)}: {reason}" if names else reason
 
 
-def emit_json(document: Any) -> None:
-    """Print one JSON document on stdout, nothing else (no colour, no markup)."""
-    sys.stdout.write(json.dumps(document, indent=2, sort_keys=False, default=str) + "\n")
+def emit_json(document: Any, *, streamed: tuple[str, Iterable[Any]] | None = None) -> None:
+    """Print one JSON document on stdout, nothing else (no colour, no markup).
+
+    `streamed=(key, items)` adds the top-level array `key`, written item by item: a report with 100,000
+    findings is never held as one string."""
+    if streamed is None:
+        sys.stdout.write(json.dumps(document, indent=2, sort_keys=False, default=str) + "\n")
+        sys.stdout.flush()
+        return
+    key, items = streamed
+    text = json.dumps(document, indent=2, sort_keys=False, default=str)
+    head = text[:text.rstrip().rindex("}")].rstrip()  # the document without its closing brace
+    sys.stdout.write(f"{head}{',' if document else ''}\n  {json.dumps(key)}: [")
+    for n, item in enumerate(items):
+        body = json.dumps(item, indent=2, sort_keys=False, default=str).replace("\n", "\n    ")
+        sys.stdout.write(f"{',' if n else ''}\n    {body}")
+    sys.stdout.write("\n  ]\n}\n")
     sys.stdout.flush()
 
 
@@ -141,23 +155,32 @@ def progress_enabled(as_json: bool = False) -> bool:
 def make_progress(*, bytes_mode: bool = False, enabled: bool = True) -> Progress:
     """A rich progress bar on stderr; disabled when quiet, in JSON mode or not on a terminal."""
     columns: list = [SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn()]
-    if bytes_mode:  # "1.2/3.4 GB" (a total once known), then the rate
-        columns += [DownloadColumn(), TransferSpeedColumn()]
+    if bytes_mode:  # "1.2/3.4 GB" (a total once known), then the rate; "3/76" for a task added with items=True
+        columns += [AmountColumn(default_bytes=True), ByteRateColumn()]
     else:  # counts, or bytes for a task added with bytes=True (hashing within a run of rules)
         columns += [AmountColumn()]
     columns += [TimeElapsedColumn(), TimeRemainingColumn()]
     return Progress(*columns, console=stderr, transient=True, disable=not enabled)
 
 
+class ByteRateColumn(TransferSpeedColumn):
+    """The byte rate, left blank for a task that counts items."""
+
+    def render(self, task):
+        return Text("") if task.fields.get("items") else super().render(task)
+
+
 class AmountColumn(MofNCompleteColumn):
     """"3/76" for a task counting items; "1.2/3.4 GB" for one added with the field bytes=True."""
 
-    def __init__(self) -> None:
+    def __init__(self, default_bytes: bool = False) -> None:
         super().__init__()
         self._bytes = DownloadColumn()
+        self._default_bytes = default_bytes
 
     def render(self, task):
-        return self._bytes.render(task) if task.fields.get("bytes") else super().render(task)
+        as_bytes = task.fields.get("bytes", self._default_bytes and not task.fields.get("items"))
+        return self._bytes.render(task) if as_bytes else super().render(task)
 
 
 @contextmanager
@@ -167,6 +190,32 @@ def progress_bar(description: str, total: float | None, *, bytes_mode: bool = Fa
     with make_progress(bytes_mode=bytes_mode, enabled=enabled) as progress:
         task = progress.add_task(description, total=total)
         yield lambda n=1: progress.advance(task, n)
+
+
+STAGE_NAMES = {"files": "reading headers (files)", "model": "building the checkpoint model (steps)",
+               "headers": "header rules (layers)", "data": "data rules (layers)"}
+
+
+def stage_advancer(progress: Progress) -> Callable[[str, int, int], None]:
+    """`advance(stage, done, total)` on `progress`: one bar per stage, each with its total (files, layers,
+    steps), counted as items even in a progress whose other tasks count bytes."""
+    tasks: dict[str, Any] = {}
+
+    def advance(stage: str, done: int, total: int) -> None:
+        if stage not in tasks:
+            tasks[stage] = progress.add_task(STAGE_NAMES.get(stage, f"{stage} rules"), total=total, items=True)
+        progress.update(tasks[stage], completed=done, total=total)
+
+    return advance
+
+
+@contextmanager
+def stage_progress(enabled: bool = True) -> Iterator[Any]:
+    """Yield `advance(stage, done, total)` (see `stage_advancer`) with its Progress as `advance.progress`."""
+    with make_progress(enabled=enabled) as progress:
+        advance = stage_advancer(progress)
+        advance.progress = progress  # type: ignore[attr-defined]  # for a caller adding its own task
+        yield advance
 
 
 def print_checks(checks, title: str) -> None:

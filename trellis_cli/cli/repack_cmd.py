@@ -61,6 +61,9 @@ def register(app: typer.Typer) -> None:
         overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")] = False,
         experts_only: Annotated[bool, typer.Option("--experts-only", help="Do not carry non-expert files and "
                                                                           "tensors through.")] = False,
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be written (files, bytes, free "
+                                                                "space, the conversion) and what would be "
+                                                                "refused; write nothing, validate nothing.")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     ) -> None:
         from trellis_cli.repack.run import RepackOptions
@@ -71,11 +74,17 @@ def register(app: typer.Typer) -> None:
         chosen_layers, chosen_ranks = parse_layers(layers), parse_layers(ranks, "--ranks")
         check_arguments(source, out, tp, jobs, overwrite)
         options = RepackOptions(layers=chosen_layers, ranks=chosen_ranks, tp=tp, shared_h=shared_h, to=to.value, jobs=jobs,
-                                overwrite=overwrite, copy_other=not experts_only)
+                                overwrite=overwrite, copy_other=not experts_only,
+                                dry_run=dry_run)
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         # A plain line even off a terminal: opening and validating a 300 GB source reads ~80 headers first.
-        output.log(f"opening {opened.description}: reading headers and validating it before writing ...")
+        output.log(f"opening {opened.description}: " + (
+            "reading headers (dry run: nothing is validated or written) ..." if dry_run else
+            "reading headers and validating it before writing (OUT and free space are checked first) ..."))
         result = _run(opened, out, options, as_json)
+        if result.plan is not None:
+            _print_plan(result.plan, as_json)
+            return
         _print_summary(result, options, source, time.perf_counter() - started, as_json)
 
 
@@ -93,15 +102,69 @@ def check_arguments(source: str, out: Path, tp: int | None, jobs: int, overwrite
 
 
 def _run(opened, out: Path, options, as_json: bool):
+    from trellis_cli.errors import ValidationFailed
     from trellis_cli.workflows import run_repack
 
-    with output.make_progress(bytes_mode=True, enabled=output.progress_enabled(as_json)) as progress:
-        task = progress.add_task("repack", total=None)
+    enabled = output.progress_enabled(as_json)
+    with output.make_progress(bytes_mode=True, enabled=enabled) as progress:
+        stage = output.stage_advancer(progress)  # opening and validating the source, then the bytes written
+        task = progress.add_task("repack (bytes)", total=None, visible=False)  # shown once its total is known
+
+        def total(n: int) -> None:
+            progress.update(task, total=n, visible=True)
+
         try:
             return run_repack(opened, out, options, on_bytes=lambda n: progress.advance(task, n),
-                              on_total=lambda n: progress.update(task, total=n), log=output.log)
+                              on_total=total, log=output.log, on_stage=stage)
         except OSError as err:
             raise _write_failed(err, out) from err
+        except ValidationFailed as err:
+            if as_json:  # a machine reader gets the refusal and every finding, not only the stderr line
+                from trellis_cli.cli.validate_cmd import emit_report_json
+
+                emit_report_json(err.report, refused="the source does not validate; nothing was written")
+            raise
+        except KeyboardInterrupt:
+            _say_where_the_stage_is(out)
+            raise
+
+
+def _say_where_the_stage_is(out: Path) -> None:
+    """After Ctrl-C: where the verified part is, how big, and how to resume it."""
+    from trellis_cli.repack.staging import stage_path, staged_files
+
+    stage = stage_path(out)
+    if not stage.is_dir():
+        return
+    files, size = staged_files(out)
+    output.print_line(f"{stage} keeps {files} verified file(s), {size / 1e9:.2f} GB: rerun the same command to "
+                      f"resume (other options, or a changed source, start over and discard them; delete {stage} "
+                      f"to free the space)", err=True)
+
+
+def _print_plan(plan: dict, as_json: bool) -> None:
+    """--dry-run: what a run would write and whether it would be refused; exit 1 on a refusal."""
+    from trellis_cli.errors import CheckFailed
+
+    if as_json:
+        output.emit_json({"dry_run": True, **plan})
+    else:
+        files = plan["files"]
+        needed = plan["bytes_needed"]
+        output.print_line(f"dry run: {plan['conversion']} into {plan['out']}; nothing written")
+        if files is not None:
+            output.print_line(f"  files     {len(files)} ({sum(1 for f in files if f['name'].startswith('layer-'))} "
+                              f"layer file(s))")
+        output.print_line("  bytes     " + ("known once the conversion plans" if needed is None else
+                                            f"{needed / 1e9:.2f} GB to hold, {plan['bytes_resumable'] / 1e9:.2f} GB "
+                                            f"of it already staged"))
+        output.print_line(f"  free      {plan['free_bytes'] / 1e9:.2f} GB on OUT's filesystem"
+                          + ("" if plan["space_ok"] is None else (" (enough)" if plan["space_ok"] else
+                                                                   " (NOT enough)")))
+        for note in plan["notes"]:
+            output.print_line(f"  note      {note}")
+    if plan["refusals"]:
+        raise CheckFailed("dry run: a real run would be refused: " + "; ".join(plan["refusals"]))
 
 
 def _print_summary(result, options, source: str, seconds: float, as_json: bool) -> None:

@@ -114,9 +114,20 @@ def build_spec(preset_name: str, overrides: dict[str, Any], partition: Optional[
         if uniform is not None or bitmap is not None:
             raise UsageError("--k-values goes with --partition only")
         k_choice["k_values"] = parse_k_values(k_values)
+    if "experts" in changes and not k_choice and spec.partition is not None and sum(spec.partition) != changes["experts"]:
+        k_choice = {"partition": scaled_partition(spec.partition, changes["experts"])}
     if "layers" in changes and spec.num_hidden_layers is not None and changes["layers"][-1] >= spec.num_hidden_layers:
         changes["num_hidden_layers"] = None  # the preset's model depth no longer fits the layers asked for
     return dataclasses.replace(spec, **changes, **k_choice)
+
+
+def scaled_partition(partition: tuple[int, int], experts: int) -> tuple[int, int]:
+    """A preset's LOW/HIGH split at another expert count, in the same proportion (192/64 at 64 experts: 48/16);
+    both tiers kept non-empty where the count allows."""
+    low = round(partition[0] * experts / sum(partition))
+    if experts >= 2:
+        low = min(max(low, 1), experts - 1)
+    return low, experts - low
 
 
 def _bitmap_choice(bitmap, layers: tuple[int, ...]) -> dict[str, Any]:
@@ -166,8 +177,11 @@ def register(app: typer.Typer) -> None:
         if fmt is Format.exl3_v1:
             _write_exl3v1(out, spec, overwrite, as_json)
             return
+        from trellis_cli.inspect_report import human_bytes
+
+        synth.check_target(out, overwrite)  # refused before a word about writing it
         size = synth.checkpoint_bytes(spec)
-        output.log(f"writing {out}: {len(spec.layers)} layer shards, {size / 1e9:.2f} GB of tensor data"
+        output.log(f"writing {out}: {len(spec.layers)} layer shards, {human_bytes(size)} of tensor data"
                    + (" (sparse: headers only)" if sparse else ""))
         with output.progress_bar("synth layers", len(spec.layers), enabled=output.progress_enabled(as_json)) as advance:
             synth.write_checkpoint(out, spec, lambda _layer: advance(), overwrite=overwrite)
@@ -181,8 +195,12 @@ def register(app: typer.Typer) -> None:
 def _write_exl3v1(out: Path, spec, overwrite: bool, as_json: bool) -> None:
     from trellis_cli.dialects.exl3v1 import synth as synth_exl3v1
 
+    from trellis_cli.inspect_report import human_bytes
+    from trellis_cli.synth import check_target
+
+    check_target(out, overwrite)
     size = synth_exl3v1.checkpoint_bytes(spec)
-    output.log(f"writing {out}: exl3-v1, {len(spec.layers)} layer files, {size / 1e9:.2f} GB of tensor data"
+    output.log(f"writing {out}: exl3-v1, {len(spec.layers)} layer files, {human_bytes(size)} of tensor data"
                + (" (sparse: rate tables only)" if spec.sparse else ""))
     with output.progress_bar("synth layers", len(spec.layers), enabled=output.progress_enabled(as_json)) as advance:
         synth_exl3v1.write_exl3v1_checkpoint(out, spec, lambda _layer: advance(), overwrite=overwrite)
@@ -197,6 +215,9 @@ def _write_exl3v1(out: Path, spec, overwrite: bool, as_json: bool) -> None:
 
 
 def _print_summary(doc: dict) -> None:
+    from trellis_cli.findings import counted
+    from trellis_cli.inspect_report import human_bytes
+
     layers = doc["layers"]
     span = f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) else ",".join(map(str, layers))
     tiers = sorted({json.dumps(p, sort_keys=True) for p in doc["partitions"].values()})
@@ -204,10 +225,10 @@ def _print_summary(doc: dict) -> None:
         f"wrote {doc['path']}{' (sparse)' if doc['sparse'] else ''}",
         f"  geometry  H {doc['hidden']}, I {doc['intermediate']} ({doc['intermediate_per_rank']}/rank), "
         f"{doc['experts']} experts, TP{doc['tp']}, top-{doc['top_k']}",
-        f"  layers    {span} ({len(layers)} shards, {doc['tensors_per_layer']} tensors each)",
+        f"  layers    {span} ({counted(len(layers), 'shards')}, {doc['tensors_per_layer']} tensors each)",
         f"  bits      {doc['bits']} (mean {doc['mean_bpw']} bpw), {doc['codebook']}, {doc['rotation_layout']}",
         f"  tiers     {'; '.join(tiers)}",
-        f"  bytes     {doc['tensor_bytes']:,} tensor data",
+        f"  bytes     {doc['tensor_bytes']:,} tensor data ({human_bytes(doc['tensor_bytes'])})",
     ]
     for line in lines:
         output.print_line(line)

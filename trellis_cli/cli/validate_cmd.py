@@ -9,7 +9,7 @@ import typer
 from trellis_cli.cli import output
 from trellis_cli.cli.options import (CacheDirOpt, EndpointOpt, OfflineOpt, RevisionOpt, SourceArg, TokenOpt,
                                      engine_option, open_cli_source, parse_layers)
-from trellis_cli.errors import CheckFailed, ValidationFailed
+from trellis_cli.errors import EXIT_FINDINGS, CheckFailed
 from trellis_cli.findings import Report, Severity
 
 HELP = (
@@ -66,16 +66,21 @@ def register(app: typer.Typer) -> None:
             report = validate_source(opened, request, _progress(bars, as_json))
         report.context.setdefault("source", opened.describe())
         if as_json:
-            document = report.to_dict()
-            document["source"] = opened.describe()
-            document["revision"] = getattr(opened, "revision", None)
-            document["strict"] = strict
-            output.emit_json(document)
+            emit_report_json(report, source=opened.describe(), revision=getattr(opened, "revision", None),
+                             strict=strict)
         else:
             render_report(report)
         if not report.ok:
-            raise ValidationFailed(report) if report.error_count else CheckFailed(
-                f"{report.warning_count} warning(s) with --strict: {report.summary()}")
+            if report.error_count:  # the FAIL verdict is already on stdout (or in the JSON): said once
+                raise typer.Exit(EXIT_FINDINGS)
+            raise CheckFailed(f"{report.warning_count} warning(s) with --strict (the verdict above counts errors "
+                              f"only)")
+
+
+def emit_report_json(report: Report, **extra: object) -> None:
+    """The report as one JSON document on stdout, every finding in it (streamed: no cap, bounded memory)."""
+    document = {**report.to_dict(with_findings=False), **extra}
+    output.emit_json(document, streamed=("findings", (f.to_dict() for f in report.every_finding())))
 
 
 def _progress(bars, as_json: bool):
@@ -83,12 +88,7 @@ def _progress(bars, as_json: bool):
     from trellis_cli.validate.request import ValidateProgress
 
     tasks: dict[str, object] = {}
-
-    def stage(name: str, done: int, total: int) -> None:
-        if name not in tasks:
-            tasks[name] = bars.add_task(f"{name} rules", total=total)
-        bars.update(tasks[name], completed=done)
-
+    stage = output.stage_advancer(bars)  # opening (files read, model built), then the rules, one bar each
     totals: dict[str, int | None] = {}
 
     def counter(name: str, description: str):

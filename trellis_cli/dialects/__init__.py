@@ -8,7 +8,7 @@ the normalized model of checkpoint/. Imported lazily so that importing one diale
 from __future__ import annotations
 
 
-def open_checkpoint(source):  # noqa: D103 - thin re-export
+def open_checkpoint(source, *, progress=None):  # noqa: D103 - thin re-export of open.open_checkpoint
     from trellis_cli.dialects.open import open_checkpoint as _open
 
-    return _open(source)
+    return _open(source, progress=progress)

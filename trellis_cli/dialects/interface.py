@@ -27,8 +27,8 @@ class Probe:
     pattern of a layer file."""
 
     files: dict[str, int]
-    config: dict | None
-    quant_config: dict | None
+    config: dict[str, Any] | None
+    quant_config: dict[str, Any] | None
     read_json: Callable[[str], Any]
 
 
@@ -155,11 +155,13 @@ class Dialect:
         """The TP degrees a rank slice can be cut at, when the container fixes them; None: any exact re-slice."""
         return None
 
-    def layer_pack(self, ckpt: Checkpoint, layer: int, rank: int, tp: int | None = None, device: str = "cpu"):
+    def layer_pack(self, ckpt: Checkpoint, layer: int, rank: int, tp: int | None = None, device: str = "cpu") -> Any:
         """One (layer, rank) of target TP `tp` (None: the source's) as the LayerPack a repack would write."""
         from trellis_cli.routepack.pack import pack_layer
 
-        return pack_layer(ckpt, layer, rank, device=device, **({} if tp is None else {"tp": tp}))
+        if tp is None:
+            return pack_layer(ckpt, layer, rank, device=device)
+        return pack_layer(ckpt, layer, rank, device=device, tp=tp)
 
     def __repr__(self) -> str:
         return f"<dialect {self.name}>"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from trellis_cli.checkpoint import declared as decl
 from trellis_cli.dialects import registry
@@ -48,10 +48,13 @@ MAX_INDEX_BYTES = 512 * 1024 * 1024
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 
 
-def open_checkpoint(source: Any) -> Checkpoint:
-    """Parse a checkpoint from a Source (or a local directory path) into the normalized model."""
+def open_checkpoint(source: Any, *, progress: Callable[[str, int, int], None] | None = None) -> Checkpoint:
+    """Parse a checkpoint from a Source (or a local directory path) into the normalized model.
+
+    `progress(stage, done, total)`: "files" per safetensors header read, then "model" per step of building it
+    (a production checkpoint takes seconds for each)."""
     with paused_gc():
-        return _open(_as_source(source))
+        return _open(_as_source(source), progress or (lambda _stage, _done, _total: None))
 
 
 @contextmanager
@@ -70,7 +73,7 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _open(source: Any) -> Checkpoint:
+def _open(source: Any, progress: Callable[[str, int, int], None]) -> Checkpoint:
     files = source.list_files()
     findings: list[Finding] = list(_listing_findings(source))
     pack = route_pack_info(files, source.read_json)
@@ -92,12 +95,12 @@ def _open(source: Any) -> Checkpoint:
                       quant_config=quant_config)
     if registry.dialect_named(info.dialect).fill(ckpt, probe, info):  # a container read its own way
         return ckpt
-    _read_headers(ckpt, source, files)
-    _read_index(ckpt, source, files)
-    _collect_tensors(ckpt)
-    _build_layers(ckpt)
-    _apply_declarations(ckpt, info, source, files)
-    _fill_geometry(ckpt, info)
+    _read_headers(ckpt, source, files, progress)
+    steps = (lambda: _read_index(ckpt, source, files), lambda: _collect_tensors(ckpt), lambda: _build_layers(ckpt),
+             lambda: _apply_declarations(ckpt, info, source, files), lambda: _fill_geometry(ckpt, info))
+    for done, step in enumerate(steps, 1):
+        step()
+        progress("model", done, len(steps))
     return ckpt
 
 
@@ -121,7 +124,7 @@ def _listing_findings(source: Any) -> Iterator[Finding]:
         yield error("file.unreadable", Location(file=name), f"directory cannot be listed ({reason})")
 
 
-def _read_config(source: Any, files: dict[str, int]) -> dict | None:
+def _read_config(source: Any, files: dict[str, int]) -> dict[str, Any] | None:
     special = getattr(source, "special", {})
     if CONFIG in special:
         raise CheckFailed(f"{CONFIG}: {special[CONFIG]}, not a regular file")
@@ -146,7 +149,8 @@ def _read_optional_json(source: Any, files: dict[str, int], name: str, findings:
         return None
 
 
-def _read_headers(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:
+def _read_headers(ckpt: Checkpoint, source: Any, files: dict[str, int],
+                  progress: Callable[[str, int, int], None]) -> None:
     escapes = getattr(source, "escapes", None)
     readable = []
     for name, size in files.items():
@@ -163,11 +167,12 @@ def _read_headers(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:
     prefetch = getattr(source, "prefetch_headers", None)
     if prefetch is not None and readable:
         prefetch(readable)  # remote sources read many headers concurrently; errors resurface per file below
-    for name in readable:
+    for done, name in enumerate(readable, 1):
         try:
             ckpt.headers[name] = source.read_header(name)
         except CheckFailed as e:  # SourceUnavailable (network, auth) propagates: exit 3, not a finding
             ckpt.parse_findings.append(_header_finding(name, e))
+        progress("files", done, len(readable))
 
 
 def _header_finding(name: str, e: CheckFailed) -> Finding:
@@ -295,8 +300,11 @@ def _add_other_expert_tensor(ckpt: Checkpoint, name: str, ref: TensorRef) -> Non
         layer = layers[parsed.layer] = MoeLayer(parsed.layer)
     layer.files.add(ref.file)
     if parsed.kind == KIND_SHARED_H:
+        # the shared-H grammar always yields a projection, a rank and a field
+        assert parsed.projection is not None and parsed.rank is not None and parsed.field is not None
         layer.shared_h.setdefault((parsed.projection, parsed.rank), {})[parsed.field] = ref
     elif parsed.kind == KIND_R7_SHARED:
+        assert parsed.field is not None  # the R7 grammar always yields a field
         layer.r7_shared[parsed.field if parsed.rank is None else f"rank{parsed.rank}.{parsed.field}"] = ref
     else:
         layer.unparsed.append(ref)

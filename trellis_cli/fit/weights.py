@@ -13,7 +13,7 @@ header bytes stay exact and the estimate is named.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.registry import SLOT_ROWS, storage_of
@@ -99,7 +99,7 @@ def scan(ckpt: Checkpoint, arch: Arch, rules: tuple[Rule, ...]) -> Inventory:
     sliced_tp = ckpt.tp if any(layer.rank_sliced for layer in ckpt.layers.values()) else None
     if storage_of(ckpt) == SLOT_ROWS:
         inv = Inventory(None, rules)
-        tensors = _non_layer_tensors(ckpt)
+        tensors: Iterable[tuple[str, tuple[int, ...], int]] = _non_layer_tensors(ckpt)
     else:
         inv = Inventory(sliced_tp, rules)
         tensors = ((ref.name, ref.shape, ref.nbytes) for ref in ckpt.tensors.values())

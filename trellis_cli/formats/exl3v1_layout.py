@@ -60,7 +60,7 @@ class LayerRates:
 
     def expert_k(self, expert: int, num_slots: int) -> int | None:
         """The one K of an expert when every record of all three matrices uses it (a TR3-expressible expert)."""
-        widths = set()
+        widths: set[int] = set()
         for slot in range(0, num_slots, SLOTS_PER_PAIR if self.uniform is None else num_slots):
             for code in self.codes(slot, expert):
                 widths.update(rate_bits(code))

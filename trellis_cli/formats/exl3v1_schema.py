@@ -39,12 +39,12 @@ MAX_SLOT_EXPERTS = 1 << 20  # slots x experts: the bundles of one layer, and 8x 
 MAX_LAYER_INDEX = (1 << 16) - 1  # as every --layers range; also keeps int() of a layer key short
 
 TOP_KEYS = ({"kind", "schema", "codebook", "geometry", "rates", "hadamard", "layout", "layers"}, {"codebook_seed"})
-GEOMETRY_KEYS = ({"num_experts", "hidden_size", "intermediate_size", "slot_channels", "num_slots",
+GEOMETRY_KEYS: tuple[set[str], set[str]] = ({"num_experts", "hidden_size", "intermediate_size", "slot_channels", "num_slots",
                   "moe_layer_indices"}, set())
 RATES_KEYS = ({"structure"}, {"bits", "pair_kinds"})
 HADAMARD_KEYS = ({"intermediate_hadamard", "per_expert_input_rotations"}, {"pre_block", "post_block"})
 LAYOUT_KEYS = ({"row_alignment", "extent_alignment_slots"}, {"extent_barriers"})
-LAYER_KEYS = ({"file", "sha256"}, set())
+LAYER_KEYS: tuple[set[str], set[str]] = ({"file", "sha256"}, set())
 
 
 def rate_bits(code: int) -> tuple[int, int]:
@@ -258,7 +258,7 @@ def _hadamard(p: _Parser, value: Any, geometry: dict | None) -> dict | None:
     per_expert = p.boolean(h.get("per_expert_input_rotations"), "hadamard.per_expert_input_rotations")
     if inter is None or per_expert is None:
         return None
-    blocks = {"pre_block": None, "post_block": None}
+    blocks: dict[str, int | None] = {"pre_block": None, "post_block": None}
     if not inter:
         if "pre_block" in h or "post_block" in h:
             p.bad("exl3v1.hadamard", "hadamard", "blocks are declared only with intermediate_hadamard", "absent",

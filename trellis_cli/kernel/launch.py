@@ -173,7 +173,8 @@ class FusedMoe:
             self._tier_maps[tier] = torch.where(tiers == tier, g2c, torch.full_like(g2c, -1)).contiguous()
         return self._tier_maps[tier]
 
-    def _args(self, x, topk_ids, topk_weights, out, plan: LaunchPlan, tier) -> ctypes.Structure:
+    def _args(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor,
+              plan: LaunchPlan, tier: int | None) -> ctypes.Structure:
         pack = self.pack
         ws = self._workspace(plan)
         a = self.library.args_type()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from trellis_cli.checkpoint.model import Checkpoint, TensorRef
-from trellis_cli.checkpoint.names import parse_expert_name
+from trellis_cli.checkpoint.names import is_expert_name
 from trellis_cli.errors import CheckFailed
 from trellis_cli.header import Header, HeaderError, read_local_header
 from trellis_cli.repack.readback import equal_bytes
@@ -33,7 +33,7 @@ def non_expert_refs(checkpoint: Checkpoint) -> dict[str, list[TensorRef]]:
     (A file without routed experts is copied whole instead.)"""
     out = {}
     for file, header in checkpoint.headers.items():
-        kinds = [parse_expert_name(n) is None for n in header.tensors]
+        kinds = [not is_expert_name(n) for n in header.tensors]
         if any(kinds) and not all(kinds):
             out[file] = refs_of(header, [n for n, other in zip(header.tensors, kinds) if other])
     return out

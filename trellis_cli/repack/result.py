@@ -29,6 +29,7 @@ class RepackResult:
     bytes_needed: int = 0  # every byte the output holds, as the free-space check counted it
     seconds: float = 0.0
     manifest: dict[str, Any] = field(default_factory=dict)
+    plan: dict[str, Any] | None = None  # --dry-run: what a run would write, and its checks; nothing written
 
 
 def check_source(checkpoint: Checkpoint, validator: Validator) -> None:

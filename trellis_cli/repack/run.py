@@ -14,7 +14,7 @@ import re
 import shutil
 import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -28,13 +28,14 @@ from trellis_cli.routepack.layer_file import sync_file, write_layer_pack
 from trellis_cli.repack.lock import StageLock
 from trellis_cli.repack.out_paths import output_path
 from trellis_cli.routepack.pack import Arena, layer_tiers, pack_layer
-from trellis_cli.routepack.plan import RepackPlan, make_plan
+from trellis_cli.routepack.plan import LayerRankJob, RepackPlan, make_plan
 from trellis_cli.repack.readback import check_layer_file
 from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult, Validator, check_source, repack_note
 from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.repack.source_facts import (CONFIG, NOT_COPIED, SourceHashes, fingerprint, has_experts,
                                              protected_paths, used_source_files, vector_ndim)
-from trellis_cli.repack.staging import (Stage, check_free_space, check_target, refuse_collisions, refuse_overlap,
+from trellis_cli.repack.staging import (Stage, announce, check_free_space, check_target, free_bytes,
+                                        refuse_collisions, refuse_overlap, resumable_bytes, space_refusal,
                                         stage_path)
 from trellis_cli.routepack import manifest as mf
 
@@ -52,6 +53,7 @@ class RepackOptions:
     overwrite: bool = False
     copy_other: bool = True  # carry non-expert files and tensors through
     validate: bool = True
+    dry_run: bool = False  # plan and check (OUT, names, free space), write nothing, skip the source validation
 
     def __post_init__(self) -> None:
         """Typed once: a `--layers` / `--ranks` text becomes the id list every driver reads."""
@@ -63,19 +65,21 @@ class RepackOptions:
                 setattr(self, name, parse_layer_ranges(value, option=f"--{name}") if value.strip() else None)
 
 
-def open_repack_source(source: Any) -> Checkpoint:
-    from trellis_cli.dialects import open_checkpoint
+def open_repack_source(source: Any, progress: Callable[[str, int, int], None] | None = None) -> Checkpoint:
+    from trellis_cli.dialects.open import open_checkpoint
 
-    return open_checkpoint(source)
+    return open_checkpoint(source, progress=progress)
 
 
 def run_repack(source: Any, out: str | Path, options: RepackOptions | None = None, *, validator: Validator,
                on_bytes: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
-               log: Callable[[str], None] | None = None) -> RepackResult:
+               log: Callable[[str], None] | None = None,
+               on_stage: Callable[[str, int, int], None] | None = None) -> RepackResult:
     """Repack `source` (a Source, a path, or an opened Checkpoint) into `out`; see the module docstring.
 
     `validator` decides whether the source may be repacked (with `options.validate`) and whether a staged
-    exl3-v1 output is sound: `trellis_cli.run_repack` passes validate.run_validation."""
+    exl3-v1 output is sound: `trellis_cli.run_repack` passes validate.run_validation. `on_stage(stage, done,
+    total)` follows the opening of the source (headers, model)."""
     options = options or RepackOptions()
     log = log or (lambda _m: None)
     from trellis_cli.dialects import registry
@@ -88,29 +92,70 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
 
     root = _local_root(source)
     if root is not None and is_route_pack(root):
+        if options.dry_run:
+            return unplanned_dry_run(Path(out), options, "route-pack", root, options.overwrite)
         from trellis_cli.repack.convert import route_pack_to_tr3
 
-        return route_pack_to_tr3(root, Path(out), options, on_bytes=on_bytes, on_total=on_total, log=log,
-                                 validator=validator)
-    checkpoint = source if isinstance(source, Checkpoint) else open_repack_source(source)
+        converted: RepackResult = route_pack_to_tr3(root, Path(out), options, on_bytes=on_bytes, on_total=on_total,
+                                                    log=log, validator=validator)
+        return converted
+    checkpoint = source if isinstance(source, Checkpoint) else open_repack_source(source, on_stage)
     driver = registry.conversion(checkpoint.dialect, options.to)  # the table keyed by (from, to)
     if driver is None:
         raise UsageError(_no_conversion(checkpoint.dialect, options.to))
     from trellis_cli.repack.exl3v1 import dispatch as exl3v1_repack  # exl3-v1 in or out: its own drivers
 
     if driver in exl3v1_repack.DRIVERS:
-        return exl3v1_repack.run_exl3v1_repack(driver, checkpoint, Path(out), options, validator,
-                                               on_bytes=on_bytes, on_total=on_total, log=log)
+        if options.dry_run:
+            return unplanned_dry_run(Path(out), options, checkpoint.dialect, protected_paths(checkpoint),
+                                     options.overwrite)
+        result: RepackResult = exl3v1_repack.run_exl3v1_repack(driver, checkpoint, Path(out), options, validator,
+                                                               on_bytes=on_bytes, on_total=on_total, log=log)
+        return result
     if driver == "route-pack-to-tr3":  # a route pack converts back from a local directory (above)
         raise UsageError("a route pack converts back to TR3 from a local directory only")
+    run = None
+    if driver == "tr3-to-route-pack":
+        # OUT, option conflicts, name collisions and free space are known from headers: refused here, before
+        # the source's validation (tens of seconds on a production checkpoint).
+        try:
+            run = _RoutePackRun(checkpoint, Path(out), options, on_bytes, on_total, log)
+        except UsageError:
+            raise
+        except Exception:  # a source the plan cannot read: its validation below names what is wrong
+            run = None
+        if run is not None:
+            preflight = run.preflight()
+            if options.dry_run:
+                run.result.plan = preflight
+                return run.result
+    if options.dry_run:
+        return unplanned_dry_run(Path(out), options, checkpoint.dialect, protected_paths(checkpoint),
+                                 options.overwrite)
     if options.validate:
         check_source(checkpoint, validator)
     import torch  # noqa: F401 - imported once here, not concurrently by the first workers
     if driver == "tr3-to-tr3":
         from trellis_cli.repack.convert import tr3_to_tr3
 
-        return tr3_to_tr3(checkpoint, Path(out), options, on_bytes=on_bytes, on_total=on_total, log=log)
-    return _RoutePackRun(checkpoint, Path(out), options, on_bytes, on_total, log).run()
+        resliced: RepackResult = tr3_to_tr3(checkpoint, Path(out), options, on_bytes=on_bytes, on_total=on_total,
+                                            log=log)
+        return resliced
+    return (run or _RoutePackRun(checkpoint, Path(out), options, on_bytes, on_total, log)).run()
+
+
+def unplanned_dry_run(out: Path, options: RepackOptions, source_dialect: str, root: Path | list[Path] | None,
+                      overwrite: bool) -> RepackResult:
+    """--dry-run of a conversion whose byte count is known only once it plans: OUT and free space checked."""
+    check_target(out, root, overwrite)
+    result = RepackResult(out)
+    result.plan = {"conversion": f"{source_dialect} -> {options.to}", "out": str(out), "files": None,
+                   "bytes_needed": None, "bytes_resumable": 0, "free_bytes": free_bytes(out),
+                   "space_ok": None, "refusals": [],
+                   "notes": ["the byte count of this conversion is known once it plans; a real run checks the "
+                             "free space before writing anything",
+                             "the source was not validated (dry run)"]}
+    return result
 
 
 def _no_conversion(source: str, target: str) -> str:
@@ -135,7 +180,9 @@ LAYER_FILE_NAME = re.compile(r"layer-[0-9]+-rank-[0-9]+\.safetensors")
 
 
 class _RoutePackRun:
-    def __init__(self, checkpoint: Checkpoint, out: Path, options: RepackOptions, on_bytes, on_total, log) -> None:
+    def __init__(self, checkpoint: Checkpoint, out: Path, options: RepackOptions,
+                 on_bytes: Callable[[int], None] | None, on_total: Callable[[int], None] | None,
+                 log: Callable[[str], None]) -> None:
         self.ck, self.out, self.opt = checkpoint, out, options
         self.on_bytes = on_bytes or (lambda _n: None)
         self.on_total = on_total or (lambda _n: None)
@@ -167,6 +214,32 @@ class _RoutePackRun:
             claims.append((name, f"source file {name}"))
         refuse_collisions(claims, [job.file for job in self.plan.jobs] + extras + [MANIFEST_NAME])
 
+    def preflight(self) -> dict[str, Any]:
+        """What this run would write, checked before any work: names, OUT and free space (refusals raise).
+
+        Reads nothing but what the plan already knows and OUT.partial's record; writes nothing."""
+        self.refuse_collisions()
+        check_target(self.out, protected_paths(self.ck), self.opt.overwrite)
+        needed = self.bytes_to_write()
+        resumable = resumable_bytes(self.out, fingerprint(self.ck, self.opt, self.used))
+        free = free_bytes(self.out)
+        refusal = space_refusal(self.out, free, needed - resumable)
+        # Layer files: their tensor data (each header adds a few KB, inside the headroom); others: their size.
+        files = [{"name": job.file, "data_bytes": job.bytes} for job in self.plan.jobs]
+        files += [{"name": n, "bytes": max(self.ck.files.get(n, 0), 0)} for n in self.copied]
+        files += [{"name": f"{EXTRA_DIR}/{n}", "bytes": carry.file_bytes(carry.planned(refs),
+                                                                       self.ck.headers[n].metadata)}
+                  for n, refs in self.carried.items()]
+        files += [{"name": CONFIG}, {"name": MANIFEST_NAME}]  # written last, small
+        plan = {"conversion": f"{self.ck.dialect} -> route-pack", "out": str(self.out),
+                "layers": compact_ranges(self.plan.layers), "ranks": list(self.plan.ranks),
+                "tp": self.plan.target_tp, "files": files, "bytes_needed": needed, "bytes_resumable": resumable,
+                "free_bytes": free, "space_ok": refusal is None, "refusals": [refusal] if refusal else [],
+                "notes": ["the source was not validated (dry run): a real run validates it first"]}
+        if refusal and not self.opt.dry_run:
+            raise CheckFailed(refusal)
+        return plan
+
     def run(self) -> RepackResult:
         start = time.perf_counter()
         self.refuse_collisions()
@@ -174,8 +247,7 @@ class _RoutePackRun:
         with StageLock(stage_path(self.out), self.out):
             check_target(self.out, protected_paths(self.ck), self.opt.overwrite)
             stage = Stage(self.out, fingerprint(self.ck, self.opt, self.used), self.opt.overwrite)
-            if stage.resumed:
-                self.log(f"resuming {stage.root.name}: {len(stage.done)} file(s) already staged")
+            announce(stage, self.log)
             self.result.bytes_needed = self.bytes_to_write()
             try:
                 check_free_space(self.out, self.result.bytes_needed - stage.bytes_done())
@@ -205,7 +277,7 @@ class _RoutePackRun:
 
     def _run_jobs(self, stage: Stage) -> None:
         with TensorReader(self.ck.source) as reader, ThreadPoolExecutor(self.opt.jobs) as pool:
-            futures = []
+            futures: list[Future[Any]] = []
             for name in self._hash_order()[0]:
                 futures.append(pool.submit(self.hashes.get, name))
             for layer, files in zip(self.plan.layers, self._hash_order()[1]):
@@ -222,10 +294,11 @@ class _RoutePackRun:
                     future.cancel()
                 raise
             for future in done:
-                if future.exception() is not None:
+                error = future.exception()
+                if error is not None:
                     for other in futures:
                         other.cancel()
-                    raise future.exception()
+                    raise error
 
     def _hash_order(self) -> tuple[list[str], list[list[str]]]:
         """Source files to hash: those of no selected layer first (small JSON files), then per layer."""
@@ -241,7 +314,7 @@ class _RoutePackRun:
         later = [li for li in self.plan.layers if li > layer]
         return sorted(self.ck.layers[later[0]].files) if later else []
 
-    def _resume_or_redo(self, job, stage: Stage, reader: TensorReader) -> None:
+    def _resume_or_redo(self, job: LayerRankJob, stage: Stage, reader: TensorReader) -> None:
         """A staged file is reused only when the source files it came from still hash to what it recorded."""
         if stage.completed(job.file, self.hashes.of(self.ck.layers[job.layer].files)):
             with self._counts:
@@ -250,7 +323,7 @@ class _RoutePackRun:
             return
         self._layer_job(job, stage, reader)
 
-    def _layer_job(self, job, stage: Stage, reader: TensorReader) -> None:
+    def _layer_job(self, job: LayerRankJob, stage: Stage, reader: TensorReader) -> None:
         for file in self._next_files(job.layer):  # overlap the next layer's disk reads with this one's work
             reader.prefetch(file)
         arena = getattr(self._local, "arena", None) or Arena()
@@ -281,6 +354,7 @@ class _RoutePackRun:
         source.update({"dialect": ck.dialect, "rotation_layout": ck.rotation_layout, "tp": ck.tp,
                        "vector_ndim": vector_ndim(ck),
                        "files": {n: {"sha256": self.hashes.get(n), "size": ck.files.get(n)} for n in self.used}})
+        assert ck.intermediate is not None  # make_plan refused a source without one
         geometry = {"hidden": ck.hidden, "intermediate": ck.intermediate,
                     "intermediate_rank": ck.intermediate // plan.target_tp, "num_experts": ck.num_experts}
         codebook = self._codebook()

@@ -10,7 +10,7 @@ from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.registry import SLOT_ROWS, storage_of
-from trellis_cli.checkpoint.names import parse_expert_name
+from trellis_cli.checkpoint.names import is_expert_name
 from trellis_cli.errors import CheckFailed
 from trellis_cli.integrity import CHECKSUM_MANIFEST, read_manifest
 from trellis_cli.routepack import manifest as mf
@@ -53,7 +53,7 @@ def used_source_files(checkpoint: Checkpoint, layers: list[int], copy_other: boo
             used.add(name)
     if copy_other:
         used.update(n for n in checkpoint.headers if not has_experts(checkpoint, n) or
-                    any(parse_expert_name(t) is None for t in checkpoint.headers[n].tensors))
+                    not all(map(is_expert_name, checkpoint.headers[n].tensors)))
     return sorted(n for n in used if not n.endswith(".safetensors.index.json"))
 
 
@@ -149,4 +149,4 @@ def vector_ndim(checkpoint: Checkpoint) -> dict[str, int]:
 
 def has_experts(checkpoint: Checkpoint, file: str) -> bool:
     header = checkpoint.headers.get(file)
-    return header is not None and any(parse_expert_name(n) is not None for n in header.tensors)
+    return header is not None and any(map(is_expert_name, header.tensors))

@@ -89,15 +89,72 @@ def refuse_collisions(claims: list[tuple[str, str]], temporary: list[str]) -> No
                                  f"refusing before any work (rename or remove the source file)")
 
 
-def check_free_space(out: Path, needed: int) -> None:
-    """Checked up front, so a long repack does not die at 95 % on a full disk."""
-    probe = out.parent
+def free_bytes(out: Path) -> int:
+    """Free bytes on the filesystem that will hold OUT (its nearest existing parent)."""
+    probe = out.absolute().parent
     while not probe.exists():
         probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if free < needed + HEADROOM_BYTES:
-        raise CheckFailed(f"{out}: {free / 1e9:.2f} GB free on its filesystem, the repack needs "
-                          f"{(needed + HEADROOM_BYTES) / 1e9:.2f} GB")
+    return shutil.disk_usage(probe).free
+
+
+def check_free_space(out: Path, needed: int) -> None:
+    """Checked up front, so a long repack does not die at 95 % on a full disk."""
+    refusal = space_refusal(out, free_bytes(out), needed)
+    if refusal:
+        raise CheckFailed(refusal)
+
+
+def space_refusal(out: Path, free: int, needed: int) -> str | None:
+    """Why `needed` more bytes (plus headroom) do not fit in `free`, or None when they do."""
+    if free >= needed + HEADROOM_BYTES:
+        return None
+    return (f"{out}: {free / 1e9:.2f} GB free on its filesystem, the repack needs "
+            f"{(needed + HEADROOM_BYTES) / 1e9:.2f} GB")
+
+
+def staged_files(out: Path) -> tuple[int, int]:
+    """(files, bytes) verified and recorded in OUT.partial so far; (0, 0) without a readable stage."""
+    state = _read_state(stage_path(out) / STATE_NAME)
+    files = state.get("files") if state is not None else None
+    if not isinstance(files, dict):
+        return 0, 0
+    return len(files), sum(int(e.get("size", 0)) for e in files.values() if isinstance(e, dict))
+
+
+def resumable_bytes(out: Path, fingerprint: dict[str, Any]) -> int:
+    """Bytes a run with `fingerprint` would resume from OUT.partial rather than write again (read only)."""
+    state = _read_state(stage_path(out) / STATE_NAME)
+    if state is None or state.get("fingerprint") != {"stage_version": STAGE_VERSION, **fingerprint}:
+        return 0
+    return staged_files(out)[1]
+
+
+def why_not_resumed(old: Any, new: dict[str, Any]) -> str:
+    """What differs between a stage's fingerprint and this run's: the reason its files are discarded."""
+    if not isinstance(old, dict):
+        return "its record is unreadable"
+    if old.get("stage_version") != new.get("stage_version"):
+        return "it was made by another version of trellis"
+    old_opts, new_opts = old.get("options") or {}, new.get("options") or {}
+    changed = [k for k in sorted(set(old_opts) | set(new_opts)) if old_opts.get(k) != new_opts.get(k)]
+    if changed:
+        return "it was made with other options (" + ", ".join(
+            f"{k}: {_shown_option(old_opts.get(k))} then, {_shown_option(new_opts.get(k))} now"
+            for k in changed) + ")"
+    if old.get("source") != new.get("source"):
+        return "it was made from another source"
+    if old.get("files") != new.get("files"):
+        return "source files changed since (size or modification time)"
+    return "its fingerprint differs"
+
+
+def _shown_option(value: Any) -> str:
+    """An option as the user typed it: id lists as ranges (`3-5,40`), anything else as Python shows it."""
+    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+        from trellis_cli.id_ranges import compact_ranges
+
+        return repr(compact_ranges(value))
+    return repr(value)
 
 
 def _refuse_links(stage: Path) -> None:
@@ -121,6 +178,7 @@ class Stage:
         self._lock = threading.Lock()
         self.done: dict[str, dict[str, Any]] = {}
         self.resumed = False
+        self.discarded: str | None = None  # "N file(s), X GB: <why>" when an earlier stage was thrown away
         self._open(overwrite)
 
     def _open(self, overwrite: bool) -> None:
@@ -134,8 +192,12 @@ class Stage:
                 self.done = dict(state.get("files", {}))
                 self.resumed = True
                 self._prune()
-            else:
-                shutil.rmtree(self.root)  # ours, from a run with other options or another source
+            else:  # ours, from a run with other options or another source: said, then removed
+                if state is not None:
+                    files, size = staged_files(self.out)
+                    self.discarded = (f"{files} staged file(s), {size / 1e9:.2f} GB, discarded: "
+                                      f"{why_not_resumed(state.get('fingerprint'), self.fingerprint)}")
+                shutil.rmtree(self.root)
         if not self.resumed:
             self.path.mkdir(parents=True)
             self._save()
@@ -202,6 +264,15 @@ class Stage:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return self.out
+
+
+def announce(stage: Stage, log) -> None:
+    """Say, on the run's log, whether the stage resumes an earlier run or threw one away, and why."""
+    if stage.resumed:
+        log(f"resuming {stage.root}: {len(stage.done)} file(s), {stage.bytes_done() / 1e9:.2f} GB already staged "
+            f"and verified")
+    elif stage.discarded:
+        log(f"not resuming {stage.root}: {stage.discarded}")
 
 
 def _read_state(path: Path) -> dict[str, Any] | None:

@@ -30,8 +30,8 @@ from trellis_cli.repack.lock import StageLock
 from trellis_cli.repack.out_paths import output_path
 from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult
 from trellis_cli.routepack.source_bytes import TensorReader
-from trellis_cli.repack.staging import (Stage, check_free_space, check_target, refuse_collisions, refuse_overlap,
-                                        stage_path)
+from trellis_cli.repack.staging import (Stage, announce, check_free_space, check_target, refuse_collisions,
+                                        refuse_overlap, stage_path)
 from trellis_cli.repack.tr3_shard import check_tr3_shard, write_tr3_shard
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -151,6 +151,7 @@ class Tr3Run:
         with StageLock(stage_path(self.out), self.out):
             check_target(self.out, self.plan.source_root, self.opt.overwrite)
             stage = Stage(self.out, self.plan.fingerprint, self.opt.overwrite)
+            announce(stage, self.log)
             result.bytes_needed = self.plan.bytes_to_write()
             try:
                 check_free_space(self.out, result.bytes_needed - stage.bytes_done())

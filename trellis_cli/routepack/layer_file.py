@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any, Callable
 
 from trellis_cli.errors import CheckFailed, SourceUnavailable
 from trellis_cli.formats.route_pack import (
@@ -20,7 +21,8 @@ from trellis_cli.stwriter import encode_header, planned
 WRITE_CHUNK = 1 << 20
 
 
-def write_layer_pack(path: str | Path, pack: LayerPack, *, on_bytes=None, durable: bool = True) -> Path:
+def write_layer_pack(path: str | Path, pack: LayerPack, *, on_bytes: Callable[[int], None] | None = None,
+                     durable: bool = True) -> Path:
     """Write `pack` as one safetensors file: a temporary name, renamed when complete (atomic).
 
     `durable=False` skips the per-file fsync; the caller then syncs (a repack syncs every file once at the
@@ -105,7 +107,7 @@ def _required(num_tiers: int) -> list[str]:
         GLOBAL_TO_COMBINED, DESCRIPTORS, TIER_SIZE, ROT_INTERMEDIATE, ROT_GATE_SUH, ROT_UP_SUH, ROT_DOWN_SVH]
 
 
-def _check_metadata(path: Path, meta: dict, layer: int, rank: int) -> None:
+def _check_metadata(path: Path, meta: dict[str, Any], layer: int, rank: int) -> None:
     if meta.get("schema") != SCHEMA:
         raise CheckFailed(f"{path.name}: schema {meta.get('schema')!r}, expected {SCHEMA!r}")
     if meta.get("schema_version") != str(SCHEMA_VERSION):

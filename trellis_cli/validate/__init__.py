@@ -15,15 +15,17 @@ findings. `validate_source` (request.py) is the one call behind `trellis validat
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable
+from typing import Any, Callable
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.interface import CheckRequest, Dialect
 from trellis_cli.dialects.registry import dialect_of
-from trellis_cli.findings import MAX_FINDINGS_PER_CODE, Finding, Location, Report, Severity
+from trellis_cli.findings import MAX_FINDINGS_PER_CODE, Finding, Location, Report, Severity, finding_order
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.validate import (engines, rules_config, rules_files, rules_markers, rules_runtime,
                                   rules_tensors)
+
+Progress = Callable[[str, int, int], None] | None  # (stage, done, total) as layers complete
 
 # Said beside every verdict that did not read tensor values: a header-perfect checkpoint of zeros passes.
 NOT_DEEP_NOTE = "tensor data not checked (headers only; --deep reads it)"
@@ -88,7 +90,7 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
     return report
 
 
-def _run_header_rules(checkpoint: Checkpoint, selected: list[int], report: Report, progress) -> None:
+def _run_header_rules(checkpoint: Checkpoint, selected: list[int], report: Report, progress: Progress) -> None:
     report.extend(checkpoint.parse_findings)
     report.extend(rules_files.check_files(checkpoint))
     report.count("files", len(checkpoint.headers))
@@ -123,7 +125,7 @@ def _subject(ckpt: Checkpoint) -> str:
     return getattr(ckpt.source, "description", None) or str(ckpt.source)
 
 
-def _context(ckpt: Checkpoint) -> dict:
+def _context(ckpt: Checkpoint) -> dict[str, Any]:
     describe = getattr(ckpt.source, "describe", None)
     return {"source": describe() if describe else str(ckpt.source), "dialect": ckpt.dialect,
             "rotation_layout": ckpt.rotation_layout, "tp": ckpt.tp, "revision": getattr(ckpt.source, "revision", None)}
@@ -138,7 +140,7 @@ def _selected_layers(ckpt: Checkpoint, dialect: Dialect, layers: list[int] | Non
     return require_present(layers, dialect.declared_layers(ckpt))
 
 
-def _run_deep(ckpt: Checkpoint, dialect: Dialect, selected: list[int], report: Report, progress) -> None:
+def _run_deep(ckpt: Checkpoint, dialect: Dialect, selected: list[int], report: Report, progress: Progress) -> None:
     """The data rules: every dialect's hidden-side vectors (NaN/Inf, all zero, subnormal), as its normalized
     model lists them; then, for per-linear shards, the sampled tile decode and the shareable-rows check."""
     from trellis_cli.validate import rules_data
@@ -150,9 +152,34 @@ def _run_deep(ckpt: Checkpoint, dialect: Dialect, selected: list[int], report: R
         if progress is not None:
             progress("data", done, len(selected))
     report.context["deep_layers"] = compact_ranges(selected)
+    if any(f.code == "data.zero-vector" for f in report.findings) and _sparse_synthetic(ckpt, selected):
+        report.notes.append(SPARSE_SYNTH_NOTE)
 
 
-def _has_publisher_hashes(source) -> bool:
+SPARSE_SYNTH_NOTE = ("the data.zero-vector errors are expected here: `trellis synth --sparse` wrote this checkpoint "
+                     "with headers only, and its unwritten data reads as zeros (synth without --sparse writes data "
+                     "that --deep passes)")
+
+
+def _sparse_synthetic(ckpt: Checkpoint, selected: list[int]) -> bool:
+    """Written by `trellis synth` (its config says so) with files whose data was never written (holes)."""
+    tail = ckpt.config.get("hybrid_tr3_tail") if isinstance(ckpt.config, dict) else None
+    root = getattr(ckpt.source, "root", None)
+    if not isinstance(tail, dict) or tail.get("producer_version") != "trellis synth" or root is None:
+        return False
+    import os
+
+    for name in sorted({f for li in selected for f in ckpt.layers[li].files}):
+        try:
+            stat = os.stat(os.path.join(root, name))
+        except OSError:
+            return False
+        if getattr(stat, "st_blocks", None) is None or stat.st_blocks * 512 >= stat.st_size // 2:
+            return False  # allocated: real data, not holes
+    return True
+
+
+def _has_publisher_hashes(source: Any) -> bool:
     """A Hub repo (LFS sha256 per file), or a local directory that carries a MANIFEST.sha256. An exl3-v1
     directory without one still has its manifest's per-layer digests, so it is not an error there."""
     from trellis_cli.integrity import CHECKSUM_MANIFEST
@@ -161,7 +188,7 @@ def _has_publisher_hashes(source) -> bool:
     return not isinstance(source, LocalSource) or CHECKSUM_MANIFEST in source.list_files()
 
 
-def _run_checksums(ckpt: Checkpoint, report: Report, progress) -> dict[str, str]:
+def _run_checksums(ckpt: Checkpoint, report: Report, progress: Callable[[int], None] | None) -> dict[str, str]:
     """Checksum findings into `report`; returns the sha256 found for each file that was hashed with it."""
     from trellis_cli.integrity import verify_checksums
 
@@ -178,13 +205,14 @@ def _run_checksums(ckpt: Checkpoint, report: Report, progress) -> dict[str, str]
 
 
 def cap_findings(report: Report, limit: int = MAX_FINDINGS_PER_CODE) -> None:
-    """List the first `limit` findings of each code; count the rest in `report.omitted` (the totals stay true).
+    """Order the findings (`finding_order`: numbers as numbers), list the first `limit` of each code and move
+    the rest to `report.unlisted`, counted in `report.omitted` (the totals stay true; JSON carries them all).
 
     Summaries the rules already made (one per layer, carrying their own count) are always listed.
     """
     seen: Counter[str] = Counter()
     kept: list[Finding] = []
-    for f in report.findings:
+    for f in sorted(report.findings, key=finding_order):
         if f.summary:
             kept.append(f)
             continue
@@ -194,4 +222,5 @@ def cap_findings(report: Report, limit: int = MAX_FINDINGS_PER_CODE) -> None:
         else:
             key = (f.code, f.severity)
             report.omitted[key] = report.omitted.get(key, 0) + f.count
+            report.unlisted.append(f)
     report.findings = kept

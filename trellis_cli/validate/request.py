@@ -52,7 +52,7 @@ def validate_source(source: Any, request: ValidateRequest | None = None,
     if progress.log is not None:
         progress.log(f"reading {getattr(source, 'description', source)} ...")
     try:
-        checkpoint = open_checkpoint(source)
+        checkpoint = open_checkpoint(source, progress=progress.stage)
     except UnknownDialect as e:
         return unopened(source, "dialect.unknown", str(e), request.strict)
     except CheckFailed as e:

@@ -10,7 +10,7 @@ rules_markers' (read by default for local sources, and with --deep for remote on
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, MoeLayer, VectorRef
 from trellis_cli.checkpoint.names import H_SIDE
@@ -38,7 +38,7 @@ def check_layer_tiles(ckpt: Checkpoint, layer: MoeLayer, count: Callable[[str, i
         yield from _check_h_rows_shareable(ckpt, layer)
 
 
-def _read(ckpt: Checkpoint, vector: VectorRef) -> tuple[object, Finding | None]:
+def _read(ckpt: Checkpoint, vector: VectorRef) -> tuple[Any, Finding | None]:  # (a tensor or None, problem)
     ref = vector.ref
     try:
         if vector.row is None:
@@ -136,6 +136,8 @@ def _check_h_rows_shareable(ckpt: Checkpoint, layer: MoeLayer) -> Iterator[Findi
                 except CheckFailed:
                     return
                 if first is None:
+                    if not bool(row.view(torch.int16).any()):  # zero rows are data.zero-vector, not shareable
+                        return
                     first = row
                 elif not torch.equal(first.view(torch.int16), row.view(torch.int16)):
                     shareable = False

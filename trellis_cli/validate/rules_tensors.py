@@ -213,11 +213,11 @@ def _check_expert_k(ckpt: Checkpoint, ctx: LayerContext, layer: MoeLayer, expert
         if len(ks) > 1:
             yield error("expert.k-inconsistent", where, "ranks of one projection have different K", found=sorted(ks))
         elif ks and layer.declared_projection_k is not None:
-            declared = layer.declared_projection_k.get((expert, proj))
-            if declared is not None and declared != next(iter(ks)):
+            declared_k = layer.declared_projection_k.get((expert, proj))
+            if declared_k is not None and declared_k != next(iter(ks)):
                 source = "tensor_storage" if dialect_of(ckpt).tensor_storage else "the R7 bit map"
                 yield error("tensor.k-mismatch", where, f"{source} K differs from the K of the trellis shape",
-                            expected=declared, found=next(iter(ks)))
+                            expected=declared_k, found=next(iter(ks)))
 
 
 def _check_shared_h(ctx: LayerContext, layer: MoeLayer) -> Iterator[Finding]:

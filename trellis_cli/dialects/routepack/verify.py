@@ -365,7 +365,15 @@ def describe_repacked(source: Any) -> dict[str, Any]:
         "format": SCHEMA, "schema_version": doc["schema_version"], "path": str(root), "source": source_info,
         "geometry": doc["geometry"], "tp": doc["tp"], "ranks": doc["ranks"],
         "codebook": doc["codebook"], "rotation": doc["rotation"], "layers": layers,
-        "files": len(files), "layer_file_bytes": layer_bytes,
-        "total_bytes": sum(e["size"] for e in files.values()),
+        # manifest.json counted too, as validate counts it: the files of the directory, not of the listing
+        "files": len(files) + 1, "layer_file_bytes": layer_bytes,
+        "total_bytes": sum(e["size"] for e in files.values()) + _size(root / MANIFEST_NAME),
         "manifest_problems": problems,
     }
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

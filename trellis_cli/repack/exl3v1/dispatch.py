@@ -20,7 +20,9 @@ def run_exl3v1_repack(driver: str, checkpoint: Checkpoint, out: Path, options, v
         from trellis_cli.repack.exl3v1.to_tr3 import exl3v1_to_tr3
 
         return exl3v1_to_tr3(checkpoint, out, options, validator, **progress)
-    from trellis_cli.repack.exl3v1.from_tr3 import tr3_to_exl3v1
+    from trellis_cli.repack.exl3v1.from_tr3 import preflight_exl3v1, tr3_to_exl3v1
+
+    preflight_exl3v1(checkpoint, out, options)  # options, OUT, free space: before the validation
     if options.validate:
         check_source(checkpoint, validator)
     return tr3_to_exl3v1(checkpoint, out, options, validator, **progress)

@@ -29,8 +29,8 @@ from trellis_cli.repack.result import RepackResult, Validator
 from trellis_cli.repack.source_facts import SourceHashes, protected_paths, vector_ndim
 from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.repack.lock import StageLock
-from trellis_cli.repack.staging import (Stage, check_free_space, check_target, refuse_collisions, refuse_overlap,
-                                        stage_path)
+from trellis_cli.repack.staging import (Stage, announce, check_free_space, check_target, refuse_collisions,
+                                        refuse_overlap, resumable_bytes, stage_path)
 
 PAIR_K = (2, 3, 4)
 
@@ -165,6 +165,24 @@ def verify_layer_file(ck: Checkpoint, m: Manifest, li: int, rates: LayerRates, p
                 raise CheckFailed(f"{path.name}: rank {rank}: {bad[0]} read back differs from the TR3 source")
 
 
+def preflight_exl3v1(ck: Checkpoint, out: Path, options) -> None:
+    """What is known from headers, refused before the source is validated: options, OUT and free space."""
+    if options.tp is not None or options.ranks is not None or options.shared_h:
+        raise UsageError("--tp, --ranks and --shared-h do not apply with --to exl3-v1 (it has no rank axis)")
+    layers = parse_selection(options.layers, [li for li, moe in ck.layers.items() if moe.experts], "layers")
+    check_target(out, protected_paths(ck), options.overwrite)
+    resumable = resumable_bytes(out, _fingerprint(ck, layers))
+    check_free_space(out, _output_bytes(ck, layers) - resumable)
+
+
+def _fingerprint(ck: Checkpoint, layers: list[int]) -> dict:
+    return {"source": ck.source.describe(), "to": "exl3-v1", "layers": layers}
+
+
+def _output_bytes(ck: Checkpoint, layers: list[int]) -> int:
+    return sum(ck.headers[f].data_end for li in layers for f in ck.layers[li].files if f in ck.headers)
+
+
 def tr3_to_exl3v1(ck: Checkpoint, out: Path, options, validator: Validator, *, on_bytes=None, on_total=None,
                   log=None):
     from trellis_cli.repack.exl3v1.carry import carried_files, write_carried
@@ -186,8 +204,9 @@ def tr3_to_exl3v1(ck: Checkpoint, out: Path, options, validator: Validator, *, o
     refuse_overlap(out, protected_paths(ck))
     with StageLock(stage_path(out), out):
         check_target(out, protected_paths(ck), options.overwrite)
-        stage = Stage(out, {"source": ck.source.describe(), "to": "exl3-v1", "layers": layers}, options.overwrite)
-        total = sum(ck.headers[f].data_end for li in layers for f in ck.layers[li].files if f in ck.headers)
+        stage = Stage(out, _fingerprint(ck, layers), options.overwrite)
+        announce(stage, log or (lambda _m: None))
+        total = _output_bytes(ck, layers)
         try:
             check_free_space(out, total - stage.bytes_done())
         except CheckFailed:

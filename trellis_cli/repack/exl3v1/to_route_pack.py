@@ -35,8 +35,8 @@ from trellis_cli.repack.source_facts import SourceHashes, fingerprint, protected
 from trellis_cli.repack.lock import StageLock
 from trellis_cli.repack.out_paths import output_path
 from trellis_cli.routepack.source_bytes import TensorReader
-from trellis_cli.repack.staging import (Stage, check_free_space, check_target, refuse_collisions, refuse_overlap,
-                                        stage_path)
+from trellis_cli.repack.staging import (Stage, announce, check_free_space, check_target, refuse_collisions,
+                                        refuse_overlap, stage_path)
 
 CONFIG = "config.json"
 
@@ -93,8 +93,7 @@ class _Exl3RoutePack:
         with StageLock(stage_path(self.out), self.out):
             check_target(self.out, protected_paths(self.ck), self.opt.overwrite)
             stage = Stage(self.out, {**fingerprint(self.ck, self.opt, self.used), "tp": self.tp}, self.opt.overwrite)
-            if stage.resumed:
-                self.log(f"resuming {stage.root.name}: {len(stage.done)} file(s) already staged")
+            announce(stage, self.log)
             total = sum(job.bytes for job in self.jobs)
             carried = sum(max(self.ck.files.get(n, 0), 0) for n in self.form.copy_from)
             result.bytes_needed = total + carried
