@@ -10,7 +10,7 @@ and one more constrained pass re-cut at position 128 polishes it (it can only lo
 
 Everything is vectorized over tiles and states; only the 256 positions are a Python loop.
 
-Public, tested API (tests/test_encoder.py, against golden vectors): encode_tiles, pack_trellis,
+Public, tested API (tests/model/test_encoder.py, against golden vectors): encode_tiles, pack_trellis,
 quantize_linear.
 """
 

@@ -31,8 +31,8 @@ if want stages; then
   run stages python3 lab/perf/kernel_stages.py
   [[ ${summary[-1]} == *"rc=0 "* ]] || { printf '%s\n' "${summary[@]}"; exit 1; }
 fi
-want tests && run tests python3 -m pytest -q -x tests/test_kernel_gpu.py tests/test_bench_gpu.py \
-  tests/test_bench_mixed_gap.py
+want tests && run tests python3 -m pytest -q -x tests/kernel/test_kernel_gpu.py tests/bench/test_bench_gpu.py \
+  tests/bench/test_bench_mixed_gap.py
 want smoke && run smoke python3 -m trellis_cli bench --synthetic glm52-tp4 --smoke
 want bench && run bench bash -c "python3 -m trellis_cli bench --synthetic glm52-tp4 --json > $OUT/bench.json"
 want bench && python3 lab/perf/bench_table.py "$OUT/bench.json" | tee "$OUT/bench_table.txt"

@@ -31,7 +31,7 @@ print("plans under sm_120 limits:", [(p["m"], p["family"], p["k_split"]) for p i
 PY
 fi
 if want tests; then  # small layers against float64, every M's plan on 16- or 32-row tiles
-  TRELLIS_KERNEL_CACHE=$CACHE run tests python3 -m pytest -q -x tests/test_kernel_portable_gpu.py
+  TRELLIS_KERNEL_CACHE=$CACHE run tests python3 -m pytest -q -x tests/kernel/test_kernel_portable_gpu.py
 fi
 check_portable_env() {  # the JSON says it ran the mma.sync build under sm_120's limits
   python3 - "$1" <<'PY' || failed=1

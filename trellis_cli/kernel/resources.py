@@ -2,7 +2,7 @@
 
 Threads and dynamic shared memory are the kernels' own constants (the `*_smem_bytes` and `k*Threads` of
 kernels/copy_pipeline.cuh, fc1.cuh, fc2.cuh and expert_wgmma.cuh), repeated here so that a plan can be
-checked without a device; tests/test_kernel_resources.py compiles those headers and holds these twins to
+checked without a device; tests/kernel/test_kernel_resources.py compiles those headers and holds these twins to
 them. Registers and static shared memory come from ptxas: the build asks nvcc for its resource usage
 (`--resource-usage`, ptxas -v) and records it beside every object and library (`parse_ptxas`,
 `read_record`). Without a record a kernel's registers are taken at its `__launch_bounds__` budget, the most

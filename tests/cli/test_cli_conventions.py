@@ -18,7 +18,7 @@ from helpers import run_cli
 from trellis_cli import synth
 from trellis_cli.cli import output
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -69,7 +69,7 @@ def test_hf_home_as_out_with_overwrite_deletes_nothing(hub, tmp_path):
     (home / "token").write_text("not a token")
     before = tree_snapshot(tmp_path)
     env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "NO_COLOR": "1",
-           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     env.pop("HF_HUB_CACHE", None)
     for out in (home, home / "hub"):
         run = subprocess.run([sys.executable, "-m", "trellis_cli", "repack", REPO, str(out), "--to", "tr3",

@@ -17,7 +17,7 @@ from helpers import run_cli
 from trellis_cli import synth
 from trellis_cli.stwriter import PlannedTensor, encode_header
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIG = "model.big_table.weight"
 MARGIN = 128 << 20  # address space left above the process's own once everything is imported
 

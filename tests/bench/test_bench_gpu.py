@@ -101,7 +101,7 @@ def test_graphs_of_many_layers_across_m_keep_their_tensors():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-c", GRAPHS_ACROSS_M], env=env, capture_output=True, text=True,
                           timeout=600)

@@ -314,7 +314,7 @@ def test_profile_gives_the_loader_versions_verdict(name, tmp_path, capsys):
 
 
 def test_every_case_names_a_function_documented_in_engines_md():
-    text = (Path(__file__).resolve().parents[1] / "docs" / "engines.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "engines.md").read_text()
     for name, case in CASES.items():
         functions = re.findall(r"\b(?:[A-Z]\w+\.)?_?[a-z0-9]+(?:_[a-z0-9]+)+\b", case.source.split(":")[0])
         assert functions and all(f in text for f in functions), (name, functions)

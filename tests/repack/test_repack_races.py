@@ -18,7 +18,7 @@ from roundtrip import assert_same_tensors
 from helpers import run_cli
 from trellis_cli import synth
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Big enough that a run lasts a few seconds (16 layer-rank files), small enough to write in about one.
 SPEC = dataclasses.replace(synth.preset("tiny"), hidden=1024, intermediate=1024, experts=16,
                            layers=tuple(range(3, 11)), partition=(12, 4))

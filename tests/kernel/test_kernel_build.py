@@ -24,7 +24,7 @@ from trellis_cli.kernel.jobs import Job, run_jobs
 
 # A kernel's host-side function, as `nm -C` prints it (O3's "[clone .cold]" parts are left out).
 KERNEL_SYMBOL = re.compile(r"^(?:void )?(trellis::\w+_kernel(?:<[^()]*>)?\([^()]*\))$")
-FAKE_NVCC = Path(__file__).parent / "fake_nvcc.py"
+FAKE_NVCC = Path(__file__).resolve().parents[1] / "fake_nvcc.py"
 # The functions of kernels/abi.h: all that the production library exports.
 PRODUCTION_EXPORTS = {"trellis_abi_version", "trellis_has_wgmma", "trellis_args_size", "trellis_moe_forward",
                       "trellis_last_error"}
@@ -332,7 +332,7 @@ def test_timeline_lab_build_holds_the_same_kernels_and_exports_its_reader(cache:
 @requires_gpu
 @pytest.mark.gpu
 def test_a_library_without_the_layers_codebook_refuses_it():
-    # The mcg library the GPU tests share (tests/test_kernel_gpu.py builds it too): no second cold build.
+    # The mcg library the GPU tests share (tests/kernel/test_kernel_gpu.py builds it too): no second cold build.
     from trellis_cli.bench.synthetic import Preset, synthetic_pack
     from trellis_cli.errors import CheckFailed
     from trellis_cli.kernel.abi import default_library, load_library

@@ -23,7 +23,7 @@ from trellis_cli.header import HeaderError, parse_header
 from trellis_cli.integrity import CHECKSUM_MANIFEST, MALFORMED, OK, UNSAFE_PATH, verify_checksums
 from trellis_cli.sources import LocalSource
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEEP_JSON = "[" * 100_000 + "]" * 100_000
 
 

@@ -24,7 +24,7 @@ from trellis_cli import synth
 from trellis_cli.formats.exl3v1_schema import MAX_EXPERTS, MAX_HIDDEN, MAX_SLOT_EXPERTS, MAX_SLOTS, UNIFORM, LayerEntry, Manifest
 from trellis_cli.header import MAX_HEADER_TENSORS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MEMORY_LIMIT = 4 << 30
 SECONDS = 60  # the subprocess is killed here; the bound asserted is far lower
 

@@ -296,7 +296,7 @@ def test_every_finding_code_is_documented():
     import ast
     import re
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     modules = [*(root / "trellis_cli" / "validate").glob("*.py"), *(root / "trellis_cli" / "checkpoint").glob("*.py"),
                root / "trellis_cli" / "cli" / "validate_cmd.py"]
     code_like = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*\.[a-z0-9]+(-[a-z0-9]+)*$")

@@ -17,14 +17,14 @@ from trellis_cli.errors import UsageError
 from trellis_cli.sample import DEFAULT_VARIANT, VARIANTS, sample_path
 
 # The builder lives outside the package, in the source checkout's tools/.
-_BUILDER = Path(__file__).resolve().parents[1] / "tools" / "sample_build.py"
+_BUILDER = Path(__file__).resolve().parents[2] / "tools" / "sample_build.py"
 _spec = importlib.util.spec_from_file_location("sample_build", _BUILDER)
 sample_build = importlib.util.module_from_spec(_spec)
 sys.modules["sample_build"] = sample_build  # its dataclasses look their module up there
 _spec.loader.exec_module(sample_build)
 build = sample_build.build
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
 

@@ -23,7 +23,7 @@ from trellis_cli.id_ranges import expand_ranges
 
 # A lone surrogate is refused by the header parser itself (test_robust_sources.py), so it is not in here.
 EVIL = "x\n\x1b[2K\rPASS: everything is fine\n:x: [bold]b[/bold]\u202e"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

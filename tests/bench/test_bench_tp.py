@@ -18,23 +18,16 @@ from pathlib import Path
 import pytest
 
 from conftest import cuda_available
+from helpers import run_cli
 from trellis_cli import synth
-from trellis_cli.cli.app import main
 
 MICRO = dict(hidden=128, intermediate=256, experts=4, layers=(3,), partition=(3, 1), top_k=2)
 CPU_LIMIT = 1e-5  # bench/tp_check.py: float32 reference per rank vs float64 whole layer
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+run = run_cli  # the one in-process CLI runner (tests/helpers.py)
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ from trellis_cli.header import read_local_header
 from trellis_cli.sample import sample_path
 from trellis_cli.validate.engines import BY_NAME
 
-PACKAGE = Path(__file__).resolve().parents[1] / "trellis_cli"
+PACKAGE = Path(__file__).resolve().parents[2] / "trellis_cli"
 EXL3V1_MANIFEST = "exl3-manifest.json"
 LAYER3 = "exl3-layer-00003.safetensors"
 

@@ -29,7 +29,7 @@ from trellis_cli.routepack.pack import pack_layer
 from trellis_cli.sample import sample_path
 
 SMALL = Preset("small", 256, 128, 16, 4, "mcg", (12, 4), (3, 4), 1)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PEER_MISSING = isinstance(locate_peer(), str)
 
 

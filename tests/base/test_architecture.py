@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "trellis_cli"
+PACKAGE = Path(__file__).resolve().parents[2] / "trellis_cli"
 ROOT = "trellis_cli"
 
 # Bottom first. A module's layer is that of its longest listed prefix (relative to trellis_cli); "" is the
@@ -287,3 +287,15 @@ def test_the_message_text_check_sees_the_old_forms():
                     'code = "a" if detail.startswith("cannot read") else "b"\n')
     caught = _exception_names(old)
     assert [_reads_text(value, caught, MESSAGE_NAMES) for _, value in _code_values(old)] == [True, True]
+
+
+def test_tests_run_the_cli_through_the_one_runner():
+    """Every test that runs the CLI in process goes through tests/helpers.py's run_cli (exit code and output
+    captured one way), and the tests are laid out by the package they cover (tests/<package>/test_*.py)."""
+    tests = Path(__file__).resolve().parents[1]
+    direct_import = "from trellis_cli.cli.app " + "import main"  # split: this file is scanned too
+    direct = [str(p.relative_to(tests)) for p in sorted(tests.rglob("test_*.py"))
+              if direct_import in p.read_text(encoding="utf-8")]
+    assert not direct, direct
+    loose = [p.name for p in tests.glob("test_*.py")]
+    assert not loose, f"test files belong in a folder of the package they cover: {loose}"
