@@ -19,10 +19,17 @@ def free_bytes(out: Path) -> int:
     return shutil.disk_usage(probe).free
 
 
+def space_refusal(out: Path, free: int, needed: int, what: str) -> str | None:
+    """Why `needed` more bytes (plus the headroom) do not fit in `free` bytes for `what`, or None when they do."""
+    if free >= needed + HEADROOM_BYTES:
+        return None
+    return (f"{out}: {free / 1e9:.2f} GB free on its filesystem, {what} needs "
+            f"{(needed + HEADROOM_BYTES) / 1e9:.2f} GB")
+
+
 def require_free_space(out: Path, needed: int, what: str) -> None:
     """CheckFailed (exit 1) naming OUT, what is free and what `what` needs, when `needed` plus the headroom
     does not fit."""
-    free = free_bytes(out)
-    if free < needed + HEADROOM_BYTES:
-        raise CheckFailed(f"{out}: {free / 1e9:.2f} GB free on its filesystem, {what} needs "
-                          f"{(needed + HEADROOM_BYTES) / 1e9:.2f} GB; nothing was written")
+    refusal = space_refusal(out, free_bytes(out), needed, what)
+    if refusal:
+        raise CheckFailed(f"{refusal}; nothing was written")

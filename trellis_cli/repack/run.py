@@ -34,9 +34,9 @@ from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult, Validator, 
 from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.repack.source_facts import (CONFIG, NOT_COPIED, SourceHashes, fingerprint, has_experts,
                                              protected_paths, used_source_files, vector_ndim)
-from trellis_cli.repack.staging import (Stage, announce, check_free_space, check_target, free_bytes,
-                                        refuse_collisions, refuse_overlap, resumable_bytes, space_refusal,
-                                        stage_path)
+from trellis_cli.disk_space import free_bytes, space_refusal
+from trellis_cli.repack.staging import (Stage, announce, check_free_space, check_target, refuse_collisions,
+                                        refuse_overlap, resumable_bytes, stage_path)
 from trellis_cli.routepack import manifest as mf
 
 EXTRA_DIR = "extra"  # extra/<shard>: the non-expert tensors of a source shard that held routed experts
@@ -223,7 +223,7 @@ class _RoutePackRun:
         needed = self.bytes_to_write()
         resumable = resumable_bytes(self.out, fingerprint(self.ck, self.opt, self.used))
         free = free_bytes(self.out)
-        refusal = space_refusal(self.out, free, needed - resumable)
+        refusal = space_refusal(self.out, free, needed - resumable, "the repack")
         # Layer files: their tensor data (each header adds a few KB, inside the headroom); others: their size.
         files = [{"name": job.file, "data_bytes": job.bytes} for job in self.plan.jobs]
         files += [{"name": n, "bytes": max(self.ck.files.get(n, 0), 0)} for n in self.copied]

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from trellis_cli.disk_space import free_bytes, space_refusal
 from trellis_cli.errors import CheckFailed, TrellisError, UsageError
 from trellis_cli.repack.out_paths import check_overlap, output_name
 from trellis_cli.routepack.manifest import sha256_file
@@ -27,7 +28,6 @@ STATE_NAME = "state.json"  # in OUT.partial, beside the tree
 TREE_NAME = "tree"  # OUT.partial/tree becomes OUT
 STAGE_SUFFIX = ".partial"
 STAGE_VERSION = 2  # part of every fingerprint: a stage written under other rules is never resumed
-HEADROOM_BYTES = 64 << 20  # headers, JSON files, the manifest, temporary names
 
 
 def stage_path(out: Path) -> Path:
@@ -89,27 +89,11 @@ def refuse_collisions(claims: list[tuple[str, str]], temporary: list[str]) -> No
                                  f"refusing before any work (rename or remove the source file)")
 
 
-def free_bytes(out: Path) -> int:
-    """Free bytes on the filesystem that will hold OUT (its nearest existing parent)."""
-    probe = out.absolute().parent
-    while not probe.exists():
-        probe = probe.parent
-    return shutil.disk_usage(probe).free
-
-
 def check_free_space(out: Path, needed: int) -> None:
     """Checked up front, so a long repack does not die at 95 % on a full disk."""
-    refusal = space_refusal(out, free_bytes(out), needed)
+    refusal = space_refusal(out, free_bytes(out), needed, "the repack")
     if refusal:
         raise CheckFailed(refusal)
-
-
-def space_refusal(out: Path, free: int, needed: int) -> str | None:
-    """Why `needed` more bytes (plus headroom) do not fit in `free`, or None when they do."""
-    if free >= needed + HEADROOM_BYTES:
-        return None
-    return (f"{out}: {free / 1e9:.2f} GB free on its filesystem, the repack needs "
-            f"{(needed + HEADROOM_BYTES) / 1e9:.2f} GB")
 
 
 def staged_files(out: Path) -> tuple[int, int]:
