@@ -16,13 +16,6 @@ from trellis_cli.findings import counted
 from trellis_cli.id_ranges import compact_ranges
 
 
-def inspect_source(source: Any, layers: list[int] | None = None) -> dict[str, Any]:
-    """`trellis inspect` as one call: open `source` (a Source or a local path) and describe it."""
-    from trellis_cli.dialects import open_checkpoint
-
-    return build_inspect(open_checkpoint(source), layers)
-
-
 def build_inspect(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str, Any]:
     """The inspect document; its shape is the one the dialect's `inspect_view` names."""
     view = dialect_of(ckpt).inspect_view

@@ -1,7 +1,7 @@
 """Entry points that join two work packages, so that neither imports the other.
 
-`inspect_at_tp` is `trellis inspect --tp N`: the inspect document, the rank's share at N (inspect_tp.py) and
-each engine's TP contract at N (validate's engines.tp_verdicts), one call.
+`serve_tp_view` is the section `trellis inspect --tp N` adds: the rank's share at N (inspect_tp.py) and each
+engine's TP contract at N (validate's engines.tp_verdicts).
 
 `run_repack` is repack.run.run_repack handed validate.run_validation as its validator, with the format rules
 alone deciding (no engine profile enforced: a repack changes the layout a loader sees): the source is
@@ -37,18 +37,6 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
                   on_stage=on_stage)
 
 
-def inspect_at_tp(source: Any, layers: list[int] | None, tp: int) -> dict[str, Any]:
-    """Open `source` and describe it as `trellis inspect` does, with `serve_tp`: per layer the K per projection
-    and the routed bytes one rank holds at TP `tp`, and which engines' TP contracts accept `tp`."""
-    from trellis_cli.dialects import open_checkpoint
-    from trellis_cli.inspect_report import build_inspect
-
-    checkpoint = open_checkpoint(source)
-    document = build_inspect(checkpoint, layers)
-    document["serve_tp"] = serve_tp_view(checkpoint, layers, tp)
-    return document
-
-
 def serve_tp_view(checkpoint: Any, layers: list[int] | None, tp: int) -> dict[str, Any]:
     """The `serve_tp` section of the inspect document: the routed bytes one rank holds at TP `tp`, K per
     projection, and which engines' TP contracts accept `tp`."""
@@ -66,4 +54,4 @@ def serve_tp_view(checkpoint: Any, layers: list[int] | None, tp: int) -> dict[st
     return view
 
 
-__all__ = ["inspect_at_tp", "run_repack", "serve_tp_view"]
+__all__ = ["run_repack", "serve_tp_view"]
