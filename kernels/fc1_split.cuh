@@ -27,7 +27,7 @@ __host__ __device__ __forceinline__ int fc1_items_per_tile(const TrellisMoeArgs&
 
 // Chosen per call on the host (trellis_moe.cu fc1_pieces): tail_split is args.fc1_tail_split or 1.
 struct Fc1Pieces {
-  int tail_items;  // items at the end of the list cut tail_split times finer: whole tiles' items
+  int tail_items;  // items at the end of the list cut tail_split times finer: whole tiles' items (at most)
   int tail_split;
 };
 
@@ -40,10 +40,19 @@ __device__ __forceinline__ int fc1_tiles(const TrellisMoeArgs& a) {
   return a.direct ? a.m * a.top_k : min(*static_cast<const int*>(a.tile_count), a.tile_capacity);
 }
 
-// First item of the tail.
+// First item of the tail: tail_items before the end, moved forward to the first tile of an expert. A tile
+// of the tail sums tail_split times more planes than one of the head, so the cut decides a route's rounding;
+// inside an expert's segment routes sit in the order of atomics (route_pack.cuh), so a cut inside an expert
+// would let a route change side, and its result change in the last bits, from one call to the next. Every
+// route of an expert is summed alike when the cut falls between experts. The walk is over one expert's tiles.
 __device__ __forceinline__ int fc1_tail_start(const TrellisMoeArgs& a, const Fc1Pieces& p) {
-  const int items = fc1_tiles(a) * fc1_items_per_tile(a);
-  return max(0, items - p.tail_items);
+  const int per_tile = fc1_items_per_tile(a), tiles = fc1_tiles(a);
+  int tile = max(0, tiles - p.tail_items / per_tile);  // tail_items holds whole tiles
+  if (p.tail_split > 1) {
+    const int* tile_expert = static_cast<const int*>(a.tile_expert);
+    while (tile > 0 && tile < tiles && tile_expert[tile] == tile_expert[tile - 1]) ++tile;
+  }
+  return tile * per_tile;
 }
 
 // Piece `index` of the grid; false past the last piece. Listed range by range, or item by item where the
@@ -57,7 +66,7 @@ __device__ __forceinline__ bool fc1_piece(const TrellisMoeArgs& a, const Fc1Piec
     out = {item, range * (chunks / ranges), chunks / ranges, range};
     return true;
   }
-  const int items = fc1_tiles(a) * fc1_items_per_tile(a), head = max(0, items - p.tail_items);
+  const int items = fc1_tiles(a) * fc1_items_per_tile(a), head = fc1_tail_start(a, p);
   const int index = blockIdx.x;
   const bool by_item = tile_handover(a);
   if (index < head * ranges) {

@@ -3,8 +3,8 @@
 // Routes (token, k) are grouped by combined expert id. Each expert's segment of slots is padded to a
 // multiple of 16 rows (one MMA m16 block) and cut into work tiles of m_tile rows. Tiles are listed in
 // combined-expert order, so the tile list is deterministic; the order of routes inside a segment is the
-// order of atomics, which no result depends on (every row is computed on its own and results are written
-// by route id). trellis_cli/kernel/plan.py mirrors this algorithm in Python for the CPU tests.
+// order of atomics, which no result depends on (every row is computed on its own, every tile of one expert
+// sums FC1's planes alike (fc1_split.cuh), and results are written by route id). trellis_cli/kernel/plan.py mirrors this algorithm in Python for the CPU tests.
 // The kernels themselves are in route_pack_kernels.cuh.
 #pragma once
 #include "abi.h"

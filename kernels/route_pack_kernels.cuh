@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kPackThreads) route_pack_kernel(const TrellisM
 // routes: route_count_kernel counts them per expert, then route_scatter_kernel, on the same grid, adds up
 // every CTA's counts (the totals, and the part of CTAs before its own), derives the same prefix and tile
 // list as route_pack_kernel and scatters its routes from its own cursor. Inside an expert's segment routes
-// then sit CTA by CTA, in atomic order within a CTA: no result depends on that order.
+// then sit CTA by CTA, in atomic order within a CTA: no result depends on that order (route_pack.cuh).
 // Scratch: the per-CTA counts [ctas][num_combined] and each route's combined id [numel], at the start of
 // route_out. FC2 writes route_out only after the rotation and FC1 have read everything the pack made, and
 // the count kernel, the call's first, starts only when the previous call has finished. route_out holds
