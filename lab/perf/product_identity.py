@@ -8,7 +8,8 @@ Takes REF's kernels/ (`git show REF:kernels/...`) and the working tree's, and co
 library (build.library_units: the working tree's unit list and flags for both sides) with the build's own command
 line (build.compile_command), `-c` swapped for `-cubin`, once per arch. Per unit and arch it compares the two
 cubins' ELF sections: every section that holds code or its data (.text.*, .nv.info.*, constants, symbols)
-byte for byte; the debug sections of `-lineinfo` (named *debug*: line tables, the embedded PTX text, the source
+byte for byte, and ptxas's resource numbers (registers, shared memory, spills: what tests/data/kernel_resources
+records); the debug sections of `-lineinfo` (named *debug*: line tables, the embedded PTX text, the source
 paths) apart, since they change with every moved source line and name the source directory, and hold no
 instruction. Identical code sections mean identical SASS; a kernel whose sections differ is named. Where
 cuobjdump exists it also links both libraries from `-c` objects and diffs `cuobjdump -sass` of the two.
@@ -30,6 +31,7 @@ from pathlib import Path
 from trellis_cli.errors import EXIT_FINDINGS, EXIT_GPU, TrellisError
 from trellis_cli.kernel import build
 from trellis_cli.kernel.jobs import Job, run_jobs
+from trellis_cli.kernel.resources import parse_ptxas
 
 SHT_NOBITS = 8
 DEBUG = "debug"  # -lineinfo's sections: line numbers, PTX text and source paths, no instruction
@@ -88,7 +90,7 @@ def compile_all(nvcc: str, plan: list[tuple[str, build.Unit, Path, Path, str]], 
         output.parent.mkdir(parents=True, exist_ok=True)
         tmp = output.with_suffix(output.suffix + ".tmp")
         work.append(Job(f"{arch} {source_dir.name} {unit.name}", unit_command(nvcc, arch, unit, source_dir, tmp, kind),
-                        tmp, output))
+                        tmp, output, keep_log=output.with_suffix(".ptxas")))
     run_jobs(work, parallel=jobs, stall_s=build.stall_seconds(),
              on_done=lambda job, s: print(f"  compiled {job.label} in {s:.0f} s", file=sys.stderr, flush=True))
 
@@ -130,14 +132,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_GPU
     same_everywhere = True
-    print(f"{'arch':7} {'unit':22} {'code':10} {'whole file':10} debug sections")
+    print(f"{'arch':7} {'unit':22} {'code':10} {'resources':10} {'whole file':10} debug sections")
     for arch in archs:
         for unit in units[arch]:
             before, after = ((work / side / f"{unit.name}-{arch}.cubin").read_bytes() for side in sides)
             same, differ = compare_elf(before, after)
             lines_same = compare_elf(before, after, skip=())[0]
             same_everywhere &= same
-            print(f"{arch:7} {unit.name:22} {'identical' if same else 'DIFFERENT':10} "
+            logs = [work / side / f"{unit.name}-{arch}.ptxas" for side in sides]
+            records = [parse_ptxas(log.read_text(errors="replace")) for log in logs if log.is_file()]
+            usage = "?" if len(records) < 2 else "identical" if records[0] == records[1] else "DIFFERENT"
+            print(f"{arch:7} {unit.name:22} {'identical' if same else 'DIFFERENT':10} {usage:10} "
                   f"{'identical' if before == after else 'differs':10} "
                   f"{'identical' if lines_same else 'differ'}"
                   + (f"  sections: {', '.join(differ)}" if differ else ""))
