@@ -59,8 +59,12 @@ def test_the_hooks_patch_applies_to_the_product_sources_and_adds_only_lab_code(s
         removed = [line for line in before if line not in after]
         assert removed == [] or path.name in ("activation.cuh", "gemm_unit.cu", "handover.cuh", "tile_kernels.cuh",
                                               "trellis_moe.cu"), (path.name, removed)
-    # the patch is exactly the difference from kernels/ to the staged copy: `refresh` rebuilds it
-    assert sources.hooks_patch(staged) == sources.PATCH.read_text()
+    # the patch is the difference from kernels/ to the staged copy (`refresh` rebuilds it), up to where its
+    # hunks start: a kernel change that only moves a hook's lines needs no refresh
+    def hunks(text: str) -> list[str]:
+        return [line for line in text.splitlines() if not line.startswith("@@")]
+
+    assert hunks(sources.hooks_patch(staged)) == hunks(sources.PATCH.read_text())
     assert "int32_t lab_flags;" in (staged / "abi.h").read_text()
     assert "trellis_timeline_read" in (staged / "trellis_moe.cu").read_text()
 
