@@ -79,9 +79,6 @@ typedef struct TrellisMoeArgs {
   // range), where two or more of its CTAs share an SM (fc1_split.cuh); the partial sums hold k_split *
   // fc1_tail_split planes. Chosen by trellis_cli/kernel/plan.py choose_fc1_tail_split.
   int32_t fc1_tail_split;
-#ifdef TRELLIS_LAB
-  int32_t lab_flags;  // lab builds only (lab.h): not part of the production ABI
-#endif
 } TrellisMoeArgs;
 
 int trellis_abi_version(void);

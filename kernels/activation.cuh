@@ -11,7 +11,6 @@
 
 #include "abi.h"
 #include "expert_gemm.cuh"
-#include "lab.h"
 #include "route_pack.cuh"
 #include "warp_ops.cuh"
 
@@ -42,7 +41,6 @@ constexpr int kActWarps = 4;
 template <int kBatch, bool kWarmPass>
 __global__ void __launch_bounds__(kActWarps * 32, kBatch == 1 ? 7 : 1)
     activation_kernel(const TrellisMoeArgs a, const Fc1Pieces pieces) {
-  TRELLIS_TIMELINE_SCOPE(kTlAct);
   WorkTile w;
   if (!load_work_tile(a, blockIdx.x, w)) return;
   const int lane = threadIdx.x & 15, half = (threadIdx.x >> 4) & 1;
@@ -67,9 +65,8 @@ __global__ void __launch_bounds__(kActWarps * 32, kBatch == 1 ? 7 : 1)
       planes = fc1_tile_planes(a, pieces, blockIdx.x);
       if (tile_handover(a)) {  // wait for this tile's FC1 pieces only (handover.cuh), if the CTA has rows
         allow_dependents();
-        if (!lab_flag(a, TRELLIS_LAB_SKIP_FC1) && 2 * int(blockIdx.y) < w.rows)
+        if (2 * int(blockIdx.y) < w.rows)
           wait_count<true>(handover(a).fc1_done + blockIdx.x, fc1_items_per_tile(a) * planes);
-        timeline_waited();
       } else {
         after_predecessor();
       }
@@ -110,7 +107,6 @@ __global__ void __launch_bounds__(kActWarps * 32, kBatch == 1 ? 7 : 1)
           }
         }
       }
-      timeline_mark(2 * pass);
       hadamard128_unscaled<16>(g, lane);
       hadamard128_unscaled<16>(u, lane);
       float v[8];
@@ -121,7 +117,6 @@ __global__ void __launch_bounds__(kActWarps * 32, kBatch == 1 ? 7 : 1)
         v[i] = gate / (1.0f + expf(-gate)) * up * suh_d[i];
       }
       hadamard128_unscaled<16>(v, lane);
-      timeline_mark(2 * pass + 1);
       if (pass && live) store_a_row8(static_cast<__half*>(a.act) + size_t(slot) * expand * inter, col, expand, v);
     }
   }
@@ -158,7 +153,6 @@ constexpr int kSumThreads = 256;
 // thread beat both 72 registers with 8 (3 CTAs) and 36 with 1 (M=3072: 2059 / 2097 / 2106 us per call).
 template <int kBatch>
 __global__ void __launch_bounds__(kSumThreads) topk_sum_kernel(const TrellisMoeArgs a) {
-  TRELLIS_TIMELINE_SCOPE(kTlSum);
   const int token = blockIdx.x;
   const int col = (blockIdx.y * kSumThreads + threadIdx.x) * 4;
   // Which routes this rank serves depends on the layer inputs only: look it up while FC2 drains.
@@ -190,7 +184,6 @@ __global__ void __launch_bounds__(kSumThreads) topk_sum_kernel(const TrellisMoeA
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[i] *= svh[i];
   }
-  timeline_mark(0);
   store_out(a, size_t(token) * a.hidden + col, make_float4(acc[0], acc[1], acc[2], acc[3]));
 }
 

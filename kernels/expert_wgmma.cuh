@@ -279,7 +279,6 @@ __device__ __forceinline__ void for_row_passes(int rows, Pass&& pass) {
 template <int CB, bool FAST, int ROWS>
 __global__ void __launch_bounds__(kWgThreads, ROWS < kWgRows ? 2 : 1)
     fc1_wgmma_kernel(const TrellisMoeArgs a, const Fc1Pieces pieces) {
-  TRELLIS_TIMELINE_SCOPE(kTlFc1);
   extern __shared__ __align__(1024) unsigned char wg_smem[];
   const int blocks = a.intermediate / kWgFeatures;
   Fc1Piece piece;
@@ -336,7 +335,6 @@ __host__ __device__ constexpr int fc2_wgmma_groups(int hidden) {
 
 template <int CB, bool FAST, int ROWS>
 __global__ void __launch_bounds__(kWgThreads, ROWS < kWgRows ? 2 : 1) fc2_wgmma_kernel(const TrellisMoeArgs a) {
-  TRELLIS_TIMELINE_SCOPE(kTlFc2);
   extern __shared__ __align__(1024) unsigned char wg_smem[];
   const int groups = fc2_wgmma_groups(a.hidden);
   WorkTile w;
@@ -354,7 +352,6 @@ __global__ void __launch_bounds__(kWgThreads, ROWS < kWgRows ? 2 : 1) fc2_wgmma_
         allow_dependents();
         if (threadIdx.x == 0) fc2_takes_tile(a, blockIdx.x / groups, groups);
         __syncthreads();
-        timeline_waited();
       }
     } else {
       after_predecessor();

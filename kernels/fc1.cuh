@@ -4,7 +4,6 @@
 #include "copy_pipeline.cuh"
 #include "fc1_split.cuh"
 #include "handover.cuh"
-#include "timeline.cuh"
 
 namespace trellis {
 
@@ -91,7 +90,6 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
         if (by_route)
           row_stream.rows_by_route(a, w.start, size_t(2) * kX * a.hidden);
         if (direct) rotate_direct_row(a, w, kc0, chunks, s_a);  // made visible by the loop's first barrier
-        timeline_mark(0);
       },
       [&](int c, int st) {
         const uint32_t a_addr =
@@ -100,9 +98,7 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
                 ? ring_lane + 2 * st * kAHalves  // constant st: an immediate
                 : a_lane_address<R>(a_ring + 2 * (st * kAHalves + proj * R * 16 * a_stride(R)), lane);
         chunk_mma<K, CB, R>(s_w + st * kWeightWords + proj * 8 * 64 * K, ntl, win, a_addr, live, acc);
-        if (c == 0) timeline_mark(1);
       });
-  timeline_mark(2);
 
   const int nt = nchunk * 8 + ntl;
   float* part = static_cast<float*>(a.partial) + size_t(plane) * a.slot_capacity * 2 * a.intermediate;
@@ -131,7 +127,6 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
 template <int CB, int R, bool FAST>
 __global__ void __launch_bounds__(kFc1Threads, (small_tile(R) && FAST) ? 2 : 1)
     fc1_kernel(const TrellisMoeArgs a, const Fc1Pieces pieces) {
-  TRELLIS_TIMELINE_SCOPE(kTlFc1);
   extern __shared__ __align__(16) unsigned char gemm_smem[];
   const int nchunks = a.intermediate >> 7;
   Fc1Piece piece;

@@ -3,7 +3,6 @@
 #include "chunk_mma.cuh"
 #include "copy_pipeline.cuh"
 #include "handover.cuh"
-#include "timeline.cuh"
 
 namespace trellis {
 
@@ -105,7 +104,6 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_b
     const uint32_t a_addr =
         small_tile(R) ? ring_lane + 2 * st * kAHalves : a_lane_address<R>(a_ring + 2 * st * kAHalves, lane);
     chunk_mma<K, CB, R>(s_w + st * kWeightWords, warp, win, a_addr, live, acc);
-    if (c == 0) timeline_mark(1);
   };
   // Small tiles: each block's epilogue, staged in the A rows of the stage its last chunk used (the ring is
   // still loading the next block into the other stages); the CTA's last block, with no copy in flight, at
@@ -130,10 +128,8 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_b
     allow_dependents();
     if (threadIdx.x == 0) fc2_takes_tile(a, blockIdx.x, gridDim.y);  // grid (tiles, the tile's CTAs)
     __syncthreads();
-    timeline_waited();
   };
   staged_blocks<kFc2Stages, small_tile(R)>(span, block_chunks, issue_w, issue_a, wait, compute, finish);
-  timeline_mark(2);
   if constexpr (!small_tile(R)) {  // one block: the epilogue takes the whole ring
     __syncthreads();
     float* s_o = reinterpret_cast<float*>(smem);
@@ -151,14 +147,12 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_b
     __syncthreads();
     store_down_rows(a, w, first_block, s_o, 0, w.rows);
   }
-  timeline_mark(3);
 }
 
 // Grid (tiles, groups): blockIdx.x is the tile, blockIdx.y its group of `span` = (H/128) / gridDim.y output
 // blocks (always 1 for large tiles: the host sizes the grid).
 template <int CB, int R, bool FAST>
 __global__ void __launch_bounds__(kFc2Threads, FAST ? (small_tile(R) ? 4 : 2) : 1) fc2_kernel(const TrellisMoeArgs a) {
-  TRELLIS_TIMELINE_SCOPE(kTlFc2);
   extern __shared__ __align__(16) unsigned char gemm_smem[];
   WorkTile w;
   if (!load_work_tile(a, blockIdx.x, w)) return;

@@ -2,7 +2,7 @@
 // TRELLIS_UNIT_CODEBOOK and tile family TRELLIS_UNIT_FAMILY (a trellis::TileFamily), for the K-sets in
 // the bit mask TRELLIS_UNIT_KSETS (1 << trellis::KSet; default both), with their launch shapes.
 // trellis_cli/kernel/build.py compiles this file once per unit. Without TRELLIS_UNIT_FAMILY it holds every
-// family of the codebook (single_tu.cu).
+// family of the codebook.
 #include <math.h>
 
 #include <algorithm>
@@ -11,7 +11,6 @@
 #include "expert_gemm.cuh"
 #include "expert_wgmma.cuh"
 #include "gemm_table.h"
-#include "lab.h"
 #include "occupancy.cuh"
 
 #ifndef TRELLIS_UNIT_CODEBOOK
@@ -36,9 +35,8 @@ int fc2_span(const TrellisMoeArgs& a, void (*kernel)(TrellisMoeArgs)) {
       (block_chunks & (block_chunks - 1)) != 0)
     return 1;
   SmLimits l;
-  const bool wide = lab_flag(a, TRELLIS_LAB_FC2_WIDE_SPAN);
-  if (!wide && !sm_limits(l)) return 1;
-  const int slots = wide ? 0 : l.sms * ctas_per_sm(kernel, trellis::kFc2Threads, trellis::fc2_smem_bytes(R, FAST));
+  if (!sm_limits(l)) return 1;
+  const int slots = l.sms * ctas_per_sm(kernel, trellis::kFc2Threads, trellis::fc2_smem_bytes(R, FAST));
   const double routes = double(a.m) * a.top_k, experts = a.num_experts > 0 ? a.num_experts : 1;
   const double touched = a.num_combined * (1.0 - pow(1.0 - 1.0 / experts, routes));
   const double tiles = std::min(touched + routes * a.num_combined / experts / a.m_tile, double(a.tile_capacity));

@@ -8,9 +8,9 @@
 //   activation warp       -> act_done[tile] += 1    the tile's FC2 CTAs wait for row steps x I / 128
 //   FC2 CTA past its wait -> fc2_passed[tile] += 1  the tile's last FC2 CTA sets all three back to zero
 // so a tile's activation and FC2 run while FC1 still works on later tiles (glm52-tp4 on H200: M = 2-6
-// -2 to -11 %, M=8 -2.6 %). Every counter is zero again when a call ends (a lab build clears them after a call that
-// skipped a phase, lab.h). A phase is launched only once every CTA of the phase before it is resident (programmatic
-// dependent launch), so whatever a CTA waits for is already running: the waits cannot deadlock.
+// -2 to -11 %, M=8 -2.6 %). Every counter is zero again when a call ends. A phase is launched only once every
+// CTA of the phase before it is resident (programmatic dependent launch), so whatever a CTA waits for is
+// already running: the waits cannot deadlock.
 // Not at one token in direct mode: there the routes placed last leave too little FC2 work to spread over
 // the GPU, and one grid-wide hand-over measured faster. Not for the wide wgmma kernels (one CTA per SM, no
 // second CTA to run ahead) nor the mma.sync kernels of 128-row tiles.
@@ -18,9 +18,7 @@
 #include <stdint.h>
 
 #include "abi.h"
-#include "lab.h"
 #include "tile_kernels.cuh"
-#include "timeline.cuh"
 
 namespace trellis {
 
@@ -56,6 +54,13 @@ __device__ __forceinline__ void count_done(int* counter) {
   atomicAdd(counter, 1);
 }
 
+// The GPU's global clock in ns: the waits' time limit.
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+
 // A counter that has not reached its target after this long means the protocol is broken: stop the
 // kernel with an error rather than hang the GPU.
 constexpr unsigned long long kWaitLimitNs = 10'000'000'000ull;
@@ -75,12 +80,11 @@ __device__ __forceinline__ void wait_count(const int* counter, int target) {
   }
 }
 
-// FC2, thread 0 of a CTA of `tile`, one of the tile's `ctas`: wait for the tile's activation (unless the
-// call skips it), then count the CTA past; the tile's last one puts the tile's counters back to zero.
+// FC2, thread 0 of a CTA of `tile`, one of the tile's `ctas`: wait for the tile's activation, then count
+// the CTA past; the tile's last one puts the tile's counters back to zero.
 __device__ __forceinline__ void fc2_takes_tile(const TrellisMoeArgs& a, int tile, int ctas) {
   const Handover sync = handover(a);
-  if (!lab_flag(a, TRELLIS_LAB_SKIP_ACT))
-    wait_count<false>(sync.act_done + tile, activation_row_steps(a) * (a.intermediate >> 7));
+  wait_count<false>(sync.act_done + tile, activation_row_steps(a) * (a.intermediate >> 7));
   if (atomicAdd(sync.fc2_passed + tile, 1) == ctas - 1) {
     sync.fc1_done[tile] = 0;
     sync.act_done[tile] = 0;

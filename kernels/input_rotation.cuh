@@ -2,7 +2,6 @@
 #pragma once
 #include "gemm_tile.cuh"
 #include "handover.cuh"
-#include "timeline.cuh"
 #include "warp_ops.cuh"
 
 namespace trellis {
@@ -20,7 +19,6 @@ namespace trellis {
 constexpr int kMaxRotateBlocks = 4;
 template <bool kBf16>
 __global__ void __launch_bounds__(256, 4) rotate_input_kernel(const TrellisMoeArgs a) {
-  TRELLIS_TIMELINE_SCOPE(kTlRotate);
   constexpr int G = 4, N = 128 / G, kItemsPerWarp = 16 / G;
   // The CTA's suh columns of both projections, times 1/sqrt(128); the pad of 4 floats puts the two
   // projections' 16-byte reads in different banks.
@@ -82,7 +80,6 @@ __global__ void __launch_bounds__(256, 4) rotate_input_kernel(const TrellisMoeAr
 constexpr int kSmallRotateBlocks = 8;
 template <bool kBf16>
 __global__ void __launch_bounds__(256) rotate_routes_kernel(const TrellisMoeArgs a) {
-  TRELLIS_TIMELINE_SCOPE(kTlRotate);
   const int row = blockIdx.x, lane = threadIdx.x & 15, p = (threadIdx.x >> 4) & 1, warp = warp_index();
   const int col = (blockIdx.y * kSmallRotateBlocks + warp) * 128 + 8 * lane;
   const bool by_token = rows_by_token(a);

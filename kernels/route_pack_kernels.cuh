@@ -4,14 +4,12 @@
 #pragma once
 #include "abi.h"
 #include "route_pack.cuh"
-#include "timeline.cuh"
 #include "warp_ops.cuh"
 
 namespace trellis {
 
 // Shared memory: 3 int32 per combined expert.
 __global__ void __launch_bounds__(kPackThreads) route_pack_kernel(const TrellisMoeArgs a) {
-  TRELLIS_TIMELINE_SCOPE(kTlPack);
   allow_dependents();  // the next kernel may launch now; it waits for this one before reading anything
   extern __shared__ int pack_smem[];
   const int num_combined = a.num_combined;
@@ -60,7 +58,6 @@ __device__ __forceinline__ int* wide_pack_combined(const TrellisMoeArgs& a) {
 
 // Shared memory: 1 int32 per combined expert.
 __global__ void __launch_bounds__(kPackThreads) route_count_kernel(const TrellisMoeArgs a) {
-  TRELLIS_TIMELINE_SCOPE(kTlPack);
   allow_dependents();
   extern __shared__ int pack_smem[];
   int* count = pack_smem;
@@ -79,7 +76,6 @@ __global__ void __launch_bounds__(kPackThreads) route_count_kernel(const Trellis
 
 // Shared memory: 4 int32 per combined expert.
 __global__ void __launch_bounds__(kPackThreads) route_scatter_kernel(const TrellisMoeArgs a) {
-  TRELLIS_TIMELINE_SCOPE(kTlPack);
   extern __shared__ int pack_smem[];
   const int num_combined = a.num_combined;
   int* count = pack_smem;

@@ -2,7 +2,6 @@
 // launches them) and the device (whose hand-over depends on them, handover.cuh) agree.
 #pragma once
 #include "abi.h"
-#include "lab.h"
 
 namespace trellis {
 
@@ -29,13 +28,11 @@ __host__ __device__ __forceinline__ bool only_k3_k4(const TrellisMoeArgs& a) {
 // passes of 64 routes, two CTAs per SM, handing over by tile (glm52-tp4 on H200, against the wide
 // kernels: M = 352-1024 −7 to −11 %, M = 1280 and 1536 −6 to −9 %, M=1792 +3 %). A
 // tile of more routes takes one pass per 64, decoding its weights again, which few tiles need below this
-// mean. A lab build's flags force either kind (lab.h).
+// mean.
 constexpr int kNarrowBelowRoutes = 52;
 __host__ __device__ __forceinline__ bool narrow_wgmma_tiles(const TrellisMoeArgs& a) {
   if (!gemms_on_wgmma(a)) return false;
-  const bool narrow = lab_flag(a, TRELLIS_LAB_WGMMA_NARROW | TRELLIS_LAB_WGMMA_WIDE)
-                          ? lab_flag(a, TRELLIS_LAB_WGMMA_NARROW)
-                          : 1LL * a.m * a.top_k < 1LL * kNarrowBelowRoutes * (a.num_experts > 1 ? a.num_experts : 1);
+  const bool narrow = 1LL * a.m * a.top_k < 1LL * kNarrowBelowRoutes * (a.num_experts > 1 ? a.num_experts : 1);
   return narrow && only_k3_k4(a);
 }
 

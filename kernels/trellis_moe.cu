@@ -20,7 +20,6 @@
 #include "activation.cuh"
 #include "expert_gemm.cuh"
 #include "gemm_table.h"
-#include "lab.h"
 #include "launch.cuh"
 #include "occupancy.cuh"
 #include "rotation_launch.cuh"
@@ -157,23 +156,23 @@ cudaError_t launch_gemms(const TrellisMoeArgs& a, const GemmKernels& k, cudaStre
   if ((err = allow_smem(k.fc2, k.fc2_smem)) != cudaSuccess) return err;
   const int tiles = a.tile_capacity;
   // Direct mode: FC1 rotates its own rows and is the call's first kernel, so it launches fully serialized.
-  if (!a.direct && !lab_flag(a, TRELLIS_LAB_SKIP_ROTATE)) {
+  if (!a.direct) {
     const RotationLaunch rotation = rotation_for(a, tiles);
     note_launch("input rotation", 256, 0);
     err = launch(rotation.kernel, rotation.grid, 256, 0, stream, pdl, a);
   }
   const Fc1Pieces pieces = fc1_pieces(a, k.fc1, k.fc1_threads, k.fc1_smem);
-  if (err == cudaSuccess && !lab_flag(a, TRELLIS_LAB_SKIP_FC1)) {
+  if (err == cudaSuccess) {
     note_launch("FC1", k.fc1_threads, k.fc1_smem);
     err = launch(k.fc1, fc1_grid(a, pieces), k.fc1_threads, k.fc1_smem, stream, pdl && !a.direct, a, pieces);
   }
-  if (err == cudaSuccess && !lab_flag(a, TRELLIS_LAB_SKIP_ACT)) {
+  if (err == cudaSuccess) {
     const int act_blocks = a.intermediate / 128, act_warps = act_blocks < kActWarps ? act_blocks : kActWarps;
     const dim3 act_grid(tiles, activation_row_steps(a), (act_blocks + act_warps - 1) / act_warps);
     note_launch("activation", act_warps * 32, 0);
     err = launch(activation_for(a), act_grid, act_warps * 32, 0, stream, pdl, a, pieces);
   }
-  if (err == cudaSuccess && !lab_flag(a, TRELLIS_LAB_SKIP_FC2)) {
+  if (err == cudaSuccess) {
     const int blocks = static_cast<int>(k.fc2_grid.x * k.fc2_grid.y);
     const int fc2_smem = even_wave_smem(k.fc2, blocks, k.fc2_threads, k.fc2_smem);
     note_launch("FC2", k.fc2_threads, fc2_smem);
@@ -211,21 +210,6 @@ extern "C" int trellis_has_wgmma(void) {
 #endif
 }
 
-#ifdef TRELLIS_LAB
-extern "C" int trellis_lab_build(void) { return 1; }
-#endif
-
-#ifdef TRELLIS_TIMELINE
-// Copies the timeline of the calls since the last read ([phase][cta][start, waited, end, sm, marks], ns) into
-// `host` (kTlPhases * kTlMaxCtas * kTlFields values) and clears it.
-extern "C" int trellis_timeline_read(unsigned long long* host) {
-  using namespace trellis;
-  if (cudaMemcpyFromSymbol(host, g_timeline, sizeof(g_timeline)) != cudaSuccess) return -1;
-  static unsigned long long zeros[kTlPhases][kTlMaxCtas][kTlFields];
-  return cudaMemcpyToSymbol(g_timeline, zeros, sizeof(g_timeline)) == cudaSuccess ? 0 : -1;
-}
-#endif
-
 extern "C" int trellis_args_size(void) { return static_cast<int>(sizeof(TrellisMoeArgs)); }
 
 extern "C" const char* trellis_last_error(void) { return g_error; }
@@ -246,7 +230,7 @@ extern "C" int trellis_moe_forward(const TrellisMoeArgs* args, void* stream_hand
   }
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   cudaGetLastError();  // a stale error from unrelated work must not be blamed on this call
-  const bool pdl = device_has_pdl() && !lab_flag(a, TRELLIS_LAB_NO_PDL);
+  const bool pdl = device_has_pdl();
   cudaError_t err = cudaSuccess;
   if (!a.direct) {
     // The call's first kernel, launched without PDL: it starts once the previous call has finished.
@@ -263,17 +247,11 @@ extern "C" int trellis_moe_forward(const TrellisMoeArgs* args, void* stream_hand
     }
   }
   if (err == cudaSuccess) err = launch_gemms(a, gemm_kernels(a), stream, pdl);
-  if (err == cudaSuccess && !lab_flag(a, TRELLIS_LAB_SKIP_SUM)) {
+  if (err == cudaSuccess) {
     dim3 grid(a.m, (a.hidden + 4 * kSumThreads - 1) / (4 * kSumThreads));
     note_launch("top-k sum", kSumThreads, 0);
     err = launch(topk_sum_for(a), grid, kSumThreads, 0, stream, pdl, a);
   }
-#ifdef TRELLIS_LAB
-  // A skipped phase (lab.h) leaves the hand-over counters short of their reset: clear them.
-  if (err == cudaSuccess && trellis::tile_handover(a) &&
-      lab_flag(a, TRELLIS_LAB_SKIP_FC1 | TRELLIS_LAB_SKIP_ACT | TRELLIS_LAB_SKIP_FC2))
-    err = cudaMemsetAsync(a.handover, 0, 3 * sizeof(int) * a.tile_capacity, stream);
-#endif
   if (err != cudaSuccess) {
     snprintf(g_error, sizeof(g_error), "CUDA refused the %s launch (%d threads, %d bytes of dynamic shared memory): %s",
              g_last_launch.kernel, g_last_launch.threads, g_last_launch.smem, cudaGetErrorString(err));

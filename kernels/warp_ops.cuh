@@ -3,8 +3,6 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include "timeline.cuh"
-
 namespace trellis {
 
 // D += A(16x16, row) * B(16x8, col), fp16 operands, fp32 accumulators.
@@ -86,7 +84,6 @@ __device__ __forceinline__ void allow_dependents() {
 }
 __device__ __forceinline__ void after_predecessor() {
   wait_for_predecessor();
-  timeline_waited();
   allow_dependents();
 }
 

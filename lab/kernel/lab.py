@@ -1,15 +1,18 @@
 """The kernel lab: lab builds of the kernel library, loaded and launched with their flags.
 
-For the tools in lab/perf/ and the GPU tests, never for the product. A lab build (kernels/lab.h; the
-"lab" and "timeline" variants of build.py) compiles the same kernels with -DTRELLIS_LAB: its arguments end
-with `lab_flags` and it exports trellis_lab_build. The production loader (abi.load_library) refuses a lab
+For the tools in lab/perf/ and the GPU tests, never for the product. A lab build compiles the product's
+kernels with the lab's hooks patched in (lab/kernel/sources.py: kernels/ + lab/kernel/cuda/hooks.patch +
+lab/kernel/cuda/lab.h, timeline.cuh, single_tu.cu), through the product build's one hook
+(build.BuildExtension), with -DTRELLIS_LAB: its arguments end with `lab_flags` and it exports
+trellis_lab_build. Variants: "lab", every unit as the product has them; "timeline", one codebook's whole
+library as one unit (single_tu.cu) with -DTRELLIS_TIMELINE too. The production loader (abi.load_library) refuses a lab
 build and `load_lab_library` refuses a production one. The flags skip phases of a call (SKIP_*, NO_PDL:
 timing variants, whose results are meaningless) or force a launch shape (FC2_WIDE_SPAN, WGMMA_*: the
 results are unchanged). The timeline variant also stamps when each CTA of each phase starts, returns from
-its wait and ends (kernels/timeline.cuh), read with `read_timeline`.
+its wait and ends (lab/kernel/cuda/timeline.cuh), read with `read_timeline`.
 
     python3 -m lab.kernel.lab [--variant lab|timeline|production] [--arch sm_90] [--codebook mcg]
-                                      [--commands]
+                              [--kernels all|k3k4] [--commands]
 
 builds one library and prints its path; with --commands it prints the nvcc command lines of that build
 instead (build.build_commands, the lines the build runs) and builds nothing.
@@ -29,19 +32,31 @@ from trellis_cli.errors import EXIT_FINDINGS, EXIT_GPU, EXIT_USAGE, CheckFailed,
 from trellis_cli.kernel import abi, build
 from trellis_cli.kernel.launch import FusedMoe
 from trellis_cli.kernel.plan import LaunchPlan
+from lab.kernel.sources import lab_source_dir
 
-# kernels/lab.h TRELLIS_LAB_*
+PRODUCTION = "production"
+# lab/kernel/cuda/lab.h TRELLIS_LAB_*
 SKIP_FC1, SKIP_ACT, SKIP_FC2, SKIP_SUM, SKIP_ROTATE, NO_PDL = 1, 2, 4, 8, 16, 32
 FC2_WIDE_SPAN = 64  # FC2 CTAs of small tiles walk the most output blocks allowed
 WGMMA_NARROW, WGMMA_WIDE = 256, 512  # 128-row tiles on Hopper: the narrow or the wide wgmma kernels
 LAB_VARIANTS = ("lab", "timeline")
-# kernels/timeline.cuh: g_timeline[phase][cta][field], fields start, waited, end, SM, then 4 marks (ns).
+# lab/kernel/cuda/timeline.cuh: g_timeline[phase][cta][field], fields start, waited, end, SM, then 4 marks (ns).
 TIMELINE_PHASES = ("pack", "rotate", "fc1", "act", "fc2", "sum")
 TIMELINE_MAX_CTAS, TIMELINE_FIELDS = 16384, 8
 
 
+def extension(variant: str) -> build.BuildExtension:
+    """What the product build compiles for a lab variant (its sources staged on first use)."""
+    if variant == "lab":
+        return build.BuildExtension("lab", lab_source_dir(), ("-DTRELLIS_LAB",))
+    if variant == "timeline":
+        return build.BuildExtension("timeline", lab_source_dir(), ("-DTRELLIS_LAB", "-DTRELLIS_TIMELINE"),
+                                    single_source="single_tu.cu")
+    raise UsageError(f"unknown lab variant {variant!r}: expected one of {', '.join(LAB_VARIANTS)}")
+
+
 class TrellisLabArgs(ctypes.Structure):
-    """TrellisMoeArgs of a lab build: the production fields, then lab_flags (kernels/abi.h)."""
+    """TrellisMoeArgs of a lab build: the production fields, then lab_flags (hooks.patch, abi.h)."""
 
     _fields_ = list(abi.ARGS_FIELDS) + [("lab_flags", ctypes.c_int32)]
 
@@ -73,7 +88,7 @@ def lab_library(codebook: str = "mcg", *, variant: str = "lab", arch: str | None
     built on first use and loaded once per process."""
     if variant not in LAB_VARIANTS:
         raise CheckFailed(f"unknown lab variant {variant!r}: expected one of {', '.join(LAB_VARIANTS)}")
-    built = build.build_library(arch, codebook, variant=variant, jobs=jobs, log=log)
+    built = build.build_library(arch, codebook, jobs=jobs, log=log, extension=extension(variant))
     if str(built.path) not in _LOADED:
         _LOADED[str(built.path)] = load_lab_library(built.path, built.build_hash, built.arch, built.nvcc_version,
                                                     built.codebook)
@@ -119,18 +134,23 @@ def read_timeline(library: abi.KernelLibrary) -> list[list[tuple[int, ...]]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m lab.kernel.lab", description=__doc__.split("\n")[0])
-    parser.add_argument("--variant", default="lab", choices=(build.PRODUCTION, *LAB_VARIANTS))
+    parser.add_argument("--variant", default="lab", choices=(PRODUCTION, *LAB_VARIANTS))
+    parser.add_argument("--kernels", default="all", choices=tuple(build.KERNEL_SETS),
+                        help="the K-sets (lab variant; the timeline unit holds every kernel)")
     parser.add_argument("--arch", default=None, help="e.g. sm_90 (default: the current GPU's)")
     parser.add_argument("--codebook", default="mcg")
     parser.add_argument("--commands", action="store_true", help="print the nvcc command lines, build nothing")
     args = parser.parse_args(argv)
     try:
+        chosen = None if args.variant == PRODUCTION else extension(args.variant)
         if args.commands:
             arch = args.arch or build.device_arch()
-            for command in build.build_commands(arch, args.codebook, args.variant, nvcc=build.find_nvcc()):
+            for command in build.build_commands(arch, args.codebook, nvcc=build.find_nvcc(), kernels=args.kernels,
+                                                extension=chosen):
                 print(shlex.join(command))
         else:
-            print(build.build_library(args.arch, args.codebook, variant=args.variant, log=print).path)
+            print(build.build_library(args.arch, args.codebook, kernels=args.kernels, log=print,
+                                      extension=chosen).path)
     except TrellisError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_GPU if isinstance(err, GpuUnavailable) else EXIT_USAGE if isinstance(err, UsageError) else EXIT_FINDINGS

@@ -3,7 +3,7 @@
     python3 lab/perf/timeline.py [TL.so] [--m 1,8,64] [--replays 20] [--warm] [--split N] [--dump FILE.json]
 
 Without TL.so it builds (on first use) and runs the timeline lab build of this tree, the mcg library as one
-translation unit with -DTRELLIS_LAB -DTRELLIS_TIMELINE (lab/kernel/lab.py; `python3 -m
+translation unit with -DTRELLIS_LAB -DTRELLIS_TIMELINE (lab/kernel/lab.py, lab/kernel/cuda/; `python3 -m
 lab.kernel.lab --variant timeline [--commands]` builds it, or prints its nvcc command lines).
 Each call runs as a captured CUDA graph on the production shape (glm52-tp4 192/64), cold L2 (replays cycle
 weight copies). The timeline build stamps %globaltimer (ns) when each CTA starts,

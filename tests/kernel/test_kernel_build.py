@@ -18,7 +18,7 @@ import pytest
 
 from conftest import DATA, requires_gpu, requires_nvcc
 from helpers import run_cli
-from trellis_cli.errors import GpuUnavailable
+from trellis_cli.errors import GpuUnavailable, UsageError
 from trellis_cli.kernel import build
 from trellis_cli.kernel.jobs import Job, run_jobs
 
@@ -102,6 +102,40 @@ def test_a_k3k4_library_holds_only_the_k3k4_units_and_is_named_apart():
     assert build.kernels_for([3, 2]) == build.kernels_for([8]) == "all"
 
 
+def test_the_product_sources_carry_no_lab_hooks():
+    # The lab adds its hooks to a copy of kernels/ (lab/kernel/sources.py) through build.BuildExtension; the
+    # sources the wheel ships know nothing of it.
+    hook = re.compile(r"TRELLIS_LAB|TRELLIS_TIMELINE|lab_flag|timeline|single_tu|#\s*include\s+[<\"](?:lab|timeline)\b",
+                      re.I)
+    files = sorted(p for p in build.kernel_source_dir().iterdir() if p.suffix in build.SOURCE_SUFFIXES)
+    assert len(files) > 20
+    assert [(p.name, m.group(0)) for p in files for m in hook.finditer(p.read_text())] == []
+    assert not re.search(r"\blab\b|timeline|VARIANT", Path(build.__file__).read_text(), re.I)
+
+
+def test_a_build_extension_compiles_its_own_sources_under_its_own_names(tmp_path: Path):
+    (tmp_path / "trellis_moe.cu").write_text("// host\n")
+    (tmp_path / "whole.cu").write_text('#include "trellis_moe.cu"\n')
+    product = build.library_units("sm_90", "mcg", kernels="k3k4")
+    extra = build.BuildExtension("probe", tmp_path, ("-DPROBE",))
+    units = build.library_units("sm_90", "mcg", kernels="k3k4", extension=extra)
+    assert [u.name for u in units] == [f"probe-{u.name}" for u in product]
+    assert [u.defines for u in units] == [("-DPROBE", *u.defines) for u in product]
+    commands = build.build_commands("sm_90", "mcg", kernels="k3k4", extension=extra)
+    assert commands[0][-1] == str(tmp_path / "trellis_moe.cu")
+    assert commands[-1][3] == "trellis_moe_probe_k3k4-sm_90-mcg.so"
+    assert build.build_commands("sm_90", "mcg", kernels="k3k4")[0][-1] == str(build.kernel_source_dir() / "trellis_moe.cu")
+    single = build.BuildExtension("whole", tmp_path, ("-DPROBE",), single_source="whole.cu")
+    (unit,) = build.library_units("sm_90", "mcg", extension=single)
+    assert (unit.name, unit.source, unit.defines) == ("whole-mcg", "whole.cu", ("-DPROBE", "-DTRELLIS_UNIT_CODEBOOK=1"))
+    assert unit.seconds == sum(build.UNIT_SECONDS.values())
+    assert build.unit_hash(unit, "sm_90", "13.0", tmp_path) != build.unit_hash(units[0], "sm_90", "13.0", tmp_path)
+    with pytest.raises(UsageError, match="build extension name 'Lab-1'"):
+        build.BuildExtension("Lab-1", tmp_path)
+    with pytest.raises(UsageError, match="no missing.cu in"):
+        build.BuildExtension("whole", tmp_path, single_source="missing.cu")
+
+
 def test_spare_cores_go_to_the_longest_units_as_compiler_threads():
     units = build.library_units("sm_90", "mcg")
     threads = build.unit_threads(units, 16)
@@ -138,7 +172,7 @@ def test_a_change_rehashes_only_the_units_that_include_it(tmp_path: Path):
     assert gemm_sources == sorted(gemm_sources) and gemm_sources[0] == "abi.h"
     # expert_gemm.cuh's parts, followed through the includes
     assert {"expert_gemm.cuh", "gemm_tile.cuh", "copy_pipeline.cuh", "chunk_mma.cuh", "fc1.cuh", "fc2.cuh",
-            "input_rotation.cuh", "lab.h"} <= set(gemm_sources)
+            "input_rotation.cuh", "handover.cuh"} <= set(gemm_sources)
 
 
 def test_jobs_come_from_the_option_the_environment_or_the_cores(monkeypatch, capsys):
@@ -266,7 +300,7 @@ def test_mcg_library_for_sm90_builds_cold_holds_its_kernels_and_is_cached(cache:
 
     loaded = load_library(library, codebook="mcg")  # loading needs no GPU
     assert loaded.wgmma
-    # The production library exports the C ABI of kernels/abi.h and nothing of the lab (kernels/lab.h).
+    # The production library exports the C ABI of kernels/abi.h and nothing of the lab (lab/kernel/cuda/lab.h).
     assert {n for n in exported_functions(library) if n.startswith("trellis_")} == PRODUCTION_EXPORTS
     assert not hasattr(ctypes.CDLL(str(library)), "trellis_timeline_read")
     from lab.kernel.lab import load_lab_library
@@ -309,24 +343,6 @@ def _unit_objects(arch: str, cache: Path, codebooks=build.BUILD_ORDER, kernels: 
         path = cache / "objects" / f"{unit.name}-{arch}-{build.unit_hash(unit, arch, version, build.kernel_source_dir())}.o"
         assert path.is_file(), path
         yield unit, path
-
-
-@requires_nvcc
-@pytest.mark.slow
-def test_timeline_lab_build_holds_the_same_kernels_and_exports_its_reader(cache: Path):
-    # lab/perf/timeline.py runs this build (lab/kernel/lab.py): one codebook in one unit
-    # (kernels/single_tu.cu) with -DTRELLIS_LAB -DTRELLIS_TIMELINE, cached apart from the production library.
-    from trellis_cli.kernel.abi import load_library
-    from lab.kernel.lab import load_lab_library
-
-    built = build.build_library("sm_90", "mcg", variant="timeline")
-    assert built.path.parent == cache and built.path.name.startswith("trellis_moe_timeline-sm_90-mcg-")
-    assert kernel_symbols(built.path) == reference_symbols("sm_90", codebook=1)  # no lab-only kernel
-    exports = {n for n in exported_functions(built.path) if n.startswith("trellis_")}
-    assert exports == PRODUCTION_EXPORTS | {"trellis_lab_build", "trellis_timeline_read"}
-    assert load_lab_library(built.path).lab
-    with pytest.raises(GpuUnavailable, match="is a lab build"):
-        load_library(built.path)
 
 
 @requires_gpu

@@ -18,11 +18,11 @@ file is written under a temporary name and moved into place, so a concurrent or 
 leaves half a file behind. Every failure (no nvcc, no GPU to pick an arch from, a compile error) is a
 GpuUnavailable (exit 4) whose message carries the compiler's output after the first line.
 
-Besides the production library there are two lab variants (lab/kernel/lab.py, kernels/lab.h),
-cached apart from it under names of their own: "lab", the same units compiled with -DTRELLIS_LAB (the
-arguments end with lab flags), and "timeline", one codebook's whole library as one unit (single_tu.cu)
-with -DTRELLIS_LAB -DTRELLIS_TIMELINE, so that every kernel stamps the same timeline. `build_commands`
-gives the nvcc command lines of any variant.
+One hook lets a caller build something else with the same machinery: a BuildExtension names a source
+directory compiled instead of kernels/, defines added to every unit, optionally one source that holds a
+codebook's whole library as a single unit, and a name that its units and library carry, so that they are
+cached apart from the product's. The product passes none; its sources know of no extension.
+`build_commands` gives the nvcc command lines of any build.
 """
 
 from __future__ import annotations
@@ -54,10 +54,7 @@ from trellis_cli.kernel.nvcc import (  # noqa: F401  (re-exported: the build's p
 LIBRARY_STEM = "trellis_moe"
 HOST_SOURCE = "trellis_moe.cu"
 GEMM_SOURCE = "gemm_unit.cu"
-SINGLE_SOURCE = "single_tu.cu"  # the timeline variant: one codebook's whole library in one unit
-PRODUCTION = "production"
-# The defines each variant adds to every unit; a lab variant's units and library carry its name.
-VARIANT_DEFINES = {PRODUCTION: (), "lab": ("-DTRELLIS_LAB",), "timeline": ("-DTRELLIS_LAB", "-DTRELLIS_TIMELINE")}
+SINGLE_UNIT = "single"  # the kind of a unit that holds a codebook's whole library (BuildExtension.single_source)
 SOURCE_SUFFIXES = (".cu", ".cuh", ".h")
 # kernels/gemm_table.h TileFamily and KSet, in their order; wgmma only where the arch has it. The K3/K4
 # kernels and the all-K kernels of a family compile as two units.
@@ -79,20 +76,38 @@ UNIT_SECONDS = {"host": 7.0, "mma16-allk": 18.0, "mma16-k3k4": 6.0, "mma32-allk"
 # narrow and wide), and its all-K kernels split into a few more.
 MAX_UNIT_THREADS = 4
 _INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.M)
+_EXTENSION_NAME = re.compile(r"[a-z][a-z0-9]*")
+
+
+@dataclass(frozen=True)
+class BuildExtension:
+    """Other sources built by the product's machinery, for a caller that instruments the kernels outside the
+    product (docs/kernel.md, "Build extensions"). The product build passes none."""
+
+    name: str  # its units are "<name>-<unit>", its library "trellis_moe_<name>...": cached apart from the product's
+    source_dir: Path  # compiled instead of kernels/
+    defines: tuple[str, ...] = ()  # added to every unit, before the unit's own
+    single_source: str = ""  # if set, a codebook's whole library is this one unit of source_dir
+
+    def __post_init__(self) -> None:
+        if not _EXTENSION_NAME.fullmatch(self.name):
+            raise UsageError(f"build extension name {self.name!r}: expected lower-case letters and digits")
+        if self.single_source and not (Path(self.source_dir) / self.single_source).is_file():
+            raise UsageError(f"build extension {self.name}: no {self.single_source} in {self.source_dir}")
 
 
 @dataclass(frozen=True)
 class Unit:
     """One translation unit of the library."""
 
-    name: str  # "host" or "<codebook>-<family>-<K-set>", e.g. "mcg-mma16-k3k4"; lab units "lab-host", ...
-    source: str  # file in kernels/
+    name: str  # "host" or "<codebook>-<family>-<K-set>", e.g. "mcg-mma16-k3k4"; an extension's "<name>-host", ...
+    source: str  # file in kernels/ (or the extension's source directory)
     defines: tuple[str, ...] = ()
-    kind: str = ""  # the unit without codebook or variant ("host", "mma16-k3k4"): its compile time
+    kind: str = ""  # the unit without codebook or extension ("host", "mma16-k3k4"): its compile time
 
     @property
     def seconds(self) -> float:
-        if self.source == SINGLE_SOURCE:  # every unit of a library at once
+        if self.kind == SINGLE_UNIT:  # every unit of a library at once
             return sum(UNIT_SECONDS.values())
         return UNIT_SECONDS.get(self.kind, max(UNIT_SECONDS.values()))
 
@@ -105,7 +120,7 @@ class BuiltLibrary:
     nvcc_version: str
     cached: bool  # True when an earlier build was reused
     codebook: str = "mcg"  # the codebook whose kernels it holds
-    variant: str = PRODUCTION  # or a lab variant (VARIANT_DEFINES)
+    extension: str = ""  # the BuildExtension's name; "" for the product library
     kernels: str = "all"  # the K-sets it holds (KERNEL_SETS)
 
 
@@ -185,20 +200,15 @@ def kernels_for(tier_bits: Iterable[int]) -> str:
     return "k3k4" if all(k in FAST_K for k in tier_bits) else "all"
 
 
-def check_variant(variant: str) -> str:
-    if variant not in VARIANT_DEFINES:
-        raise UsageError(f"unknown kernel library variant {variant!r}: expected one of {', '.join(VARIANT_DEFINES)}")
-    return variant
-
-
-def library_units(arch: str, codebook: str, variant: str = PRODUCTION, kernels: str = "all") -> list[Unit]:
+def library_units(arch: str, codebook: str, kernels: str = "all", extension: BuildExtension | None = None) -> list[Unit]:
     """The host unit and the codebook's GEMM units: one per tile family the arch runs and K-set of
-    `kernels` (the timeline variant: the whole library as one unit)."""
+    `kernels` (an extension with a single source: the whole library as that one unit)."""
     cb = CODEBOOK_IDS[check_codebook(codebook)]
     k_sets = KERNEL_SETS[check_kernels(kernels)]
-    extra, prefix = VARIANT_DEFINES[check_variant(variant)], "" if variant == PRODUCTION else f"{variant}-"
-    if variant == "timeline":
-        return [Unit(f"{prefix}{codebook}", SINGLE_SOURCE, (*extra, f"-DTRELLIS_UNIT_CODEBOOK={cb}"), "timeline")]
+    extra, prefix = (extension.defines, f"{extension.name}-") if extension else ((), "")
+    if extension and extension.single_source:
+        return [Unit(f"{prefix}{codebook}", extension.single_source, (*extra, f"-DTRELLIS_UNIT_CODEBOOK={cb}"),
+                     SINGLE_UNIT)]
     families = [f for f in TILE_FAMILIES if f != "wgmma" or has_wgmma(arch)]
     return [Unit(f"{prefix}host", HOST_SOURCE, extra, "host")] + [
         Unit(f"{prefix}{codebook}-{family}-{kset}", GEMM_SOURCE,
@@ -208,22 +218,26 @@ def library_units(arch: str, codebook: str, variant: str = PRODUCTION, kernels: 
     ]
 
 
-def library_stem(variant: str, kernels: str = "all") -> str:
-    """trellis_moe, or trellis_moe_lab / trellis_moe_timeline: a lab library never takes a production name;
+def library_stem(kernels: str = "all", extension: BuildExtension | None = None) -> str:
+    """trellis_moe, or trellis_moe_<extension name>: an extension's library never takes the product's name;
     a library of the K3/K4 kernels alone ends in _k3k4."""
-    stem = LIBRARY_STEM if variant == PRODUCTION else f"{LIBRARY_STEM}_{check_variant(variant)}"
+    stem = f"{LIBRARY_STEM}_{extension.name}" if extension else LIBRARY_STEM
     return stem if check_kernels(kernels) == "all" else f"{stem}_{kernels}"
 
 
-def build_commands(arch: str, codebook: str = "mcg", variant: str = PRODUCTION, nvcc: str = "nvcc",
-                   source_dir: Path | None = None, kernels: str = "all") -> list[list[str]]:
+def source_dir_of(extension: BuildExtension | None) -> Path:
+    return Path(extension.source_dir) if extension else kernel_source_dir()
+
+
+def build_commands(arch: str, codebook: str = "mcg", nvcc: str = "nvcc", kernels: str = "all",
+                   extension: BuildExtension | None = None) -> list[list[str]]:
     """The nvcc command lines that build one library: one compile per unit (into <unit>.o), then the link
     (into <library stem>.so), as build_library runs them."""
-    target, directory = normalize_arch(arch), source_dir or kernel_source_dir()
-    units = library_units(target, codebook, variant, kernels)
+    target, directory = normalize_arch(arch), source_dir_of(extension)
+    units = library_units(target, codebook, kernels, extension)
     objects = [Path(f"{u.name}.o") for u in units]
     return ([compile_command(nvcc, target, u, directory, o) for u, o in zip(units, objects)]
-            + [link_command(nvcc, objects, Path(f"{library_stem(variant, kernels)}-{target}-{codebook}.so"))])
+            + [link_command(nvcc, objects, Path(f"{library_stem(kernels, extension)}-{target}-{codebook}.so"))])
 
 
 def unit_sources(source_dir: Path, source: str) -> list[str]:
@@ -259,25 +273,24 @@ def unit_hash(unit: Unit, arch: str, version: str, source_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def build_library(arch: str | None = None, codebook: str = "mcg", *, variant: str = PRODUCTION,
-                  kernels: str = "all", jobs: int | None = None, force: bool = False,
-                  log: Callable[[str], None] | None = None) -> BuiltLibrary:
+def build_library(arch: str | None = None, codebook: str = "mcg", *, kernels: str = "all", jobs: int | None = None,
+                  force: bool = False, log: Callable[[str], None] | None = None,
+                  extension: BuildExtension | None = None) -> BuiltLibrary:
     """The kernel library of `codebook` for `arch` (default: the current GPU's), building what is not cached."""
-    return build_libraries(arch, (codebook,), variant=variant, kernels=kernels, jobs=jobs, force=force,
-                           log=log).libraries[0]
+    return build_libraries(arch, (codebook,), kernels=kernels, jobs=jobs, force=force, log=log,
+                           extension=extension).libraries[0]
 
 
-def build_libraries(arch: str | None = None, codebooks: Iterable[str] = BUILD_ORDER, *, variant: str = PRODUCTION,
-                    kernels: str = "all", jobs: int | None = None, force: bool = False,
-                    log: Callable[[str], None] | None = None) -> BuildReport:
+def build_libraries(arch: str | None = None, codebooks: Iterable[str] = BUILD_ORDER, *, kernels: str = "all",
+                    jobs: int | None = None, force: bool = False, log: Callable[[str], None] | None = None,
+                    extension: BuildExtension | None = None) -> BuildReport:
     """One library per codebook, their units compiled together (shared ones once), then each linked."""
     started = time.monotonic()
-    check_variant(variant)
     check_kernels(kernels)
     target = normalize_arch(arch) if arch else device_arch()
     codebooks = list(dict.fromkeys(check_codebook(c) for c in codebooks))
     parallel = build_jobs(jobs)
-    source_dir, nvcc = kernel_source_dir(), find_nvcc()
+    source_dir, nvcc = source_dir_of(extension), find_nvcc()
     version = nvcc_version(nvcc)
     directory = cache_dir()
     objects = directory / "objects"
@@ -285,13 +298,13 @@ def build_libraries(arch: str | None = None, codebooks: Iterable[str] = BUILD_OR
         objects.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise GpuUnavailable(f"cannot create the kernel cache directory {objects}: {err}") from None
-    per_library = {c: library_units(target, c, variant, kernels) for c in codebooks}
+    per_library = {c: library_units(target, c, kernels, extension) for c in codebooks}
     paths: dict[Unit, Path] = {}
     for unit in (u for units in per_library.values() for u in units):
         paths.setdefault(unit, objects / f"{unit.name}-{target}-{unit_hash(unit, target, version, source_dir)}.o")
     missing = [u for u, p in paths.items() if force or not p.is_file() or not record_path(p).is_file()]
     _compile_units(nvcc, target, source_dir, missing, paths, parallel, log, started)
-    libraries = [_link(nvcc, target, version, c, variant, kernels, [paths[u] for u in per_library[c]], directory,
+    libraries = [_link(nvcc, target, version, c, extension, kernels, [paths[u] for u in per_library[c]], directory,
                        force) for c in codebooks]
     if log and missing:
         log(f"kernel build for {target} done in {_clock(time.monotonic() - started)}")
@@ -365,15 +378,16 @@ def _merge_records(objects: list[Path], library: Path, arch: str) -> None:
         raise GpuUnavailable(f"cannot record the resource usage of {library.name}: {err}") from None
 
 
-def _link(nvcc: str, arch: str, version: str, codebook: str, variant: str, kernels: str, objects: list[Path],
-          directory: Path, force: bool) -> BuiltLibrary:
+def _link(nvcc: str, arch: str, version: str, codebook: str, extension: BuildExtension | None, kernels: str,
+          objects: list[Path], directory: Path, force: bool) -> BuiltLibrary:
     key = hashlib.sha256("|".join((*[p.name for p in objects], *link_command("nvcc", [], Path()))).encode())
     build_hash = key.hexdigest()[:16]
-    path = directory / f"{library_stem(variant, kernels)}-{arch}-{codebook}-{build_hash}.so"
+    path = directory / f"{library_stem(kernels, extension)}-{arch}-{codebook}-{build_hash}.so"
+    name = extension.name if extension else ""
     if path.is_file() and not force:
         if not record_path(path).is_file():
             _merge_records(objects, path, arch)
-        return BuiltLibrary(path, arch, build_hash, version, cached=True, codebook=codebook, variant=variant,
+        return BuiltLibrary(path, arch, build_hash, version, cached=True, codebook=codebook, extension=name,
                             kernels=kernels)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".so.tmp", dir=directory)
     os.close(fd)
@@ -383,7 +397,7 @@ def _link(nvcc: str, arch: str, version: str, codebook: str, variant: str, kerne
     finally:
         Path(tmp).unlink(missing_ok=True)
     _merge_records(objects, path, arch)
-    return BuiltLibrary(path, arch, build_hash, version, cached=False, codebook=codebook, variant=variant,
+    return BuiltLibrary(path, arch, build_hash, version, cached=False, codebook=codebook, extension=name,
                         kernels=kernels)
 
 

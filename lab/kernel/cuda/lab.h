@@ -1,10 +1,9 @@
-// The lab build of the kernel library (-DTRELLIS_LAB; lab/kernel/lab.py builds and loads it):
+// The lab build of the kernel library (-DTRELLIS_LAB; lab/kernel/lab.py builds and loads it). It compiles the
+// product's kernels/ with lab/kernel/cuda/hooks.patch applied and this directory's files added
+// (lab/kernel/sources.py); the product's sources include none of them.
 // TrellisMoeArgs then ends with `lab_flags`, which skip phases of a call (timing variants: the results
 // are then meaningless) or force a launch shape (comparisons and tests: the results are unchanged), and
 // the library exports trellis_lab_build. The timeline (timeline.cuh) is a lab build too.
-//
-// In the production library lab_flag is the constant false: no branch on a flag is compiled, the
-// arguments carry no flags, and no lab symbol is exported.
 #pragma once
 #include "abi.h"
 
@@ -23,7 +22,7 @@
 
 namespace trellis {
 
-// Whether the call sets any of `flags`: always false in the production library.
+// Whether the call sets any of `flags` (false without -DTRELLIS_LAB).
 __host__ __device__ __forceinline__ bool lab_flag(const TrellisMoeArgs& a, int flags) {
 #ifdef TRELLIS_LAB
   return (a.lab_flags & flags) != 0;

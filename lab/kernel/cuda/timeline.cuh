@@ -1,7 +1,7 @@
 // The timeline lab build only (-DTRELLIS_LAB -DTRELLIS_TIMELINE, one translation unit: single_tu.cu;
 // lab/kernel/lab.py): when each CTA of each phase started, returned from its wait on the previous
-// kernel, and ended, read with %globaltimer (ns) and exported by trellis_timeline_read. Without the flag
-// every hook below compiles to nothing, so the production library is unchanged.
+// kernel, and ended, read with %globaltimer (ns) and exported by trellis_timeline_read. The stamps are
+// placed by hooks.patch; without -DTRELLIS_TIMELINE (the plain lab build) each compiles to nothing.
 #pragma once
 #include <stdint.h>
 
@@ -13,8 +13,8 @@ namespace trellis {
 
 enum TimelinePhase { kTlPack, kTlRotate, kTlFc1, kTlAct, kTlFc2, kTlSum, kTlPhases };
 
-// The GPU's global clock in ns (also the hand-over's wait limit, handover.cuh).
-__device__ __forceinline__ unsigned long long global_ns() {
+// The GPU's global clock in ns.
+__device__ __forceinline__ unsigned long long timeline_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
   return t;
@@ -41,21 +41,21 @@ struct TimelineScope {
       unsigned sm;
       asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
       timeline_phase() = phase;
-      g_timeline[phase][timeline_cta()][0] = global_ns();
+      g_timeline[phase][timeline_cta()][0] = timeline_ns();
       g_timeline[phase][timeline_cta()][3] = sm;
     }
   }
   __device__ ~TimelineScope() {
-    if ((threadIdx.x & 31) == 0) atomicMax(&g_timeline[phase_][timeline_cta()][2], global_ns());
+    if ((threadIdx.x & 31) == 0) atomicMax(&g_timeline[phase_][timeline_cta()][2], timeline_ns());
   }
 };
 #define TRELLIS_TIMELINE_SCOPE(phase) const TimelineScope timeline_scope_(phase)
 // Thread 0 wrote the phase itself (TimelineScope), so it reads it back without a barrier.
 __device__ __forceinline__ void timeline_waited() {
-  if (threadIdx.x == 0) g_timeline[timeline_phase()][timeline_cta()][1] = global_ns();
+  if (threadIdx.x == 0) g_timeline[timeline_phase()][timeline_cta()][1] = timeline_ns();
 }
 __device__ __forceinline__ void timeline_mark(int i) {
-  if (threadIdx.x == 0) g_timeline[timeline_phase()][timeline_cta()][4 + i] = global_ns();
+  if (threadIdx.x == 0) g_timeline[timeline_phase()][timeline_cta()][4 + i] = timeline_ns();
 }
 #else
 #define TRELLIS_TIMELINE_SCOPE(phase) ((void)0)
