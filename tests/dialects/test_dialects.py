@@ -207,3 +207,19 @@ def test_the_name_check_sees_each_form(tmp_path):
     sample.write_text('from m import DIALECT_R7\nif ck.dialect == "x": pass\nif doc["dialect"] == y: pass\n'
                       'if kind in ("exl3-v1", "tr3"): pass\n')
     assert len(_dialect_comparisons(sample)) == 4
+
+
+def test_every_conversion_names_its_targets_writer_in_the_targets_package():
+    """The (from, to) table: each row's writer is a module of the target dialect's own package."""
+    import importlib
+
+    from trellis_cli.dialects import registry
+
+    rows = registry.conversions()
+    assert {row.target for row in rows} == set(registry.targets())
+    for row in rows:
+        target = next(d for d in registry.DIALECTS if d.target == row.target)
+        package = type(target).__module__
+        assert row.writer.startswith(package + "."), (row, package)
+        importlib.import_module(row.writer)
+        assert registry.conversion(row.source, row.target) == row.driver

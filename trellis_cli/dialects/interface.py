@@ -10,7 +10,8 @@ docs/architecture.md ("Dialects") shows this page and how to add a dialect.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
 
 from trellis_cli.checkpoint.model import Checkpoint, VectorRef
 from trellis_cli.findings import Location, Report
@@ -66,6 +67,17 @@ class CheckRequest:
     checksum_progress: Callable[[int], None] | None = None
 
 
+class StagedOutput(Protocol):
+    """What a dialect's writer is handed by repack: the staged tree that becomes OUT. Repack owns the staging
+    (OUT.partial, its lock, resume, the move into place); the writer only asks it where each file goes."""
+
+    path: Path  # the staged tree
+
+    def file(self, name: str, what: str = "output file") -> Path:
+        """The path of `name` in the tree: a plain name under it (else a `path.escape` refusal), folder made."""
+        ...
+
+
 class Dialect:
     """One on-disk format. Subclasses set the traits and override what they own."""
 
@@ -87,6 +99,9 @@ class Dialect:
     container_notes: dict[str, str] = {}  # family -> why it does not, where that says more than the default
     # Conversions this dialect writes: source dialect name -> the repack driver that writes it.
     converts_from: dict[str, str] = {}
+    # The module of this package that lays out a conversion's output (which files, tensors and declarations it
+    # holds), handed the staged tree by repack's driver; set wherever `converts_from` is.
+    writer: str | None = None
 
     def detect(self, probe: Probe) -> DialectInfo | None:
         """This dialect's DialectInfo when the metadata says so, None when it is not this dialect; raise

@@ -29,6 +29,7 @@ class Exl3v1Dialect(Dialect):
     publisher_digests = True  # a Hub file's LFS sha256 is the layer file's digest too
     read_by = frozenset({B12X, VLLM_MANIFEST})
     container_notes = {VLLM: "exl3-v1 is b12x's container"}
+    writer = "trellis_cli.dialects.exl3v1.write"
     converts_from = {DIALECT_TR3_PER_EXPERT: "tr3-to-exl3-v1", DIALECT_TR3_SHARED_H: "tr3-to-exl3-v1"}
 
     def detect(self, probe: Probe) -> DialectInfo | None:

@@ -21,6 +21,7 @@ class RoutePackDialect(Dialect):
     target = "route-pack"
     described_as = "a trellis route pack"
     inspect_view = "route-pack"
+    writer = "trellis_cli.dialects.routepack.write"
     tensor_data = False  # every file's sha256 is compared with the manifest instead (NOTE)
     records_hashes = True
     container_notes = {VLLM: "a route pack is trellis' own layout (repack --to tr3 rebuilds the served one)"}

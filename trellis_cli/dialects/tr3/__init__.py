@@ -17,6 +17,7 @@ class Tr3Dialect(Dialect):
     target = "tr3"
     shard_rules = True
     hybrid_tr3_tail = True
+    writer = "trellis_cli.dialects.tr3.write"
     default_engine = NEWEST_RANK_SLICED
     read_by = frozenset({VLLM, VLLM_R7})
 

@@ -24,7 +24,7 @@ from trellis_cli.formats.exl3v1_schema import (MANIFEST_FILE, PER_EXPERT_PAIR, S
 from trellis_cli.dialects.exl3v1.write import layer_file_name, row_stride, write_layer, write_manifest
 from trellis_cli.routepack.pack import HIDDEN_SIDE, expected_hidden, expected_intermediate, layer_tiers, pack_layer
 from trellis_cli.routepack.plan import parse_selection, rank_pieces
-from trellis_cli.repack.readback import same_bits
+from trellis_cli.routepack.compare import same_bits
 from trellis_cli.repack.result import RepackResult, Validator
 from trellis_cli.repack.source_facts import SourceHashes, protected_paths, vector_ndim
 from trellis_cli.routepack.source_bytes import TensorReader
