@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from trellis_cli.checkpoint.model import DIALECT_R7
 from trellis_cli.dialects.detect import r7_info
-from trellis_cli.dialects.interface import EXLLAMAV3, VLLM, VLLM_R7, Dialect, DialectInfo, Probe
+from trellis_cli.dialects.interface import EXLLAMAV3, VLLM, VLLM_R7, CheckRequest, Dialect, DialectInfo, Probe
 
 
 class R7Dialect(Dialect):
@@ -23,6 +23,14 @@ class R7Dialect(Dialect):
 
     def detect(self, probe: Probe) -> DialectInfo | None:
         return r7_info(probe)
+
+
+    def check(self, ckpt, request: CheckRequest, report) -> None:
+        """Its K maps and the eager start its metadata gets (rules.py); the shard rules run besides."""
+        from trellis_cli.dialects.r7.rules import check_eager, check_r7_maps
+
+        report.extend(check_r7_maps(ckpt))
+        report.extend(check_eager(ckpt))
 
 
 DIALECT = R7Dialect()
