@@ -223,3 +223,21 @@ def test_every_conversion_names_its_targets_writer_in_the_targets_package():
         assert row.writer.startswith(package + "."), (row, package)
         importlib.import_module(row.writer)
         assert registry.conversion(row.source, row.target) == row.driver
+
+
+@pytest.mark.parametrize("which", ["sample", "exl3v1", "route_pack"])
+def test_a_file_linking_out_of_any_dialect_is_the_one_name_finding(capsys, request, tmp_path, which):
+    """One name rule for every dialect: a listed file whose link leads outside the checkpoint is path.escape
+    (never read), a dangling link path.dangling, the same words whichever dialect holds them."""
+    source = sample_path("tr3") if which == "sample" else request.getfixturevalue(which)
+    ckpt = _copy(source, tmp_path)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not part of the checkpoint\n", encoding="utf-8")
+    (ckpt / "notes.txt").symlink_to(outside)
+    (ckpt / "gone.txt").symlink_to("absent.txt")  # inside the directory, to nothing
+    code, doc = _json(capsys, str(ckpt))
+    found = {(f["code"], f["location"]["file"], f["message"]) for f in doc["findings"]
+             if f["code"].startswith("path.")}
+    assert code == 1
+    assert found == {("path.escape", "notes.txt", "file resolves outside the checkpoint directory (symlink)"),
+                     ("path.dangling", "gone.txt", "file is a dangling link (or a symlink loop)")}, found

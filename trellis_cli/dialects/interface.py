@@ -135,6 +135,11 @@ class Dialect:
             for ref in fields.values():
                 yield VectorRef(Location(layer=layer, tensor=ref.name), "suh", ref)
 
+    def names_reported(self, ckpt: Checkpoint) -> set[str]:
+        """Files whose names its opening or its own rules already check (validate's shared name rule leaves them
+        out); by default the safetensors shards, which the shared shard reader checks before reading a header."""
+        return {name for name in ckpt.files if name.endswith(".safetensors")}
+
     def declared_layers(self, ckpt: Checkpoint) -> list[int]:
         """The MoE layers `--layers` may name."""
         return list(ckpt.layers)

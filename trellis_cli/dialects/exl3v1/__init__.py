@@ -74,6 +74,12 @@ class Exl3v1Dialect(Dialect):
             for expert in range(ref.shape[0]):
                 yield VectorRef(Location(ref.file, layer, expert, proj, None, f"{table}[{expert}]"), kind, ref, expert)
 
+    def names_reported(self, ckpt) -> set[str]:
+        """The layer files its manifest names, checked while opening (container.py)."""
+        from trellis_cli.dialects.exl3v1.container import container
+
+        return {layer.file for layer in container(ckpt).layers.values()}
+
     def hashes_by_default(self, ckpt) -> bool:
         """The manifest records each layer file's sha256: compared whenever the bytes are local."""
         return getattr(ckpt.source, "root", None) is not None

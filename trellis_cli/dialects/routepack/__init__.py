@@ -36,6 +36,12 @@ class RoutePackDialect(Dialect):
 
         return declared_layers(ckpt.declared.get("manifest"))
 
+    def names_reported(self, ckpt) -> set[str]:
+        """Every file its manifest lists: the verification against the manifest checks each (verify.py)."""
+        manifest = ckpt.declared.get("manifest")
+        files = manifest.get("files") if isinstance(manifest, dict) else None
+        return {name for name in files if isinstance(name, str)} if isinstance(files, dict) else set()
+
     def check(self, ckpt, request: CheckRequest, report) -> None:
         """Every file against the manifest repack wrote, hashes included: always, --checksums or not (one read
         of the directory; hashing is the only check that sees a flipped byte inside tensor data)."""
