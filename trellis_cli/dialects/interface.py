@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
-from trellis_cli.checkpoint.model import Checkpoint, VectorRef
+from trellis_cli.checkpoint.model import Checkpoint, MoeLayer, VectorRef
 from trellis_cli.findings import Location, Report
 
 # The loader families of the engine profiles (validate/engines.py): whose container reader is asked.
@@ -52,6 +52,17 @@ class ContainerRefusal:
     message: str
     expected: str | None = None
     found: str | None = None  # None: the checkpoint's dialect name
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How a per-linear dialect stores one MoE layer's expert tensors: its answer to validate's shared shard rules
+    (rules_tensors), which hold for every such dialect and ask this instead of a name or a trait."""
+
+    rank_sliced: bool = False  # every linear under .rank{r}. for each rank of tp, one K per expert, a fixed count
+    shared_h: bool = False  # hidden-side vectors once per (projection, rank) in experts.shared_h (shared_h_v1)
+    r7_shared: bool = False  # hidden-side vectors in experts.r7_shared (R7 v2), not under each linear
+    k_declared_by: str = "the declared K map"  # how a message names a per-projection K declaration
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,10 @@ class Dialect:
 
         The shared rules (validate's shard rules where `shard_rules`, the data and hash rules of every dialect)
         run besides these."""
+
+    def shard_layout(self, ckpt: Checkpoint, layer: MoeLayer) -> ShardLayout:
+        """How MoE layer `layer` stores its per-linear expert tensors (where `shard_rules`)."""
+        return ShardLayout()
 
     def vectors(self, ckpt: Checkpoint, layer: int) -> Iterator[VectorRef]:
         """Every suh / svh vector of MoE layer `layer`, for the shared data rules; by default those of the

@@ -111,7 +111,8 @@ class Tr3Output:
 
     def claims(self) -> list[tuple[str, str]]:
         """Every name this output writes, with what it is (repack refuses two claims on one name)."""
-        claims = [(CONFIG, "the TR3 config.json"), (INDEX_NAME, "the TR3 index"), (CHECKSUM_MANIFEST, "the TR3 MANIFEST.sha256")]
+        claims = [(CONFIG, "the TR3 config.json"), (INDEX_NAME, "the TR3 index"),
+                  (CHECKSUM_MANIFEST, "the TR3 MANIFEST.sha256")]
         for shard in self.all_shards():
             layers = self.shards.get(shard, [])
             claims.append((shard, f"the TR3 shard of layers {layers}" if layers else f"the non-expert tensors of "
