@@ -24,7 +24,6 @@ from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.routepack import carry
 from trellis_cli.routepack.layer_file import write_layer_pack
 from trellis_cli.repack.lock import StageLock
-from trellis_cli.repack.out_paths import output_path
 from trellis_cli.routepack.pack import Arena, layer_tiers, pack_layer
 from trellis_cli.routepack.plan import LayerRankJob, RepackPlan, make_plan
 from trellis_cli.repack.readback import check_layer_file
@@ -316,7 +315,7 @@ class _RoutePackRun:
         self._local.arena = arena  # one per worker thread: peak memory = jobs x one layer-rank
         pack = pack_layer(self.ck, job.layer, job.rank, tp=self.plan.target_tp,
                           shared_h=True if self.opt.shared_h else None, reader=reader, arena=arena)
-        path = output_path(stage.path, job.file)
+        path = stage.file(job.file, f"the layer file of layer {job.layer} rank {job.rank}")
         write_layer_pack(path, pack, on_bytes=self.on_bytes, durable=False)  # synced once in _finish
         del pack
         digest = check_layer_file(path, self.ck, job.layer, job.rank, tp=self.plan.target_tp,

@@ -217,10 +217,11 @@ def tr3_to_exl3v1(ck: Checkpoint, out: Path, options, validator: Validator, *, o
             for li in layers:
                 name, sources = layer_file_name(li), hashes.of(ck.layers[li].files)
                 if not stage.completed(name, sources):
-                    write_converted_layer(ck, m, li, tiers[li], stage.path / name, on_bytes or (lambda _n: None))
-                    stage.record(name, file_entry(stage.path / name), sources)
+                    path = stage.file(name, f"the exl3-v1 file of layer {li}")
+                    write_converted_layer(ck, m, li, tiers[li], path, on_bytes or (lambda _n: None))
+                    stage.record(name, file_entry(path), sources)
                     result.files_written += 1
-                    result.bytes_written += (stage.path / name).stat().st_size
+                    result.bytes_written += path.stat().st_size
                 else:
                     result.files_resumed += 1
                 m.layers[li] = LayerEntry(name, stage.done[name]["sha256"])

@@ -31,7 +31,6 @@ from trellis_cli.routepack.plan import LayerRankJob, parse_selection
 from trellis_cli.repack.result import RepackResult, Validator, check_source
 from trellis_cli.repack.source_facts import SourceHashes, fingerprint, protected_paths
 from trellis_cli.repack.lock import StageLock
-from trellis_cli.repack.out_paths import output_path
 from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.repack.staging import (Stage, announce, check_free_space, check_target, refuse_collisions,
                                         refuse_overlap, stage_path)
@@ -129,7 +128,7 @@ class _Exl3RoutePack:
                     result.files_resumed += 1
                     self.on_bytes(job.bytes)
                     continue
-                path = output_path(stage.path, job.file)
+                path = stage.file(job.file, f"the layer file of layer {job.layer} rank {job.rank}")
                 pack = exl3v1_pack(self.ck, job.layer, job.rank, self.tp, reader)
                 write_layer_pack(path, pack, on_bytes=self.on_bytes, durable=False)  # synced once in _finish
                 del pack
