@@ -207,3 +207,37 @@ def test_the_name_check_sees_each_form(tmp_path):
     sample.write_text('from m import DIALECT_R7\nif ck.dialect == "x": pass\nif doc["dialect"] == y: pass\n'
                       'if kind in ("exl3-v1", "tr3"): pass\n')
     assert len(_dialect_comparisons(sample)) == 4
+
+
+def test_every_conversion_names_its_targets_writer_in_the_targets_package():
+    """The (from, to) table: each row's writer is a module of the target dialect's own package."""
+    import importlib
+
+    from trellis_cli.dialects import registry
+
+    rows = registry.conversions()
+    assert {row.target for row in rows} == set(registry.targets())
+    for row in rows:
+        target = next(d for d in registry.DIALECTS if d.target == row.target)
+        package = type(target).__module__
+        assert row.writer.startswith(package + "."), (row, package)
+        importlib.import_module(row.writer)
+        assert registry.conversion(row.source, row.target) == row.driver
+
+
+@pytest.mark.parametrize("which", ["sample", "exl3v1", "route_pack"])
+def test_a_file_linking_out_of_any_dialect_is_the_one_name_finding(capsys, request, tmp_path, which):
+    """One name rule for every dialect: a listed file whose link leads outside the checkpoint is path.escape
+    (never read), a dangling link path.dangling, the same words whichever dialect holds them."""
+    source = sample_path("tr3") if which == "sample" else request.getfixturevalue(which)
+    ckpt = _copy(source, tmp_path)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not part of the checkpoint\n", encoding="utf-8")
+    (ckpt / "notes.txt").symlink_to(outside)
+    (ckpt / "gone.txt").symlink_to("absent.txt")  # inside the directory, to nothing
+    code, doc = _json(capsys, str(ckpt))
+    found = {(f["code"], f["location"]["file"], f["message"]) for f in doc["findings"]
+             if f["code"].startswith("path.")}
+    assert code == 1
+    assert found == {("path.escape", "notes.txt", "file resolves outside the checkpoint directory (symlink)"),
+                     ("path.dangling", "gone.txt", "file is a dangling link (or a symlink loop)")}, found

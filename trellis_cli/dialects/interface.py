@@ -10,9 +10,10 @@ docs/architecture.md ("Dialects") shows this page and how to add a dialect.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
 
-from trellis_cli.checkpoint.model import Checkpoint, VectorRef
+from trellis_cli.checkpoint.model import Checkpoint, MoeLayer, VectorRef
 from trellis_cli.findings import Location, Report
 
 # The loader families of the engine profiles (validate/engines.py): whose container reader is asked.
@@ -54,6 +55,17 @@ class ContainerRefusal:
 
 
 @dataclass(frozen=True)
+class ShardLayout:
+    """How a per-linear dialect stores one MoE layer's expert tensors: its answer to validate's shared shard rules
+    (rules_tensors), which hold for every such dialect and ask this instead of a name or a trait."""
+
+    rank_sliced: bool = False  # every linear under .rank{r}. for each rank of tp, one K per expert, a fixed count
+    shared_h: bool = False  # hidden-side vectors once per (projection, rank) in experts.shared_h (shared_h_v1)
+    r7_shared: bool = False  # hidden-side vectors in experts.r7_shared (R7 v2), not under each linear
+    k_declared_by: str = "the declared K map"  # how a message names a per-projection K declaration
+
+
+@dataclass(frozen=True)
 class CheckRequest:
     """One validation as a dialect's own rules see it; `layers` is the selection, already checked present."""
 
@@ -64,6 +76,17 @@ class CheckRequest:
     known_digests: dict[str, str] = field(default_factory=dict)  # sha256 already found this run (file -> hex)
     progress: Callable[[str, int, int], None] | None = None
     checksum_progress: Callable[[int], None] | None = None
+
+
+class StagedOutput(Protocol):
+    """What a dialect's writer is handed by repack: the staged tree that becomes OUT. Repack owns the staging
+    (OUT.partial, its lock, resume, the move into place); the writer only asks it where each file goes."""
+
+    path: Path  # the staged tree
+
+    def file(self, name: str, what: str = "output file") -> Path:
+        """The path of `name` in the tree: a plain name under it (else a `path.escape` refusal), folder made."""
+        ...
 
 
 class Dialect:
@@ -87,6 +110,9 @@ class Dialect:
     container_notes: dict[str, str] = {}  # family -> why it does not, where that says more than the default
     # Conversions this dialect writes: source dialect name -> the repack driver that writes it.
     converts_from: dict[str, str] = {}
+    # The module of this package that lays out a conversion's output (which files, tensors and declarations it
+    # holds), handed the staged tree by repack's driver; set wherever `converts_from` is.
+    writer: str | None = None
 
     def detect(self, probe: Probe) -> DialectInfo | None:
         """This dialect's DialectInfo when the metadata says so, None when it is not this dialect; raise
@@ -102,6 +128,10 @@ class Dialect:
 
         The shared rules (validate's shard rules where `shard_rules`, the data and hash rules of every dialect)
         run besides these."""
+
+    def shard_layout(self, ckpt: Checkpoint, layer: MoeLayer) -> ShardLayout:
+        """How MoE layer `layer` stores its per-linear expert tensors (where `shard_rules`)."""
+        return ShardLayout()
 
     def vectors(self, ckpt: Checkpoint, layer: int) -> Iterator[VectorRef]:
         """Every suh / svh vector of MoE layer `layer`, for the shared data rules; by default those of the
@@ -119,6 +149,11 @@ class Dialect:
         for fields in moe.shared_h.values():
             for ref in fields.values():
                 yield VectorRef(Location(layer=layer, tensor=ref.name), "suh", ref)
+
+    def names_reported(self, ckpt: Checkpoint) -> set[str]:
+        """Files whose names its opening or its own rules already check (validate's shared name rule leaves them
+        out); by default the safetensors shards, which the shared shard reader checks before reading a header."""
+        return {name for name in ckpt.files if name.endswith(".safetensors")}
 
     def declared_layers(self, ckpt: Checkpoint) -> list[int]:
         """The MoE layers `--layers` may name."""

@@ -6,6 +6,8 @@ DIALECTS. Order is detection order: the first dialect whose metadata claims the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects import exl3, exl3v1, r7, routepack, tr3
 from trellis_cli.dialects.detect import not_understood
@@ -52,6 +54,23 @@ def storage_of(ckpt: Checkpoint) -> str:
 def targets() -> list[str]:
     """What `repack --to` accepts: every dialect that is a conversion target."""
     return list(dict.fromkeys(d.target for d in DIALECTS if d.target))
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """One row of the conversion table: `repack --to target` from a `source` checkpoint, run by repack's
+    `driver` (staging, lock, resume) with the target dialect's `writer` module laying out the output."""
+
+    source: str
+    target: str
+    driver: str
+    writer: str
+
+
+def conversions() -> list[Conversion]:
+    """The table keyed by (from, to), as the target dialects declare it."""
+    return [Conversion(source, d.target, driver, d.writer or "") for d in DIALECTS if d.target
+            for source, driver in d.converts_from.items()]
 
 
 def conversion(source: str, target: str) -> str | None:

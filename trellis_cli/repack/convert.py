@@ -1,8 +1,9 @@
 """Conversions that write the TR3 layout (`--to tr3`): from a route pack, or from TR3 with --tp/--shared-h.
 
-A TR3 shard holds every rank of its layers (tr3_output.py decides which layers and non-expert tensors go
-where, tr3_shard.py writes one rank by rank from one LayerPack at a time). After each shard is written it is
-read back and compared bit for bit with the packs and the source tensors it came from; nothing is ever
+A TR3 shard holds every rank of its layers. The TR3 writer (dialects/tr3/write.py) decides which layers and
+non-expert tensors go where and writes each shard rank by rank from one LayerPack at a time (dialects/tr3/
+shard.py); tr3_output.py stages the run. After each shard is written it is read back and compared bit for bit
+with the packs and the source tensors it came from; nothing is ever
 rounded, so a conversion either is exact or is refused.
 """
 
@@ -17,13 +18,14 @@ from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.formats.route_pack import layer_file_name
 from trellis_cli.header import read_local_header
 from trellis_cli.id_ranges import expand_ranges
-from trellis_cli.repack import carry
+from trellis_cli.routepack import carry
 from trellis_cli.routepack.layer_file import read_layer_pack
 from trellis_cli.routepack.pack import layer_tiers, pack_layer
 from trellis_cli.routepack.plan import parse_selection, rank_pieces, resolve_target_tp
 from trellis_cli.repack.source_facts import CONFIG, NOT_COPIED, SourceHashes, has_experts, protected_paths, vector_ndim
-from trellis_cli.repack.tr3_output import Tr3Output, Tr3Run, assign_shards, fingerprint_options, restored_config
-from trellis_cli.repack.tr3_shard import Tr3Layer
+from trellis_cli.dialects.tr3.shard import Tr3Layer
+from trellis_cli.dialects.tr3.write import Tr3Output, assign_shards, restored_config
+from trellis_cli.repack.tr3_output import Tr3Run, fingerprint_options
 from trellis_cli.routepack import manifest as mf
 from trellis_cli.repack.result import check_output
 from trellis_cli.sources import LocalSource

@@ -25,27 +25,13 @@ from trellis_cli.routepack.pack import (
     expected_hidden, expected_intermediate, expected_trellis, layer_tiers, linear_slice, source_is_shared_h,
 )
 from trellis_cli.routepack.plan import is_identity, rank_pieces
+from trellis_cli.routepack.compare import bytes_of, equal_bytes, same_bits
 from trellis_cli.routepack.source_bytes import READ_CHUNK, ST_TO_TORCH, Scratch, TensorReader
 
 if TYPE_CHECKING:
     import torch
 
 HIDDEN_TABLES = (ROT_GATE_SUH, ROT_UP_SUH, ROT_DOWN_SVH)
-
-
-def _bytes_of(tensor: "torch.Tensor"):
-    import torch
-
-    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-
-
-def same_bits(a: "torch.Tensor", b: "torch.Tensor") -> bool:
-    """Bit equality of dtype, shape and bytes (fp16 NaN payloads and -0.0 count; numpy memcmp is fast)."""
-    import numpy as np
-
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return bool(np.array_equal(_bytes_of(a), _bytes_of(b)))
 
 
 class _WrittenFile:
@@ -113,18 +99,6 @@ def _as_tensor(entry, raw: memoryview) -> "torch.Tensor":
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(entry.shape)
 
 
-def equal_bytes(a, b) -> bool:
-    """memcmp speed: numpy compares 8-byte words when it can (byte-wise equality is 3x slower)."""
-    import numpy as np
-
-    x, y = np.frombuffer(a, dtype=np.uint8), np.frombuffer(b, dtype=np.uint8)
-    if len(x) != len(y):
-        return False
-    if len(x) % 8 == 0:
-        x, y = x.view(np.int64), y.view(np.int64)
-    return bool(np.array_equal(x, y))
-
-
 def check_layer_file(path: Path, checkpoint: Checkpoint, layer: int, rank: int, *, tp: int, shared_h: bool,
                      reader: TensorReader) -> str:
     """Raise CheckFailed unless the file at `path` holds exactly the source's (layer, rank); returns its sha256."""
@@ -187,7 +161,7 @@ def _compare(written: _WrittenFile, checkpoint: Checkpoint, layer: int, rank: in
                         ref = linear_slice(moe, expert, proj, pieces[0].source_rank).trellis
                         want = reader.read_bytes(ref, scratch)
                     else:
-                        want = _bytes_of(expected_trellis(reader, moe, expert, proj, pieces, hidden, source_width))
+                        want = bytes_of(expected_trellis(reader, moe, expert, proj, pieces, hidden, source_width))
                     if not equal_bytes(got, want):
                         raise fail(entry.name, f"expert {expert} {proj}")
 

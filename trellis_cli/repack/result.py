@@ -1,5 +1,6 @@
-"""What every repack driver shares at its ends: the source check it is handed, the note it leaves in config.json,
-and the RepackResult it returns.
+"""What every repack driver shares at its ends: the source check it is handed, the format check of a staged
+conversion output, and the RepackResult it returns (the note a route pack leaves in config.json is the route
+pack writer's, dialects/routepack/write.py).
 
 The source check is a function passed in (`Validator`: validate.run_validation where the CLI and the library
 API call a repack), so repack never imports validate.
@@ -14,9 +15,7 @@ from typing import Any, Callable
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.errors import CheckFailed, ValidationFailed
 from trellis_cli.findings import Report
-from trellis_cli.formats.route_pack import SCHEMA, SCHEMA_VERSION
 
-REPACK_NOTE_KEY = "trellis_repack"
 Validator = Callable[[Checkpoint], Report]  # a checkpoint -> the findings that decide whether it may be used
 
 
@@ -64,11 +63,4 @@ def check_output(tree: Path, validator: Validator, target: str) -> None:
                           f"to OUT; the source holds what {target} cannot declare)", code=codes[0])
 
 
-def repack_note(tp: int, rotation: str) -> dict[str, Any]:
-    return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "manifest": "manifest.json", "tp": tp,
-            "rotation": rotation,
-            "note": "routed experts are stored in the route-pack layout (one file per MoE layer and rank, listed "
-                    "in manifest.json); `trellis repack OUT DEST --to tr3` restores the TR3 layout"}
-
-
-__all__ = ["REPACK_NOTE_KEY", "RepackResult", "Validator", "check_output", "check_source", "repack_note"]
+__all__ = ["RepackResult", "Validator", "check_output", "check_source"]

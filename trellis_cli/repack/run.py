@@ -9,9 +9,6 @@ directory, and the move from OUT.partial into place. `--to tr3` is delegated to 
 
 from __future__ import annotations
 
-import json
-import re
-import shutil
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -20,17 +17,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects.routepack import write as rp_write
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.formats.route_pack import MANIFEST_NAME
 from trellis_cli.id_ranges import compact_ranges
-from trellis_cli.repack import carry
-from trellis_cli.routepack.layer_file import sync_file, write_layer_pack
+from trellis_cli.routepack import carry
+from trellis_cli.routepack.layer_file import write_layer_pack
 from trellis_cli.repack.lock import StageLock
-from trellis_cli.repack.out_paths import output_path
 from trellis_cli.routepack.pack import Arena, layer_tiers, pack_layer
 from trellis_cli.routepack.plan import LayerRankJob, RepackPlan, make_plan
 from trellis_cli.repack.readback import check_layer_file
-from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult, Validator, check_source, repack_note
+from trellis_cli.repack.result import RepackResult, Validator, check_source
 from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.repack.source_facts import (CONFIG, NOT_COPIED, SourceHashes, fingerprint, has_experts,
                                              protected_paths, used_source_files, vector_ndim)
@@ -38,9 +35,6 @@ from trellis_cli.disk_space import free_bytes, space_refusal
 from trellis_cli.repack.staging import (Stage, announce, check_free_space, check_target, refuse_collisions,
                                         refuse_overlap, resumable_bytes, stage_path)
 from trellis_cli.routepack import manifest as mf
-
-EXTRA_DIR = "extra"  # extra/<shard>: the non-expert tensors of a source shard that held routed experts
-
 
 @dataclass
 class RepackOptions:
@@ -176,9 +170,6 @@ def _local_root(source: Any) -> Path | None:
     return Path(root) if isinstance(root, (str, Path)) else None
 
 
-LAYER_FILE_NAME = re.compile(r"layer-[0-9]+-rank-[0-9]+\.safetensors")
-
-
 class _RoutePackRun:
     def __init__(self, checkpoint: Checkpoint, out: Path, options: RepackOptions,
                  on_bytes: Callable[[int], None] | None, on_total: Callable[[int], None] | None,
@@ -203,16 +194,10 @@ class _RoutePackRun:
 
     def refuse_collisions(self) -> None:
         """Every name this pack writes belongs to exactly one output (checked before any work)."""
-        extras = [f"{EXTRA_DIR}/{name}" for name in self.carried]
-        claims = [(MANIFEST_NAME, "the route pack's manifest.json"), (CONFIG, "the route pack's config.json")]
-        claims += [(job.file, f"the layer file of layer {job.layer} rank {job.rank}") for job in self.plan.jobs]
-        claims += [(extra, f"the non-expert tensors of source file {extra[len(EXTRA_DIR) + 1:]}") for extra in extras]
-        for name in self.copied:
-            if LAYER_FILE_NAME.fullmatch(name):
-                raise UsageError(f"source file {name} is named like a route-pack layer file, a name the route pack "
-                                 f"reserves; refusing before any work (rename or remove the source file)")
-            claims.append((name, f"source file {name}"))
-        refuse_collisions(claims, [job.file for job in self.plan.jobs] + extras + [MANIFEST_NAME])
+        rp_write.refuse_reserved(self.copied)
+        extras = [f"{rp_write.EXTRA_DIR}/{name}" for name in self.carried]
+        refuse_collisions(rp_write.claims(self.plan.jobs, list(self.carried), self.copied),
+                          [job.file for job in self.plan.jobs] + extras + [MANIFEST_NAME])
 
     def preflight(self) -> dict[str, Any]:
         """What this run would write, checked before any work: names, OUT and free space (refusals raise).
@@ -227,7 +212,7 @@ class _RoutePackRun:
         # Layer files: their tensor data (each header adds a few KB, inside the headroom); others: their size.
         files = [{"name": job.file, "data_bytes": job.bytes} for job in self.plan.jobs]
         files += [{"name": n, "bytes": max(self.ck.files.get(n, 0), 0)} for n in self.copied]
-        files += [{"name": f"{EXTRA_DIR}/{n}", "bytes": carry.file_bytes(carry.planned(refs),
+        files += [{"name": f"{rp_write.EXTRA_DIR}/{n}", "bytes": carry.file_bytes(carry.planned(refs),
                                                                        self.ck.headers[n].metadata)}
                   for n, refs in self.carried.items()]
         files += [{"name": CONFIG}, {"name": MANIFEST_NAME}]  # written last, small
@@ -330,7 +315,7 @@ class _RoutePackRun:
         self._local.arena = arena  # one per worker thread: peak memory = jobs x one layer-rank
         pack = pack_layer(self.ck, job.layer, job.rank, tp=self.plan.target_tp,
                           shared_h=True if self.opt.shared_h else None, reader=reader, arena=arena)
-        path = output_path(stage.path, job.file)
+        path = stage.file(job.file, f"the layer file of layer {job.layer} rank {job.rank}")
         write_layer_pack(path, pack, on_bytes=self.on_bytes, durable=False)  # synced once in _finish
         del pack
         digest = check_layer_file(path, self.ck, job.layer, job.rank, tp=self.plan.target_tp,
@@ -344,16 +329,11 @@ class _RoutePackRun:
 
     def _finish(self, stage: Stage) -> dict[str, Any]:
         ck, plan = self.ck, self.plan
-        copied = self._copy_other(stage)
-        config = dict(ck.config)
-        config[REPACK_NOTE_KEY] = repack_note(plan.target_tp, "shared_h" if plan.shared_h else "per_expert")
-        (stage.path / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        source = dict(ck.source.describe())
-        if source.get("kind") == "local" and source.get("path"):
-            source["path"] = str(Path(source["path"]).resolve())
-        source.update({"dialect": ck.dialect, "rotation_layout": ck.rotation_layout, "tp": ck.tp,
-                       "vector_ndim": vector_ndim(ck),
-                       "files": {n: {"sha256": self.hashes.get(n), "size": ck.files.get(n)} for n in self.used}})
+        files = self._copy_other(stage)
+        files[CONFIG] = rp_write.write_config(stage, ck.config, plan.target_tp,
+                                              "shared_h" if plan.shared_h else "per_expert")
+        source = rp_write.source_record(ck.source, ck.dialect, ck.rotation_layout, ck.tp, vector_ndim(ck),
+                                        {n: {"sha256": self.hashes.get(n), "size": ck.files.get(n)} for n in self.used})
         assert ck.intermediate is not None  # make_plan refused a source without one
         geometry = {"hidden": ck.hidden, "intermediate": ck.intermediate,
                     "intermediate_rank": ck.intermediate // plan.target_tp, "num_experts": ck.num_experts}
@@ -361,20 +341,10 @@ class _RoutePackRun:
         doc = mf.base_document(source, geometry, plan.target_tp, plan.ranks, codebook,
                                "shared_h" if plan.shared_h else "per_expert")
         for layer in plan.layers:
-            doc["layers"][str(layer)] = {
-                "tiers": [{"k": k, "size": len(ids), "experts": compact_ranges(ids)}
-                          for k, ids in layer_tiers(ck, layer)],
-                "source_files": sorted(ck.layers[layer].files),
-            }
-        files = {job.file: {k: stage.done[job.file][k] for k in ("sha256", "size", "layer", "rank")}
-                 for job in plan.jobs}
-        files[CONFIG] = mf.file_entry(stage.path / CONFIG, role="config")
-        files.update(copied)
-        doc["files"] = dict(sorted(files.items()))
-        for job in plan.jobs:
-            sync_file(stage.path / job.file)
-        mf.write_manifest(stage.path, doc)
-        return doc
+            doc["layers"][str(layer)] = rp_write.layer_entry(layer_tiers(ck, layer), sorted(ck.layers[layer].files))
+        files.update({job.file: {k: stage.done[job.file][k] for k in ("sha256", "size", "layer", "rank")}
+                      for job in plan.jobs})
+        return rp_write.write_manifest(stage, doc, files, [job.file for job in plan.jobs])
 
     def _codebook(self) -> str:
         for layer in self.plan.layers:
@@ -386,21 +356,15 @@ class _RoutePackRun:
 
     def _copy_other(self, stage: Stage) -> dict[str, dict[str, Any]]:
         """Copied files verbatim (checked against the source's sha256); carried tensors into extra/<file>."""
-        entries: dict[str, dict[str, Any]] = {}
-        for name in self.copied:
-            target = output_path(stage.path, name, f"source file {name}")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(self.ck.source.local_path(name), target)
-            entries[name] = mf.file_entry(target, role="copied")
-            if entries[name]["sha256"] != self.hashes.get(name):
-                raise CheckFailed(f"{name}: the copy differs from the source file (did it change during the repack?)")
+        entries = rp_write.copy_files(stage, {n: self.ck.source.local_path(n) for n in self.copied}, self._check_copy)
         with TensorReader(self.ck.source) as reader:
-            for name, refs in self.carried.items():
-                extra = output_path(stage.path, f"{EXTRA_DIR}/{name}", f"the non-expert tensors of {name}")
-                extra.parent.mkdir(parents=True, exist_ok=True)
-                carry.write_subset(extra, refs, reader, self.ck.headers[name].metadata)
-                entries[f"{EXTRA_DIR}/{name}"] = mf.file_entry(extra, role="extra", source_file=name)
+            entries.update(rp_write.write_extras(stage, self.carried, reader,
+                                                 {n: self.ck.headers[n].metadata for n in self.carried}))
         return entries
+
+    def _check_copy(self, name: str, copy: Path) -> None:
+        if mf.sha256_file(copy) != self.hashes.get(name):
+            raise CheckFailed(f"{name}: the copy differs from the source file (did it change during the repack?)")
 
 
 __all__ = ["RepackOptions", "run_repack"]

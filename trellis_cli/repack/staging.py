@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator
 
 from trellis_cli.disk_space import free_bytes, space_refusal
 from trellis_cli.errors import CheckFailed, TrellisError, UsageError
-from trellis_cli.repack.out_paths import check_overlap, output_name
+from trellis_cli.repack.out_paths import check_overlap, output_name, output_path
 from trellis_cli.routepack.manifest import sha256_file
 
 STATE_NAME = "state.json"  # in OUT.partial, beside the tree
@@ -195,6 +195,13 @@ class Stage:
                     path.rmdir()
             elif rel not in self.done:
                 path.unlink()
+
+    def file(self, name: str, what: str = "output file") -> Path:
+        """Where a dialect's writer puts `name`: a plain name under the staged tree (out_paths), its folder made.
+        This is what a writer is handed (dialects.interface.StagedOutput); lock, resume and the move stay here."""
+        path = output_path(self.path, name, what)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
 
     def completed(self, name: str, sources: dict[str, str]) -> bool:
         """True when `name` was finished by an earlier run from source files whose sha256 were `sources`, and

@@ -22,7 +22,7 @@ from trellis_cli.dialects.interface import CheckRequest, Dialect
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import MAX_FINDINGS_PER_CODE, Finding, Location, Report, Severity, finding_order
 from trellis_cli.id_ranges import compact_ranges
-from trellis_cli.validate import (engines, rules_config, rules_files, rules_markers, rules_runtime,
+from trellis_cli.validate import (engines, rules_config, rules_files, rules_markers, rules_names, rules_runtime,
                                   rules_tensors)
 
 Progress = Callable[[str, int, int], None] | None  # (stage, done, total) as layers complete
@@ -70,6 +70,7 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
                and _has_publisher_hashes(checkpoint.source) else {})
     request = CheckRequest(selected, deep, checksums, narrowed=layers is not None, progress=progress,
                            checksum_progress=checksum_progress, known_digests=digests)
+    report.extend(rules_names.check_names(checkpoint, dialect))
     if dialect.shard_rules:
         with paused_gc():
             _run_header_rules(checkpoint, selected, report, progress)

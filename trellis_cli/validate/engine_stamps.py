@@ -96,7 +96,7 @@ def protected_unread(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
 def bits_map(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Shared-H version: trellis_bits_by_layer is forbidden with bits 'mixed'; otherwise an object keyed by every
     layer of moe_layers (decimal strings) with JSON-integer K in 3, 4, 5, 6, 8 (#190 does not read it)."""
-    from trellis_cli.validate.rules_config import bits_map_problems
+    from trellis_cli.dialects.tr3.rules import bits_map_problems
 
     h = ckpt.declared.get("hybrid_tr3_tail")
     if not dialect_of(ckpt).hybrid_tr3_tail or not isinstance(h, dict) or "trellis_bits_by_layer" not in h:

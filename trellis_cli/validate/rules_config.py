@@ -1,192 +1,27 @@
-"""Metadata rules: the `hybrid_tr3_tail` contract (the fail-closed rules 1-11 of the vLLM loader), the
-declared bitmaps, and consistency between config.json, quantization_config.json and the declared counts.
+"""Metadata rules every per-linear dialect shares: the model's config.json fields as the serving engine reads
+them, and consistency between config.json's quantization_config and quantization_config.json.
 
-Tensor facts are not consulted here (rules_tensors compares declarations with shapes), except which layers
-hold expert tensors: checked against `moe_layers` and the model's layer count.
+A dialect's own declarations are its rules module's: the `hybrid_tr3_tail` contract and bitmaps in
+dialects/tr3/rules.py, R7's maps in dialects/r7/rules.py, tensor_storage in dialects/exl3/rules.py. Tensor facts
+are not consulted here (rules_tensors compares declarations with shapes), except which layers hold expert
+tensors: checked against the model's layer count.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterator
 
-from trellis_cli.checkpoint.declared import layer_range, layer_span, uniform_bits
 from trellis_cli.dialects.detect import QUANT_CONFIG
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.dialects.registry import dialect_of
-from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, TENSOR_SCHEMA
 from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, error_summary, warning
-from trellis_cli.header import coerced_int, is_int
-
-REQUIRED_TR3_KEYS = ("bits", "codebook", "experts_per_layer", "moe_layers", "tensor_schema", "tp")
-MIXED_K_RANGE = range(3, 7)
-UNIFORM_K_VALUES = {3, 4, 5, 6, 8}
-R7_K_VALUES = {3, 4, 5}
-PROTECTED_FORMAT = "exl3-protected-v1"
-PROTECTED_BITS = (6, 8)
-R7_LAYER_SUM = 2688  # 768 entries averaging 3.5 bits
-
-
-def _where(key: str) -> Location:
-    return Location(file="config.json", tensor=f"hybrid_tr3_tail.{key}")
+from trellis_cli.header import is_int
 
 
 def check_config(ckpt: Checkpoint) -> Iterator[Finding]:
-    hybrid = ckpt.declared.get("hybrid_tr3_tail")
-    if hybrid is not None:
-        yield from _check_tr3_contract(hybrid, ckpt.count_limit)
-        yield from _check_counts(ckpt, hybrid)
-        yield from check_bitmaps(ckpt, hybrid)
-        if "protected_tensor_policy" in hybrid:
-            yield from _check_protected_policy(ckpt, hybrid["protected_tensor_policy"])
-        yield from check_undeclared_layers(ckpt, hybrid)
+    """What holds for every per-linear dialect: the model's own fields and the quantization configs' agreement.
+    A dialect's own declarations (TR3's hybrid_tr3_tail, R7's maps, tensor_storage) are its rules module's."""
     yield from check_model_fields(ckpt)
-    if dialect_of(ckpt).r7_maps:
-        yield from _check_r7_maps(ckpt)
     yield from _check_quant_configs(ckpt)
-
-
-def _check_tr3_contract(h: dict, limit: int) -> Iterator[Finding]:
-    for key in REQUIRED_TR3_KEYS:
-        if key == "bits" and key not in h and isinstance(h.get("trellis_bits_by_layer"), dict):
-            yield warning("config.tr3-key-missing", _where(key), "bits is missing: the shared-H loader reads "
-                          "trellis_bits_by_layer instead, the #190 and R7 versions require bits (engine.bits-required)")
-        elif key not in h:
-            yield error("config.tr3-key-missing", _where(key), "required hybrid_tr3_tail key is missing")
-    if "codebook" in h and h["codebook"] != "mcg":
-        yield error("config.tr3-codebook", _where("codebook"), "rank-sliced checkpoints must use the mcg codebook",
-                    expected="mcg", found=h["codebook"])
-    if "moe_layers" in h and not layer_span(h["moe_layers"]):
-        yield error("config.tr3-moe-layers", _where("moe_layers"), "must be [first, last] integers with "
-                    "0 <= first <= last", found=h["moe_layers"])
-    elif "moe_layers" in h and not all(is_int(v) for v in h["moe_layers"]):
-        yield _int_spelling("moe_layers", h["moe_layers"])
-    if "tensor_schema" in h and h["tensor_schema"] != TENSOR_SCHEMA:
-        yield error("config.tr3-tensor-schema", _where("tensor_schema"), "tensor_schema is not the canonical string",
-                    expected=TENSOR_SCHEMA, found=h["tensor_schema"])
-    shared = h.get("rotation_layout", "per_expert_v1") == "shared_h_v1"
-    if shared and h.get("shared_h_tensor_schema") != SHARED_H_TENSOR_SCHEMA:
-        yield error("config.tr3-shared-h-schema", _where("shared_h_tensor_schema"), "shared_h_v1 needs the "
-                    "canonical shared_h_tensor_schema", expected=SHARED_H_TENSOR_SCHEMA,
-                    found=h.get("shared_h_tensor_schema"))
-    if not shared and "shared_h_tensor_schema" in h:
-        yield error("config.tr3-shared-h-schema", _where("shared_h_tensor_schema"), "shared_h_tensor_schema is only "
-                    "allowed with rotation_layout shared_h_v1", found=h.get("rotation_layout", "per_expert_v1"))
-    for key in ("experts_per_layer", "tp"):
-        n = coerced_int(h[key]) if key in h else None
-        if key in h and not (n is not None and n > 0):
-            yield error("config.tr3-positive-int", _where(key), "must be a positive integer", found=h[key])
-        elif key in h and not is_int(h[key]):
-            yield _int_spelling(key, h[key])
-    bits = h.get("bits")
-    if isinstance(bits, str) and bits.lower().startswith("mixed"):
-        yield from _check_mixed(h, bits)
-    elif "bits" in h:
-        yield from _check_uniform(h, bits, limit)
-
-
-def _check_mixed(h: dict, bits: str) -> Iterator[Finding]:
-    yield from _check_bits_spelling(bits)
-    k_values = h.get("k_values")
-    coerced = [coerced_int(k) for k in k_values] if isinstance(k_values, list) else []
-    if not coerced or not all(k is not None and k in MIXED_K_RANGE for k in coerced):
-        yield error("config.tr3-k-values", _where("k_values"), "mixed bits need a non-empty k_values list within "
-                    "3..6", found=k_values)
-    elif not all(is_int(k) for k in k_values):
-        yield _int_spelling("k_values", k_values)
-    if not isinstance(h.get("bits_per_expert"), str):
-        yield error("config.tr3-bits-per-expert", _where("bits_per_expert"), "mixed bits need a 'file.json:field' "
-                    "string", found=h.get("bits_per_expert"))
-    if "trellis_bits_by_layer" in h:
-        yield warning("config.tr3-mixed", _where("trellis_bits_by_layer"), "trellis_bits_by_layer with bits "
-                      "'mixed': the shared-H loader refuses it (engine.bits-map), the #190 one ignores the map")
-
-
-def _check_uniform(h: dict, bits: Any, limit: int) -> Iterator[Finding]:
-    if uniform_bits(bits) is None:
-        yield error("config.tr3-bits", _where("bits"), "bits must be an integral K or 'mixed'", found=bits)
-    elif isinstance(bits, str):
-        yield _int_spelling("bits", bits)
-    yield from _check_uniform_k(h, bits)
-    by_layer = h.get("trellis_bits_by_layer")
-    if by_layer is None:
-        return
-    for problem, expected, found in bits_map_problems(h, limit):  # the shared-H loader's: engine.bits-map
-        yield warning("config.tr3-bits-by-layer", _where("trellis_bits_by_layer"), f"{problem} (the shared-H loader "
-                      "refuses it; the #190 one does not read trellis_bits_by_layer)", expected=expected, found=found)
-
-
-def bits_map_problems(h: dict, limit: int | None = None) -> Iterator[tuple[str, Any, Any]]:
-    """What is wrong with a uniform checkpoint's trellis_bits_by_layer, for the loader version that reads it."""
-    by_layer = h.get("trellis_bits_by_layer")
-    if by_layer is None:
-        return
-    if not isinstance(by_layer, dict):
-        yield "must be an object", "object", type(by_layer).__name__
-        return
-    wanted = {str(layer) for layer in layer_range(h.get("moe_layers"), limit)}
-    if wanted and set(by_layer) != wanted:
-        yield "keys must cover moe_layers exactly", f"{len(wanted)} layers", sorted(set(by_layer) ^ wanted)[:8]
-    bad = {key: k for key, k in by_layer.items() if not (is_int(k) and k in UNIFORM_K_VALUES)}
-    if bad:
-        yield "K must be one of 3, 4, 5, 6, 8", "3, 4, 5, 6 or 8", dict(list(bad.items())[:8])
-
-
-def _int_spelling(key: str, value: Any) -> Finding:
-    """A count or bitrate spelled as a string or a float: the #190-era loaders read it with int() and load; the
-    shared-H version refuses it (engine_stamps.json_ints)."""
-    return warning("config.int-spelling", _where(key), "not a JSON integer: the #190 and R7 loader versions "
-                   "coerce it with int(), the shared-H version refuses it", expected="a JSON integer", found=value)
-
-
-def _check_counts(ckpt: Checkpoint, h: dict) -> Iterator[Finding]:
-    declared = h.get("experts_per_layer")
-    for key in ("n_routed_experts", "num_experts", "num_local_experts"):
-        model = ckpt.config.get(key)
-        if is_int(model) and is_int(declared) and model != declared:
-            yield error("config.expert-count", _where("experts_per_layer"), f"differs from config.json {key}",
-                        expected=model, found=declared)
-
-
-def check_bitmaps(ckpt: Checkpoint, h: dict) -> Iterator[Finding]:
-    """Rule 10-11: per layer a list of experts_per_layer values, each a declared bitrate, each bitrate used."""
-    experts = h.get("experts_per_layer")
-    k_values = h.get("k_values") if isinstance(h.get("k_values"), list) else None
-    sources = ckpt.declared.get("k_source", {})
-    for li, layer in ckpt.layers.items():
-        ks = layer.declared_k
-        if ks is None:
-            continue
-        where = Location(file=sources.get(li, "config.json").split(":")[0], layer=li)
-        if is_int(experts) and len(ks) != experts:
-            yield error("bitmap.length", where, "bitmap lists a different number of experts than experts_per_layer",
-                        expected=experts, found=len(ks))
-        declared = None if k_values is None else {coerced_int(k) for k in k_values}
-        bad = sorted({repr(k) for k in ks if not (coerced_int(k) is not None
-                                                  and (declared is None or coerced_int(k) in declared))})
-        if bad:
-            yield error("bitmap.k-value", where, "bitmap values outside the declared k_values", expected=k_values,
-                        found=bad[:8])
-        elif not all(is_int(k) for k in ks):
-            yield warning("config.int-spelling", where, "bitmap values are not JSON integers: the loaders read "
-                          "them with int(), so they load, but other tools may not",
-                          found=sorted({repr(k) for k in ks if not is_int(k)})[:8])
-
-
-def _check_r7_maps(ckpt: Checkpoint) -> Iterator[Finding]:
-    for li, layer in ckpt.layers.items():
-        pk = layer.declared_projection_k
-        if pk is None:
-            continue
-        where = Location(file=ckpt.declared.get("k_source", {}).get(li), layer=li)
-        if ckpt.num_experts and len(pk) != 3 * ckpt.num_experts:
-            yield error("bitmap.length", where, "R7 map needs one K per (expert, projection)",
-                        expected=3 * ckpt.num_experts, found=len(pk))
-        bad = sorted({repr(k) for k in pk.values() if not (is_int(k) and k in R7_K_VALUES)})
-        if bad:
-            yield error("bitmap.k-value", where, "R7 K values must be 3, 4 or 5", found=bad[:8])
-        elif ckpt.num_experts == 256 and sum(pk.values()) != R7_LAYER_SUM:
-            yield warning("bitmap.r7-sum", where, "R7 3.5 bpw layers sum to 2688 bits", expected=R7_LAYER_SUM,
-                          found=sum(pk.values()))
 
 
 def _check_quant_configs(ckpt: Checkpoint) -> Iterator[Finding]:
@@ -198,99 +33,11 @@ def _check_quant_configs(ckpt: Checkpoint) -> Iterator[Finding]:
     external = ckpt.quant_config
     if isinstance(embedded, dict) and isinstance(external, dict):
         yield from _check_quant_config_drift(embedded, external)
-    if dialect_of(ckpt).tensor_storage and isinstance(external, dict):
-        storage = external.get("tensor_storage")
-        if storage is not None and not isinstance(storage, dict):
-            yield error("config.tensor-storage", Location(file=QUANT_CONFIG, tensor="tensor_storage"),
-                        "tensor_storage must be an object", found=type(storage).__name__)
 
 
-def _check_protected_policy(ckpt: Checkpoint, policy: Any) -> Iterator[Finding]:
-    """vLLM rule 12: dense tensors kept at 6 or 8 bits (mcg) must be declared exactly and stored as declared."""
-    where = _where("protected_tensor_policy")
-    if not isinstance(policy, dict) or set(policy) != {"format", "tensors"}:
-        yield error("config.protected-policy", where, "must be an object with exactly the keys format and tensors",
-                    expected=["format", "tensors"], found=sorted(policy) if isinstance(policy, dict) else policy)
-        return
-    if policy["format"] != PROTECTED_FORMAT:
-        yield error("config.protected-policy", where, "unknown policy format", expected=PROTECTED_FORMAT,
-                    found=policy["format"])
-    tensors = policy["tensors"]
-    if not isinstance(tensors, dict) or not tensors:
-        yield error("config.protected-policy", where, "tensors must be a non-empty object", found=tensors)
-        return
-    for prefix, entry in tensors.items():
-        yield from _check_protected_entry(ckpt, prefix, entry)
-    storage = _protected_storage(ckpt)
-    if isinstance(storage, dict):
-        stored = {key for key, rec in storage.items() if isinstance(rec, dict) and rec.get("quant_format") == "exl3"}
-        if stored != set(tensors):
-            yield error("config.protected-policy", Location(file=QUANT_CONFIG, tensor="tensor_storage"),
-                        "the EXL3 modules of tensor_storage must be exactly the protected set",
-                        expected=len(tensors), found=f"{len(stored)} ({len(stored ^ set(tensors))} differ)")
+# ---- the two quantization configs: what vLLM serves when they disagree ----------------------------------
 
-
-def _protected_storage(ckpt: Checkpoint) -> Any:
-    """The tensor_storage the shared-H loader checks protected tensors against: config.json's embedded one when
-    it is a non-empty object, else quantization_config.json's (its _hydrate_tensor_storage)."""
-    embedded = ckpt.config.get("quantization_config")
-    storage = embedded.get("tensor_storage") if isinstance(embedded, dict) else None
-    if isinstance(storage, dict) and storage:
-        return storage
-    return (ckpt.quant_config or {}).get("tensor_storage")
-
-
-def _check_protected_entry(ckpt: Checkpoint, prefix: str, entry: Any) -> Iterator[Finding]:
-    where = Location(file="config.json", tensor=f"hybrid_tr3_tail.protected_tensor_policy.tensors.{prefix}")
-    if not isinstance(entry, dict) or set(entry) != {"bits", "codebook"}:
-        yield error("config.protected-policy", where, "each entry has exactly the keys bits and codebook",
-                    found=sorted(entry) if isinstance(entry, dict) else entry)
-        return
-    bits = entry["bits"]
-    if not (is_int(bits) and bits in PROTECTED_BITS) or entry["codebook"] != "mcg":
-        yield error("config.protected-policy", where, "protected tensors are bits 6 or 8 with codebook mcg",
-                    expected={"bits": "6|8", "codebook": "mcg"}, found=entry)
-        return
-    trellis = ckpt.tensors.get(f"{prefix}.trellis")
-    if trellis is None:
-        yield error("config.protected-missing", where, "declared protected tensor has no .trellis in the checkpoint",
-                    found=f"{prefix}.trellis")
-        return
-    tensor_where = Location(file=trellis.file, tensor=trellis.name)
-    if len(trellis.shape) != 3 or trellis.shape[-1] != 16 * bits:
-        yield error("config.protected-k", tensor_where, "trellis last dim must be 16 x the declared bits",
-                    expected=16 * bits, found=trellis.shape[-1] if trellis.shape else None)
-    if f"{prefix}.mcg" not in ckpt.tensors or f"{prefix}.mul1" in ckpt.tensors:
-        yield error("config.protected-marker", tensor_where, "protected tensors carry an .mcg marker and no .mul1",
-                    expected=".mcg only", found=[m for m in (".mcg", ".mul1") if f"{prefix}{m}" in ckpt.tensors])
-    record = (_protected_storage(ckpt) or {}).get(prefix)
-    if isinstance(record, dict) and record.get("bits_per_weight") != bits:
-        yield error("config.protected-k", Location(file=QUANT_CONFIG, tensor=prefix),
-                    "tensor_storage bits_per_weight differs from the declared bits", expected=bits,
-                    found=record.get("bits_per_weight"))
-
-
-# ---- loader-exact contract rules (what every profiled reader refuses; engines.py has where they differ) ----
-
-LOADER_UNIFORM_K = (3, 4, 5, 6, 8)  # the union of what the rank-sliced loader versions serve uniformly
 DRIFT_KEYS = ("quant_method", "bits", "codebook", "head_bits", "r7_routed_experts")
-
-
-def _check_bits_spelling(bits: str) -> Iterator[Finding]:
-    """A mixed spelling other than 'mixed' (any case, surrounding spaces) fails every loader version read: the
-    older one turns it into a number, the newer one compares it exactly (engines.py: bits_exact)."""
-    if bits.strip().lower() != "mixed":
-        yield error("config.tr3-bits", _where("bits"), "bits must be an integral K or the string 'mixed' (the "
-                    "rank-sliced loaders refuse other spellings)", expected="mixed", found=bits)
-
-
-def _check_uniform_k(h: dict, bits: Any) -> Iterator[Finding]:
-    """Without a per-layer map, uniform bits is every layer's K, and no loader version serves K7 or K2."""
-    if "trellis_bits_by_layer" in h or not (is_int(bits) or (isinstance(bits, float) and bits.is_integer())):
-        return
-    if int(bits) not in LOADER_UNIFORM_K:
-        yield error("config.tr3-bits", _where("bits"), "no rank-sliced loader serves this uniform K (and there is "
-                    "no trellis_bits_by_layer)", expected="3, 4, 5, 6 or 8", found=bits)
 
 
 def _check_quant_config_drift(embedded: dict, external: dict) -> Iterator[Finding]:
@@ -345,21 +92,6 @@ def _check_layer_count(ckpt: Checkpoint, layers: int) -> Iterator[Finding]:
     if len(beyond) > MAX_MISSING_SHOWN:
         yield error_summary("config.layer-count", Location(), len(beyond) - MAX_MISSING_SHOWN, f"layers beyond {where}",
                             expected=f"layer < {layers}", found=f"{len(beyond)} layers")
-
-
-def check_undeclared_layers(ckpt: Checkpoint, h: dict) -> Iterator[Finding]:
-    """Layers whose expert tensors are in the files but outside `moe_layers`: the loader never loads them."""
-    if not layer_span(h.get("moe_layers")):
-        return  # config.tr3-moe-layers
-    first, last = h["moe_layers"]
-    outside = [li for li, layer in ckpt.layers.items() if not first <= li <= last and (layer.experts or
-                                                                                       layer.shared_h)]
-    for li in outside[:MAX_MISSING_SHOWN]:
-        yield error("layer.undeclared", Location(layer=li), "expert tensors of a layer outside moe_layers (the "
-                    "loader never loads them)", expected=f"layers {first}-{last}", found=li)
-    if len(outside) > MAX_MISSING_SHOWN:
-        yield error_summary("layer.undeclared", Location(), len(outside) - MAX_MISSING_SHOWN, "layers outside moe_layers",
-                            expected=f"layers {first}-{last}", found=f"{len(outside)} layers")
 
 
 def _short(value: Any) -> str:

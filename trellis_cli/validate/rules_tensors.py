@@ -32,6 +32,7 @@ class LayerContext:
     tr3: bool
     shared: bool
     r7_shared: bool = False  # R7 v2: H-side vectors live in `experts.r7_shared.*`, not per expert
+    k_declared_by: str = "the declared K map"  # what declares per-projection K, as messages name it
 
 
 def check_layers(ckpt: Checkpoint, layers: list[int]) -> Iterator[Finding]:
@@ -42,10 +43,10 @@ def check_layers(ckpt: Checkpoint, layers: list[int]) -> Iterator[Finding]:
 
 
 def _context(ckpt: Checkpoint, layer: MoeLayer) -> LayerContext:
-    dialect = dialect_of(ckpt)
+    """The layer's geometry, with how its dialect stores it (`Dialect.shard_layout`: the dialect's own answer)."""
+    layout = dialect_of(ckpt).shard_layout(ckpt, layer)
     return LayerContext(layer.index, ckpt.num_experts, ckpt.tp, ckpt.hidden, ckpt.intermediate_per_rank,
-                        ckpt.codebook, dialect.hybrid_tr3_tail, dialect.shared_h,
-                        dialect.r7_maps and bool(layer.r7_shared))
+                        ckpt.codebook, layout.rank_sliced, layout.shared_h, layout.r7_shared, layout.k_declared_by)
 
 
 def check_layer(ckpt: Checkpoint, layer: MoeLayer) -> Iterator[Finding]:
@@ -215,8 +216,8 @@ def _check_expert_k(ckpt: Checkpoint, ctx: LayerContext, layer: MoeLayer, expert
         elif ks and layer.declared_projection_k is not None:
             declared_k = layer.declared_projection_k.get((expert, proj))
             if declared_k is not None and declared_k != next(iter(ks)):
-                source = "tensor_storage" if dialect_of(ckpt).tensor_storage else "the R7 bit map"
-                yield error("tensor.k-mismatch", where, f"{source} K differs from the K of the trellis shape",
+                yield error("tensor.k-mismatch", where,
+                            f"{ctx.k_declared_by} K differs from the K of the trellis shape",
                             expected=declared_k, found=next(iter(ks)))
 
 

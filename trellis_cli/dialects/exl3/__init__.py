@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from trellis_cli.checkpoint.model import DIALECT_EXL3
 from trellis_cli.dialects.detect import exl3_info
-from trellis_cli.dialects.interface import EXLLAMAV3, VLLM, VLLM_R7, Dialect, DialectInfo, Probe
+from trellis_cli.dialects.interface import (EXLLAMAV3, VLLM, VLLM_R7, CheckRequest, Dialect, DialectInfo, Probe,
+                                           ShardLayout)
 
 
 class Exl3Dialect(Dialect):
@@ -20,6 +21,15 @@ class Exl3Dialect(Dialect):
     def detect(self, probe: Probe) -> DialectInfo | None:
         return exl3_info(probe)
 
+    def shard_layout(self, ckpt, layer) -> ShardLayout:
+        return ShardLayout(k_declared_by="tensor_storage")
+
+    def check(self, ckpt, request: CheckRequest, report) -> None:
+        """Its tensor_storage and the eager start vLLM gives it (rules.py); the shard rules run besides."""
+        from trellis_cli.dialects.exl3.rules import check_eager, check_tensor_storage
+
+        report.extend(check_tensor_storage(ckpt))
+        report.extend(check_eager(ckpt))
 
 
 DIALECT = Exl3Dialect()

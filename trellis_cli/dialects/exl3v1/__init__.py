@@ -29,6 +29,7 @@ class Exl3v1Dialect(Dialect):
     publisher_digests = True  # a Hub file's LFS sha256 is the layer file's digest too
     read_by = frozenset({B12X, VLLM_MANIFEST})
     container_notes = {VLLM: "exl3-v1 is b12x's container"}
+    writer = "trellis_cli.dialects.exl3v1.write"
     converts_from = {DIALECT_TR3_PER_EXPERT: "tr3-to-exl3-v1", DIALECT_TR3_SHARED_H: "tr3-to-exl3-v1"}
 
     def detect(self, probe: Probe) -> DialectInfo | None:
@@ -72,6 +73,12 @@ class Exl3v1Dialect(Dialect):
                 continue
             for expert in range(ref.shape[0]):
                 yield VectorRef(Location(ref.file, layer, expert, proj, None, f"{table}[{expert}]"), kind, ref, expert)
+
+    def names_reported(self, ckpt) -> set[str]:
+        """The layer files its manifest names, checked while opening (container.py)."""
+        from trellis_cli.dialects.exl3v1.container import container
+
+        return {layer.file for layer in container(ckpt).layers.values()}
 
     def hashes_by_default(self, ckpt) -> bool:
         """The manifest records each layer file's sha256: compared whenever the bytes are local."""

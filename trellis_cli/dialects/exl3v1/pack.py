@@ -1,7 +1,7 @@
 """One TP rank's extent of an exl3-v1 layer as a route-pack LayerPack, and back: LayerPack ranks -> codes rows.
 
 The LayerPack is the project's one in-memory form of (layer, rank) (formats/route_pack.py): TR3 shards are
-written from it (repack/tr3_shard.py), the route pack is it on disk, and bench runs it. Moving between it and
+written from it (dialects/tr3/shard.py), the route pack is it on disk, and bench runs it. Moving between it and
 exl3-v1 rearranges bytes only (formats/exl3v1_layout.py says where each 16-channel tile goes); nothing is decoded.
 TR3 and the route pack hold one K per expert, so an expert whose records use several bit widths is refused.
 """

@@ -57,7 +57,6 @@ def check_exl3v1(ckpt: Checkpoint, report: Report, layers: list[int], *, deep: b
     `every_digest` False leaves out a manifest digest of all zeros (none recorded), saying so in the notes."""
     box = container(ckpt)
     report.extend(ckpt.parse_findings)
-    report.extend(check_paths(ckpt))
     report.extend(note_findings(ckpt))
     report.count("manifest", 1)
     if box.manifest is None:
@@ -82,21 +81,6 @@ def check_exl3v1(ckpt: Checkpoint, report: Report, layers: list[int], *, deep: b
         if len(hashed) < len(layers):
             report.notes.append(f"sha256 not compared for {len(layers) - len(hashed)} layer file(s) whose manifest "
                                 "digest is all zeros (none recorded; --checksums hashes them)")
-
-
-def check_paths(ckpt: Checkpoint) -> Iterator[Finding]:
-    """Every listed file, not only those the manifest names: a link leaving the directory is refused (repack
-    refuses to copy it), a dangling one reported. Layer files were reported while opening."""
-    escapes = getattr(ckpt.source, "escapes", None)
-    layer_files = {layer.file for layer in container(ckpt).layers.values()}
-    for name, size in ckpt.files.items():
-        if name in layer_files:
-            continue
-        if escapes is not None and escapes(name):
-            yield error("path.escape", Location(file=name), "file resolves outside the checkpoint directory "
-                        "(symlink)")
-        elif size < 0:
-            yield error("path.dangling", Location(file=name), "file is a dangling link (or a symlink loop)")
 
 
 def check_mcg_bits(m: Manifest, manifest_file: str) -> Iterator[Finding]:

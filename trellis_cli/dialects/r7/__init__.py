@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from trellis_cli.checkpoint.model import DIALECT_R7
 from trellis_cli.dialects.detect import r7_info
-from trellis_cli.dialects.interface import EXLLAMAV3, VLLM, VLLM_R7, Dialect, DialectInfo, Probe
+from trellis_cli.dialects.interface import (EXLLAMAV3, VLLM, VLLM_R7, CheckRequest, Dialect, DialectInfo, Probe,
+                                           ShardLayout)
 
 
 class R7Dialect(Dialect):
@@ -23,6 +24,17 @@ class R7Dialect(Dialect):
 
     def detect(self, probe: Probe) -> DialectInfo | None:
         return r7_info(probe)
+
+
+    def shard_layout(self, ckpt, layer) -> ShardLayout:
+        return ShardLayout(r7_shared=bool(layer.r7_shared), k_declared_by="the R7 bit map")
+
+    def check(self, ckpt, request: CheckRequest, report) -> None:
+        """Its K maps and the eager start its metadata gets (rules.py); the shard rules run besides."""
+        from trellis_cli.dialects.r7.rules import check_eager, check_r7_maps
+
+        report.extend(check_r7_maps(ckpt))
+        report.extend(check_eager(ckpt))
 
 
 DIALECT = R7Dialect()

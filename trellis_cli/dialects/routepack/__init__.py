@@ -21,6 +21,7 @@ class RoutePackDialect(Dialect):
     target = "route-pack"
     described_as = "a trellis route pack"
     inspect_view = "route-pack"
+    writer = "trellis_cli.dialects.routepack.write"
     tensor_data = False  # every file's sha256 is compared with the manifest instead (NOTE)
     records_hashes = True
     container_notes = {VLLM: "a route pack is trellis' own layout (repack --to tr3 rebuilds the served one)"}
@@ -34,6 +35,12 @@ class RoutePackDialect(Dialect):
         from trellis_cli.routepack.manifest import declared_layers
 
         return declared_layers(ckpt.declared.get("manifest"))
+
+    def names_reported(self, ckpt) -> set[str]:
+        """Every file its manifest lists: the verification against the manifest checks each (verify.py)."""
+        manifest = ckpt.declared.get("manifest")
+        files = manifest.get("files") if isinstance(manifest, dict) else None
+        return {name for name in files if isinstance(name, str)} if isinstance(files, dict) else set()
 
     def check(self, ckpt, request: CheckRequest, report) -> None:
         """Every file against the manifest repack wrote, hashes included: always, --checksums or not (one read

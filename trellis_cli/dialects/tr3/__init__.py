@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H
 from trellis_cli.dialects.detect import tr3_info
-from trellis_cli.dialects.interface import EXLLAMAV3, VLLM, VLLM_R7, ContainerRefusal, Dialect, DialectInfo, Probe
+from trellis_cli.dialects.interface import (EXLLAMAV3, VLLM, VLLM_R7, CheckRequest, ContainerRefusal, Dialect,
+                                           DialectInfo, Probe, ShardLayout)
 
 # The rank-sliced vLLM loader that reads both rotation layouts.
 NEWEST_RANK_SLICED = "vllm-exl3-shared-h"
@@ -17,6 +18,7 @@ class Tr3Dialect(Dialect):
     target = "tr3"
     shard_rules = True
     hybrid_tr3_tail = True
+    writer = "trellis_cli.dialects.tr3.write"
     default_engine = NEWEST_RANK_SLICED
     read_by = frozenset({VLLM, VLLM_R7})
 
@@ -30,6 +32,15 @@ class Tr3Dialect(Dialect):
     def detect(self, probe: Probe) -> DialectInfo | None:
         info = tr3_info(probe)
         return info if info is not None and info.dialect == self.name else None
+
+    def shard_layout(self, ckpt, layer) -> ShardLayout:
+        return ShardLayout(rank_sliced=True, shared_h=self.shared_h)
+
+    def check(self, ckpt, request: CheckRequest, report) -> None:
+        """The hybrid_tr3_tail contract and its bitmaps (rules.py); the shard rules run besides."""
+        from trellis_cli.dialects.tr3.rules import check_hybrid_contract
+
+        report.extend(check_hybrid_contract(ckpt))
 
     def container_refusal(self, family: str) -> ContainerRefusal | None:
         if family == EXLLAMAV3:

@@ -24,7 +24,7 @@ from trellis_cli.formats.exl3v1_schema import (MANIFEST_FILE, PER_EXPERT_PAIR, S
 from trellis_cli.dialects.exl3v1.write import layer_file_name, row_stride, write_layer, write_manifest
 from trellis_cli.routepack.pack import HIDDEN_SIDE, expected_hidden, expected_intermediate, layer_tiers, pack_layer
 from trellis_cli.routepack.plan import parse_selection, rank_pieces
-from trellis_cli.repack.readback import same_bits
+from trellis_cli.routepack.compare import same_bits
 from trellis_cli.repack.result import RepackResult, Validator
 from trellis_cli.repack.source_facts import SourceHashes, protected_paths, vector_ndim
 from trellis_cli.routepack.source_bytes import TensorReader
@@ -217,10 +217,11 @@ def tr3_to_exl3v1(ck: Checkpoint, out: Path, options, validator: Validator, *, o
             for li in layers:
                 name, sources = layer_file_name(li), hashes.of(ck.layers[li].files)
                 if not stage.completed(name, sources):
-                    write_converted_layer(ck, m, li, tiers[li], stage.path / name, on_bytes or (lambda _n: None))
-                    stage.record(name, file_entry(stage.path / name), sources)
+                    path = stage.file(name, f"the exl3-v1 file of layer {li}")
+                    write_converted_layer(ck, m, li, tiers[li], path, on_bytes or (lambda _n: None))
+                    stage.record(name, file_entry(path), sources)
                     result.files_written += 1
-                    result.bytes_written += (stage.path / name).stat().st_size
+                    result.bytes_written += path.stat().st_size
                 else:
                     result.files_resumed += 1
                 m.layers[li] = LayerEntry(name, stage.done[name]["sha256"])

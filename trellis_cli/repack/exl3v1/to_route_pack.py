@@ -11,29 +11,26 @@ Staged in OUT.partial (resumable), checked by verify_repacked, then moved into p
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects.routepack import write as rp_write
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.dialects.exl3v1.container import container
 from trellis_cli.dialects.exl3v1.pack import check_convertible, expert_tiers
 from trellis_cli.repack.exl3v1.pack_readback import check_written
 from trellis_cli.repack.exl3v1.to_tr3 import tr3_form
 from trellis_cli.dialects.exl3v1.pack import checked_rates, default_tp, exl3v1_pack
-from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.routepack import manifest as mf
 from trellis_cli.formats.route_pack import MANIFEST_NAME, layer_file_name, tier_trellis_shape
-from trellis_cli.routepack.layer_file import sync_file, write_layer_pack
+from trellis_cli.routepack.layer_file import write_layer_pack
 from trellis_cli.routepack.plan import LayerRankJob, parse_selection
-from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult, Validator, check_source, repack_note
+from trellis_cli.repack.result import RepackResult, Validator, check_source
 from trellis_cli.repack.source_facts import SourceHashes, fingerprint, protected_paths
 from trellis_cli.repack.lock import StageLock
-from trellis_cli.repack.out_paths import output_path
 from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.repack.staging import (Stage, announce, check_free_space, check_target, refuse_collisions,
                                         refuse_overlap, stage_path)
@@ -115,9 +112,7 @@ class _Exl3RoutePack:
 
     def _refuse_collisions(self) -> None:
         """Every name the pack writes belongs to one output (checked before any work)."""
-        claims = [(MANIFEST_NAME, "the route pack's manifest.json"), (CONFIG, "the route pack's config.json")]
-        claims += [(job.file, f"the layer file of layer {job.layer} rank {job.rank}") for job in self.jobs]
-        claims += [(name, f"source file {name}") for name in [*self.form.copy_from, *self.form.extra_json]]
+        claims = rp_write.claims(self.jobs, [], [*self.form.copy_from, *self.form.extra_json])
         refuse_collisions(claims, [job.file for job in self.jobs] + [MANIFEST_NAME])
 
     def _sources(self, layer: int) -> dict[str, str]:
@@ -133,7 +128,7 @@ class _Exl3RoutePack:
                     result.files_resumed += 1
                     self.on_bytes(job.bytes)
                     continue
-                path = output_path(stage.path, job.file)
+                path = stage.file(job.file, f"the layer file of layer {job.layer} rank {job.rank}")
                 pack = exl3v1_pack(self.ck, job.layer, job.rank, self.tp, reader)
                 write_layer_pack(path, pack, on_bytes=self.on_bytes, durable=False)  # synced once in _finish
                 del pack
@@ -146,47 +141,20 @@ class _Exl3RoutePack:
                 result.bytes_written += size
 
     def _finish(self, stage: Stage) -> dict[str, Any]:
-        files = self._carry(stage)
-        config = dict(self.form.config)
-        config[REPACK_NOTE_KEY] = repack_note(self.tp, self.rotation)
-        (stage.path / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        files[CONFIG] = mf.file_entry(stage.path / CONFIG, role="config")
-        for job in self.jobs:
-            files[job.file] = {k: stage.done[job.file][k] for k in ("sha256", "size", "layer", "rank")}
-            sync_file(stage.path / job.file)
-        doc = mf.base_document(self._source(), self._geometry(), self.tp, self.ranks, "mcg", self.rotation)
+        files = rp_write.copy_files(stage, self.form.copy_from, self.hashes.check_copy)
+        files.update(rp_write.write_json_files(stage, self.form.extra_json))
+        files[CONFIG] = rp_write.write_config(stage, self.form.config, self.tp, self.rotation)
+        files.update({job.file: {k: stage.done[job.file][k] for k in ("sha256", "size", "layer", "rank")}
+                      for job in self.jobs})
+        ck = self.ck
+        source = rp_write.source_record(ck.source, ck.dialect, ck.rotation_layout, ck.tp, self.form.vector_ndim,
+                                        {n: {"sha256": self.hashes.get(n), "size": ck.files.get(n)} for n in self.used})
+        doc = mf.base_document(source, self._geometry(), self.tp, self.ranks, "mcg", self.rotation)
         box = container(self.ck)
         for li in self.layers:
-            doc["layers"][str(li)] = {
-                "tiers": [{"k": k, "size": len(ids), "experts": compact_ranges(ids)} for k, ids in self.tiers[li]],
-                "source_files": [box.layers[li].file], "tr3_shard": self.form.shard_names[li]}
-        doc["files"] = dict(sorted(files.items()))
-        mf.write_manifest(stage.path, doc)
-        return doc
-
-    def _carry(self, stage: Stage) -> dict[str, dict[str, Any]]:
-        """The files `--to tr3` would carry or write next to the shards, as the pack's copied files."""
-        entries = {}
-        for name, path in self.form.copy_from.items():
-            target = output_path(stage.path, name, f"source file {name}")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, target)
-            self.hashes.check_copy(name, target)
-            entries[name] = mf.file_entry(target, role="copied")
-        for name, doc in self.form.extra_json.items():
-            output_path(stage.path, name).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-            entries[name] = mf.file_entry(stage.path / name, role="copied")
-        return entries
-
-    def _source(self) -> dict[str, Any]:
-        ck = self.ck
-        source = dict(ck.source.describe())
-        if source.get("kind") == "local" and source.get("path"):
-            source["path"] = str(Path(source["path"]).resolve())
-        source.update({"dialect": ck.dialect, "rotation_layout": ck.rotation_layout, "tp": ck.tp,
-                       "vector_ndim": self.form.vector_ndim,
-                       "files": {n: {"sha256": self.hashes.get(n), "size": ck.files.get(n)} for n in self.used}})
-        return source
+            doc["layers"][str(li)] = rp_write.layer_entry(self.tiers[li], [box.layers[li].file],
+                                                          tr3_shard=self.form.shard_names[li])
+        return rp_write.write_manifest(stage, doc, files, [job.file for job in self.jobs])
 
     def _geometry(self) -> dict[str, Any]:
         m = self.m

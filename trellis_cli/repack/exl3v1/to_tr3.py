@@ -1,8 +1,8 @@
 """exl3-v1 as a source: `trellis repack EXL3 OUT --to tr3 [--tp N]`, and one (layer, rank) for `trellis bench`.
 
-Each TR3 shard is written by repack's TR3 writer (repack/tr3_shard.py) from one LayerPack per rank, read from
-the rank's slot extent (pack.py), and read back against those packs. Any `--tp` the slot layout allows works
-(default: the TP recorded when the checkpoint was converted from TR3, else the largest allowed degree up to
+Each TR3 shard is written by the TR3 dialect's writer (dialects/tr3/write.py, shard.py) from one LayerPack per
+rank, read from the rank's slot extent (pack.py), and read back against those packs. Any `--tp` the slot layout
+allows works (default: the TP recorded when the checkpoint was converted from TR3, else the largest allowed degree up to
 4); hidden-side tables are replicated per rank. `tr3_form` says what else the TR3 form holds (config.json,
 tier_bitmap.json, carried files, shard names); to_route_pack.py records the same in a route pack.
 """
@@ -23,8 +23,9 @@ from trellis_cli.dialects.exl3v1.pack import (NOTE_KEY, check_convertible, check
 from trellis_cli.routepack.plan import parse_selection
 from trellis_cli.repack.result import Validator, check_output, check_source
 from trellis_cli.repack.source_facts import SourceHashes, protected_paths
-from trellis_cli.repack.tr3_output import Tr3Output, Tr3Run, assign_shards, fingerprint_options, restored_config
-from trellis_cli.repack.tr3_shard import Tr3Layer
+from trellis_cli.dialects.tr3.shard import Tr3Layer
+from trellis_cli.dialects.tr3.write import Tr3Output, assign_shards, restored_config
+from trellis_cli.repack.tr3_output import Tr3Run, fingerprint_options
 
 @dataclass
 class Tr3Form:

@@ -1,14 +1,15 @@
 """One TR3 shard written from route-pack LayerPacks, and its bit-for-bit read-back.
 
 A shard holds every rank of its layers; it is written rank by rank from one LayerPack at a time (the header is
-planned first), so memory stays at one layer-rank, and carried tensors are streamed (carry.py). Tensor names
-follow the TR3 schema, vectors get back the shape the source stored ([n] or [1, n]), and codebook markers are
-rewritten from the codebook. Used by every driver that writes TR3 (convert.py, exl3v1/to_tr3.py) through
-tr3_output.Tr3Run.
+planned first), so memory stays at one layer-rank, and carried tensors are streamed (routepack/carry.py).
+Tensor names follow the TR3 schema, vectors get back the shape the source stored ([n] or [1, n]), and codebook
+markers are rewritten from the codebook. write.py's `Tr3Output` writes every shard of an output with it, for
+every repack driver that writes TR3 (repack/convert.py, repack/exl3v1/to_tr3.py).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -19,8 +20,8 @@ from trellis_cli.codebooks import MARKERS
 from trellis_cli.errors import CheckFailed
 from trellis_cli.formats.route_pack import LayerPack, split_descriptor
 from trellis_cli.header import HeaderError, read_local_header
-from trellis_cli.repack import carry
-from trellis_cli.repack.readback import same_bits
+from trellis_cli.routepack import carry
+from trellis_cli.routepack.compare import same_bits
 from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.sources import LocalSource
 from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter
@@ -47,7 +48,7 @@ class Tr3Layer:
         """Every tensor in file order (rank-major) with what fills it."""
         h, i = self.hidden, self.intermediate
         marker = MARKERS[self.codebook]
-        out = []
+        out: list[tuple[PlannedTensor, tuple]] = []
         for rank in range(self.tp):
             for expert in sorted(self.expert_k):
                 k = self.expert_k[expert]
@@ -113,7 +114,7 @@ def write_tr3_shard(path: Path, specs: list[Tr3Layer], packs: Callable[[int, int
     plan = [t for spec in specs for t, _ in spec.slots()] + carry.planned(carried)
     with SafetensorsWriter(path, plan, metadata) as writer:
         for spec in specs:
-            layer_packs = _cached_packs(lambda rank, layer=spec.layer: packs(layer, rank))
+            layer_packs = _cached_packs(functools.partial(packs, spec.layer))
             for planned, origin in spec.slots():
                 writer.write(planned.name, tensor_from_pack(spec, layer_packs(origin[1]), planned, origin))
                 if on_bytes is not None:
@@ -136,7 +137,7 @@ def check_tr3_shard(path: Path, specs: list[Tr3Layer], packs: Callable[[int, int
     back = {r.name: r for r in carry.refs_of(header)}
     with TensorReader(LocalSource(path.parent)) as written:
         for spec in specs:
-            layer_packs = _cached_packs(lambda rank, layer=spec.layer: packs(layer, rank))
+            layer_packs = _cached_packs(functools.partial(packs, spec.layer))
             for planned, origin in spec.slots():
                 want = tensor_from_pack(spec, layer_packs(origin[1]), planned, origin)
                 ref = back[planned.name]
