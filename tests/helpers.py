@@ -32,6 +32,19 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def error_line(err: str) -> str:
+    """The `error:` line of a failed run's stderr (a `hint:` line may follow it); "" when there is none."""
+    return next((line for line in reversed(err.strip().splitlines()) if line.startswith("error:")), "")
+
+
+def without_hint(err: str) -> str:
+    """stderr without the one `hint:` line that may follow an `error:` line (cli/exit_codes.py)."""
+    lines = err.splitlines(keepends=True)
+    if lines and lines[-1].startswith("hint: "):
+        lines.pop()
+    return "".join(lines)
+
+
 def run_cli_merged(capsys, *args: str) -> tuple[int, str]:
     """Exit code and stdout + stderr together of one in-process `trellis` run."""
     code, out, err = run_cli(capsys, *args)

@@ -7,6 +7,7 @@ The library API (docs/architecture.md, "Library API"); every name is imported on
     checkpoint = open_checkpoint(source)             # the normalized, torch-free model of the checkpoint
     report = run_validation(checkpoint, deep=True)   # Report of Findings; report.ok (the dialect's default engine)
     report = validate_source(source, ValidateRequest(deep=True))   # the same, opening included: `trellis validate`
+    document = inspect_source(source, InspectRequest(tp=4))        # `trellis inspect --tp 4`; .to_json()
     result = run_repack(checkpoint, "OUT", RepackOptions(tp=4))
     moe = FusedMoe(read_layer_pack("OUT", layer=3, rank=0))   # needs a CUDA GPU
     y = moe.forward(x, topk_ids, topk_weights)
@@ -31,6 +32,9 @@ _EXPORTS = {
     "run_validation": "trellis_cli.validate",
     "validate_source": "trellis_cli.validate.request",
     "ValidateRequest": "trellis_cli.validate.request",
+    "inspect_source": "trellis_cli.inspect_request",
+    "InspectRequest": "trellis_cli.inspect_request",
+    "InspectDocument": "trellis_cli.inspect_request",
     "Report": "trellis_cli.findings",
     "Finding": "trellis_cli.findings",
     "Severity": "trellis_cli.findings",
@@ -56,6 +60,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from trellis_cli.errors import TrellisError
     from trellis_cli.findings import Finding, Report, Severity
     from trellis_cli.formats.route_pack import LayerPack
+    from trellis_cli.inspect_request import InspectDocument, InspectRequest, inspect_source
     from trellis_cli.kernel.launch import FusedMoe
     from trellis_cli.routepack.layer_file import read_layer_pack
     from trellis_cli.repack.result import RepackResult

@@ -1,4 +1,8 @@
-"""Checksums: file content against the hashes the publisher recorded.
+"""Checksums: file content against recorded hashes, and the one comparison every recorded sha256 goes through.
+
+- Recorded by the format (`RecordedHash`): what a dialect's own metadata states for its files (an exl3-v1
+  manifest's per-layer digests, a route pack's manifest.json); `check_recorded` streams each file through
+  sha256 (or reuses a digest this run already has) and reports a mismatch with the dialect's finding code.
 
 - Hub: LFS files against the sha256 the Hub lists (model_info with files metadata; offline, the cache
   names each LFS blob by that sha256); small non-LFS files against their git blob sha1.
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
 
 from trellis_cli.errors import CheckFailed
+from trellis_cli.findings import Location, Report, error
 from trellis_cli.header import open_regular, os_reason, text_escape
 from trellis_cli.header import safe_relative
 from trellis_cli.sources import HubSource, LocalSource, Source
@@ -104,6 +109,42 @@ def verify_checksums(source: Source, files: Iterable[str] | None = None, progres
         raise TypeError(f"verify_checksums: unsupported source {type(source).__name__}")
     results = _hash_all(expected, paths, progress, missing)
     return sorted(results + extra, key=lambda r: r.file)
+
+
+# A digest of all zeros records no hash (a sparse synth has no data to hash): compared only when asked for.
+UNRECORDED_DIGEST = "0" * 64
+
+
+class RecordedHash(NamedTuple):
+    """One file's sha256 as a format's own metadata records it, and how a mismatch is reported."""
+
+    file: str  # relative to the checkpoint
+    sha256: str
+    where: Location  # what a finding about this file points at
+    code: str  # the finding code of a mismatch (docs/findings.md)
+    message: str  # its message
+    size: int | None = None  # the file's bytes, counted as "bytes hashed" where given
+
+
+def check_recorded(source: Source, recorded: Iterable[RecordedHash], report: Report,
+                   progress: ProgressCallback | None = None, known: dict[str, str] | None = None) -> None:
+    """Compare each recorded sha256 with its file: one streamed read per file (progress(n) per chunk), none
+    for a file whose digest `known` already holds (file -> hex: hashed earlier in this run). A file that
+    cannot be read is `file.unreadable` (or the reader's own code), never an exception."""
+    for entry in recorded:
+        digest = (known or {}).get(entry.file)
+        try:
+            digest = digest or sha256_file(source.local_path(entry.file), progress)
+        except OSError as e:
+            report.findings.append(error("file.unreadable", entry.where, f"cannot hash the file ({e.strerror or e})"))
+            continue
+        except CheckFailed as e:
+            report.findings.append(error(e.code or "file.unreadable", entry.where, str(e)))
+            continue
+        if entry.size is not None:
+            report.count("bytes hashed", entry.size)
+        if digest != entry.sha256:
+            report.findings.append(error(entry.code, entry.where, entry.message, entry.sha256, digest))
 
 
 # ---- what to compare ----------------------------------------------------------------------------------

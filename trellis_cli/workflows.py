@@ -1,7 +1,4 @@
-"""Entry points that join two work packages, so that neither imports the other.
-
-`serve_tp_view` is the section `trellis inspect --tp N` adds: the rank's share at N (inspect_tp.py) and each
-engine's TP contract at N (validate's engines.tp_verdicts).
+"""Entry points that join two work packages, so that neither imports the other (inspect's: inspect_request.py).
 
 `run_repack` is repack.run.run_repack handed validate.run_validation as its validator, with the format rules
 alone deciding (no engine profile enforced: a repack changes the layout a loader sees): the source is
@@ -37,21 +34,4 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
                   on_stage=on_stage)
 
 
-def serve_tp_view(checkpoint: Any, layers: list[int] | None, tp: int) -> dict[str, Any]:
-    """The `serve_tp` section of the inspect document: the routed bytes one rank holds at TP `tp`, K per
-    projection, and which engines' TP contracts accept `tp`."""
-    from trellis_cli.dialects.registry import dialect_of
-    from trellis_cli.inspect_tp import tp_view
-    from trellis_cli.validate.engines import tp_verdicts
-
-    chosen = list(checkpoint.layers) if layers is None else layers
-    if dialect_of(checkpoint).shard_rules:  # per-linear tensors in shards: what inspect_tp reads
-        view = tp_view(checkpoint, chosen, tp)
-    else:
-        view = {"tp": tp, "layers": [], "routed_bytes_per_rank": None,
-                "note": "per-rank bytes of this container are in its own rows above"}
-    view["engines"] = tp_verdicts(checkpoint, tp)
-    return view
-
-
-__all__ = ["run_repack", "serve_tp_view"]
+__all__ = ["run_repack"]

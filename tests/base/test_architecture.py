@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("dialects", ("dialects",)),
     ("work", ("validate", "repack", "bench", "kernel", "inspect_report", "inspect_tensors", "inspect_tp", "diff",
               "fit")),
-    ("entry", ("workflows",)),
+    ("entry", ("workflows", "inspect_request")),
     ("top", ("cli", "__main__", "")),
 ]
 # The work packages are siblings: one never imports another, except along these edges.

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import cuda_available, requires_nvcc
-from helpers import run_cli
+from helpers import run_cli, without_hint
 
 
 @pytest.mark.skipif(cuda_available(), reason="checks the no-GPU path")
@@ -16,7 +16,7 @@ from helpers import run_cli
 def test_bench_without_gpu_exits_4_with_one_line(argv, capsys):
     code, out, err = run_cli(capsys, *argv)
     assert code == 4 and out == ""
-    lines = err.strip().splitlines()
+    lines = without_hint(err).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "GPU" in lines[0]
 
 

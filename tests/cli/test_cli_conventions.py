@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_cli
+from helpers import run_cli, error_line, without_hint
 from trellis_cli import synth
 from trellis_cli.cli import output
 
@@ -33,7 +33,7 @@ def source(tmp_path_factory) -> Path:
 
 
 def assert_one_error_line(err: str, *parts: str) -> None:
-    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert len(without_hint(err).splitlines()) == 1 and err.startswith("error: "), err
     assert "╭" not in err and "Usage:" not in err
     for part in parts:
         assert part in err, err
@@ -146,7 +146,7 @@ def test_a_selection_naming_missing_layers_is_a_usage_error(capsys, source, tmp_
     argv = [command, str(source)] + ([str(tmp_path / "o")] if command == "repack" else [])
     code, out, err = run_cli(capsys, *argv, "--layers", layers, "--json")
     assert code == 2 and out == ""
-    assert err.splitlines()[-1].startswith("error: --layers: [") and "not in the source (it has 3-4)" in err
+    assert error_line(err).startswith("error: --layers: [") and "not in the source (it has 3-4)" in err
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
 
 
@@ -244,7 +244,7 @@ def test_a_hub_that_never_answers_is_exit_3_not_a_hang(tmp_path, silent_server):
     result = subprocess.run([sys.executable, "-m", "trellis_cli", "inspect", "org/model", "--endpoint",
                              endpoint], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 3 and result.stdout == "" and time.monotonic() - started < 30
-    last = result.stderr.splitlines()[-1]
+    last = error_line(result.stderr)
     assert last.startswith("error: org/model@main: ") and "did not answer in time" in last
     assert "HF_HUB_DOWNLOAD_TIMEOUT" in last and "Traceback" not in result.stderr
 
@@ -261,7 +261,7 @@ def test_a_hub_that_stalls_on_header_reads_is_exit_3(tmp_path, source):
         result = subprocess.run([sys.executable, "-m", "trellis_cli", "inspect", "org/model", "--endpoint",
                                  hub.endpoint], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 3 and result.stdout == "" and time.monotonic() - started < 45, result.stderr
-    assert result.stderr.splitlines()[-1].startswith("error: config.json in org/model@")
+    assert error_line(result.stderr).startswith("error: config.json in org/model@")
     assert "did not answer in time" in result.stderr and "thrown while requesting" not in result.stderr
 
 

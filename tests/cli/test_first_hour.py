@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import interrupt_after, many_findings_checkpoint, run_cli, tiny_checkpoint
+from helpers import interrupt_after, many_findings_checkpoint, run_cli, tiny_checkpoint, without_hint
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,7 @@ def test_synth_scales_the_presets_partition_to_experts(capsys, tmp_path):
 def test_synth_refuses_an_existing_directory_before_saying_it_writes(capsys, tiny):
     code, out, err = run_cli(capsys, "synth", str(tiny))
     assert code == 2 and out == ""
-    assert err.splitlines() == [f"error: synth: {tiny} exists and is not empty (pass --overwrite to replace it)"]
+    assert without_hint(err).splitlines() == [f"error: synth: {tiny} exists and is not empty (pass --overwrite to replace it)"]
 
 
 def test_deep_on_a_sparse_synth_says_why_the_data_is_zero(capsys, many):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_cli
+from helpers import run_cli, error_line
 from trellis_cli import synth
 from trellis_cli.formats.exl3v1_schema import MAX_EXPERTS, MAX_HIDDEN, MAX_SLOT_EXPERTS, MAX_SLOTS, UNIFORM, LayerEntry, Manifest
 from trellis_cli.header import MAX_HEADER_TENSORS
@@ -61,8 +61,8 @@ def test_synth_refuses_declared_sizes_above_the_limits_at_once(tmp_path, options
     out = tmp_path / "out"
     done, seconds = run_limited("synth", str(out), *options)
     assert done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert lines[-1].startswith("error: synth") and named in lines[-1] and "limit" in lines[-1], lines
+    last = error_line(done.stderr)
+    assert last.startswith("error: synth") and named in last and "limit" in last, done.stderr
     assert "Traceback" not in done.stderr and "MemoryError" not in done.stderr
     assert seconds < 30, seconds
     assert_nothing_written(out)
@@ -159,7 +159,7 @@ def test_synth_refuses_by_name_when_the_filesystem_cannot_hold_it(tmp_path, fmt)
     done, seconds = run_limited("synth", str(out), "--format", fmt, *options, "--tp", "1", "--layers", "3",
                                 "--uniform", "4", "--top-k", "2", file_limit=256 << 20)
     assert done.returncode == 1, done.stderr
-    last = done.stderr.strip().splitlines()[-1]
+    last = error_line(done.stderr)
     assert last.startswith(f"error: {out}: ") and "GB free on its filesystem" in last and "needs" in last, last
     assert seconds < 30, seconds
     assert_nothing_written(out)
@@ -203,7 +203,7 @@ def test_a_fifo_as_the_repack_lock_is_refused_by_name(tmp_path, capsys):
     os.mkfifo(tmp_path / "out.partial.lock")
     done, seconds = run_limited("repack", str(source), str(out))
     assert done.returncode == 2, done.stderr
-    last = done.stderr.strip().splitlines()[-1]
+    last = error_line(done.stderr)
     assert last == (f"error: {out}.partial.lock: the lock file of {out} is a FIFO, not a regular file; remove it "
                     "and rerun"), last
     assert seconds < 30 and not out.exists()

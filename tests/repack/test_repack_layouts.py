@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from roundtrip import LAYOUTS, assert_same_files, assert_same_tensors, non_expert_tensors, relayout
-from helpers import run_cli
+from helpers import run_cli, error_line
 from trellis_cli import synth
 
 
@@ -87,7 +87,7 @@ def test_a_colliding_source_file_is_refused_before_any_work(capsys, tiny, tmp_pa
     src = _with_file(tiny, tmp_path / "src", name, content)
     code, out, err = run_cli(capsys, "repack", str(src), str(tmp_path / "pack"))
     assert code == 2 and f"source file {name}" in err and output in err and "Traceback" not in err, err
-    assert err.count("error:") == 1 and err.strip().splitlines()[-1].startswith("error:"), err
+    assert err.count("error:") == 1 and error_line(err).startswith("error:"), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no OUT, no OUT.partial, no lock
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from roundtrip import assert_same_tensors
-from helpers import run_cli
+from helpers import run_cli, error_line
 from trellis_cli import synth
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,7 +107,7 @@ def test_two_repacks_into_one_out_leave_one_complete_output(capsys, source, tmp_
     for code, _, err in results:
         if code != 0:  # the loser: one line, at once, naming why
             # one error line, the last (after the plain line saying the source is being opened)
-            assert code == 2 and err.count("error:") == 1 and err.strip().splitlines()[-1].startswith("error:"), err
+            assert code == 2 and err.count("error:") == 1 and error_line(err).startswith("error:"), err
             assert "another trellis repack (pid" in err or "not empty" in err, err
     code, stdout, err = run_cli(capsys, "validate", "--strict", str(out))
     assert code == 0, stdout + err

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from hub_server import HubServer
+from helpers import without_hint
 from trellis_cli.cli.exit_codes import exit_code
 from trellis_cli.errors import EXIT_SOURCE, SourceUnavailable
 from trellis_cli.header import read_local_header
@@ -342,7 +343,7 @@ def test_cli_unreachable_sources_exit_3_with_one_line(hub, trellis, checkpoint, 
     hub.add_commit("org/private", checkpoint, private=True)
     result = trellis(*args)
     assert result.returncode == EXIT_SOURCE
-    lines = result.stderr.strip().splitlines()
+    lines = without_hint(result.stderr).strip().splitlines()
     assert len(lines) == 1 and expected in lines[0] and lines[0].startswith("error:")
 
 

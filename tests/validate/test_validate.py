@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from corrupt import INDEX, SHARD3, edit_json, key, rebuild_shard, write_tensor_bytes
-from helpers import run_cli, tiny_checkpoint, to_plain_exl3, to_r7, to_r7_v2
+from helpers import run_cli, tiny_checkpoint, to_plain_exl3, to_r7, to_r7_v2, error_line
 from trellis_cli.dialects import open_checkpoint
 from trellis_cli.findings import Location, Severity, error
 from trellis_cli.sample import sample_path
@@ -207,7 +207,7 @@ def test_layers_option_limits_per_layer_rules(tmp_path, capsys):
     assert code == 0 and doc["checked"]["layers"] == 1 and doc["findings"] == []
     assert doc["source"]["kind"] == "local" and "revision" in doc
     code, out, err = run_cli(capsys, "validate", str(root), "--layers", "4,9", "--json")
-    assert code == 2 and out == "" and err.splitlines()[-1] == "error: --layers: [9] not in the source (it has 3-4)"
+    assert code == 2 and out == "" and error_line(err) == "error: --layers: [9] not in the source (it has 3-4)"
 
 
 def test_strict_fails_on_warnings(tmp_path, capsys):
@@ -215,7 +215,7 @@ def test_strict_fails_on_warnings(tmp_path, capsys):
     edit_json(root / INDEX, lambda i: i["metadata"].update(total_size=1))
     assert run_cli(capsys, "validate", str(root))[0] == 0
     code, out, err = run_cli(capsys, "validate", str(root), "--strict")
-    assert code == 1 and "[index.total-size]" in out and err.strip().splitlines()[-1].startswith("error:")
+    assert code == 1 and "[index.total-size]" in out and error_line(err).startswith("error:")
 
 
 def test_default_source_is_the_bundled_sample(capsys):

@@ -12,7 +12,7 @@ import typer
 
 from trellis_cli import __version__
 from trellis_cli.cli import output
-from trellis_cli.cli.exit_codes import exit_code
+from trellis_cli.cli.exit_codes import exit_code, hint
 from trellis_cli.errors import EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_USAGE, TrellisError
 
 GLOBAL_FLAGS = ("-q", "--quiet", "--debug")  # accepted before or after the subcommand
@@ -105,6 +105,7 @@ def _run(args: list[str]) -> None:
         _report_interrupted()
     except TrellisError as err:
         _report_trellis_error(err)
+        _report_hint(err, args)
         raise SystemExit(exit_code(err)) from None
     except KeyboardInterrupt:
         _report_interrupted()
@@ -114,6 +115,7 @@ def _run(args: list[str]) -> None:
     except OSError as err:
         # Permission denied, disk full, a file vanishing: the system's reason and the file are enough.
         _report_error(output.describe_os_error(err))
+        _report_hint(err, args)
         raise SystemExit(exit_code(err)) from None
     except Exception as err:
         # A bug, not bad input: still one line, with the way to get the traceback.
@@ -189,6 +191,15 @@ def _report_trellis_error(err: TrellisError) -> None:
         # Multi-line details (a compiler log) follow the one-line summary; the traceback replaces them.
         for line in details:
             output.print_line(line, err=True)
+
+
+def _report_hint(err: BaseException, args: list[str]) -> None:
+    """The table's `hint:` line for `err` (cli/exit_codes.py), naming the command that ran; after the error
+    and its details, so the `error:` line stays the first thing said."""
+    command = next((a for a in args if not a.startswith("-")), None)
+    text = hint(err, f"trellis {command}" if command else "trellis")
+    if text is not None:
+        output.print_line(f"hint: {text}", err=True)
 
 
 def _report_error(message: str) -> None:

@@ -45,74 +45,61 @@ def register(app: typer.Typer) -> None:
                                                                "bytes; K and bpw of EXL3 codes), with per-layer and "
                                                                "whole totals; --markdown: one table per layer.")] = False,
     ) -> None:
-        from trellis_cli.dialects import open_checkpoint
-        from trellis_cli.inspect_report import build_inspect, render_markdown, render_text
-        from trellis_cli.workflows import serve_tp_view
+        from trellis_cli.inspect_request import InspectProgress, InspectRequest, inspect_source
 
         if as_json and markdown:
             raise UsageError("--json and --markdown are exclusive: choose one output format")
-        fit_request = _fit_request(tp, gpu, gpu_mem, ctx)
-        chosen = parse_layers(layers)
+        fit_gpu = _fit_gpu(tp, gpu, gpu_mem)
+        request = InspectRequest(layers=parse_layers(layers), tensors=tensors, tp=tp, gpu=fit_gpu, ctx=ctx)
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
-        output.log(f"reading headers of {opened.description} ...")
         # A production checkpoint has ~80 shards and 930k tensors: on a terminal, a bar per stage with its count.
         with output.stage_progress(enabled=output.progress_enabled(as_json)) as advance:
-            checkpoint = open_checkpoint(opened, progress=advance)
-            if tensors:
-                _list_tensors(checkpoint, chosen, as_json, markdown)
-                return
-            document = build_inspect(checkpoint, chosen)
-            if tp is not None:
-                document["serve_tp"] = serve_tp_view(checkpoint, chosen, tp)
-            fitted = None
-            if fit_request is not None:
-                from trellis_cli.fit.run import fit
-
-                fitted = fit(checkpoint, fit_request)
+            document = inspect_source(opened, request, InspectProgress(stage=advance, log=output.log))
         if as_json:
-            if fitted is not None:
-                document["fit"] = fitted.to_json()
-            output.emit_json(document)
-            return
-        lines = render_markdown(document) if markdown else render_text(document)
-        if tp is not None:
-            from trellis_cli.inspect_report import human_bytes
-            from trellis_cli.inspect_tp import render_tp_view
-
-            lines = [*lines, "", *render_tp_view(document["serve_tp"], human_bytes)]
-        for line in lines:
-            output.print_line(line)
-        if fitted is not None:
-            from trellis_cli.cli.fit_render import render
-
-            output.print_line("")
-            render(fitted, opened.description, checkpoint.dialect)
+            output.emit_json(document.to_json())
+        elif document.tensors is not None:
+            _print_tensors(document.tensors, markdown)
+        else:
+            _print_summary(document, markdown)
+        if document.unreadable:
+            first = document.unreadable[0]
+            raise CheckFailed(f"{len(document.unreadable)} file header(s) could not be read, first "
+                              f"{first['file']}: {first['error']}")
 
 
-def _fit_request(tp: int | None, gpu: str | None, gpu_mem: str | None, ctx: int | None):
-    """The fit section's request when --tp and a GPU are given; a usage error when only one half is."""
-    if gpu is None and gpu_mem is None and ctx is None:
-        return None  # --tp alone: the server TP's view, no fit section
-    if tp is None or (gpu is None and gpu_mem is None):
-        raise UsageError("the fit section of inspect needs --tp N and --gpu NAME or --gpu-mem SIZE")
+def _fit_gpu(tp: int | None, gpu: str | None, gpu_mem: str | None):
+    """The fit section's GPU from --gpu / --gpu-mem (None without either); asking for it without --tp is a
+    usage error before the GPU name is looked up."""
+    if gpu is None and gpu_mem is None:
+        return None
+    if tp is None:
+        from trellis_cli.inspect_request import FIT_NEEDS
+
+        raise UsageError(FIT_NEEDS)
     from trellis_cli.fit.gpus import choose_gpu
-    from trellis_cli.fit.run import FitRequest, check_request
 
-    request = FitRequest(tp=tp, gpu=choose_gpu(gpu, gpu_mem), ctx=ctx)
-    check_request(request)
-    return request
+    return choose_gpu(gpu, gpu_mem)
 
 
-def _list_tensors(checkpoint, chosen: list[int] | None, as_json: bool, markdown: bool) -> None:
+def _print_summary(document, markdown: bool) -> None:
+    from trellis_cli.inspect_report import human_bytes, render_markdown, render_text
+    from trellis_cli.inspect_tp import render_tp_view
+
+    lines = render_markdown(document.summary) if markdown else render_text(document.summary)
+    if document.serve_tp is not None:
+        lines = [*lines, "", *render_tp_view(document.serve_tp, human_bytes)]
+    for line in lines:
+        output.print_line(line)
+    if document.fit is not None:
+        from trellis_cli.cli.fit_render import render
+
+        output.print_line("")
+        render(document.fit, document.description, document.dialect)
+
+
+def _print_tensors(listing, markdown: bool) -> None:
     from trellis_cli import inspect_tensors
 
-    document = inspect_tensors.build_tensor_listing(checkpoint, chosen)
-    if as_json:
-        output.emit_json(document)
-    else:
-        render = inspect_tensors.render_markdown if markdown else inspect_tensors.render_text
-        for line in render(document):
-            output.print_line(line)
-    if document["unreadable"]:
-        raise CheckFailed(f"{len(document['unreadable'])} file header(s) could not be read, first "
-                          f"{document['unreadable'][0]['file']}: {document['unreadable'][0]['error']}")
+    render = inspect_tensors.render_markdown if markdown else inspect_tensors.render_text
+    for line in render(listing):
+        output.print_line(line)

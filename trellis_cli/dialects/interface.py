@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 from trellis_cli.checkpoint.model import Checkpoint, MoeLayer, VectorRef
 from trellis_cli.findings import Location, Report
+from trellis_cli.integrity import RecordedHash
 
 # The loader families of the engine profiles (validate/engines.py): whose container reader is asked.
 VLLM, B12X, EXLLAMAV3 = "vllm", "b12x", "exllamav3"
@@ -162,6 +163,11 @@ class Dialect:
     def hashes_by_default(self, ckpt: Checkpoint) -> bool:
         """Whether validate compares recorded hashes without --checksums (a container that records its own)."""
         return False
+
+    def recorded_hashes(self, ckpt: Checkpoint, request: CheckRequest) -> list[RecordedHash]:
+        """The sha256 its own metadata records for the files `request` covers, each with the finding a
+        mismatch is; validate's one checksum rule (validate/checksums.py) compares them. None recorded: []."""
+        return []
 
     def container_refusal(self, family: str) -> ContainerRefusal | None:
         """Why loader `family` (VLLM, B12X, EXLLAMAV3) does not read this container; None when it does."""

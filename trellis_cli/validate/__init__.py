@@ -7,7 +7,7 @@ values), and last the loader profiles of engines.py (the enforced one's refusals
 Which rules apply is the dialect's answer (dialects/registry.py), never a comparison of names: the shard
 rules where the dialect stores per-linear shards, the dialect's own rules (`Dialect.check`: an exl3-v1's
 reader checks, a route pack's verification against its manifest), then for every dialect the shared data
-rules over the normalized model (--deep), the recorded hashes, and every engine profile's verdict.
+rules over the normalized model (--deep), the recorded hashes (checksums.py, one rule for every dialect), and every engine profile's verdict.
 Every rule runs even after errors, so one run shows every problem. Rules never raise on bad input; they yield
 findings. `validate_source` (request.py) is the one call behind `trellis validate`.
 """
@@ -24,26 +24,12 @@ from trellis_cli.findings import MAX_FINDINGS_PER_CODE, Finding, Location, Repor
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.validate import (engines, rules_config, rules_files, rules_markers, rules_names, rules_runtime,
                                   rules_tensors)
+from trellis_cli.validate import checksums as checksum_rule
 
 Progress = Callable[[str, int, int], None] | None  # (stage, done, total) as layers complete
 
 # Said beside every verdict that did not read tensor values: a header-perfect checkpoint of zeros passes.
 NOT_DEEP_NOTE = "tensor data not checked (headers only; --deep reads it)"
-NOT_HASHED_NOTE = "recorded hashes not compared (the files are not local; --checksums hashes them)"
-
-CHECKSUM_CODES = {  # integrity status -> (code, severity, message)
-    "mismatch": ("checksum.mismatch", Severity.ERROR, "sha256 differs from the recorded hash"),
-    "missing": ("checksum.missing", Severity.ERROR, "a hash is recorded but the file is absent"),
-    "unsafe-path": ("path.escape", Severity.ERROR, "the checksum manifest names a path outside the checkpoint"),
-    "malformed": ("checksum.manifest", Severity.ERROR, "MANIFEST.sha256 line cannot be used"),
-    "unreadable": ("file.unreadable", Severity.ERROR, "the file cannot be read"),
-    "unlisted": ("checksum.unlisted", Severity.WARNING, "no hash is recorded for this file"),
-    "no-manifest": ("checksum.unavailable", Severity.ERROR, "--checksums asked for, but there is no MANIFEST.sha256: "
-                    "nothing to compare against, so no file was checked"),
-    "not-cached": ("checksum.not-cached", Severity.WARNING, "not in the local cache, so not hashed"),
-}
-
-
 def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[int] | None = None,
                    checksums: bool = False, engine: str | None = engines.DEFAULT, tp: int | None = None,
                    progress: Callable[[str, int, int], None] | None = None,
@@ -64,10 +50,7 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
     enforced = engines.enforced_name(engine, checkpoint.dialect)
     selected = _selected_layers(checkpoint, dialect, layers)  # a usage error before any rule runs
     report = Report(subject=_subject(checkpoint), context=_context(checkpoint))
-    # A dialect whose own hash check can reuse the publisher's digests (the Hub's LFS sha256, a MANIFEST.sha256)
-    # gets them first, so no file is read twice.
-    digests = (_run_checksums(checkpoint, report, checksum_progress) if checksums and dialect.publisher_digests
-               and _has_publisher_hashes(checkpoint.source) else {})
+    digests = checksum_rule.publisher_first(checkpoint, dialect, checksums, report, checksum_progress)
     request = CheckRequest(selected, deep, checksums, narrowed=layers is not None, progress=progress,
                            checksum_progress=checksum_progress, known_digests=digests)
     report.extend(rules_names.check_names(checkpoint, dialect))
@@ -76,15 +59,13 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
             _run_header_rules(checkpoint, selected, report, progress)
         _run_markers(checkpoint, selected, report, deep)
     dialect.check(checkpoint, request, report)
+    checksum_rule.compare_recorded(checkpoint, dialect, request, report)
     if dialect.tensor_data:
         if deep:
             _run_deep(checkpoint, dialect, selected, report, progress)
         else:
             report.notes.append(NOT_DEEP_NOTE)
-    if checksums and dialect.shard_rules:
-        _run_checksums(checkpoint, report, checksum_progress)
-    elif not checksums and dialect.records_hashes and not dialect.hashes_by_default(checkpoint):
-        report.notes.append(NOT_HASHED_NOTE)
+    checksum_rule.after_rules(checkpoint, dialect, checksums, report, checksum_progress)
     engines.assess(checkpoint, selected, report, enforced, tp)
     report.context["engine"] = enforced
     cap_findings(report)
@@ -178,31 +159,6 @@ def _sparse_synthetic(ckpt: Checkpoint, selected: list[int]) -> bool:
         if getattr(stat, "st_blocks", None) is None or stat.st_blocks * 512 >= stat.st_size // 2:
             return False  # allocated: real data, not holes
     return True
-
-
-def _has_publisher_hashes(source: Any) -> bool:
-    """A Hub repo (LFS sha256 per file), or a local directory that carries a MANIFEST.sha256. An exl3-v1
-    directory without one still has its manifest's per-layer digests, so it is not an error there."""
-    from trellis_cli.integrity import CHECKSUM_MANIFEST
-    from trellis_cli.sources import LocalSource
-
-    return not isinstance(source, LocalSource) or CHECKSUM_MANIFEST in source.list_files()
-
-
-def _run_checksums(ckpt: Checkpoint, report: Report, progress: Callable[[int], None] | None) -> dict[str, str]:
-    """Checksum findings into `report`; returns the sha256 found for each file that was hashed with it."""
-    from trellis_cli.integrity import verify_checksums
-
-    results = verify_checksums(ckpt.source, progress=progress, strict_manifest=False)
-    report.count("checksums", sum(r.ok for r in results))
-    found = {r.file: r.found for r in results if r.found is not None and len(r.found) == 64}
-    for r in results:
-        if r.ok:
-            continue
-        code, severity, message = CHECKSUM_CODES.get(r.status, ("checksum.mismatch", Severity.ERROR, r.status))
-        report.findings.append(Finding(code, severity, Location(file=r.file), r.detail or message,
-                                       expected=r.expected, found=r.found))
-    return found
 
 
 def cap_findings(report: Report, limit: int = MAX_FINDINGS_PER_CODE) -> None:

@@ -15,6 +15,7 @@ from typing import Iterator
 from trellis_cli.checkpoint.model import (DIALECT_EXL3V1, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H, PROJECTIONS,
                                          VectorRef)
 from trellis_cli.findings import Location
+from trellis_cli.integrity import RecordedHash
 from trellis_cli.dialects.detect import exl3v1_info
 from trellis_cli.dialects.interface import B12X, VLLM, VLLM_MANIFEST, CheckRequest, Dialect, DialectInfo, Probe
 
@@ -46,12 +47,18 @@ class Exl3v1Dialect(Dialect):
     def check(self, ckpt, request: CheckRequest, report) -> None:
         from trellis_cli.dialects.exl3v1.rules import check_exl3v1
 
-        # The manifest's digests are compared by default where the bytes are local, as a route pack's are;
-        # by default a digest of all zeros (recorded for no data, as a sparse synth writes) is not hashed.
-        check_exl3v1(ckpt, report, request.layers, deep=request.deep,
-                     checksums=request.checksums or self.hashes_by_default(ckpt), every_digest=request.checksums,
-                     progress=request.progress, checksum_progress=request.checksum_progress,
-                     known_digests=request.known_digests)
+        check_exl3v1(ckpt, report, request.layers, deep=request.deep, progress=request.progress)
+
+    def recorded_hashes(self, ckpt, request: CheckRequest) -> list[RecordedHash]:
+        """The manifest's sha256 of each chosen layer file that could be read (the others are findings)."""
+        from trellis_cli.dialects.exl3v1.container import container, finding_where
+
+        box = container(ckpt)
+        if box.manifest is None:
+            return []
+        chosen = [box.layers[i] for i in request.layers if box.layers[i].readable]
+        return [RecordedHash(layer.file, layer.sha256, finding_where(layer), "exl3v1.sha256-mismatch",
+                             "the layer file's sha256 differs from the manifest") for layer in chosen]
 
     def vectors(self, ckpt, layer: int) -> Iterator[VectorRef]:
         """The hidden-side tables: one row per expert ([E, hidden]), or one vector for all of them ([hidden])."""
@@ -81,7 +88,8 @@ class Exl3v1Dialect(Dialect):
         return {layer.file for layer in container(ckpt).layers.values()}
 
     def hashes_by_default(self, ckpt) -> bool:
-        """The manifest records each layer file's sha256: compared whenever the bytes are local."""
+        """The manifest records each layer file's sha256: compared whenever the bytes are local, as a route
+        pack's are (a digest of all zeros, recorded for no data as a sparse synth writes, only with --checksums)."""
         return getattr(ckpt.source, "root", None) is not None
 
     def rank_tp_degrees(self, ckpt) -> list[int] | None:

@@ -4,9 +4,9 @@ what that reader leaves unchecked (docs/findings.md, `exl3v1.*`).
 Default run: the manifest (parsed while opening), each layer file's header (byte layout, metadata identity,
 exact tensor set, dtypes, shapes, row stride), plus three small bounded reads per layer from local files:
 the rate tables ([num_slots/8, E] bytes), each row's padding tail, and sign_pattern. `deep` adds the
-finiteness of the rotations (the hidden-side tables are the shared data rules' vectors: validate/rules_data);
-`checksums` (by default for local files) streams each layer file through sha256 and compares it with the
-manifest.
+finiteness of the rotations (the hidden-side tables are the shared data rules' vectors: validate/rules_data).
+The manifest's sha256 of each layer file is compared by validate's one checksum rule (validate/checksums.py,
+from `Dialect.recorded_hashes`), by default for local files.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ from trellis_cli.header import DTYPE_BYTES
 from trellis_cli.formats.safetensors_layout import check_shard
 from trellis_cli.dialects.exl3v1.pack import NOTE_KEY, note_problems, shown_value
 
-# A digest of all zeros records no hash (a sparse synth has no data to hash): compared only with --checksums.
-UNRECORDED_DIGEST = "0" * 64
 MAX_ROWS_SHOWN = 5  # row findings per layer and code, then one summary line
 TAIL_CHUNK_BYTES = 16 << 20  # padding tails are read at most this much at a time
 MCG_MIN_BITS = 3  # b12x's trellis adapter (fused_moe/source.py TrellisSource) refuses mcg below K3
@@ -49,12 +47,10 @@ def expected_shapes(m: Manifest) -> dict[str, tuple[int, ...]]:
             RATES_FC1: rate_table_shape(m), RATES_FC2: rate_table_shape(m), SIGN_PATTERN: (m.num_experts,)}
 
 
-def check_exl3v1(ckpt: Checkpoint, report: Report, layers: list[int], *, deep: bool, checksums: bool,
-                 every_digest: bool = True, progress: Callable[[str, int, int], None] | None = None,
-                 checksum_progress: Callable[[int], None] | None = None,
-                 known_digests: dict[str, str] | None = None) -> None:
-    """`known_digests`: sha256 of files already hashed in this run (file -> hex), not read again.
-    `every_digest` False leaves out a manifest digest of all zeros (none recorded), saying so in the notes."""
+def check_exl3v1(ckpt: Checkpoint, report: Report, layers: list[int], *, deep: bool,
+                 progress: Callable[[str, int, int], None] | None = None) -> None:
+    """b12x's reader checks of the chosen layers; their recorded sha256 are compared by validate's one
+    checksum rule (Dialect.recorded_hashes)."""
     box = container(ckpt)
     report.extend(ckpt.parse_findings)
     report.extend(note_findings(ckpt))
@@ -73,14 +69,6 @@ def check_exl3v1(ckpt: Checkpoint, report: Report, layers: list[int], *, deep: b
             progress("headers", done, len(layers))
     report.count("layers", len(layers))
     report.count("files", sum(box.layers[i].readable for i in layers))
-    if checksums:
-        hashed = [i for i in layers if every_digest or box.layers[i].sha256 != UNRECORDED_DIGEST]
-        for index in hashed:
-            report.extend(check_sha256(ckpt, box.layers[index], checksum_progress, known_digests or {}))
-        report.count("checksums", len(hashed))
-        if len(hashed) < len(layers):
-            report.notes.append(f"sha256 not compared for {len(layers) - len(hashed)} layer file(s) whose manifest "
-                                "digest is all zeros (none recorded; --checksums hashes them)")
 
 
 def check_mcg_bits(m: Manifest, manifest_file: str) -> Iterator[Finding]:
@@ -260,24 +248,3 @@ def check_finite(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer) -> Iterator[Fi
                 yield error("exl3v1.nonfinite", finding_where(layer, name), f"{len(bad)} NaN/Inf value(s) in this "
                             f"chunk; first at index {index}", "finite fp16", "NaN/Inf")
                 break
-
-
-def check_sha256(ckpt: Checkpoint, layer: Exl3Layer, progress: Callable[[int], None] | None,
-                 known: dict[str, str] | None = None) -> Iterator[Finding]:
-    """--checksums: the whole layer file, streamed through sha256, against the manifest's digest."""
-    from trellis_cli.integrity import sha256_file
-
-    if not layer.readable:
-        return
-    digest = (known or {}).get(layer.file)
-    try:
-        digest = digest or sha256_file(ckpt.source.local_path(layer.file), progress)
-    except OSError as e:
-        yield error("file.unreadable", finding_where(layer), f"cannot hash the file ({e.strerror or e})")
-        return
-    except CheckFailed as e:
-        yield error(e.code or "file.unreadable", finding_where(layer), str(e))
-        return
-    if digest != layer.sha256:
-        yield error("exl3v1.sha256-mismatch", finding_where(layer), "the layer file's sha256 differs from the "
-                    "manifest", layer.sha256, digest)

@@ -42,9 +42,14 @@ class RoutePackDialect(Dialect):
         files = manifest.get("files") if isinstance(manifest, dict) else None
         return {name for name in files if isinstance(name, str)} if isinstance(files, dict) else set()
 
+    def hashes_by_default(self, ckpt) -> bool:
+        """Its manifest's hashes are compared on every run, by `check` (the verifier repack runs too)."""
+        return True
+
     def check(self, ckpt, request: CheckRequest, report) -> None:
         """Every file against the manifest repack wrote, hashes included: always, --checksums or not (one read
-        of the directory; hashing is the only check that sees a flipped byte inside tensor data)."""
+        of the directory; hashing is the only check that sees a flipped byte inside tensor data). The hashes
+        go through the one comparison of recorded hashes (integrity.check_recorded)."""
         from trellis_cli.dialects.routepack.verify import verify_repacked
 
         found = verify_repacked(ckpt.source, check_hashes=True, progress=request.checksum_progress)

@@ -23,6 +23,7 @@ from trellis_cli.errors import CheckFailed, SourceUnavailable
 from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, Report, error, error_summary, missing_ids, summary_finding, warning
 from trellis_cli.header import HeaderError, read_local_header
 from trellis_cli.id_ranges import expand_ranges
+from trellis_cli.integrity import RecordedHash, check_recorded
 from trellis_cli.routepack import manifest as mf
 from trellis_cli.formats.route_pack import (
     DESCRIPTORS, GLOBAL_TO_COMBINED, MANIFEST_NAME, MAX_TIER_EXPERTS, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE,
@@ -145,12 +146,10 @@ def _check_listed_file(pack: LocalSource, name: str, entry: dict, report: Report
         report.findings.append(error("repack.size-mismatch", where, "size differs from the manifest",
                                      entry.get("size"), size))
         return True
-    if check_hashes:
-        digest = mf.sha256_file(path, progress)
-        report.count("bytes hashed", size)
-        if digest != entry.get("sha256"):
-            report.findings.append(error("repack.hash-mismatch", where, "sha256 differs from the manifest",
-                                         entry.get("sha256"), digest))
+    if check_hashes:  # the one comparison of recorded hashes (integrity.check_recorded)
+        recorded = RecordedHash(name, entry.get("sha256"), where, "repack.hash-mismatch",
+                                "sha256 differs from the manifest", size)
+        check_recorded(pack, [recorded], report, progress)
     report.count("files")
     return True
 

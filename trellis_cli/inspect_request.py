@@ -1,0 +1,133 @@
+"""`inspect_source`: one inspection from a source to its InspectDocument, the one call behind `trellis inspect`.
+
+The checkpoint is opened once and every section the request asks for is built from it: the per-layer summary
+(inspect_report.py), or every tensor (inspect_tensors.py); with `tp` the server TP's view (each rank's share
+at that TP from inspect_tp.py, each engine's TP contract from validate's engines.tp_verdicts); with a GPU the
+`trellis fit` section at that TP. A fit section without a TP is a usage error before anything is read, a
+layer the checkpoint lacks one before any section is built; the document says what was found, the CLI's
+renderers show it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from trellis_cli.errors import UsageError
+from trellis_cli.fit.gpus import Gpu
+from trellis_cli.fit.run import FitRequest, FitResult
+
+FIT_NEEDS = "the fit section of inspect needs --tp N and --gpu NAME or --gpu-mem SIZE"
+
+
+@dataclass(frozen=True)
+class InspectRequest:
+    layers: list[int] | None = None  # only these MoE layers (selection.parse_layer_ranges); None: all
+    tensors: bool = False  # every tensor instead of the per-layer summary (no TP or fit section)
+    tp: int | None = None  # the TP the server will run: K and routed bytes per rank, the engines' TP verdicts
+    gpu: Gpu | None = None  # with tp: the fit section on this GPU (fit.gpus.choose_gpu)
+    ctx: int | None = None  # the fit section's context length; None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        self.fit_request()  # a request that makes no sense is refused when it is made, before any reading
+
+    def fit_request(self) -> FitRequest | None:
+        """The fit section's request; a usage error when only half of what it needs is given."""
+        if self.gpu is None and self.ctx is None:
+            return None  # tp alone: the server TP's view, no fit section
+        if self.tp is None or self.gpu is None:
+            raise UsageError(FIT_NEEDS)
+        from trellis_cli.fit.run import check_request
+
+        request = FitRequest(tp=self.tp, gpu=self.gpu)  # ctx None: the model's own, FitRequest's default
+        if self.ctx is not None:
+            request = FitRequest(tp=self.tp, gpu=self.gpu, ctx=self.ctx)
+        check_request(request)
+        return request
+
+
+@dataclass
+class InspectProgress:
+    """Where a long inspection reports: `stage(stage, done, total)` while headers are read and the model built,
+    `log(line)` for what it is doing."""
+
+    stage: Callable[[str, int, int], None] | None = None
+    log: Callable[[str], None] | None = None
+
+
+@dataclass
+class InspectDocument:
+    """What `trellis inspect` shows. `summary` (the per-layer document) or `tensors` (the listing) is set,
+    as the request asked; `serve_tp` and `fit` only where it asked for them."""
+
+    description: str  # the source, as the user named it
+    dialect: str
+    summary: dict[str, Any] | None = None
+    serve_tp: dict[str, Any] | None = None
+    fit: FitResult | None = None
+    tensors: dict[str, Any] | None = None
+
+    @property
+    def unreadable(self) -> list[dict[str, Any]]:
+        """The files whose header could not be read while listing tensors (each `file` and `error`)."""
+        return list(self.tensors["unreadable"]) if self.tensors is not None else []
+
+    def to_json(self) -> dict[str, Any]:
+        """The one JSON document of `trellis inspect --json`: the summary with its sections, or the listing."""
+        if self.tensors is not None:
+            return self.tensors
+        document = dict(self.summary or {})
+        if self.serve_tp is not None:
+            document["serve_tp"] = self.serve_tp
+        if self.fit is not None:
+            document["fit"] = self.fit.to_json()
+        return document
+
+
+def inspect_source(source: Any, request: InspectRequest | None = None,
+                   progress: InspectProgress | None = None) -> InspectDocument:
+    """Open `source` (a Source or a local path) once and build every section `request` asks for. Raises
+    UsageError for a request that makes no sense, CheckFailed / UnknownDialect for a checkpoint that cannot
+    be opened."""
+    from trellis_cli.dialects import open_checkpoint
+
+    request = request or InspectRequest()
+    progress = progress or InspectProgress()
+    fit_request = request.fit_request()
+    description = str(getattr(source, "description", source))
+    if progress.log is not None:
+        progress.log(f"reading headers of {description} ...")
+    checkpoint = open_checkpoint(source, progress=progress.stage)
+    document = InspectDocument(description=description, dialect=checkpoint.dialect)
+    if request.tensors:
+        from trellis_cli.inspect_tensors import build_tensor_listing
+
+        document.tensors = build_tensor_listing(checkpoint, request.layers)
+        return document
+    from trellis_cli.inspect_report import build_inspect
+
+    document.summary = build_inspect(checkpoint, request.layers)
+    if request.tp is not None:
+        document.serve_tp = serve_tp_view(checkpoint, request.layers, request.tp)
+    if fit_request is not None:
+        from trellis_cli.fit.run import fit
+
+        document.fit = fit(checkpoint, fit_request)
+    return document
+
+
+def serve_tp_view(checkpoint: Any, layers: list[int] | None, tp: int) -> dict[str, Any]:
+    """The `serve_tp` section: the routed bytes one rank holds at TP `tp`, K per projection, and which
+    engines' TP contracts accept `tp`."""
+    from trellis_cli.dialects.registry import dialect_of
+    from trellis_cli.inspect_tp import tp_view
+    from trellis_cli.validate.engines import tp_verdicts
+
+    chosen = list(checkpoint.layers) if layers is None else layers
+    if dialect_of(checkpoint).shard_rules:  # per-linear tensors in shards: what inspect_tp reads
+        view = tp_view(checkpoint, chosen, tp)
+    else:
+        view = {"tp": tp, "layers": [], "routed_bytes_per_rank": None,
+                "note": "per-rank bytes of this container are in its own rows above"}
+    view["engines"] = tp_verdicts(checkpoint, tp)
+    return view
