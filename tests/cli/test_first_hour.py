@@ -137,9 +137,9 @@ def test_dry_run_writes_nothing_and_matches_a_real_run(capsys, tiny, tmp_path):
 
 
 def test_dry_run_reports_the_space_refusal(capsys, tiny, tmp_path, monkeypatch):
-    from trellis_cli.repack import run as repack_run
+    from trellis_cli.repack import preflight
 
-    monkeypatch.setattr(repack_run, "free_bytes", lambda _out: 1000)  # a nearly full filesystem
+    monkeypatch.setattr(preflight, "free_bytes", lambda _out: 1000)  # a nearly full filesystem
     code, stdout, err = run_cli(capsys, "repack", str(tiny), str(tmp_path / "pack"), "--dry-run")
     assert code == 1 and "(NOT enough)" in stdout
     assert "error: dry run: a real run would be refused:" in err and "0.00 GB free" in err
@@ -163,7 +163,9 @@ def test_space_and_out_are_refused_before_the_source_is_validated(tiny, tmp_path
         repack_run.run_repack(tiny, tmp_path / "full", validator=validator)
     with pytest.raises(UsageError, match="--ranks"):
         repack_run.run_repack(tiny, tmp_path / "pack", repack_run.RepackOptions(ranks="7"), validator=validator)
-    monkeypatch.setattr(repack_run, "free_bytes", lambda _out: 1000)
+    from trellis_cli.repack import preflight
+
+    monkeypatch.setattr(preflight, "free_bytes", lambda _out: 1000)
     with pytest.raises(CheckFailed, match="GB free on its filesystem"):
         repack_run.run_repack(tiny, tmp_path / "pack", validator=validator)
     assert validated == [] and not (tmp_path / "pack").exists()

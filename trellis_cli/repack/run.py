@@ -10,7 +10,6 @@ directory, and the move from OUT.partial into place. `--to tr3` is delegated to 
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import threading
 import time
@@ -21,11 +20,12 @@ from typing import Any, Callable
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.formats.route_pack import MANIFEST_NAME
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.repack import carry
 from trellis_cli.routepack.layer_file import sync_file, write_layer_pack
 from trellis_cli.repack.lock import StageLock
+from trellis_cli.repack.preflight import (EXTRA_DIR, NOT_VALIDATED, quick_dry_run, refuse_pack_collisions,
+                                          route_pack_plan, unplanned_dry_run)
 from trellis_cli.repack.out_paths import output_path
 from trellis_cli.routepack.pack import Arena, layer_tiers, pack_layer
 from trellis_cli.routepack.plan import LayerRankJob, RepackPlan, make_plan
@@ -34,12 +34,10 @@ from trellis_cli.repack.result import REPACK_NOTE_KEY, RepackResult, Validator, 
 from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.repack.source_facts import (CONFIG, NOT_COPIED, SourceHashes, fingerprint, has_experts,
                                              protected_paths, used_source_files, vector_ndim)
-from trellis_cli.disk_space import free_bytes, space_refusal
 from trellis_cli.repack.staging import (Stage, announce, check_free_space, check_target, refuse_collisions,
                                         refuse_overlap, resumable_bytes, stage_path)
 from trellis_cli.routepack import manifest as mf
 
-EXTRA_DIR = "extra"  # extra/<shard>: the non-expert tensors of a source shard that held routed experts
 
 
 @dataclass
@@ -91,6 +89,11 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
     from trellis_cli.routepack.manifest import is_route_pack
 
     root = _local_root(source)
+    if options.dry_run and root is not None and not isinstance(source, Checkpoint) and not is_route_pack(root):
+        # Planned from declarations, file sizes and names in the raw headers: seconds less than opening it.
+        quick = quick_dry_run(source, Path(out), options)
+        if quick is not None:
+            return quick
     if root is not None and is_route_pack(root):
         if options.dry_run:
             return unplanned_dry_run(Path(out), options, "route-pack", root, options.overwrite)
@@ -144,20 +147,6 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
     return (run or _RoutePackRun(checkpoint, Path(out), options, on_bytes, on_total, log)).run()
 
 
-def unplanned_dry_run(out: Path, options: RepackOptions, source_dialect: str, root: Path | list[Path] | None,
-                      overwrite: bool) -> RepackResult:
-    """--dry-run of a conversion whose byte count is known only once it plans: OUT and free space checked."""
-    check_target(out, root, overwrite)
-    result = RepackResult(out)
-    result.plan = {"conversion": f"{source_dialect} -> {options.to}", "out": str(out), "files": None,
-                   "bytes_needed": None, "bytes_resumable": 0, "free_bytes": free_bytes(out),
-                   "space_ok": None, "refusals": [],
-                   "notes": ["the byte count of this conversion is known once it plans; a real run checks the "
-                             "free space before writing anything",
-                             "the source was not validated (dry run)"]}
-    return result
-
-
 def _no_conversion(source: str, target: str) -> str:
     from trellis_cli.dialects import registry
 
@@ -174,9 +163,6 @@ def _local_root(source: Any) -> Path | None:
         source = source.source
     root = getattr(source, "root", None)
     return Path(root) if isinstance(root, (str, Path)) else None
-
-
-LAYER_FILE_NAME = re.compile(r"layer-[0-9]+-rank-[0-9]+\.safetensors")
 
 
 class _RoutePackRun:
@@ -203,16 +189,8 @@ class _RoutePackRun:
 
     def refuse_collisions(self) -> None:
         """Every name this pack writes belongs to exactly one output (checked before any work)."""
-        extras = [f"{EXTRA_DIR}/{name}" for name in self.carried]
-        claims = [(MANIFEST_NAME, "the route pack's manifest.json"), (CONFIG, "the route pack's config.json")]
-        claims += [(job.file, f"the layer file of layer {job.layer} rank {job.rank}") for job in self.plan.jobs]
-        claims += [(extra, f"the non-expert tensors of source file {extra[len(EXTRA_DIR) + 1:]}") for extra in extras]
-        for name in self.copied:
-            if LAYER_FILE_NAME.fullmatch(name):
-                raise UsageError(f"source file {name} is named like a route-pack layer file, a name the route pack "
-                                 f"reserves; refusing before any work (rename or remove the source file)")
-            claims.append((name, f"source file {name}"))
-        refuse_collisions(claims, [job.file for job in self.plan.jobs] + extras + [MANIFEST_NAME])
+        refuse_pack_collisions([(job.file, job.layer, job.rank) for job in self.plan.jobs], self.copied,
+                               list(self.carried))
 
     def preflight(self) -> dict[str, Any]:
         """What this run would write, checked before any work: names, OUT and free space (refusals raise).
@@ -222,22 +200,17 @@ class _RoutePackRun:
         check_target(self.out, protected_paths(self.ck), self.opt.overwrite)
         needed = self.bytes_to_write()
         resumable = resumable_bytes(self.out, fingerprint(self.ck, self.opt, self.used))
-        free = free_bytes(self.out)
-        refusal = space_refusal(self.out, free, needed - resumable, "the repack")
         # Layer files: their tensor data (each header adds a few KB, inside the headroom); others: their size.
-        files = [{"name": job.file, "data_bytes": job.bytes} for job in self.plan.jobs]
-        files += [{"name": n, "bytes": max(self.ck.files.get(n, 0), 0)} for n in self.copied]
-        files += [{"name": f"{EXTRA_DIR}/{n}", "bytes": carry.file_bytes(carry.planned(refs),
-                                                                       self.ck.headers[n].metadata)}
-                  for n, refs in self.carried.items()]
-        files += [{"name": CONFIG}, {"name": MANIFEST_NAME}]  # written last, small
-        plan = {"conversion": f"{self.ck.dialect} -> route-pack", "out": str(self.out),
-                "layers": compact_ranges(self.plan.layers), "ranks": list(self.plan.ranks),
-                "tp": self.plan.target_tp, "files": files, "bytes_needed": needed, "bytes_resumable": resumable,
-                "free_bytes": free, "space_ok": refusal is None, "refusals": [refusal] if refusal else [],
-                "notes": ["the source was not validated (dry run): a real run validates it first"]}
-        if refusal and not self.opt.dry_run:
-            raise CheckFailed(refusal)
+        layer_files = [{"name": job.file, "data_bytes": job.bytes} for job in self.plan.jobs]
+        other_files = [{"name": n, "bytes": max(self.ck.files.get(n, 0), 0)} for n in self.copied]
+        other_files += [{"name": f"{EXTRA_DIR}/{n}", "bytes": carry.file_bytes(carry.planned(refs),
+                                                                             self.ck.headers[n].metadata)}
+                        for n, refs in self.carried.items()]
+        plan = route_pack_plan(self.out, self.opt, self.ck.dialect, layer_files, other_files, needed, resumable,
+                               layers=self.plan.layers, ranks=self.plan.ranks, tp=self.plan.target_tp,
+                               notes=[NOT_VALIDATED])
+        if plan["refusals"] and not self.opt.dry_run:
+            raise CheckFailed(plan["refusals"][0])
         return plan
 
     def run(self) -> RepackResult:
