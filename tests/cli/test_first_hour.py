@@ -232,8 +232,8 @@ def test_help_shows_no_bool_type_and_names_arguments_in_capitals(capsys, command
     code, out, _ = run_cli(capsys, command, "--help")
     assert code == 0 and "<bool>" not in out
     usage = next(line for line in out.splitlines() if "Usage:" in line)
-    arguments = re.findall(r"[\[{]([A-Za-z_]+)[\]}]", usage.split("[OPTIONS]", 1)[1])
-    assert arguments and all(name.isupper() for name in arguments), usage  # SOURCE, OUT: not {source} {out}
+    arguments = [word.strip("[]") for word in usage.split("[OPTIONS]", 1)[1].split()]
+    assert arguments and all(re.fullmatch(r"[A-Z_]+", name) for name in arguments), usage  # SOURCE OUT: not {out}
 
 
 def test_top_level_help_lists_exit_130_and_offers_completion(capsys):
