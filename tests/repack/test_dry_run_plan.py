@@ -135,3 +135,14 @@ def test_other_targets_name_the_conversion_without_parsing_a_header(capsys, sour
     plan = quick_plan(capsys, sources["plain"], tmp_path / "out", "--to", target)
     assert plan["conversion"] == f"tr3/per_expert_v1 -> {target}" and plan["files"] is None
     assert plan["free_bytes"] > 0 and list(tmp_path.iterdir()) == []
+
+
+def test_a_real_run_is_refused_for_space_before_any_header_is_parsed(capsys, sources, tmp_path, monkeypatch):
+    from trellis_cli.repack import preflight
+
+    monkeypatch.setattr(preflight, "free_bytes", lambda _out: 1000)
+    monkeypatch.setattr(header, "parse_header", lambda *_a, **_k: pytest.fail("a header was parsed"))
+    code, stdout, err = run_cli(capsys, "repack", str(sources["mixed"]), str(tmp_path / "pack"))
+    assert code == 1 and stdout == ""
+    assert "0.00 GB free on its filesystem, the repack needs" in err
+    assert list(tmp_path.iterdir()) == []

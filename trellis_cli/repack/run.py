@@ -89,11 +89,14 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
     from trellis_cli.routepack.manifest import is_route_pack
 
     root = _local_root(source)
-    if options.dry_run and root is not None and not isinstance(source, Checkpoint) and not is_route_pack(root):
-        # Planned from declarations, file sizes and names in the raw headers: seconds less than opening it.
+    if root is not None and not isinstance(source, Checkpoint) and not is_route_pack(root):
+        # Planned from declarations, file sizes and names in the raw headers, seconds before the opening: the
+        # dry run's answer, and a real run's refusal (no space, OUT, a name claimed twice) before the slow part.
         quick = quick_dry_run(source, Path(out), options)
-        if quick is not None:
+        if quick is not None and options.dry_run:
             return quick
+        if quick is not None and quick.plan and quick.plan["refusals"]:
+            raise CheckFailed(quick.plan["refusals"][0])
     if root is not None and is_route_pack(root):
         if options.dry_run:
             return unplanned_dry_run(Path(out), options, "route-pack", root, options.overwrite)
