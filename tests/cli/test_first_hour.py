@@ -64,6 +64,14 @@ def test_every_json_document_parses_on_a_checkpoint_with_many_findings(capsys, m
     assert code == 0 and json.loads(out)
 
 
+def test_fit_and_diff_json_parse_on_a_checkpoint_with_many_findings(capsys, many):
+    code, out, err = run_cli(capsys, "fit", str(many), "--tp", "2", "--gpu", "h200", "--json")
+    assert code == 0 and json.loads(out)["tp"] == 2, err
+    code, out, err = run_cli(capsys, "diff", str(many), str(many), "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["identical"] and doc["layers_compared"], err
+
+
 @pytest.mark.slow
 def test_bench_json_on_the_cpu_parses_on_a_checkpoint_with_many_findings(capsys, many):
     code, out, err = run_cli(capsys, "bench", str(many), "--tp", "2", "--device", "cpu", "--smoke", "--json")

@@ -128,6 +128,24 @@ def test_undeclared_k_falls_back_to_the_full_opening(capsys, sources, tmp_path):
     assert plan == expected
 
 
+def test_the_quick_plan_at_production_geometry(capsys, tmp_path, monkeypatch):
+    """Two layers of the glm52-tp4 preset (sparse): 12,288 tensors per shard, 192/64 K3/K4, TP4; 8 layer
+    files, tier_bitmap.json copied, config.json and manifest.json."""
+    import dataclasses
+
+    from trellis_cli.synth import preset, write_checkpoint
+
+    source = write_checkpoint(tmp_path / "glm", dataclasses.replace(preset("glm52-tp4"), layers=(3, 4), sparse=True))
+    expected = full_plan(source, tmp_path / "pack")
+    monkeypatch.setattr(header, "parse_header", lambda *_a, **_k: pytest.fail("a header was parsed"))
+    plan = quick_plan(capsys, source, tmp_path / "pack")
+    assert len(plan["files"]) == 2 * 4 + 3 and plan["bytes_needed"] > 7e9
+    for doc in (plan, expected):
+        doc.pop("free_bytes"), doc.pop("notes")
+    plan.pop("dry_run")
+    assert plan == expected
+
+
 @pytest.mark.parametrize("target", ["exl3-v1", "tr3"])
 def test_other_targets_name_the_conversion_without_parsing_a_header(capsys, sources, tmp_path, monkeypatch,
                                                                     target):
