@@ -4,6 +4,7 @@ the same plan as the full opening gives, without parsing a header, and the full 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -164,3 +165,36 @@ def test_a_real_run_is_refused_for_space_before_any_header_is_parsed(capsys, sou
     assert code == 1 and stdout == ""
     assert "0.00 GB free on its filesystem, the repack needs" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def _truncated_shard(root: Path) -> None:
+    shard = root / "model-layer-004.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])
+
+
+def _shard_linked_outside(root: Path) -> None:
+    shard = root / "model-layer-004.safetensors"
+    outside = root.parent / f"{root.name}-outside.safetensors"
+    shard.rename(outside)
+    shard.symlink_to(outside)
+
+
+def _unreadable_bitmap(root: Path) -> None:
+    (root / "tier_bitmap.json").write_text("{not json")
+
+
+@pytest.mark.parametrize("damage", [_truncated_shard, _shard_linked_outside, _unreadable_bitmap])
+def test_a_damaged_source_gets_the_answer_of_the_full_opening(capsys, sources, tmp_path, monkeypatch, damage):
+    """Where the quick look cannot plan, the dry run says what opening the source in full says, word for word."""
+    from trellis_cli.repack import run as repack_run
+
+    source = Path(shutil.copytree(sources["plain"], tmp_path / "src"))
+    (source / "MANIFEST.sha256").unlink()
+    damage(source)
+    args = ("repack", str(source), str(tmp_path / "pack"), "--dry-run", "--json")
+    quick = run_cli(capsys, *args)
+    monkeypatch.setattr(repack_run, "quick_dry_run", lambda *_a: None)
+    full = run_cli(capsys, *args)
+    strip = lambda text: re.sub(r'"free_bytes": [0-9]+', "", text)  # noqa: E731 - the filesystem moves
+    assert (quick[0], strip(quick[1]), quick[2]) == (full[0], strip(full[1]), full[2])
+    assert not (tmp_path / "pack").exists()

@@ -18,13 +18,14 @@ from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import EXPERT_KEY_IN_HEADER, is_expert_name
+from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Severity
 from trellis_cli.disk_space import free_bytes, space_refusal
 from trellis_cli.formats.route_pack import MANIFEST_NAME, layer_file_name
 from trellis_cli.header import read_local_header_bytes
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.repack.result import RepackResult
-from trellis_cli.repack.source_facts import CONFIG, NOT_COPIED, fingerprint, protected_paths, source_root
+from trellis_cli.repack.source_facts import CONFIG, NOT_COPIED, fingerprint, protected_paths
 from trellis_cli.repack.staging import check_target, refuse_collisions, resumable_bytes
 from trellis_cli.routepack.plan import parse_selection, rank_pieces, resolve_target_tp, route_pack_layer_bytes
 from trellis_cli.stwriter import PlannedTensor
@@ -125,15 +126,13 @@ class _ShardScan:
 
 
 def _scan_shards(ck: Checkpoint) -> dict[str, _ShardScan] | None:
-    root = source_root(ck)
-    assert root is not None
     scans = {}
     for name in sorted(ck.files):
         if not name.endswith(".safetensors"):
             continue
-        try:
-            raw, _size = read_local_header_bytes(root / name, name)
-        except (OSError, ValueError):
+        try:  # resolve: a name whose link leaves the directory is refused, as the full opening refuses it
+            raw, _size = read_local_header_bytes(ck.source.resolve(name), name)
+        except (OSError, ValueError, CheckFailed):
             return None  # the full opening reports it by name
         found = EXPERT_KEY_IN_HEADER.findall(raw)
         scan = _ShardScan({int(layer) for layer in found}, len(found), raw.count(b'"data_offsets"'))
