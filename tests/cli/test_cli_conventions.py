@@ -59,6 +59,32 @@ def test_help_still_works(capsys):
     assert code == 0 and "--layers" in out
 
 
+def _commands() -> list[str]:
+    from trellis_cli.cli.app import build_command
+
+    return sorted(build_command().commands)
+
+
+@pytest.mark.parametrize("command", _commands())
+def test_every_usage_line_names_its_arguments_plainly(capsys, command):
+    """`trellis repack [OPTIONS] SOURCE OUT`: NAME when required, [NAME] when optional, never `{NAME}`."""
+    from trellis_cli.cli.app import build_command
+
+    arguments = [p for p in build_command().commands[command].params if p.param_type_name == "argument"]
+    expected = " ".join(p.name.upper() if p.required else f"[{p.name.upper()}]" for p in arguments)
+    code, out, _ = run_cli(capsys, command, "--help")
+    usage = next(line.strip() for line in out.splitlines() if "Usage:" in line)
+    assert code == 0 and arguments
+    assert usage == f"Usage: trellis {command} [OPTIONS] {expected}", usage
+    assert "{" not in usage and "}" not in usage
+
+
+def test_usage_lines_of_the_commands_with_required_arguments(capsys):
+    for command, usage in [("repack", "SOURCE OUT"), ("diff", "A B"), ("synth", "OUT"), ("inspect", "[SOURCE]")]:
+        out = run_cli(capsys, command, "--help")[1]
+        assert f"Usage: trellis {command} [OPTIONS] {usage}" in out, out
+
+
 @pytest.mark.parametrize("flag", ["-q", "--quiet"])
 def test_quiet_after_the_subcommand(capsys, flag):
     code, out, err = run_cli(capsys, "validate", flag)

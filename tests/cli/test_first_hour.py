@@ -64,6 +64,14 @@ def test_every_json_document_parses_on_a_checkpoint_with_many_findings(capsys, m
     assert code == 0 and json.loads(out)
 
 
+def test_fit_and_diff_json_parse_on_a_checkpoint_with_many_findings(capsys, many):
+    code, out, err = run_cli(capsys, "fit", str(many), "--tp", "2", "--gpu", "h200", "--json")
+    assert code == 0 and json.loads(out)["tp"] == 2, err
+    code, out, err = run_cli(capsys, "diff", str(many), str(many), "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["identical"] and doc["layers_compared"], err
+
+
 @pytest.mark.slow
 def test_bench_json_on_the_cpu_parses_on_a_checkpoint_with_many_findings(capsys, many):
     code, out, err = run_cli(capsys, "bench", str(many), "--tp", "2", "--device", "cpu", "--smoke", "--json")
@@ -137,9 +145,9 @@ def test_dry_run_writes_nothing_and_matches_a_real_run(capsys, tiny, tmp_path):
 
 
 def test_dry_run_reports_the_space_refusal(capsys, tiny, tmp_path, monkeypatch):
-    from trellis_cli.repack import run as repack_run
+    from trellis_cli.repack import preflight
 
-    monkeypatch.setattr(repack_run, "free_bytes", lambda _out: 1000)  # a nearly full filesystem
+    monkeypatch.setattr(preflight, "free_bytes", lambda _out: 1000)  # a nearly full filesystem
     code, stdout, err = run_cli(capsys, "repack", str(tiny), str(tmp_path / "pack"), "--dry-run")
     assert code == 1 and "(NOT enough)" in stdout
     assert "error: dry run: a real run would be refused:" in err and "0.00 GB free" in err
@@ -163,7 +171,9 @@ def test_space_and_out_are_refused_before_the_source_is_validated(tiny, tmp_path
         repack_run.run_repack(tiny, tmp_path / "full", validator=validator)
     with pytest.raises(UsageError, match="--ranks"):
         repack_run.run_repack(tiny, tmp_path / "pack", repack_run.RepackOptions(ranks="7"), validator=validator)
-    monkeypatch.setattr(repack_run, "free_bytes", lambda _out: 1000)
+    from trellis_cli.repack import preflight
+
+    monkeypatch.setattr(preflight, "free_bytes", lambda _out: 1000)
     with pytest.raises(CheckFailed, match="GB free on its filesystem"):
         repack_run.run_repack(tiny, tmp_path / "pack", validator=validator)
     assert validated == [] and not (tmp_path / "pack").exists()
@@ -230,8 +240,8 @@ def test_help_shows_no_bool_type_and_names_arguments_in_capitals(capsys, command
     code, out, _ = run_cli(capsys, command, "--help")
     assert code == 0 and "<bool>" not in out
     usage = next(line for line in out.splitlines() if "Usage:" in line)
-    arguments = re.findall(r"[\[{]([A-Za-z_]+)[\]}]", usage.split("[OPTIONS]", 1)[1])
-    assert arguments and all(name.isupper() for name in arguments), usage  # SOURCE, OUT: not {source} {out}
+    arguments = [word.strip("[]") for word in usage.split("[OPTIONS]", 1)[1].split()]
+    assert arguments and all(re.fullmatch(r"[A-Z_]+", name) for name in arguments), usage  # SOURCE OUT: not {out}
 
 
 def test_top_level_help_lists_exit_130_and_offers_completion(capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+from functools import partial
 from typing import Annotated, Optional
 
 import click
@@ -77,9 +78,18 @@ def build_command():
         for param in [*sub.params, sub.get_help_option(context)]:
             if getattr(param, "param_type_name", "") == "option" and getattr(param, "is_flag", False):
                 param.metavar = ""
-            elif getattr(param, "param_type_name", "") == "argument" and param.metavar is None and param.name:
-                param.metavar = param.name.upper()
+            elif getattr(param, "param_type_name", "") == "argument" and param.name:
+                if param.metavar is None:
+                    param.metavar = param.name.upper()
+                # The usage line reads `SOURCE OUT` / `[SOURCE]` (click's own convention), not `{SOURCE}`.
+                param.get_usage_pieces = partial(_usage_pieces, param)
     return command
+
+
+def _usage_pieces(argument, _ctx) -> list[str]:
+    """An argument on the usage line: NAME when required, [NAME] when not, `...` after one that repeats."""
+    name = argument.metavar if argument.required else f"[{argument.metavar}]"
+    return [name + ("..." if argument.nargs != 1 else "")]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,6 +22,8 @@ from trellis_cli.dialects.interface import DialectInfo, Probe
 from trellis_cli.checkpoint.model import (
     DIALECT_EXL3,
     DIALECT_R7,
+    DIALECT_TR3_PER_EXPERT,
+    DIALECT_TR3_SHARED_H,
     Checkpoint,
     LinearRef,
     MoeLayer,
@@ -54,7 +56,9 @@ def open_checkpoint(source: Any, *, progress: Callable[[str, int, int], None] | 
     `progress(stage, done, total)`: "files" per safetensors header read, then "model" per step of building it
     (a production checkpoint takes seconds for each)."""
     with paused_gc():
-        return _open(_as_source(source), progress or (lambda _stage, _done, _total: None))
+        ckpt = _open(_as_source(source), progress or (lambda _stage, _done, _total: None))
+    assert ckpt is not None  # None only without headers
+    return ckpt
 
 
 @contextmanager
@@ -73,11 +77,20 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _open(source: Any, progress: Callable[[str, int, int], None]) -> Checkpoint:
+def open_declared(source: Any) -> Checkpoint | None:
+    """The checkpoint as its listing and JSON declare it (dialect, geometry, declared K per expert), reading no
+    safetensors header: what a dry run plans from. TR3 only (its TP and layout are declared); None for any
+    other dialect, whose TP or layout is known from its headers."""
+    return _open(_as_source(source), lambda _stage, _done, _total: None, headers=False)
+
+
+def _open(source: Any, progress: Callable[[str, int, int], None], headers: bool = True) -> Checkpoint | None:
     files = source.list_files()
     findings: list[Finding] = list(_listing_findings(source))
     pack = route_pack_info(files, source.read_json)
     if pack is not None:  # the route-pack verifier owns its own parsing, config.json included
+        if not headers:
+            return None
         return Checkpoint(source=source, dialect=pack.dialect, config={}, hidden=None, intermediate=None,
                           num_experts=None, tp=pack.tp, codebook=pack.codebook, rotation_layout=pack.rotation_layout,
                           declared=pack.declared, parse_findings=findings, files=dict(files))
@@ -93,6 +106,12 @@ def _open(source: Any, progress: Callable[[str, int, int], None]) -> Checkpoint:
                       num_experts=None, tp=info.tp, codebook=info.codebook, rotation_layout=info.rotation_layout,
                       declared=info.declared, parse_findings=findings, files=dict(files),
                       quant_config=quant_config)
+    if not headers:
+        if info.dialect not in (DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H):  # TP or layout from headers
+            return None
+        _apply_declarations(ckpt, info, source, files)
+        _fill_geometry(ckpt, info)
+        return ckpt
     if registry.dialect_named(info.dialect).fill(ckpt, probe, info):  # a container read its own way
         return ckpt
     _read_headers(ckpt, source, files, progress)

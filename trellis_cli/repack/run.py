@@ -19,11 +19,11 @@ from typing import Any, Callable
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.routepack import write as rp_write
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.formats.route_pack import MANIFEST_NAME
-from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.routepack import carry
 from trellis_cli.routepack.layer_file import write_layer_pack
 from trellis_cli.repack.lock import StageLock
+from trellis_cli.repack.preflight import (EXTRA_DIR, NOT_VALIDATED, quick_dry_run, refuse_pack_collisions,
+                                          route_pack_plan, unplanned_dry_run)
 from trellis_cli.routepack.pack import Arena, layer_tiers, pack_layer
 from trellis_cli.routepack.plan import LayerRankJob, RepackPlan, make_plan
 from trellis_cli.repack.readback import check_layer_file
@@ -31,10 +31,11 @@ from trellis_cli.repack.result import RepackResult, Validator, check_source
 from trellis_cli.routepack.source_bytes import TensorReader
 from trellis_cli.repack.source_facts import (CONFIG, NOT_COPIED, SourceHashes, fingerprint, has_experts,
                                              protected_paths, used_source_files, vector_ndim)
-from trellis_cli.disk_space import free_bytes, space_refusal
-from trellis_cli.repack.staging import (Stage, announce, check_free_space, check_target, refuse_collisions,
+from trellis_cli.repack.staging import (Stage, announce, check_free_space, check_target,
                                         refuse_overlap, resumable_bytes, stage_path)
 from trellis_cli.routepack import manifest as mf
+
+
 
 @dataclass
 class RepackOptions:
@@ -85,6 +86,14 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
     from trellis_cli.routepack.manifest import is_route_pack
 
     root = _local_root(source)
+    if root is not None and not isinstance(source, Checkpoint) and not is_route_pack(root):
+        # Planned from declarations, file sizes and names in the raw headers, seconds before the opening: the
+        # dry run's answer, and a real run's refusal (no space, OUT, a name claimed twice) before the slow part.
+        quick = quick_dry_run(source, Path(out), options)
+        if quick is not None and options.dry_run:
+            return quick
+        if quick is not None and quick.plan and quick.plan["refusals"]:
+            raise CheckFailed(quick.plan["refusals"][0])
     if root is not None and is_route_pack(root):
         if options.dry_run:
             return unplanned_dry_run(Path(out), options, "route-pack", root, options.overwrite)
@@ -138,20 +147,6 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
     return (run or _RoutePackRun(checkpoint, Path(out), options, on_bytes, on_total, log)).run()
 
 
-def unplanned_dry_run(out: Path, options: RepackOptions, source_dialect: str, root: Path | list[Path] | None,
-                      overwrite: bool) -> RepackResult:
-    """--dry-run of a conversion whose byte count is known only once it plans: OUT and free space checked."""
-    check_target(out, root, overwrite)
-    result = RepackResult(out)
-    result.plan = {"conversion": f"{source_dialect} -> {options.to}", "out": str(out), "files": None,
-                   "bytes_needed": None, "bytes_resumable": 0, "free_bytes": free_bytes(out),
-                   "space_ok": None, "refusals": [],
-                   "notes": ["the byte count of this conversion is known once it plans; a real run checks the "
-                             "free space before writing anything",
-                             "the source was not validated (dry run)"]}
-    return result
-
-
 def _no_conversion(source: str, target: str) -> str:
     from trellis_cli.dialects import registry
 
@@ -194,10 +189,8 @@ class _RoutePackRun:
 
     def refuse_collisions(self) -> None:
         """Every name this pack writes belongs to exactly one output (checked before any work)."""
-        rp_write.refuse_reserved(self.copied)
-        extras = [f"{rp_write.EXTRA_DIR}/{name}" for name in self.carried]
-        refuse_collisions(rp_write.claims(self.plan.jobs, list(self.carried), self.copied),
-                          [job.file for job in self.plan.jobs] + extras + [MANIFEST_NAME])
+        refuse_pack_collisions([(job.file, job.layer, job.rank) for job in self.plan.jobs], self.copied,
+                               list(self.carried))
 
     def preflight(self) -> dict[str, Any]:
         """What this run would write, checked before any work: names, OUT and free space (refusals raise).
@@ -207,22 +200,17 @@ class _RoutePackRun:
         check_target(self.out, protected_paths(self.ck), self.opt.overwrite)
         needed = self.bytes_to_write()
         resumable = resumable_bytes(self.out, fingerprint(self.ck, self.opt, self.used))
-        free = free_bytes(self.out)
-        refusal = space_refusal(self.out, free, needed - resumable, "the repack")
         # Layer files: their tensor data (each header adds a few KB, inside the headroom); others: their size.
-        files = [{"name": job.file, "data_bytes": job.bytes} for job in self.plan.jobs]
-        files += [{"name": n, "bytes": max(self.ck.files.get(n, 0), 0)} for n in self.copied]
-        files += [{"name": f"{rp_write.EXTRA_DIR}/{n}", "bytes": carry.file_bytes(carry.planned(refs),
-                                                                       self.ck.headers[n].metadata)}
-                  for n, refs in self.carried.items()]
-        files += [{"name": CONFIG}, {"name": MANIFEST_NAME}]  # written last, small
-        plan = {"conversion": f"{self.ck.dialect} -> route-pack", "out": str(self.out),
-                "layers": compact_ranges(self.plan.layers), "ranks": list(self.plan.ranks),
-                "tp": self.plan.target_tp, "files": files, "bytes_needed": needed, "bytes_resumable": resumable,
-                "free_bytes": free, "space_ok": refusal is None, "refusals": [refusal] if refusal else [],
-                "notes": ["the source was not validated (dry run): a real run validates it first"]}
-        if refusal and not self.opt.dry_run:
-            raise CheckFailed(refusal)
+        layer_files = [{"name": job.file, "data_bytes": job.bytes} for job in self.plan.jobs]
+        other_files = [{"name": n, "bytes": max(self.ck.files.get(n, 0), 0)} for n in self.copied]
+        other_files += [{"name": f"{EXTRA_DIR}/{n}", "bytes": carry.file_bytes(carry.planned(refs),
+                                                                             self.ck.headers[n].metadata)}
+                        for n, refs in self.carried.items()]
+        plan = route_pack_plan(self.out, self.opt, self.ck.dialect, layer_files, other_files, needed, resumable,
+                               layers=self.plan.layers, ranks=self.plan.ranks, tp=self.plan.target_tp,
+                               notes=[NOT_VALIDATED])
+        if plan["refusals"] and not self.opt.dry_run:
+            raise CheckFailed(plan["refusals"][0])
         return plan
 
     def run(self) -> RepackResult:

@@ -122,14 +122,21 @@ class RepackPlan:
 
 def layer_rank_bytes(checkpoint: Checkpoint, layer: int, target_tp: int, shared_h: bool) -> int:
     """Bytes of one output layer file's tensors (the header is a few KB more)."""
-    hidden, inter = checkpoint.hidden, checkpoint.intermediate // target_tp
     moe = checkpoint.layers[layer]
+    tiers = {k: len(ids) for k, ids in moe.partition().items()}
+    return route_pack_layer_bytes(checkpoint.hidden, checkpoint.intermediate // target_tp, checkpoint.num_experts,
+                                  len(moe.experts), tiers, shared_h)
+
+
+def route_pack_layer_bytes(hidden: int, inter: int, num_experts: int | None, served: int, tiers: dict[int, int],
+                           shared_h: bool) -> int:
+    """Bytes of one output layer file's tensors from its geometry: `inter` features per rank, `served` experts
+    present, `tiers` K -> expert count."""
     total = 0
-    for k, ids in moe.partition().items():
-        total += 2 * _prod(tier_trellis_shape(len(ids), hidden, inter, k))
-    served = len(moe.experts)
+    for k, count in tiers.items():
+        total += 2 * _prod(tier_trellis_shape(count, hidden, inter, k))
     rows = 1 if shared_h else served
-    total += 4 * (checkpoint.num_experts or served) + 4 * served + 8 * len(moe.partition())
+    total += 4 * (num_experts or served) + 4 * served + 8 * len(tiers)
     total += 2 * (served * 3 * inter + 3 * rows * hidden)
     return total
 

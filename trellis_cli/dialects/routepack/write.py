@@ -35,12 +35,12 @@ def repack_note(tp: int, rotation: str) -> dict[str, Any]:
                     "in manifest.json); `trellis repack OUT DEST --to tr3` restores the TR3 layout"}
 
 
-def claims(jobs: list[Any], carried: list[str], copied: list[str]) -> list[tuple[str, str]]:
-    """Every name a route pack writes, with what it is: manifest, config, one layer file per job, the extra/
-    file of each source file whose non-expert tensors are `carried`, the `copied` files. Repack refuses two
-    claims on one name."""
+def claims(layer_files: list[tuple[str, int, int]], carried: list[str], copied: list[str]) -> list[tuple[str, str]]:
+    """Every name a route pack writes, with what it is: manifest, config, one layer file per (file, layer,
+    rank), the extra/ file of each source file whose non-expert tensors are `carried`, the `copied` files.
+    Repack refuses two claims on one name."""
     out = [(MANIFEST_NAME, "the route pack's manifest.json"), (CONFIG, "the route pack's config.json")]
-    out += [(job.file, f"the layer file of layer {job.layer} rank {job.rank}") for job in jobs]
+    out += [(file, f"the layer file of layer {layer} rank {rank}") for file, layer, rank in layer_files]
     out += [(f"{EXTRA_DIR}/{name}", f"the non-expert tensors of source file {name}") for name in carried]
     return out + [(name, f"source file {name}") for name in copied]
 

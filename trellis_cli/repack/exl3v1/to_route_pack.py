@@ -112,7 +112,7 @@ class _Exl3RoutePack:
 
     def _refuse_collisions(self) -> None:
         """Every name the pack writes belongs to one output (checked before any work)."""
-        claims = rp_write.claims(self.jobs, [], [*self.form.copy_from, *self.form.extra_json])
+        claims = rp_write.claims([(job.file, job.layer, job.rank) for job in self.jobs], [], [*self.form.copy_from, *self.form.extra_json])
         refuse_collisions(claims, [job.file for job in self.jobs] + [MANIFEST_NAME])
 
     def _sources(self, layer: int) -> dict[str, str]:

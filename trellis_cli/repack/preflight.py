@@ -1,0 +1,208 @@
+"""What a repack would write and what would refuse it, known before any work: the name claims of a route pack,
+the dry run of a conversion that plans only when it runs, and the quick dry run of a local TR3 source.
+
+The quick dry run plans from the declarations (config.json, tier_bitmap.json: geometry and K per expert),
+the listing (file sizes) and the raw header of each shard, in which it only counts names: which layers'
+routed experts a shard holds and whether it holds anything else. A shard that mixes both is decoded once
+(plain JSON, no per-tensor checks) to size the `extra/` file its other tensors make. The full header parse,
+and the check that the tensors are what the declarations say, is left to the real run, which validates the
+source before writing. A production TR3 (76 shards, ~930k tensors) is planned in well under a second this way.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects.routepack import write as rp_write
+from trellis_cli.dialects.routepack.write import EXTRA_DIR
+from trellis_cli.checkpoint.names import EXPERT_KEY_IN_HEADER, is_expert_name
+from trellis_cli.errors import CheckFailed
+from trellis_cli.findings import Severity
+from trellis_cli.disk_space import free_bytes, space_refusal
+from trellis_cli.formats.route_pack import MANIFEST_NAME, layer_file_name
+from trellis_cli.header import read_local_header_bytes
+from trellis_cli.id_ranges import compact_ranges
+from trellis_cli.repack.result import RepackResult
+from trellis_cli.repack.source_facts import CONFIG, NOT_COPIED, fingerprint, protected_paths
+from trellis_cli.repack.staging import check_target, refuse_collisions, resumable_bytes
+from trellis_cli.routepack.plan import parse_selection, rank_pieces, resolve_target_tp, route_pack_layer_bytes
+from trellis_cli.stwriter import PlannedTensor
+
+NOT_VALIDATED = "the source was not validated (dry run): a real run validates it first"
+FROM_DECLARATIONS = ("layer file sizes planned from the declarations (config.json, tier_bitmap.json) and the "
+                     "shards' names; the headers' tensors are parsed and checked against them by the real run")
+
+
+def refuse_pack_collisions(layer_files: list[tuple[str, int, int]], copied: list[str], carried: list[str]) -> None:
+    """Every name a route pack writes belongs to exactly one output (checked before any work).
+
+    `layer_files`: (file, layer, rank) of each layer file; `copied`: source files copied as they are;
+    `carried`: source shards whose non-expert tensors go to extra/<shard>."""
+    rp_write.refuse_reserved(copied)
+    extras = [f"{EXTRA_DIR}/{name}" for name in carried]
+    refuse_collisions(rp_write.claims(layer_files, carried, copied), [file for file, _, _ in layer_files] + extras
+                      + [MANIFEST_NAME])
+
+
+def unplanned_dry_run(out: Path, options: Any, source_dialect: str, root: Path | list[Path] | None,
+                      overwrite: bool) -> RepackResult:
+    """--dry-run of a conversion whose byte count is known only once it plans: OUT and free space checked."""
+    check_target(out, root, overwrite)
+    result = RepackResult(out)
+    result.plan = {"conversion": f"{source_dialect} -> {options.to}", "out": str(out), "files": None,
+                   "bytes_needed": None, "bytes_resumable": 0, "free_bytes": free_bytes(out),
+                   "space_ok": None, "refusals": [],
+                   "notes": ["the byte count of this conversion is known once it plans; a real run checks the "
+                             "free space before writing anything",
+                             "the source was not validated (dry run)"]}
+    return result
+
+
+def route_pack_plan(out: Path, options: Any, dialect: str, layer_files: list[dict[str, Any]],
+                    other_files: list[dict[str, Any]], needed: int, resumable: int, *, layers: list[int],
+                    ranks: list[int], tp: int, notes: list[str]) -> dict[str, Any]:
+    """The dry-run document of a route-pack repack (the same keys whichever way it was planned)."""
+    free = free_bytes(out)
+    refusal = space_refusal(out, free, needed - resumable, "the repack")
+    files = layer_files + other_files + [{"name": CONFIG}, {"name": MANIFEST_NAME}]  # the last two are small
+    return {"conversion": f"{dialect} -> route-pack", "out": str(out), "layers": compact_ranges(layers),
+            "ranks": list(ranks), "tp": tp, "files": files, "bytes_needed": needed, "bytes_resumable": resumable,
+            "free_bytes": free, "space_ok": refusal is None, "refusals": [refusal] if refusal else [],
+            "notes": notes}
+
+
+def quick_dry_run(source: Any, out: Path, options: Any) -> RepackResult | None:
+    """The dry run of a local TR3 source without parsing its headers (see the module docstring); None where
+    that is not possible (another dialect, a Hub source, a declaration it cannot plan from): the caller then
+    opens the checkpoint in full."""
+    from trellis_cli.dialects import registry
+    from trellis_cli.dialects.open import open_declared
+
+    if isinstance(source, (str, Path)):
+        from trellis_cli.sources import LocalSource
+
+        source = LocalSource(Path(source))
+    if getattr(source, "root", None) is None or getattr(source, "special", None):
+        return None
+    ck = open_declared(source)
+    if ck is None or any(f.severity is Severity.ERROR for f in ck.parse_findings):
+        return None
+    driver = registry.conversion(ck.dialect, options.to)
+    if driver is None:
+        return None  # the full path names the conversions this source has
+    if driver != "tr3-to-route-pack":
+        return unplanned_dry_run(out, options, ck.dialect, protected_paths(ck), options.overwrite)
+    scan = _scan_shards(ck)
+    if scan is None:
+        return None
+    plan = _plan_from_declarations(ck, scan, out, options)
+    if plan is None:
+        return None
+    result = RepackResult(out)
+    result.plan = plan
+    return result
+
+
+class _ShardScan:
+    """One shard as its raw header shows it: the layers of its routed experts, and its other tensors when it
+    has both (None when it holds only experts, or nothing but other tensors)."""
+
+    def __init__(self, layers: set[int], experts: int, tensors: int) -> None:
+        self.layers, self.experts, self.tensors = layers, experts, tensors
+        self.others: list[PlannedTensor] | None = None
+        self.metadata: dict[str, str] | None = None
+
+
+def _scan_shards(ck: Checkpoint) -> dict[str, _ShardScan] | None:
+    scans = {}
+    for name in sorted(ck.files):
+        if not name.endswith(".safetensors"):
+            continue
+        try:  # resolve: a name whose link leaves the directory is refused, as the full opening refuses it
+            raw, _size = read_local_header_bytes(ck.source.resolve(name), name)
+        except (OSError, ValueError, CheckFailed):
+            return None  # the full opening reports it by name
+        found = EXPERT_KEY_IN_HEADER.findall(raw)
+        scan = _ShardScan({int(layer) for layer in found}, len(found), raw.count(b'"data_offsets"'))
+        if scan.experts and scan.experts != scan.tensors and not _read_others(scan, raw):
+            return None
+        scans[name] = scan
+    return scans
+
+
+def _read_others(scan: _ShardScan, raw: bytes) -> bool:
+    """A shard with experts and other tensors: its other tensors (name, dtype, shape) in stored order."""
+    try:
+        doc = json.loads(raw)
+        metadata = doc.pop("__metadata__", None) or {}
+        entries = sorted(((n, e) for n, e in doc.items() if not is_expert_name(n)),
+                         key=lambda item: item[1]["data_offsets"][0])
+        scan.others = [PlannedTensor(n, e["dtype"], tuple(e["shape"])) for n, e in entries]
+        scan.metadata = metadata
+        scan.experts, scan.tensors = len(doc) - len(entries), len(doc)
+        for tensor in scan.others:
+            _ = tensor.nbytes  # an unknown dtype or a bad shape: the full opening names it
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return False
+    return isinstance(metadata, dict)
+
+
+def _plan_from_declarations(ck: Checkpoint, scans: dict[str, _ShardScan], out: Path,
+                            options: Any) -> dict[str, Any] | None:
+    from trellis_cli.routepack import carry
+
+    hidden, inter, experts = ck.hidden, ck.intermediate, ck.num_experts
+    if not hidden or not inter or not experts:
+        return None
+    layer_shards: dict[int, list[str]] = {}
+    for name, scan in scans.items():
+        for layer in scan.layers:
+            layer_shards.setdefault(layer, []).append(name)
+    tp = resolve_target_tp(options.tp, ck.tp)
+    if tp != ck.tp:
+        rank_pieces(inter, ck.tp, tp, 0)  # raises if inexpressible
+    layers = parse_selection(options.layers, list(layer_shards), "layers")
+    ranks = parse_selection(options.ranks, list(range(tp)), "ranks")
+    shared = options.shared_h or ck.rotation_layout == "shared_h_v1"
+    layer_files: list[dict[str, Any]] = []
+    jobs = []
+    size_total = 0
+    for layer in layers:
+        moe = ck.layers.get(layer)
+        ks = moe.declared_k if moe is not None else None
+        if not isinstance(ks, list) or len(ks) != experts or not all(type(k) is int for k in ks):
+            return None  # the declaration does not say every expert's K: only the headers can
+        tiers = {k: ks.count(k) for k in sorted(set(ks))}
+        size = route_pack_layer_bytes(hidden, inter // tp, experts, experts, tiers, shared)
+        for rank in ranks:
+            layer_files.append({"name": layer_file_name(layer, rank), "data_bytes": size})
+            jobs.append((layer_file_name(layer, rank), layer, rank))
+            size_total += size
+    used = _used_files(ck, scans, layers, layer_shards, options.copy_other)
+    with_experts = {n for n, s in scans.items() if s.experts}
+    copied = [n for n in used if n not in (CONFIG, *NOT_COPIED) and n not in with_experts]
+    carried = {n: s for n, s in scans.items() if s.others and options.copy_other}
+    refuse_pack_collisions(jobs, copied, list(carried))
+    check_target(out, protected_paths(ck), options.overwrite)
+    sizes = {n: max(ck.files.get(n, 0), 0) for n in copied}
+    sizes.update({f"{EXTRA_DIR}/{n}": carry.file_bytes(s.others or [], s.metadata) for n, s in carried.items()})
+    other_files: list[dict[str, Any]] = [{"name": n, "bytes": size} for n, size in sizes.items()]
+    needed = size_total + sum(sizes.values())
+    resumable = resumable_bytes(out, fingerprint(ck, options, used))
+    return route_pack_plan(out, options, ck.dialect, layer_files, other_files, needed, resumable, layers=layers,
+                           ranks=ranks, tp=tp, notes=[NOT_VALIDATED, FROM_DECLARATIONS])
+
+
+def _used_files(ck: Checkpoint, scans: dict[str, _ShardScan], layers: list[int],
+                layer_shards: dict[int, list[str]], copy_other: bool) -> list[str]:
+    """The source files a run reads (as `source_facts.used_source_files` lists them from the full model)."""
+    used = {f for layer in layers for f in layer_shards[layer]}
+    for name in ck.files:
+        if not name.endswith(".safetensors") and name not in NOT_COPIED and (copy_other or name == CONFIG):
+            used.add(name)
+    if copy_other:
+        used.update(n for n, s in scans.items() if not s.experts or s.experts != s.tensors)
+    return sorted(n for n in used if not n.endswith(".safetensors.index.json"))
