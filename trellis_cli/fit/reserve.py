@@ -79,8 +79,8 @@ def reserve_terms(arch: Arch, tp: int, dcp: int, max_num_seqs: int, max_batched_
         Term("activation peak", activation_peak(arch, tp, max_batched_tokens, max_num_seqs),
              f"profile run at {max_batched_tokens} batched tokens and {max_num_seqs} sequences (fit's formula "
              "from the model shapes; the engine measures it: within about +-50 %)", True),
-        Term("CUDA graph pools", CUDA_GRAPHS, "decode graphs at the default capture sizes; engines log 0.2-1 GiB",
-             True),
+        Term("CUDA graph pools", CUDA_GRAPHS, "decode graphs at the default capture sizes; engines log 0.2-1 GiB "
+             "(vLLM subtracts them only with VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1; kept here)", True),
     ]
     if tp > 1 or dcp > 1:
         comm = (COMM_TP if tp > 1 else 0) + (COMM_DCP if dcp > 1 else 0)
