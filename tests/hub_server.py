@@ -11,9 +11,14 @@ fake commit shas. Routes (repo ids are `org/name`; revisions are URL-quoted, so 
 - errors: 404 with X-Error-Code RepoNotFound / RevisionNotFound / EntryNotFound; 401 RepoNotFound for a
   private repo without the server's token; 403 GatedRepo for a gated one. No Xet headers, so the client downloads over plain HTTP.
 
-Each commit's files are read into memory when added, so later changes to the directory do not leak into a
-served commit. The server counts every body byte it sends per file, and separately the bytes that fall in a
-safetensors file's data buffer (after 8 + header length): tests assert header-only reads send no tensor data.
+Files are served from disk: sizes come from stat, range requests read only their bytes. By default
+`add_commit` copies the directory into the server's own folder, so later changes to it do not leak into a
+served commit; `in_place=True` serves the directory as it is (a sparse checkpoint of hundreds of GB, which the
+caller leaves alone). An LFS file's sha256 is computed, by streaming, only when a response needs it, or given
+by the caller (`lfs_sha256`) for files no test downloads whole: the client checks it only then. Its git oid is
+that of its LFS pointer, as on the Hub, so listings never read a file's data. The server counts every body
+byte it sends per file, and separately the bytes that fall in a safetensors file's data buffer (after 8 +
+header length): tests assert header-only reads send no tensor data.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 import struct
+import tempfile
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -32,44 +39,93 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt")
 LFS_MIN_SIZE = 10 * 1024 * 1024
-POINTER_SIZE = 134  # size of a git-lfs pointer file; the client only reads it back
+CHUNK = 1 << 20
+
+
+def _lfs_pointer(sha256: str, size: int) -> bytes:
+    return f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
+
+
+def _git_blob_sha1(path: Path, size: int) -> str:
+    digest = hashlib.sha1(b"blob %d\0" % size)
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 @dataclass
 class ServedFile:
-    content: bytes
+    path: Path  # the file on disk; never rewritten while served
+    size: int
     lfs: bool
-    git_sha1: str
-    sha256: str
     data_start: int | None  # safetensors: first byte of the data buffer; None for other files
-    served_content: bytes | None = None  # when set, served instead of `content` (a corrupted blob)
+    known_sha256: str | None = None  # given, or computed on first need
+    known_git_sha1: str | None = None
+    served_path: Path | None = None  # when set, served instead of `path` (a corrupted blob)
+    hashing: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
-    def from_bytes(cls, name: str, content: bytes) -> "ServedFile":
-        blob = hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
-        lfs = name.endswith(LFS_SUFFIXES) or len(content) >= LFS_MIN_SIZE
+    def from_path(cls, name: str, path: Path, sha256: str | None = None) -> "ServedFile":
+        size = path.stat().st_size
+        lfs = name.endswith(LFS_SUFFIXES) or size >= LFS_MIN_SIZE
         data_start = None
-        if name.endswith(".safetensors") and len(content) >= 8:
-            data_start = 8 + struct.unpack("<Q", content[:8])[0]
-        return cls(content, lfs, blob, hashlib.sha256(content).hexdigest(), data_start)
+        if name.endswith(".safetensors") and size >= 8:
+            with open(path, "rb") as f:
+                data_start = 8 + struct.unpack("<Q", f.read(8))[0]
+        return cls(path, size, lfs, data_start, sha256 if lfs else None)
 
     @property
-    def body(self) -> bytes:
-        return self.served_content if self.served_content is not None else self.content
+    def sha256(self) -> str:
+        with self.hashing:
+            if self.known_sha256 is None:
+                digest = hashlib.sha256()
+                with open(self.path, "rb") as f:
+                    while chunk := f.read(CHUNK):
+                        digest.update(chunk)
+                self.known_sha256 = digest.hexdigest()
+            return self.known_sha256
+
+    @property
+    def git_sha1(self) -> str:
+        """The git blob id: of the LFS pointer for an LFS file (as on the Hub), else of the content."""
+        if self.lfs:
+            pointer = _lfs_pointer(self.sha256, self.size)
+            return hashlib.sha1(b"blob %d\0" % len(pointer) + pointer).hexdigest()
+        with self.hashing:
+            if self.known_git_sha1 is None:
+                self.known_git_sha1 = _git_blob_sha1(self.path, self.size)
+            return self.known_git_sha1
+
+    @property
+    def pointer_size(self) -> int:
+        return len(_lfs_pointer("0" * 64, self.size))
+
+    def chunks(self, begin: int, end: int):
+        """The served bytes [begin, end), read from disk in pieces."""
+        with open(self.served_path or self.path, "rb") as f:
+            f.seek(begin)
+            left = end - begin
+            while left > 0:
+                chunk = f.read(min(CHUNK, left))
+                if not chunk:
+                    return
+                left -= len(chunk)
+                yield chunk
 
     def entry(self, path: str) -> dict:
         """A tree / paths-info entry."""
-        out = {"type": "file", "oid": self.git_sha1, "size": len(self.content), "path": path}
+        out = {"type": "file", "oid": self.git_sha1, "size": self.size, "path": path}
         if self.lfs:
-            out["lfs"] = {"oid": self.sha256, "size": len(self.content), "pointerSize": POINTER_SIZE}
+            out["lfs"] = {"oid": self.sha256, "size": self.size, "pointerSize": self.pointer_size}
         return out
 
     def sibling(self, path: str, with_blobs: bool) -> dict:
         out: dict = {"rfilename": path}
         if with_blobs:
-            out.update(size=len(self.content), blobId=self.git_sha1)
+            out.update(size=self.size, blobId=self.git_sha1)
             if self.lfs:
-                out["lfs"] = {"sha256": self.sha256, "size": len(self.content), "pointerSize": POINTER_SIZE}
+                out["lfs"] = {"sha256": self.sha256, "size": self.size, "pointerSize": self.pointer_size}
         return out
 
 
@@ -102,6 +158,7 @@ class HubServer:
         # Requests whose path this predicate accepts are read and never answered (a stalled server).
         self.stall: Callable[[str], bool] | None = None
         self._stopping = threading.Event()
+        self._files = tempfile.TemporaryDirectory(prefix="hub-server-")  # commit copies, corrupted blobs
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -117,6 +174,7 @@ class HubServer:
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
+        self._files.cleanup()
 
     @property
     def endpoint(self) -> str:
@@ -126,21 +184,35 @@ class HubServer:
     # -- content -----------------------------------------------------------------------------------------
 
     def add_commit(self, repo_id: str, directory: str | Path, *, branch: str = "main", tags: tuple[str, ...] = (),
-                   private: bool | None = None, gated: bool | None = None) -> str:
-        """Snapshot `directory` as a new commit of `repo_id` (created if new); move `branch` to it."""
+                   private: bool | None = None, gated: bool | None = None, in_place: bool = False,
+                   lfs_sha256: dict[str, str] | None = None) -> str:
+        """Snapshot `directory` as a new commit of `repo_id` (created if new); move `branch` to it.
+
+        `in_place`: serve the files where they are instead of a copy. `lfs_sha256`: the sha256 of LFS files
+        by repo path, taken as given (for files too large to hash that no test downloads whole).
+        """
         root = Path(directory)
-        files = {
-            p.relative_to(root).as_posix(): ServedFile.from_bytes(p.name, p.read_bytes())
-            for p in sorted(root.rglob("*")) if p.is_file()
-        }
+        with self.lock:
+            self._counter += 1
+            counter = self._counter
+        home = root if in_place else Path(self._files.name) / f"commit-{counter}"
+        files = {}
+        for p in sorted(root.rglob("*")):
+            if not p.is_file():
+                continue
+            name = p.relative_to(root).as_posix()
+            served_at = home / name
+            if not in_place:
+                served_at.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(p, served_at)
+            files[name] = ServedFile.from_path(p.name, served_at, (lfs_sha256 or {}).get(name))
         with self.lock:
             repo = self.repos.setdefault(repo_id, Repo(repo_id))
             if private is not None:
                 repo.private = private
             if gated is not None:
                 repo.gated = gated
-            self._counter += 1
-            sha = hashlib.sha1(f"{repo_id}:{self._counter}".encode()).hexdigest()
+            sha = hashlib.sha1(f"{repo_id}:{counter}".encode()).hexdigest()
             repo.commits[sha] = files
             for ref in (branch, *tags):
                 repo.refs[ref] = sha
@@ -153,9 +225,17 @@ class HubServer:
     def corrupt(self, repo_id: str, sha: str, name: str) -> None:
         """Serve `name` with one byte flipped while the metadata (size, sha256) still describes the original."""
         served = self.repos[repo_id].commits[sha][name]
-        data = bytearray(served.content)
-        data[len(data) // 2] ^= 0xFF
-        served.served_content = bytes(data)
+        served.sha256  # the listed hash stays the original's
+        with self.lock:
+            self._counter += 1
+            copy = Path(self._files.name) / f"corrupt-{self._counter}"
+        shutil.copyfile(served.path, copy)
+        with open(copy, "r+b") as f:
+            f.seek(served.size // 2)
+            byte = f.read(1)[0]
+            f.seek(served.size // 2)
+            f.write(bytes([byte ^ 0xFF]))
+        served.served_path = copy
 
     def reset_counters(self) -> None:
         with self.lock:
@@ -325,7 +405,7 @@ class _Handler(BaseHTTPRequestHandler):
             location = f"/lfs-blobs/{quote(repo_id)}/{sha}/{quote(path)}"
             return self._send(302, b"", {**common, "Location": location, "ETag": f'"{served.git_sha1}"',
                                          "X-Linked-Etag": f'"{served.sha256}"',
-                                         "X-Linked-Size": len(served.content)}, head=head)
+                                         "X-Linked-Size": served.size}, head=head)
         self._body(repo_id, path, served, {**common, "ETag": f'"{served.git_sha1}"'}, head)
 
     def _blob(self, repo_id: str, sha: str, path: str, head: bool) -> None:
@@ -338,7 +418,7 @@ class _Handler(BaseHTTPRequestHandler):
                                            "ETag": f'"{served.sha256}"'}, head)
 
     def _body(self, repo_id: str, path: str, served: ServedFile, headers: dict, head: bool) -> None:
-        body, size = served.body, len(served.body)
+        size = served.size
         span = _parse_range(self.headers.get("Range"), size)
         if span == "unsatisfiable":
             return self._send(416, b"", {**headers, "Content-Range": f"bytes */{size}"}, head=head)
@@ -347,10 +427,13 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             (begin, end), status = span, 206
             headers = {**headers, "Content-Range": f"bytes {begin}-{end - 1}/{size}"}
-        if not head:
-            self.hub.count(repo_id, path, served, begin, end)
-        self._send(status, body[begin:end], {**headers, "Content-Type": "application/octet-stream"}, head=head,
+        self._send(status, b"", {**headers, "Content-Type": "application/octet-stream"}, head=head,
                    content_length=end - begin)
+        if head:
+            return
+        self.hub.count(repo_id, path, served, begin, end)
+        for chunk in served.chunks(begin, end):
+            self.wfile.write(chunk)
 
 
 def _parse_range(header: str | None, size: int):

@@ -7,6 +7,7 @@ Every expected number here is computed by hand or read back independently from t
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import re
@@ -209,9 +210,8 @@ def test_tiny_exl3v1_weight_bytes(tmp_path):
 
 
 @pytest.mark.slow
-def test_glm52_tp4_sparse_and_exl3v1(tmp_path, capsys):
-    root = tmp_path / "glm"
-    assert run_cli(capsys, "synth", str(root), "--preset", "glm52-tp4", "--sparse", "--json")[0] == 0
+def test_glm52_tp4_sparse_and_exl3v1(glm52_tp4_sparse, tmp_path, capsys):
+    root = glm52_tp4_sparse
     check_tr3(root, 4, ctx=131072)
     code, out, _ = run_cli(capsys, "fit", str(root), "--tp", "4", "--gpu", "rtx-pro-6000", "--ctx", "131072",
                            "--json")
@@ -242,6 +242,36 @@ def test_from_the_loopback_hub_without_downloading_a_shard(tmp_path, capsys):
                                str(tmp_path / "cache"), "--tp", "1", "--gpu", "h100", "--ctx", "1024", "--json")
         assert code == 0 and json.loads(out)["ranks"][0]["weight_bytes"] == exl3v1_rank_bytes(served_v1, 1)
         assert hub.total_tensor_bytes() == 0  # headers only: no byte of tensor data was sent
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))
+
+
+@pytest.mark.slow
+def test_glm52_tp4_sparse_from_the_loopback_hub_reads_headers_only(glm52_tp4_sparse, tmp_path, capsys):
+    """The production-shape checkpoint served in place from disk: the same per-rank bytes as the local fit,
+    for a tiny fraction of the files' bytes and no tensor data."""
+    root = glm52_tp4_sparse
+    shards = sorted(root.glob("*.safetensors"))
+    # Declared LFS hashes: hashing ~300 GB of holes would be the whole test; the client checks sha256 only
+    # on a whole-file download, and a shard downloaded whole would fail that check.
+    declared = {p.name: hashlib.sha256(f"declared {p.name}".encode()).hexdigest() for p in shards}
+    args = ("--tp", "4", "--gpu", "rtx-pro-6000", "--ctx", "131072", "--mtp", "--json")
+    code, out, _ = run_cli(capsys, "fit", str(root), *args)
+    local = json.loads(out)
+    assert code in (0, 1)
+    with HubServer() as hub:
+        hub.add_commit("org/glm52", root, in_place=True, lfs_sha256=declared)
+        code_hub, out, err = run_cli(capsys, "fit", "org/glm52", "--endpoint", hub.endpoint, "--cache-dir",
+                                     str(tmp_path / "cache"), *args)
+        served = sum(hub.bytes_served.values())
+        tensor_bytes = hub.total_tensor_bytes()
+    remote = json.loads(out)
+    assert code_hub == code, err
+    expected = tr3_rank_bytes(root, 4)  # with --mtp every stored tensor counts
+    assert [r["weight_bytes"] for r in remote["ranks"]] == [r["weight_bytes"] for r in local["ranks"]] == expected
+    assert remote["ranks"] == local["ranks"] and remote["fits"] == local["fits"]
+    total = sum(p.stat().st_size for p in shards)
+    assert total > 250 * 10**9 and sum(expected) == sum(nbytes(e) for p in shards for e in header(p).values())
+    assert tensor_bytes == 0 and served < total // 1000  # headers and the index only
     assert not list((tmp_path / "cache").rglob("*.safetensors"))
 
 

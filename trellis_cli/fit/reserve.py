@@ -2,8 +2,8 @@
 
 The engine sizes its KV pool as `total * gpu_memory_utilization` less everything else its profile run saw:
 weights, the activation peak of a forward pass at its batch limits, memory outside torch's allocator (CUDA
-context, communication buffers) and, after it, the CUDA graph pools. Each term says where it comes from and
-whether it is an estimate. The mixed-K kernel's workspace is exact: the launch plan of trellis's fused kernel
+context, communication buffers) and the CUDA graph pools its capture pass measures. Each term says where it
+comes from and whether it is an estimate. The mixed-K kernel's workspace is exact: the launch plan of trellis's fused kernel
 at the profile run's token count.
 """
 
@@ -79,8 +79,8 @@ def reserve_terms(arch: Arch, tp: int, dcp: int, max_num_seqs: int, max_batched_
         Term("activation peak", activation_peak(arch, tp, max_batched_tokens, max_num_seqs),
              f"profile run at {max_batched_tokens} batched tokens and {max_num_seqs} sequences (fit's formula "
              "from the model shapes; the engine measures it: within about +-50 %)", True),
-        Term("CUDA graph pools", CUDA_GRAPHS, "decode graphs at the default capture sizes; engines log 0.2-1 GiB",
-             True),
+        Term("CUDA graph pools", CUDA_GRAPHS, "decode graphs at the default capture sizes; engines log 0.2-1 GiB "
+             "(vLLM subtracts its measured graph memory unless VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0)", True),
     ]
     if tp > 1 or dcp > 1:
         comm = (COMM_TP if tp > 1 else 0) + (COMM_DCP if dcp > 1 else 0)
