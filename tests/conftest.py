@@ -72,6 +72,18 @@ def exl3(request, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def glm52_tp4_sparse(tmp_path_factory) -> Path:
+    """`synth --preset glm52-tp4 --sparse`, built once per session: real headers over holes, ~300 GB apparent,
+    a few hundred MB on disk (the production shape of the fit tests)."""
+    import dataclasses
+
+    from trellis_cli.synth import preset, write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("glm52") / "glm",
+                            dataclasses.replace(preset("glm52-tp4"), sparse=True))
+
+
+@pytest.fixture(scope="session")
 def kernel_cache(tmp_path_factory, request) -> Path:
     """The one kernel-build cache of a test run: $TRELLIS_KERNEL_CACHE when the caller set one (CI's
     --compile-only steps fill it first), else one folder shared by every pytest-xdist worker of this run, so a
