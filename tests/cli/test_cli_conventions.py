@@ -294,15 +294,18 @@ def test_a_hub_that_stalls_on_header_reads_is_exit_3(tmp_path, source):
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path, silent_server):
     endpoint, connections = silent_server
     env = trellis_env(tmp_path)  # default limits: still waiting when the signal comes
+    # A test run started in the background of a non-interactive shell ignores SIGINT, and children inherit
+    # that; the command under test gets the disposition of one started from a terminal.
     process = subprocess.Popen([sys.executable, "-m", "trellis_cli", "inspect", "org/model", "--endpoint",
-                                endpoint], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                endpoint], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 30
     while not connections and time.monotonic() < deadline:  # wait until it is waiting on the server
         time.sleep(0.05)
     time.sleep(0.2)
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=30)
-    assert process.returncode == 130 and out == ""
+    assert process.returncode == 130 and out == "", err
     assert err.splitlines()[-1] == "interrupted (Ctrl-C)" and "Traceback" not in err
 
 
