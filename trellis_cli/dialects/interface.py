@@ -21,6 +21,8 @@ from trellis_cli.integrity import RecordedHash
 VLLM, B12X, EXLLAMAV3 = "vllm", "b12x", "exllamav3"
 # The fork's R7 loader version (also reads TR3 and tensor_storage) and its mainline exl3-manifest loader.
 VLLM_R7, VLLM_MANIFEST = "vllm-r7", "vllm-manifest"
+# b12x 1.3.0, the release before the exl3-v1 rename: its BTX reader and its sqg-era b12x_trellis parser.
+B12X_130 = "b12x-1.3.0"
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,10 @@ class Dialect:
             return ContainerRefusal("wrong container", f"{self.described_as} checkpoint: the exl3-v1 reader opens "
                                     "exl3-manifest.json and the layer files it lists, which this is not",
                                     expected="exl3-v1")
+        if family == B12X_130:
+            return ContainerRefusal("wrong container", f"{self.described_as} checkpoint: b12x 1.3.0 reads BTX "
+                                    "(btx-manifest.json) and sqg-era b12x_trellis blocks, which this is not",
+                                    expected="BTX")
         return ContainerRefusal("wrong container", f"{self.described_as} checkpoint: exllamav3 reads per-linear "
                                 "safetensors names only")
 

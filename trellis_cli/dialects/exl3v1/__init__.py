@@ -31,7 +31,8 @@ class Exl3v1Dialect(Dialect):
     read_by = frozenset({B12X, VLLM_MANIFEST})
     container_notes = {VLLM: "exl3-v1 is b12x's container"}
     writer = "trellis_cli.dialects.exl3v1.write"
-    converts_from = {DIALECT_TR3_PER_EXPERT: "tr3-to-exl3-v1", DIALECT_TR3_SHARED_H: "tr3-to-exl3-v1"}
+    converts_from = {DIALECT_TR3_PER_EXPERT: "tr3-to-exl3-v1", DIALECT_TR3_SHARED_H: "tr3-to-exl3-v1",
+                     "btx-atoms-v1": "btx-to-exl3-v1"}  # BTX: a renaming (dialects/btx/)
 
     def detect(self, probe: Probe) -> DialectInfo | None:
         return exl3v1_info(probe)
