@@ -107,7 +107,7 @@ def layer_file_as_exl3v1(name: str) -> str:
 
 _WORDS = {v: k for table in (*KEYS.values(), TENSORS, CODEBOOKS, METADATA_KEYS) for k, v in table.items()}
 _WORDS |= {EXL3V1_MANIFEST: MANIFEST_FILE, EXL3V1_SCHEMA: SCHEMA, EXL3V1_KIND: KIND}
-_WORD = re.compile(r"(?<![\w.-])(" + "|".join(re.escape(w) for w in sorted(_WORDS, key=len, reverse=True))
+_WORD = re.compile(r"(?<![\w" + FOREIGN + r"-])(" + "|".join(re.escape(w) for w in sorted(_WORDS, key=len, reverse=True))
                    + r")(?![\w-])")
 
 
