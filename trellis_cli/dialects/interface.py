@@ -202,6 +202,11 @@ class Dialect:
         """The TP degrees a rank slice can be cut at, when the container fixes them; None: any exact re-slice."""
         return None
 
+    def tp_partitions(self, ckpt: Checkpoint, tp: int) -> list[dict[str, Any]] | None:
+        """How each known planner cuts its layers into rank extents at `tp` (each named with its version), where
+        that is the container's, not the checkpoint's, choice; None: the layout fixes it."""
+        return None
+
     def layer_pack(self, ckpt: Checkpoint, layer: int, rank: int, tp: int | None = None, device: str = "cpu") -> Any:
         """One (layer, rank) of target TP `tp` (None: the source's) as the LayerPack a repack would write."""
         from trellis_cli.routepack.pack import pack_layer

@@ -75,6 +75,11 @@ class BtxDialect(Exl3v1Dialect):
         return [h._replace(code="btx.sha256-mismatch", message=h.message + f" ({names.LOADER} BTX rules)")
                 for h in super().recorded_hashes(ckpt, request)]
 
+    def tp_partitions(self, ckpt, tp: int):
+        """None: both planners read exl3-v1 (b12x's partition_extents is not in 1.3.0; the fork reads
+        exl3-manifest.json); `repack --to exl3-v1` first."""
+        return None
+
     def container_refusal(self, family: str) -> ContainerRefusal | None:
         if family == B12X:
             return ContainerRefusal("BTX is b12x 1.3.0's name", "a BTX checkpoint: b12x 1.5.x reads exl3-v1 only "

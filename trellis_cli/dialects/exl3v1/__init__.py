@@ -99,6 +99,14 @@ class Exl3v1Dialect(Dialect):
 
         return list(tp_degrees(container(ckpt).manifest))
 
+    def tp_partitions(self, ckpt, tp: int):
+        """b12x's partition_extents and the fork's plan_exl3_extent at `tp` (partitions.py)."""
+        from trellis_cli.dialects.exl3v1.container import container
+        from trellis_cli.dialects.exl3v1.partitions import tp_partitions
+
+        m = container(ckpt).manifest
+        return None if m is None else tp_partitions(m, tp)
+
     def layer_pack(self, ckpt, layer, rank, tp=None, device="cpu"):
         from trellis_cli.dialects.exl3v1.pack import default_tp, exl3v1_pack
         from trellis_cli.routepack.pack import to_device
