@@ -4,7 +4,8 @@ the oracle of tests/dialects/test_btx.py. Imports nothing of trellis.
     python b12x_oracle.py read ROOT          every layer's barrier segments, whole and halved, read with verify_sha: digests as JSON
     python b12x_oracle.py write ROOT CONFIG  b12x's synthetic writer, CONFIG a JSON object of its config fields
     python b12x_oracle.py manifest ROOT...   the manifest parser alone, per root: {"ok": true} or {"error": ...}
-    python b12x_oracle.py trellis-config Q   TrellisConfig.from_quantization_config(Q JSON): ok, or the error
+    python b12x_oracle.py trellis-config QS  TrellisConfig.from_quantization_config of each of QS (a JSON
+                                             list): {"ok": true} or {"error": ...} per block
 
 BTX (b12x 1.3.0) or exl3-v1 (b12x 1.5.x), whichever the release has; tensor names are reported in exl3-v1
 words so both sides compare directly. The kernels package imports CUDA bindings, so it is registered empty.
@@ -104,14 +105,18 @@ def manifests(roots: list[str]) -> list[dict]:
     return out
 
 
-def trellis_config(quant: str) -> dict:
+def trellis_configs(quants: str) -> list[dict]:
     from b12x.moe.fused_moe.config import TrellisConfig
 
-    try:
-        TrellisConfig.from_quantization_config(json.loads(quant))
-    except (ValueError, TypeError) as e:
-        return {"error": f"{type(e).__name__}: {e}"}
-    return {"ok": True}
+    out: list[dict] = []
+    for quant in json.loads(quants):
+        try:
+            TrellisConfig.from_quantization_config(quant)
+        except (ValueError, TypeError) as e:
+            out.append({"error": f"{type(e).__name__}: {e}"})
+        else:
+            out.append({"ok": True})
+    return out
 
 
 if __name__ == "__main__":
@@ -123,5 +128,5 @@ if __name__ == "__main__":
     elif verb == "manifest":
         result = manifests(args)
     else:
-        result = trellis_config(args[0])
+        result = trellis_configs(args[0])
     print(json.dumps(result))

@@ -55,6 +55,8 @@ class ContainerRefusal:
     message: str
     expected: str | None = None
     found: str | None = None  # None: the checkpoint's dialect name
+    code: str = "engine.container"  # another code: a refusal of the checkpoint's declarations (loader_refusal)
+    where: Location | None = None  # the field it is about, where one is
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,11 @@ class Dialect:
                                     expected="BTX")
         return ContainerRefusal("wrong container", f"{self.described_as} checkpoint: exllamav3 reads per-linear "
                                 "safetensors names only")
+
+    def loader_refusal(self, ckpt: Checkpoint, family: str) -> ContainerRefusal | None:
+        """Why loader `family`, which reads this container, still refuses this checkpoint's own declarations (a
+        release's parser or runtime; named by rule, version and field); None when it does not."""
+        return None
 
     def rank_tp_degrees(self, ckpt: Checkpoint) -> list[int] | None:
         """The TP degrees a rank slice can be cut at, when the container fixes them; None: any exact re-slice."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.dialects import btx, exl3, exl3v1, r7, routepack, tr3
+from trellis_cli.dialects import b12x_trellis, btx, exl3, exl3v1, r7, routepack, tr3
 from trellis_cli.dialects.detect import not_understood
 from trellis_cli.dialects.interface import Dialect, DialectInfo, Probe
 
@@ -21,6 +21,7 @@ DIALECTS: tuple[Dialect, ...] = (
     tr3.SHARED_H,  # ... shared_h_v1
     r7.DIALECT,  # r7_routed_experts in the quantization config
     exl3.DIALECT,  # quant_method exl3
+    b12x_trellis.DIALECT,  # quant_method b12x_trellis (a version-2 block)
 )
 _BY_NAME = {d.name: d for d in DIALECTS}
 

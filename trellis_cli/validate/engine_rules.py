@@ -65,17 +65,26 @@ def vllm_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
 
 
 def b12x_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
-    """b12x's exl3-v1 reader opens exl3-manifest.json and the layer files it names, and nothing else."""
-    refusal = dialect_of(ckpt).container_refusal(B12X)
+    """b12x's exl3-v1 reader opens exl3-manifest.json and the layer files it names, and nothing else; a
+    container it reads may still declare what b12x 1.5.x refuses (Dialect.loader_refusal)."""
+    yield from _family(ckpt, B12X)
+
+
+def _family(ckpt: Checkpoint, family: str) -> Iterator[Refusal]:
+    dialect = dialect_of(ckpt)
+    refusal = dialect.container_refusal(family)
     if refusal is not None:
         yield _container(ckpt, refusal)
+        return
+    refusal = dialect.loader_refusal(ckpt, family)
+    if refusal is not None:
+        yield Refusal(refusal.code, refusal.reason, refusal.where or Location(), refusal.message,
+                      expected=refusal.expected, found=refusal.found)
 
 
 def b12x130_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """b12x 1.3.0 reads BTX (btx-manifest.json) and sqg-era b12x_trellis blocks; each dialect says why not."""
-    refusal = dialect_of(ckpt).container_refusal(B12X_130)
-    if refusal is not None:
-        yield _container(ckpt, refusal)
+    yield from _family(ckpt, B12X_130)
 
 
 def exllamav3_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
