@@ -72,7 +72,8 @@ class _Parser:
     def bad(self, rule: str, where: str, message: str, expected: Any = None, found: Any = None) -> None:
         self.block.problems.append(Problem(rule, where, message, expected, found))
 
-    def obj(self, value: Any, where: str, required: set[str], optional: set[str] = frozenset()) -> dict | None:
+    def obj(self, value: Any, where: str, required: set[str], optional: frozenset[str] | set[str] = frozenset()
+            ) -> dict | None:
         if not isinstance(value, dict):
             self.bad("type", where, "must be a JSON object", "object", type(value).__name__)
             return None
