@@ -159,11 +159,11 @@ def _rate_findings(ckpt, state: dict, block: rules.Block) -> list[Finding]:
     if want is None:
         return [error("b12x_trellis.group-size", Location(file=state["from"],
                       tensor="quantization_config.b12x_trellis.rate.group_size"), "rate.group_size must divide "
-                      "the intermediate size (TrellisRateConfig.tensor_shape)", f"divides {ckpt.intermediate}",
+                      "the intermediate size (TrellisRateConfig.tensor_shape, b12x 1.5.1 and 1.3.0)", f"divides {ckpt.intermediate}",
                       block.group_size)]
     if tuple(ref.shape) != want:
         return [error("b12x_trellis.rate-shape", where, f"the {block.granularity} rate tensor's shape "
-                      f"(TrellisRateConfig.tensor_shape, {layers} MoE layers)", list(want), list(ref.shape))]
+                      f"(TrellisRateConfig.tensor_shape of b12x 1.5.1 and 1.3.0, {layers} MoE layers)", list(want), list(ref.shape))]
     rates = _rates(ckpt)
     allowed = rules.NIBBLES.get(block.codebook or "")
     if rates is None or allowed is None:
@@ -171,8 +171,8 @@ def _rate_findings(ckpt, state: dict, block: rules.Block) -> list[Finding]:
     bad = [(i, r) for i, r in enumerate(rates) if r >> 4 not in allowed or r & 0xF not in allowed]
     if bad:
         return [error("b12x_trellis.rate-nibble", where, f"{len(bad)} rate byte(s) with a nibble the "
-                      f"{block.codebook} codebook does not define; first at flat index {bad[0][0]} (the atom rate "
-                      "check of b12x's repository)", f"K{allowed.start}..K{allowed.stop - 1}", f"0x{bad[0][1]:02x}")]
+                      f"{block.codebook} codebook does not define; first at flat index {bad[0][0]} (normalize_rates "
+                      "of b12x's trellis_atoms, repository only)", f"K{allowed.start}..K{allowed.stop - 1}", f"0x{bad[0][1]:02x}")]
     return []
 
 
