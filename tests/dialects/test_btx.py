@@ -221,6 +221,10 @@ def test_inspect_and_diff_read_btx_as_exl3v1(capsys, btx_dir):
     assert code == 0 and json.loads(out)["dialect"] == "btx-atoms-v1"
     code, out, _ = run_cli(capsys, "diff", str(btx_dir), str(exl3))
     assert code == 0, out
+    code, out, _ = run_cli(capsys, "inspect", str(btx_dir), "--tensors", "--json")
+    doc = json.loads(out)
+    assert code == 0 and "atoms" in {row["name"] for row in doc["tensors"]}  # listed as stored
+    assert [t["code_bits_per_weight"] for t in doc["layers"]] == [3.0]  # and read as the codes table it is
 
 
 def test_btx_converts_only_to_and_from_exl3v1(capsys, btx_dir, tmp_path):
