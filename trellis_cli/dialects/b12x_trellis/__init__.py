@@ -166,8 +166,11 @@ def _rate_findings(ckpt, state: dict, block: rules.Block) -> list[Finding]:
                       f"(TrellisRateConfig.tensor_shape of b12x 1.5.1 and 1.3.0, {layers} MoE layers)", list(want), list(ref.shape))]
     rates = _rates(ckpt)
     allowed = rules.NIBBLES.get(block.codebook or "")
-    if rates is None or allowed is None:
+    if allowed is None:
         return []
+    if rates is None:
+        return [warning("b12x_trellis.rate-not-read", where, "the rate bytes are not on this machine (or larger "
+                        "than trellis reads): their nibbles and the atom-layout selectors were not checked")]
     bad = [(i, r) for i, r in enumerate(rates) if r >> 4 not in allowed or r & 0xF not in allowed]
     if bad:
         return [error("b12x_trellis.rate-nibble", where, f"{len(bad)} rate byte(s) with a nibble the "
