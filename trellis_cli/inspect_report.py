@@ -236,7 +236,7 @@ def render_exl3v1(doc: dict[str, Any]) -> list[str]:
     if not x:
         return []
     rates = f"uniform K{x['bits']}" if x["structure"] == "uniform" else f"per_expert_pair {x['pair_kinds']}"
-    lines = [f"exl3-v1: {x['num_slots']} slots of 32 channels, rates {rates}, row alignment {x['row_alignment']}, "
+    lines = [f"{doc.get('dialect') or 'exl3-v1'}: {x['num_slots']} slots of 32 channels, rates {rates}, row alignment {x['row_alignment']}, "
              f"extent alignment {x['extent_alignment_slots']} slots, barriers {x['extent_barriers'] or 'none'}",
              f"TP degrees the slot layout allows: {', '.join(map(str, x['tp_degrees'])) or 'none'}"]
     for run in doc["runs"]:

@@ -28,6 +28,7 @@ def build_tensor_listing(ckpt: Checkpoint, layers: list[int] | None = None) -> d
     chosen = set(layers) if layers is not None else None
     file_layers = _file_layers(ckpt)
     weights = _exl3v1_layer_weights(ckpt)
+    codes_at = _exl3v1_codes_offsets(ckpt)
     rows: list[dict[str, Any]] = []
     seen: set[int] = set()
     unreadable: list[dict[str, str]] = []
@@ -44,7 +45,8 @@ def build_tensor_listing(ckpt: Checkpoint, layers: list[int] | None = None) -> d
             if chosen is not None and layer not in chosen:
                 continue
             nbytes = entry.end - entry.begin
-            k, bpw = _k_and_bpw(entry.name, entry.dtype, tuple(entry.shape), nbytes, weights.get(file))
+            is_codes = codes_at.get(file) == entry.begin  # the container's codes table, under any spelling
+            k, bpw = _k_and_bpw(entry.name, entry.dtype, tuple(entry.shape), nbytes, weights.get(file), is_codes)
             rows.append({"file": file, "name": entry.name, "dtype": entry.dtype, "shape": list(entry.shape),
                          "bytes": nbytes, "layer": layer, "k": k, "bpw": bpw})
     if layers is not None:  # as for `inspect --layers`: every chosen layer must be there
@@ -86,12 +88,20 @@ def _exl3v1_layer_weights(ckpt: Checkpoint) -> dict[str, int]:
     return {layer.file: m.num_experts * 3 * m.hidden * m.intermediate for layer in box.layers.values()}
 
 
+def _exl3v1_codes_offsets(ckpt: Checkpoint) -> dict[str, int]:
+    """exl3-v1 layer file -> where its codes table starts (BTX names it `atoms`: the model knows it as codes)."""
+    box = ckpt.declared.get("exl3v1") if storage_of(ckpt) == SLOT_ROWS else None
+    if box is None:
+        return {}
+    return {layer.file: ref.begin for layer in box.layers.values() if (ref := layer.ref(EXL3V1_CODES)) is not None}
+
+
 def _k_and_bpw(name: str, dtype: str, shape: tuple[int, ...], nbytes: int,
-               layer_weights: int | None) -> tuple[int | None, float | None]:
+               layer_weights: int | None, is_codes: bool = False) -> tuple[int | None, float | None]:
     if name.endswith(TRELLIS_SUFFIX) and dtype == "I16" and len(shape) >= 3 and shape[-1] % 16 == 0 and shape[-1]:
         k = shape[-1] // 16
         return k, float(k)
-    if name == EXL3V1_CODES and layer_weights:
+    if is_codes and layer_weights:
         return None, round(nbytes * 8 / layer_weights, 4)
     return None, None
 

@@ -74,7 +74,8 @@ def test_b12x_refuses_tr3_and_loads_exl3v1(capsys, exl3v1):
     verdicts = {v["name"]: v["loads"] for v in doc["engines"]}
     assert code == 0 and doc["context"]["engine"] == "b12x-exl3-v1" and verdicts == {
         "b12x-exl3-v1": True, "vllm-exl3-shared-h": False, "vllm-exl3-190": False, "exllamav3": False,
-        "vllm-exl3-r7": False, "vllm-exl3-manifest": False}  # the manifest loader: no config.json (no stamp)
+        "vllm-exl3-r7": False, "vllm-exl3-manifest": False,  # the manifest loader: no config.json (no stamp)
+        "b12x-1.3.0": False}  # b12x 1.3.0 reads BTX, the same container under its earlier names
 
 
 def _zero_rows(root: Path, expert: int) -> None:

@@ -211,15 +211,15 @@ def test_scale_tensor_no_loader_applies(tmp_path, capsys):
     ({"rotation_layout": "shared_h_v1"},
      {"vllm-exl3-shared-h": None, "vllm-exl3-190": "shared_h_v1 unsupported", "vllm-exl3-r7": None,
       "vllm-exl3-manifest": "wrong container", "b12x-exl3-v1": "wrong container",
-      "exllamav3": "rank-sliced names"}),
+      "b12x-1.3.0": "wrong container", "exllamav3": "rank-sliced names"}),
     ({"partition": None, "uniform_k": 3},
      {"vllm-exl3-shared-h": None, "vllm-exl3-190": None, "vllm-exl3-r7": None,
       "vllm-exl3-manifest": "wrong container", "b12x-exl3-v1": "wrong container",
-      "exllamav3": "rank-sliced names"}),
+      "b12x-1.3.0": "wrong container", "exllamav3": "rank-sliced names"}),
     ({"partition": None, "uniform_k": 8},
      {"vllm-exl3-shared-h": None, "vllm-exl3-190": "uniform K8 unsupported",
       "vllm-exl3-r7": "uniform K8 unsupported", "vllm-exl3-manifest": "wrong container",
-      "b12x-exl3-v1": "wrong container", "exllamav3": "rank-sliced names"}),
+      "b12x-exl3-v1": "wrong container", "b12x-1.3.0": "wrong container", "exllamav3": "rank-sliced names"}),
 ], ids=["shared-h", "uniform-k3", "uniform-k8"])
 def test_profile_verdicts_on_valid_checkpoints(tmp_path, capsys, changes, expected):
     root = synth(tmp_path, **changes)
@@ -248,7 +248,7 @@ def test_human_report_ends_with_the_compatibility_line(tmp_path, capsys):
     assert code == 0 and out.strip().splitlines()[-1] == (
         "loads on: vllm-exl3 (shared-H rules) ✓ TP 2 · vllm-exl3 (#190 rules) ✗ shared_h_v1 unsupported · "
         "vllm-exl3 (R7 rules) ✓ TP 2 · vllm-exl3 (manifest rules) ✗ wrong container · "
-        "b12x exl3-v1 ✗ wrong container · exllamav3 ✗ rank-sliced names")
+        "b12x exl3-v1 ✗ wrong container · b12x 1.3.0 ✗ wrong container · exllamav3 ✗ rank-sliced names")
     code, out, _ = run(["validate", str(root), "--engine", "vllm-exl3-190"], capsys)
     assert code == 1 and "error[engine.shared-h] (vllm-exl3-190)" in out
     assert "engine rules enforced: vllm-exl3-190 (--engine)" in out

@@ -224,7 +224,8 @@ def test_default_source_is_the_bundled_sample(capsys):
     assert code == 0 and verdict.startswith("PASS: bundled sample")
     assert engines == ("loads on: vllm-exl3 (shared-H rules) ✓ TP 2 · vllm-exl3 (#190 rules) ✓ TP 2 · "
                        "vllm-exl3 (R7 rules) ✓ TP 2 · vllm-exl3 (manifest rules) ✗ wrong container · "
-                       "b12x exl3-v1 ✗ wrong container · exllamav3 ✗ rank-sliced names")
+                       "b12x exl3-v1 ✗ wrong container · b12x 1.3.0 ✗ wrong container · "
+                       "exllamav3 ✗ rank-sliced names")
 
 
 def test_route_pack_is_validated_by_its_own_verifier(tmp_path, capsys):

@@ -19,6 +19,7 @@ class Target(str, Enum):
     route_pack = "route-pack"
     tr3 = "tr3"
     exl3_v1 = "exl3-v1"
+    btx = "btx"
 
 
 HELP = (

@@ -29,10 +29,12 @@ HELP = (
     "  trellis validate ./GLM-R7 --engine vllm-exl3-r7 --tp 8"
 )
 ENGINE_HELP = "Loader profile whose refusals are errors: " + ", ".join(
-    ["vllm-exl3-shared-h", "vllm-exl3-190", "vllm-exl3-r7", "vllm-exl3-manifest", "b12x-exl3-v1", "exllamav3"]
+    ["vllm-exl3-shared-h", "vllm-exl3-190", "vllm-exl3-r7", "vllm-exl3-manifest", "b12x-exl3-v1", "b12x-1.3.0",
+     "exllamav3"]
 ) + " (default: per dialect)."
 TP_HELP = ("The tensor-parallel degree the server will run: checked against each engine's TP contract (a "
-           "rank-sliced checkpoint's recorded tp, 128-aligned slices, the exl3-manifest extent plan). Without it "
+           "rank-sliced checkpoint's recorded tp, 128-aligned slices, the exl3-manifest extent plan); on exl3-v1 it also "
+           "shows how b12x's partition_extents and the fork's plan_exl3_extent cut the slots. Without it "
            "the report lists the TP degrees each engine would accept.")
 
 
@@ -124,6 +126,11 @@ def render_report(report: Report) -> None:
     elif "engine" in context:
         output.print_line("engine rules enforced: none (no profiled loader reads this dialect; --engine NAME "
                           "enforces one)")
+    if context.get("tp_partitions"):
+        from trellis_cli.dialects.exl3v1.partitions import partition_lines
+
+        for line in partition_lines(context["tp_partitions"], context["tp"]):
+            output.print_line(line)
     output.print_line(report.summary(), style="bold green" if report.ok else "bold red")
     if report.engines:
         output.print_line(compatibility_line(report.engines, context.get("markers") != "not read", context.get("tp")))

@@ -21,6 +21,8 @@ from trellis_cli.integrity import RecordedHash
 VLLM, B12X, EXLLAMAV3 = "vllm", "b12x", "exllamav3"
 # The fork's R7 loader version (also reads TR3 and tensor_storage) and its mainline exl3-manifest loader.
 VLLM_R7, VLLM_MANIFEST = "vllm-r7", "vllm-manifest"
+# b12x 1.3.0, the release before the exl3-v1 rename: its BTX reader and its sqg-era b12x_trellis parser.
+B12X_130 = "b12x-1.3.0"
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class ContainerRefusal:
     message: str
     expected: str | None = None
     found: str | None = None  # None: the checkpoint's dialect name
+    code: str = "engine.container"  # another code: a refusal of the checkpoint's declarations (loader_refusal)
+    where: Location | None = None  # the field it is about, where one is
 
 
 @dataclass(frozen=True)
@@ -189,11 +193,25 @@ class Dialect:
             return ContainerRefusal("wrong container", f"{self.described_as} checkpoint: the exl3-v1 reader opens "
                                     "exl3-manifest.json and the layer files it lists, which this is not",
                                     expected="exl3-v1")
+        if family == B12X_130:
+            return ContainerRefusal("wrong container", f"{self.described_as} checkpoint: b12x 1.3.0 reads BTX "
+                                    "(btx-manifest.json) and sqg-era b12x_trellis blocks, which this is not",
+                                    expected="BTX")
         return ContainerRefusal("wrong container", f"{self.described_as} checkpoint: exllamav3 reads per-linear "
                                 "safetensors names only")
 
+    def loader_refusal(self, ckpt: Checkpoint, family: str) -> ContainerRefusal | None:
+        """Why loader `family`, which reads this container, still refuses this checkpoint's own declarations (a
+        release's parser or runtime; named by rule, version and field); None when it does not."""
+        return None
+
     def rank_tp_degrees(self, ckpt: Checkpoint) -> list[int] | None:
         """The TP degrees a rank slice can be cut at, when the container fixes them; None: any exact re-slice."""
+        return None
+
+    def tp_partitions(self, ckpt: Checkpoint, tp: int) -> list[dict[str, Any]] | None:
+        """How each known planner cuts its layers into rank extents at `tp` (each named with its version), where
+        that is the container's, not the checkpoint's, choice; None: the layout fixes it."""
         return None
 
     def layer_pack(self, ckpt: Checkpoint, layer: int, rank: int, tp: int | None = None, device: str = "cpu") -> Any:

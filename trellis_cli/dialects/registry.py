@@ -9,17 +9,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.dialects import exl3, exl3v1, r7, routepack, tr3
+from trellis_cli.dialects import b12x_trellis, btx, exl3, exl3v1, r7, routepack, tr3
 from trellis_cli.dialects.detect import not_understood
 from trellis_cli.dialects.interface import Dialect, DialectInfo, Probe
 
 DIALECTS: tuple[Dialect, ...] = (
     routepack.DIALECT,  # manifest.json says so; needs no config.json
     exl3v1.DIALECT,  # its manifest's kind and schema
+    btx.DIALECT,  # btx-manifest.json's kind and schema (exl3-v1 under b12x 1.3.0's names)
     tr3.PER_EXPERT,  # config.json hybrid_tr3_tail, rotation_layout per_expert_v1
     tr3.SHARED_H,  # ... shared_h_v1
     r7.DIALECT,  # r7_routed_experts in the quantization config
     exl3.DIALECT,  # quant_method exl3
+    b12x_trellis.DIALECT,  # quant_method b12x_trellis (a version-2 block)
 )
 _BY_NAME = {d.name: d for d in DIALECTS}
 

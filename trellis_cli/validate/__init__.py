@@ -67,6 +67,9 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
             report.notes.append(NOT_DEEP_NOTE)
     checksum_rule.after_rules(checkpoint, dialect, checksums, report, checksum_progress)
     engines.assess(checkpoint, selected, report, enforced, tp)
+    partitions = dialect.tp_partitions(checkpoint, tp) if tp is not None else None
+    if partitions is not None:  # which slots each rank reads, by each planner (they differ)
+        report.context["tp_partitions"] = partitions
     report.context["engine"] = enforced
     cap_findings(report)
     return report

@@ -13,7 +13,7 @@ from typing import Any, Iterator, NamedTuple
 from trellis_cli.checkpoint.declared import layer_range, uniform_bits
 from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint
 from trellis_cli.dialects.detect import QUANT_CONFIG
-from trellis_cli.dialects.interface import B12X, EXLLAMAV3, VLLM, ContainerRefusal
+from trellis_cli.dialects.interface import B12X, B12X_130, EXLLAMAV3, VLLM, ContainerRefusal
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.checkpoint.names import H_SIDE
 from trellis_cli.findings import Location
@@ -65,10 +65,26 @@ def vllm_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
 
 
 def b12x_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
-    """b12x's exl3-v1 reader opens exl3-manifest.json and the layer files it names, and nothing else."""
-    refusal = dialect_of(ckpt).container_refusal(B12X)
+    """b12x's exl3-v1 reader opens exl3-manifest.json and the layer files it names, and nothing else; a
+    container it reads may still declare what b12x 1.5.x refuses (Dialect.loader_refusal)."""
+    yield from _family(ckpt, B12X)
+
+
+def _family(ckpt: Checkpoint, family: str) -> Iterator[Refusal]:
+    dialect = dialect_of(ckpt)
+    refusal = dialect.container_refusal(family)
     if refusal is not None:
         yield _container(ckpt, refusal)
+        return
+    refusal = dialect.loader_refusal(ckpt, family)
+    if refusal is not None:
+        yield Refusal(refusal.code, refusal.reason, refusal.where or Location(), refusal.message,
+                      expected=refusal.expected, found=refusal.found)
+
+
+def b12x130_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+    """b12x 1.3.0 reads BTX (btx-manifest.json) and sqg-era b12x_trellis blocks; each dialect says why not."""
+    yield from _family(ckpt, B12X_130)
 
 
 def exllamav3_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:

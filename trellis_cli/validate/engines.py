@@ -63,6 +63,8 @@ ENGINES: tuple[Engine, ...] = (
            "local-inference-lab/vllm@174fe4d exl3.py + utils/exl3.py over b12x 1.5.1's exl3-v1 reader",
            (m.manifest_container, m.manifest_config, m.manifest_geometry, m.uniform_rates), tpc.manifest_tp),
     Engine("b12x-exl3-v1", "b12x exl3-v1", 1, "b12x 1.5.x moe/checkpoints exl3-v1 reader", (r.b12x_container,)),
+    Engine("b12x-1.3.0", "b12x 1.3.0", 1, "b12x 1.3.0 wheel: kernels/w4a16/btx.py BTX reader, fused_moe/config.py "
+           "TrellisConfig (sqg codebooks)", (r.b12x130_container,)),
     Engine("exllamav3", "exllamav3", 1, "turboderp-org/exllamav3 loader (per-linear names, MultiLinear)",
            (r.exllamav3_container, r.one_k_per_projection)),
 )

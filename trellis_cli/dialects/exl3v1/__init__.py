@@ -31,7 +31,8 @@ class Exl3v1Dialect(Dialect):
     read_by = frozenset({B12X, VLLM_MANIFEST})
     container_notes = {VLLM: "exl3-v1 is b12x's container"}
     writer = "trellis_cli.dialects.exl3v1.write"
-    converts_from = {DIALECT_TR3_PER_EXPERT: "tr3-to-exl3-v1", DIALECT_TR3_SHARED_H: "tr3-to-exl3-v1"}
+    converts_from = {DIALECT_TR3_PER_EXPERT: "tr3-to-exl3-v1", DIALECT_TR3_SHARED_H: "tr3-to-exl3-v1",
+                     "btx-atoms-v1": "btx-to-exl3-v1"}  # BTX: a renaming (dialects/btx/)
 
     def detect(self, probe: Probe) -> DialectInfo | None:
         return exl3v1_info(probe)
@@ -97,6 +98,14 @@ class Exl3v1Dialect(Dialect):
         from trellis_cli.formats.exl3v1_layout import tp_degrees
 
         return list(tp_degrees(container(ckpt).manifest))
+
+    def tp_partitions(self, ckpt, tp: int):
+        """b12x's partition_extents and the fork's plan_exl3_extent at `tp` (partitions.py)."""
+        from trellis_cli.dialects.exl3v1.container import container
+        from trellis_cli.dialects.exl3v1.partitions import tp_partitions
+
+        m = container(ckpt).manifest
+        return None if m is None else tp_partitions(m, tp)
 
     def layer_pack(self, ckpt, layer, rank, tp=None, device="cpu"):
         from trellis_cli.dialects.exl3v1.pack import default_tp, exl3v1_pack
