@@ -28,6 +28,7 @@ class Remedy:
     change: str  # the options or action with their values, e.g. "--kv-dtype fp8 --dcp 4"
     numbers: dict[str, Any]
     note: str = ""
+    changes: dict[str, Any] = dataclasses.field(default_factory=dict)  # the request fields it changes
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "change": self.change, **self.numbers, **({"note": self.note} if self.note else {})}
@@ -54,12 +55,13 @@ def find_remedies(request: Any, base: Outcome, ctx: int, evaluate: Callable[[Any
             continue
         o = fits(changes)
         if o is not None:
-            found.append(Remedy(kind, spell(changes), numbers(o)))
+            found.append(Remedy(kind, spell(changes), numbers(o), changes=changes))
     u = utilization_for(base.ranks, request)
     if u is not None and u != request.utilization:
         o = fits({"gpu_memory_utilization": u})
         if o is not None:
-            found.append(Remedy("utilization", spell({"gpu_memory_utilization": u}), numbers(o)))
+            found.append(Remedy("utilization", spell({"gpu_memory_utilization": u}), numbers(o),
+                                changes={"gpu_memory_utilization": u}))
     demote = demotion(base.ranks)
     if demote is not None:
         found.append(demote)
@@ -67,7 +69,8 @@ def find_remedies(request: Any, base: Outcome, ctx: int, evaluate: Callable[[Any
         combined = _combination(request, dtypes, dcps, evaluate, fits)
         if combined is not None:
             changes, o = combined
-            found.append(Remedy("combined", spell(changes), numbers(o), "no single change fits; together these do"))
+            found.append(Remedy("combined", spell(changes), numbers(o), "no single change fits; together these do",
+                                changes))
     for tp in TP_STEPS:
         if tp <= request.tp:
             continue
@@ -75,7 +78,7 @@ def find_remedies(request: Any, base: Outcome, ctx: int, evaluate: Callable[[Any
         if o is not None:
             note = (f"needs the checkpoint re-sliced: trellis repack SOURCE OUT --to tr3 --tp {tp}; weights "
                     "estimated as an equal share per rank") if sliced_tp is not None and sliced_tp != tp else ""
-            found.append(Remedy("tp", spell({"tp": tp}), numbers(o) | {"gpus": tp}, note))
+            found.append(Remedy("tp", spell({"tp": tp}), numbers(o) | {"gpus": tp}, note, {"tp": tp}))
             break
     return found
 
