@@ -109,10 +109,10 @@ class KvPerToken:
 
     def estimated_max_len(self, budget: int) -> int:
         """The engine's "estimated maximum model length" for a budget (estimate_max_model_len: the longest
-        length whose blocks fit), and never more than the pool serves."""
+        length whose blocks fit, the null block not counted)."""
         if budget <= 0 or self.block_bytes <= 0:
             return 0
-        return min(budget // self.block_bytes * self.block_tokens, self.tokens(budget))
+        return budget // self.block_bytes * self.block_tokens
 
 
 def kv_per_token(arch: Arch, layout: KvLayout, dcp: int, mtp: bool, engine: EngineVersion) -> KvPerToken:

@@ -245,7 +245,8 @@ def fit(ckpt: Checkpoint, request: FitRequest) -> FitResult:
     ev = _Evaluator(ckpt, arch, ctx, ctx)
     weights, kv, reserve, band = ev.parts(request, reslice=reslice)
     if request.ctx_auto:  # the longest context the whole band holds, as the engine's estimate
-        longest = min(kv.estimated_max_len(b.kv_budget_bytes) for b in band["high"].ranks)
+        longest = min(min(kv.estimated_max_len(b.kv_budget_bytes), kv.tokens(b.kv_budget_bytes))
+                      for b in band["high"].ranks)
         ctx = min(longest, arch.max_positions or longest) or kv.block_tokens
         ev.ctx = ctx
         weights, kv, reserve, band = ev.parts(request, reslice=reslice)
