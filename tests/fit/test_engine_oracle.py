@@ -308,3 +308,14 @@ def test_differential_grid_against_vllm_034_spec_classes():
         assert abs(kv.tokens(available) - theirs["tokens"]) <= kv.block_tokens, case  # within one block
         fits = kv.bytes_for(ctx) <= available
         assert fits == theirs["serves"], case  # never "fits" where the engine's check fails, nor the reverse
+
+
+def test_another_tp_than_the_slices_is_answered_after_re_slicing(tiny, capsys):
+    """A TP 2 checkpoint asked at TP 4: the answer after re-slicing, naming the repack step (issue 54 item 4)."""
+    code, out, _ = run_cli(capsys, "fit", tiny, "--tp", "4", "--gpu", "h100", "--ctx", "2048")
+    assert code == 0 and "after re-slicing to TP 4" in out and "trellis repack SOURCE OUT --to tr3 --tp 4" in out
+    doc = json.loads(run_cli(capsys, "fit", tiny, "--tp", "4", "--gpu", "h100", "--ctx", "2048", "--json")[1])
+    assert doc["resliced_to_tp"] == 4 and len(doc["ranks"]) == 4
+    # one definition of the weights: the JSON's weight_bytes is the text's "weights" row (stored + estimate)
+    for rank in doc["ranks"]:
+        assert rank["weight_bytes"] == rank["stored_weight_bytes"] + rank["absent_weight_bytes"]
