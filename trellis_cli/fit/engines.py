@@ -243,7 +243,7 @@ def _fork(engine, family, asked, layout, refuse) -> KvLayout:
 # ---- the engine's defaults -----------------------------------------------------------------------------
 
 def default_max_num_seqs(total_bytes: int) -> int:
-    """`max_num_seqs` for the API server (engine/arg_utils.py: EngineArgs._set_default_args): 1024 on GPUs of
+    """`max_num_seqs` for the API server (engine/arg_utils.py: EngineArgs.get_batch_defaults): 1024 on GPUs of
     70 GiB or more, else 256."""
     return 1024 if total_bytes >= 70 * GIB else 256
 

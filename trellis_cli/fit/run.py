@@ -244,10 +244,13 @@ def fit(ckpt: Checkpoint, request: FitRequest) -> FitResult:
     reslice = sliced_tp is not None and sliced_tp != request.tp
     ev = _Evaluator(ckpt, arch, ctx, ctx)
     weights, kv, reserve, band = ev.parts(request, reslice=reslice)
-    if request.ctx_auto:  # the longest context the whole band holds, as the engine's estimate
-        longest = min(min(kv.estimated_max_len(b.kv_budget_bytes), kv.tokens(b.kv_budget_bytes))
-                      for b in band["high"].ranks)
-        ctx = min(longest, arch.max_positions or longest) or kv.block_tokens
+    if request.ctx_auto:  # the longest context the whole band holds (else its cheap end), as the engine estimates
+        def longest(case: str) -> int:
+            return min(min(kv.estimated_max_len(b.kv_budget_bytes), kv.tokens(b.kv_budget_bytes))
+                       for b in band[case].ranks)
+
+        ctx = longest("high") or longest("low")
+        ctx = min(ctx, arch.max_positions or ctx) or kv.block_tokens
         ev.ctx = ctx
         weights, kv, reserve, band = ev.parts(request, reslice=reslice)
     typical = band["typical"]
