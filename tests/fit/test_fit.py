@@ -473,3 +473,15 @@ def test_an_absurd_layer_count_is_arithmetic_not_a_loop():
 def test_no_gpu_given_and_none_visible_is_a_usage_error(tmp_path, capsys):
     code, _, err = run_cli(capsys, "fit", str(_tiny(tmp_path)), "--tp", "2")
     assert code == 2 and "no GPU visible here" in err
+
+
+def test_routed_experts_per_rank_is_one_quantity_in_inspect_and_fit(tmp_path, capsys):
+    """One definition (the decoder's MoE layers, the MTP layer apart) and one unit (GiB) in both commands."""
+    spec = dataclasses.replace(preset("tiny"), layers=(3, 4, 5), num_hidden_layers=5, mtp_layers=1)
+    root = str(write_checkpoint(tmp_path / "m", spec))
+    inspected = json.loads(run_cli(capsys, "inspect", root, "--json")[1])["totals"]
+    fitted = json.loads(run_cli(capsys, "fit", root, "--tp", "2", "--gpu", "h100", "--ctx", "1024", "--json")[1])
+    per_rank = max(r["parts"]["routed experts"] for r in fitted["ranks"])
+    assert inspected["routed_bytes_per_rank"] == per_rank and inspected["mtp_routed_bytes_per_rank"] > 0
+    text = run_cli(capsys, "inspect", root)[1]
+    assert f"routed experts per rank: {per_rank / GIB:.2f} GiB" in text and "the MTP layer's" in text
