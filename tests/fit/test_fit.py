@@ -221,7 +221,7 @@ def test_glm52_tp4_sparse_and_exl3v1(glm52_tp4_sparse, tmp_path, capsys):
     code, out, _ = run_cli(capsys, "fit", str(root), "--tp", "4", "--gpu", "rtx-pro-6000", "--kv-dtype", "fp8", "--ctx", "131072",
                            "--json")
     doc = json.loads(out)
-    assert code == (0 if doc["fits"] else 1)
+    assert code == {"fits": 0, "marginal": 5, "does not fit": 1}[doc["verdict"]]
     assert [r["stored_weight_bytes"] for r in doc["ranks"]] == tr3_rank_bytes(root, 4, 78)
     v1 = tmp_path / "glm-v1"
     assert run_cli(capsys, "synth", str(v1), "--preset", "glm52-tp4", "--sparse", "--format", "exl3-v1",
@@ -262,7 +262,7 @@ def test_glm52_tp4_sparse_from_the_loopback_hub_reads_headers_only(glm52_tp4_spa
     args = ("--tp", "4", "--gpu", "rtx-pro-6000", "--kv-dtype", "fp8", "--ctx", "131072", "--mtp", "--json")
     code, out, _ = run_cli(capsys, "fit", str(root), *args)
     local = json.loads(out)
-    assert code in (0, 1)
+    assert code in (0, 1, 5)
     with HubServer() as hub:
         hub.add_commit("org/glm52", root, in_place=True, lfs_sha256=declared)
         code_hub, out, err = run_cli(capsys, "fit", "org/glm52", "--endpoint", hub.endpoint, "--cache-dir",
@@ -272,7 +272,8 @@ def test_glm52_tp4_sparse_from_the_loopback_hub_reads_headers_only(glm52_tp4_spa
     remote = json.loads(out)
     assert code_hub == code, err
     expected = tr3_rank_bytes(root, 4)  # with --mtp every stored tensor counts
-    assert [r["weight_bytes"] for r in remote["ranks"]] == [r["weight_bytes"] for r in local["ranks"]] == expected
+    assert [r["stored_weight_bytes"] for r in remote["ranks"]] == [r["stored_weight_bytes"] for r in local["ranks"]] \
+        == expected
     assert remote["ranks"] == local["ranks"] and remote["fits"] == local["fits"]
     total = sum(p.stat().st_size for p in shards)
     assert total > 250 * 10**9 and sum(expected) == sum(nbytes(e) for p in shards for e in header(p).values())
