@@ -255,8 +255,9 @@ def fit(ckpt: Checkpoint, request: FitRequest) -> FitResult:
         weights, kv, reserve, band = ev.parts(request, reslice=reslice)
     typical = band["typical"]
     verdict = FITS if band["high"].fits(ctx) else MARGINAL if band["low"].fits(ctx) else SHORT
+    deciding = band["high"] if verdict != SHORT else band["low"]
     result = FitResult(request, arch, ctx, kv, reserve, weights, typical.ranks, verdict == FITS,
-                       typical.pool_tokens, band["high"].short_bytes if verdict != SHORT else band["low"].short_bytes,
+                       typical.pool_tokens, max(deciding.short_bytes, deciding.start_short_bytes),
                        verdict, band, resliced_to=request.tp if reslice else None)
     if verdict == MARGINAL:
         result.deciding_term = _deciding_term(reserve)
@@ -282,6 +283,16 @@ def _notes(result: FitResult, sliced_tp: int | None) -> list[str]:
     if arch.max_positions is not None and result.ctx > arch.max_positions:
         notes.append(f"--ctx {result.ctx} is beyond the model's max_position_embeddings {arch.max_positions} "
                      "(allowed by --allow-long-context)")
+    for case in ("low", "high"):
+        start_short = result.band[case].start_short_bytes if result.band else 0
+        if start_short:
+            requested = result.ranks[0].usable_bytes
+            notes.append(f"at the {'cheap' if case == 'low' else 'expensive'} end of the CUDA context and NCCL the "
+                         f"engine cannot start: it requests {requested / 2**30:.2f} GiB per GPU (utilization "
+                         f"{r.utilization:g}) and {start_short / 2**30:.2f} GiB of it is not free "
+                         "(v1/worker/utils.py: request_memory); they must fit in total x (1 - utilization)"
+                         + (" with the memory already in use" if r.mem_in_use else ""))
+            break
     absent = sorted({p for b in result.ranks for p in b.weights.absent})
     if absent:
         notes.append(f"not in the checkpoint, estimated at bf16 from config.json: {', '.join(absent)}")
