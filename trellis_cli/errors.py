@@ -13,6 +13,7 @@ EXIT_FINDINGS = 1
 EXIT_USAGE = 2
 EXIT_SOURCE = 3
 EXIT_GPU = 4
+EXIT_MARGINAL = 5  # trellis fit: fits at the cheap end of the measured terms' band, not at the expensive end
 EXIT_INTERRUPTED = 130
 
 

@@ -188,20 +188,30 @@ def collapse_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return runs
 
 
+def _decoder_layers(ckpt: Checkpoint) -> int | None:
+    """config.json's num_hidden_layers: MoE layers from there on are MTP layers (None: not declared)."""
+    n = ckpt.config.get("num_hidden_layers") if isinstance(ckpt.config, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
 def _totals(ckpt: Checkpoint, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    routed_rank = sum(r["bytes_per_rank"] for r in rows)
+    # "Routed experts per rank", one definition with `trellis fit`: the decoder's MoE layers, the MTP layer apart.
+    decoder = _decoder_layers(ckpt)
+    mtp_rank = sum(r["bytes_per_rank"] for r in rows if decoder is not None and r["layer"] >= decoder)
+    routed_rank = sum(r["bytes_per_rank"] for r in rows) - mtp_rank
     expert_names = _expert_tensor_bytes(ckpt)
     all_tensor_bytes = sum(ref.nbytes for ref in ckpt.tensors.values())
     other = all_tensor_bytes - expert_names
     return {
         "layers": len(rows),
         "routed_bytes_per_rank": routed_rank,
+        "mtp_routed_bytes_per_rank": mtp_rank,
         "routed_trellis_bytes_per_rank": sum(r["trellis_bytes_per_rank"] for r in rows),
         "checkpoint_bytes": sum(size for size in ckpt.files.values() if size > 0),
         "tensor_bytes": all_tensor_bytes,
         "non_routed_bytes": other,
         # Estimate: non-routed tensors (attention, shared expert, embeddings) split evenly over the TP ranks.
-        "weights_per_rank_bytes": routed_rank + other // max(ckpt.tp, 1),
+        "weights_per_rank_bytes": routed_rank + mtp_rank + other // max(ckpt.tp, 1),
         "tensors": len(ckpt.tensors),
         "files": len(ckpt.files),
     }
@@ -221,6 +231,14 @@ def _expert_tensor_bytes(ckpt: Checkpoint) -> int:
 
 
 # ---- renderings ----------------------------------------------------------------------------------------
+
+def routed_per_rank(totals: dict[str, Any]) -> str:
+    """Routed experts per rank as `trellis fit` shows them: GiB (2^30, as GPU memory is counted), the decoder's MoE
+    layers, the MTP layer apart; the decimal size beside it."""
+    n, mtp = totals["routed_bytes_per_rank"], totals.get("mtp_routed_bytes_per_rank", 0)
+    text = f"{n / 2**30:.2f} GiB ({human_bytes(n)}; decoder MoE layers"
+    return text + (f", the MTP layer's {mtp / 2**30:.2f} GiB apart)" if mtp else ")")
+
 
 def human_bytes(n: int) -> str:
     """Decimal units, as every command prints sizes (1 GB = 10^9 bytes); JSON carries exact bytes."""
@@ -290,7 +308,7 @@ def render_text(doc: dict[str, Any]) -> list[str]:
                       f"(trellis {human_bytes(selection['routed_trellis_bytes_per_rank'])})"]
     lines += ["", f"totals (whole checkpoint): {counted(t['layers'], 'MoE layers')}, {counted(t['tensors'], 'tensors')} "
                     f"in {counted(t['files'], 'files')}",
-              f"  routed experts per rank: {human_bytes(t['routed_bytes_per_rank'])} "
+              f"  routed experts per rank: {routed_per_rank(t)} "
               f"(trellis {human_bytes(t['routed_trellis_bytes_per_rank'])})",
               f"  whole checkpoint: {human_bytes(t['checkpoint_bytes'])}",
               f"  weights per rank (estimate): {human_bytes(t['weights_per_rank_bytes'])}"]
@@ -315,7 +333,7 @@ def render_markdown(doc: dict[str, Any]) -> list[str]:
         lines.append(f"| {run['layer_range']} | {run['partition']} ({k_part}) | {run['bpw']} | "
                      f"{human_bytes(run['bytes_per_rank'])} | {run['rotation']} | {run['tensors']} | "
                      f"{_tiers_text(run)} | {_shards_text(run['shards'])} |")
-    lines += ["", f"Whole checkpoint: routed experts per rank **{human_bytes(t['routed_bytes_per_rank'])}**; "
+    lines += ["", f"Whole checkpoint: routed experts per rank **{routed_per_rank(t)}**; "
               f"{human_bytes(t['checkpoint_bytes'])}; weights per rank (estimate) "
               f"{human_bytes(t['weights_per_rank_bytes'])}; {t['tensors']} tensors in {t['files']} files."]
     return lines

@@ -110,9 +110,16 @@ def inspect_source(source: Any, request: InspectRequest | None = None,
     if request.tp is not None:
         document.serve_tp = serve_tp_view(checkpoint, request.layers, request.tp)
     if fit_request is not None:
+        import dataclasses
+
+        from trellis_cli.fit.engines import EngineRefusal
         from trellis_cli.fit.run import fit
 
-        document.fit = fit(checkpoint, fit_request)
+        try:
+            document.fit = fit(checkpoint, fit_request)
+        except EngineRefusal as refusal:  # inspect has no --kv-dtype: show the engine's fp8 layout, and say why
+            document.fit = fit(checkpoint, dataclasses.replace(fit_request, kv_dtype="fp8"))
+            document.fit.notes.insert(0, f"--kv-dtype auto is refused ({refusal.reason}); shown at fp8")
     return document
 
 

@@ -57,9 +57,17 @@ def build_tensor_listing(ckpt: Checkpoint, layers: list[int] | None = None) -> d
             "layers": _layer_totals(rows), "totals": _totals(rows), "unreadable": unreadable}
 
 
+MAX_LAYER_DIGITS = 12  # longer is a damaged header, and past 4300 digits int() refuses it
+
+
 def _layer_of(name: str) -> int | None:
     m = _LAYER_IN_NAME.match(name)
-    return int(m.group(1)) if m else None
+    if m is None:
+        return None
+    if len(m.group(1)) > MAX_LAYER_DIGITS:
+        raise CheckFailed(f"tensor {name[:40]!r}...: a layer number of {len(m.group(1)):,} digits; no model has "
+                          "that many layers (a damaged header)")
+    return int(m.group(1))
 
 
 def _file_layers(ckpt: Checkpoint) -> dict[str, int]:

@@ -36,7 +36,6 @@ SIBLINGS = {"validate": "validate", "repack": "repack", "bench": "bench", "kerne
             "fit": "fit"}
 ALLOWED_SIBLING_EDGES = {
     ("bench", "kernel"),  # bench runs the fused kernel
-    ("fit", "kernel"),  # fit reads the fused kernel's workspace from its launch plan
 }
 # `from trellis_cli import __version__`: the root package's one constant, defined before anything else there.
 VERSION_IMPORT = (ROOT, "__version__")

@@ -38,7 +38,7 @@ def test_every_section_from_one_opening_and_the_cli_json_is_the_document(tiny, c
     monkeypatch.setattr(dialect_open, "open_checkpoint", counting)
     stages: list[str] = []
     logged: list[str] = []
-    request = InspectRequest(layers=[3], tp=2, gpu=gpu_preset("rtx-pro-6000"), ctx=4096)
+    request = InspectRequest(layers=[3], tp=2, gpu=gpu_preset("h100"), ctx=4096)
     document = inspect_source(str(tiny), request, InspectProgress(stage=lambda s, d, t: stages.append(s),
                                                                   log=logged.append))
     assert len(opened) == 1 and stages and logged == [f"reading headers of {tiny} ..."]
@@ -46,7 +46,7 @@ def test_every_section_from_one_opening_and_the_cli_json_is_the_document(tiny, c
     assert document.summary is not None and [row["layer"] for row in document.summary["layers"]] == [3]
     assert document.serve_tp is not None and document.serve_tp["tp"] == 2 and document.serve_tp["engines"]
     assert document.fit is not None and document.fit.request.tp == 2 and document.fit.ctx == 4096
-    code, out, err = run_cli(capsys, "inspect", str(tiny), "--layers", "3", "--tp", "2", "--gpu", "rtx-pro-6000",
+    code, out, err = run_cli(capsys, "inspect", str(tiny), "--layers", "3", "--tp", "2", "--gpu", "h100",
                              "--ctx", "4096", "--json")
     assert code == 0, err
     assert json.loads(out) == json.loads(json.dumps(document.to_json()))

@@ -1,5 +1,6 @@
 """The one table from failures to exit codes and hints (0 ok, 1 findings / failed check / I-O error, 2 usage,
-3 source unavailable, 4 no GPU / toolkit / build, 130 interrupted): library exceptions say what went wrong,
+3 source unavailable, 4 no GPU / toolkit / build, 5 `fit`'s marginal verdict, set by the command itself,
+130 interrupted): library exceptions say what went wrong,
 the CLI decides what the shell sees and what to try next. The first row whose type matches wins, so
 subclasses come first. A hint is shown as one `hint:` line after the `error:` line; `{command}` in it is the
 command that ran (`trellis validate`)."""

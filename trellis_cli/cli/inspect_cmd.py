@@ -39,7 +39,10 @@ def register(app: typer.Typer) -> None:
                                                   "engines accept it; with --gpu or --gpu-mem also the "
                                                   "`trellis fit` section at this TP.")] = None,
         gpu: Annotated[Optional[str], typer.Option("--gpu", help="GPU preset for the fit section.")] = None,
-        gpu_mem: Annotated[Optional[str], typer.Option("--gpu-mem", help="GPU memory for the fit section.")] = None,
+        gpu_mem: Annotated[Optional[str], typer.Option("--gpu-mem", help="GPU memory for the fit section "
+                                                       "(with --arch).")] = None,
+        arch: Annotated[Optional[str], typer.Option("--arch", help="GPU family for the fit section with --gpu-mem: "
+                                                    "sm_90, sm_100 or sm_120.")] = None,
         ctx: Annotated[Optional[int], typer.Option("--ctx", help="Context length for the fit section.")] = None,
         tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor (file, name, dtype, shape, "
                                                                "bytes; K and bpw of EXL3 codes), with per-layer and "
@@ -49,7 +52,7 @@ def register(app: typer.Typer) -> None:
 
         if as_json and markdown:
             raise UsageError("--json and --markdown are exclusive: choose one output format")
-        fit_gpu = _fit_gpu(tp, gpu, gpu_mem)
+        fit_gpu = _fit_gpu(tp, gpu, gpu_mem, arch)
         request = InspectRequest(layers=parse_layers(layers), tensors=tensors, tp=tp, gpu=fit_gpu, ctx=ctx)
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
         # A production checkpoint has ~80 shards and 930k tensors: on a terminal, a bar per stage with its count.
@@ -67,7 +70,7 @@ def register(app: typer.Typer) -> None:
                               f"{first['file']}: {first['error']}")
 
 
-def _fit_gpu(tp: int | None, gpu: str | None, gpu_mem: str | None):
+def _fit_gpu(tp: int | None, gpu: str | None, gpu_mem: str | None, arch: str | None = None):
     """The fit section's GPU from --gpu / --gpu-mem (None without either); asking for it without --tp is a
     usage error before the GPU name is looked up."""
     if gpu is None and gpu_mem is None:
@@ -78,7 +81,7 @@ def _fit_gpu(tp: int | None, gpu: str | None, gpu_mem: str | None):
         raise UsageError(FIT_NEEDS)
     from trellis_cli.fit.gpus import choose_gpu
 
-    return choose_gpu(gpu, gpu_mem)
+    return choose_gpu(gpu, gpu_mem, arch)
 
 
 def _print_summary(document, markdown: bool) -> None:

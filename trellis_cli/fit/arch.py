@@ -17,6 +17,10 @@ REQUIRED = ("hidden_size", "num_hidden_layers", "kv_lora_rank", "qk_rope_head_di
             "v_head_dim", "num_attention_heads", "vocab_size", "moe_intermediate_size", "n_routed_experts",
             "num_experts_per_tok")
 # Architectures whose attention is MLA (the formula below); dense attention has another and is refused.
+# Fields without which the engine builds no model (a zero here is a named error, never a verdict).
+AT_LEAST_ONE = ("hidden_size", "num_hidden_layers", "kv_lora_rank", "num_attention_heads", "vocab_size",
+                "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "v_head_dim")
+MAX_FIELD = 1 << 48  # larger than any model; past it a field is damage, not a model
 MLA_MODEL_TYPES = frozenset({"glm_moe_dsa", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite"})
 
 
@@ -44,26 +48,20 @@ class Arch:
     indexer_types: tuple[str, ...] | None  # GLM-5.3: "full" keeps an indexer cache, "shared" reuses one
     index_topk_freq: int
     max_positions: int | None
+    index_skip_topk_offset: int = 2  # compute_skip_topk_layers' default offset
+    index_topk_pattern: str | None = None  # "S" at a layer that reuses the previous layer's top-k
 
     @property
     def latent_elements(self) -> int:
         return self.kv_lora_rank + self.qk_rope
 
-    def has_indexer_cache(self, layer: int) -> bool:
-        """Whether decoder layer `layer` keeps its own indexer key cache."""
-        if self.index_head_dim is None:
-            return False
-        if self.indexer_types is not None:
-            return layer < len(self.indexer_types) and self.indexer_types[layer] != "shared"
-        return layer % self.index_topk_freq == 0
 
-    def indexer_cache_layers(self) -> int:
-        """How many decoder layers keep an indexer cache (arithmetic, never a loop over num_hidden_layers)."""
-        if self.index_head_dim is None:
-            return 0
-        if self.indexer_types is not None:
-            return sum(t != "shared" for t in self.indexer_types[:self.layers])
-        return -(-self.layers // self.index_topk_freq)
+def _short(value: Any) -> str:
+    """A config value for a message: a huge integer by its digit count, never converted to text whole."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1:,} digits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _positive(config: dict, key: str, file: str, default: Any = ...) -> Any:
@@ -73,7 +71,9 @@ def _positive(config: dict, key: str, file: str, default: Any = ...) -> Any:
             raise CheckFailed(f"{file}: {key} is missing; fit needs the model's {key} (MLA / DSA geometry)")
         return default
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise CheckFailed(f"{file}: {key} is {value!r}, expected a non-negative integer")
+        raise CheckFailed(f"{file}: {key} is {_short(value)}, expected a non-negative integer")
+    if value > MAX_FIELD:
+        raise CheckFailed(f"{file}: {key} is {_short(value)}, more than {MAX_FIELD:,}: not a model's {key}")
     return value
 
 
@@ -86,12 +86,37 @@ def read_arch(config: dict, file: str = "config.json") -> Arch:
         raise CheckFailed(f"{file}: model_type {model_type!r}; fit knows the MLA architectures "
                           f"{', '.join(sorted(MLA_MODEL_TYPES))}")
     get = {key: _positive(config, key, file) for key in REQUIRED}
+    for key in AT_LEAST_ONE:
+        if get[key] < 1:
+            raise CheckFailed(f"{file}: {key} is {get[key]}; the engine cannot build a model with none "
+                              f"(fit needs at least 1)")
+    if get["num_experts_per_tok"] > get["n_routed_experts"]:
+        raise CheckFailed(f"{file}: num_experts_per_tok {get['num_experts_per_tok']} is more than n_routed_experts "
+                          f"{get['n_routed_experts']}; the router cannot pick that many")
+    max_positions = _positive(config, "max_position_embeddings", file, None)
+    if max_positions == 0:
+        raise CheckFailed(f"{file}: max_position_embeddings is 0; the engine derives max_model_len from it")
     types = config.get("indexer_types")
     if types is not None and (not isinstance(types, list) or not all(isinstance(t, str) for t in types)):
         raise CheckFailed(f"{file}: indexer_types is {types!r}, expected a list of \"full\" / \"shared\"")
     freq = _positive(config, "index_topk_freq", file, 1)
     if freq < 1:
         raise CheckFailed(f"{file}: index_topk_freq is {freq}, expected at least 1")
+    if types is not None and len(types) != get["num_hidden_layers"]:
+        raise CheckFailed(f"{file}: indexer_types has {len(types)} entries for {get['num_hidden_layers']} layers; "
+                          "the engine needs one per hidden layer")
+    if types is not None and set(types) - {"full", "shared"}:
+        raise CheckFailed(f"{file}: indexer_types holds {sorted(set(types) - {'full', 'shared'})}; the engine "
+                          "knows \"full\" and \"shared\"")
+    offset = config.get("index_skip_topk_offset", 2)
+    if not isinstance(offset, int) or isinstance(offset, bool) or abs(offset) > MAX_FIELD:
+        raise CheckFailed(f"{file}: index_skip_topk_offset is {offset!r}, expected an integer")
+    pattern = config.get("index_topk_pattern")
+    if pattern is not None and not isinstance(pattern, str):
+        if isinstance(pattern, list) and all(isinstance(p, str) for p in pattern):
+            pattern = "".join("S" if p == "S" else "F" for p in pattern)
+        else:
+            raise CheckFailed(f"{file}: index_topk_pattern is {pattern!r}, expected a string of layer marks")
     return Arch(
         model_type=model_type, hidden=get["hidden_size"], layers=get["num_hidden_layers"],
         mtp_layers=_positive(config, "num_nextn_predict_layers", file, 0),
@@ -104,4 +129,4 @@ def read_arch(config: dict, file: str = "config.json") -> Arch:
         index_head_dim=_positive(config, "index_head_dim", file, None),
         index_heads=_positive(config, "index_n_heads", file, None),
         indexer_types=tuple(types) if types is not None else None, index_topk_freq=freq,
-        max_positions=_positive(config, "max_position_embeddings", file, None))
+        max_positions=max_positions, index_skip_topk_offset=offset, index_topk_pattern=pattern)

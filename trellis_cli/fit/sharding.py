@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from trellis_cli.errors import CheckFailed
+
 REPLICATED, COLUMN, ROW, VOCAB, EXPERT = "replicated", "column", "row", "vocab", "expert"
 
 PART_EXPERTS = "routed experts"
@@ -69,9 +71,18 @@ ENGINE_SOURCES = {"vllm": "vLLM GlmMoeDsaForCausalLM (model_executor/models/deep
 _LAYER = re.compile(r"^model\.layers\.([0-9]+)\.")
 
 
+MAX_LAYER_DIGITS = 12  # a layer number longer than this is damage, and past 4300 digits int() refuses it
+
+
 def layer_of(name: str) -> int | None:
     m = _LAYER.match(name)
-    return int(m.group(1)) if m else None
+    if m is None:
+        return None
+    digits = m.group(1)
+    if len(digits) > MAX_LAYER_DIGITS:
+        raise CheckFailed(f"tensor {name[:40]!r}...: a layer number of {len(digits):,} digits; no model has that "
+                          "many layers (a damaged header)")
+    return int(digits)
 
 
 def classify(rules: tuple[Rule, ...], name: str) -> tuple[str, str]:

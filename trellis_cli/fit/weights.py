@@ -12,18 +12,22 @@ header bytes stay exact and the estimate is named.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.registry import SLOT_ROWS, storage_of
 from trellis_cli.checkpoint.names import KIND_LINEAR, KIND_R7_SHARED, KIND_SHARED_H, parse_expert_name
-from trellis_cli.errors import UsageError
+from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.fit.arch import Arch
 from trellis_cli.fit.sharding import (COLUMN, EXPERT, PART_EXPERTS, PART_MTP, PARTS, REPLICATED, ROW, VOCAB, WHOLE,
                                       Rule, classify, layer_of, share, slice_bytes, split_of)
 
 BF16 = 2
+# vLLM's MTP layer reuses the main model's embedding and lm_head (deepseek_mtp.py: the shared_head.head and
+# embed_tokens of DeepSeekMultiTokenPredictorLayer are tied to the target model's): a stored copy is not loaded.
+MTP_SHARED = re.compile(r"\.(embed_tokens|shared_head\.head)\.")
 RANK_SLICED = "rank-sliced"  # the style of a rank-sliced checkpoint's expert tensors: each on its own rank
 
 
@@ -66,6 +70,7 @@ class Weights:
     mtp_skipped_bytes: int  # bytes of MTP layers in the checkpoint that the engine does not load
     resliced: bool  # a rank-sliced checkpoint evaluated at another TP (an estimate: it needs re-slicing)
     present: set[str] = field(default_factory=set)  # parts the checkpoint stores (MTP layers included)
+    mtp_shared_bytes: int = 0  # MTP copies of embed_tokens / shared_head.head: the main model's, never loaded twice
 
 
 @dataclass
@@ -85,6 +90,7 @@ class Inventory:
     buckets: dict[tuple, _Bucket] = field(default_factory=dict)
     styles: dict[str, set[str]] = field(default_factory=dict)
     present: set[str] = field(default_factory=set)  # parts the checkpoint stores (MTP layers included)
+    mtp_shared_bytes: int = 0  # the MTP layer's embed_tokens / shared_head.head: shared with the main model
 
     def add(self, key: tuple, nbytes: int, experts: int = 0) -> None:
         bucket = self.buckets.get(key)
@@ -107,6 +113,9 @@ def scan(ckpt: Checkpoint, arch: Arch, rules: tuple[Rule, ...]) -> Inventory:
     for name, shape, nbytes in tensors:
         layer = layer_of(name)
         is_mtp = layer is not None and layer >= arch.layers
+        if is_mtp and MTP_SHARED.search(name):
+            inv.mtp_shared_bytes += nbytes
+            continue
         part, style = (PART_EXPERTS, EXPERT) if ".mlp.experts." in name else classify(rules, name)
         shown = PART_MTP if is_mtp else part
         inv.present.add(part)
@@ -149,7 +158,7 @@ def rank_weights(ckpt: Checkpoint, arch: Arch, inv: Inventory, tp: int, mtp: boo
                          f"{tp}: the loaders refuse a rank-sliced checkpoint at another TP (re-slice it with "
                          f"`trellis repack SOURCE OUT --to tr3 --tp {tp}`)")
     out = Weights(tp, [RankWeights(r) for r in range(tp)], {k: set(v) for k, v in inv.styles.items()}, mtp, 0,
-                  sliced_tp is not None and sliced_tp != tp, set(inv.present))
+                  sliced_tp is not None and sliced_tp != tp, set(inv.present), inv.mtp_shared_bytes if mtp else 0)
     for (shown, part, is_mtp, k, owner, kind, length), bucket in inv.buckets.items():
         if is_mtp and not mtp:
             out.mtp_skipped_bytes += bucket.nbytes
@@ -182,7 +191,8 @@ def _exl3v1(ckpt: Checkpoint, arch: Arch, out: Weights, mtp: bool) -> None:
     box = container(ckpt)
     m = box.manifest
     if m is None:
-        raise UsageError("the exl3-v1 manifest could not be read (run `trellis validate` for the findings)")
+        raise CheckFailed("exl3-manifest.json: the exl3-v1 manifest could not be read; a damaged source "
+                          "(run `trellis validate` for the findings)")
     problem = tp_problem(m, out.tp)
     if problem:
         raise UsageError(f"--tp {out.tp}: this exl3-v1 container cannot be split so ({problem})")
