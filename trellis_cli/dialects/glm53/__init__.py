@@ -43,11 +43,20 @@ class Glm53StreamDialect(Dialect):
         return True
 
     def check(self, ckpt, request: CheckRequest, report) -> None:
+        from trellis_cli.dialects.glm53.contract import moe_layers
         from trellis_cli.dialects.glm53.rules import check_config, check_markers, check_tensors
 
+        report.extend(ckpt.parse_findings)
         report.extend(check_config(ckpt))
-        report.extend(check_tensors(ckpt, request.layers))
+        layers = request.layers
+        if not request.narrowed:  # a declared MoE layer with no tensors is checked (and reported) too
+            layers = sorted(set(layers) | set(moe_layers(text_config(ckpt.config)) or []))
+        report.extend(check_tensors(ckpt, layers))
         report.extend(check_markers(ckpt, request.layers))
+        report.count("files", len(ckpt.headers))
+        report.count("tensors", len(ckpt.tensors))
+        report.count("layers", len(layers))
+        report.count("linears", sum(len(p) for li in request.layers for p in ckpt.layers[li].experts.values()))
 
     def declared_layers(self, ckpt) -> list[int]:
         from trellis_cli.dialects.glm53.contract import moe_layers
