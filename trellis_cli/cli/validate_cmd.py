@@ -29,7 +29,8 @@ HELP = (
     "  trellis validate ./GLM-R7 --engine vllm-exl3-r7 --tp 8"
 )
 ENGINE_HELP = "Loader profile whose refusals are errors: " + ", ".join(
-    ["vllm-exl3-shared-h", "vllm-exl3-190", "vllm-exl3-r7", "vllm-exl3-manifest", "b12x-exl3-v1", "exllamav3"]
+    ["vllm-exl3-shared-h", "vllm-exl3-190", "vllm-exl3-r7", "vllm-exl3-manifest", "b12x-exl3-v1", "exllamav3",
+     "vllm-exl3-pr766"]
 ) + " (default: per dialect)."
 TP_HELP = ("The tensor-parallel degree the server will run: checked against each engine's TP contract (a "
            "rank-sliced checkpoint's recorded tp, 128-aligned slices, the exl3-manifest extent plan). Without it "

@@ -38,6 +38,11 @@ class Engine:
     reads: str  # the loader version the rules were read from (docs/engines.md has the detail)
     rules: tuple[Rule, ...]
     tp_rule: tpc.TpRule | None = None  # why the loader refuses a server TP (engine_tp.py); None: no limit of its own
+    # A profile read for one layout only: its verdict is listed where `scope` holds (or where it is enforced).
+    scope: Callable[[Checkpoint], bool] | None = None
+
+    def listed_for(self, ckpt: Checkpoint, enforced: str | None = None) -> bool:
+        return self.scope is None or self.name == enforced or self.scope(ckpt)
 
 
 _VLLM_COMMON = (r.vllm_container, st.embedded_quant_config, st.stamp_selects_exl3, r.tensor_storage,
@@ -69,7 +74,7 @@ ENGINES: tuple[Engine, ...] = (
     Engine("vllm-exl3-pr766", "vllm-exl3 (PR #766 relaxed TP)", 1,
            "local-inference-lab/vllm PR #766 (open; its description of 2026-09-15, code not read): the R7 version's "
            "GLM-5.3 scope with the unsliced stream's TP check lifted", (r7.pr766_container,) + _R7_RULES[1:],
-           tpc.pr766_tp),
+           tpc.pr766_tp, scope=r7.glm53_scope),
 )
 BY_NAME = {e.name: e for e in ENGINES}
 DEFAULT = "default"  # run_validation(engine=DEFAULT): the dialect's default profile
@@ -136,7 +141,8 @@ def assess(ckpt: Checkpoint, layers: list[int], report: Report, enforced: str | 
         engine = BY_NAME[enforced]
         report.extend(to_finding(engine, refusal) for refusal in per_engine[enforced])
     format_errors = [f for f in report.errors if f.engine is None]
-    report.engines = [_verdict(e, per_engine[e.name], format_errors, enforced, ckpt, tp) for e in ENGINES]
+    report.engines = [_verdict(e, per_engine[e.name], format_errors, enforced, ckpt, tp) for e in ENGINES
+                      if e.listed_for(ckpt, enforced)]
     report.context["tp"] = tp
 
 
@@ -162,7 +168,7 @@ def tp_verdicts(ckpt: Checkpoint, tp: int) -> dict[str, dict]:
     """Each engine that reads this container: whether its TP contract accepts `tp`, and why not (inspect --tp)."""
     out = {}
     for engine in ENGINES:
-        if any(x.code == CONTAINER for rule in engine.rules for x in rule(ckpt, list(ckpt.layers))):
+        if not engine.listed_for(ckpt) or any(x.code == CONTAINER for rule in engine.rules for x in rule(ckpt, list(ckpt.layers))):
             continue
         refused = engine.tp_rule(ckpt, tp) if engine.tp_rule is not None else None
         out[engine.name] = {"accepts": refused is None, "reason": refused.reason if refused else None}
@@ -181,7 +187,8 @@ def unreadable_verdicts(why: str) -> list[dict]:
     """Verdicts for a checkpoint that could not be opened: no engine loads it."""
     return [{"name": e.name, "label": e.label, "version": e.version, "reads": e.reads, "enforced": False,
              "default": False, "loads": False, "tp": None, "tp_accepted": None,
-             "reasons": [{"code": "unreadable", "reason": why, "message": why, "location": {}}]} for e in ENGINES]
+             "reasons": [{"code": "unreadable", "reason": why, "message": why, "location": {}}]} for e in ENGINES
+            if e.scope is None]
 
 
 def compatibility_line(verdicts: list[dict], markers_read: bool = True, tp: int | None = None) -> str:
