@@ -188,7 +188,7 @@ def write_stream_checkpoint(out_dir: str | Path, spec: StreamSpec, progress: Cal
                 progress(layer)
         total = sum(t.nbytes for t in _non_routed(spec)) + sum(
             t.nbytes for layer in spec.layers for t in layer_plan(spec, layer))
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (stage / "model.safetensors.index.json").write_text(json.dumps(index, separators=(",", ":")),
                                                             encoding="utf-8")
         config = config_json(spec)
