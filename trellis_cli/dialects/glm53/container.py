@@ -54,12 +54,13 @@ def _read_headers(ckpt: Checkpoint, files: dict[str, int]) -> None:
             ckpt.parse_findings.append(error(e.code or "file.header", Location(file=name), detail))
     for file in sorted(ckpt.headers):
         header = ckpt.headers[file]
-        for name, e in header.tensors.items():
+        for name, entry in header.tensors.items():
             if name in ckpt.tensors:
                 ckpt.parse_findings.append(error("tensor.duplicate", Location(file=file, tensor=name),
                                                  f"also in {ckpt.tensors[name].file}: the first file's copy is used"))
                 continue
-            ckpt.tensors[name] = TensorRef(name, file, e.dtype, e.shape, e.begin, e.end, header.data_start)
+            ckpt.tensors[name] = TensorRef(name, file, entry.dtype, entry.shape, entry.begin, entry.end,
+                                           header.data_start)
 
 
 def _read_index(ckpt: Checkpoint, files: dict[str, int]) -> None:

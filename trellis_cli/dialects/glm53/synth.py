@@ -15,7 +15,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -94,7 +94,7 @@ PRESETS: dict[str, StreamSpec] = {
 }
 
 
-def preset(name: str, **changes: object) -> StreamSpec:
+def preset(name: str, **changes: Any) -> StreamSpec:
     if name not in PRESETS:
         raise UsageError(f"synth: unknown GLM-5.3 preset {name!r} (known: {', '.join(PRESETS)})")
     given = {k: v for k, v in changes.items() if v is not None}
