@@ -357,3 +357,13 @@ def test_onward_through_tr3_and_back_is_bit_for_bit(capsys, tmp_path, stream, on
     code, _, err = run_cli(capsys, "repack", str(tr3_again), str(back), "--to", "glm53-stream")
     assert code == 0, err
     same_tree(stream, back)
+
+
+def test_inspect_tp_prices_each_rank_of_the_cut_stream(capsys, stream):
+    code, out, _ = run_cli(capsys, "inspect", str(stream), "--tp", "4", "--json")
+    doc = json.loads(out)["serve_tp"]
+    # Per (expert, projection) on one of 4 ranks: a quarter of the trellis [16, 32, 64] int16 and of the
+    # intermediate-side vector [512] fp16, the hidden-side vector [256] fp16 whole, the 4-byte marker.
+    per_linear = 16 * 32 * 64 * 2 // 4 + 512 * 2 // 4 + 256 * 2 + 4
+    assert code == 0 and [row["bytes_per_rank"] for row in doc["layers"]] == [8 * 3 * per_linear] * 3
+    assert doc["engines"]["vllm-exl3-r7"]["accepts"] is False and doc["engines"]["vllm-exl3-pr766"]["accepts"]
