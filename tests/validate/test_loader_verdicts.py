@@ -103,14 +103,15 @@ def r7_rank_sliced(t: Path) -> Path:
     return root
 
 
-def glm53_scope(t: Path, *args: str) -> Path:
-    """A GLM-5.3 unsliced stream (the tiny variant of `synth --preset glm53-tiny`, K4 unless `--uniform`)."""
-    assert run_cli(None, "synth", str(t / "stream"), "--preset", "glm53-tiny", *args)[0] == 0
-    return t / "stream"
+def glm53_scope(t: Path, bits: int = 4) -> Path:
+    """A GLM-5.3 unsliced stream: the tiny variant of `synth --preset glm53-tiny`, at K `bits`."""
+    from trellis_cli.dialects.glm53.synth import preset, write_stream_checkpoint
+
+    return write_stream_checkpoint(t / "stream", preset("glm53-tiny", bits=bits))
 
 
 def glm53_release(k: int) -> Callable[[Path], Path]:
-    return lambda t: glm53_scope(t, "--uniform", str(k))
+    return lambda t: glm53_scope(t, k)
 
 
 def plain_stamped(stamp: str) -> Callable[[Path], Path]:
