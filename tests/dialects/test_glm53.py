@@ -128,10 +128,12 @@ def test_detection_never_mistakes_another_preset_for_the_stream(capsys, tmp_path
     assert open_checkpoint(tmp_path / "tr3").dialect == "tr3/per_expert_v1"
 
 
-def test_the_scope_in_quantization_config_json_alone_is_still_the_stream(tmp_path, stream):
+def test_the_scope_in_quantization_config_json_alone_is_still_the_stream(capsys, tmp_path, stream):
     root = copy(stream, tmp_path)
     edit_json(root / "config.json", lambda c: c["quantization_config"].pop("scope"))
     assert open_checkpoint(root).dialect == DIALECT_GLM53
+    _, doc = validate(capsys, root)  # but the loader reads the scope from config.json only: named
+    assert "engine.glm53-external" in codes(doc, engine=True)
 
 
 def test_inspect_names_the_layout(capsys, stream):

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.glm53.contract import (ARCHITECTURE, FIXED_BITS, FIXED_EXPERTS, FIXED_LAYERS, LINEAR_ATTN,
-                                                QUANT_KEYS, SCOPE, TENSOR_SCHEMA)
+                                                QUANT_KEYS, SCOPE, TENSOR_SCHEMA, quant_block)
 from trellis_cli.dialects.interface import VLLM_R7
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import Location
@@ -169,11 +169,24 @@ def glm53_stream(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
                           Location(layer=li), "the scope fixes bits 4: every expert's slab is [.., 16*4] "
                           "(\"rank-sliced EXL3 slab geometry mismatch\"; with expert parallelism the bitrates "
                           "are forced to K4 too)", expected=FIXED_BITS, found=ks)
-        if len(moe.experts) != FIXED_EXPERTS and ckpt.num_experts != FIXED_EXPERTS:
-            yield Refusal("engine.glm53-experts", f"layer {li}: {len(moe.experts)} experts, the scope fixes "
-                          f"{FIXED_EXPERTS}", Location(layer=li), "create_weights: experts_per_layer (288, fixed "
-                          "by the scope) must equal the model's expert count (\"rank-sliced EXL3 expert count does "
-                          "not match the model\")", expected=FIXED_EXPERTS, found=len(moe.experts))
+    if ckpt.num_experts is not None and ckpt.num_experts != FIXED_EXPERTS:
+        yield Refusal("engine.glm53-experts", f"{ckpt.num_experts} experts, the scope fixes {FIXED_EXPERTS}",
+                      Location(file="config.json", tensor="text_config.n_routed_experts"), "create_weights: "
+                      "experts_per_layer (288, fixed by the scope) must equal the model's expert count (\"rank-"
+                      "sliced EXL3 expert count does not match the model\")", expected=FIXED_EXPERTS,
+                      found=ckpt.num_experts)
+
+
+def glm53_external(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+    """The scope is read from config.json's quantization_config only: declared in quantization_config.json
+    alone it is never seen, and the checkpoint goes the plain EXL3 way (which wants tensor_storage)."""
+    block, where = quant_block(ckpt.config, ckpt.quant_config)
+    if block is not None and where != "config.json":
+        yield Refusal("engine.glm53-external", "scope only in quantization_config.json",
+                      Location(file="config.json", tensor="quantization_config.scope"), "override_quantization_"
+                      "method and Exl3Config.from_config read the scope from config.json's quantization_config; "
+                      "here it is only in quantization_config.json, so the GLM-5.3 contract is never configured",
+                      expected=SCOPE, found=(ckpt.config.get("quantization_config") or {}).get("scope"))
 
 
 def pr766_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:

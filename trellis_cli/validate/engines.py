@@ -49,7 +49,7 @@ _VLLM_COMMON = (r.vllm_container, st.embedded_quant_config, st.stamp_selects_exl
                 r.legacy_signs, r.tier_count)
 
 _R7_RULES = (r7.r7_container, st.embedded_quant_config, r7.r7_detected, r7.r7_contract, r7.glm53_contract,
-             r7.glm53_stream, st.stamp_selects_exl3, st.bits_required, st.protected_unread, r7.r7_tensor_storage,
+             r7.glm53_stream, r7.glm53_external, st.stamp_selects_exl3, st.bits_required, st.protected_unread, r7.r7_tensor_storage,
              r7.r7_layer_range, r7.r7_rank_free, r7.r7_shared_vectors, r7.r7_undeclared_k, r.legacy_signs,
              r.tier_count, r7.uniform_k_r7)
 
