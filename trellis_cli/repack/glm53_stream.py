@@ -54,8 +54,9 @@ def target_tp(ck: Checkpoint, tp: int | None) -> int:
     inter = ck.intermediate or 0
     if tp < 1 or inter % tp or (inter // tp) % SLICE_QUANTUM:
         ok = [n for n in range(1, inter // SLICE_QUANTUM + 1) if inter % n == 0 and (inter // n) % SLICE_QUANTUM == 0]
-        raise UsageError(f"--tp {tp}: intermediate {inter} / {tp} is not whole {SLICE_QUANTUM}-channel blocks per rank "
-                         f"(the loader's shape check, _validate_moe_shapes); this stream cuts at TP {ok}")
+        raise UsageError(f"--tp {tp}: text_config.moe_intermediate_size {inter} / {tp} is not whole "
+                         f"{SLICE_QUANTUM}-channel blocks per rank (the fork's R7-era exl3.py refuses it: "
+                         f"_validate_moe_shapes); this stream cuts at TP {ok}")
     return tp
 
 
