@@ -369,3 +369,37 @@ def test_inspect_tp_prices_each_rank_of_the_cut_stream(capsys, stream):
     per_linear = 16 * 32 * 64 * 2 // 4 + 512 * 2 // 4 + 256 * 2 + 4
     assert code == 0 and [row["bytes_per_rank"] for row in doc["layers"]] == [8 * 3 * per_linear] * 3
     assert doc["engines"]["vllm-exl3-r7"]["accepts"] is False and doc["engines"]["vllm-exl3-pr766"]["accepts"]
+
+
+def test_the_non_routed_dtype_policy_must_be_exact(capsys, tmp_path, stream):
+    root = copy(stream, tmp_path)
+    edit_json(root / "config.json", lambda c: c["quantization_config"].update(non_routed_dtype_policy="bf16"))
+    _, doc = validate(capsys, root)
+    scope = next(f for f in doc["findings"] if f["code"] == "engine.glm53-scope")
+    assert scope["location"]["tensor"] == "quantization_config.non_routed_dtype_policy"
+    assert scope["expected"] == "official_source_native" and scope["found"] == "bf16"
+
+
+def test_diff_sees_the_tr3_form_as_the_same_experts(capsys, tmp_path, stream):
+    tr3 = tmp_path / "tr3"
+    assert run_cli(capsys, "repack", str(stream), str(tr3), "--to", "tr3", "--tp", "2")[0] == 0
+    code, out, _ = run_cli(capsys, "diff", str(stream), str(tr3), "--json")
+    doc = json.loads(out)
+    # Compared at TP 2 (the stream cut as a server would): every unit equal; only the declarations differ.
+    assert doc["compared_tp"] == 2 and doc["identical"] and not doc["differences"]
+    assert doc["counts"]["identical"] == 3 * 8 * 3 * 3 * 2 + 18  # (layer, expert, proj, part, rank) + others
+    assert doc["structure"]
+
+
+@pytest.mark.slow
+def test_one_architecture_field_off_is_refused_by_that_field(capsys, flash):
+    config = flash / "config.json"
+    original = config.read_text()
+    try:
+        edit_json(config, lambda c: c["text_config"].update(index_kpool=8))
+        code, doc = validate(capsys, flash)
+        refusal = next(f for f in doc["findings"] if f["code"] == "engine.glm53-architecture")
+        assert code == 1 and refusal["location"]["tensor"] == "text_config.index_kpool"
+        assert refusal["expected"] == {"index_kpool": 4} and refusal["found"] == {"index_kpool": 8}
+    finally:
+        config.write_text(original)
