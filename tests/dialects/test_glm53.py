@@ -142,6 +142,7 @@ def test_inspect_names_the_layout(capsys, stream):
     assert code == 0 and doc["dialect"] == DIALECT_GLM53
     code, out, _ = run_cli(capsys, "inspect", str(stream))
     assert code == 0 and "glm53/unsliced_tp_stream" in out and "K4: 0-7" in out and "layers 3-5" in out
+    assert "scope=glm53_routed_experts_only" in out and "bits=4" in out
 
 
 def test_inspect_tensors_lists_every_tensor_with_its_k(capsys, stream):
