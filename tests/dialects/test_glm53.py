@@ -404,3 +404,18 @@ def test_one_architecture_field_off_is_refused_by_that_field(capsys, flash):
         assert refusal["expected"] == {"index_kpool": 4} and refusal["found"] == {"index_kpool": 8}
     finally:
         config.write_text(original)
+
+
+def test_a_stream_on_the_hub_validates_from_headers_alone(capsys, tmp_path, stream):
+    from hub_server import HubServer
+
+    _, local = validate(capsys, stream)
+    with HubServer() as hub:
+        hub.add_commit("org/glm53-tiny", stream)
+        code, out, err = run_cli(capsys, "validate", "org/glm53-tiny", "--endpoint", hub.endpoint, "--cache-dir",
+                                 str(tmp_path / "cache"), "--json")
+        tensor_bytes = hub.total_tensor_bytes()
+    remote = json.loads(out)
+    assert remote["context"]["dialect"] == DIALECT_GLM53, err
+    assert codes(remote) == codes(local) and code == 1  # the same verdicts, markers aside (not read remotely)
+    assert tensor_bytes == 0 and "marker.not-read" in {f["code"] for f in remote["findings"]}

@@ -16,7 +16,7 @@ from trellis_cli.dialects.glm53.contract import (DTYPES, FIELDS, MARKER_FIELD, P
                                                 linear_shapes, moe_layers, quant_block, text_config)
 from trellis_cli.dialects.glm53.container import is_rank_name
 from trellis_cli.codebooks import MCG_MARKER
-from trellis_cli.findings import Finding, Location, error, missing_ids, warning
+from trellis_cli.findings import Finding, Location, Severity, error, missing_ids, warning
 
 MARKER_BYTES = 4
 SPAN_GAP = 64 * 1024  # markers closer than this are read in one piece
@@ -153,6 +153,8 @@ def _linears(moe, li: int, h: int | None, i: int | None, k: int | None) -> Itera
 def check_markers(ckpt: Checkpoint, layers: list[int]) -> Iterator[Finding]:
     """The mcg markers' int32 values (0xCBAC1FED): read from local files, a few bytes each."""
     if getattr(ckpt.source, "root", None) is None:
+        yield Finding("marker.not-read", Severity.INFO, Location(), "codebook marker values were not read (a remote "
+                      "source is not downloaded): the loader refuses a wrong one at load")
         return
     by_file: dict[str, list] = {}
     for li in layers:
