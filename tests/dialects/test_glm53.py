@@ -419,3 +419,44 @@ def test_a_stream_on_the_hub_validates_from_headers_alone(capsys, tmp_path, stre
     assert remote["context"]["dialect"] == DIALECT_GLM53, err
     assert codes(remote) == codes(local) and code == 1  # the same verdicts, markers aside (not read remotely)
     assert tensor_bytes == 0 and "marker.not-read" in {f["code"] for f in remote["findings"]}
+
+
+def _as_a_release(stream: Path, out: Path) -> Path:
+    """The stream re-sharded as releases are, by safetensors itself: a layer spread over two files, the
+    non-routed tensors in a file with routed ones."""
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    for name in ("config.json", "quantization_config.json"):
+        shutil.copy(stream / name, out / name)
+    tensors: dict = {}
+    for f in sorted(stream.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+
+    def part(name: str) -> str:
+        if ".mlp.experts." not in name:
+            return "part-a.safetensors"
+        layer, expert = int(name.split(".layers.")[1].split(".")[0]), int(name.split(".experts.")[1].split(".")[0])
+        return "part-a.safetensors" if layer == 3 and expert < 5 else \
+            "part-b.safetensors" if layer in (3, 4) else "part-c.safetensors"
+
+    files: dict[str, dict] = {}
+    for name, t in tensors.items():
+        files.setdefault(part(name), {})[name] = t
+    for name, group in files.items():
+        save_file(group, str(out / name), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": {n: part(n) for n in sorted(tensors)}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, separators=(",", ":")))
+    return out
+
+
+def test_a_release_spread_over_files_comes_back_in_the_same_files(capsys, tmp_path, stream):
+    release = _as_a_release(stream, tmp_path / "release")
+    _, doc = validate(capsys, release)
+    assert not codes(doc, engine=False)
+    tr3, back = tmp_path / "tr3", tmp_path / "back"
+    assert run_cli(capsys, "repack", str(release), str(tr3), "--to", "tr3", "--tp", "2")[0] == 0
+    code, _, err = run_cli(capsys, "repack", str(tr3), str(back), "--to", "glm53-stream")
+    assert code == 0, err
+    same_tree(release, back)  # every file byte for byte, safetensors' own layout included

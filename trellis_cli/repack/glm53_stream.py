@@ -18,7 +18,8 @@ from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.glm53.container import is_routed_name
 from trellis_cli.dialects.glm53.contract import FIXED_TP, SLICE_QUANTUM, moe_layers, text_config
 from trellis_cli.dialects.glm53.rules import declared_bits
-from trellis_cli.dialects.glm53.write import CONFIG, QUANT_CONFIG, StreamOutput, note_of, tr3_config
+from trellis_cli.dialects.glm53.write import (CONFIG, QUANT_CONFIG, StreamOutput, note_of, routed_placement,
+                                             tr3_config)
 from trellis_cli.dialects.tr3.shard import Tr3Layer
 from trellis_cli.dialects.tr3.write import Tr3Output, assign_shards
 from trellis_cli.errors import CheckFailed, UsageError
@@ -84,7 +85,8 @@ def stream_to_tr3(ck: Checkpoint, out: Path, options, validator: Validator, *, o
         carried=carried, carried_source=ck.source,
         metadata={name: header.metadata for name, header in ck.headers.items()},
         copied={n: ck.source.local_path(n) for n in ck.files if n not in skipped and n not in mixed_files},
-        config=tr3_config(config_text, quant_text, layers, tp, k), read_copied=ck.source.read_json,
+        config=tr3_config(config_text, quant_text, layers, tp, k, routed_placement(ck, layers)),
+        read_copied=ck.source.read_json,
         source_root=protected_paths(ck),
         fingerprint={"source": ck.source.describe(), "options": fingerprint_options(options), "tp": tp})
     hashes = SourceHashes(ck)
@@ -130,7 +132,8 @@ def tr3_to_stream(ck: Checkpoint, out: Path, options, validator: Validator, *, o
 
         with stage.discard_on_refusal():
             for shard in output.shards:
-                sources = hashes.of({f for li in output.shards[shard] for f in ck.layers[li].files} | {shard})
+                sources = hashes.of({f for li in output.shards[shard] for f in ck.layers[li].files}
+                                    | ({shard} & set(ck.files)))
                 if stage.completed(shard, sources):
                     result.files_resumed += 1
                     continue

@@ -25,7 +25,7 @@ from trellis_cli.dialects.glm53.contract import (DTYPES, FIELDS, PROJECTIONS, SC
                                                 text_config)
 from trellis_cli.dialects.interface import StagedOutput
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.header import read_local_header
+from trellis_cli.header import is_int, plain_relative, read_local_header
 from trellis_cli.integrity import CHECKSUM_MANIFEST
 from trellis_cli.routepack import carry
 from trellis_cli.routepack.source_bytes import TensorReader
@@ -42,7 +42,37 @@ JOIN_DIM = {("gate_proj", "trellis"): 1, ("up_proj", "trellis"): 1, ("down_proj"
             ("gate_proj", "suh"): None, ("up_proj", "suh"): None, ("down_proj", "svh"): None}
 
 
-def tr3_config(config_text: str, quant_text: str | None, layers: list[int], tp: int, k: int) -> dict[str, Any]:
+def routed_placement(ck: Checkpoint, layers: list[int]) -> dict[str, Any]:
+    """Which stream file holds each (layer, expert, projection): per file, ascending runs [start, stop) of
+    ((layer - first) * experts + expert) * 3 + projection. A release spreads a layer over several files; with this
+    the way back writes each file with exactly its own tensors again."""
+    first, experts = layers[0], ck.num_experts or 0
+    per_file: dict[str, list[int]] = {}
+    for li in layers:
+        for e, projs in ck.layers[li].experts.items():
+            for p, proj in enumerate(PROJECTIONS):
+                lin = projs[proj][0]
+                files = {ref.file for ref in (lin.trellis, lin.suh, lin.svh, lin.mcg) if ref is not None}
+                if len(files) != 1:
+                    raise UsageError(f"--to tr3: layer {li} expert {e} {proj}: its fields lie in {sorted(files)}; "
+                                     "a linear in one file is what the way back can restore")
+                per_file.setdefault(files.pop(), []).append(((li - first) * experts + e) * 3 + p)
+    return {"first_layer": first, "experts": experts,
+            "files": {f: _runs(sorted(ix)) for f, ix in sorted(per_file.items())}}
+
+
+def _runs(ids: list[int]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return runs
+
+
+def tr3_config(config_text: str, quant_text: str | None, layers: list[int], tp: int, k: int,
+               placement: dict[str, Any]) -> dict[str, Any]:
     """config.json of the TR3 form (see the module docstring); `*_text` are the source files' exact texts."""
     config = json.loads(config_text)
     text = text_config(config)
@@ -56,7 +86,8 @@ def tr3_config(config_text: str, quant_text: str | None, layers: list[int], tp: 
         "codebook": "mcg", "experts_per_layer": text.get("n_routed_experts"), "moe_layers": [layers[0], layers[-1]],
         "tensor_schema": TR3_SCHEMA, "tp": tp, "rotation_layout": "per_expert_v1",
         "producer_version": "trellis repack (from a GLM-5.3 unsliced stream)"}
-    tr3[NOTE_KEY] = {"scope": SCOPE, "config_json": config_text, "quantization_config_json": quant_text}
+    tr3[NOTE_KEY] = {"scope": SCOPE, "config_json": config_text, "quantization_config_json": quant_text,
+                     "routed": placement}
     return tr3
 
 
@@ -69,6 +100,15 @@ def note_of(ck: Checkpoint) -> dict[str, Any]:
                          "converts back; its release config cannot be guessed")
     if note.get("quantization_config_json") is not None and not isinstance(note["quantization_config_json"], str):
         raise UsageError(f"--to glm53-stream: {NOTE_KEY}.quantization_config_json is not a text")
+    routed = note.get("routed")
+    ok = isinstance(routed, dict) and is_int(routed.get("first_layer")) and is_int(routed.get("experts")) and \
+        isinstance(routed.get("files"), dict) and all(
+            plain_relative(f) and str(f).endswith(".safetensors") and isinstance(runs, list) and all(
+                isinstance(r, list) and len(r) == 2 and all(is_int(v) and v >= 0 for v in r) and r[0] < r[1]
+                for r in runs) for f, runs in routed["files"].items())
+    if not ok:
+        raise UsageError(f"--to glm53-stream: {NOTE_KEY}.routed (which stream file held which experts) is missing "
+                         "or malformed: the stream's files cannot be restored")
     return note
 
 
@@ -78,11 +118,21 @@ class StreamOutput:
     def __init__(self, tr3: Checkpoint, layers: list[int], note: dict[str, Any]) -> None:
         self.ck, self.layers, self.note = tr3, layers, note
         self.k = {li: self._uniform_k(li) for li in layers}
-        self.shards: dict[str, list[int]] = {}
-        for li in layers:
-            self.shards.setdefault(sorted(tr3.layers[li].files)[0], []).append(li)
-        self.carried = {f: carry.refs_of(h, [n for n in h.tensors if ".mlp.experts." not in n])
-                        for f, h in tr3.headers.items() if f in self.shards}
+        routed = note["routed"]
+        first, experts = routed["first_layer"], routed["experts"]
+        # stream file -> its (layer, expert, projection), in the note's order
+        self.members: dict[str, list[tuple[int, int, str]]] = {}
+        for f, runs in routed["files"].items():
+            ids = [i for start, stop in runs for i in range(start, stop)]
+            self.members[f] = [(first + i // 3 // experts, i // 3 % experts, PROJECTIONS[i % 3]) for i in ids]
+            for li, e, proj in self.members[f]:
+                if li not in self.k or proj not in tr3.layers[li].experts.get(e, {}):
+                    raise CheckFailed(f"{NOTE_KEY}.routed places layer {li} expert {e} {proj} in {f}; the TR3 "
+                                      "checkpoint has no such linear")
+        self.shards = {f: sorted({li for li, _, _ in m}) for f, m in self.members.items()}
+        self.carried = {f: carry.refs_of(tr3.headers[f], [n for n in tr3.headers[f].tensors
+                                                          if ".mlp.experts." not in n])
+                        for f in self.shards if f in tr3.headers}
         written_anew = {CONFIG, INDEX, QUANT_CONFIG, CHECKSUM_MANIFEST}
         self.copied = [f for f in sorted(tr3.files) if f not in self.shards and f not in written_anew
                        and not any(f in moe.files for moe in tr3.layers.values())]
@@ -95,6 +145,11 @@ class StreamOutput:
                              "K (bits) for every expert")
         return next(iter(ks))
 
+    def metadata(self, shard: str) -> dict[str, str] | None:
+        """The stream file's own __metadata__: the TR3 shard of its name kept it (safetensors' default else)."""
+        header = self.ck.headers.get(shard)
+        return header.metadata if header is not None else {"format": "pt"}
+
     def claims(self) -> list[tuple[str, str]]:
         return [(CONFIG, "the stream's config.json"), (QUANT_CONFIG, "the stream's quantization_config.json"),
                 (INDEX, "the stream's index")] + [(s, f"the stream shard of layers {ls}") for s, ls in
@@ -103,29 +158,24 @@ class StreamOutput:
     def plan(self, shard: str) -> list[PlannedTensor]:
         ck = self.ck
         out = [PlannedTensor(r.name, r.dtype, r.shape) for r in self.carried.get(shard, [])]
-        for li in self.shards[shard]:
-            for expert in sorted(ck.layers[li].experts):
-                for proj in PROJECTIONS:
-                    shapes = linear_shapes(ck.hidden, ck.intermediate, proj, self.k[li])
-                    out += [PlannedTensor(expert_key(li, expert, proj, f), DTYPES[f], shapes[f]) for f in FIELDS]
+        for li, expert, proj in self.members[shard]:
+            shapes = linear_shapes(ck.hidden, ck.intermediate, proj, self.k[li])
+            out += [PlannedTensor(expert_key(li, expert, proj, f), DTYPES[f], shapes[f]) for f in FIELDS]
         return out
 
     def output_bytes(self) -> int:
-        return sum(carry.file_bytes(self.plan(s), self.ck.headers[s].metadata) for s in self.shards) + \
+        return sum(carry.file_bytes(self.plan(s), self.metadata(s)) for s in self.shards) + \
             sum(self.ck.files.get(f, 0) for f in self.copied)
 
     def write_shard(self, staged: StagedOutput, shard: str, on_bytes: Callable[[int], None]) -> Path:
         path = staged.file(shard, f"the stream shard of layers {self.shards[shard]}")
         plan = self.plan(shard)
-        with TensorReader(self.ck.source) as reader, SafetensorsWriter(path, plan, self.ck.headers[shard].metadata) \
-                as writer:
+        with TensorReader(self.ck.source) as reader, SafetensorsWriter(path, plan, self.metadata(shard)) as writer:
             carry.copy_into(writer, reader, self.carried.get(shard, []), on_bytes)
-            for li in self.shards[shard]:
-                for expert in sorted(self.ck.layers[li].experts):
-                    for proj in PROJECTIONS:
-                        for field, data in self.joined(li, expert, proj).items():
-                            writer.write(expert_key(li, expert, proj, field), data)
-                            on_bytes(data.numel() * data.element_size())
+            for li, expert, proj in self.members[shard]:
+                for field, data in self.joined(li, expert, proj).items():
+                    writer.write(expert_key(li, expert, proj, field), data)
+                    on_bytes(data.numel() * data.element_size())
         self.check_shard(path, shard)
         return path
 
@@ -179,14 +229,12 @@ class StreamOutput:
             if not torch.equal(read_tensor(written, ref(src.name)).view(-1).view(torch.uint8),
                                read_tensor(self.ck, src).view(-1).view(torch.uint8)):
                 raise CheckFailed(f"{shard}: {src.name} read back differs from the TR3 source")
-        for li in self.shards[shard]:
-            for expert in sorted(self.ck.layers[li].experts):
-                for proj in PROJECTIONS:
-                    for field, data in self.joined(li, expert, proj).items():
-                        got = read_tensor(written, ref(expert_key(li, expert, proj, field)))
-                        if got.shape != data.shape or not torch.equal(got.reshape(-1).view(torch.uint8),
-                                                                      data.reshape(-1).view(torch.uint8)):
-                            raise CheckFailed(f"{shard}: {expert_key(li, expert, proj, field)} read back differs")
+        for li, expert, proj in self.members[shard]:
+            for field, data in self.joined(li, expert, proj).items():
+                got = read_tensor(written, ref(expert_key(li, expert, proj, field)))
+                if got.shape != data.shape or not torch.equal(got.reshape(-1).view(torch.uint8),
+                                                              data.reshape(-1).view(torch.uint8)):
+                    raise CheckFailed(f"{shard}: {expert_key(li, expert, proj, field)} read back differs")
 
     def write_rest(self, staged: StagedOutput, copy: Callable[[str, Path], None]) -> None:
         """Copied shards, the restored config.json / quantization_config.json, and the index."""
