@@ -271,6 +271,7 @@ def flash(tmp_path_factory) -> Path:
 def test_glm53_flash_loads_at_tp2_and_pr766_at_any_aligned_tp(capsys, flash):
     code, doc = validate(capsys, flash)
     verdict = {v["name"]: v for v in doc["engines"]}
+    assert doc["context"]["dialect"] == DIALECT_GLM53 and doc["checked"]["tensors"] == 148608 + 178
     assert code == 0 and verdict["vllm-exl3-r7"]["loads"] and verdict["vllm-exl3-r7"]["tp_accepted"] == [2]
     assert verdict["vllm-exl3-pr766"]["loads"] and verdict["vllm-exl3-pr766"]["tp_accepted"] == [1, 2, 4, 8, 16]
     code, doc = validate(capsys, flash, "--tp", "4")
