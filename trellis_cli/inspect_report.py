@@ -107,6 +107,9 @@ def _declared_keys(ckpt: Checkpoint) -> dict[str, Any]:
     q = ckpt.config.get("quantization_config")
     if isinstance(q, dict):
         out["quant_method"] = q.get("quant_method")
+        if q.get("scope") is not None:  # a scope (GLM-5.3's unsliced stream) declares its one K there
+            out["scope"] = q["scope"]
+            out.setdefault("bits", q.get("bits"))
     sources = sorted(set((ckpt.declared.get("k_source") or {}).values()))
     if sources:
         out["k_source"] = sources

@@ -54,7 +54,9 @@ def test_every_dialect_ends_with_a_verdict_per_engine(capsys, request, which):
     assert out.strip().splitlines()[-1].startswith("loads on")
     assert "engine rules enforced:" in out
     code, doc = _json(capsys, *args)
-    assert code == 0 and sorted(v["name"] for v in doc["engines"]) == sorted(BY_NAME)
+    # A profile read for one layout only (`Engine.scope`: PR #766, the GLM-5.3 stream) is listed for it alone.
+    assert code == 0 and sorted(v["name"] for v in doc["engines"]) == sorted(
+        name for name, engine in BY_NAME.items() if engine.scope is None)
 
 
 @pytest.mark.parametrize("engine", ["vllm-exl3-190", "vllm-exl3-shared-h", "exllamav3"])
@@ -132,7 +134,7 @@ def _k345(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("which", ["tr3", "shared_h", "plain_exl3", "r7", "k345", "exl3v1", "route_pack",
-                                   "unknown", "unreadable"])
+                                   "glm53", "unknown", "unreadable"])
 def test_the_library_and_the_cli_give_the_same_report(capsys, request, tmp_path, which):
     from trellis_cli import open_source, validate_source, ValidateRequest
 
@@ -141,6 +143,7 @@ def test_the_library_and_the_cli_give_the_same_report(capsys, request, tmp_path,
             "r7": lambda: to_r7(tiny_checkpoint(tmp_path)), "k345": lambda: _k345(tmp_path),
             "exl3v1": lambda: request.getfixturevalue("exl3v1"),
             "route_pack": lambda: request.getfixturevalue("route_pack"), "unknown": lambda: _unknown(tmp_path),
+            "glm53": lambda: _glm53(tmp_path),
             "unreadable": lambda: _unreadable(tmp_path)}[which]()
     report = validate_source(open_source(str(root)), ValidateRequest())
     code, doc = _json(capsys, str(root))
@@ -157,6 +160,12 @@ def test_the_library_and_the_cli_give_the_same_report(capsys, request, tmp_path,
         assert not run_validation(open_checkpoint(open_source(str(root)))).ok
     if which in ("unknown", "unreadable"):
         assert report.findings[0].code == {"unknown": "dialect.unknown", "unreadable": "checkpoint.unreadable"}[which]
+
+
+def _glm53(tmp_path: Path) -> Path:
+    from trellis_cli.dialects.glm53.synth import preset, write_stream_checkpoint
+
+    return write_stream_checkpoint(tmp_path / "glm53", preset("glm53-tiny"))
 
 
 def _unreadable(tmp_path: Path) -> Path:

@@ -103,11 +103,15 @@ def r7_rank_sliced(t: Path) -> Path:
     return root
 
 
-def glm53_scope(t: Path) -> Path:
-    root = to_plain_exl3(tiny_checkpoint(t, tp=1, partition=None, uniform_k=4))
-    edit_json(root / "config.json", lambda c: c["quantization_config"].update(
-        scope="glm53_routed_experts_only", bits=4, codebook="mcg", non_routed_dtype_policy="official_source_native"))
-    return root
+def glm53_scope(t: Path, bits: int = 4) -> Path:
+    """A GLM-5.3 unsliced stream: the tiny variant of `synth --preset glm53-tiny`, at K `bits`."""
+    from trellis_cli.dialects.glm53.synth import preset, write_stream_checkpoint
+
+    return write_stream_checkpoint(t / "stream", preset("glm53-tiny", bits=bits))
+
+
+def glm53_release(k: int) -> Callable[[Path], Path]:
+    return lambda t: glm53_scope(t, k)
 
 
 def plain_stamped(stamp: str) -> Callable[[Path], Path]:
@@ -212,6 +216,14 @@ CASES: dict[str, Case] = {
                           f"{VR7} Exl3MoEParameter._slice_loaded_weight: experts are cut per rank while loading"),
     "glm53/architecture": Case(glm53_scope, "vllm-exl3-r7", 2, "engine.glm53-architecture",
                                f"{VR7} _configure_glm53_unsliced_routed_experts: exact text-model match"),
+    "glm53/k6-release": Case(glm53_release(6), "vllm-exl3-r7", 2, "engine.glm53-scope",
+                             f"{VR7} Exl3Config.from_config: bits == 4 exactly (GLM-5.3 metadata is unsupported)"),
+    "glm53/k-slab": Case(glm53_release(8), "vllm-exl3-r7", 2, "engine.glm53-k",
+                         f"{VR7} _prepare_rank_sliced_weights: the slab is [.., 16*4] (slab geometry mismatch)"),
+    "glm53/layers": Case(glm53_scope, "vllm-exl3-r7", 2, "engine.glm53-layers",
+                         f"{VR7} _configure_glm53_unsliced_routed_experts fixes moe_layers (3, 45)"),
+    "glm53/pr766-tp": Case(glm53_scope, "vllm-exl3-pr766", 8, "engine.tp",
+                           "PR #766 lifts the TP check; _validate_moe_shapes still wants I/TP in 128 blocks"),
     "glm53/tp": Case(glm53_scope, "vllm-exl3-r7", 4, "engine.tp",
                      f"{VR7} _configure_glm53_unsliced_routed_experts fixes tp 2; create_weights compares"),
     # 4. the mainline manifest loader

@@ -20,6 +20,7 @@ class Target(str, Enum):
     tr3 = "tr3"
     exl3_v1 = "exl3-v1"
     btx = "btx"
+    glm53_stream = "glm53-stream"  # GLM-5.3-Flash's unsliced stream, from its TR3 form
 
 
 HELP = (
@@ -32,6 +33,9 @@ HELP = (
     "--to exl3-v1 writes b12x's slot-major container from TR3 (refused, before anything is written, unless "
     "every rank's hidden-side vectors are byte-identical); an exl3-v1 SOURCE repacks into a route pack, or "
     "converts back with --to tr3, at any --tp its slot layout allows.\n\n"
+    "A GLM-5.3 unsliced stream (scope glm53_routed_experts_only) converts to TR3 rank slices with --to tr3 "
+    "--tp N (any N whose intermediate slice is whole 128-channel blocks), and such a TR3 back with --to "
+    "glm53-stream, bit for bit.\n\n"
     "Examples:\n\n"
     "  trellis repack ./GLM-TR3 ./GLM-TR3-routepack --jobs 4\n\n"
     "  trellis repack org/model@main ./packed --layers 3-5 --ranks 0\n\n"

@@ -22,6 +22,8 @@ PEAK_RSS_MB = 250
 class Preset(str, Enum):
     tiny = "tiny"
     glm52_tp4 = "glm52-tp4"
+    glm53_flash = "glm53-flash"  # GLM-5.3-Flash's unsliced stream (dialects/glm53/synth.py)
+    glm53_tiny = "glm53-tiny"
 
 
 class Codebook(str, Enum):
@@ -169,6 +171,14 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from trellis_cli import synth
 
+        if preset_name.value.startswith("glm53-"):
+            given = {"--tp": tp, "--layers": layers, "--partition": partition, "--k-values": k_values,
+                     "--bitmap": bitmap, "--shared-h": shared_h or None, "--format": None if fmt is Format.tr3 else fmt,
+                     "--codebook": None if codebook is Codebook.mcg else codebook}
+            _write_glm53(out, preset_name.value, [k for k, v in given.items() if v is not None],
+                         {"hidden": hidden, "intermediate": intermediate, "experts": experts, "top_k": top_k,
+                          "bits": uniform, "seed": seed, "sparse": sparse}, overwrite, as_json)
+            return
         overrides = {"hidden": hidden, "intermediate": intermediate, "experts": experts, "tp": tp,
                      "layers": parse_layers(layers) if layers is not None else None, "top_k": top_k}
         spec = build_spec(preset_name.value, overrides, partition, k_values, bitmap, uniform)
@@ -190,6 +200,32 @@ def register(app: typer.Typer) -> None:
             output.emit_json(doc)
             return
         _print_summary(doc)
+
+
+def _write_glm53(out: Path, preset: str, refused: list[str], changes: dict, overwrite: bool, as_json: bool) -> None:
+    from trellis_cli.dialects.glm53 import synth as synth_glm53
+    from trellis_cli.inspect_report import human_bytes
+    from trellis_cli.synth import check_target
+
+    if refused:
+        raise UsageError(f"synth --preset {preset}: {', '.join(refused)} do not apply (the GLM-5.3 stream is "
+                         "unsliced, mcg, with MoE layers from first_k_dense_replace on; --uniform K sets its bits)")
+    spec = synth_glm53.preset(preset, **changes)
+    check_target(out, overwrite)
+    size = synth_glm53.checkpoint_bytes(spec)
+    output.log(f"writing {out}: GLM-5.3 unsliced stream, {len(spec.layers)} MoE layer shards, "
+               f"{human_bytes(size)} of tensor data" + (" (sparse: headers only)" if spec.sparse else ""))
+    with output.progress_bar("synth layers", len(spec.layers), enabled=output.progress_enabled(as_json)) as advance:
+        synth_glm53.write_stream_checkpoint(out, spec, lambda _layer: advance(), overwrite=overwrite)
+    doc = synth_glm53.summary(spec, out)
+    if as_json:
+        output.emit_json(doc)
+        return
+    layers = doc["layers"]
+    output.print_line(f"wrote {doc['path']} (GLM-5.3 unsliced stream{', sparse' if doc['sparse'] else ''}): "
+                      f"MoE layers {layers[0]}-{layers[-1]} ({doc['mtp_layers']} MTP), H {doc['hidden']}, "
+                      f"I {doc['intermediate']}, {doc['experts']} experts, K{doc['bits']} mcg, "
+                      f"{doc['tensor_bytes']:,} bytes of tensor data")
 
 
 def _write_exl3v1(out: Path, spec, overwrite: bool, as_json: bool) -> None:

@@ -30,7 +30,7 @@ HELP = (
 )
 ENGINE_HELP = "Loader profile whose refusals are errors: " + ", ".join(
     ["vllm-exl3-shared-h", "vllm-exl3-190", "vllm-exl3-r7", "vllm-exl3-manifest", "b12x-exl3-v1", "b12x-1.3.0",
-     "exllamav3"]
+     "exllamav3", "vllm-exl3-pr766"]
 ) + " (default: per dialect)."
 TP_HELP = ("The tensor-parallel degree the server will run: checked against each engine's TP contract (a "
            "rank-sliced checkpoint's recorded tp, 128-aligned slices, the exl3-manifest extent plan); on exl3-v1 it also "

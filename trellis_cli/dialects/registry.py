@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.dialects import b12x_trellis, btx, exl3, exl3v1, r7, routepack, tr3
+from trellis_cli.dialects import b12x_trellis, btx, exl3, exl3v1, glm53, r7, routepack, tr3
 from trellis_cli.dialects.detect import not_understood
 from trellis_cli.dialects.interface import Dialect, DialectInfo, Probe
 
@@ -20,6 +20,7 @@ DIALECTS: tuple[Dialect, ...] = (
     tr3.PER_EXPERT,  # config.json hybrid_tr3_tail, rotation_layout per_expert_v1
     tr3.SHARED_H,  # ... shared_h_v1
     r7.DIALECT,  # r7_routed_experts in the quantization config
+    glm53.DIALECT,  # scope glm53_routed_experts_only in the quantization config (before plain exl3)
     exl3.DIALECT,  # quant_method exl3
     b12x_trellis.DIALECT,  # quant_method b12x_trellis (a version-2 block)
 )

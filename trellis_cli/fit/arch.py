@@ -77,11 +77,28 @@ def _positive(config: dict, key: str, file: str, default: Any = ...) -> Any:
     return value
 
 
+# Model types whose memory fit does not price, by name, and why (docs/fit.md).
+UNPRICED = {
+    "glm5_next_text": "GLM-5.3-Flash (Glm5NextForConditionalGeneration): its hybrid linear attention keeps "
+                      "per-sequence state on most layers and KV only on linear_attn_config.full_attn_layers; no "
+                      "engine model file for it is profiled here, so fit refuses it rather than price it as GLM-5",
+}
+
+
+def _refuse_unpriced(config: dict, file: str) -> None:
+    nested = config.get("text_config")
+    for where, doc in (("model_type", config), ("text_config.model_type", nested if isinstance(nested, dict) else {})):
+        kind = doc.get("model_type")
+        if isinstance(kind, str) and kind in UNPRICED:
+            raise CheckFailed(f"{file}: {where} {kind!r}: {UNPRICED[kind]}")
+
+
 def read_arch(config: dict, file: str = "config.json") -> Arch:
     """The Arch of a config.json document; CheckFailed naming the field when one is missing or malformed."""
     if not config:
         raise CheckFailed(f"{file}: not present; fit needs the model config (MLA and indexer fields)")
     model_type = config.get("model_type")
+    _refuse_unpriced(config, file)
     if not isinstance(model_type, str) or model_type not in MLA_MODEL_TYPES:
         raise CheckFailed(f"{file}: model_type {model_type!r}; fit knows the MLA architectures "
                           f"{', '.join(sorted(MLA_MODEL_TYPES))}")

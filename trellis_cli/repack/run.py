@@ -115,6 +115,15 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
         result: RepackResult = exl3v1_repack.run_exl3v1_repack(driver, checkpoint, Path(out), options, validator,
                                                                on_bytes=on_bytes, on_total=on_total, log=log)
         return result
+    from trellis_cli.repack import glm53_stream  # the GLM-5.3 unsliced stream in or out: its own drivers
+
+    if driver in glm53_stream.DRIVERS:
+        if options.dry_run:
+            return unplanned_dry_run(Path(out), options, checkpoint.dialect, protected_paths(checkpoint),
+                                     options.overwrite)
+        converted_stream: RepackResult = glm53_stream.run_glm53_repack(
+            driver, checkpoint, Path(out), options, validator, on_bytes=on_bytes, on_total=on_total, log=log)
+        return converted_stream
     if driver == "route-pack-to-tr3":  # a route pack converts back from a local directory (above)
         raise UsageError("a route pack converts back to TR3 from a local directory only")
     run = None

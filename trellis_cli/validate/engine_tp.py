@@ -71,11 +71,30 @@ def r7_fork_tp(ckpt: Checkpoint, tp: int) -> Refusal | None:
     from trellis_cli.validate.engine_r7 import glm53_scope
 
     if glm53_scope(ckpt) and tp != GLM53_SCOPE_TP:
-        return _refuse(f"GLM-5.3 scope needs TP {GLM53_SCOPE_TP}", "the GLM-5.3 unsliced-stream scope fixes the "
-                       f"checkpoint TP at {GLM53_SCOPE_TP} (without expert parallelism)", GLM53_SCOPE_TP, tp)
+        return _refuse(f"GLM-5.3 scope needs TP {GLM53_SCOPE_TP}", "_configure_glm53_unsliced_routed_experts "
+                       f"fixes the checkpoint tp at {GLM53_SCOPE_TP} and create_weights refuses another runtime TP "
+                       "(\"rank-sliced EXL3 checkpoint TP does not match runtime\"); with expert parallelism "
+                       "(allowed for this scope only) the check is skipped and every EP rank loads whole experts, "
+                       "forced to K4", GLM53_SCOPE_TP, tp, Location(file="config.json",
+                                                                   tensor="quantization_config.scope"))
     if dialect_of(ckpt).r7_maps:
         return sliced_at_load_tp(ckpt, tp)
     return fork_tp(ckpt, tp)
+
+
+def pr766_tp(ckpt: Checkpoint, tp: int) -> Refusal | None:
+    """PR #766 (open): the unsliced stream's recorded TP only describes its origin, so any TP whose per-rank
+    intermediate slice is whole 128-channel blocks (the shape checks still apply; TP 1 is not sliced)."""
+    from trellis_cli.validate.engine_r7 import glm53_scope
+
+    if not glm53_scope(ckpt):
+        return None
+    refused = sliced_at_load_tp(ckpt, tp)
+    if refused is None:
+        return None
+    return refused._replace(message=refused.message + " (_validate_moe_shapes: svh/suh lengths multiples of 128; "
+                            "the narrow is \"not quantum-aligned\" otherwise)",
+                            where=Location(file="config.json", tensor="text_config.moe_intermediate_size"))
 
 
 def manifest_tp(ckpt: Checkpoint, tp: int) -> Refusal | None:

@@ -38,10 +38,20 @@ class Engine:
     reads: str  # the loader version the rules were read from (docs/engines.md has the detail)
     rules: tuple[Rule, ...]
     tp_rule: tpc.TpRule | None = None  # why the loader refuses a server TP (engine_tp.py); None: no limit of its own
+    # A profile read for one layout only: its verdict is listed where `scope` holds (or where it is enforced).
+    scope: Callable[[Checkpoint], bool] | None = None
+
+    def listed_for(self, ckpt: Checkpoint, enforced: str | None = None) -> bool:
+        return self.scope is None or self.name == enforced or self.scope(ckpt)
 
 
 _VLLM_COMMON = (r.vllm_container, st.embedded_quant_config, st.stamp_selects_exl3, r.tensor_storage,
                 r.legacy_signs, r.tier_count)
+
+_R7_RULES = (r7.r7_container, st.embedded_quant_config, r7.r7_detected, r7.r7_contract, r7.glm53_contract,
+             r7.glm53_stream, r7.glm53_external, st.stamp_selects_exl3, st.bits_required, st.protected_unread, r7.r7_tensor_storage,
+             r7.r7_layer_range, r7.r7_rank_free, r7.r7_shared_vectors, r7.r7_undeclared_k, r.legacy_signs,
+             r.tier_count, r7.uniform_k_r7)
 
 ENGINES: tuple[Engine, ...] = (
     Engine("vllm-exl3-shared-h", "vllm-exl3 (shared-H rules)", 2,
@@ -52,13 +62,9 @@ ENGINES: tuple[Engine, ...] = (
            "yatesdr/vllm-opt@1f0baf95 exl3.py (#190: rank-sliced, int() coercion, no rotation_layout)",
            _VLLM_COMMON + (st.bits_required, st.protected_unread, r.shared_h_unsupported, r.uniform_k_190),
            tpc.fork_tp),
-    Engine("vllm-exl3-r7", "vllm-exl3 (R7 rules)", 1,
+    Engine("vllm-exl3-r7", "vllm-exl3 (R7 rules)", 2,
            "the fork's exl3.py with r7_routed_experts (r7-complete-v2-checkpoint-v1) and the GLM-5.3 scope",
-           (r7.r7_container, st.embedded_quant_config, r7.r7_detected, r7.r7_contract, r7.glm53_contract,
-            st.stamp_selects_exl3, st.bits_required, st.protected_unread, r7.r7_tensor_storage, r7.r7_layer_range,
-            r7.r7_rank_free, r7.r7_shared_vectors, r7.r7_undeclared_k, r.legacy_signs, r.tier_count,
-            r7.uniform_k_r7),
-           tpc.r7_fork_tp),
+           _R7_RULES, tpc.r7_fork_tp),
     Engine("vllm-exl3-manifest", "vllm-exl3 (manifest rules)", 1,
            "local-inference-lab/vllm@174fe4d exl3.py + utils/exl3.py over b12x 1.5.1's exl3-v1 reader",
            (m.manifest_container, m.manifest_config, m.manifest_geometry, m.uniform_rates), tpc.manifest_tp),
@@ -67,6 +73,10 @@ ENGINES: tuple[Engine, ...] = (
            "TrellisConfig (sqg codebooks)", (r.b12x130_container,)),
     Engine("exllamav3", "exllamav3", 1, "turboderp-org/exllamav3 loader (per-linear names, MultiLinear)",
            (r.exllamav3_container, r.one_k_per_projection)),
+    Engine("vllm-exl3-pr766", "vllm-exl3 (PR #766 relaxed TP)", 1,
+           "local-inference-lab/vllm PR #766 (open; its description of 2026-09-15, code not read): the R7 version's "
+           "GLM-5.3 scope with the unsliced stream's TP check lifted", (r7.pr766_container,) + _R7_RULES[1:],
+           tpc.pr766_tp, scope=r7.glm53_scope),
 )
 BY_NAME = {e.name: e for e in ENGINES}
 DEFAULT = "default"  # run_validation(engine=DEFAULT): the dialect's default profile
@@ -133,7 +143,8 @@ def assess(ckpt: Checkpoint, layers: list[int], report: Report, enforced: str | 
         engine = BY_NAME[enforced]
         report.extend(to_finding(engine, refusal) for refusal in per_engine[enforced])
     format_errors = [f for f in report.errors if f.engine is None]
-    report.engines = [_verdict(e, per_engine[e.name], format_errors, enforced, ckpt, tp) for e in ENGINES]
+    report.engines = [_verdict(e, per_engine[e.name], format_errors, enforced, ckpt, tp) for e in ENGINES
+                      if e.listed_for(ckpt, enforced)]
     report.context["tp"] = tp
 
 
@@ -159,7 +170,7 @@ def tp_verdicts(ckpt: Checkpoint, tp: int) -> dict[str, dict]:
     """Each engine that reads this container: whether its TP contract accepts `tp`, and why not (inspect --tp)."""
     out = {}
     for engine in ENGINES:
-        if any(x.code == CONTAINER for rule in engine.rules for x in rule(ckpt, list(ckpt.layers))):
+        if not engine.listed_for(ckpt) or any(x.code == CONTAINER for rule in engine.rules for x in rule(ckpt, list(ckpt.layers))):
             continue
         refused = engine.tp_rule(ckpt, tp) if engine.tp_rule is not None else None
         out[engine.name] = {"accepts": refused is None, "reason": refused.reason if refused else None}
@@ -178,7 +189,8 @@ def unreadable_verdicts(why: str) -> list[dict]:
     """Verdicts for a checkpoint that could not be opened: no engine loads it."""
     return [{"name": e.name, "label": e.label, "version": e.version, "reads": e.reads, "enforced": False,
              "default": False, "loads": False, "tp": None, "tp_accepted": None,
-             "reasons": [{"code": "unreadable", "reason": why, "message": why, "location": {}}]} for e in ENGINES]
+             "reasons": [{"code": "unreadable", "reason": why, "message": why, "location": {}}]} for e in ENGINES
+            if e.scope is None]
 
 
 def compatibility_line(verdicts: list[dict], markers_read: bool = True, tp: int | None = None) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H
 from trellis_cli.dialects.detect import tr3_info
+from trellis_cli.dialects.glm53.contract import DIALECT_GLM53
 from trellis_cli.dialects.interface import (EXLLAMAV3, VLLM, VLLM_R7, CheckRequest, ContainerRefusal, Dialect,
                                            DialectInfo, Probe, ShardLayout)
 
@@ -27,7 +28,8 @@ class Tr3Dialect(Dialect):
         self.shared_h = shared_h
         self.described_as = f"a {name}"
         self.converts_from = {DIALECT_REPACKED: "route-pack-to-tr3", DIALECT_EXL3V1: "exl3-v1-to-tr3",
-                              DIALECT_TR3_PER_EXPERT: "tr3-to-tr3", DIALECT_TR3_SHARED_H: "tr3-to-tr3"}
+                              DIALECT_TR3_PER_EXPERT: "tr3-to-tr3", DIALECT_TR3_SHARED_H: "tr3-to-tr3",
+                              DIALECT_GLM53: "glm53-stream-to-tr3"}
 
     def detect(self, probe: Probe) -> DialectInfo | None:
         info = tr3_info(probe)
