@@ -317,15 +317,3 @@ def read_local_header(path, rel_name: str) -> Header:
         size = os.fstat(f.fileno()).st_size
         n = header_length(f.read(8), rel_name, size)
         return parse_header(rel_name, f.read(n), n, size)
-
-
-def read_local_header_bytes(path, rel_name: str) -> tuple[bytes, int]:
-    """The unparsed header bytes of a local file and the file's size (length prefix checked): for a quick look
-    that counts names in the raw text; whatever trusts the entries parses them with `parse_header`."""
-    with open_regular(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        n = header_length(f.read(8), rel_name, size)
-        data = f.read(n)
-    if len(data) != n:
-        raise HeaderError(f"{rel_name}: header truncated: expected {n} bytes, read {len(data)}")
-    return data, size
