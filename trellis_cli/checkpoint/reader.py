@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections import Counter
 from typing import Any, Callable, Iterator, NamedTuple
 
 from trellis_cli.checkpoint.model import Checkpoint
@@ -178,6 +179,7 @@ class HeaderNames(NamedTuple):
     tensors: int
     others: list[tuple[str, str, tuple[int, ...]]] | None
     metadata: dict[str, str] | None
+    trellis: dict[tuple[int, ...], int]  # shape -> how many routed-expert I16 `trellis` tensors have it
 
 
 def header_names(source: Any, name: str, listed: int) -> HeaderNames:
@@ -196,22 +198,25 @@ def header_names(source: Any, name: str, listed: int) -> HeaderNames:
             entries = sorted(((n, e) for n, e in doc.items() if not is_expert_name(n)),
                              key=lambda item: item[1]["data_offsets"][0])
             others = [(n, e["dtype"], tuple(e["shape"])) for n, e in entries]
-        return HeaderNames({int(layer) for layer in found}, experts, tensors, others, metadata)
+        trellis = {tuple(int(d) for d in shape.split(b",")): n for shape, n in Counter(_TRELLIS.findall(raw)).items()}
+        return HeaderNames({int(layer) for layer in found}, experts, tensors, others, metadata, trellis)
     try:
         header = parse_header(name, raw, len(raw), listed)
     except HeaderError as e:
         raise CheckFailed(str(e), code=e.code) from e
-    layers, experts = set(), 0
-    for tensor in header.tensors:
-        parsed = parse_expert_name(tensor)
+    layers, experts, trellis = set(), 0, Counter[tuple[int, ...]]()
+    for tensor in header.tensors.values():
+        parsed = parse_expert_name(tensor.name)
         if parsed is not None:
             layers.add(parsed.layer)
             experts += 1
+            if _TRELLIS_NAME.search(tensor.name) and tensor.dtype == "I16" and len(tensor.shape) == 3:
+                trellis[tensor.shape] += 1
     if experts and experts != len(header.tensors):
         stored = sorted((t for t in header.tensors.values() if not is_expert_name(t.name)), key=lambda t: t.begin)
         return HeaderNames(layers, experts, len(header.tensors), [(t.name, t.dtype, t.shape) for t in stored],
-                           dict(header.metadata))
-    return HeaderNames(layers, experts, len(header.tensors), None, None)
+                           dict(header.metadata), dict(trellis))
+    return HeaderNames(layers, experts, len(header.tensors), None, None, dict(trellis))
 
 
 # safetensors' own header layout: `{"__metadata__":{...},"name":{"dtype":"..","shape":[..],"data_offsets":[a,b]},
@@ -226,6 +231,10 @@ _ENTRY = (rb'"(?!__metadata__")[^"\\\x00-\x1f]*":\{"dtype":"' + _DTYPE + rb'","s
           _DIM + rb"){0,2})?\]," + rb'"data_offsets":\[' + _OFFSET + rb"," + _OFFSET + rb"\]\}")
 _METADATA = rb'"__metadata__":\{(?:' + _STRING + b":" + _STRING + rb"(?:," + _STRING + b":" + _STRING + rb")*)?\}"
 _CANONICAL = re.compile(rb"\{(?:" + _METADATA + rb",)?" + _ENTRY + rb"(?:," + _ENTRY + rb")*\} *")
+# A routed expert's codes, and their shape (in a canonical header, where a name is always a key).
+_TRELLIS = re.compile(rb'experts\.(?:0|[1-9][0-9]*)\.(?:gate|up|down)_proj\.(?:rank(?:0|[1-9][0-9]*)\.)?trellis":'
+                      rb'\{"dtype":"I16","shape":\[([0-9]+,[0-9]+,[0-9]+)\]')
+_TRELLIS_NAME = re.compile(r'experts\.(?:0|[1-9][0-9]*)\.(?:gate|up|down)_proj\.(?:rank(?:0|[1-9][0-9]*)\.)?trellis$')
 _EXPERT_KEY = re.compile(rb'"model\.layers\.(0|[1-9][0-9]*)\.mlp\.experts\.[^"]*":\{"dtype"')
 
 

@@ -112,6 +112,7 @@ class _ShardScan:
         self.layers, self.experts, self.tensors = names.layers, names.experts, names.tensors
         self.others: list[PlannedTensor] | None = None
         self.metadata: dict[str, str] | None = names.metadata
+        self.trellis = names.trellis
         if names.others is not None:
             self.others = [PlannedTensor(name, dtype, shape) for name, dtype, shape in names.others]
             for tensor in self.others:
@@ -159,6 +160,8 @@ def _plan_from_declarations(ck: Checkpoint, scans: dict[str, _ShardScan], out: P
         if not isinstance(ks, list) or len(ks) != experts or not all(type(k) is int for k in ks):
             return None  # the declaration does not say every expert's K: only the headers can
         tiers = {k: ks.count(k) for k in sorted(set(ks))}
+        if not _codes_as_declared(ck, scans, layer_shards[layer], tiers):
+            return None  # the shapes of the codes are not what the declarations say: the full opening plans
         size = route_pack_layer_bytes(hidden, inter // tp, experts, experts, tiers, shared)
         for rank in ranks:
             layer_files.append({"name": layer_file_name(layer, rank), "data_bytes": size})
@@ -177,6 +180,26 @@ def _plan_from_declarations(ck: Checkpoint, scans: dict[str, _ShardScan], out: P
     resumable = resumable_bytes(out, fingerprint(ck, options, used))
     return route_pack_plan(out, options, ck.dialect, layer_files, other_files, needed, resumable, layers=layers,
                            ranks=ranks, tp=tp, notes=[NOT_VALIDATED, FROM_DECLARATIONS])
+
+
+def _codes_as_declared(ck: Checkpoint, scans: dict[str, _ShardScan], shards: list[str], tiers: dict[int, int]) -> bool:
+    """Whether the shards holding a layer (and no other layer) hold exactly the codes its declarations imply:
+    every expert's three projections on every rank, shaped for its declared K. The layer's route-pack bytes are
+    then what the full opening computes from the headers."""
+    if any(len(scans[name].layers) != 1 for name in shards):
+        return False
+    hidden, rank_width, tp = ck.hidden or 0, (ck.intermediate or 0) // max(ck.tp, 1), max(ck.tp, 1)
+    expected: dict[tuple[int, ...], int] = {}
+    for k, count in tiers.items():
+        gate_up: tuple[int, ...] = (hidden // 16, rank_width // 16, 16 * k)
+        down: tuple[int, ...] = (rank_width // 16, hidden // 16, 16 * k)
+        for shape, n in ((gate_up, 2), (down, 1)):
+            expected[shape] = expected.get(shape, 0) + n * tp * count
+    found: dict[tuple[int, ...], int] = {}
+    for name in shards:
+        for shape, n in scans[name].trellis.items():
+            found[shape] = found.get(shape, 0) + n
+    return found == expected
 
 
 def _used_files(ck: Checkpoint, scans: dict[str, _ShardScan], layers: list[int],
