@@ -23,8 +23,8 @@ from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import is_expert_name, parse_expert_name
 from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Finding, Location, Severity, error, warning
-from trellis_cli.header import (DTYPE_BYTES, MAX_HEADER_TENSORS, Header, HeaderError, JsonError, header_length,
-                                load_json, open_regular, os_reason, parse_header, safe_relative)
+from trellis_cli.header import (Header, HeaderError, JsonError, canonical_header, header_length, load_json,
+                                open_regular, os_reason, parse_header, safe_relative)
 from trellis_cli.integrity import CHECKSUM_MANIFEST
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -219,40 +219,11 @@ def header_names(source: Any, name: str, listed: int) -> HeaderNames:
     return HeaderNames(layers, experts, len(header.tensors), None, None, dict(trellis))
 
 
-# safetensors' own header layout: `{"__metadata__":{...},"name":{"dtype":"..","shape":[..],"data_offsets":[a,b]},
-# ...}`, no whitespace, no escape (so every `"` delimits a string and no name needs decoding), the metadata a flat
-# map of strings, at most three dimensions of at most five digits (no shape overflows a 64-bit size) and offsets
-# below 10^18. In that layout a name followed by `":{"dtype"` is a tensor's key, never a metadata value.
-_DTYPE = b"(?:" + b"|".join(d.encode() for d in DTYPE_BYTES) + b")"
-_DIM = rb"(?:0|[1-9][0-9]{0,4})"
-_OFFSET = rb"(?:0|[1-9][0-9]{0,17})"
-_STRING = rb'"[^"\\\x00-\x1f]*"'
-_ENTRY = (rb'"(?!__metadata__")[^"\\\x00-\x1f]*":\{"dtype":"' + _DTYPE + rb'","shape":\[(?:' + _DIM + rb"(?:," +
-          _DIM + rb"){0,2})?\]," + rb'"data_offsets":\[' + _OFFSET + rb"," + _OFFSET + rb"\]\}")
-_METADATA = rb'"__metadata__":\{(?:' + _STRING + b":" + _STRING + rb"(?:," + _STRING + b":" + _STRING + rb")*)?\}"
-_CANONICAL = re.compile(rb"\{(?:" + _METADATA + rb",)?" + _ENTRY + rb"(?:," + _ENTRY + rb")*\} *")
 # A routed expert's codes, and their shape (in a canonical header, where a name is always a key).
 _TRELLIS = re.compile(rb'experts\.(?:0|[1-9][0-9]*)\.(?:gate|up|down)_proj\.(?:rank(?:0|[1-9][0-9]*)\.)?trellis":'
                       rb'\{"dtype":"I16","shape":\[([0-9]+,[0-9]+,[0-9]+)\]')
 _TRELLIS_NAME = re.compile(r'experts\.(?:0|[1-9][0-9]*)\.(?:gate|up|down)_proj\.(?:rank(?:0|[1-9][0-9]*)\.)?trellis$')
 _EXPERT_KEY = re.compile(rb'"model\.layers\.(0|[1-9][0-9]*)\.mlp\.experts\.[^"]*":\{"dtype"')
-
-
-def canonical_header(raw: bytes) -> bool:
-    """Whether `raw` is a header in safetensors' own layout that the full parser accepts as it is (valid UTF-8,
-    within the tensor limit). Two facts only the full parse checks: a name twice in one header and an offset pair
-    whose begin is past its end; the real run parses every header before it writes."""
-    if not (raw.isascii() or _utf8(raw)) or raw.count(b'"data_offsets"') > MAX_HEADER_TENSORS:
-        return False
-    return _CANONICAL.fullmatch(raw) is not None
-
-
-def _utf8(raw: bytes) -> bool:
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 # ---- the index -----------------------------------------------------------------------------------------------
