@@ -244,10 +244,18 @@ _METADATA = rb'"__metadata__":\{(?:' + _STRING + b":" + _STRING + rb"(?:," + _ST
 _CANONICAL = re.compile(rb"\{(?P<metadata>" + _METADATA + rb",)?" + _ENTRY + rb"(?:," + _ENTRY + rb")*\} *")
 
 
+def canonical_entries(raw: bytes) -> bytes | None:
+    """The entries of `raw` (the header after its `__metadata__`) when it is a header in safetensors' own layout
+    that the strict parser accepts as it is (valid UTF-8, within the tensor limit); None otherwise. Two facts only
+    decoding shows: a name twice in one object, and an offset pair whose begin is past its end (`parse_header`
+    checks both on its fast path). In the entries of that layout a `"` followed by a name starts a tensor's key."""
+    match = _canonical_match(raw)
+    if match is None:
+        return None
+    return raw[match.end("metadata"):] if match.group("metadata") is not None else raw
+
+
 def canonical_header(raw: bytes) -> bool:
-    """Whether `raw` is a header in safetensors' own layout that the strict parser accepts as it is (valid UTF-8,
-    within the tensor limit). Three facts only decoding shows: a name twice in one object, and an offset pair
-    whose begin is past its end (`parse_header` checks both on its fast path)."""
     return _canonical_match(raw) is not None
 
 

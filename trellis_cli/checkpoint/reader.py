@@ -23,7 +23,7 @@ from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import is_expert_name, parse_expert_name
 from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Finding, Location, Severity, error, warning
-from trellis_cli.header import (Header, HeaderError, JsonError, canonical_header, header_length, load_json,
+from trellis_cli.header import (Header, HeaderError, JsonError, canonical_entries, header_length, load_json,
                                 open_regular, os_reason, parse_header, safe_relative)
 from trellis_cli.integrity import CHECKSUM_MANIFEST
 
@@ -179,7 +179,7 @@ class HeaderNames(NamedTuple):
     tensors: int
     others: list[tuple[str, str, tuple[int, ...]]] | None
     metadata: dict[str, str] | None
-    trellis: dict[tuple[int, ...], int]  # shape -> how many routed-expert I16 `trellis` tensors have it
+    trellis: "CodeCounts"  # how many routed-expert I16 `trellis` tensors have a shape
 
 
 def header_names(source: Any, name: str, listed: int) -> HeaderNames:
@@ -188,18 +188,19 @@ def header_names(source: Any, name: str, listed: int) -> HeaderNames:
     its bytes (every name a key that needs no decoding); any other is parsed in full. CheckFailed (with its
     finding code) for everything the full opening refuses."""
     raw = raw_header(source, name, listed)
-    if canonical_header(raw):
-        found = _EXPERT_KEY.findall(raw)
-        experts, tensors = len(found), raw.count(b'"data_offsets"')
+    entries = canonical_entries(raw)
+    if entries is not None:
+        layers = _expert_layers(entries)
+        experts = sum(entries.count(b'"model.layers.%d.mlp.experts.' % layer) for layer in layers)
+        tensors = raw.count(b'"data_offsets"')
         others, metadata = None, None
         if experts and experts != tensors:  # a few shards mix both: their other tensors, decoded
             doc = json.loads(raw)
             metadata = doc.pop("__metadata__", None) or {}
-            entries = sorted(((n, e) for n, e in doc.items() if not is_expert_name(n)),
-                             key=lambda item: item[1]["data_offsets"][0])
-            others = [(n, e["dtype"], tuple(e["shape"])) for n, e in entries]
-        trellis = {tuple(int(d) for d in shape.split(b",")): n for shape, n in Counter(_TRELLIS.findall(raw)).items()}
-        return HeaderNames({int(layer) for layer in found}, experts, tensors, others, metadata, trellis)
+            stored = sorted(((n, e) for n, e in doc.items() if not is_expert_name(n)),
+                            key=lambda item: item[1]["data_offsets"][0])
+            others = [(n, e["dtype"], tuple(e["shape"])) for n, e in stored]
+        return HeaderNames(layers, experts, tensors, others, metadata, CodeCounts(entries=entries))
     try:
         header = parse_header(name, raw, len(raw), listed)
     except HeaderError as e:
@@ -213,17 +214,50 @@ def header_names(source: Any, name: str, listed: int) -> HeaderNames:
             if _TRELLIS_NAME.search(tensor.name) and tensor.dtype == "I16" and len(tensor.shape) == 3:
                 trellis[tensor.shape] += 1
     if experts and experts != len(header.tensors):
-        stored = sorted((t for t in header.tensors.values() if not is_expert_name(t.name)), key=lambda t: t.begin)
-        return HeaderNames(layers, experts, len(header.tensors), [(t.name, t.dtype, t.shape) for t in stored],
-                           dict(header.metadata), dict(trellis))
-    return HeaderNames(layers, experts, len(header.tensors), None, None, dict(trellis))
+        kept = sorted((t for t in header.tensors.values() if not is_expert_name(t.name)), key=lambda t: t.begin)
+        return HeaderNames(layers, experts, len(header.tensors), [(t.name, t.dtype, t.shape) for t in kept],
+                           dict(header.metadata), CodeCounts(counts=dict(trellis)))
+    return HeaderNames(layers, experts, len(header.tensors), None, None, CodeCounts(counts=dict(trellis)))
 
 
-# A routed expert's codes, and their shape (in a canonical header, where a name is always a key).
-_TRELLIS = re.compile(rb'experts\.(?:0|[1-9][0-9]*)\.(?:gate|up|down)_proj\.(?:rank(?:0|[1-9][0-9]*)\.)?trellis":'
-                      rb'\{"dtype":"I16","shape":\[([0-9]+,[0-9]+,[0-9]+)\]')
+class CodeCounts:
+    """How many routed-expert `trellis` tensors (I16) of one header have a given shape, and how many there are:
+    counted in the bytes of a canonical header's entries (one C-speed count per shape asked; any `.trellis` key
+    counts in the total, so a stray one defers rather than passes), or from the parsed entries."""
+
+    def __init__(self, *, entries: bytes | None = None, counts: dict[tuple[int, ...], int] | None = None) -> None:
+        self._entries, self._counts = entries, counts
+
+    def of(self, shape: tuple[int, ...]) -> int:
+        if self._counts is not None:
+            return self._counts.get(shape, 0)
+        assert self._entries is not None
+        return self._entries.count(b'.trellis":{"dtype":"I16","shape":[' + ",".join(map(str, shape)).encode() + b"]")
+
+    @property
+    def total(self) -> int:
+        if self._counts is not None:
+            return sum(self._counts.values())
+        assert self._entries is not None
+        return self._entries.count(b'.trellis":{')
+
+
+def _expert_layers(entries: bytes) -> set[int]:
+    """The MoE layers whose routed-expert keys a canonical header's entries hold: one search per layer found
+    (a shard usually holds one), never a match per key."""
+    layers: set[int] = set()
+    while True:
+        skip = "|".join(f"{layer}\\." for layer in sorted(layers))
+        pattern = _EXPERT_LAYER if not layers else re.compile(
+            rb'"model\.layers\.(?!(?:' + skip.encode() + rb'))(0|[1-9][0-9]*)\.mlp\.experts\.')
+        found = pattern.search(entries)
+        if found is None:
+            return layers
+        layers.add(int(found.group(1)))
+
+
 _TRELLIS_NAME = re.compile(r'experts\.(?:0|[1-9][0-9]*)\.(?:gate|up|down)_proj\.(?:rank(?:0|[1-9][0-9]*)\.)?trellis$')
-_EXPERT_KEY = re.compile(rb'"model\.layers\.(0|[1-9][0-9]*)\.mlp\.experts\.[^"]*":\{"dtype"')
+_EXPERT_LAYER = re.compile(rb'"model\.layers\.(0|[1-9][0-9]*)\.mlp\.experts\.')
 
 
 # ---- the index -----------------------------------------------------------------------------------------------

@@ -195,11 +195,10 @@ def _codes_as_declared(ck: Checkpoint, scans: dict[str, _ShardScan], shards: lis
         down: tuple[int, ...] = (rank_width // 16, hidden // 16, 16 * k)
         for shape, n in ((gate_up, 2), (down, 1)):
             expected[shape] = expected.get(shape, 0) + n * tp * count
-    found: dict[tuple[int, ...], int] = {}
-    for name in shards:
-        for shape, n in scans[name].trellis.items():
-            found[shape] = found.get(shape, 0) + n
-    return found == expected
+    codes = [scans[name].trellis for name in shards]
+    # Every shape in the count it should have, and no code besides: the found counts are the expected ones.
+    return all(sum(c.of(shape) for c in codes) == n for shape, n in expected.items()) and \
+        sum(c.total for c in codes) == sum(expected.values())
 
 
 def _used_files(ck: Checkpoint, scans: dict[str, _ShardScan], layers: list[int],
