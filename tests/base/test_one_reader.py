@@ -26,6 +26,10 @@ READ_BACK = {
     "dialects/tr3/shard.py": HEADER_READS,  # a written TR3 shard, read back
     "dialects/tr3/write.py": HEADER_READS,  # the staged TR3 output's own index
     "routepack/carry.py": HEADER_READS,  # a written extra/ file, read back
+    # Renaming and joining conversions: a written file read back, and a source layer file's header read again
+    # while it is copied (the source was opened through the reader and validated before the conversion starts).
+    "dialects/btx/write.py": HEADER_READS,
+    "dialects/glm53/write.py": HEADER_READS,
     "repack/exl3v1/from_tr3.py": HEADER_READS,  # a written exl3-v1 layer file, read back
     "repack/readback.py": HEADER_READS,  # a written layer file, streamed back
     "dialects/routepack/verify.py": HEADER_READS,  # a route pack against its manifest (its own bounded reads)

@@ -48,6 +48,7 @@ class B12xTrellisDialect(Dialect):
 
     def fill(self, ckpt, probe: Probe, info: DialectInfo) -> bool:
         """The block parsed by each release, the model geometry of config.json, the rate tensor's header."""
+        from trellis_cli.checkpoint import reader
         from trellis_cli.errors import CheckFailed
 
         quant = info.declared["b12x_trellis_quant"]
@@ -59,11 +60,11 @@ class B12xTrellisDialect(Dialect):
         ckpt.codebook = info.codebook
         state: dict[str, Any] = {"quant": quant, "from": info.declared["b12x_trellis_from"], "blocks": blocks,
                                  "rate": None, "metadata": {}}
-        if METADATA_FILE in probe.files and probe.files[METADATA_FILE] >= 0:
-            try:
-                header = ckpt.source.read_header(METADATA_FILE)
+        if METADATA_FILE in probe.files:
+            try:  # through the one reader: a link out, a dangling link, a FIFO or a changed file is named
+                header = reader.shard_header(ckpt, METADATA_FILE)
             except CheckFailed as e:
-                ckpt.parse_findings.append(error("file.header", Location(file=METADATA_FILE), str(e)))
+                ckpt.parse_findings.append(error(e.code or "file.header", Location(file=METADATA_FILE), str(e)))
             else:
                 ckpt.headers[METADATA_FILE] = header
                 state["metadata"] = header.metadata if isinstance(header.metadata, dict) else {}

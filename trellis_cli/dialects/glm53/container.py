@@ -3,20 +3,18 @@ schema (`model.language_model.layers.{L}.mlp.experts.{E}.{proj}.{field}`, no ran
 (layer, expert, projection) at rank 0, `tp` 1 (the stored layout is unsliced; a server cuts it at load).
 
 The shared shard reader reads `model.layers.` names only (and rightly calls these non-canonical for TR3), so
-this dialect reads its headers itself. What cannot be read becomes a parse finding, never an exception.
+this dialect builds its own model, from headers read through the one reader. What cannot be read becomes a parse finding, never an exception.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from trellis_cli.checkpoint import reader
 from trellis_cli.checkpoint.model import Checkpoint, LinearRef, MoeLayer, TensorRef
 from trellis_cli.dialects.glm53.contract import EXPERT_NAME, FIELDS, RANK_NAME, UNDER_EXPERTS, text_config
-from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Location, error
-from trellis_cli.header import safe_relative
 
-INDEX = "model.safetensors.index.json"
 
 
 def fill_checkpoint(ckpt: Checkpoint, files: dict[str, int]) -> None:
@@ -33,25 +31,10 @@ def fill_checkpoint(ckpt: Checkpoint, files: dict[str, int]) -> None:
 
 
 def _read_headers(ckpt: Checkpoint, files: dict[str, int]) -> None:
-    source = ckpt.source
-    escapes = getattr(source, "escapes", None)
-    for name, size in files.items():
-        if not name.endswith(".safetensors"):
-            continue
-        if not safe_relative(name) or (escapes is not None and escapes(name)):
-            ckpt.parse_findings.append(error("path.escape", Location(file=name),
-                                             "file resolves outside the checkpoint directory (symlink or path)"))
-            continue
-        if size < 0:
-            ckpt.parse_findings.append(error("path.dangling", Location(file=name),
-                                             "file is a dangling link (or a symlink loop)"))
-            continue
-        try:
-            ckpt.headers[name] = source.read_header(name)
-        except CheckFailed as e:  # SourceUnavailable (network, auth) propagates: exit 3, not a finding
-            message = str(e)
-            detail = message[len(name) + 2:] if message.startswith(name + ": ") else message
-            ckpt.parse_findings.append(error(e.code or "file.header", Location(file=name), detail))
+    """Every header through the one reader (its guards: escapes, dangling links, FIFOs, a file changed while read);
+    the tensors of each, in file order, a name twice a finding."""
+    ckpt.headers.update(reader.read_headers(ckpt.source, files, lambda _stage, _done, _total: None,
+                                            ckpt.parse_findings))
     for file in sorted(ckpt.headers):
         header = ckpt.headers[file]
         for name, entry in header.tensors.items():
@@ -64,20 +47,12 @@ def _read_headers(ckpt: Checkpoint, files: dict[str, int]) -> None:
 
 
 def _read_index(ckpt: Checkpoint, files: dict[str, int]) -> None:
-    if INDEX not in files:
+    found = reader.read_index(ckpt.source, files, ckpt.parse_findings)
+    if found is None:
         return
-    try:
-        data: Any = ckpt.source.read_json(INDEX)
-    except CheckFailed as e:
-        ckpt.parse_findings.append(error(e.code or "json.unreadable", Location(file=INDEX), str(e)))
-        return
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        ckpt.parse_findings.append(error("index.format", Location(file=INDEX),
-                                         "index has no weight_map object of tensor -> file strings"))
-        return
-    ckpt.index, ckpt.index_file = dict(weight_map), INDEX
-    ckpt.declared["index_metadata"] = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
+    ckpt.index_file, weight_map, metadata = found
+    ckpt.index = dict(weight_map)
+    ckpt.declared["index_metadata"] = metadata
 
 
 def _build_layers(ckpt: Checkpoint) -> None:
