@@ -24,6 +24,7 @@ from trellis_cli.validate import engine_r7 as r7
 from trellis_cli.validate import engine_rules as r
 from trellis_cli.validate import engine_stamps as st
 from trellis_cli.validate import engine_tp as tpc
+from trellis_cli.validate import engine_weights as w
 
 Rule = Callable[[Checkpoint, list[int]], Iterator[r.Refusal]]
 MAX_REASONS = 20  # per engine in the JSON verdict; then a count
@@ -47,24 +48,26 @@ ENGINES: tuple[Engine, ...] = (
     Engine("vllm-exl3-shared-h", "vllm-exl3 (shared-H rules)", 2,
            "local-inference-lab/vllm exl3.py with rotation_layout and _normalize_rank_sliced_metadata",
            _VLLM_COMMON + (st.json_ints, st.bits_map, r.bits_exact, r.k_values_two, r.every_k_used, r.bitmap_field,
-                           r.uniform_map), tpc.fork_tp),
+                           r.uniform_map, w.model_weights_rule), tpc.fork_tp),
     Engine("vllm-exl3-190", "vllm-exl3 (#190 rules)", 2,
            "yatesdr/vllm-opt@1f0baf95 exl3.py (#190: rank-sliced, int() coercion, no rotation_layout)",
-           _VLLM_COMMON + (st.bits_required, st.protected_unread, r.shared_h_unsupported, r.uniform_k_190),
+           _VLLM_COMMON + (st.bits_required, st.protected_unread, r.shared_h_unsupported, r.uniform_k_190,
+                           w.model_weights_rule),
            tpc.fork_tp),
     Engine("vllm-exl3-r7", "vllm-exl3 (R7 rules)", 1,
            "the fork's exl3.py with r7_routed_experts (r7-complete-v2-checkpoint-v1) and the GLM-5.3 scope",
            (r7.r7_container, st.embedded_quant_config, r7.r7_detected, r7.r7_contract, r7.glm53_contract,
             st.stamp_selects_exl3, st.bits_required, st.protected_unread, r7.r7_tensor_storage, r7.r7_layer_range,
             r7.r7_rank_free, r7.r7_shared_vectors, r7.r7_undeclared_k, r.legacy_signs, r.tier_count,
-            r7.uniform_k_r7),
+            r7.uniform_k_r7, w.model_weights_rule),
            tpc.r7_fork_tp),
     Engine("vllm-exl3-manifest", "vllm-exl3 (manifest rules)", 1,
            "local-inference-lab/vllm@174fe4d exl3.py + utils/exl3.py over b12x 1.5.1's exl3-v1 reader",
-           (m.manifest_container, m.manifest_config, m.manifest_geometry, m.uniform_rates), tpc.manifest_tp),
-    Engine("b12x-exl3-v1", "b12x exl3-v1", 1, "b12x 1.5.x moe/checkpoints exl3-v1 reader", (r.b12x_container,)),
+           (m.manifest_container, m.manifest_config, m.manifest_geometry, m.uniform_rates,
+                                                                       w.model_weights_mxfp8_rule), tpc.manifest_tp),
+    Engine("b12x-exl3-v1", "b12x exl3-v1", 1, "b12x 1.5.x moe/checkpoints exl3-v1 reader", (r.b12x_container, w.model_weights_mxfp8_rule)),
     Engine("exllamav3", "exllamav3", 1, "turboderp-org/exllamav3 loader (per-linear names, MultiLinear)",
-           (r.exllamav3_container, r.one_k_per_projection)),
+           (r.exllamav3_container, r.one_k_per_projection, w.model_weights_rule)),
 )
 BY_NAME = {e.name: e for e in ENGINES}
 DEFAULT = "default"  # run_validation(engine=DEFAULT): the dialect's default profile
