@@ -28,6 +28,7 @@ MODEL_CLASSES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v3": "Deepseek
                  "deepseek_v32": "DeepseekV32ForCausalLM"}
 MODEL_FILE = "vllm/model_executor/models/deepseek_v2.py (DeepseekV2ForCausalLM), MTP: deepseek_mtp.py"
 
+WEIGHT = ".weight"
 LINEAR = "linear"  # float .weight, or an EXL3 linear under the same prefix
 PLAIN = "plain"  # float only: allocated unquantized by the model class
 FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
@@ -106,7 +107,7 @@ def model_weights(config: dict) -> ModelWeights | None:
     for layer in range(layers, layers + (_int(config, "num_nextn_predict_layers", 0) or 0)):
         p = f"model.layers.{layer}."
         out.mtp[layer] = _layer(config, layer, mtp=True) + [
-            Weight(p + "enorm.weight", (h,), PLAIN), Weight(p + "hnorm.weight", (h,), PLAIN),
+            Weight(p + "enorm" + WEIGHT, (h,), PLAIN), Weight(p + "hnorm" + WEIGHT, (h,), PLAIN),
             Weight(p + "eh_proj.weight", (h, 2 * h), PLAIN), Weight(p + "shared_head.norm.weight", (h,), PLAIN)]
     return out
 
@@ -131,14 +132,14 @@ def _layer(config: dict, layer: int, mtp: bool) -> list[Weight]:
     if builds_indexer(config, layer):
         ix = a + "indexer."
         n, d = _int(config, "index_n_heads"), _int(config, "index_head_dim")
-        rows += [Weight(ix + "wq_b.weight", (n * d, q_lora or h), LINEAR), Weight(ix + "wk.weight", (d, h), PLAIN),
+        rows += [Weight(ix + "wq_b.weight", (n * d, q_lora or h), LINEAR), Weight(ix + "wk" + WEIGHT, (d, h), PLAIN),
                  Weight(ix + "weights_proj.weight", (n, h), PLAIN), Weight(ix + "k_norm.weight", (d,), PLAIN),
                  Weight(ix + "k_norm.bias", (d,), PLAIN)]
     freq = _int(config, "moe_layer_freq", 1) or 1
     if layer >= _int(config, "first_k_dense_replace", 0) and layer % freq == 0:
         experts = _int(config, "n_routed_experts")
         m = p + "mlp."
-        rows.append(Weight(m + "gate.weight", (experts, h), PLAIN))
+        rows.append(Weight(m + "gate" + WEIGHT, (experts, h), PLAIN))
         if config.get("topk_method") == "noaux_tc":
             rows.append(Weight(m + "gate.e_score_correction_bias", (experts,), PLAIN))
         shared = (_int(config, "n_shared_experts", None) or 0) * _int(config, "moe_intermediate_size")

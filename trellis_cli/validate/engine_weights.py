@@ -25,7 +25,7 @@ from trellis_cli.validate.engine_rules import Refusal
 
 MISSING, SHAPE, CONFIG = "engine.weights-missing", "engine.weights-shape", "engine.weights-config"
 MAX_SHAPE_REFUSALS = 10  # then one refusal with the count
-MAX_GROUPS_SHOWN = 12  # module kinds named in a message; then a count
+MAX_GROUPS_SHOWN = 40  # module kinds named (an architecture has about 30, whatever its depth); then a count
 _LAYER = re.compile(r"^model\.layers\.([0-9]+)\.")
 _SYNTH_NOTE = ("this checkpoint was written by `trellis synth` without --non-expert: it holds the routed experts "
                "only, so no engine loads it; `trellis synth OUT --non-expert bf16` writes every weight")
@@ -136,7 +136,7 @@ def _parts(weights: list[Weight], limit: int = len(_PARTS) + 1) -> str:
     seen: list[str] = []
     for weight in weights:
         part = next((word for key, word in _PARTS if key in weight.name), "other")
-        if "layernorm" in weight.name or weight.name.endswith("norm.weight"):
+        if "layernorm" in weight.name or weight.name.endswith("norm" + ".weight"):
             part = "norms"
         if part not in seen:
             seen.append(part)
