@@ -359,7 +359,7 @@ def non_expert_plan(spec: SynthSpec) -> list[PlannedTensor]:
             for w in every]
 
 
-def _write_non_expert(path: Path, spec: SynthSpec) -> list[PlannedTensor]:
+def write_non_expert(path: Path, spec: SynthSpec) -> list[PlannedTensor]:
     """The non-expert shard: seeded random weights (std 0.02, norms about 1), or holes when sparse."""
     plan = non_expert_plan(spec)
     with SafetensorsWriter(path, plan, {"format": "pt"}) as writer:
@@ -555,7 +555,7 @@ def _write_all(stage: Path, spec: SynthSpec, source: TensorSource, progress: Cal
         if progress is not None:
             progress(layer)
     if spec.non_expert != "none":
-        plan = _write_non_expert(stage / NON_EXPERT_SHARD, spec)
+        plan = write_non_expert(stage / NON_EXPERT_SHARD, spec)
         weight_map.update(dict.fromkeys((t.name for t in plan), NON_EXPERT_SHARD))
         total += sum(t.nbytes for t in plan)
     # Compact: a production index maps ~935k tensors, and indenting it would triple the write time.
