@@ -19,7 +19,7 @@ from typing import Iterator
 from trellis_cli.checkpoint.architecture import ConfigProblem, ModelWeights, Weight, mismatch, model_weights
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.registry import SLOT_ROWS, storage_of
-from trellis_cli.findings import Finding, Location, warning
+from trellis_cli.findings import Finding, Location, Severity, warning
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.validate.engine_rules import Refusal
 
@@ -149,10 +149,10 @@ def notes(ckpt: Checkpoint) -> Iterator[Finding]:
     stored, expected = _facts(ckpt)
     if expected is None:
         model_type = ckpt.config.get("model_type") if isinstance(ckpt.config, dict) else None
-        yield warning("weights.unchecked", Location(file="config.json", tensor="model_type"),
+        yield Finding("weights.unchecked", Severity.INFO, Location(file="config.json", tensor="model_type"),
                       f"model_type {model_type!r}: trellis lists the model weights of GLM MoE DSA and DeepSeek-V3 "
                       "only, so the weights besides the routed experts were not checked against a model class",
-                      expected="glm_moe_dsa, deepseek_v3 or deepseek_v32", found=model_type)
+                      "glm_moe_dsa, deepseek_v3 or deepseek_v32", model_type)
         return
     if isinstance(expected, ConfigProblem):
         return
