@@ -171,8 +171,8 @@ def exl3_fits(weight: Weight, trellis_shape: tuple[int, ...]) -> bool:
 
 def mismatch(weight: Weight, stored: dict[str, tuple[str, tuple[int, ...]]], any_dtype: bool = False) -> str | None:
     """None when `stored` (name -> (dtype, shape)) holds `weight` as the model class loads it; "missing" when
-    nothing is there; else what is wrong, in words (dtype and shape expected vs found). `any_dtype`: a loader
-    with its own dense format (MXFP8) whose dtypes are not listed here: the shape alone is checked."""
+    nothing is there; else what the checkpoint holds instead, in words ("BF16 [64, 256]"). `any_dtype`: a
+    loader with its own dense format (MXFP8) whose dtypes are not listed here: the shape alone is checked."""
     found = stored.get(weight.name)
     if found is None:
         trellis = stored.get(weight.prefix + ".trellis") if weight.kind == LINEAR else None
@@ -181,14 +181,23 @@ def mismatch(weight: Weight, stored: dict[str, tuple[str, tuple[int, ...]]], any
         dtype, shape = trellis
         if dtype == "I16" and exl3_fits(weight, shape):
             return None
-        return (f"{weight.prefix}.trellis is {dtype} {list(shape)}, expected I16 "
-                f"[{-(-weight.shape[1] // 16)}, {-(-weight.shape[0] // 16)}, 16K] for an EXL3 linear of {list(weight.shape)}")
+        return f"an EXL3 linear {weight.prefix}.trellis {dtype} {list(shape)}"
     dtype, shape = found
     wanted = weight.dtype
     if tuple(shape) != weight.shape or (not any_dtype and (dtype != wanted if wanted else dtype not in FLOAT_DTYPES)):
-        return (f"{dtype} {list(shape)}, expected {wanted or 'a float dtype (BF16, F16, F32)'} {list(weight.shape)}")
+        return f"{dtype} {list(shape)}"
     return None
 
 
+def expected_form(weight: Weight, any_dtype: bool = False) -> str:
+    """How the model class takes `weight`, in words: "a float .weight (BF16, F16 or F32) [512, 256], or an
+    EXL3 linear .trellis I16 [16, 32, 16K]"."""
+    dtypes = "any dtype" if any_dtype else weight.dtype or "BF16, F16 or F32"
+    text = f"{list(weight.shape)} ({dtypes})"
+    if weight.kind == LINEAR and len(weight.shape) == 2:
+        text += f", or an EXL3 linear .trellis I16 [{-(-weight.shape[1] // 16)}, {-(-weight.shape[0] // 16)}, 16K]"
+    return text
+
+
 __all__ = ["ConfigProblem", "LINEAR", "MODEL_CLASSES", "MODEL_FILE", "ModelWeights", "PLAIN", "Weight",
-           "builds_indexer", "exl3_fits", "mismatch", "model_class", "model_weights"]
+           "builds_indexer", "exl3_fits", "expected_form", "mismatch", "model_class", "model_weights"]

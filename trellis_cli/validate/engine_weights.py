@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Iterator
 
-from trellis_cli.checkpoint.architecture import ConfigProblem, ModelWeights, Weight, mismatch, model_weights
+from trellis_cli.checkpoint.architecture import ConfigProblem, ModelWeights, Weight, expected_form, mismatch, model_weights
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.registry import SLOT_ROWS, storage_of
 from trellis_cli.findings import Finding, Location, Severity, warning
@@ -91,8 +91,8 @@ def _check(ckpt: Checkpoint, any_dtype: bool) -> Iterator[Refusal]:
                       expected=f"every weight of {expected.model_class}", found=f"{len(missing):,} absent")
     for weight, problem in wrong[:MAX_SHAPE_REFUSALS]:
         yield Refusal(SHAPE, "model weight of the wrong shape or dtype", Location(tensor=weight.name),
-                      f"{expected.model_class} allocates {weight.name} as {list(weight.shape)}; the checkpoint "
-                      f"has {problem}", expected=list(weight.shape), found=problem)
+                      f"{expected.model_class} loads {weight.name} as {expected_form(weight, any_dtype)}; "
+                      f"the checkpoint has {problem}", expected=list(weight.shape), found=problem)
     if len(wrong) > MAX_SHAPE_REFUSALS:
         yield Refusal(SHAPE, "model weights of the wrong shape or dtype", Location(),
                       f"{len(wrong) - MAX_SHAPE_REFUSALS:,} more weights of the wrong shape or dtype: "
