@@ -23,6 +23,7 @@ def test_readme_setup_has_its_two_commands_and_no_torch_pin():
     # wheel index, written out as PyTorch's install page gives it; no variable the reader must guess.
     assert commands[1] == "pip install torch --index-url https://download.pytorch.org/whl/cpu"
     assert 'pip install -e ".[test]"' in commands[2] and "python -m pytest -q -n auto" in commands[2]
+    assert commands[3] == "python -m pytest -q -n 2 -m unit"  # the developer loop (tests/conftest.py marks it)
     assert not re.search(r"torch\s*==", section) and "$" not in "".join(commands)
     assert "CPU build" in section and "Optional" in section
     # The one address in the section is PyTorch's own download index, no other index or registry.
