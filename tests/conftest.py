@@ -108,3 +108,14 @@ def kernel_build_lock(kernel_cache):
 
     with FileLock(str(kernel_cache) + ".lock"):
         yield kernel_cache
+
+# The developer unit loop, `python -m pytest -q -n 2 -m unit` (README, docs/performance.md "Test suite time"):
+# every test that writes no files (no temporary directory, so no synthetic checkpoint, repack or kernel build)
+# and is not marked slow. The full suite, what CI runs, stays the proof.
+_WRITES_FILES = frozenset({"tmp_path", "tmp_path_factory", "tmpdir", "tmpdir_factory"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow") is None and not _WRITES_FILES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.unit)

@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from corrupt import edit_json
 from trellis_cli.cli.app import main
 from trellis_cli.routepack.manifest import write_manifest
-from trellis_cli.synth import preset, write_checkpoint
+from trellis_cli.checkpoint.architecture import model_weights
+from trellis_cli.synth import TINY_GLM_MOE_DSA, preset, write_checkpoint
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
@@ -62,7 +63,8 @@ def to_plain_exl3(root: Path) -> Path:
     config.pop("hybrid_tr3_tail")
     (root / "config.json").write_text(json.dumps(config))
     storage: dict = {}
-    weight_map: dict = {}
+    old_map = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"]
+    weight_map: dict = {name: file for name, file in old_map.items() if not file.startswith("model-layer-")}
     for shard in sorted(root.glob("model-layer-*.safetensors")):
         tensors = {k.replace(".rank0.", "."): v for k, v in load_file(str(shard)).items()}
         save_file(tensors, str(shard), metadata={"format": "pt"})
@@ -323,13 +325,24 @@ def serve_exl3v1(root: Path, *, barrier: bool = True) -> Path:
     if barrier:
         manifest["layout"]["extent_barriers"] = [geometry["num_slots"] // 2]
         (root / "exl3-manifest.json").write_text(json.dumps(manifest, indent=2))
-    config = {"model_type": "glm_moe_dsa", "hidden_size": geometry["hidden_size"],
-              "n_routed_experts": geometry["num_experts"],
+    layers = geometry["moe_layer_indices"]
+    config = {**TINY_GLM_MOE_DSA, "model_type": "glm_moe_dsa", "hidden_size": geometry["hidden_size"],
+              "n_routed_experts": geometry["num_experts"], "moe_intermediate_size": geometry["intermediate_size"],
+              "num_hidden_layers": max(layers) + 1, "first_k_dense_replace": min(layers),
               "quantization_config": {"quant_method": "exl3", "exl3": {"manifest": "exl3-manifest.json"},
                                       "dense_format": "mxfp8",
                                       "ignored_layers": ["g_proj", "f_a_proj", "f_b_proj", "b_proj", "kv_b_proj"]}}
     (root / "config.json").write_text(json.dumps(config))
+    write_model_weights(root / "model-non-expert.safetensors", config)
     return root
+
+
+def write_model_weights(path: Path, config: dict) -> Path:
+    """Every weight the model class loads besides the routed experts (checkpoint/architecture.py), bf16, seeded."""
+    gen = torch.Generator().manual_seed(0)
+    weights = model_weights(config)
+    every = weights.main + [w for layer in sorted(weights.mtp) for w in weights.mtp[layer]]
+    return write_tensors(path, {w.name: (0.02 * torch.randn(w.shape, generator=gen)).to(torch.bfloat16) for w in every})
 
 
 def add_protected(root: Path, prefix: str = "model.layers.0.self_attn.q_proj", *, bits: int = 6,

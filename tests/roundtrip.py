@@ -62,8 +62,9 @@ def assert_same_tensors(source: Path, back: Path) -> None:
         assert got[name][1:] == stored[1:], (name, stored, got[name])
 
 
-def non_expert_tensors(hidden: int, vocab: int = 64) -> dict[str, torch.Tensor]:
-    """An embedding and an lm_head as a real checkpoint carries them (bf16), with seeded data."""
+def non_expert_tensors(hidden: int, vocab: int = 512) -> dict[str, torch.Tensor]:
+    """An embedding and an lm_head as a real checkpoint carries them (bf16), with seeded data; the default
+    vocabulary is the tiny preset's, so they replace its own with the shapes the model class allocates."""
     gen = torch.Generator().manual_seed(7)
     return {EMBED: torch.randn(vocab, hidden, generator=gen).to(torch.bfloat16),
             LM_HEAD: torch.randn(vocab, hidden, generator=gen).to(torch.bfloat16),

@@ -17,15 +17,23 @@ from safetensors import safe_open
 
 from trellis_cli.errors import CheckFailed
 from trellis_cli.sample import SAMPLE_ROOT, sample_path
-from trellis_cli.synth import MCG_MARKER_VALUE, SynthSpec, write_checkpoint
+from trellis_cli.synth import MCG_MARKER_VALUE, TINY_GLM_MOE_DSA, SynthSpec, write_checkpoint
 
 DEFAULT_POOL = Path(__file__).resolve().parents[1] / "tests" / "data" / "expert_pool_small.safetensors"
 
 # Layer 3: experts 1 and 6 at K4 (6/2); layer 4: experts 0, 3, 5, 6 at K4 (4/4). Interleaved global ids,
 # and the two layers differ, as in real checkpoints.
 SAMPLE_BITMAP = {3: (3, 4, 3, 3, 3, 3, 4, 3), 4: (4, 3, 3, 4, 3, 4, 4, 3)}
+# A whole GLM MoE DSA model at the smallest size its model class takes (the indexer keeps its 128-wide key):
+# 3 dense layers, the 2 MoE layers, every weight an engine loads besides the experts (bf16, seeded), so
+# `trellis validate` on the sample checks what a loader checks and passes for a reason.
+SAMPLE_MODEL = TINY_GLM_MOE_DSA | {
+    "vocab_size": 256, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2,
+    "q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+    "index_n_heads": 1,
+}
 SAMPLE_SPEC = SynthSpec(hidden=256, intermediate=256, experts=8, tp=2, layers=(3, 4), bitmap=SAMPLE_BITMAP,
-                        top_k=2, codebook="mcg", seed=0)
+                        top_k=2, codebook="mcg", seed=0, model=SAMPLE_MODEL, non_expert="bf16")
 
 
 def pool_key(expert: int, rank: int, proj: str, k: int, field: str) -> str:

@@ -28,7 +28,9 @@ def build_inspect(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str
 
             require_present(layers, [row["layer"] for row in pack.get("layers", [])])
             pack["layers"] = [row for row in pack.get("layers", []) if row["layer"] in layers]
-        return {"dialect": ckpt.dialect, "source": _describe_source(ckpt), "route_pack": pack}
+        from trellis_cli.dialects.routepack import PURPOSE
+
+        return {"dialect": ckpt.dialect, "source": _describe_source(ckpt), "route_pack": pack, "purpose": PURPOSE}
     from trellis_cli.selection import require_present
 
     chosen = list(ckpt.layers) if layers is None else require_present(layers, ckpt.layers)
@@ -353,7 +355,10 @@ def _render_route_pack(doc: dict[str, Any]) -> list[str]:
              f"(rotation {g['rotation_layout']}, codebook {g['codebook']}, tp {g['tp']})",
              f"repacked from: {_source_line(pack.get('source') or {})} ({(pack.get('source') or {}).get('dialect')})",
              f"geometry: hidden {g['hidden']}, intermediate {g['intermediate']} ({g['intermediate_per_rank']} per "
-             f"rank), {g['experts']} experts per layer", ""]
+             f"rank), {g['experts']} experts per layer"]
+    if doc.get("purpose"):
+        lines.append(f"purpose: {doc['purpose']}")
+    lines.append("")
     for layer in pack.get("layers", []):
         k_part = "/".join(f"K{k}" for k in layer["k_values"])
         lines.append(f"layer {layer['layer']}: {layer['partition']} ({k_part}), {layer.get('bpw')} bpw")

@@ -460,8 +460,17 @@ def open_source(spec: str | None, *, revision: str | None = None, token: str | b
     repo_id, spec_revision = parsed
     if spec_revision and revision and spec_revision != revision:
         raise UsageError(f"{spec}: revision {spec_revision!r} in the id conflicts with --revision {revision!r}")
-    return HubSource(repo_id, revision=spec_revision or revision, token=token, cache_dir=cache_dir,
-                     endpoint=endpoint, offline=offline)
+    if spec.startswith("hf://"):
+        return HubSource(repo_id, revision=spec_revision or revision, token=token, cache_dir=cache_dir,
+                         endpoint=endpoint, offline=offline)
+    try:
+        return HubSource(repo_id, revision=spec_revision or revision, token=token, cache_dir=cache_dir,
+                         endpoint=endpoint, offline=offline)
+    except SourceUnavailable as e:
+        # `work/glmm` reads as a repo id too: a mistyped relative path must not look like a Hub problem only.
+        raise SourceUnavailable(
+            f"{spec}: neither a local directory (no such path under {Path.cwd()}) nor a reachable Hub repo ({e}); "
+            f"for a directory, check the spelling or write it as ./{spec}; for the Hub, write hf://{spec}") from e
 
 
 def _no_revision_for_local(revision: str | None, what: str) -> None:

@@ -43,6 +43,8 @@ ROTATION_LAYOUTS = ("per_expert_v1", "shared_h_v1")
 BITMAP_FIELDS = ("k", "bits_per_expert")
 FORMAT = "exl3-trellis"
 PRODUCER = "trellis synth"
+NON_EXPERT_CHOICES = ("none", "bf16")
+NON_EXPERT_SHARD = "model-non-expert.safetensors"
 # suh magnitude of a converter-produced expert (RMS of an input row / (1.24371088 * g)), as in real data.
 SUH_MAGNITUDE = 0.017
 
@@ -78,6 +80,11 @@ class SynthSpec:
     # does not set; with them config.json describes the whole model (`trellis fit` reads it), without them
     # config.json names a synthetic architecture that carries only what the experts need.
     model: Mapping[str, object] | None = field(default=None, hash=False, compare=False)
+    # The weights besides the routed experts (attention, indexer, norms, router, shared expert, dense MLP,
+    # embeddings, lm_head, the MTP layers' own): "none" writes the routed experts only (no engine loads that);
+    # "bf16" writes every weight the model class loads, as the GLM-5 release stores them (bf16, the router's
+    # e_score_correction_bias float32), in NON_EXPERT_SHARD; holes with `sparse`. Needs `model`.
+    non_expert: str = "none"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -143,6 +150,11 @@ def _check_spec(spec: SynthSpec) -> None:
         raise bad(f"rotation_layout must be one of {', '.join(ROTATION_LAYOUTS)}, got {spec.rotation_layout!r}")
     if spec.bitmap_field not in BITMAP_FIELDS:
         raise bad(f"bitmap_field must be one of {', '.join(BITMAP_FIELDS)}, got {spec.bitmap_field!r}")
+    if spec.non_expert not in NON_EXPERT_CHOICES:
+        raise bad(f"non_expert {spec.non_expert!r}: expected one of {', '.join(NON_EXPERT_CHOICES)}")
+    if spec.non_expert != "none" and not spec.model:
+        raise bad("the weights besides the experts need the model's architecture fields (a preset's `model`); "
+                  "this spec names only the synthetic experts-only architecture")
     if spec.num_hidden_layers is not None and spec.num_hidden_layers < spec.layers[-1]:
         raise bad(f"num_hidden_layers {spec.num_hidden_layers} is below the last MoE layer {spec.layers[-1]}")
     _check_k_choice(spec, bad)
@@ -181,6 +193,7 @@ GLM_MOE_DSA = {
     "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256,
     "index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048,
     "max_position_embeddings": 202752, "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+    "topk_method": "noaux_tc",
 }
 # The same architecture at toy size (the indexer keeps its 128-wide key: its fp8 scale block is 128).
 TINY_GLM_MOE_DSA = GLM_MOE_DSA | {
@@ -193,7 +206,7 @@ PRESETS: dict[str, SynthSpec] = {
     "glm52-tp4": SynthSpec(hidden=6144, intermediate=2048, experts=256, tp=4, layers=tuple(range(3, 79)),
                            partition=(192, 64), top_k=8, num_hidden_layers=78, mtp_layers=1, model=GLM_MOE_DSA),
     "tiny": SynthSpec(hidden=256, intermediate=256, experts=8, tp=2, layers=(3, 4), partition=(6, 2), top_k=2,
-                      model=TINY_GLM_MOE_DSA),
+                      model=TINY_GLM_MOE_DSA, non_expert="bf16"),
 }
 
 
@@ -322,13 +335,44 @@ def disk_bytes(spec: SynthSpec) -> int:
     """What writing `spec` puts on disk: the tensor data (none when sparse) and about 256 bytes per tensor of
     headers and index."""
     data = 0 if spec.sparse else checkpoint_bytes(spec)
-    return data + 256 * layer_tensor_count(spec) * len(spec.layers)
+    return data + 256 * (layer_tensor_count(spec) * len(spec.layers) + len(non_expert_plan(spec)))
 
 
 def checkpoint_bytes(spec: SynthSpec) -> int:
     """Tensor data bytes of the whole checkpoint (the index's total_size)."""
     check_limits(spec)
-    return sum(layer_bytes(spec, layer) for layer in spec.layers)
+    return sum(layer_bytes(spec, layer) for layer in spec.layers) + sum(t.nbytes for t in non_expert_plan(spec))
+
+
+def non_expert_plan(spec: SynthSpec) -> list[PlannedTensor]:
+    """The weights besides the routed experts that `spec.non_expert` writes: every weight the model class
+    loads for config.json's architecture (checkpoint/architecture.py), the MTP layers' included."""
+    if spec.non_expert == "none":
+        return []
+    from trellis_cli.checkpoint.architecture import model_weights
+
+    weights = model_weights(model_config(spec))
+    if weights is None:
+        raise UsageError(f"synth: model_type {model_config(spec).get('model_type')!r} has no weight list")
+    every = weights.main + [w for layer in sorted(weights.mtp) for w in weights.mtp[layer]]
+    return [PlannedTensor(w.name, "F32" if w.name.endswith("e_score_correction_bias") else "BF16", w.shape)
+            for w in every]
+
+
+def write_non_expert(path: Path, spec: SynthSpec) -> list[PlannedTensor]:
+    """The non-expert shard: seeded random weights (std 0.02, norms about 1), or holes when sparse."""
+    plan = non_expert_plan(spec)
+    with SafetensorsWriter(path, plan, {"format": "pt"}) as writer:
+        for tensor in plan:
+            if spec.sparse:
+                writer.skip(tensor.name)
+                continue
+            gen = _generator(spec.seed, "non-expert", tensor.name)
+            data = torch.randn(tensor.shape, generator=gen, dtype=torch.float32)
+            norm = tensor.name.endswith("norm.weight")
+            data = 1.0 + 0.05 * data if norm else 0.02 * data
+            writer.write(tensor.name, data.to(torch.float32 if tensor.dtype == "F32" else torch.bfloat16))
+    return plan
 
 
 def layer_plan(spec: SynthSpec, layer: int) -> list[PlannedTensor]:
@@ -510,6 +554,10 @@ def _write_all(stage: Path, spec: SynthSpec, source: TensorSource, progress: Cal
         total += data_bytes
         if progress is not None:
             progress(layer)
+    if spec.non_expert != "none":
+        plan = write_non_expert(stage / NON_EXPERT_SHARD, spec)
+        weight_map.update(dict.fromkeys((t.name for t in plan), NON_EXPERT_SHARD))
+        total += sum(t.nbytes for t in plan)
     # Compact: a production index maps ~935k tensors, and indenting it would triple the write time.
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (stage / "model.safetensors.index.json").write_text(json.dumps(index, separators=(",", ":")), encoding="utf-8")
@@ -535,4 +583,6 @@ def summary(spec: SynthSpec, out: str | Path) -> dict:
         "tensor_bytes": index["metadata"]["total_size"],
         "files": sorted(p.name for p in out.iterdir()),
         "sparse": spec.sparse, "seed": spec.seed,
+        "non_expert": spec.non_expert, "non_expert_tensors": len(non_expert_plan(spec)),
+        "model_type": model_config(spec)["model_type"],
     }

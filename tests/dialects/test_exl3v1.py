@@ -198,7 +198,7 @@ def test_checksums_and_missing_file(capsys, mixed, tmp_path):
 
 
 def test_production_sparse_validates_fast(capsys, tmp_path):
-    out = synth_exl3v1(capsys, tmp_path / "glm", "--preset", "glm52-tp4", "--sparse")
+    out = synth_exl3v1(capsys, tmp_path / "glm", "--preset", "glm52-tp4", "--sparse", "--non-expert", "bf16")
     start = time.perf_counter()
     code, text = validate(capsys, out)
     assert code == 0, text

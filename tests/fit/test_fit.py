@@ -37,6 +37,12 @@ DTYPE_BYTES = {"I16": 2, "F16": 2, "BF16": 2, "I32": 4, "F32": 4, "U8": 1}
 RANK = re.compile(r"\.rank([0-9]+)\.")
 
 
+def tiny_experts_only():
+    """The tiny preset's routed experts alone (the byte accounting here counts them; the preset also writes
+    the other weights now, which fit counts as present)."""
+    return dataclasses.replace(preset("tiny"), non_expert="none")
+
+
 def glm5_config(**changes) -> dict:
     """GLM-5's config.json fields (GlmMoeDsaConfig defaults: 78 layers, 3 dense, 1 MTP)."""
     return {"model_type": "glm_moe_dsa", "hidden_size": 6144, "num_hidden_layers": 78, "num_nextn_predict_layers": 1,
@@ -142,7 +148,7 @@ def test_slice_bytes_per_style():
 
 def test_non_expert_tensors_placed_by_the_vllm_table(tmp_path):
     """Attention, indexer, embeddings and a norm in their own shard: each rank's bytes by hand."""
-    root = write_checkpoint(tmp_path / "c", preset("tiny"))
+    root = write_checkpoint(tmp_path / "c", tiny_experts_only())
     h = 256
     tensors = {
         "model.layers.3.self_attn.q_a_proj.weight": torch.randn(128, h, dtype=torch.bfloat16),  # replicated
@@ -200,14 +206,14 @@ def check_tr3(root: Path, tp: int, source=None, **request) -> None:
 
 
 def test_tiny_weight_bytes_per_rank_equal_the_rank_tensor_bytes(tmp_path):
-    spec = dataclasses.replace(preset("tiny"), layers=(3, 4, 5), num_hidden_layers=5, mtp_layers=1)
+    spec = dataclasses.replace(tiny_experts_only(), layers=(3, 4, 5), num_hidden_layers=5, mtp_layers=1)
     check_tr3(write_checkpoint(tmp_path / "t", spec), 2, ctx=1024)
     shared = dataclasses.replace(spec, rotation_layout="shared_h_v1")
     check_tr3(write_checkpoint(tmp_path / "s", shared), 2, ctx=1024)
 
 
 def test_tiny_exl3v1_weight_bytes(tmp_path):
-    root = write_exl3v1_checkpoint(tmp_path / "v", preset("tiny"))
+    root = write_exl3v1_checkpoint(tmp_path / "v", tiny_experts_only())
     result = fit(open_checkpoint(open_source(str(root))), FitRequest(tp=1, gpu=PRESETS["h100"], ctx=1024))
     assert result.ranks[0].weight_bytes == exl3v1_rank_bytes(root, 1)
     tiers = result.ranks[0].weights.tiers
@@ -235,9 +241,9 @@ def test_glm52_tp4_sparse_and_exl3v1(glm52_tp4_sparse, tmp_path, capsys):
 
 
 def test_from_the_loopback_hub_without_downloading_a_shard(tmp_path, capsys):
-    spec = dataclasses.replace(preset("tiny"), layers=(3, 4, 5), num_hidden_layers=5, mtp_layers=1)
+    spec = dataclasses.replace(tiny_experts_only(), layers=(3, 4, 5), num_hidden_layers=5, mtp_layers=1)
     served = write_checkpoint(tmp_path / "served", spec)
-    served_v1 = write_exl3v1_checkpoint(tmp_path / "served-v1", preset("tiny"))
+    served_v1 = write_exl3v1_checkpoint(tmp_path / "served-v1", tiny_experts_only())
     with HubServer() as hub:
         hub.add_commit("org/tiny", served)
         hub.add_commit("org/tiny-v1", served_v1)
@@ -306,7 +312,7 @@ def test_reserve_terms_are_named_and_banded():
 
 
 def _tiny(tmp_path) -> Path:
-    return write_checkpoint(tmp_path / "t", preset("tiny"))
+    return write_checkpoint(tmp_path / "t", tiny_experts_only())
 
 
 def test_budget_arithmetic(tmp_path):
@@ -350,7 +356,7 @@ def test_remedies_with_their_numbers(tmp_path):
 
 
 def test_demotion_remedy_uses_the_measured_tier_sizes(tmp_path):
-    spec = dataclasses.replace(preset("tiny"), experts=64, partition=(32, 32), top_k=2)
+    spec = dataclasses.replace(tiny_experts_only(), experts=64, partition=(32, 32), top_k=2)
     root = write_checkpoint(tmp_path / "d", spec)
     ckpt = open_checkpoint(open_source(str(root)))
     # bytes of one expert-layer on rank 0 at each K, from the raw headers
@@ -438,7 +444,7 @@ def test_inspect_has_the_fit_section_when_tp_and_a_gpu_are_given(tmp_path, capsy
 
 
 def test_plain_exl3_experts_are_cut_as_the_loaders_cut_them(tmp_path):
-    root = to_plain_exl3(write_checkpoint(tmp_path / "p", dataclasses.replace(preset("tiny"), tp=1)))
+    root = to_plain_exl3(write_checkpoint(tmp_path / "p", dataclasses.replace(tiny_experts_only(), tp=1)))
     expected = 0
     for shard in sorted(root.glob("*.safetensors")):
         for name, entry in header(shard).items():
@@ -451,7 +457,7 @@ def test_plain_exl3_experts_are_cut_as_the_loaders_cut_them(tmp_path):
 
 
 def test_r7_rank_segments(tmp_path):
-    root = to_r7(write_checkpoint(tmp_path / "r", preset("tiny")))
+    root = to_r7(write_checkpoint(tmp_path / "r", tiny_experts_only()))
     check_tr3(root, 2, ctx=1024)
 
 
@@ -461,6 +467,9 @@ def test_refusals_the_engine_would_make_and_configs_without_mla(tmp_path, capsys
     assert code == 2 and "attention heads" in err
     code, _, err = run_cli(capsys, "fit", "--tp", "2", "--gpu", "h100")  # no SOURCE: never the bundled sample
     assert code == 2 and "SOURCE is required" in err and "Traceback" not in err
+    synthetic = write_checkpoint(tmp_path / "synthetic", dataclasses.replace(tiny_experts_only(), model=None))
+    code, _, err = run_cli(capsys, "fit", str(synthetic), "--tp", "2", "--gpu", "h100")  # no MLA fields
+    assert code == 1 and "config.json: model_type 'trellis_synth_moe'" in err and "Traceback" not in err
 
 
 def test_an_absurd_layer_count_is_arithmetic_not_a_loop():

@@ -66,7 +66,7 @@ def test_json_and_markdown(capsys):
     code, out, _ = run_cli(capsys, "inspect", "--json")
     doc = json.loads(out)
     assert code == 0 and doc["dialect"] == "tr3/per_expert_v1" and doc["geometry"]["tp"] == 2
-    assert [row["layer"] for row in doc["layers"]] == [3, 4] and doc["totals"]["tensors"] == 384
+    assert [row["layer"] for row in doc["layers"]] == [3, 4] and doc["totals"]["tensors"] == 384 + 92  # experts, and the other weights
     code, out, _ = run_cli(capsys, "inspect", "--markdown", "--layers", "4")
     assert code == 0 and "| layers | partition |" in out and "| 4 | 4/4 (K3/K4) | 3.5 |" in out
     code, _, err = run_cli(capsys, "inspect", "--json", "--markdown")

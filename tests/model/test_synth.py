@@ -16,6 +16,7 @@ from helpers import run_cli
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.header import read_local_header
 from trellis_cli.synth import (
+    NON_EXPERT_SHARD,
     SHARED_H_TENSOR_SCHEMA,
     TENSOR_SCHEMA,
     RandomTensors,
@@ -76,7 +77,7 @@ def shared_h(tmp_path_factory) -> Path:
 def test_files_and_per_expert_key_set(per_expert):
     names = sorted(p.name for p in per_expert.iterdir())
     assert names == ["MANIFEST.sha256", "config.json", "model-layer-003.safetensors", "model-layer-004.safetensors",
-                     "model-layer-005.safetensors", "model.safetensors.index.json", "tier_bitmap.json"]
+                     "model-layer-005.safetensors", NON_EXPERT_SHARD, "model.safetensors.index.json", "tier_bitmap.json"]
     for layer in (3, 4, 5):
         tensors = load_shard(per_expert / f"model-layer-{layer:03d}.safetensors")
         assert set(tensors) == expected_keys(layer, 16, 2, shared_h=False)
@@ -171,6 +172,9 @@ def test_index_and_manifest(per_expert):
         header = read_local_header(per_expert / name, name)
         assert {k for k, v in index["weight_map"].items() if v == name} == set(header.tensors)
         total += sum(t.nbytes for t in header.tensors.values())
+    header = read_local_header(per_expert / NON_EXPERT_SHARD, NON_EXPERT_SHARD)  # the weights besides the experts
+    assert {k for k, v in index["weight_map"].items() if v == NON_EXPERT_SHARD} == set(header.tensors)
+    total += sum(t.nbytes for t in header.tensors.values())
     assert index["metadata"]["total_size"] == total == checkpoint_bytes(tiny(experts=16, partition=(11, 5),
                                                                              layers=(3, 4, 5), top_k=4, seed=7))
     lines = (per_expert / "MANIFEST.sha256").read_text().splitlines()
@@ -309,7 +313,8 @@ def test_refuses_non_empty_output_unless_overwrite(tmp_path):
     with pytest.raises(UsageError, match="not empty"):
         write_checkpoint(tmp_path / "out", tiny(seed=1))
     write_checkpoint(tmp_path / "out", tiny(seed=1, layers=(7,)), overwrite=True)
-    assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == ["model-layer-007.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == ["model-layer-007.safetensors",
+                                                                                NON_EXPERT_SHARD]
     (tmp_path / "file").write_text("x")
     with pytest.raises(UsageError, match="not a directory"):
         write_checkpoint(tmp_path / "file", tiny())

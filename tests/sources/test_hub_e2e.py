@@ -50,7 +50,7 @@ def open_hub(hub: HubServer, cache: Path, spec: str = REPO, **kwargs) -> HubSour
 
 
 def shards(checkpoint: Path) -> list[str]:
-    return sorted(p.name for p in checkpoint.glob("*.safetensors"))
+    return sorted(p.name for p in checkpoint.glob("model-layer-*.safetensors"))
 
 
 def resolve_paths(hub: HubServer) -> list[str]:

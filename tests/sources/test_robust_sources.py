@@ -61,16 +61,18 @@ def test_manifest_linking_outside_is_refused_unread(ckpt, tmp_path, capsys):
 
 
 def test_malformed_and_non_utf8_manifest_lines_are_findings_and_the_rest_is_checked(ckpt, capsys):
+    first = len((ckpt / CHECKSUM_MANIFEST).read_text().splitlines()) + 1  # the first line appended
     with open(ckpt / CHECKSUM_MANIFEST, "ab") as f:
         f.write(b"not-a-hash  config.json\n\xff\xfe  x\n")
     code, found = findings(ckpt, capsys, "--checksums")
     assert code == 1
-    assert named(found, "checksum.manifest", f"{CHECKSUM_MANIFEST}:6")[0]["message"].startswith("expected '<64 hex>")
-    assert "not UTF-8" in named(found, "checksum.manifest", f"{CHECKSUM_MANIFEST}:7")[0]["message"]
+    assert named(found, "checksum.manifest", f"{CHECKSUM_MANIFEST}:{first}")[0]["message"].startswith(
+        "expected '<64 hex>")
+    assert "not UTF-8" in named(found, "checksum.manifest", f"{CHECKSUM_MANIFEST}:{first + 1}")[0]["message"]
     assert not [f for f in found if f["code"].startswith("checksum.") and f["code"] != "checksum.manifest"]
     problems = [r for r in verify_checksums(LocalSource(ckpt), strict_manifest=False) if r.status != OK]
-    assert [(r.file, r.status) for r in problems] == [(f"{CHECKSUM_MANIFEST}:6", MALFORMED),
-                                                      (f"{CHECKSUM_MANIFEST}:7", MALFORMED)]
+    assert [(r.file, r.status) for r in problems] == [(f"{CHECKSUM_MANIFEST}:{first}", MALFORMED),
+                                                      (f"{CHECKSUM_MANIFEST}:{first + 1}", MALFORMED)]
 
 
 # ---- symlink loops and NUL bytes ------------------------------------------------------------------------

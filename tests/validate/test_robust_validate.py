@@ -82,12 +82,13 @@ def test_manifest_written_by_sha256sum_is_read_as_sha256sum_reads_it(ckpt, capsy
     "{h} x",  # the reversed form after lines of the two-space form
 ])
 def test_lines_sha256sum_refuses_are_malformed(ckpt, capsys, line):
+    appended = len((ckpt / CHECKSUM_MANIFEST).read_text().splitlines()) + 1
     with open(ckpt / CHECKSUM_MANIFEST, "a") as f:
         f.write(line.format(h="0" * 64) + "\n")
     assert b"1 line is improperly formatted" in _sha256sum(ckpt, "-c", CHECKSUM_MANIFEST).stderr
     code, found = validate(capsys, ckpt, "--checksums")
     assert code == 1 and [f["location"] for f in found if f["code"] == "checksum.manifest"] == [
-        {"file": f"{CHECKSUM_MANIFEST}:6"}]
+        {"file": f"{CHECKSUM_MANIFEST}:{appended}"}]
 
 
 # ---- headers safetensors refuses ----------------------------------------------------------------------

@@ -254,14 +254,15 @@ def test_checksums_against_manifest(tmp_path, capsys):
 def test_production_layers_header_only(tmp_path):
     import time
 
-    from trellis_cli.synth import preset
+    from trellis_cli.synth import non_expert_plan, preset
 
-    spec = replace(preset("glm52-tp4"), layers=(3, 4, 5, 6), sparse=True, num_hidden_layers=7, mtp_layers=0)
+    spec = replace(preset("glm52-tp4"), layers=(3, 4, 5, 6), sparse=True, num_hidden_layers=7, mtp_layers=0,
+                   non_expert="bf16")
     root = write_checkpoint(tmp_path / "glm", spec)
     start = time.perf_counter()
     report = validate(root)
     elapsed = time.perf_counter() - start
-    assert report.checked["tensors"] == 4 * 12_288 and report.checked["linears"] == 4 * 3072
+    assert report.checked["tensors"] == 4 * 12_288 + len(non_expert_plan(spec)) and report.checked["linears"] == 4 * 3072
     # The markers are read by default; a sparse file still holds real markers, so it passes.
     assert report.checked["markers read"] == 4 * 3072 and report.ok, codes(report)
     assert elapsed < 15, elapsed  # ~0.3 s per layer on 2 cores; 76 layers in docs/performance.md

@@ -37,6 +37,11 @@ class Format(str, Enum):
     exl3_v1 = "exl3-v1"
 
 
+class NonExpert(str, Enum):
+    none = "none"
+    bf16 = "bf16"
+
+
 class BitmapField(str, Enum):
     k = "k"
     bits_per_expert = "bits_per_expert"
@@ -144,7 +149,12 @@ def register(app: typer.Typer) -> None:
         "Random valid codes with realistic suh/svh, seeded and reproducible. Streams one linear at a time: "
         f"peak memory about {PEAK_RSS_MB} MB even for a glm52-tp4 layer (3.97 GB per shard). "
         "--sparse writes real headers over unwritten data, so the full glm52-tp4 checkpoint "
-        "(~300 GB apparent) takes about half a minute and almost no disk. Options override the preset."
+        "(~300 GB apparent) takes about half a minute and almost no disk. Options override the preset.\n\n"
+        "What the presets make: tiny (the default) is a whole toy GLM MoE DSA model, its routed experts and every "
+        "other weight an engine loads (attention, indexer, norms, router, shared expert, dense MLP, embeddings, "
+        "lm_head) in bf16, so `trellis validate` passes it; glm52-tp4 writes the routed experts only (the ~300 GB "
+        "the layout is about), which every engine refuses for its missing weights: add --non-expert bf16 "
+        "(with --sparse, headers only) for a checkpoint an engine would load."
     ))
     def synth_command(
         out: Annotated[Path, typer.Argument(help="Output directory (must not exist or be empty).")],
@@ -164,6 +174,10 @@ def register(app: typer.Typer) -> None:
         top_k: Annotated[Optional[int], typer.Option("--top-k", help="Experts per token.")] = None,
         seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
         sparse: Annotated[bool, typer.Option("--sparse", help="Headers only, data left as holes.")] = False,
+        non_expert: Annotated[Optional[NonExpert], typer.Option(
+            "--non-expert", help="The weights besides the routed experts: none (experts only: no engine loads it) or "
+                                 "bf16 (every weight the model class loads, as the GLM-5 release stores them; holes "
+                                 "with --sparse). Default: the preset's (tiny bf16, glm52-tp4 none).")] = None,
         fmt: Annotated[Format, typer.Option("--format", help="tr3 (rank-sliced shards) or exl3-v1 (b12x's "
                                                              "slot-major container; --tp is then ignored).")] = Format.tr3,
         overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")] = False,
@@ -180,7 +194,8 @@ def register(app: typer.Typer) -> None:
                           "bits": uniform, "seed": seed, "sparse": sparse}, overwrite, as_json)
             return
         overrides = {"hidden": hidden, "intermediate": intermediate, "experts": experts, "tp": tp,
-                     "layers": parse_layers(layers) if layers is not None else None, "top_k": top_k}
+                     "layers": parse_layers(layers) if layers is not None else None, "top_k": top_k,
+                     "non_expert": non_expert.value if non_expert is not None else None}
         spec = build_spec(preset_name.value, overrides, partition, k_values, bitmap, uniform)
         spec = dataclasses.replace(spec, codebook=codebook.value, bitmap_field=bitmap_field.value, seed=seed,
                                    sparse=sparse, rotation_layout="shared_h_v1" if shared_h else "per_expert_v1")
@@ -265,6 +280,9 @@ def _print_summary(doc: dict) -> None:
         f"  bits      {doc['bits']} (mean {doc['mean_bpw']} bpw), {doc['codebook']}, {doc['rotation_layout']}",
         f"  tiers     {'; '.join(tiers)}",
         f"  bytes     {doc['tensor_bytes']:,} tensor data ({human_bytes(doc['tensor_bytes'])})",
+        f"  model     {doc['model_type']}: " + (
+            f"{doc['non_expert_tensors']} weights besides the experts ({doc['non_expert']})" if doc["non_expert"] != "none"
+            else "routed experts only: no engine loads it (--non-expert bf16 writes every weight)"),
     ]
     for line in lines:
         output.print_line(line)

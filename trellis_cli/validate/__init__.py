@@ -22,7 +22,7 @@ from trellis_cli.dialects.interface import CheckRequest, Dialect
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import MAX_FINDINGS_PER_CODE, Finding, Location, Report, Severity, finding_order
 from trellis_cli.id_ranges import compact_ranges
-from trellis_cli.validate import (engines, rules_config, rules_files, rules_markers, rules_names, rules_runtime,
+from trellis_cli.validate import (engine_weights, engines, rules_config, rules_files, rules_markers, rules_names, rules_runtime,
                                   rules_tensors)
 from trellis_cli.validate import checksums as checksum_rule
 
@@ -68,10 +68,15 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
         else:
             report.notes.append(NOT_DEEP_NOTE)
     checksum_rule.after_rules(checkpoint, dialect, checksums, report, checksum_progress)
+    report.extend(engine_weights.notes(checkpoint))
     engines.assess(checkpoint, selected, report, enforced, tp)
     partitions = dialect.tp_partitions(checkpoint, tp) if tp is not None else None
     if partitions is not None:  # which slots each rank reads, by each planner (they differ)
         report.context["tp_partitions"] = partitions
+    note = engine_weights.synth_note(checkpoint, any(r["code"] == engine_weights.MISSING
+                                                     for v in report.engines for r in v["reasons"]))
+    if note:
+        report.notes.append(note)
     report.context["engine"] = enforced
     cap_findings(report)
     return report

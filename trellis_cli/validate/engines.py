@@ -24,6 +24,7 @@ from trellis_cli.validate import engine_r7 as r7
 from trellis_cli.validate import engine_rules as r
 from trellis_cli.validate import engine_stamps as st
 from trellis_cli.validate import engine_tp as tpc
+from trellis_cli.validate import engine_weights as w
 
 Rule = Callable[[Checkpoint, list[int]], Iterator[r.Refusal]]
 MAX_REASONS = 20  # per engine in the JSON verdict; then a count
@@ -51,28 +52,31 @@ _VLLM_COMMON = (r.vllm_container, st.embedded_quant_config, st.stamp_selects_exl
 _R7_RULES = (r7.r7_container, st.embedded_quant_config, r7.r7_detected, r7.r7_contract, r7.glm53_contract,
              r7.glm53_stream, r7.glm53_external, st.stamp_selects_exl3, st.bits_required, st.protected_unread, r7.r7_tensor_storage,
              r7.r7_layer_range, r7.r7_rank_free, r7.r7_shared_vectors, r7.r7_undeclared_k, r.legacy_signs,
-             r.tier_count, r7.uniform_k_r7)
+             r.tier_count, r7.uniform_k_r7, w.model_weights_rule)
 
 ENGINES: tuple[Engine, ...] = (
-    Engine("vllm-exl3-shared-h", "vllm-exl3 (shared-H rules)", 2,
+    Engine("vllm-exl3-shared-h", "vllm-exl3 (shared-H rules)", 3,
            "local-inference-lab/vllm exl3.py with rotation_layout and _normalize_rank_sliced_metadata",
            _VLLM_COMMON + (st.json_ints, st.bits_map, r.bits_exact, r.k_values_two, r.every_k_used, r.bitmap_field,
-                           r.uniform_map), tpc.fork_tp),
-    Engine("vllm-exl3-190", "vllm-exl3 (#190 rules)", 2,
+                           r.uniform_map, w.model_weights_rule), tpc.fork_tp),
+    Engine("vllm-exl3-190", "vllm-exl3 (#190 rules)", 3,
            "yatesdr/vllm-opt@1f0baf95 exl3.py (#190: rank-sliced, int() coercion, no rotation_layout)",
-           _VLLM_COMMON + (st.bits_required, st.protected_unread, r.shared_h_unsupported, r.uniform_k_190),
+           _VLLM_COMMON + (st.bits_required, st.protected_unread, r.shared_h_unsupported, r.uniform_k_190,
+                           w.model_weights_rule),
            tpc.fork_tp),
-    Engine("vllm-exl3-r7", "vllm-exl3 (R7 rules)", 2,
+    Engine("vllm-exl3-r7", "vllm-exl3 (R7 rules)", 3,
            "the fork's exl3.py with r7_routed_experts (r7-complete-v2-checkpoint-v1) and the GLM-5.3 scope",
            _R7_RULES, tpc.r7_fork_tp),
-    Engine("vllm-exl3-manifest", "vllm-exl3 (manifest rules)", 1,
+    Engine("vllm-exl3-manifest", "vllm-exl3 (manifest rules)", 2,
            "local-inference-lab/vllm@174fe4d exl3.py + utils/exl3.py over b12x 1.5.1's exl3-v1 reader",
-           (m.manifest_container, m.manifest_config, m.manifest_geometry, m.uniform_rates), tpc.manifest_tp),
-    Engine("b12x-exl3-v1", "b12x exl3-v1", 1, "b12x 1.5.x moe/checkpoints exl3-v1 reader", (r.b12x_container,)),
+           (m.manifest_container, m.manifest_config, m.manifest_geometry, m.uniform_rates, w.model_weights_mxfp8_rule),
+           tpc.manifest_tp),
+    Engine("b12x-exl3-v1", "b12x exl3-v1", 2, "b12x 1.5.x moe/checkpoints exl3-v1 reader",
+           (r.b12x_container, w.model_weights_mxfp8_rule)),
     Engine("b12x-1.3.0", "b12x 1.3.0", 1, "b12x 1.3.0 wheel: kernels/w4a16/btx.py BTX reader, fused_moe/config.py "
-           "TrellisConfig (sqg codebooks)", (r.b12x130_container,)),
-    Engine("exllamav3", "exllamav3", 1, "turboderp-org/exllamav3 loader (per-linear names, MultiLinear)",
-           (r.exllamav3_container, r.one_k_per_projection)),
+           "TrellisConfig (sqg codebooks)", (r.b12x130_container, w.model_weights_mxfp8_rule)),
+    Engine("exllamav3", "exllamav3", 2, "turboderp-org/exllamav3 loader (per-linear names, MultiLinear)",
+           (r.exllamav3_container, r.one_k_per_projection, w.model_weights_rule)),
     Engine("vllm-exl3-pr766", "vllm-exl3 (PR #766 relaxed TP)", 1,
            "local-inference-lab/vllm PR #766 (open; its description of 2026-09-15, code not read): the R7 version's "
            "GLM-5.3 scope with the unsliced stream's TP check lifted", (r7.pr766_container,) + _R7_RULES[1:],

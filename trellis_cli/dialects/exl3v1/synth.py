@@ -24,7 +24,8 @@ from trellis_cli.formats.exl3v1_schema import (HADAMARD_BLOCK_SLOTS, MANIFEST_FI
                                                SLOTS_PER_PAIR, UNIFORM, LayerEntry, Manifest)
 from trellis_cli.dialects.exl3v1.write import layer_file_name, layer_plan, row_stride, write_layer, write_manifest
 from trellis_cli.integrity import sha256_file
-from trellis_cli.synth import SynthSpec, _generator, model_config, random_suh, random_svh, staged_output
+from trellis_cli.synth import (NON_EXPERT_SHARD, SynthSpec, _generator, model_config, non_expert_plan, random_suh,
+                               random_svh, staged_output, write_non_expert)
 
 SPARSE_DIGEST = "0" * 64
 ROW_ALIGNMENT = 4096
@@ -114,6 +115,8 @@ def write_exl3v1_checkpoint(out_dir: str | Path, spec: SynthSpec, progress: Call
         if spec.model:  # the model's architecture next to the container, as a served model directory has it
             config = stage / "config.json"
             config.write_text(json.dumps(model_config(spec), indent=2) + "\n", encoding="utf-8")
+        if spec.non_expert != "none":  # the weights besides the experts, beside the container (a served directory)
+            write_non_expert(stage / NON_EXPERT_SHARD, spec)
 
     # Sparse: only the rate tables hold data ([num_slots/8, E] bytes each, within the headroom).
     return staged_output(out_dir, overwrite, write, needed=0 if spec.sparse else checkpoint_bytes(spec))
@@ -125,7 +128,7 @@ def checkpoint_bytes(spec: SynthSpec) -> int:
     for layer in spec.layers:
         stride = row_stride(m, layer_rates(m, spec, layer))
         total += sum(t.nbytes for t in layer_plan(m, stride))
-    return total
+    return total + sum(t.nbytes for t in non_expert_plan(spec))
 
 
 def summary(spec: SynthSpec, out: str | Path) -> dict:

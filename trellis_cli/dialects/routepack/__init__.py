@@ -12,6 +12,11 @@ from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, DIALE
 from trellis_cli.dialects.detect import route_pack_info
 from trellis_cli.dialects.interface import VLLM, CheckRequest, Dialect, DialectInfo, Probe
 
+# What a route pack is for, said wherever one is made or read (repack --help, validate, inspect).
+PURPOSE = ("a route pack is the bundled fused kernel's own layout, for `trellis bench` and kernel work: no serving "
+           "engine loads it. To serve, convert the source instead: `trellis repack SRC OUT --to tr3 --tp N` for "
+           "the vLLM fork, `trellis repack SRC OUT --to exl3-v1` for b12x (a route pack converts back with --to tr3)")
+
 NOTE = ("tensor values not checked: the sha256 of every file matches the manifest repack wrote "
         "(validate the source with --deep to check its data)")
 
@@ -57,6 +62,7 @@ class RoutePackDialect(Dialect):
         report.checked.update(found.checked)
         report.omitted.update(found.omitted)
         report.notes.extend(found.notes)
+        report.notes.append(PURPOSE)
         for key, value in found.context.items():
             report.context.setdefault(key, value)
         report.notes.append(NOTE)
