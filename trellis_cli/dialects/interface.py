@@ -109,6 +109,7 @@ class Dialect:
     default_engine: str | None = None  # the profile validate enforces without --engine
     tensor_data: bool = True  # --deep reads its vectors (False: its values are covered by recorded hashes)
     records_hashes: bool = False  # its own metadata records each file's sha256
+    holds_model_weights: bool = True  # its files hold the model's weights (False: a config block alone)
     publisher_digests: bool = False  # with --checksums, the publisher's hashes are compared first and reused
     inspect_view: str = "shards"  # which inspect document describes it: "shards", "slot-rows" or "route-pack"
     read_by: frozenset[str] = frozenset()  # the loader families that open this container

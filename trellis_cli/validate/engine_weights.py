@@ -18,7 +18,7 @@ from typing import Iterator
 
 from trellis_cli.checkpoint.architecture import ConfigProblem, ModelWeights, Weight, expected_form, mismatch, model_weights
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.dialects.registry import SLOT_ROWS, storage_of
+from trellis_cli.dialects.registry import SLOT_ROWS, dialect_of, storage_of
 from trellis_cli.findings import Finding, Location, Severity, warning
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.validate.engine_rules import Refusal
@@ -49,6 +49,7 @@ def _stored(ckpt: Checkpoint) -> Stored:
     live in its other safetensors files, beside the container."""
     stored = {name: (ref.dtype, tuple(ref.shape)) for name, ref in ckpt.tensors.items()}
     if storage_of(ckpt) == SLOT_ROWS:
+        from trellis_cli.checkpoint import reader
         from trellis_cli.dialects.exl3v1.container import container
         from trellis_cli.errors import CheckFailed
 
@@ -56,7 +57,7 @@ def _stored(ckpt: Checkpoint) -> Stored:
         for name, size in sorted(ckpt.files.items()):
             if name.endswith(".safetensors") and name not in layer_files and size >= 0:
                 try:
-                    header = ckpt.source.read_header(name)
+                    header = reader.shard_header(ckpt, name)
                 except CheckFailed:
                     continue  # the file rules name an unreadable header
                 stored.update({t: (e.dtype, tuple(e.shape)) for t, e in header.tensors.items()})
@@ -76,6 +77,8 @@ def model_weights_mxfp8_rule(ckpt: Checkpoint, layers: list[int]) -> Iterator[Re
 
 
 def _check(ckpt: Checkpoint, any_dtype: bool) -> Iterator[Refusal]:
+    if not dialect_of(ckpt).holds_model_weights:
+        return  # nothing here holds them to check (a b12x_trellis block is its config and rate tensor)
     stored, expected = _facts(ckpt)
     if expected is None:
         return
@@ -146,6 +149,13 @@ def _parts(weights: list[Weight], limit: int = len(_PARTS) + 1) -> str:
 def notes(ckpt: Checkpoint) -> Iterator[Finding]:
     """Said once per validation, whatever the engine: an architecture whose weights are not listed here, and
     the MTP layers' missing weights (only the MTP draft model loads them)."""
+    dialect = dialect_of(ckpt)
+    if not dialect.holds_model_weights:
+        yield Finding("weights.unchecked", Severity.INFO, Location(file="config.json"),
+                      f"{dialect.described_as} checkpoint is read here as its declarations alone: the model's weights "
+                      "were not checked against a model class", "weights in a container trellis reads",
+                      "a declaration block")
+        return
     stored, expected = _facts(ckpt)
     if expected is None:
         model_type = ckpt.config.get("model_type") if isinstance(ckpt.config, dict) else None

@@ -29,6 +29,7 @@ ATOM_NOTE = ("the atom layout (trellis_atoms), which runs on sm_103 only and shi
 
 class B12xTrellisDialect(Dialect):
     name = DIALECT_B12X_TRELLIS
+    holds_model_weights = False  # the block and its rate tensor; the grouped payloads have no container here
     described_as = "a b12x_trellis v2"
     default_engine = "b12x-exl3-v1"  # the b12x 1.5.x profile: its parser and runtime
     read_by = frozenset({B12X, B12X_130})
