@@ -28,20 +28,101 @@ def portable_library():
     return library
 
 
+SMALL = Preset("small", 1024, 256, 32, 8, "mcg", (24, 8), (3, 4), 1)
+# Every K from 2 to 6 in one layer: served by the all-K kernels, whose FC1 stages half chunks on builds
+# without wgmma (kernels/gemm_tile.cuh fc1_chunk_tiles) so that they fit 99 KB.
+EVERY_K = Preset("every-k", 1024, 256, 32, 8, "mcg", (8, 8, 8, 4, 4), (2, 3, 4, 5, 6), 1)
+CODEBOOKS = ("mcg", "3inst", "mul1")
+
+
+def portable_build(codebook: str, kernels: str):
+    from trellis_cli.kernel.abi import default_library
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(MMA_SYNC_ONLY_ENV, "1")
+        library = default_library(codebook, kernels=kernels)
+    assert not library.wgmma
+    return library
+
+
+def check_call(moe, preset: Preset, m: int, plan=None) -> None:
+    """Fused against float64 and the two-pass baseline (same plan), repeats bit-identical, on fresh inputs."""
+    x = random_activations(m, preset.hidden, device="cuda", seed=m)
+    ids, w = random_routes(m, preset.experts, preset.top_k, device="cuda", seed=m + 1)
+    fused = moe.forward(x, ids, w, plan=plan)
+    assert rel_l2(fused, layer_pack_forward(moe.pack, x, ids, w, dtype=torch.float64)) <= REFERENCE_LIMIT
+    assert rel_l2(fused, moe.two_pass(x, ids, w, plan=plan)) <= TWO_PASS_LIMIT
+    for _ in range(3):
+        assert torch.equal(fused, moe.forward(x, ids, w, plan=plan))  # repeat runs are bit-identical
+
+
 @pytest.mark.parametrize("m", [1, 5, 8, 64, 200, 512])
 def test_sm120_plans_on_the_mma_sync_build(portable_library, monkeypatch, m):
     from trellis_cli.kernel.launch import FusedMoe
 
     monkeypatch.setenv(PLAN_LIMITS_ENV, "sm_120")
-    preset = Preset("small", 1024, 256, 32, 8, "mcg", (24, 8), (3, 4), 1)
-    moe = FusedMoe(synthetic_pack(preset, device="cuda", seed=m), portable_library)
+    moe = FusedMoe(synthetic_pack(SMALL, device="cuda", seed=m), portable_library)
     assert (moe.limits.arch, moe.limits.source) == ("sm_120", "override")
     assert moe.limits.smem_per_block_optin == ARCH_TABLE["sm_120"].smem_per_block_optin
-    x = random_activations(m, preset.hidden, device="cuda", seed=m)
-    ids, w = random_routes(m, preset.experts, preset.top_k, device="cuda", seed=m + 1)
-    plan = moe.plan(m, preset.top_k)
-    assert plan.family in ("mma16", "mma32") and plan.m_tile in (16, 32)
-    fused = moe.forward(x, ids, w)
-    assert rel_l2(fused, layer_pack_forward(moe.pack, x, ids, w, dtype=torch.float64)) <= REFERENCE_LIMIT
-    assert rel_l2(fused, moe.two_pass(x, ids, w)) <= TWO_PASS_LIMIT
-    assert torch.equal(fused, moe.forward(x, ids, w))  # repeat runs are bit-identical
+    plan = moe.plan(m, SMALL.top_k)
+    assert plan.family == f"mma{plan.m_tile}"  # 512 routes over 32 experts: 128-row tiles within 99 KB
+    assert plan.m_tile == (128 if m == 512 else 32 if m >= 64 else 16), plan
+    check_call(moe, SMALL, m)
+
+
+# Each tile family under sm_120's limits, forced: direct 16-row tiles, packed 16, 32 and 128 rows.
+FAMILIES = ((3, None), (16, 16), (64, 32), (512, 128))
+
+
+@pytest.mark.parametrize("m, m_tile", FAMILIES[1:])
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+def test_k3k4_tiles_under_sm120_limits(monkeypatch, codebook, m, m_tile):
+    from trellis_cli.kernel.launch import FusedMoe
+    from trellis_cli.kernel.plan import make_plan
+
+    monkeypatch.setenv(PLAN_LIMITS_ENV, "sm_120")
+    moe = FusedMoe(synthetic_pack(SMALL, device="cuda", seed=m, codebook=codebook), portable_build(codebook, "k3k4"))
+    plan = make_plan(m, SMALL.top_k, SMALL.hidden, SMALL.intermediate, SMALL.experts, m_tile=m_tile,
+                     num_experts=SMALL.experts, limits=moe.limits, codebook=codebook, fast=True, usage=moe.usage)
+    assert plan.m_tile == m_tile and not plan.direct
+    check_call(moe, SMALL, m, plan)
+
+
+@pytest.mark.parametrize("m, m_tile", FAMILIES)
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+def test_every_k_under_sm120_limits(monkeypatch, codebook, m, m_tile):
+    """K 2..6 in one layer on every tile family the plan may pick under 99 KB (128-row all-K tiles do not
+    fit there: the plan takes 32 rows)."""
+    from trellis_cli.kernel.launch import FusedMoe
+    from trellis_cli.kernel.plan import KernelDoesNotFit, make_plan
+
+    monkeypatch.setenv(PLAN_LIMITS_ENV, "sm_120")
+    moe = FusedMoe(synthetic_pack(EVERY_K, device="cuda", seed=m, codebook=codebook), portable_build(codebook, "all"))
+    assert sorted(set(moe.pack.tier_k)) == [2, 3, 4, 5, 6]
+
+    def plan_for(tile):
+        return make_plan(m, EVERY_K.top_k, EVERY_K.hidden, EVERY_K.intermediate, EVERY_K.experts, m_tile=tile,
+                         num_experts=EVERY_K.experts, limits=moe.limits, codebook=codebook, fast=False,
+                         usage=moe.usage)
+
+    if m_tile == 128:
+        with pytest.raises(KernelDoesNotFit):
+            plan_for(128)
+        plan = moe.plan(m, EVERY_K.top_k)
+        assert plan.m_tile == 32, plan
+    else:
+        plan = plan_for(m_tile)
+        assert plan.direct == (m_tile is None)
+    check_call(moe, EVERY_K, m, plan)
+
+
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+def test_every_k_on_128_row_tiles_under_sm80_limits(monkeypatch, codebook):
+    """A100's 163 KB hold the all-K 128-row kernels of a build without wgmma (FC1 in half chunks, 104 KB)."""
+    from trellis_cli.kernel.launch import FusedMoe
+
+    monkeypatch.setenv(PLAN_LIMITS_ENV, "sm_80")
+    moe = FusedMoe(synthetic_pack(EVERY_K, device="cuda", seed=9, codebook=codebook), portable_build(codebook, "all"))
+    plan = moe.plan(512, EVERY_K.top_k)
+    assert (plan.m_tile, plan.family) == (128, "mma128"), plan
+    check_call(moe, EVERY_K, 512)
