@@ -246,7 +246,11 @@ __host__ __device__ constexpr int fc1_stage_weight_words(int r, bool fast) {
 __host__ __device__ constexpr int fc1_stage_a_halves(int r, bool fast) {
   return 2 * r * 16 * a_stride(r, fc1_chunk_tiles(r, fast));
 }
-__host__ __device__ constexpr int fc2_stage_weight_words(bool fast) { return 8 * 64 * max_k(fast); }
-__host__ __device__ constexpr int fc2_stage_a_halves(int r) { return r * 16 * a_stride(r); }
+__host__ __device__ constexpr int fc2_stage_weight_words(int r, bool fast) {
+  return fc2_chunk_tiles(r, fast) * 64 * max_k(fast);
+}
+__host__ __device__ constexpr int fc2_stage_a_halves(int r, bool fast) {
+  return r * 16 * a_stride(r, fc2_chunk_tiles(r, fast));
+}
 
 }  // namespace trellis

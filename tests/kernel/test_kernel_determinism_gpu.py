@@ -92,8 +92,8 @@ def test_repeats_bit_identical_under_sm120_limits(portable_library, monkeypatch,
 @pytest.mark.parametrize("kernels", ["k3k4", "all"])
 @pytest.mark.parametrize("m", [1024, 3072])
 def test_repeats_bit_identical_on_large_tiles_under_sm120_limits(monkeypatch, kernels, m):
-    """The 128-row tiles within 99 KB (FC1 in half chunks), on skewed routes: an expert's routes fill several
-    tiles. The all-K layer (K3 and K5) takes 32-row tiles there, its 128-row kernels do not fit."""
+    """The 128-row tiles within 99 KB (FC1, and the all-K FC2, in smaller chunks), K3/K4 and K3/K5, on skewed
+    routes: an expert's routes fill several tiles."""
     from trellis_cli.kernel.abi import default_library
     from trellis_cli.kernel.launch import FusedMoe
 
@@ -104,5 +104,5 @@ def test_repeats_bit_identical_on_large_tiles_under_sm120_limits(monkeypatch, ke
     preset = FEW_EXPERTS if kernels == "k3k4" else FEW_EXPERTS_K5
     moe = FusedMoe(synthetic_pack(preset, device="cuda", seed=5), library)
     plan = moe.plan(m, preset.top_k)
-    assert plan.m_tile == (128 if kernels == "k3k4" else 32), plan
+    assert plan.m_tile == 128, plan
     assert_repeats_identical(moe, preset, m, plan, finer_tail=False)

@@ -91,34 +91,22 @@ def test_k3k4_tiles_under_sm120_limits(monkeypatch, codebook, m, m_tile):
 @pytest.mark.parametrize("m, m_tile", FAMILIES)
 @pytest.mark.parametrize("codebook", CODEBOOKS)
 def test_every_k_under_sm120_limits(monkeypatch, codebook, m, m_tile):
-    """K 2..6 in one layer on every tile family the plan may pick under 99 KB (128-row all-K tiles do not
-    fit there: the plan takes 32 rows)."""
+    """K 2..6 in one layer on every tile family under 99 KB (the all-K FC1 and 128-row FC2 in smaller chunks)."""
     from trellis_cli.kernel.launch import FusedMoe
-    from trellis_cli.kernel.plan import KernelDoesNotFit, make_plan
+    from trellis_cli.kernel.plan import make_plan
 
     monkeypatch.setenv(PLAN_LIMITS_ENV, "sm_120")
     moe = FusedMoe(synthetic_pack(EVERY_K, device="cuda", seed=m, codebook=codebook), portable_build(codebook, "all"))
     assert sorted(set(moe.pack.tier_k)) == [2, 3, 4, 5, 6]
-
-    def plan_for(tile):
-        return make_plan(m, EVERY_K.top_k, EVERY_K.hidden, EVERY_K.intermediate, EVERY_K.experts, m_tile=tile,
-                         num_experts=EVERY_K.experts, limits=moe.limits, codebook=codebook, fast=False,
-                         usage=moe.usage)
-
-    if m_tile == 128:
-        with pytest.raises(KernelDoesNotFit):
-            plan_for(128)
-        plan = moe.plan(m, EVERY_K.top_k)
-        assert plan.m_tile == 32, plan
-    else:
-        plan = plan_for(m_tile)
-        assert plan.direct == (m_tile is None)
+    plan = make_plan(m, EVERY_K.top_k, EVERY_K.hidden, EVERY_K.intermediate, EVERY_K.experts, m_tile=m_tile,
+                     num_experts=EVERY_K.experts, limits=moe.limits, codebook=codebook, fast=False, usage=moe.usage)
+    assert plan.direct == (m_tile is None) and plan.m_tile == (m_tile or 16)
     check_call(moe, EVERY_K, m, plan)
 
 
 @pytest.mark.parametrize("codebook", CODEBOOKS)
 def test_every_k_on_128_row_tiles_under_sm80_limits(monkeypatch, codebook):
-    """A100's 163 KB hold the all-K 128-row kernels of a build without wgmma (FC1 in half chunks, 104 KB)."""
+    """A100's plans: the all-K 128-row kernels of a build without wgmma."""
     from trellis_cli.kernel.launch import FusedMoe
 
     monkeypatch.setenv(PLAN_LIMITS_ENV, "sm_80")

@@ -86,14 +86,14 @@ def test_every_plan_fits_every_arch(arch: str):
 def test_plans_on_the_archs_users_own():
     """Which tiles each arch's plans take (a sample of M): Blackwell workstation cards and Ada/Ampere run 16-,
     32- and 128-row tiles on K3/K4 layers (the compact 128-row FC1, 88 KB) and 16- and 32-row tiles on the
-    all-K kernels (their 128-row FC2 needs 150 KB), Hopper wgmma, B200 and A100 128-row mma.sync."""
+    all-K kernels, FC1 in chunks of 32 columns and FC2 of 64), Hopper wgmma, B200 and A100 128-row mma.sync."""
     ms = (1, 8, 64, 200, 512, 1024, 3072, 8192)
     assert walk("sm_120", ms, True, "mcg", GEOMETRIES[0]) == ({16, 32, 128}, [])
     assert walk("sm_121", ms, True, "mcg", GEOMETRIES[0]) == ({16, 32, 128}, [])
     assert walk("sm_90", ms, True, "mcg", GEOMETRIES[0]) == ({16, 128}, [])
     assert walk("sm_100", ms, True, "mcg", GEOMETRIES[0]) == ({16, 32, 128}, [])
     assert walk("sm_80", ms, False, "mcg", GEOMETRIES[0]) == ({16, 32, 128}, [])
-    assert walk("sm_120", ms, False, "mcg", GEOMETRIES[0]) == ({16, 32}, [])
+    assert walk("sm_120", ms, False, "mcg", GEOMETRIES[0]) == ({16, 32, 128}, [])
     # A library with wgmma holds the full FC1 kernels (168 KB at 128 rows): under sm_120's limits 32 rows.
     plan = make_plan(3072, 8, 6144, 512, 256, wgmma=True, num_experts=256, limits=ARCH_TABLE["sm_120"])
     assert (plan.m_tile, plan.family) == (32, "mma32")  # wgmma asked for, but the arch has none
@@ -240,7 +240,7 @@ int main() {
             if kind == "gemm":
                 r, fast, fc1, fc2 = numbers
                 assert (resources.fc1_smem_bytes(r, bool(fast), compact),
-                        resources.fc2_smem_bytes(r, bool(fast))) == (fc1, fc2), (compact, line)
+                        resources.fc2_smem_bytes(r, bool(fast), compact)) == (fc1, fc2), (compact, line)
             elif kind == "wgmma":
                 rows, fast, smem = numbers
                 assert resources.wg_smem_bytes(bool(fast), rows) == smem
@@ -271,7 +271,7 @@ def test_cli_plans_every_k_on_99_kb(capsys, tmp_path: Path):
     assert code == 0, err
     code, out, err = run_cli(capsys, "bench", "--plan", "--arch", "sm_120", str(ckpt), "--m", "1,64,8192")
     assert code == 0 and "error" not in err, err
-    assert "M=1: direct, 16-row tiles on mma16" in out and "M=8192: packed, 32-row tiles on mma32" in out, out
+    assert "M=1: direct, 16-row tiles on mma16" in out and "M=8192: packed, 128-row tiles on mma128" in out, out
     code, out, err = run_cli(capsys, "bench", "--plan", "--arch", "sm_80", str(ckpt), "--m", "1,64,8192")
     assert code == 0 and "M=8192: packed, 128-row tiles on mma128" in out, err
 

@@ -42,8 +42,17 @@ DIRECT_ROW_HALVES = (2 * 48 + 1) * 256  # kDirectRowHalves (fc1.cuh): direct mod
 
 def fc1_chunk_tiles(r: int, fast: bool, compact: bool) -> int:
     """k tiles per staged FC1 chunk (gemm_tile.cuh fc1_chunk_tiles): libraries without wgmma (`compact`) stage
-    the 128-row and the all-K FC1 in half chunks of 64 columns, so that they fit 99 KB."""
-    return 4 if compact and (r > 2 or not fast) else 8
+    the K3/K4 128-row and the all-K 16- and 32-row FC1 in chunks of 64 columns, the all-K 128-row FC1 in
+    chunks of 32, so that they fit 99 KB."""
+    if not compact:
+        return 8
+    return (4 if fast else 2) if r > 2 else (8 if fast else 4)
+
+
+def fc2_chunk_tiles(r: int, fast: bool, compact: bool) -> int:
+    """k tiles per staged FC2 chunk (gemm_tile.cuh fc2_chunk_tiles): 4 for the all-K 128-row FC2 of a library
+    without wgmma, else 8."""
+    return 4 if compact and r > 2 and not fast else 8
 
 
 def fc1_smem_bytes(r: int, fast: bool, compact: bool = False) -> int:
@@ -55,8 +64,9 @@ def fc1_smem_bytes(r: int, fast: bool, compact: bool = False) -> int:
     return stages * 2 * kt * 64 * _max_k(fast) * 4 + 2 * rows
 
 
-def fc2_smem_bytes(r: int, fast: bool) -> int:
-    ring = (2 if fast else 3) * (8 * 64 * _max_k(fast) * 4 + r * 16 * _a_stride(r) * 2)
+def fc2_smem_bytes(r: int, fast: bool, compact: bool = False) -> int:
+    kt = fc2_chunk_tiles(r, fast, compact)
+    ring = (2 if fast else 3) * (kt * 64 * _max_k(fast) * 4 + r * 16 * _a_stride(r, kt) * 2)
     return max(ring, r * 16 * O_STRIDE * 4)
 
 
@@ -101,7 +111,7 @@ def gemm_kernels(codebook: str, family: str, fast: bool, narrow: bool = False,
     fc1 = KernelShape(f"fc1_kernel<{codebook}, {16 * r} rows, {kset}>", ("fc1_kernel", (cb, r, int(fast))),
                       FC1_THREADS, fc1_smem_bytes(r, fast, compact), 2 if r <= 2 and fast else 1)
     fc2 = KernelShape(f"fc2_kernel<{codebook}, {16 * r} rows, {kset}>", ("fc2_kernel", (cb, r, int(fast))),
-                      FC2_THREADS, fc2_smem_bytes(r, fast), (4 if r <= 2 else 2) if fast else 1)
+                      FC2_THREADS, fc2_smem_bytes(r, fast, compact), (4 if r <= 2 else 2) if fast else 1)
     return fc1, fc2
 
 
