@@ -7,7 +7,8 @@
 
 namespace trellis {
 
-// Decode the 8 k tiles of n tile `ntl` from a staged run and multiply them into the live route blocks.
+// Decode the KT k tiles (8, or 4 where FC1 stages half chunks: fc1_chunk_tiles) of n tile `ntl` from a staged
+// run and multiply them into the live route blocks.
 //
 // Small tiles (split words) run the product transposed, y^T = W^T x^T: the lane's 8 codebook words are,
 // reordered, its A fragments of W^T (16 features x 32 expanded k: even states, then odd states), and the
@@ -16,16 +17,16 @@ namespace trellis {
 // Large tiles (merged fp16 weights) keep W as B against 16-row A blocks: acc[r][n] holds routes
 // 16r .. 16r + 15 and features 8n .. 8n + 7 of the n tile, and `live` counts m16 blocks.
 // a_addr: this lane's ldmatrix address for k tile 0 (a_lane_address).
-template <int K, int CB, int R>
+template <int K, int CB, int R, int KT = 8>
 __device__ __forceinline__ void chunk_mma(const uint32_t* run, int ntl, const LaneWindow& win, uint32_t a_addr,
                                           int live, float (&acc)[R][2][4]) {
-  constexpr int kAStride = a_stride(R);
+  constexpr int kAStride = a_stride(R, KT);
   // The lane's words of k tile 0; k tile kt is a constant offset away (folds into the LDS).
   const uint32_t* w0 = run + ntl * 8 * K + win.w0;
   const uint32_t* w1 = run + ntl * 8 * K + win.w1;
   const uint32_t* w2 = run + ntl * 8 * K + win.w2;
 #pragma unroll
-  for (int kt = 0; kt < 8; ++kt) {
+  for (int kt = 0; kt < KT; ++kt) {
     TileWords t;
     t.u0 = w0[kt * 64 * K];
     t.u1 = w1[kt * 64 * K];
@@ -73,9 +74,9 @@ __device__ __forceinline__ int live_blocks(int rows) {
 
 // Rows past the tile's routes, up to its last live block, stay zero in every stage (cp.async never writes
 // them).
-template <int R>
+template <int R, int KT = 8>
 __device__ __forceinline__ void zero_dead_rows(__half* a, int sources, int rows) {
-  constexpr int kPieces = 16 * a_expand(R), kStride = a_stride(R);
+  constexpr int kPieces = 2 * KT * a_expand(R), kStride = a_stride(R, KT);
   const int dead = live_blocks<R>(rows) * (small_tile(R) ? 8 : 16) - rows;
   for (int i = threadIdx.x; i < sources * dead * kPieces; i += blockDim.x) {
     const int p = i / (dead * kPieces), rest = i - p * dead * kPieces;
@@ -87,10 +88,10 @@ __device__ __forceinline__ void zero_dead_rows(__half* a, int sources, int rows)
 // The lane's ldmatrix address in a staged tile of rows at shared address `tile` (rows a_stride(R) halves
 // apart). Small tiles, B of 8 routes x 32 expanded k: lane l names route l % 8, columns 8 * (l / 8) on.
 // Large tiles, A of 16 routes x 16 k: lane l names route l % 16, columns 8 * (l / 16) on.
-template <int R>
+template <int R, int KT = 8>
 __device__ __forceinline__ uint32_t a_lane_address(uint32_t tile, int lane) {
-  if (small_tile(R)) return tile + 2 * ((lane & 7) * a_stride(R) + (lane >> 3) * 8);
-  return tile + 2 * ((lane & 15) * a_stride(R) + (lane >> 4) * 8);
+  if (small_tile(R)) return tile + 2 * ((lane & 7) * a_stride(R, KT) + (lane >> 3) * 8);
+  return tile + 2 * ((lane & 15) * a_stride(R, KT) + (lane >> 4) * 8);
 }
 
 // Where a small tile's accumulator acc[r][h][e] (chunk_mma, transposed) belongs, for lane 4g + q: route

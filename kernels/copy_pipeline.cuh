@@ -87,18 +87,21 @@ __device__ __forceinline__ void staged_chunks(int chunks, IssueW&& issue_w, Issu
   staged_blocks<S, UNROLL>(1, chunks, issue_w, issue_a, after_wait, compute, [](int, int) {});
 }
 
+// log2 of a chunk's k tiles (8, 4 or 2; fc1_chunk_tiles): runs of a stage split by shifts.
+__host__ __device__ constexpr int log2_tiles(int kt) { return kt == 8 ? 3 : kt == 4 ? 2 : 1; }
+
 // Each thread copies the same few 16-byte pieces of every chunk, from addresses that advance by a fixed
 // step from one chunk to the next. The streams below work out a thread's pieces once and keep one global
 // pointer and one shared offset per piece, so issuing a chunk costs a 64-bit add and a copy per piece,
 // not a division chain. Chunks must be issued in order, each once; stages are shared-space addresses.
 
-// Words of one stage: SOURCES x 8 runs (projection x 8 k tiles) of 8 consecutive n tiles, 64K words each,
+// Words of one stage: SOURCES x KT runs (projection x KT k tiles) of 8 consecutive n tiles, 64K words each,
 // stored in that order, so piece i of the stage lands at word 4i.
 // ACTIVE false: an empty stream, for kernels that take the other path.
-template <int K, int SOURCES, int THREADS, bool ACTIVE = true>
+template <int K, int SOURCES, int THREADS, bool ACTIVE = true, int KT = 8>
 struct WeightStream {
   static constexpr int kPieces = 16 * K;  // 16-byte pieces in a run of 8 tiles
-  static constexpr int kTotal = SOURCES * 8 * kPieces;
+  static constexpr int kTotal = SOURCES * KT * kPieces;
   static constexpr int kItems = ACTIVE ? (kTotal + THREADS - 1) / THREADS : 0;
   const uint32_t* src[kItems > 0 ? kItems : 1];
   uint32_t step;  // words from one chunk to the next (32 bits keep the pointer step to one wide multiply-add)
@@ -111,7 +114,7 @@ struct WeightStream {
     for (int j = 0; j < kItems; ++j) {
       const int i = threadIdx.x + j * THREADS;
       const int run = i / kPieces, piece = i - run * kPieces;
-      src[j] = first + (run >> 3) * source_stride + (run & 7) * kt_stride + piece * 4;
+      src[j] = first + (run >> log2_tiles(KT)) * source_stride + (run & (KT - 1)) * kt_stride + piece * 4;
     }
   }
   __device__ __forceinline__ void issue_next(uint32_t stage) { issue_then_step(stage, step); }
@@ -132,14 +135,14 @@ struct WeightStream {
   }
 };
 
-// A rows [rows][128 * a_expand] fp16 of SOURCES matrices (`source_stride` halves apart, rows `row_stride`
+// A rows [rows][16 * KT * a_expand] fp16 of SOURCES matrices (`source_stride` halves apart, rows `row_stride`
 // apart) into [source][R*16][a_stride]; rows past `rows` are never written.
-template <int R, int SOURCES, int THREADS, bool ACTIVE = true>
+template <int R, int SOURCES, int THREADS, bool ACTIVE = true, int KT = 8>
 struct RowStream {
-  static constexpr int kPieces = 16 * a_expand(R), kStride = a_stride(R), kPerSource = R * 16 * kPieces;
+  static constexpr int kPieces = 2 * KT * a_expand(R), kStride = a_stride(R, KT), kPerSource = R * 16 * kPieces;
   static constexpr int kTotal = SOURCES * kPerSource;
   static constexpr int kItems = ACTIVE ? (kTotal + THREADS - 1) / THREADS : 0;
-  static constexpr int kStep = 128 * a_expand(R);  // halves from one chunk to the next
+  static constexpr int kStep = 16 * KT * a_expand(R);  // halves from one chunk to the next
   const __half* src[kItems > 0 ? kItems : 1];
   uint32_t dst[kItems > 0 ? kItems : 1];  // bytes from the stage's start
   bool live[kItems > 0 ? kItems : 1];
@@ -182,10 +185,10 @@ struct RowStream {
 
 // The same copies for large tiles, which are short of registers: a 32-bit offset per piece from the
 // chunk's first word, and A-row addresses recomputed per chunk (powers of two only).
-template <int K, int SOURCES, int THREADS>
+template <int K, int SOURCES, int THREADS, int KT = 8>
 struct WeightIssue {
   static constexpr int kPieces = 16 * K;  // 16-byte pieces in a run of 8 tiles
-  static constexpr int kTotal = SOURCES * 8 * kPieces;
+  static constexpr int kTotal = SOURCES * KT * kPieces;
   static constexpr int kItems = (kTotal + THREADS - 1) / THREADS;
   uint32_t src[kItems];  // word offset from the chunk's first word of source 0
 
@@ -194,7 +197,7 @@ struct WeightIssue {
     for (int j = 0; j < kItems; ++j) {
       const int i = threadIdx.x + j * THREADS;
       const int run = i / kPieces, piece = i - run * kPieces;
-      const int p = run >> 3, kt = run & 7;
+      const int p = run >> log2_tiles(KT), kt = run & (KT - 1);
       src[j] = uint32_t(p * source_stride + kt * kt_stride + piece * 4);
     }
   }
@@ -207,14 +210,14 @@ struct WeightIssue {
   }
 };
 
-// A rows [rows][128 * a_expand] fp16 of `sources` matrices (row stride `src_stride` halves) into
+// A rows [rows][16 * KT * a_expand] fp16 of `sources` matrices (row stride `src_stride` halves) into
 // [source][R*16][a_stride].
 // Every index is a power of two (rows past `rows` are skipped), so no runtime division.
 // ROLLED keeps the loop rolled: the all-K large-tile kernels have no registers for unrolled addresses.
-template <int R, int SOURCES, int THREADS, bool ROLLED = false>
+template <int R, int SOURCES, int THREADS, bool ROLLED = false, int KT = 8>
 __device__ __forceinline__ void issue_a_rows(__half* dst, const __half* src0, const __half* src1, size_t src_stride,
                                              int rows) {
-  constexpr int kPieces = 16 * a_expand(R), kStride = a_stride(R), kPerSource = R * 16 * kPieces;
+  constexpr int kPieces = 2 * KT * a_expand(R), kStride = a_stride(R, KT), kPerSource = R * 16 * kPieces;
   constexpr int kTotal = SOURCES * kPerSource;
   auto piece = [&](int i) {
     const int p = i / kPerSource, rest = i % kPerSource, r = rest / kPieces, ch = rest % kPieces;
@@ -237,9 +240,17 @@ __host__ __device__ constexpr int fc1_stages(int r) { return r == 1 ? 3 : 2; }
 // 16-row ones so that an output block's 4 chunks start at stage 0 and a CTA can walk several blocks with
 // its stages known at compile time (fc2_body).
 __host__ __device__ constexpr int fc2_stages(int r, bool fast) { return fast ? 2 : 3; }
-__host__ __device__ constexpr int fc1_stage_weight_words(bool fast) { return 2 * 8 * 64 * max_k(fast); }
-__host__ __device__ constexpr int fc1_stage_a_halves(int r) { return 2 * r * 16 * a_stride(r); }
-__host__ __device__ constexpr int fc2_stage_weight_words(bool fast) { return 8 * 64 * max_k(fast); }
-__host__ __device__ constexpr int fc2_stage_a_halves(int r) { return r * 16 * a_stride(r); }
+__host__ __device__ constexpr int fc1_stage_weight_words(int r, bool fast) {
+  return 2 * fc1_chunk_tiles(r, fast) * 64 * max_k(fast);
+}
+__host__ __device__ constexpr int fc1_stage_a_halves(int r, bool fast) {
+  return 2 * r * 16 * a_stride(r, fc1_chunk_tiles(r, fast));
+}
+__host__ __device__ constexpr int fc2_stage_weight_words(int r, bool fast) {
+  return fc2_chunk_tiles(r, fast) * 64 * max_k(fast);
+}
+__host__ __device__ constexpr int fc2_stage_a_halves(int r, bool fast) {
+  return r * 16 * a_stride(r, fc2_chunk_tiles(r, fast));
+}
 
 }  // namespace trellis

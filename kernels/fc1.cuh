@@ -8,9 +8,11 @@
 namespace trellis {
 
 // Direct mode keeps FC1's one input row resident in the (then unused) A ring: per projection and chunk
-// 256 expanded halves, plus one zero row that the other 15 lanes of each ldmatrix read.
+// 256 expanded halves, plus one zero row that the other 15 lanes of each ldmatrix read. Where the ring of
+// half chunks is smaller (fc1_chunk_tiles), the 16-row kernels' shared memory grows to hold them
+// (fc1_smem_bytes).
 constexpr int kDirectMaxChunks = 48;
-static_assert((2 * kDirectMaxChunks + 1) * 256 <= fc1_stages(1) * fc1_stage_a_halves(1), "direct rows exceed the A ring");
+constexpr int kDirectRowHalves = (2 * kDirectMaxChunks + 1) * 256;
 
 // Direct mode: fp16(H128(x[token] ⊙ suh_p)) of the CTA's `chunks` chunks from kc0, expanded, into
 // resident[p][chunk][256], and zeros into resident[2 * chunks][256]. One half warp per (projection, chunk).
@@ -41,7 +43,9 @@ template <int CB, int R, int K, bool FAST>
 __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk, int kc0, int chunks, int plane,
                          unsigned char* smem) {
   constexpr int kStages = fc1_stages(R);
-  constexpr int kWeightWords = fc1_stage_weight_words(FAST), kAHalves = fc1_stage_a_halves(R);
+  // The ring stages KT k tiles at a time: kSub staged chunks per 128-column chunk of the piece.
+  constexpr int KT = fc1_chunk_tiles(R, FAST), kSub = 8 / KT;
+  constexpr int kWeightWords = fc1_stage_weight_words(R, FAST), kAHalves = fc1_stage_a_halves(R, FAST);
   uint32_t* s_w = reinterpret_cast<uint32_t*>(smem);
   __half* s_a = reinterpret_cast<__half*>(smem + kStages * kWeightWords * 4);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -58,33 +62,34 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
 
   const bool direct = small_tile(R) && a.direct;
   if (!direct)
-    for (int st = 0; st < kStages; ++st) zero_dead_rows<R>(s_a + st * kAHalves, 2, w.rows);
+    for (int st = 0; st < kStages; ++st) zero_dead_rows<R, KT>(s_a + st * kAHalves, 2, w.rows);
   // Small tiles use the streams; large tiles the register-lean issue (the objects a kernel does not use
   // are compiled away).
-  WeightStream<K, 2, kFc1Threads, small_tile(R)> weight_stream(gate_w + size_t(kc0) * 8 * kt_stride, kt_stride,
-                                                size_t(up_w - gate_w), uint32_t(8 * kt_stride));
-  RowStream<R, 2, kFc1Threads, small_tile(R)> row_stream(xrot + kc0 * 128 * kX, size_t(kX) * a.hidden, size_t(2) * kX * a.hidden,
-                                          direct ? 0 : w.rows);
-  const WeightIssue<K, 2, kFc1Threads> weights(kt_stride, size_t(up_w - gate_w));
+  WeightStream<K, 2, kFc1Threads, small_tile(R), KT> weight_stream(gate_w + size_t(kc0) * 8 * kt_stride, kt_stride,
+                                                    size_t(up_w - gate_w), uint32_t(KT * kt_stride));
+  RowStream<R, 2, kFc1Threads, small_tile(R), KT> row_stream(xrot + kc0 * 128 * kX, size_t(kX) * a.hidden,
+                                                             size_t(2) * kX * a.hidden, direct ? 0 : w.rows);
+  const WeightIssue<K, 2, kFc1Threads, KT> weights(kt_stride, size_t(up_w - gate_w));
   const uint32_t w_ring = shared_address(s_w), a_ring = shared_address(s_a);
   auto issue_w = [&](int c, int stage) {
     if (small_tile(R)) weight_stream.issue_next(w_ring + stage * kWeightWords * 4);
-    else weights.issue(s_w + stage * kWeightWords, gate_w + size_t(kc0 + c) * 8 * kt_stride);
+    else weights.issue(s_w + stage * kWeightWords, gate_w + size_t(kc0 * kSub + c) * KT * kt_stride);
   };
-  auto issue_a = [&](int c, int stage) {
-    const int kc = kc0 + c;
+  auto issue_a = [&](int c, int stage) {  // c: the staged chunk, of 16 * KT columns
+    const int kc = kc0 * kSub + c;
     if (small_tile(R)) row_stream.issue_next(a_ring + stage * kAHalves * 2);
-    else issue_a_rows<R, 2, kFc1Threads, !FAST>(s_a + stage * kAHalves, xrot + kc * 128 * kX,
-                                         xrot + kX * a.hidden + kc * 128 * kX, size_t(2) * kX * a.hidden, w.rows);
+    else issue_a_rows<R, 2, kFc1Threads, !FAST, KT>(s_a + stage * kAHalves, xrot + kc * (16 * KT) * kX,
+                                                   xrot + kX * a.hidden + kc * (16 * KT) * kX,
+                                                   size_t(2) * kX * a.hidden, w.rows);
   };
   float acc[R][2][4];
   zero_acc<R>(acc);
   // Direct mode: lanes 0, 8, 16 and 24 (route 0 of each ldmatrix matrix) read the resident row of this
   // projection, the others the zero row.
   const uint32_t direct_row = a_ring + 2 * ((lane & 7) ? 2 * chunks * 256 : proj * chunks * 256) + 16 * (lane >> 3);
-  const uint32_t ring_lane = a_lane_address<R>(a_ring + 2 * proj * R * 16 * a_stride(R), lane);
+  const uint32_t ring_lane = a_lane_address<R, KT>(a_ring + 2 * proj * R * 16 * a_stride(R, KT), lane);
   staged_chunks<kStages, small_tile(R)>(
-      chunks, issue_w, issue_a,
+      chunks * kSub, issue_w, issue_a,
       [&] {
         after_predecessor();
         if (by_route)
@@ -93,11 +98,11 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
       },
       [&](int c, int st) {
         const uint32_t a_addr =
-            direct ? direct_row + ((lane & 7) ? 0 : 512 * c)
+            direct ? direct_row + ((lane & 7) ? 0 : 64 * KT * c)  // 32 * KT expanded halves per staged chunk
             : small_tile(R)
                 ? ring_lane + 2 * st * kAHalves  // constant st: an immediate
-                : a_lane_address<R>(a_ring + 2 * (st * kAHalves + proj * R * 16 * a_stride(R)), lane);
-        chunk_mma<K, CB, R>(s_w + st * kWeightWords + proj * 8 * 64 * K, ntl, win, a_addr, live, acc);
+                : a_lane_address<R, KT>(a_ring + 2 * (st * kAHalves + proj * R * 16 * a_stride(R, KT)), lane);
+        chunk_mma<K, CB, R, KT>(s_w + st * kWeightWords + proj * KT * 64 * K, ntl, win, a_addr, live, acc);
       });
 
   const int nt = nchunk * 8 + ntl;
@@ -142,8 +147,12 @@ __global__ void __launch_bounds__(kFc1Threads, (small_tile(R) && FAST) ? 2 : 1)
   }
 }
 
+// The ring; for 16-row tiles at least direct mode's resident rows in place of its A part.
 __host__ __device__ constexpr int fc1_smem_bytes(int r, bool fast) {
-  return fc1_stages(r) * (fc1_stage_weight_words(fast) * 4 + fc1_stage_a_halves(r) * 2);
+  return fc1_stages(r) * fc1_stage_weight_words(r, fast) * 4 +
+         2 * (r == 1 && kDirectRowHalves > fc1_stages(r) * fc1_stage_a_halves(r, fast)
+                  ? kDirectRowHalves
+                  : fc1_stages(r) * fc1_stage_a_halves(r, fast));
 }
 
 }  // namespace trellis

@@ -59,7 +59,10 @@ static_assert(kOStride * 4 == a_stride(1) * 2 && kOStride * 4 == a_stride(2) * 2
 template <int CB, int R, int K, bool FAST>
 __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_block, int span, unsigned char* smem) {
   constexpr int kFc2Stages = fc2_stages(R, FAST);
-  constexpr int kWeightWords = fc2_stage_weight_words(FAST), kAHalves = fc2_stage_a_halves(R);
+  // Staged chunks of KT k tiles, kSub per 128 columns (only 128-row tiles stage fewer: fc2_chunk_tiles).
+  constexpr int KT = fc2_chunk_tiles(R, FAST), kSub = 8 / KT;
+  static_assert(KT == 8 || !small_tile(R), "small tiles' spans walk whole 128-column chunks");
+  constexpr int kWeightWords = fc2_stage_weight_words(R, FAST), kAHalves = fc2_stage_a_halves(R, FAST);
   uint32_t* s_w = reinterpret_cast<uint32_t*>(smem);
   __half* s_a = reinterpret_cast<__half*>(smem + kFc2Stages * kWeightWords * 4);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -68,17 +71,17 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_b
   LaneWindow win = lane_window<K>(lane);
   opaque(win.w0), opaque(win.w1), opaque(win.off);
   const int live = live_blocks<R>(w.rows);
-  const int block_chunks = a.intermediate >> 7;
+  const int block_chunks = (a.intermediate >> 7) * kSub;
   const uint32_t* wsrc = projection_words<K>(a, w, 2) + size_t(first_block) * 8 * 8 * K;
   constexpr int kX = a_expand(R);
   const __half* act = static_cast<const __half*>(a.act) + size_t(w.start) * kX * a.intermediate;
 
-  for (int st = 0; st < kFc2Stages; ++st) zero_dead_rows<R>(s_a + st * kAHalves, 1, w.rows);
+  for (int st = 0; st < kFc2Stages; ++st) zero_dead_rows<R, KT>(s_a + st * kAHalves, 1, w.rows);
   // Small tiles (as in FC1); after a block's last chunk the weights go on 128 columns, from k = 0.
   WeightStream<K, 1, kFc2Threads, small_tile(R)> weight_stream(
       wsrc, kt_stride, 0, uint32_t(8 * kt_stride), int32_t(8 * 8 * K) - int32_t((block_chunks - 1) * 8 * kt_stride));
   RowStream<R, 1, kFc2Threads, small_tile(R)> row_stream(act, 0, size_t(kX) * a.intermediate, w.rows, block_chunks);
-  const WeightIssue<K, 1, kFc2Threads> weights(kt_stride, 0);
+  const WeightIssue<K, 1, kFc2Threads, KT> weights(kt_stride, 0);
   const uint32_t w_ring = shared_address(s_w), a_ring = shared_address(s_a);
   // Spans exist only where I/128 is a power of two (fc2_span), so the test needs no division; otherwise the
   // mask is all ones and no chunk ends a block early.
@@ -86,14 +89,14 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_b
   auto block_ends = [&](int c) { return ((c + 1) & block_mask) == 0; };
   auto issue_w = [&](int c, int stage) {
     if (small_tile(R)) weight_stream.issue_next(w_ring + stage * kWeightWords * 4, block_ends(c));
-    else weights.issue(s_w + stage * kWeightWords, wsrc + size_t(c) * 8 * kt_stride);
+    else weights.issue(s_w + stage * kWeightWords, wsrc + size_t(c) * KT * kt_stride);
   };
   auto issue_a = [&](int c, int stage) {
     if (small_tile(R)) {
       row_stream.issue_next(a_ring + stage * kAHalves * 2, block_ends(c));
     } else {
-      issue_a_rows<R, 1, kFc2Threads, !FAST>(s_a + stage * kAHalves, act + c * 128 * kX, nullptr,
-                                             size_t(kX) * a.intermediate, w.rows);
+      issue_a_rows<R, 1, kFc2Threads, !FAST, KT>(s_a + stage * kAHalves, act + c * (16 * KT) * kX, nullptr,
+                                                 size_t(kX) * a.intermediate, w.rows);
     }
   };
   float acc[R][2][4];
@@ -102,8 +105,8 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_b
   opaque(ring_lane);
   auto compute = [&](int c, int st) {
     const uint32_t a_addr =
-        small_tile(R) ? ring_lane + 2 * st * kAHalves : a_lane_address<R>(a_ring + 2 * st * kAHalves, lane);
-    chunk_mma<K, CB, R>(s_w + st * kWeightWords, warp, win, a_addr, live, acc);
+        small_tile(R) ? ring_lane + 2 * st * kAHalves : a_lane_address<R, KT>(a_ring + 2 * st * kAHalves, lane);
+    chunk_mma<K, CB, R, KT>(s_w + st * kWeightWords, warp, win, a_addr, live, acc);
   };
   // Small tiles: each block's epilogue, staged in the A rows of the stage its last chunk used (the ring is
   // still loading the next block into the other stages); the CTA's last block, with no copy in flight, at
@@ -161,8 +164,9 @@ __global__ void __launch_bounds__(kFc2Threads, FAST ? (small_tile(R) ? 4 : 2) : 
 }
 
 __host__ __device__ constexpr int fc2_smem_bytes(int r, bool fast) {
-  return (fc2_stages(r, fast) * (fc2_stage_weight_words(fast) * 4 + fc2_stage_a_halves(r) * 2) > r * 16 * kOStride * 4)
-             ? fc2_stages(r, fast) * (fc2_stage_weight_words(fast) * 4 + fc2_stage_a_halves(r) * 2)
+  return (fc2_stages(r, fast) * (fc2_stage_weight_words(r, fast) * 4 + fc2_stage_a_halves(r, fast) * 2) >
+          r * 16 * kOStride * 4)
+             ? fc2_stages(r, fast) * (fc2_stage_weight_words(r, fast) * 4 + fc2_stage_a_halves(r, fast) * 2)
              : r * 16 * kOStride * 4;
 }
 

@@ -34,8 +34,29 @@ __device__ __forceinline__ size_t slot_token(const TrellisMoeArgs& a, int slot) 
   const int route = static_cast<const int*>(a.slot_route)[slot];
   return (a.top_k & (a.top_k - 1)) ? route / a.top_k : route >> (__ffs(a.top_k) - 1);
 }
-// Halves per staged row: a chunk's 128 (or 256 expanded) + 8 of padding keeps ldmatrix conflict-free.
-__host__ __device__ constexpr int a_stride(int r) { return 128 * a_expand(r) + 8; }
+// Halves per staged row: a chunk's 16 * kt columns (kt k tiles of 16; twice that expanded) + 8 of padding
+// keeps ldmatrix conflict-free. FC2 and most FC1 kernels stage 128-column chunks (kt = 8).
+__host__ __device__ constexpr int a_stride(int r, int kt = 8) { return 16 * kt * a_expand(r) + 8; }
+// k tiles per chunk that FC1 and FC2 stage. Builds without wgmma (sm_80, sm_100, sm_12x) also serve GPUs with
+// 99 KB of shared memory per block, where a 128-column chunk of 128 rows (FC1: 168 KB in two stages) or of the
+// all-K kernels' words (FC1: 130 KB or more) does not fit: their all-K 16- and 32-row FC1 and their K3/K4
+// 128-row FC1 stage 64 columns at a time (96.5, 66 and 88 KB), the all-K 128-row FC1 32 (57 KB) and its FC2
+// 64 (79 KB). A chunk of the plan (fc1_split.cuh, FC2's blocks) is still 128 columns: these kernels walk it
+// in pieces.
+__host__ __device__ constexpr int fc1_chunk_tiles(int r, bool fast) {
+#ifdef TRELLIS_WGMMA
+  return (void)r, (void)fast, 8;
+#else
+  return r > 2 ? (fast ? 4 : 2) : (fast ? 8 : 4);
+#endif
+}
+__host__ __device__ constexpr int fc2_chunk_tiles(int r, bool fast) {
+#ifdef TRELLIS_WGMMA
+  return (void)r, (void)fast, 8;
+#else
+  return r > 2 && !fast ? 4 : 8;
+#endif
+}
 constexpr int kOStride = 132;  // floats per epilogue row
 constexpr int kFc1Threads = 512;
 constexpr int kFc2Threads = 256;

@@ -1,5 +1,5 @@
-"""lab/perf/sm120_limits.sh: its GPU-free step (the plans under sm_120's limits) runs here; the builds it asks
-for are the mma.sync-only ones."""
+"""lab/perf/sm120_limits.sh: its GPU-free step (the plans under sm_120's limits, 128-row tiles from M=3072 on the
+compact kernels) runs here; the builds it asks for are the mma.sync-only ones."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ def test_plan_step_runs_without_a_gpu(tmp_path: Path):
     done = subprocess.run(["bash", str(SCRIPT), "plan"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    doc = json.loads((tmp_path / "plan.out").read_text())
-    assert doc["limits"]["arch"] == "sm_120" and doc["limits"]["source"] == "override"
-    assert [(p["m"], p["family"]) for p in doc["plans"]] == [
-        (1, "mma16"), (8, "mma16"), (64, "mma16"), (512, "mma32"), (3072, "mma32")]
+    for preset in ("glm52-tp4", "glm52-tp4-k3k5"):  # K3/K4, and K3/K5 on the all-K kernels
+        doc = json.loads((tmp_path / f"plan-{preset}.out").read_text())
+        assert doc["limits"]["arch"] == "sm_120" and doc["limits"]["source"] == "override"
+        assert [(p["m"], p["family"]) for p in doc["plans"]] == [
+            (1, "mma16"), (8, "mma16"), (64, "mma16"), (512, "mma32"), (3072, "mma128"), (8192, "mma128")], preset
 
 
 def test_mma_sync_only_build_has_no_wgmma(monkeypatch):

@@ -56,4 +56,4 @@ print(len(names))
     validated = run("-m", "trellis_cli", "validate")
     assert validated.returncode == 0, validated.stdout + validated.stderr
     planned = run("-m", "trellis_cli", "bench", "--plan", "--arch", "sm_120", "--synthetic", "glm52-tp4")
-    assert planned.returncode == 0 and "M=3072: packed, 32-row tiles on mma32" in planned.stdout, planned.stderr
+    assert planned.returncode == 0 and "M=3072: packed, 128-row tiles on mma128" in planned.stdout, planned.stderr

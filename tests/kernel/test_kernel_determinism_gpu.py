@@ -22,6 +22,7 @@ pytestmark = [requires_gpu, pytest.mark.gpu]
 # that those experts' routes fill several tiles each and the tail's nominal cut falls inside one of them.
 SERVED = Preset("served", 6144, 512, 128, 8, "mcg", (96, 32), (3, 4), 4)
 FEW_EXPERTS = Preset("few-experts", 6144, 512, 32, 8, "mcg", (24, 8), (3, 4), 4)
+FEW_EXPERTS_K5 = Preset("few-experts-k5", 6144, 512, 32, 8, "mcg", (24, 8), (3, 5), 4)
 HOT = 16
 REPEATS = 6
 
@@ -51,15 +52,16 @@ def portable_library():
         return default_library("mcg", kernels="k3k4")
 
 
-def assert_repeats_identical(moe, preset: Preset, m: int) -> None:
+def assert_repeats_identical(moe, preset: Preset, m: int, plan=None, finer_tail: bool = True) -> None:
     x = random_activations(m, preset.hidden, device="cuda", seed=m)
     ids, w = skewed_routes(m, preset.experts, preset.top_k, seed=m + 1)
-    plan = moe.plan(m, preset.top_k)
-    assert plan.fc1_tail_split > 1, plan  # the case under test: a finer tail
-    first = moe.forward(x, ids, w)
+    plan = plan or moe.plan(m, preset.top_k)
+    if finer_tail:
+        assert plan.fc1_tail_split > 1, plan  # the case under test: a finer tail
+    first = moe.forward(x, ids, w, plan=plan)
     assert rel_l2(first, layer_pack_forward(moe.pack, x, ids, w, dtype=torch.float64)) <= REFERENCE_LIMIT
     for repeat in range(REPEATS):
-        again = moe.forward(x, ids, w)
+        again = moe.forward(x, ids, w, plan=plan)
         differing = int((again != first).sum())
         assert differing == 0, f"M={m} {plan}: repeat {repeat} differs in {differing} values"
 
@@ -74,9 +76,33 @@ def test_repeats_bit_identical_on_the_production_build(production_library, m):
 
 @pytest.mark.parametrize("m", [512, 1024, 3072])
 def test_repeats_bit_identical_under_sm120_limits(portable_library, monkeypatch, m):
+    """32-row tiles with the finer tail (forced: from 64 routes per expert the plan takes 128 rows)."""
     from trellis_cli.kernel.launch import FusedMoe
+    from trellis_cli.kernel.plan import make_plan
 
     monkeypatch.setenv(PLAN_LIMITS_ENV, "sm_120")
     moe = FusedMoe(synthetic_pack(FEW_EXPERTS, device="cuda", seed=3), portable_library)
     assert moe.limits.arch == "sm_120"
-    assert_repeats_identical(moe, FEW_EXPERTS, m)
+    p = FEW_EXPERTS
+    plan = make_plan(m, p.top_k, p.hidden, p.intermediate, p.experts, m_tile=32, num_experts=p.experts,
+                     limits=moe.limits, codebook=p.codebook, fast=True, usage=moe.usage)
+    assert_repeats_identical(moe, FEW_EXPERTS, m, plan)
+
+
+@pytest.mark.parametrize("kernels", ["k3k4", "all"])
+@pytest.mark.parametrize("m", [1024, 3072])
+def test_repeats_bit_identical_on_large_tiles_under_sm120_limits(monkeypatch, kernels, m):
+    """The 128-row tiles within 99 KB (FC1, and the all-K FC2, in smaller chunks), K3/K4 and K3/K5, on skewed
+    routes: an expert's routes fill several tiles."""
+    from trellis_cli.kernel.abi import default_library
+    from trellis_cli.kernel.launch import FusedMoe
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(MMA_SYNC_ONLY_ENV, "1")
+        library = default_library("mcg", kernels=kernels)
+    monkeypatch.setenv(PLAN_LIMITS_ENV, "sm_120")
+    preset = FEW_EXPERTS if kernels == "k3k4" else FEW_EXPERTS_K5
+    moe = FusedMoe(synthetic_pack(preset, device="cuda", seed=5), library)
+    plan = moe.plan(m, preset.top_k)
+    assert plan.m_tile == 128, plan
+    assert_repeats_identical(moe, preset, m, plan, finer_tail=False)

@@ -56,7 +56,8 @@ def walk(arch: str, ms, fast: bool, codebook: str, geometry) -> tuple[set[int], 
             refused.append(m)
             continue
         wgmma = limits.wgmma and hidden % 256 == 0 and inter % 256 == 0
-        for kernel in plan_kernels(plan.m_tile, m * top_k, experts, wgmma, codebook, fast):
+        # The arch's own build: without wgmma, the compact FC1 kernels (resources.fc1_chunk_tiles).
+        for kernel in plan_kernels(plan.m_tile, m * top_k, experts, wgmma, codebook, fast, not limits.wgmma):
             assert fits_by_hand(kernel, limits, usage.get(kernel.symbol)), (arch, m, plan, kernel)
         tiles.add(plan.m_tile)
     return tiles, refused
@@ -64,41 +65,53 @@ def walk(arch: str, ms, fast: bool, codebook: str, geometry) -> tuple[set[int], 
 
 def small_tiles_fit(arch: str, fast: bool, codebook: str) -> bool:
     limits, usage = ARCH_TABLE[arch], usage_for(arch)
-    return all(fits_by_hand(k, limits, usage.get(k.symbol)) for k in resources.gemm_kernels(codebook, "mma16", fast))
+    kernels = resources.gemm_kernels(codebook, "mma16", fast, compact=not limits.wgmma)
+    return all(fits_by_hand(k, limits, usage.get(k.symbol)) for k in kernels)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(ARCH_TABLE))
 def test_every_plan_fits_every_arch(arch: str):
+    """Every M up to 8192, both kernel sets, every codebook: no arch refuses (the 99 KB archs run the all-K
+    kernels, K 1..8, on their compact FC1)."""
     for fast in (True, False):
         for codebook in CODEBOOKS:
             for geometry in GEOMETRIES:
                 tiles, refused = walk(arch, range(1, 8193), fast, codebook, geometry)
                 # Refused only where even the smallest tiles cannot launch, and then at every M.
-                if small_tiles_fit(arch, fast, codebook):
-                    assert not refused and 16 in tiles, (arch, fast, codebook, geometry)
-                else:
-                    assert not tiles and len(refused) == 8192
+                assert small_tiles_fit(arch, fast, codebook), (arch, fast, codebook)
+                assert not refused and 16 in tiles, (arch, fast, codebook, geometry)
 
 
 def test_plans_on_the_archs_users_own():
-    """Which tiles each arch's plans take (a sample of M): Blackwell workstation cards and Ada/Ampere run 16-
-    and 32-row tiles (the 128-row mma.sync FC1 needs 168 KB), Hopper wgmma, B200 128-row mma.sync."""
+    """Which tiles each arch's plans take (a sample of M): Blackwell workstation cards and Ada/Ampere run 16-,
+    32- and 128-row tiles on K3/K4 layers (the compact 128-row FC1, 88 KB) and 16- and 32-row tiles on the
+    all-K kernels, FC1 in chunks of 32 columns and FC2 of 64), Hopper wgmma, B200 and A100 128-row mma.sync."""
     ms = (1, 8, 64, 200, 512, 1024, 3072, 8192)
-    assert walk("sm_120", ms, True, "mcg", GEOMETRIES[0]) == ({16, 32}, [])
-    assert walk("sm_121", ms, True, "mcg", GEOMETRIES[0]) == ({16, 32}, [])
+    assert walk("sm_120", ms, True, "mcg", GEOMETRIES[0]) == ({16, 32, 128}, [])
+    assert walk("sm_121", ms, True, "mcg", GEOMETRIES[0]) == ({16, 32, 128}, [])
     assert walk("sm_90", ms, True, "mcg", GEOMETRIES[0]) == ({16, 128}, [])
     assert walk("sm_100", ms, True, "mcg", GEOMETRIES[0]) == ({16, 32, 128}, [])
-    assert walk("sm_80", ms, False, "mcg", GEOMETRIES[0]) == ({16, 32}, [])
-    # The all-K kernels' FC1 (146 KB at 16 rows, 130 KB at 32) does not fit 99 KB: refused, never launched.
-    assert walk("sm_120", ms, False, "mcg", GEOMETRIES[0]) == (set(), list(ms))
+    assert walk("sm_80", ms, False, "mcg", GEOMETRIES[0]) == ({16, 32, 128}, [])
+    assert walk("sm_120", ms, False, "mcg", GEOMETRIES[0]) == ({16, 32, 128}, [])
+    # A library with wgmma holds the full FC1 kernels (168 KB at 128 rows): under sm_120's limits 32 rows.
     plan = make_plan(3072, 8, 6144, 512, 256, wgmma=True, num_experts=256, limits=ARCH_TABLE["sm_120"])
     assert (plan.m_tile, plan.family) == (32, "mma32")  # wgmma asked for, but the arch has none
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_120", "sm_121"])
+def test_every_k_plans_on_the_archs_without_wgmma(arch: str):
+    """K 2..6 (the all-K kernels) and K3/K4 on every codebook plan every M up to 8192 within the arch's limits."""
+    for fast in (True, False):
+        for codebook in CODEBOOKS:
+            tiles, refused = walk(arch, (1, 3, 8, 16, 64, 200, 512, 1024, 2048, 3072, 4096, 8192), fast, codebook,
+                                  GEOMETRIES[0])
+            assert not refused and {16, 32} <= tiles, (arch, fast, codebook)
+
+
 def test_forced_tile_that_does_not_fit_is_refused_naming_arch_limit_and_kernel():
-    with pytest.raises(KernelDoesNotFit) as err:
-        make_plan(3072, 8, 6144, 512, 256, m_tile=128, limits=ARCH_TABLE["sm_120"])
+    with pytest.raises(KernelDoesNotFit) as err:  # a library with wgmma: the full 128-row FC1
+        make_plan(3072, 8, 6144, 512, 256, m_tile=128, wgmma=True, limits=ARCH_TABLE["sm_120"])
     message = str(err.value)
     assert "\n" not in message
     assert "sm_120" in message and "shared memory per block" in message and "fc1_kernel<mcg, 128 rows" in message
@@ -213,23 +226,28 @@ int main() {
   return 0;
 }
 """)
-    binary = tmp_path / "twins"
-    subprocess.run([find_nvcc(), "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-DTRELLIS_WGMMA",
-                    "-I", str(kernel_source_dir()), "-o", str(binary), str(program)], check=True, timeout=300)
-    lines = subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout.splitlines()
-    for line in lines:
-        kind, *values = line.split()
-        numbers = list(map(int, values))
-        if kind == "gemm":
-            r, fast, fc1, fc2 = numbers
-            assert (resources.fc1_smem_bytes(r, bool(fast)), resources.fc2_smem_bytes(r, bool(fast))) == (fc1, fc2)
-        elif kind == "wgmma":
-            rows, fast, smem = numbers
-            assert resources.wg_smem_bytes(bool(fast), rows) == smem
-        else:
-            assert numbers == [resources.FC1_THREADS, resources.FC2_THREADS, resources.WGMMA_THREADS,
-                               resources.PACK_THREADS]
-    assert len(lines) == 11
+    # Host code only (the constexpr functions): compiled as the wgmma build and as every other arch's build
+    # (no TRELLIS_WGMMA: the compact FC1), whose wgmma lines are the same constants.
+    for compact, flags in ((False, ["-gencode=arch=compute_90a,code=sm_90a", "-DTRELLIS_WGMMA"]),
+                           (True, ["-gencode=arch=compute_90,code=sm_90"])):
+        binary = tmp_path / f"twins-{int(compact)}"
+        subprocess.run([find_nvcc(), "-std=c++17", *flags, "-I", str(kernel_source_dir()), "-o", str(binary),
+                        str(program)], check=True, timeout=300)
+        lines = subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout.splitlines()
+        for line in lines:
+            kind, *values = line.split()
+            numbers = list(map(int, values))
+            if kind == "gemm":
+                r, fast, fc1, fc2 = numbers
+                assert (resources.fc1_smem_bytes(r, bool(fast), compact),
+                        resources.fc2_smem_bytes(r, bool(fast), compact)) == (fc1, fc2), (compact, line)
+            elif kind == "wgmma":
+                rows, fast, smem = numbers
+                assert resources.wg_smem_bytes(bool(fast), rows) == smem
+            else:
+                assert numbers == [resources.FC1_THREADS, resources.FC2_THREADS, resources.WGMMA_THREADS,
+                                   resources.PACK_THREADS]
+        assert len(lines) == 11
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -243,21 +261,19 @@ def test_cli_plan_for_blackwell_workstation_cards(capsys):
     doc = json.loads(out)
     assert doc["limits"]["arch"] == "sm_120" and doc["limits"]["smem_per_block_optin"] == 99 * KB
     assert [(p["m"], p["m_tile"], p["family"], p["direct"]) for p in doc["plans"]] == [
-        (1, 16, "mma16", True), (64, 16, "mma16", False), (3072, 32, "mma32", False)]
+        (1, 16, "mma16", True), (64, 16, "mma16", False), (3072, 128, "mma128", False)]
 
 
-def test_cli_refuses_a_layer_no_plan_fits(capsys, tmp_path: Path):
+def test_cli_plans_every_k_on_99_kb(capsys, tmp_path: Path):
+    """A K3/K5 checkpoint (the all-K kernels) plans on sm_120 at every M; sm_80 takes 128-row tiles at large M."""
     ckpt = tmp_path / "k35"
     code, _, err = run_cli(capsys, "synth", str(ckpt), "--k-values", "3,5")
     assert code == 0, err
-    code, out, err = run_cli(capsys, "bench", "--plan", "--arch", "sm_120", str(ckpt), "--m", "1,64")
-    assert code == 4 and out == ""
-    lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err
-    assert re.search(r"M=1: fc1_kernel<mcg, 16 rows, all K> does not fit sm_120: shared memory per block "
-                     r"\(static \+ dynamic\) 148992 bytes, the arch allows 101376 bytes", lines[0])
-    code, out, err = run_cli(capsys, "bench", "--plan", "--arch", "sm_80", str(ckpt), "--m", "1,64")
-    assert code == 0 and "M=64: packed, 32-row tiles on mma32" in out, err
+    code, out, err = run_cli(capsys, "bench", "--plan", "--arch", "sm_120", str(ckpt), "--m", "1,64,8192")
+    assert code == 0 and "error" not in err, err
+    assert "M=1: direct, 16-row tiles on mma16" in out and "M=8192: packed, 128-row tiles on mma128" in out, out
+    code, out, err = run_cli(capsys, "bench", "--plan", "--arch", "sm_80", str(ckpt), "--m", "1,64,8192")
+    assert code == 0 and "M=8192: packed, 128-row tiles on mma128" in out, err
 
 
 def test_cli_plan_arguments(capsys, monkeypatch):
@@ -331,5 +347,5 @@ def test_the_build_records_ptxas_numbers(monkeypatch, tmp_path: Path):
         for kernel in resources.gemm_kernels("mcg", family, True):
             assert 0 < usage[kernel.symbol].registers <= kernel.register_budget
     plan = make_plan(3072, 8, 6144, 512, 256, num_experts=256, limits=ARCH_TABLE["sm_120"], usage=usage)
-    assert plan.family == "mma32"
+    assert plan.family == "mma128"  # the compact 128-row FC1 (88 KB) within 99 KB
     assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.rglob("*.log"))

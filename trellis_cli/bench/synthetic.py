@@ -40,6 +40,8 @@ GLM52_TP4 = Preset("glm52-tp4", 6144, 512, 256, 8, "mcg", (192, 64), (3, 4), 4)
 PRESETS = {
     GLM52_TP4.name: GLM52_TP4,
     "glm52-tp4-shared-h": dataclasses.replace(GLM52_TP4, name="glm52-tp4-shared-h", shared_h=True),
+    # The same layer with its K4 tier at K5 (R7 v2 checkpoints carry K5): served by the all-K kernels.
+    "glm52-tp4-k3k5": dataclasses.replace(GLM52_TP4, name="glm52-tp4-k3k5", tier_k=(3, 5)),
 }
 
 

@@ -22,6 +22,10 @@ SMALL_TILE, MID_TILE, LARGE_TILE = 16, 32, 128
 # Routes per expert from which 32-row and 128-row tiles win (choose_m_tile).
 MID_FROM = 14
 LARGE_FROM_MMA_SYNC, LARGE_FROM_WGMMA = 64, 11
+# The compact K3/K4 128-row kernels of a library without wgmma (one CTA of 16 warps per SM within 99 KB) against
+# its 32-row tiles, glm52-tp4 under sm_120's limits on an H100, fused us 32 / 128 rows: M=1024 (32 routes per
+# expert) 1871 / 2186, M=1536 (48) 2846 / 2436 (docs/perf-log/2026-12-07-sm120-large-m.md).
+LARGE_FROM_COMPACT = 40
 # The wgmma large-tile kernels take 256 features per CTA (kernels/expert_wgmma.cuh kWgFeatures): other
 # shapes run their 128-row tiles on mma.sync.
 WGMMA_FEATURES = 256
@@ -102,15 +106,17 @@ def routes_per_expert(numel: int, num_experts: int) -> float:
     return numel / max(1, num_experts)
 
 
-def choose_m_tile(numel: int, num_experts: int, wgmma: bool = False) -> int:
+def choose_m_tile(numel: int, num_experts: int, wgmma: bool = False, compact_fast: bool = False) -> int:
     # A work tile decodes its expert's weights once for all its rows, so an expert with more routes than
     # one tile holds is decoded again per tile. Mid tiles (split words, like small ones) hold most experts
     # in one tile from about 14 routes per expert on (glm52-tp4, 16 / 32 rows: M=384 1023 / 1121 us,
     # M=512 1302 / 1188); large tiles (merged weights, 128 rows) win from about 64 on mma.sync, and on
     # Hopper wgmma, whose MMA N follows the tile's routes and whose narrow kernels run two CTAs per SM, from
     # 11 (16 / 128 rows: M=320 879 / 904 us, M=352 926 / 903, M=384 989 / 924).
+    # compact_fast: the compact K3/K4 kernels of a library without wgmma (LARGE_FROM_COMPACT).
     per_expert = routes_per_expert(numel, num_experts)
-    if per_expert >= (LARGE_FROM_WGMMA if wgmma else LARGE_FROM_MMA_SYNC):
+    large_from = LARGE_FROM_WGMMA if wgmma else LARGE_FROM_COMPACT if compact_fast else LARGE_FROM_MMA_SYNC
+    if per_expert >= large_from:
         return LARGE_TILE
     return MID_TILE if per_expert >= MID_FROM else SMALL_TILE
 
@@ -135,10 +141,13 @@ def make_plan(m: int, top_k: int, hidden: int, intermediate: int, num_combined: 
     With `limits` (kernel/arch_limits.py) every kernel of the plan fits that arch: a tile family whose FC1 or
     FC2 does not (shared memory, registers from ptxas's `usage` record, threads) gives way to the next smaller
     tile, and where none fits, or the `m_tile` asked for does not, KernelDoesNotFit names the arch, the limit
-    and the kernel. `codebook` and `fast` (every served tier K3 or K4) name the kernels the call runs."""
+    and the kernel. `codebook` and `fast` (every served tier K3 or K4) name the kernels the call runs; a library
+    without wgmma (`wgmma` false, as asked, before the arch's limits) holds the compact FC1 kernels
+    (resources.fc1_chunk_tiles)."""
     numel = m * top_k
     num_experts = num_experts or num_combined
     chunks = hidden // HADAMARD
+    compact = not wgmma
     if limits is not None:
         wgmma = wgmma and limits.wgmma
         _check_fits(pack_kernel(numel, num_combined), limits, usage)
@@ -146,7 +155,7 @@ def make_plan(m: int, top_k: int, hidden: int, intermediate: int, num_combined: 
         direct = numel <= DIRECT_MAX_ROUTES and m_tile in (None, SMALL_TILE)
     if direct:
         if limits is not None:
-            _check_fits_family(SMALL_TILE, numel, num_experts, False, limits, codebook, fast, usage)
+            _check_fits_family(SMALL_TILE, numel, num_experts, False, limits, codebook, fast, usage, compact)
         split = k_split or choose_k_split(SMALL_TILE, numel, hidden, intermediate, DIRECT_FC1_CTAS)
         while not k_split and (chunks // split > DIRECT_MAX_CHUNKS or chunks % split):
             split += 1
@@ -155,9 +164,10 @@ def make_plan(m: int, top_k: int, hidden: int, intermediate: int, num_combined: 
                               f"{DIRECT_MAX_CHUNKS} chunks (direct mode)")
         return LaunchPlan(m, top_k, SMALL_TILE, split, numel, numel, direct=True, family="mma16")
     wgmma = wgmma and hidden % WGMMA_FEATURES == 0 and intermediate % WGMMA_FEATURES == 0
-    tile = m_tile or choose_m_tile(numel, num_experts, wgmma)
+    tile = m_tile or choose_m_tile(numel, num_experts, wgmma, compact and fast)
     if limits is not None:
-        tile = _fitting_tile(tile, m_tile is not None, numel, num_experts, wgmma, limits, codebook, fast, usage)
+        tile = _fitting_tile(tile, m_tile is not None, numel, num_experts, wgmma, limits, codebook, fast, usage,
+                             compact)
     tiles = tile_capacity(numel, tile, num_combined)
     # Expected busy tiles: distinct experts touched, plus one extra tile per m_tile routes (of the routes
     # this pack serves).
@@ -178,12 +188,13 @@ def tile_family(m_tile: int, wgmma: bool) -> str:
 
 
 def plan_kernels(m_tile: int, numel: int, num_experts: int, wgmma: bool, codebook: str,
-                 fast: bool) -> tuple[KernelShape, KernelShape]:
+                 fast: bool, compact: bool = False) -> tuple[KernelShape, KernelShape]:
     """FC1 and FC2 as a call with these tiles launches them (the narrow wgmma kernels below
-    WGMMA_NARROW_BELOW_ROUTES routes per expert on K3/K4 layers, kernels/tile_kernels.cuh)."""
+    WGMMA_NARROW_BELOW_ROUTES routes per expert on K3/K4 layers, kernels/tile_kernels.cuh); `compact`: a
+    library built without wgmma."""
     family = tile_family(m_tile, wgmma)
     narrow = family == "wgmma" and fast and numel < WGMMA_NARROW_BELOW_ROUTES * max(1, num_experts)
-    return gemm_kernels(codebook, family, fast, narrow)
+    return gemm_kernels(codebook, family, fast, narrow, compact)
 
 
 def _check_fits(kernel: KernelShape, limits: ArchLimits,
@@ -194,19 +205,21 @@ def _check_fits(kernel: KernelShape, limits: ArchLimits,
 
 
 def _check_fits_family(m_tile: int, numel: int, num_experts: int, wgmma: bool, limits: ArchLimits, codebook: str,
-                       fast: bool, usage: dict[tuple[str, tuple[int, ...]], Usage] | None) -> None:
-    for kernel in plan_kernels(m_tile, numel, num_experts, wgmma, codebook, fast):
+                       fast: bool, usage: dict[tuple[str, tuple[int, ...]], Usage] | None,
+                       compact: bool = False) -> None:
+    for kernel in plan_kernels(m_tile, numel, num_experts, wgmma, codebook, fast, compact):
         _check_fits(kernel, limits, usage)
 
 
 def _fitting_tile(tile: int, forced: bool, numel: int, num_experts: int, wgmma: bool, limits: ArchLimits,
-                  codebook: str, fast: bool, usage: dict[tuple[str, tuple[int, ...]], Usage] | None) -> int:
+                  codebook: str, fast: bool, usage: dict[tuple[str, tuple[int, ...]], Usage] | None,
+                  compact: bool = False) -> int:
     """`tile`, or the largest smaller tile whose kernels fit `limits` (a forced tile must fit as it is)."""
     candidates = [tile] if forced else [t for t in (LARGE_TILE, MID_TILE, SMALL_TILE) if t <= tile]
     refusal = ""
     for candidate in candidates:
         try:
-            _check_fits_family(candidate, numel, num_experts, wgmma, limits, codebook, fast, usage)
+            _check_fits_family(candidate, numel, num_experts, wgmma, limits, codebook, fast, usage, compact)
             return candidate
         except KernelDoesNotFit as err:
             refusal = str(err)

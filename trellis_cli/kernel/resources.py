@@ -32,17 +32,41 @@ def _max_k(fast: bool) -> int:
     return 4 if fast else 8
 
 
-def _a_stride(r: int) -> int:  # halves per staged A row: 128 columns (256 expanded for small tiles) + 8
-    return 128 * (2 if r <= 2 else 1) + 8
+def _a_stride(r: int, kt: int = 8) -> int:
+    """Halves per staged A row: kt k tiles of 16 columns (twice that expanded for small tiles) + 8."""
+    return 16 * kt * (2 if r <= 2 else 1) + 8
 
 
-def fc1_smem_bytes(r: int, fast: bool) -> int:
+DIRECT_ROW_HALVES = (2 * 48 + 1) * 256  # kDirectRowHalves (fc1.cuh): direct mode's resident rows
+
+
+def fc1_chunk_tiles(r: int, fast: bool, compact: bool) -> int:
+    """k tiles per staged FC1 chunk (gemm_tile.cuh fc1_chunk_tiles): libraries without wgmma (`compact`) stage
+    the K3/K4 128-row and the all-K 16- and 32-row FC1 in chunks of 64 columns, the all-K 128-row FC1 in
+    chunks of 32, so that they fit 99 KB."""
+    if not compact:
+        return 8
+    return (4 if fast else 2) if r > 2 else (8 if fast else 4)
+
+
+def fc2_chunk_tiles(r: int, fast: bool, compact: bool) -> int:
+    """k tiles per staged FC2 chunk (gemm_tile.cuh fc2_chunk_tiles): 4 for the all-K 128-row FC2 of a library
+    without wgmma, else 8."""
+    return 4 if compact and r > 2 and not fast else 8
+
+
+def fc1_smem_bytes(r: int, fast: bool, compact: bool = False) -> int:
     stages = 3 if r == 1 else 2
-    return stages * (2 * 8 * 64 * _max_k(fast) * 4 + 2 * r * 16 * _a_stride(r) * 2)
+    kt = fc1_chunk_tiles(r, fast, compact)
+    rows = stages * 2 * r * 16 * _a_stride(r, kt)
+    if r == 1:
+        rows = max(rows, DIRECT_ROW_HALVES)
+    return stages * 2 * kt * 64 * _max_k(fast) * 4 + 2 * rows
 
 
-def fc2_smem_bytes(r: int, fast: bool) -> int:
-    ring = (2 if fast else 3) * (8 * 64 * _max_k(fast) * 4 + r * 16 * _a_stride(r) * 2)
+def fc2_smem_bytes(r: int, fast: bool, compact: bool = False) -> int:
+    kt = fc2_chunk_tiles(r, fast, compact)
+    ring = (2 if fast else 3) * (kt * 64 * _max_k(fast) * 4 + r * 16 * _a_stride(r, kt) * 2)
     return max(ring, r * 16 * O_STRIDE * 4)
 
 
@@ -69,8 +93,10 @@ class KernelShape:
         return min(255, 64 * KB // (self.threads * self.min_blocks) // 8 * 8)
 
 
-def gemm_kernels(codebook: str, family: str, fast: bool, narrow: bool = False) -> tuple[KernelShape, KernelShape]:
-    """FC1 and FC2 of one codebook, tile family ("mma16", "mma32", "mma128", "wgmma") and K-set."""
+def gemm_kernels(codebook: str, family: str, fast: bool, narrow: bool = False,
+                 compact: bool = False) -> tuple[KernelShape, KernelShape]:
+    """FC1 and FC2 of one codebook, tile family ("mma16", "mma32", "mma128", "wgmma") and K-set; `compact`:
+    as a library without wgmma builds them (its 128-row and all-K FC1 stage half chunks)."""
     cb, kset = CODEBOOK_IDS[codebook], "K3/K4" if fast else "all K"
     if family == "wgmma":
         rows = WG_NARROW_ROWS if narrow else WG_WIDE_ROWS
@@ -83,9 +109,9 @@ def gemm_kernels(codebook: str, family: str, fast: bool, narrow: bool = False) -
         return wgmma("fc1"), wgmma("fc2")
     r = ROWS_PER_FAMILY[family]
     fc1 = KernelShape(f"fc1_kernel<{codebook}, {16 * r} rows, {kset}>", ("fc1_kernel", (cb, r, int(fast))),
-                      FC1_THREADS, fc1_smem_bytes(r, fast), 2 if r <= 2 and fast else 1)
+                      FC1_THREADS, fc1_smem_bytes(r, fast, compact), 2 if r <= 2 and fast else 1)
     fc2 = KernelShape(f"fc2_kernel<{codebook}, {16 * r} rows, {kset}>", ("fc2_kernel", (cb, r, int(fast))),
-                      FC2_THREADS, fc2_smem_bytes(r, fast), (4 if r <= 2 else 2) if fast else 1)
+                      FC2_THREADS, fc2_smem_bytes(r, fast, compact), (4 if r <= 2 else 2) if fast else 1)
     return fc1, fc2
 
 
