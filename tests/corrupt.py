@@ -198,3 +198,73 @@ CORPUS: dict[str, tuple[Callable[[Path], str], bool]] = {  # name -> (corruptor,
     "unknown-dialect": (unknown_dialect, False),
     "bitmap-extra-expert": (bitmap_extra_expert, False),
 }
+
+
+# ---- what every reader of checkpoint bytes must refuse by name (issue: one checkpoint reader) ---------------
+# Each damages a valid `tiny` copy (MANIFEST.sha256 removed first by the caller when it matters) and returns the
+# finding code that fit, diff and inspect --tensors name, as validate does.
+
+def write_header(path: Path, header: dict, *, text: str | None = None) -> None:
+    """Replace the header of a shard by `header` (or by the JSON `text` given), of any length; the data stays."""
+    n, _ = read_header(path)
+    data = path.read_bytes()[8 + n:]
+    body = (text if text is not None else json.dumps(header, separators=(",", ":"))).encode()
+    path.write_bytes(struct.pack("<Q", len(body)) + body + data)
+
+
+def shard_is_fifo(root: Path) -> str:
+    (root / SHARD4).unlink()
+    os.mkfifo(root / SHARD4)
+    return "path.special"
+
+
+def shard_is_directory(root: Path) -> str:
+    (root / SHARD4).unlink()
+    (root / SHARD4).mkdir()
+    return "index.file-missing"
+
+
+def shard_is_symlink_loop(root: Path) -> str:
+    (root / SHARD4).unlink()
+    os.symlink(SHARD4, root / SHARD4)
+    return "path.dangling"
+
+
+def shard_missing_but_indexed(root: Path) -> str:
+    (root / SHARD4).unlink()
+    return "index.file-missing"
+
+
+def header_length_2_63(root: Path) -> str:
+    with open(root / SHARD4, "r+b") as f:
+        f.write(struct.pack("<Q", 1 << 63))
+    return "file.header-length"
+
+
+def extra_shard_not_utf8(root: Path) -> str:
+    body = b'{"\xff\xfe":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'
+    (root / "model-extra.safetensors").write_bytes(struct.pack("<Q", len(body)) + body + b"\0")
+    return "file.header"
+
+
+def tensor_runs_past_the_file(root: Path) -> str:
+    """A 700 KB shard whose last tensor declares 412 GB."""
+    _, header = read_header(root / SHARD4)
+    name = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    begin = header[name]["data_offsets"][0]
+    header[name]["shape"] = [412 * 10**9 // 2]
+    header[name]["dtype"] = "I16"
+    header[name]["data_offsets"] = [begin, begin + 412 * 10**9]
+    write_header(root / SHARD4, header)
+    return "file.truncated"
+
+
+READER_CORPUS: dict[str, Callable[[Path], str]] = {
+    "shard-fifo": shard_is_fifo,
+    "shard-directory": shard_is_directory,
+    "shard-symlink-loop": shard_is_symlink_loop,
+    "shard-missing-indexed": shard_missing_but_indexed,
+    "header-length-2^63": header_length_2_63,
+    "extra-shard-not-utf8": extra_shard_not_utf8,
+    "tensor-past-the-file": tensor_runs_past_the_file,
+}

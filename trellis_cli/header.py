@@ -229,10 +229,71 @@ def header_length(prefix: bytes, file: str, file_size: int | None) -> int:
     return n
 
 
+# safetensors' own header layout: `{"__metadata__":{...},"name":{"dtype":"..","shape":[..],"data_offsets":[a,b]},
+# ...}`, no whitespace but the trailing pad, no escape (so every `"` delimits a string and no name needs decoding),
+# the metadata a flat map of strings, at most three dimensions of at most five digits (no shape overflows a
+# 64-bit size), offsets below 10^18. In that layout a name followed by `":{"dtype"` is a tensor's key, never a
+# metadata value. One match of the whole header proves it (a fifth of the time of decoding it).
+_DTYPE = b"(?:" + b"|".join(d.encode() for d in DTYPE_BYTES) + b")"
+_DIM = rb"(?:0|[1-9][0-9]{0,4})"
+_OFFSET = rb"(?:0|[1-9][0-9]{0,17})"
+_STRING = rb'"[^"\\\x00-\x1f]*"'
+_ENTRY = (rb'"(?!__metadata__")[^"\\\x00-\x1f]*":\{"dtype":"' + _DTYPE + rb'","shape":\[(?:' + _DIM + rb"(?:," +
+          _DIM + rb"){0,2})?\]," + rb'"data_offsets":\[' + _OFFSET + rb"," + _OFFSET + rb"\]\}")
+_METADATA = rb'"__metadata__":\{(?:' + _STRING + b":" + _STRING + rb"(?:," + _STRING + b":" + _STRING + rb")*)?\}"
+_CANONICAL = re.compile(rb"\{(?P<metadata>" + _METADATA + rb",)?" + _ENTRY + rb"(?:," + _ENTRY + rb")*\} *")
+
+
+def canonical_header(raw: bytes) -> bool:
+    """Whether `raw` is a header in safetensors' own layout that the strict parser accepts as it is (valid UTF-8,
+    within the tensor limit). Three facts only decoding shows: a name twice in one object, and an offset pair
+    whose begin is past its end (`parse_header` checks both on its fast path)."""
+    return _canonical_match(raw) is not None
+
+
+def _canonical_match(raw: bytes) -> re.Match[bytes] | None:
+    if not (raw.isascii() or _utf8(raw)) or raw.count(b'"data_offsets"') > MAX_HEADER_TENSORS:
+        return None
+    return _CANONICAL.fullmatch(raw)
+
+
+def _utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _parse_canonical(file: str, header_bytes: bytes, header_len: int, file_size: int | None) -> Header | None:
+    """The header of a canonical layout, decoded by plain `json.loads` (no hook can fire: no float, constant,
+    -0, escape or non-string metadata value) and its entries built without re-checking what the match proved;
+    None where a name appears twice or an offset pair is reversed, which the strict path then names."""
+    match = _canonical_match(header_bytes)
+    if match is None:
+        return None
+    raw = json.loads(header_bytes)
+    metadata = raw.pop("__metadata__", None) or {}
+    meta_text = match.group("metadata")
+    if len(raw) != header_bytes.count(b'"data_offsets"') or \
+            (meta_text is not None and len(metadata) != meta_text.count(b'":"')):
+        return None  # a key twice in one object: Python kept the last one silently
+    tensors = {}
+    for name, info in raw.items():
+        begin, end = info["data_offsets"]
+        if begin > end:
+            return None
+        tensors[name] = TensorEntry(name, info["dtype"], tuple(info["shape"]), begin, end)
+    return Header(file=file, header_len=header_len, file_size=file_size, tensors=tensors, metadata=metadata)
+
+
 def parse_header(file: str, header_bytes: bytes, header_len: int, file_size: int | None) -> Header:
     """Parse the JSON header (the N bytes after the length prefix), refusing what safetensors refuses."""
     if len(header_bytes) != header_len:
         raise HeaderError(f"{file}: header truncated: expected {header_len} bytes, read {len(header_bytes)}")
+    fast = _parse_canonical(file, header_bytes, header_len, file_size)
+    if fast is not None:
+        return fast
     fields = header_bytes.count(b'"data_offsets"')  # one per entry: refuse a huge header before parsing it
     if fields > MAX_HEADER_TENSORS:
         raise HeaderError(f"{file}: header has {fields} data_offsets fields, more tensors than the limit of "
@@ -317,15 +378,3 @@ def read_local_header(path, rel_name: str) -> Header:
         size = os.fstat(f.fileno()).st_size
         n = header_length(f.read(8), rel_name, size)
         return parse_header(rel_name, f.read(n), n, size)
-
-
-def read_local_header_bytes(path, rel_name: str) -> tuple[bytes, int]:
-    """The unparsed header bytes of a local file and the file's size (length prefix checked): for a quick look
-    that counts names in the raw text; whatever trusts the entries parses them with `parse_header`."""
-    with open_regular(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        n = header_length(f.read(8), rel_name, size)
-        data = f.read(n)
-    if len(data) != n:
-        raise HeaderError(f"{rel_name}: header truncated: expected {n} bytes, read {len(data)}")
-    return data, size

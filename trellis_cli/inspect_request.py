@@ -29,6 +29,14 @@ class InspectRequest:
     ctx: int | None = None  # the fit section's context length; None: the model's max_position_embeddings
 
     def __post_init__(self) -> None:
+        from trellis_cli.selection import require_count
+
+        require_count(self.tp, "tp")
+        require_count(self.ctx, "ctx")
+        if self.gpu is not None and (not isinstance(self.gpu, Gpu) or type(self.gpu.total_bytes) is not int
+                                     or self.gpu.total_bytes < 1):
+            raise UsageError(f"gpu must be a Gpu (trellis_cli.fit.gpus) with total_bytes an integer of at least 1, "
+                             f"got {self.gpu!r}")
         self.fit_request()  # a request that makes no sense is refused when it is made, before any reading
 
     def fit_request(self) -> FitRequest | None:
@@ -100,7 +108,10 @@ def inspect_source(source: Any, request: InspectRequest | None = None,
     checkpoint = open_checkpoint(source, progress=progress.stage)
     document = InspectDocument(description=description, dialect=checkpoint.dialect)
     if request.tensors:
+        from trellis_cli.checkpoint.reader import require_intact
         from trellis_cli.inspect_tensors import build_tensor_listing
+
+        require_intact(checkpoint, "inspect --tensors")  # a listing must not leave an unreadable file out
 
         document.tensors = build_tensor_listing(checkpoint, request.layers)
         return document

@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.checkpoint.reader import shard_header
 from trellis_cli.dialects.registry import ROUTE_PACK, SLOT_ROWS, storage_of
 from trellis_cli.errors import CheckFailed
 
@@ -34,7 +35,7 @@ def build_tensor_listing(ckpt: Checkpoint, layers: list[int] | None = None) -> d
     unreadable: list[dict[str, str]] = []
     for file in sorted(name for name, size in ckpt.files.items() if name.endswith(".safetensors") and size >= 0):
         try:
-            header = ckpt.headers.get(file) or ckpt.source.read_header(file)
+            header = shard_header(ckpt, file)
         except CheckFailed as e:
             unreadable.append({"file": file, "error": str(e)})
             continue

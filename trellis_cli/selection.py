@@ -43,6 +43,13 @@ def parse_layer_ranges(text: str, *, option: str = "--layers", limit: int = MAX_
     return sorted(layers)
 
 
+def require_count(value: object, option: str) -> None:
+    """A count a library caller or an option gives (a TP degree, a context length): None, or an integer of at
+    least 1 (not a bool, not a float): UsageError naming the option otherwise, never a ZeroDivisionError later."""
+    if value is not None and (type(value) is not int or value < 1):
+        raise UsageError(f"{option} must be an integer of at least 1, got {value!r}")
+
+
 def require_present(chosen: list[int], available: Iterable[int], *, option: str = "--layers") -> list[int]:
     """`chosen` when every id is `available`; otherwise a UsageError naming the first missing ids and what
     the source has. One meaning in every command: a selection naming what is not there is a mistake, never

@@ -198,3 +198,131 @@ def test_a_damaged_source_gets_the_answer_of_the_full_opening(capsys, sources, t
     strip = lambda text: re.sub(r'"free_bytes": [0-9]+', "", text)  # noqa: E731 - the filesystem moves
     assert (quick[0], strip(quick[1]), quick[2]) == (full[0], strip(full[1]), full[2])
     assert not (tmp_path / "pack").exists()
+
+
+# ---- the quick plan equals the full plan, or defers to it, on every hostile source ------------------------------
+
+def _dense_shard_quoting_an_expert(root: Path, tensors: int) -> None:
+    """A non-expert shard whose __metadata__ quotes a routed-expert name (as a converter's note might)."""
+    gen = torch.Generator().manual_seed(52)
+    dense = {f"model.layers.{i}.self_attn.o_proj.weight": torch.randn(256, 256, generator=gen).to(torch.bfloat16)
+             for i in range(tensors)}
+    save_file(dense, str(root / "model-dense.safetensors"),
+              metadata={"format": "pt", "source": "model.layers.4.mlp.experts.0.gate_proj.rank0.trellis"})
+    edit_json(root / "model.safetensors.index.json",
+              lambda doc: doc["weight_map"].update(dict.fromkeys(dense, "model-dense.safetensors")))
+
+
+def _metadata_quotes_an_expert(root: Path) -> None:
+    _dense_shard_quoting_an_expert(root, 2)
+
+
+def _metadata_quotes_an_expert_beside_one_tensor(root: Path) -> None:
+    _dense_shard_quoting_an_expert(root, 1)
+
+
+def _escaped_names(root: Path) -> None:
+    """Layer 4's names written with a JSON escape (`\\u006dodel.layers.4...`): valid JSON, the same names."""
+    from corrupt import SHARD4, read_header, write_header
+
+    _, doc = read_header(root / SHARD4)
+    text = json.dumps(doc, separators=(",", ":")).replace('"model.layers.4.', '"\\u006dodel.layers.4.')
+    write_header(root / SHARD4, doc, text=text)
+
+
+def _spaced_header(root: Path) -> None:
+    """A header written with whitespace between its tokens (another writer's layout): the same tensors."""
+    from corrupt import SHARD3, read_header, write_header
+
+    _, doc = read_header(root / SHARD3)
+    write_header(root / SHARD3, doc, text=json.dumps(doc, indent=1))
+
+
+def _hostile_sources() -> dict:
+    from corrupt import CORPUS, READER_CORPUS
+
+    sources = {name: damage for name, (damage, _deep) in CORPUS.items()}
+    sources.update(READER_CORPUS)
+    sources.update({"metadata-quotes-an-expert": _metadata_quotes_an_expert,
+                    "metadata-quotes-an-expert-beside-one-tensor": _metadata_quotes_an_expert_beside_one_tensor,
+                    "escaped-names": _escaped_names, "spaced-header": _spaced_header,
+                    **{f.__name__.strip("_"): f for f in (_truncated_shard, _shard_linked_outside,
+                                                          _unreadable_bitmap)}})
+    return sources
+
+
+HOSTILE = _hostile_sources()
+
+
+def _answer(capsys, *args: str) -> tuple:
+    code, stdout, err = run_cli(capsys, *args)
+    doc = json.loads(stdout) if code == 0 else None
+    if doc is not None:
+        doc.pop("free_bytes", None)  # the filesystem moves between the two calls
+        doc.pop("notes", None)  # the quick plan says it planned from the declarations
+    return code, doc, err
+
+
+@pytest.mark.parametrize("args", [(), ("--layers", "4"), ("--experts-only",)], ids=["all", "layers-4", "experts"])
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_the_quick_plan_equals_or_defers_to_the_full_plan_on_hostile_sources(capsys, sources, tmp_path,
+                                                                            monkeypatch, name, args):
+    """Verdict, bytes and refusals: the dry run's answer is the full opening's, whatever the source holds."""
+    from trellis_cli.repack import run as repack_run
+
+    source = Path(shutil.copytree(sources["plain"], tmp_path / "src", symlinks=True))
+    (source / "MANIFEST.sha256").unlink()
+    HOSTILE[name](source)
+    command = ("repack", str(source), str(tmp_path / "pack"), "--dry-run", "--json", *args)
+    quick = _answer(capsys, *command)
+    monkeypatch.setattr(repack_run, "quick_dry_run", lambda *_a: None)
+    full = _answer(capsys, *command)
+    assert quick == full
+    assert not (tmp_path / "pack").exists()
+
+
+@pytest.mark.parametrize("name", ["metadata-quotes-an-expert", "metadata-quotes-an-expert-beside-one-tensor",
+                                  "escaped-names"])
+def test_the_real_run_writes_what_the_quick_plan_planned(capsys, sources, tmp_path, name):
+    """The quick plan's bytes are the real run's: a shard counted twice or dropped would refuse a repack for
+    space it does not need, or promise space it lacks."""
+    source = Path(shutil.copytree(sources["plain"], tmp_path / "src"))
+    (source / "MANIFEST.sha256").unlink()
+    HOSTILE[name](source)
+    plan = quick_plan(capsys, source, tmp_path / "pack")
+    code, stdout, err = run_cli(capsys, "repack", str(source), str(tmp_path / "pack"), "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["bytes_needed"] == plan["bytes_needed"]
+    written = sum(p.stat().st_size for p in (tmp_path / "pack").rglob("*") if p.is_file())
+    assert written >= plan["bytes_needed"]
+
+
+def test_escaped_names_are_the_names_they_spell(capsys, sources, tmp_path):
+    source = Path(shutil.copytree(sources["plain"], tmp_path / "src"))
+    (source / "MANIFEST.sha256").unlink()
+    _escaped_names(source)
+    assert run_cli(capsys, "validate", str(source))[0] == 0
+    plan = quick_plan(capsys, source, tmp_path / "pack", "--layers", "4")
+    assert plan["layers"] == "4"
+
+
+def test_a_missing_shard_gets_the_real_answer_not_a_usage_error(capsys, sources, tmp_path):
+    from corrupt import SHARD4
+
+    source = Path(shutil.copytree(sources["plain"], tmp_path / "src"))
+    (source / "MANIFEST.sha256").unlink()
+    (source / SHARD4).unlink()
+    code, _, err = run_cli(capsys, "repack", str(source), str(tmp_path / "pack"), "--layers", "4")
+    assert code == 1 and "index.file-missing" in err
+
+
+def test_a_lock_file_that_is_a_fifo_is_refused_by_the_dry_run_as_by_the_real_run(capsys, sources, tmp_path):
+    import os
+
+    out = tmp_path / "pack"
+    os.mkfifo(tmp_path / "pack.partial.lock")
+    dry = run_cli(capsys, "repack", str(sources["plain"]), str(out), "--dry-run")
+    real = run_cli(capsys, "repack", str(sources["plain"]), str(out))
+    assert dry[0] == real[0] == 2
+    assert "pack.partial.lock: the lock file of" in dry[2] and "a FIFO, not a regular file" in dry[2]
+    assert dry[2] == real[2]

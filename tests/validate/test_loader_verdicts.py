@@ -263,6 +263,14 @@ CASES: dict[str, Case] = {
                                 f"{V190} Exl3MoEMethod.create_weights reads tp with int()"),
     "int-spelling/r7-tp": Case(tr3_hybrid({"tp": "2", "experts_per_layer": "8"}), "vllm-exl3-r7", 2, None,
                                f"{VR7} _configure_rank_sliced and create_weights read with int()"),
+    # issue 52: moe_layers spelled as strings crashed validate (a TypeError) instead of these verdicts
+    "int-spelling/190-moe-layers": Case(tr3_hybrid({"moe_layers": ["3", "4"]}), "vllm-exl3-190", 2, None,
+                                        f"{V190} _configure_rank_sliced reads moe_layers with int()"),
+    "int-spelling/r7-moe-layers": Case(tr3_hybrid({"moe_layers": ["3", "4"]}), "vllm-exl3-r7", 2, None,
+                                       f"{VR7} _configure_rank_sliced reads moe_layers with int()"),
+    "int-spelling/shared-h-moe-layers": Case(tr3_hybrid({"moe_layers": ["3", "4"]}), "vllm-exl3-shared-h", 2,
+                                             "engine.json-int", f"{VSHARED} _configure_rank_sliced: moe_layers "
+                                             "must be two JSON integers"),
     "int-spelling/shared-h-tp": Case(tr3_hybrid({"tp": "2"}), "vllm-exl3-shared-h", 2, "engine.json-int",
                                      f"{VSHARED} _configure_rank_sliced: tp must be a positive JSON integer"),
     "int-spelling/shared-h-k-values": Case(tr3_hybrid({"k_values": ["3", "4"]}), "vllm-exl3-shared-h", 2, None,

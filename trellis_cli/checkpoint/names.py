@@ -28,7 +28,6 @@ _ID = f"({CANONICAL_ID})"
 _EXPERTS = re.compile(rf"^model\.layers\.{_ID}\.mlp\.experts\.(.+)$")
 # The same prefix as a key in a raw safetensors header (a quoted JSON string): the layer id of each routed-expert
 # entry, found without decoding the header (a key written with JSON escapes is not matched: count it as other).
-EXPERT_KEY_IN_HEADER = re.compile(rf'"model\.layers\.{_ID}\.mlp\.experts\.'.encode())
 _LINEAR = re.compile(rf"^{_ID}\.(gate_proj|up_proj|down_proj|w1|w2|w3)(?:\.rank{_ID})?\.([A-Za-z0-9_]+)$")
 _SHARED_H = re.compile(rf"^shared_h\.(gate_proj|up_proj|down_proj)\.rank{_ID}\.([A-Za-z0-9_]+)$")
 _R7_SHARED = re.compile(rf"^r7_shared\.(?:rank{_ID}\.)?([A-Za-z0-9_]+)$")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from trellis_cli.checkpoint import declared as decl
+from trellis_cli.checkpoint import reader
 from trellis_cli.dialects import registry
 from trellis_cli.dialects.detect import CONFIG, QUANT_CONFIG, route_pack_info
 from trellis_cli.dialects.interface import DialectInfo, Probe
@@ -38,15 +39,10 @@ from trellis_cli.checkpoint.names import (
     noncanonical_reason,
     parse_expert_name,
 )
-from trellis_cli.errors import CheckFailed
+from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.findings import Finding, Location, error, warning
-from trellis_cli.header import JsonError, load_json, open_regular, os_reason
-from trellis_cli.integrity import CHECKSUM_MANIFEST
-from trellis_cli.header import safe_relative
 
-INDEX_SUFFIX = ".safetensors.index.json"
-# A production index maps ~935k tensors (about 80 MB of JSON), above the general JSON limit of sources.
-MAX_INDEX_BYTES = 512 * 1024 * 1024
+INDEX_SUFFIX = reader.INDEX_SUFFIX
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 
 
@@ -85,8 +81,8 @@ def open_declared(source: Any) -> Checkpoint | None:
 
 
 def _open(source: Any, progress: Callable[[str, int, int], None], headers: bool = True) -> Checkpoint | None:
-    files = source.list_files()
-    findings: list[Finding] = list(_listing_findings(source))
+    files = reader.listing(source)
+    findings: list[Finding] = list(reader.listing_findings(source))
     pack = route_pack_info(files, source.read_json)
     if pack is not None:  # the route-pack verifier owns its own parsing, config.json included
         if not headers:
@@ -95,7 +91,7 @@ def _open(source: Any, progress: Callable[[str, int, int], None], headers: bool 
                           num_experts=None, tp=pack.tp, codebook=pack.codebook, rotation_layout=pack.rotation_layout,
                           declared=pack.declared, parse_findings=findings, files=dict(files))
     config = _read_config(source, files)
-    quant_config = _read_optional_json(source, files, QUANT_CONFIG, findings, optional=True)
+    quant_config = reader.read_json(source, files, QUANT_CONFIG, findings, optional=True)
     if quant_config is not None and not isinstance(quant_config, dict):
         findings.append(warning("json.unreadable", Location(file=QUANT_CONFIG), "not a JSON object: ignored",
                                 expected="object", found=type(quant_config).__name__))
@@ -128,19 +124,11 @@ def _as_source(source: Any) -> Any:
         from trellis_cli.sources import LocalSource
 
         return LocalSource(Path(source))
+    if not callable(getattr(source, "list_files", None)) or not callable(getattr(source, "read_header", None)):
+        # The library's callers get its own error, not an AttributeError from deep inside the opening.
+        raise UsageError(f"a checkpoint source must be a Source (trellis_cli.open_source) or a local path, not "
+                         f"{type(source).__name__}")
     return source
-
-
-def _listing_findings(source: Any) -> Iterator[Finding]:
-    """What a local listing left out: special files (never opened) and subdirectories it could not list."""
-    for name, kind in getattr(source, "special", {}).items():
-        # A FIFO or device where a shard, a JSON file or the manifest belongs means the checkpoint is broken.
-        needed = name.endswith((".safetensors", ".json")) or name == CHECKSUM_MANIFEST
-        make = error if needed else warning
-        yield make("path.special", Location(file=name), "not a regular file: left out and never opened",
-                   expected="a regular file", found=kind)
-    for name, reason in getattr(source, "unlistable", {}).items():
-        yield error("file.unreadable", Location(file=name), f"directory cannot be listed ({reason})")
 
 
 def _read_config(source: Any, files: dict[str, int]) -> dict[str, Any] | None:
@@ -155,88 +143,15 @@ def _read_config(source: Any, files: dict[str, int]) -> dict[str, Any] | None:
     return config
 
 
-def _read_optional_json(source: Any, files: dict[str, int], name: str, findings: list[Finding],
-                        optional: bool = False) -> Any:
-    """A JSON file or None; a bad one becomes a finding (a warning when the file is optional metadata)."""
-    if name not in files:
-        return None
-    try:
-        return source.read_json(name)
-    except CheckFailed as e:
-        make = warning if optional else error  # the code is the reader's (sources.read_json_file)
-        findings.append(make(e.code or "json.unreadable", Location(file=name), str(e).split(": ", 1)[-1]))
-        return None
-
-
 def _read_headers(ckpt: Checkpoint, source: Any, files: dict[str, int],
                   progress: Callable[[str, int, int], None]) -> None:
-    escapes = getattr(source, "escapes", None)
-    readable = []
-    for name, size in files.items():
-        if not name.endswith(".safetensors"):
-            continue
-        if not safe_relative(name) or (escapes is not None and escapes(name)):
-            ckpt.parse_findings.append(error("path.escape", Location(file=name),
-                                             "file resolves outside the checkpoint directory (symlink or path)"))
-        elif size < 0:
-            ckpt.parse_findings.append(error("path.dangling", Location(file=name),
-                                             "file is a dangling link (or a symlink loop)"))
-        else:
-            readable.append(name)
-    prefetch = getattr(source, "prefetch_headers", None)
-    if prefetch is not None and readable:
-        prefetch(readable)  # remote sources read many headers concurrently; errors resurface per file below
-    for done, name in enumerate(readable, 1):
-        try:
-            ckpt.headers[name] = source.read_header(name)
-        except CheckFailed as e:  # SourceUnavailable (network, auth) propagates: exit 3, not a finding
-            ckpt.parse_findings.append(_header_finding(name, e))
-        progress("files", done, len(readable))
-
-
-def _header_finding(name: str, e: CheckFailed) -> Finding:
-    """The source's refusal of a header as a finding, under the code the source gave it (HeaderError's own,
-    or file.unreadable); the message without the file name, which the location carries."""
-    message = str(e)
-    detail = message[len(name) + 2:] if message.startswith(name + ": ") else message
-    return error(e.code or "file.header", Location(file=name), detail)
+    ckpt.headers.update(reader.read_headers(source, files, progress, ckpt.parse_findings))
 
 
 def _read_index(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:
-    names = [n for n in files if n.endswith(INDEX_SUFFIX)]
-    if not names:
-        return
-    name = "model.safetensors.index.json" if "model.safetensors.index.json" in names else names[0]
-    data = _read_index_json(source, files, name, ckpt.parse_findings)
-    if data is None:
-        return
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        ckpt.parse_findings.append(error("index.format", Location(file=name),
-                                         "index has no weight_map object of tensor -> file strings"))
-        return
-    ckpt.index, ckpt.index_file = weight_map, name
-    ckpt.declared["index_metadata"] = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
-
-
-def _read_index_json(source: Any, files: dict[str, int], name: str, findings: list[Finding]) -> Any:
-    from trellis_cli.sources import MAX_JSON_BYTES
-
-    size = files.get(name, 0)
-    if size <= MAX_JSON_BYTES:
-        return _read_optional_json(source, files, name, findings)
-    if size > MAX_INDEX_BYTES:
-        findings.append(error("json.too-large", Location(file=name), "index file is larger than the limit",
-                              expected=f"<= {MAX_INDEX_BYTES} bytes", found=f"{size} bytes"))
-        return None
-    try:
-        with open_regular(source.local_path(name)) as f:
-            return load_json(f.read(MAX_INDEX_BYTES + 1))
-    except OSError as e:
-        findings.append(error("json.unreadable", Location(file=name), f"cannot read the file ({os_reason(e)})"))
-    except (CheckFailed, JsonError) as e:
-        findings.append(error("json.unreadable", Location(file=name), str(e)))
-    return None
+    found = reader.read_index(source, files, ckpt.parse_findings)
+    if found is not None:
+        ckpt.index_file, ckpt.index, ckpt.declared["index_metadata"] = found
 
 
 def _collect_tensors(ckpt: Checkpoint) -> None:

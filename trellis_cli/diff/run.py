@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.checkpoint.reader import require_intact
 from trellis_cli.dialects.registry import SLOT_ROWS, storage_of
 from trellis_cli.diff.hashing import HEADER, SHA256, Hasher, storage_identity
 from trellis_cli.diff.result import (BYTES, DTYPE, ONLY_A, ONLY_B, SHAPE, DiffResult, LayerDiff, TensorDifference,
@@ -31,6 +32,8 @@ def run_diff(a: Checkpoint, b: Checkpoint, *, layers: list[int] | None = None, p
     """Compare `a` and `b`. `layers` restricts the MoE layers (non-expert tensors are then not compared);
     `progress(n)` receives bytes hashed, `download_progress(n)` bytes downloaded, `on_layer(done, total)`
     each finished layer."""
+    for side in (a, b):  # an unreadable file would read as absent layers or tensors: refused by name instead
+        require_intact(side, "diff")
     tp = compared_tp(a, b)
     layers_a, layers_b = set(moe_layers(a)), set(moe_layers(b))
     if layers is not None:

@@ -19,6 +19,7 @@ import math
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, LinearRef, TensorRef
+from trellis_cli.checkpoint.reader import shard_header
 from trellis_cli.dialects.registry import ROUTE_PACK, SHARDS, SLOT_ROWS, storage_of
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.formats.route_pack import (MAX_TIER_EXPERTS, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE, ROT_UP_SUH,
@@ -167,7 +168,7 @@ def _route_pack_units(ck: Checkpoint, layer: int) -> dict[Key, Unit]:
         name = layer_file_name(layer, rank)
         if name not in ck.files or ck.files[name] < 0:
             continue  # its units are absent: reported as only in the other side
-        header = ck.source.read_header(name)
+        header = shard_header(ck, name)
         units.update(_route_pack_file_units(header, name, order, rank, hidden, width))
     return units
 
@@ -298,7 +299,7 @@ def other_units(ck: Checkpoint) -> dict[Key, Unit]:
         layer_files = _layer_files(ck)
         for name in sorted(ck.files):
             if name.endswith(".safetensors") and name not in layer_files and ck.files[name] >= 0:
-                header = ck.source.read_header(name)
+                header = shard_header(ck, name)
                 refs += [TensorRef(e.name, name, e.dtype, tuple(e.shape), e.begin, e.end, header.data_start)
                          for e in header.tensors.values()]
         strip = EXTRA_DIR if storage_of(ck) == ROUTE_PACK else ""

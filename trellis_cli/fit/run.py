@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.checkpoint.reader import require_intact
 from trellis_cli.dialects.registry import ROUTE_PACK, storage_of
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.fit.arch import Arch, read_arch
@@ -229,6 +230,7 @@ def fit(ckpt: Checkpoint, request: FitRequest) -> FitResult:
     if storage_of(ckpt) == ROUTE_PACK:
         raise UsageError("a route pack is the kernel's layout of one checkpoint's experts only: run fit on the "
                          "checkpoint it was made from")
+    require_intact(ckpt, "fit")  # weights counted from files that could not all be read would be a lie
     arch = read_arch(ckpt.config)
     check_split(arch, request.tp)
     check_engine_loads(ckpt, request.version)

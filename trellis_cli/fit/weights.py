@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.checkpoint.reader import shard_header
 from trellis_cli.dialects.registry import SLOT_ROWS, storage_of
 from trellis_cli.checkpoint.names import KIND_LINEAR, KIND_R7_SHARED, KIND_SHARED_H, parse_expert_name
 from trellis_cli.errors import CheckFailed, UsageError
@@ -239,7 +240,7 @@ def _non_layer_tensors(ckpt: Checkpoint) -> list[tuple[str, tuple[int, ...], int
     found = []
     for name, size in sorted(ckpt.files.items()):
         if name.endswith(".safetensors") and name not in layer_files and size >= 0:
-            header = ckpt.source.read_header(name)
+            header = shard_header(ckpt, name)
             found += [(t, tuple(e.shape), e.end - e.begin) for t, e in header.tensors.items()]
     return found
 

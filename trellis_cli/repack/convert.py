@@ -16,7 +16,7 @@ from typing import Any
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.formats.route_pack import layer_file_name
-from trellis_cli.header import read_local_header
+from trellis_cli.checkpoint.reader import source_header
 from trellis_cli.id_ranges import expand_ranges
 from trellis_cli.routepack import carry
 from trellis_cli.routepack.layer_file import read_layer_pack
@@ -60,12 +60,14 @@ def route_pack_to_tr3(root: Path, out: Path, options, *, on_bytes=None, on_total
                                 doc["codebook"], shared, ndim.get("per_expert", 1), ndim.get("shared_h", 1))
     files = doc["files"]
     extras = {e["source_file"]: n for n, e in files.items() if e.get("role") == "extra"}
+    pack_source = LocalSource(root)
+    headers = {name: source_header(pack_source, name) for name in extras.values()}
     out_plan = Tr3Output(
         specs=specs, packs=lambda layer, rank: read_layer_pack(root, layer, rank),
         shards=assign_shards({layer: _tr3_shards(doc["layers"][str(layer)]) for layer in layers}),
-        carried={shard: carry.refs_of(read_local_header(root / name, name)) for shard, name in extras.items()},
-        carried_source=LocalSource(root),
-        metadata={shard: read_local_header(root / name, name).metadata for shard, name in extras.items()},
+        carried={shard: carry.refs_of(headers[name]) for shard, name in extras.items()},
+        carried_source=pack_source,
+        metadata={shard: headers[name].metadata for shard, name in extras.items()},
         copied={n: root / n for n, e in files.items() if e.get("role") == "copied"},
         config=restored_config(_pack_config(root), tp, shared), read_copied=lambda n: json.loads(
             (root / n).read_text(encoding="utf-8")),

@@ -46,6 +46,21 @@ class StageLock:
             os.close(fd)
         raise UsageError(f"{self.path}: the lock file keeps being replaced; is another repack starting?")
 
+    def refuse_unusable(self) -> None:
+        """What `__enter__` would refuse about the lock file, said without creating or opening it (a dry run
+        gives the real run's answer)."""
+        try:
+            mode = os.lstat(self.path).st_mode
+        except FileNotFoundError:
+            return
+        except OSError:
+            return  # the real run's open names the OS's reason
+        if stat.S_ISLNK(mode):
+            raise UsageError(f"{self.path}: the lock file of {self.out} is a symbolic link; refusing it")
+        if not stat.S_ISREG(mode):
+            raise UsageError(f"{self.path}: the lock file of {self.out} is {file_kind(mode)}, not a regular file; "
+                             f"remove it and rerun")
+
     def _open(self) -> int:
         try:
             # O_NONBLOCK: a FIFO planted under the lock's name must not block the open.

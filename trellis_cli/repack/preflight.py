@@ -11,19 +11,17 @@ source before writing. A production TR3 (76 shards, ~930k tensors) is planned in
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.routepack import write as rp_write
 from trellis_cli.dialects.routepack.write import EXTRA_DIR
-from trellis_cli.checkpoint.names import EXPERT_KEY_IN_HEADER, is_expert_name
+from trellis_cli.checkpoint import reader
 from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Severity
 from trellis_cli.disk_space import free_bytes, space_refusal
 from trellis_cli.formats.route_pack import MANIFEST_NAME, layer_file_name
-from trellis_cli.header import read_local_header_bytes
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.repack.result import RepackResult
 from trellis_cli.repack.source_facts import CONFIG, NOT_COPIED, fingerprint, protected_paths
@@ -110,10 +108,15 @@ class _ShardScan:
     """One shard as its raw header shows it: the layers of its routed experts, and its other tensors when it
     has both (None when it holds only experts, or nothing but other tensors)."""
 
-    def __init__(self, layers: set[int], experts: int, tensors: int) -> None:
-        self.layers, self.experts, self.tensors = layers, experts, tensors
+    def __init__(self, names: reader.HeaderNames) -> None:
+        self.layers, self.experts, self.tensors = names.layers, names.experts, names.tensors
         self.others: list[PlannedTensor] | None = None
-        self.metadata: dict[str, str] | None = None
+        self.metadata: dict[str, str] | None = names.metadata
+        self.trellis = names.trellis
+        if names.others is not None:
+            self.others = [PlannedTensor(name, dtype, shape) for name, dtype, shape in names.others]
+            for tensor in self.others:
+                _ = tensor.nbytes  # an unknown dtype or a bad shape was refused by the reader
 
 
 def _scan_shards(ck: Checkpoint) -> dict[str, _ShardScan] | None:
@@ -121,33 +124,14 @@ def _scan_shards(ck: Checkpoint) -> dict[str, _ShardScan] | None:
     for name in sorted(ck.files):
         if not name.endswith(".safetensors"):
             continue
-        try:  # resolve: a name whose link leaves the directory is refused, as the full opening refuses it
-            raw, _size = read_local_header_bytes(ck.source.resolve(name), name)
-        except (OSError, ValueError, CheckFailed):
+        try:  # the reader's guards and the full parser's refusals, as the full opening meets them
+            scans[name] = _ShardScan(reader.header_names(ck.source, name, ck.files[name]))
+        except CheckFailed:
             return None  # the full opening reports it by name
-        found = EXPERT_KEY_IN_HEADER.findall(raw)
-        scan = _ShardScan({int(layer) for layer in found}, len(found), raw.count(b'"data_offsets"'))
-        if scan.experts and scan.experts != scan.tensors and not _read_others(scan, raw):
-            return None
-        scans[name] = scan
+    found = {layer for scan in scans.values() for layer in scan.layers}
+    if any(layer not in found for layer, moe in ck.layers.items() if moe.declared_k is not None):
+        return None  # a declared layer no shard holds (a shard missing, or unreadable): the full opening says which
     return scans
-
-
-def _read_others(scan: _ShardScan, raw: bytes) -> bool:
-    """A shard with experts and other tensors: its other tensors (name, dtype, shape) in stored order."""
-    try:
-        doc = json.loads(raw)
-        metadata = doc.pop("__metadata__", None) or {}
-        entries = sorted(((n, e) for n, e in doc.items() if not is_expert_name(n)),
-                         key=lambda item: item[1]["data_offsets"][0])
-        scan.others = [PlannedTensor(n, e["dtype"], tuple(e["shape"])) for n, e in entries]
-        scan.metadata = metadata
-        scan.experts, scan.tensors = len(doc) - len(entries), len(doc)
-        for tensor in scan.others:
-            _ = tensor.nbytes  # an unknown dtype or a bad shape: the full opening names it
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return False
-    return isinstance(metadata, dict)
 
 
 def _plan_from_declarations(ck: Checkpoint, scans: dict[str, _ShardScan], out: Path,
@@ -176,6 +160,8 @@ def _plan_from_declarations(ck: Checkpoint, scans: dict[str, _ShardScan], out: P
         if not isinstance(ks, list) or len(ks) != experts or not all(type(k) is int for k in ks):
             return None  # the declaration does not say every expert's K: only the headers can
         tiers = {k: ks.count(k) for k in sorted(set(ks))}
+        if not _codes_as_declared(ck, scans, layer_shards[layer], tiers):
+            return None  # the shapes of the codes are not what the declarations say: the full opening plans
         size = route_pack_layer_bytes(hidden, inter // tp, experts, experts, tiers, shared)
         for rank in ranks:
             layer_files.append({"name": layer_file_name(layer, rank), "data_bytes": size})
@@ -194,6 +180,26 @@ def _plan_from_declarations(ck: Checkpoint, scans: dict[str, _ShardScan], out: P
     resumable = resumable_bytes(out, fingerprint(ck, options, used))
     return route_pack_plan(out, options, ck.dialect, layer_files, other_files, needed, resumable, layers=layers,
                            ranks=ranks, tp=tp, notes=[NOT_VALIDATED, FROM_DECLARATIONS])
+
+
+def _codes_as_declared(ck: Checkpoint, scans: dict[str, _ShardScan], shards: list[str], tiers: dict[int, int]) -> bool:
+    """Whether the shards holding a layer (and no other layer) hold exactly the codes its declarations imply:
+    every expert's three projections on every rank, shaped for its declared K. The layer's route-pack bytes are
+    then what the full opening computes from the headers."""
+    if any(len(scans[name].layers) != 1 for name in shards):
+        return False
+    hidden, rank_width, tp = ck.hidden or 0, (ck.intermediate or 0) // max(ck.tp, 1), max(ck.tp, 1)
+    expected: dict[tuple[int, ...], int] = {}
+    for k, count in tiers.items():
+        gate_up: tuple[int, ...] = (hidden // 16, rank_width // 16, 16 * k)
+        down: tuple[int, ...] = (rank_width // 16, hidden // 16, 16 * k)
+        for shape, n in ((gate_up, 2), (down, 1)):
+            expected[shape] = expected.get(shape, 0) + n * tp * count
+    found: dict[tuple[int, ...], int] = {}
+    for name in shards:
+        for shape, n in scans[name].trellis.items():
+            found[shape] = found.get(shape, 0) + n
+    return found == expected
 
 
 def _used_files(ck: Checkpoint, scans: dict[str, _ShardScan], layers: list[int],

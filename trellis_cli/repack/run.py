@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.checkpoint.reader import byte_faults
 from trellis_cli.dialects.routepack import write as rp_write
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.routepack import carry
@@ -124,7 +125,9 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
         try:
             run = _RoutePackRun(checkpoint, Path(out), options, on_bytes, on_total, log)
         except UsageError:
-            raise
+            if options.dry_run or not options.validate or not any(byte_faults(checkpoint)):
+                raise
+            run = None  # a file that cannot be read, not a layer "not in the source": the validation names it
         except Exception:  # a source the plan cannot read: its validation below names what is wrong
             run = None
         if run is not None:

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Iterator
 
 from trellis_cli.disk_space import free_bytes, space_refusal
 from trellis_cli.errors import CheckFailed, TrellisError, UsageError
+from trellis_cli.repack.lock import StageLock
 from trellis_cli.repack.out_paths import check_overlap, output_name, output_path
 from trellis_cli.routepack.manifest import sha256_file
 
@@ -47,6 +48,7 @@ def check_target(out: Path, source_root: Path | Iterable[Path] | None, overwrite
         raise UsageError(f"{out}: is a symbolic link (to {os.readlink(out.absolute())}); repack writes OUT as a "
                          f"directory of its own: name the directory itself, or remove the link")
     refuse_overlap(out, source_root)
+    StageLock(stage, out).refuse_unusable()  # a FIFO or a link under the lock's name: the lock refuses it
     out = out.resolve()
     if stage.is_symlink() or (stage.exists() and not stage.is_dir()):
         what = "a symbolic link" if stage.is_symlink() else "not a directory"

@@ -45,7 +45,9 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
     `progress(stage, done, total)` is called as layers complete; `checksum_progress(n)` with bytes hashed.
     """
     from trellis_cli.dialects.open import paused_gc
+    from trellis_cli.selection import require_count
 
+    require_count(tp, "tp")
     dialect = dialect_of(checkpoint)
     enforced = engines.enforced_name(engine, checkpoint.dialect)
     selected = _selected_layers(checkpoint, dialect, layers)  # a usage error before any rule runs

@@ -25,6 +25,11 @@ class ValidateRequest:
     tp: int | None = None  # the TP the server will run, checked against every profile's TP contract
     strict: bool = False  # warnings fail too
 
+    def __post_init__(self) -> None:
+        from trellis_cli.selection import require_count
+
+        require_count(self.tp, "tp")  # refused when the request is made, before anything is read
+
 
 @dataclass
 class ValidateProgress:

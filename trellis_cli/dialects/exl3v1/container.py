@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from trellis_cli.checkpoint import reader
 from trellis_cli.checkpoint.model import Checkpoint, MoeLayer, TensorRef
 from trellis_cli.errors import CheckFailed
 from trellis_cli.formats.exl3v1_layout import LayerRates, uniform_rates
@@ -104,7 +105,7 @@ def _read_layer_header(ckpt: Checkpoint, source: Any, files: dict[str, int], lay
         ckpt.parse_findings.append(error("path.dangling", where, "the layer file is a dangling link"))
         return
     try:
-        header = source.read_header(layer.file)
+        header = reader.shard_header(ckpt, layer.file)
     except CheckFailed as e:
         ckpt.parse_findings.append(error("file.header", where, str(e)))
         return

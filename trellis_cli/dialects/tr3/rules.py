@@ -253,7 +253,8 @@ def check_undeclared_layers(ckpt: Checkpoint, h: dict) -> Iterator[Finding]:
     """Layers whose expert tensors are in the files but outside `moe_layers`: the loader never loads them."""
     if not layer_span(h.get("moe_layers")):
         return  # config.tr3-moe-layers
-    first, last = h["moe_layers"]
+    declared = layer_range(h["moe_layers"])  # "3" and 3.0 as int() reads them, as the #190 and R7 loaders do
+    first, last = declared.start, declared.stop - 1
     outside = [li for li, layer in ckpt.layers.items() if not first <= li <= last and (layer.experts or
                                                                                        layer.shared_h)]
     for li in outside[:MAX_MISSING_SHOWN]:

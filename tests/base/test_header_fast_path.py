@@ -1,0 +1,95 @@
+"""The parser's fast path (a header proven to be in safetensors' own layout, decoded without hooks) gives exactly
+what the strict path gives: the same Header, or the same refusal, on fresh random headers and on each way a
+header can leave that layout or break a rule the match does not see."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from trellis_cli import header
+from trellis_cli.header import DTYPE_BYTES, HeaderError, canonical_header, parse_header
+
+
+def random_header(rng: random.Random, tensors: int) -> dict:
+    doc: dict = {"__metadata__": {"format": "pt", "note": f"n{rng.randrange(10**6)}"}} if rng.random() < 0.7 else {}
+    cursor = 0
+    for i in range(tensors):
+        dtype = rng.choice(sorted(DTYPE_BYTES))
+        shape = [rng.randrange(0, 300) for _ in range(rng.randrange(0, 4))]
+        size = DTYPE_BYTES[dtype]
+        for d in shape:
+            size *= d
+        name = f"model.layers.{rng.randrange(80)}.mlp.experts.{i}.gate_proj.rank{rng.randrange(8)}.trellis"
+        doc[name] = {"dtype": dtype, "shape": shape, "data_offsets": [cursor, cursor + size]}
+        cursor += size
+    return doc
+
+
+def text(doc: dict) -> bytes:
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    return body + b" " * random.Random(len(body)).randrange(8)
+
+
+def both(raw: bytes, monkeypatch) -> tuple:
+    def parse() -> object:
+        try:
+            return parse_header("x.safetensors", raw, len(raw), None)
+        except HeaderError as e:
+            return ("refused", str(e), e.code)
+    fast = parse()
+    with monkeypatch.context() as m:
+        m.setattr(header, "_parse_canonical", lambda *_a: None)
+        strict = parse()
+    return fast, strict
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_canonical_headers_parse_alike(monkeypatch, seed):
+    rng = random.Random(1000 + seed)
+    raw = text(random_header(rng, rng.randrange(1, 200)))
+    assert canonical_header(raw)
+    fast, strict = both(raw, monkeypatch)
+    assert fast == strict and not isinstance(fast, tuple)
+
+
+def _duplicate_name(raw: bytes) -> bytes:
+    """The second entry written once more, before the first: a name twice in the top object."""
+    first = raw.index(b',"model.') + 1
+    second = raw.index(b',"model.', first) + 1
+    end = raw.index(b"}", second) + 1
+    return raw[:first] + raw[second:end] + b"," + raw[first:]
+
+
+MUTATIONS = {
+    "duplicate name": _duplicate_name,
+    "duplicate metadata key": lambda raw: raw.replace(b'{"format":"pt",', b'{"format":"pt","format":"pt",', 1),
+    "reversed offsets": lambda raw: raw.replace(b'"data_offsets":[0,', b'"data_offsets":[999999999,', 1),
+    "escaped name": lambda raw: raw.replace(b'"model.', b'"\\u006dodel.', 1),
+    "lone surrogate": lambda raw: raw.replace(b'"model.', b'"\\ud800model.', 1),
+    "whitespace": lambda raw: raw.replace(b'":{"dtype"', b'": {"dtype"', 1),
+    "big dimension": lambda raw: raw.replace(b'"shape":[', b'"shape":[1234567,', 1),
+    "float": lambda raw: raw.replace(b'"data_offsets":[0,', b'"data_offsets":[0.0,', 1),
+    "negative zero": lambda raw: raw.replace(b'"data_offsets":[0,', b'"data_offsets":[-0,', 1),
+    "not utf-8": lambda raw: raw.replace(b'"model.', b'"\xffmodel.', 1),
+    "unknown dtype": lambda raw: raw.replace(b'"dtype":"', b'"dtype":"X', 1),
+    "metadata not a string": lambda raw: raw.replace(b'"format":"pt"', b'"format":7', 1),
+    "entry named __metadata__": lambda raw: raw.replace(b'"model.', b'"__metadata__":{},"model.', 1),
+}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+@pytest.mark.parametrize("seed", range(3))
+def test_every_way_out_of_the_layout_gets_the_strict_answer(monkeypatch, mutation, seed):
+    rng = random.Random(2000 + seed)
+    doc = random_header(rng, 30)
+    doc.setdefault("__metadata__", {"format": "pt"})
+    doc["__metadata__"] = {"format": "pt", **doc["__metadata__"]}
+    doc = {"__metadata__": doc.pop("__metadata__"), **doc}
+    first = next(k for k in doc if k != "__metadata__")
+    doc[first]["data_offsets"] = [0, doc[first]["data_offsets"][1] - doc[first]["data_offsets"][0]]
+    raw = MUTATIONS[mutation](text(doc))
+    fast, strict = both(raw, monkeypatch)
+    assert fast == strict

@@ -1,0 +1,332 @@
+"""The one reader of a checkpoint's bytes: its listing and sizes, safetensors headers (parsed, or raw for a
+quick count of names), the index and the JSON it declares, and the gate every command that trusts those bytes
+passes.
+
+Every command reads through here, so every command gets the same guards: a name that leaves the directory, a
+dangling link or symlink loop, a FIFO or device (never opened), a file whose size changed since it was listed
+(caught mid-rewrite), a header the bounded parser refuses. The opening (`dialects/open.py`) turns what this
+module finds into findings, so validate can report every problem at once; `require_intact` is the fail-closed
+side of the same facts, for the commands that answer a question about the bytes (fit, diff, inspect
+--tensors): the first fault, named with its file and finding code, instead of an answer computed from the
+files that could be read. `tests/base/test_one_reader.py` forbids reading a header anywhere else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from typing import Any, Callable, Iterator, NamedTuple
+
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.checkpoint.names import is_expert_name, parse_expert_name
+from trellis_cli.errors import CheckFailed
+from trellis_cli.findings import Finding, Location, Severity, error, warning
+from trellis_cli.header import (Header, HeaderError, JsonError, canonical_header, header_length, load_json,
+                                open_regular, os_reason, parse_header, safe_relative)
+from trellis_cli.integrity import CHECKSUM_MANIFEST
+
+INDEX_SUFFIX = ".safetensors.index.json"
+DEFAULT_INDEX = "model.safetensors.index.json"
+# A production index maps ~935k tensors (about 80 MB of JSON), above the general JSON limit of sources.
+MAX_INDEX_BYTES = 512 * 1024 * 1024
+# Finding codes that say the bytes themselves cannot be trusted (as opposed to what they hold): a command
+# that answers from the bytes refuses on any of them (`require_intact`).
+BYTE_FAULT_PREFIXES = ("file.", "path.")
+BYTE_FAULT_CODES = frozenset({"index.format", "index.file-missing", "exl3v1.layer-file-missing"})
+
+
+# ---- the listing -------------------------------------------------------------------------------------------
+
+def listing(source: Any) -> dict[str, int]:
+    """Every listed file with its size (-1: a dangling link or symlink loop)."""
+    files: dict[str, int] = source.list_files()
+    return files
+
+
+def listing_findings(source: Any) -> Iterator[Finding]:
+    """What a local listing left out: special files (never opened) and subdirectories it could not list."""
+    for name, kind in getattr(source, "special", {}).items():
+        # A FIFO or device where a shard, a JSON file or the manifest belongs means the checkpoint is broken.
+        needed = name.endswith((".safetensors", ".json")) or name == CHECKSUM_MANIFEST
+        make = error if needed else warning
+        yield make("path.special", Location(file=name), "not a regular file: left out and never opened",
+                   expected="a regular file", found=kind)
+    for name, reason in getattr(source, "unlistable", {}).items():
+        yield error("file.unreadable", Location(file=name), f"directory cannot be listed ({reason})")
+
+
+def escapes(source: Any, name: str) -> bool:
+    """True when `name` leaves the checkpoint (a path, or a link resolving outside it)."""
+    leaves = getattr(source, "escapes", None)
+    return not safe_relative(name) or (leaves is not None and leaves(name))
+
+
+# ---- headers -------------------------------------------------------------------------------------------------
+
+def read_headers(source: Any, files: dict[str, int], progress: Callable[[str, int, int], None],
+                 findings: list[Finding]) -> dict[str, Header]:
+    """Every safetensors header of the listing; each file that cannot be read is a finding instead.
+
+    A remote source reads its headers concurrently first (one ranged request per file); errors resurface per
+    file here. SourceUnavailable (network, auth) propagates: exit 3, not a finding."""
+    readable = []
+    for name, size in files.items():
+        if not name.endswith(".safetensors"):
+            continue
+        fault = _listed_fault(source, name, size)
+        if fault is not None:
+            findings.append(fault)
+        else:
+            readable.append(name)
+    prefetch = getattr(source, "prefetch_headers", None)
+    if prefetch is not None and readable:
+        prefetch(readable)
+    headers: dict[str, Header] = {}
+    for done, name in enumerate(readable, 1):
+        try:
+            headers[name] = _checked_header(source, name, files[name])
+        except CheckFailed as e:
+            findings.append(_header_finding(name, e))
+        progress("files", done, len(readable))
+    return headers
+
+
+def _listed_fault(source: Any, name: str, size: int) -> Finding | None:
+    if escapes(source, name):
+        return error("path.escape", Location(file=name), "file resolves outside the checkpoint directory "
+                     "(symlink or path)")
+    if size < 0:
+        return error("path.dangling", Location(file=name), "file is a dangling link (or a symlink loop)")
+    return None
+
+
+def _checked_header(source: Any, name: str, listed: int) -> Header:
+    """One header, refused when the file's size is not the size it was listed with (a file rewritten while it
+    is read: its header and its bytes may belong to two versions)."""
+    header: Header = source.read_header(name)
+    if header.file_size is not None and listed >= 0 and header.file_size != listed:
+        raise CheckFailed(f"{name}: the file changed while it was read (listed with {listed} bytes, {header.file_size} "
+                          f"bytes when its header was read); read it again once it is complete", code="file.changed")
+    return header
+
+
+def _header_finding(name: str, e: CheckFailed) -> Finding:
+    """The source's refusal of a header as a finding, under the code the source gave it (HeaderError's own,
+    or file.unreadable); the message without the file name, which the location carries."""
+    message = str(e)
+    detail = message[len(name) + 2:] if message.startswith(name + ": ") else message
+    return error(e.code or "file.header", Location(file=name), detail)
+
+
+def shard_header(ckpt: Checkpoint, name: str) -> Header:
+    """The header of one listed file, from the opening when it read it, else read now under the same guards.
+    CheckFailed names the file and the finding code."""
+    found = ckpt.headers.get(name)
+    if found is not None:
+        return found
+    if name not in ckpt.files:
+        raise CheckFailed(f"{name}: not in the checkpoint's listing", code="file.missing")
+    fault = _listed_fault(ckpt.source, name, ckpt.files[name])
+    if fault is not None:
+        raise CheckFailed(f"{name}: {fault.message}", code=fault.code)
+    return _checked_header(ckpt.source, name, ckpt.files[name])
+
+
+def source_header(source: Any, name: str) -> Header:
+    """One header of a source read without opening it as a checkpoint (a route pack's carried shards), under
+    the same guards as `shard_header`."""
+    files = listing(source)
+    if name not in files:
+        raise CheckFailed(f"{name}: not in the listing of {getattr(source, 'description', 'the source')}",
+                          code="file.missing")
+    fault = _listed_fault(source, name, files[name])
+    if fault is not None:
+        raise CheckFailed(f"{name}: {fault.message}", code=fault.code)
+    return _checked_header(source, name, files[name])
+
+
+def raw_header(source: Any, name: str, listed: int) -> bytes:
+    """The unparsed header bytes of a local file (length prefix checked), for a quick look that only counts
+    names; CheckFailed (with its finding code) for everything `read_headers` would refuse before parsing."""
+    fault = _listed_fault(source, name, listed)
+    if fault is not None:
+        raise CheckFailed(f"{name}: {fault.message}", code=fault.code)
+    try:
+        with open_regular(source.resolve(name)) as f:
+            size = os.fstat(f.fileno()).st_size
+            n = header_length(f.read(8), name, size)
+            data = f.read(n)
+    except HeaderError as e:
+        raise CheckFailed(str(e), code=e.code) from e
+    except OSError as e:
+        raise CheckFailed(f"{name}: cannot read the file ({os_reason(e)})", code="file.unreadable") from e
+    if len(data) != n:
+        raise CheckFailed(f"{name}: header truncated: expected {n} bytes, read {len(data)}", code="file.header")
+    if size != listed:
+        raise CheckFailed(f"{name}: the file changed while it was read", code="file.changed")
+    return data
+
+
+class HeaderNames(NamedTuple):
+    """What a quick look needs of one header: the MoE layers of its routed-expert tensors, how many of its
+    tensors are routed experts and how many there are, and (only when it holds both kinds) its other tensors
+    as (name, dtype, shape) in stored order, with its metadata."""
+
+    layers: set[int]
+    experts: int
+    tensors: int
+    others: list[tuple[str, str, tuple[int, ...]]] | None
+    metadata: dict[str, str] | None
+    trellis: dict[tuple[int, ...], int]  # shape -> how many routed-expert I16 `trellis` tensors have it
+
+
+def header_names(source: Any, name: str, listed: int) -> HeaderNames:
+    """The names of one local header, as the full parser would read them, without building an entry per tensor
+    where the bytes prove it unnecessary: a header in safetensors' own layout (`canonical_header`) is counted in
+    its bytes (every name a key that needs no decoding); any other is parsed in full. CheckFailed (with its
+    finding code) for everything the full opening refuses."""
+    raw = raw_header(source, name, listed)
+    if canonical_header(raw):
+        found = _EXPERT_KEY.findall(raw)
+        experts, tensors = len(found), raw.count(b'"data_offsets"')
+        others, metadata = None, None
+        if experts and experts != tensors:  # a few shards mix both: their other tensors, decoded
+            doc = json.loads(raw)
+            metadata = doc.pop("__metadata__", None) or {}
+            entries = sorted(((n, e) for n, e in doc.items() if not is_expert_name(n)),
+                             key=lambda item: item[1]["data_offsets"][0])
+            others = [(n, e["dtype"], tuple(e["shape"])) for n, e in entries]
+        trellis = {tuple(int(d) for d in shape.split(b",")): n for shape, n in Counter(_TRELLIS.findall(raw)).items()}
+        return HeaderNames({int(layer) for layer in found}, experts, tensors, others, metadata, trellis)
+    try:
+        header = parse_header(name, raw, len(raw), listed)
+    except HeaderError as e:
+        raise CheckFailed(str(e), code=e.code) from e
+    layers, experts, trellis = set(), 0, Counter[tuple[int, ...]]()
+    for tensor in header.tensors.values():
+        parsed = parse_expert_name(tensor.name)
+        if parsed is not None:
+            layers.add(parsed.layer)
+            experts += 1
+            if _TRELLIS_NAME.search(tensor.name) and tensor.dtype == "I16" and len(tensor.shape) == 3:
+                trellis[tensor.shape] += 1
+    if experts and experts != len(header.tensors):
+        stored = sorted((t for t in header.tensors.values() if not is_expert_name(t.name)), key=lambda t: t.begin)
+        return HeaderNames(layers, experts, len(header.tensors), [(t.name, t.dtype, t.shape) for t in stored],
+                           dict(header.metadata), dict(trellis))
+    return HeaderNames(layers, experts, len(header.tensors), None, None, dict(trellis))
+
+
+# A routed expert's codes, and their shape (in a canonical header, where a name is always a key).
+_TRELLIS = re.compile(rb'experts\.(?:0|[1-9][0-9]*)\.(?:gate|up|down)_proj\.(?:rank(?:0|[1-9][0-9]*)\.)?trellis":'
+                      rb'\{"dtype":"I16","shape":\[([0-9]+,[0-9]+,[0-9]+)\]')
+_TRELLIS_NAME = re.compile(r'experts\.(?:0|[1-9][0-9]*)\.(?:gate|up|down)_proj\.(?:rank(?:0|[1-9][0-9]*)\.)?trellis$')
+_EXPERT_KEY = re.compile(rb'"model\.layers\.(0|[1-9][0-9]*)\.mlp\.experts\.[^"]*":\{"dtype"')
+
+
+# ---- the index -----------------------------------------------------------------------------------------------
+
+def index_name(files: dict[str, int]) -> str | None:
+    names = [n for n in files if n.endswith(INDEX_SUFFIX)]
+    if not names:
+        return None
+    return DEFAULT_INDEX if DEFAULT_INDEX in names else names[0]
+
+
+def read_index(source: Any, files: dict[str, int], findings: list[Finding]) -> tuple[str, dict[str, str],
+                                                                                       dict[str, Any]] | None:
+    """(index file, weight_map, metadata) of the checkpoint's index, or None (absent, or a finding)."""
+    name = index_name(files)
+    if name is None:
+        return None
+    data = _read_index_json(source, files, name, findings)
+    if data is None:
+        return None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        findings.append(error("index.format", Location(file=name),
+                              "index has no weight_map object of tensor -> file strings"))
+        return None
+    metadata = data.get("metadata")
+    return name, weight_map, metadata if isinstance(metadata, dict) else {}
+
+
+def read_json(source: Any, files: dict[str, int], name: str, findings: list[Finding],
+              optional: bool = False) -> Any:
+    """A JSON file or None; a bad one becomes a finding (a warning when the file is optional metadata)."""
+    if name not in files:
+        return None
+    try:
+        return source.read_json(name)
+    except CheckFailed as e:
+        make = warning if optional else error  # the code is the reader's (sources.read_json_file)
+        findings.append(make(e.code or "json.unreadable", Location(file=name), str(e).split(": ", 1)[-1]))
+        return None
+
+
+def _read_index_json(source: Any, files: dict[str, int], name: str, findings: list[Finding]) -> Any:
+    from trellis_cli.sources import MAX_JSON_BYTES
+
+    size = files.get(name, 0)
+    if size <= MAX_JSON_BYTES:
+        return read_json(source, files, name, findings)
+    if size > MAX_INDEX_BYTES:
+        findings.append(error("json.too-large", Location(file=name), "index file is larger than the limit",
+                              expected=f"<= {MAX_INDEX_BYTES} bytes", found=f"{size} bytes"))
+        return None
+    try:
+        with open_regular(source.local_path(name)) as f:
+            return load_json(f.read(MAX_INDEX_BYTES + 1))
+    except OSError as e:
+        findings.append(error("json.unreadable", Location(file=name), f"cannot read the file ({os_reason(e)})"))
+    except (CheckFailed, JsonError) as e:
+        findings.append(error("json.unreadable", Location(file=name), str(e)))
+    return None
+
+
+# ---- the gate ------------------------------------------------------------------------------------------------
+
+def byte_faults(ckpt: Checkpoint) -> Iterator[Finding]:
+    """Every reason the checkpoint's bytes cannot be trusted as listed: what the opening could not read, an
+    index naming a file that is not there, a header whose tensors run past the end of its file."""
+    for f in ckpt.parse_findings:
+        if f.severity is Severity.ERROR and (f.code.startswith(BYTE_FAULT_PREFIXES) or f.code in BYTE_FAULT_CODES
+                                             or (f.code.startswith("json.") and (f.where.file or "").endswith(INDEX_SUFFIX))):
+            yield f
+    if ckpt.index:
+        for file in sorted(set(ckpt.index.values())):
+            if escapes(ckpt.source, file):
+                yield error("path.escape", Location(file=ckpt.index_file), "index entry points outside the "
+                            "checkpoint directory", expected="a relative path inside the checkpoint", found=file)
+            elif file not in ckpt.files:
+                yield error("index.file-missing", Location(file=ckpt.index_file), "index names a shard that does "
+                            "not exist", found=file)
+    for file, header in ckpt.headers.items():
+        end = header.data_start + header.data_end
+        if header.file_size is not None and end > header.file_size:
+            yield error("file.truncated", Location(file=file), f"bytes [{header.data_start}, {end}) of its tensors "
+                        f"run past the end of the {header.file_size}-byte file", expected=f"{end} bytes",
+                        found=f"{header.file_size} bytes")
+
+
+def require_intact(ckpt: Checkpoint, what: str) -> None:
+    """Refuse to answer `what` from a checkpoint whose bytes cannot all be read as listed: CheckFailed naming
+    the first fault (file, finding code, expected vs found) and how many there are."""
+    faults = list(byte_faults(ckpt))
+    if not faults:
+        return
+    first = faults[0]
+    where = first.where.file or "the checkpoint"
+    facts = [f"expected {first.expected}"] if first.expected is not None else []
+    facts += [f"found {first.found}"] if first.found is not None else []
+    detail = f"{first.message} ({', '.join(facts)})" if facts else first.message
+    more = f"; {len(faults) - 1} more fault(s)" if len(faults) > 1 else ""
+    raise CheckFailed(f"{where}: {detail} [{first.code}]{more}: {what} needs every file of the checkpoint readable "
+                      f"(run `trellis validate` for every finding)", code=first.code)
+
+
+__all__ = ["BYTE_FAULT_CODES", "HeaderNames", "byte_faults", "canonical_header", "escapes", "header_names", "listing",
+           "listing_findings", "raw_header", "read_headers", "read_index", "read_json", "require_intact",
+           "shard_header", "source_header"]
