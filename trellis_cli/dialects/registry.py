@@ -7,6 +7,7 @@ DIALECTS. Order is detection order: the first dialect whose metadata claims the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects import b12x_trellis, btx, exl3, exl3v1, r7, routepack, tr3
@@ -51,6 +52,14 @@ SHARDS, SLOT_ROWS, ROUTE_PACK = "shards", "slot-rows", "route-pack"
 def storage_of(ckpt: Checkpoint) -> str:
     """SHARDS, SLOT_ROWS or ROUTE_PACK: the layout of `ckpt`'s bytes (its dialect's `inspect_view`)."""
     return dialect_of(ckpt).inspect_view
+
+
+def synth_module(target: str) -> Any:
+    """The module that writes synthetic checkpoints of the dialect `repack --to` calls `target` (its `synth`)."""
+    import importlib
+
+    dialect = next(d for d in DIALECTS if d.target == target and d.synth)
+    return importlib.import_module(dialect.synth or "")
 
 
 def targets() -> list[str]:

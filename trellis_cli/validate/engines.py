@@ -40,7 +40,7 @@ class Engine:
     tp_rule: tpc.TpRule | None = None  # why the loader refuses a server TP (engine_tp.py); None: no limit of its own
 
 
-_VLLM_COMMON = (r.vllm_container, st.embedded_quant_config, st.stamp_selects_exl3, r.tensor_storage,
+_VLLM_COMMON = (r.vllm_container, st.embedded_quant_config, st.stamp_selects_exl3, r.module_records,
                 r.legacy_signs, r.tier_count)
 
 ENGINES: tuple[Engine, ...] = (

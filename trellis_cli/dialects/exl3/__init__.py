@@ -14,7 +14,7 @@ class Exl3Dialect(Dialect):
     name = DIALECT_EXL3
     described_as = "a plain exllamav3"
     shard_rules = True
-    tensor_storage = True
+    module_records = True  # the fork's generic EXL3 path: tensor_storage
     default_engine = "exllamav3"
     read_by = frozenset({VLLM, VLLM_R7, EXLLAMAV3})
 

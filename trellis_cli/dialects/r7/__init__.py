@@ -16,7 +16,7 @@ class R7Dialect(Dialect):
     name = DIALECT_R7
     described_as = "an R7 (r7_routed_experts)"
     shard_rules = True
-    r7_maps = True
+    streamed_k_maps = True  # r7_routed_experts: the R7 version's per-projection K maps
     default_engine = "vllm-exl3-r7"  # the fork's R7 loader version (validate/engine_r7.py)
     read_by = frozenset({EXLLAMAV3, VLLM_R7})
     container_notes = {VLLM: "r7_routed_experts is not a contract this version reads (it knows hybrid_tr3_tail "

@@ -5,6 +5,8 @@ check them; repack writes them from a route pack, an exl3-v1 or another TR3 (doc
 
 from __future__ import annotations
 
+from typing import Any
+
 from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H
 from trellis_cli.dialects.detect import tr3_info
 from trellis_cli.dialects.interface import (EXLLAMAV3, VLLM, VLLM_R7, CheckRequest, ContainerRefusal, Dialect,
@@ -17,7 +19,6 @@ NEWEST_RANK_SLICED = "vllm-exl3-shared-h"
 class Tr3Dialect(Dialect):
     target = "tr3"
     shard_rules = True
-    hybrid_tr3_tail = True
     writer = "trellis_cli.dialects.tr3.write"
     default_engine = NEWEST_RANK_SLICED
     read_by = frozenset({VLLM, VLLM_R7})
@@ -35,6 +36,17 @@ class Tr3Dialect(Dialect):
 
     def shard_layout(self, ckpt, layer) -> ShardLayout:
         return ShardLayout(rank_sliced=True, shared_h=self.shared_h)
+
+    def rank_sliced_contract(self, ckpt) -> dict[str, Any] | None:
+        """config.json's hybrid_tr3_tail (detection took the checkpoint for TR3 only when it is an object)."""
+        hybrid = ckpt.declared.get("hybrid_tr3_tail")
+        return hybrid if isinstance(hybrid, dict) else None
+
+    def bit_map_problems(self, ckpt) -> list[tuple[str, Any, Any]]:
+        from trellis_cli.dialects.tr3.rules import bits_map_problems
+
+        hybrid = self.rank_sliced_contract(ckpt)
+        return list(bits_map_problems(hybrid, ckpt.count_limit)) if hybrid is not None else []
 
     def check(self, ckpt, request: CheckRequest, report) -> None:
         """The hybrid_tr3_tail contract and its bitmaps (rules.py); the shard rules run besides."""
