@@ -142,6 +142,11 @@ class Dialect:
     module_records: bool = False
     # ... or the R7 version's per-projection K maps (experts streamed and sliced per rank at load).
     streamed_k_maps: bool = False
+    # Opening (dialects/open.py) asks these instead of a name: whether its TP is one more than the highest rank
+    # id of its tensor names (not declared) ...
+    tp_from_rank_ids: bool = False
+    # ... and whether its listing and JSON alone declare TP, layout and K per expert (a dry run's plan, no header).
+    declared_opening: bool = False
     default_engine: str | None = None  # the profile validate enforces without --engine
     tensor_data: bool = True  # --deep reads its vectors (False: its values are covered by recorded hashes)
     records_hashes: bool = False  # its own metadata records each file's sha256
@@ -166,6 +171,13 @@ class Dialect:
     def fill(self, ckpt: Checkpoint, probe: Probe, info: DialectInfo) -> bool:
         """Fill `ckpt` its own way and return True; False leaves it to the shared shard reader."""
         return False
+
+    def declarations(self, ckpt: Checkpoint, info: DialectInfo, read_json: Callable[[str], Any],
+                     files: dict[str, int]) -> Any | None:
+        """Its per-layer declarations parsed from its own metadata, for the shared shard reader
+        (checkpoint/declared.py `Declared`: K per expert or per (expert, projection), and where each layer's came
+        from); it may add the MoE layers it declares to `ckpt.layers`. None: it declares none."""
+        return None
 
     def check(self, ckpt: Checkpoint, request: CheckRequest, report: Report) -> None:
         """This dialect's own rules (header, config, tensor, --deep data, checksums), as findings in `report`.

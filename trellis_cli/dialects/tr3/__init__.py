@@ -20,6 +20,7 @@ class Tr3Dialect(Dialect):
     target = "tr3"
     shard_rules = True
     writer = "trellis_cli.dialects.tr3.write"
+    declared_opening = True  # TP, layout and K per expert are all in config.json and its bitmaps
     default_engine = NEWEST_RANK_SLICED
     read_by = frozenset({VLLM, VLLM_R7})
 
@@ -36,6 +37,20 @@ class Tr3Dialect(Dialect):
 
     def shard_layout(self, ckpt, layer) -> ShardLayout:
         return ShardLayout(rank_sliced=True, shared_h=self.shared_h)
+
+    def declarations(self, ckpt, info: DialectInfo, read_json, files: dict[str, int]) -> Any | None:
+        """The contract's K per expert (bits, trellis_bits_by_layer or the tier bitmaps it names); every layer
+        of moe_layers is a MoE layer, present or not."""
+        from trellis_cli.checkpoint import declared as decl
+        from trellis_cli.checkpoint.model import MoeLayer
+
+        hybrid = info.declared.get("hybrid_tr3_tail")
+        if hybrid is None:
+            return None
+        found = decl.tr3_declared(hybrid, read_json, files, ckpt.count_limit)
+        for layer in decl.layer_range(hybrid.get("moe_layers"), ckpt.count_limit):
+            ckpt.layers.setdefault(layer, MoeLayer(layer))
+        return found
 
     def rank_sliced_contract(self, ckpt) -> dict[str, Any] | None:
         """config.json's hybrid_tr3_tail (detection took the checkpoint for TR3 only when it is an object)."""
