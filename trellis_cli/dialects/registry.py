@@ -44,8 +44,9 @@ def dialect_of(ckpt: Checkpoint) -> Dialect:
     return _BY_NAME[ckpt.dialect]
 
 
-# How a dialect lays out its bytes, for code that reads them itself (diff, fit, inspect --tensors, repack's
-# source hashes): per-linear safetensors shards, exl3-v1 slot rows, or a route pack's layer files.
+# How a dialect lays out its bytes: per-linear safetensors shards, exl3-v1 slot rows, or a route pack's layer
+# files. Only repack's source hashes still switch on it (tests/base/test_dialect_boundary.py allows it there
+# alone, until they ask `Dialect.source_digests`); diff, fit and inspect ask the dialect's methods instead.
 SHARDS, SLOT_ROWS, ROUTE_PACK = "shards", "slot-rows", "route-pack"
 
 
