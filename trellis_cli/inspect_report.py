@@ -1,238 +1,24 @@
 """What `trellis inspect` reports: per MoE layer the K partition, bpw, bytes per rank, tier membership,
 rotation layout and shards; checkpoint totals; and runs of identical layers collapsed for reading.
 
-Built from the checkpoint model only (headers and JSON), so it works header-only on a remote checkpoint.
-Plain data out (`build_inspect` -> dict); text and Markdown renderings are pure functions of that dict.
+The document is the dialect's answer (`build_inspect` -> dict; the shared parts are dialects/inspect_doc.py);
+the text and Markdown renderings here are pure functions of it.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
-from trellis_cli.checkpoint.model import Checkpoint, MoeLayer
+from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects.inspect_doc import collapse_runs, layer_summary
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import counted
-from trellis_cli.id_ranges import compact_ranges
 
 
 def build_inspect(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str, Any]:
-    """The inspect document; its shape is the one the dialect's `inspect_view` names."""
-    view = dialect_of(ckpt).inspect_view
-    if view == "route-pack":
-        from trellis_cli.dialects.routepack.verify import describe_repacked
-
-        pack = _as_tr3_terms(describe_repacked(ckpt.source))
-        if layers is not None:  # as for a checkpoint: every chosen layer must be there, and only those show
-            from trellis_cli.selection import require_present
-
-            require_present(layers, [row["layer"] for row in pack.get("layers", [])])
-            pack["layers"] = [row for row in pack.get("layers", []) if row["layer"] in layers]
-        from trellis_cli.dialects.routepack import PURPOSE
-
-        return {"dialect": ckpt.dialect, "source": _describe_source(ckpt), "route_pack": pack, "purpose": PURPOSE}
-    from trellis_cli.selection import require_present
-
-    chosen = list(ckpt.layers) if layers is None else require_present(layers, ckpt.layers)
-    if view == "slot-rows":
-        return _exl3v1_document(ckpt, chosen, whole=layers is None)
-    rows = [layer_summary(ckpt, ckpt.layers[li]) for li in chosen]
-    # Totals describe the whole checkpoint, whatever --layers shows; the selection gets its own.
-    every = rows if layers is None else [layer_summary(ckpt, moe) for moe in ckpt.layers.values()]
-    document = {
-        "dialect": ckpt.dialect,
-        "source": _describe_source(ckpt),
-        "geometry": {"hidden": ckpt.hidden, "intermediate": ckpt.intermediate,
-                     "intermediate_per_rank": ckpt.intermediate_per_rank, "experts": ckpt.num_experts, "tp": ckpt.tp,
-                     "codebook": ckpt.codebook, "rotation_layout": ckpt.rotation_layout},
-        "declared": _declared_keys(ckpt),
-        "layers": rows,
-        "runs": collapse_runs(rows),
-        "totals": _totals(ckpt, every),
-        "parse_findings": [f.to_dict() for f in ckpt.parse_findings],
-    }
-    if layers is not None:
-        document["selection"] = {"layers": compact_ranges(chosen),
-                                 "routed_bytes_per_rank": sum(r["bytes_per_rank"] for r in rows),
-                                 "routed_trellis_bytes_per_rank": sum(r["trellis_bytes_per_rank"] for r in rows)}
-    return document
-
-
-def _as_tr3_terms(pack: dict[str, Any]) -> dict[str, Any]:
-    """A route pack's description with the keys and notation of a TR3 inspect (the manifest on disk keeps its
-    own names): geometry as hidden / intermediate / intermediate_per_rank / experts, tiers as K -> id ranges."""
-    g = pack.get("geometry") or {}
-    tp = pack.get("tp")
-    per_rank = g.get("intermediate_rank")
-    pack["geometry"] = {"hidden": g.get("hidden"),
-                        "intermediate": g.get("intermediate", per_rank * tp if per_rank and tp else None),
-                        "intermediate_per_rank": per_rank, "experts": g.get("num_experts"), "tp": tp,
-                        "codebook": pack.get("codebook"), "rotation_layout": pack.get("rotation")}
-    for layer in pack.get("layers", []):
-        tiers = layer.pop("tiers", [])
-        layer.update(partition="/".join(str(t.get("size")) for t in tiers) or "-",
-                     k_values=[t.get("k") for t in tiers], experts=sum(t.get("size", 0) for t in tiers),
-                     tiers={f"K{t.get('k')}": t.get("experts") for t in tiers})
-    return pack
-
-
-def _exl3v1_document(ckpt: Checkpoint, chosen: list[int], whole: bool) -> dict[str, Any]:
-    from trellis_cli.dialects.exl3v1.inspect import exl3v1_rows, exl3v1_section
-
-    rows = exl3v1_rows(ckpt, chosen)
-    every = rows if whole else exl3v1_rows(ckpt, list(ckpt.layers))  # totals cover the whole checkpoint
-    runs = collapse_runs(rows)
-    for run in runs:  # bytes per rank at each TP degree: the same across a run (same stride)
-        run["rank_bytes"] = next(r["rank_bytes"] for r in rows if r["layer"] == run["layers"][0])
-    return {"dialect": ckpt.dialect, "source": _describe_source(ckpt),
-            "geometry": {"hidden": ckpt.hidden, "intermediate": ckpt.intermediate,
-                         "intermediate_per_rank": ckpt.intermediate, "experts": ckpt.num_experts, "tp": 1,
-                         "codebook": ckpt.codebook, "rotation_layout": ckpt.rotation_layout},
-            "declared": {}, "exl3v1": exl3v1_section(ckpt), "layers": rows, "runs": runs,
-            "totals": {**_totals(ckpt, every), "tensors": sum(r["tensors"] for r in every),
-                       "tensor_bytes": sum(e.nbytes for h in ckpt.headers.values() for e in h.tensors.values())},
-            "parse_findings": [f.to_dict() for f in ckpt.parse_findings]}
-
-
-def _describe_source(ckpt: Checkpoint) -> dict[str, Any]:
-    describe = getattr(ckpt.source, "describe", None)
-    info = describe() if describe else {"path": str(ckpt.source)}
-    info.setdefault("revision", getattr(ckpt.source, "revision", None))
-    return info
-
-
-def _declared_keys(ckpt: Checkpoint) -> dict[str, Any]:
-    hybrid = ckpt.declared.get("hybrid_tr3_tail") or {}
-    keys = ("format", "bits", "k_values", "bits_per_expert", "codebook", "experts_per_layer", "moe_layers", "tp",
-            "rotation_layout")
-    out = {k: hybrid[k] for k in keys if k in hybrid}
-    q = ckpt.config.get("quantization_config")
-    if isinstance(q, dict):
-        out["quant_method"] = q.get("quant_method")
-        if q.get("scope") is not None:  # a scope (GLM-5.3's unsliced stream) declares its one K there
-            out["scope"] = q["scope"]
-            out.setdefault("bits", q.get("bits"))
-    sources = sorted(set((ckpt.declared.get("k_source") or {}).values()))
-    if sources:
-        out["k_source"] = sources
-    return out
-
-
-def layer_summary(ckpt: Checkpoint, layer: MoeLayer) -> dict[str, Any]:
-    tiers = layer.partition()
-    n_experts = sum(len(ids) for ids in tiers.values())
-    rank_bytes: Counter[int] = Counter()
-    trellis_bytes: Counter[int] = Counter()
-    tensors = 0
-    proj_k: Counter[int] = Counter()
-    for projs in layer.experts.values():
-        for by_rank in projs.values():
-            ks = {lin.k for lin in by_rank.values()}
-            if len(ks) == 1 and None not in ks:
-                proj_k[ks.pop()] += 1
-            for rank, lin in by_rank.items():
-                for ref in (lin.trellis, lin.suh, lin.svh, lin.su, lin.sv, lin.mcg, lin.mul1, *lin.extra):
-                    if ref is not None:
-                        rank_bytes[rank] += ref.nbytes
-                        tensors += 1
-                if lin.trellis is not None:
-                    trellis_bytes[rank] += lin.trellis.nbytes
-    for (_, rank), fields in layer.shared_h.items():
-        for ref in fields.values():
-            rank_bytes[rank] += ref.nbytes
-            tensors += 1
-    bpw = sum(k * n for k, n in proj_k.items()) / max(sum(proj_k.values()), 1)
-    per_projection = len({k for k in proj_k}) > len(tiers) or any(layer.expert_k(e) is None for e in layer.experts)
-    return {
-        "layer": layer.index,
-        "partition": "/".join(str(len(ids)) for ids in tiers.values()) if tiers else "-",
-        "k_values": list(tiers),
-        "experts": n_experts,
-        "bpw": round(bpw, 3),
-        "tiers": {f"K{k}": compact_ranges(ids) for k, ids in tiers.items()},
-        "projection_k": {f"K{k}": n for k, n in sorted(proj_k.items())} if per_projection else None,
-        "declared_projection_k": _declared_projection_counts(layer),
-        "bytes_per_rank": max(rank_bytes.values(), default=0),
-        "trellis_bytes_per_rank": max(trellis_bytes.values(), default=0),
-        "ranks": len(rank_bytes),
-        "rotation": "shared_h_v1" if layer.shared_h else ("r7_shared" if layer.r7_shared else "per_expert_v1"),
-        "shards": sorted(layer.files),
-        "tensors": tensors + len(layer.r7_shared) + len(layer.unparsed),
-    }
-
-
-def _declared_projection_counts(layer: MoeLayer) -> dict[str, int] | None:
-    """R7 and tensor_storage maps: how many (expert, projection) pairs are declared at each K."""
-    if not layer.declared_projection_k:
-        return None
-    counts = Counter(layer.declared_projection_k.values())
-    return {f"K{k}": n for k, n in sorted(counts.items(), key=lambda kv: str(kv[0]))}
-
-
-_RUN_KEYS = ("partition", "k_values", "bpw", "bytes_per_rank", "trellis_bytes_per_rank", "rotation", "tensors",
-             "projection_k", "declared_projection_k")
-
-
-def collapse_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Consecutive layers with the same partition, bpw, bytes, rotation and tensor count become one run."""
-    runs: list[dict[str, Any]] = []
-    for row in rows:
-        key = tuple(str(row[k]) for k in _RUN_KEYS)
-        if runs and runs[-1]["_key"] == key and runs[-1]["layers"][-1] == row["layer"] - 1:
-            runs[-1]["layers"].append(row["layer"])
-            runs[-1]["_tiers"].add(tuple(row["tiers"].items()))
-            runs[-1]["shards"].extend(s for s in row["shards"] if s not in runs[-1]["shards"])
-            continue
-        runs.append({"_key": key, "layers": [row["layer"]], "_tiers": {tuple(row["tiers"].items())},
-                     "shards": list(row["shards"]), **{k: row[k] for k in _RUN_KEYS}})
-    for run in runs:
-        run.pop("_key")
-        tier_sets = run.pop("_tiers")
-        run["tiers"] = dict(next(iter(tier_sets))) if len(tier_sets) == 1 else None  # None: membership varies
-        run["layer_range"] = compact_ranges(run["layers"])
-    return runs
-
-
-def _decoder_layers(ckpt: Checkpoint) -> int | None:
-    """config.json's num_hidden_layers: MoE layers from there on are MTP layers (None: not declared)."""
-    n = ckpt.config.get("num_hidden_layers") if isinstance(ckpt.config, dict) else None
-    return n if isinstance(n, int) and not isinstance(n, bool) else None
-
-
-def _totals(ckpt: Checkpoint, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    # "Routed experts per rank", one definition with `trellis fit`: the decoder's MoE layers, the MTP layer apart.
-    decoder = _decoder_layers(ckpt)
-    mtp_rank = sum(r["bytes_per_rank"] for r in rows if decoder is not None and r["layer"] >= decoder)
-    routed_rank = sum(r["bytes_per_rank"] for r in rows) - mtp_rank
-    expert_names = _expert_tensor_bytes(ckpt)
-    all_tensor_bytes = sum(ref.nbytes for ref in ckpt.tensors.values())
-    other = all_tensor_bytes - expert_names
-    return {
-        "layers": len(rows),
-        "routed_bytes_per_rank": routed_rank,
-        "mtp_routed_bytes_per_rank": mtp_rank,
-        "routed_trellis_bytes_per_rank": sum(r["trellis_bytes_per_rank"] for r in rows),
-        "checkpoint_bytes": sum(size for size in ckpt.files.values() if size > 0),
-        "tensor_bytes": all_tensor_bytes,
-        "non_routed_bytes": other,
-        # Estimate: non-routed tensors (attention, shared expert, embeddings) split evenly over the TP ranks.
-        "weights_per_rank_bytes": routed_rank + mtp_rank + other // max(ckpt.tp, 1),
-        "tensors": len(ckpt.tensors),
-        "files": len(ckpt.files),
-    }
-
-
-def _expert_tensor_bytes(ckpt: Checkpoint) -> int:
-    total = 0
-    for layer in ckpt.layers.values():
-        for projs in layer.experts.values():
-            for by_rank in projs.values():
-                for lin in by_rank.values():
-                    total += sum(ref.nbytes for ref in (lin.trellis, lin.suh, lin.svh, lin.su, lin.sv, lin.mcg,
-                                                        lin.mul1, *lin.extra) if ref is not None)
-        total += sum(ref.nbytes for f in layer.shared_h.values() for ref in f.values())
-        total += sum(ref.nbytes for ref in layer.r7_shared.values()) + sum(ref.nbytes for ref in layer.unparsed)
-    return total
+    """The inspect document, as the checkpoint's dialect builds it (`Dialect.inspect_document`: the per-linear
+    shard document of dialects/inspect_doc.py unless the dialect stores its layers another way)."""
+    return dialect_of(ckpt).inspect_document(ckpt, layers)
 
 
 # ---- renderings ----------------------------------------------------------------------------------------

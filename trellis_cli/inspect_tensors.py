@@ -15,21 +15,19 @@ from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.reader import shard_header
-from trellis_cli.dialects.registry import ROUTE_PACK, SLOT_ROWS, storage_of
+from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.errors import CheckFailed
 
 _LAYER_IN_NAME = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.")
-_ROUTE_PACK_FILE = re.compile(r"layer-([0-9]+)-rank-[0-9]+\.safetensors")
 TRELLIS_SUFFIX = ".trellis"
-EXL3V1_CODES = "codes"
 
 
 def build_tensor_listing(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str, Any]:
     """Every tensor (of the chosen MoE layers only, when `layers` is given), per-layer and whole totals."""
     chosen = set(layers) if layers is not None else None
-    file_layers = _file_layers(ckpt)
-    weights = _exl3v1_layer_weights(ckpt)
-    codes_at = _exl3v1_codes_offsets(ckpt)
+    dialect = dialect_of(ckpt)
+    file_layers = dialect.layer_files(ckpt)  # files holding one MoE layer under names without a layer
+    codes_tables = dialect.codes_tables(ckpt)  # file -> (offset, weights) of a table mixing K per expert
     rows: list[dict[str, Any]] = []
     seen: set[int] = set()
     unreadable: list[dict[str, str]] = []
@@ -46,8 +44,10 @@ def build_tensor_listing(ckpt: Checkpoint, layers: list[int] | None = None) -> d
             if chosen is not None and layer not in chosen:
                 continue
             nbytes = entry.end - entry.begin
-            is_codes = codes_at.get(file) == entry.begin  # the container's codes table, under any spelling
-            k, bpw = _k_and_bpw(entry.name, entry.dtype, tuple(entry.shape), nbytes, weights.get(file), is_codes)
+            table = codes_tables.get(file)
+            is_codes = table is not None and table[0] == entry.begin  # the container's codes table, any spelling
+            k, bpw = _k_and_bpw(entry.name, entry.dtype, tuple(entry.shape), nbytes, table[1] if table else None,
+                                is_codes)
             rows.append({"file": file, "name": entry.name, "dtype": entry.dtype, "shape": list(entry.shape),
                          "bytes": nbytes, "layer": layer, "k": k, "bpw": bpw})
     if layers is not None:  # as for `inspect --layers`: every chosen layer must be there
@@ -69,40 +69,6 @@ def _layer_of(name: str) -> int | None:
         raise CheckFailed(f"tensor {name[:40]!r}...: a layer number of {len(m.group(1)):,} digits; no model has "
                           "that many layers (a damaged header)")
     return int(m.group(1))
-
-
-def _file_layers(ckpt: Checkpoint) -> dict[str, int]:
-    """Files that hold one MoE layer under names without a layer (route-pack and exl3-v1 layer files)."""
-    if storage_of(ckpt) == ROUTE_PACK:
-        out = {}
-        for name in ckpt.files:
-            m = _ROUTE_PACK_FILE.fullmatch(name)
-            if m:
-                out[name] = int(m.group(1))
-        return out
-    if storage_of(ckpt) == SLOT_ROWS:
-        box = ckpt.declared.get("exl3v1")
-        return {layer.file: index for index, layer in box.layers.items()} if box is not None else {}
-    return {}
-
-
-def _exl3v1_layer_weights(ckpt: Checkpoint) -> dict[str, int]:
-    """exl3-v1 layer file -> the routed weights its codes encode (E * 3 * H * I)."""
-    if storage_of(ckpt) != SLOT_ROWS:
-        return {}
-    box = ckpt.declared.get("exl3v1")
-    m = box.manifest if box is not None else None
-    if m is None:
-        return {}
-    return {layer.file: m.num_experts * 3 * m.hidden * m.intermediate for layer in box.layers.values()}
-
-
-def _exl3v1_codes_offsets(ckpt: Checkpoint) -> dict[str, int]:
-    """exl3-v1 layer file -> where its codes table starts (BTX names it `atoms`: the model knows it as codes)."""
-    box = ckpt.declared.get("exl3v1") if storage_of(ckpt) == SLOT_ROWS else None
-    if box is None:
-        return {}
-    return {layer.file: ref.begin for layer in box.layers.values() if (ref := layer.ref(EXL3V1_CODES)) is not None}
 
 
 def _k_and_bpw(name: str, dtype: str, shape: tuple[int, ...], nbytes: int,

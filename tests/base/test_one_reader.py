@@ -64,9 +64,11 @@ def test_only_the_reader_reads_headers_and_listings():
 
 
 def test_the_commands_named_by_the_issue_use_the_reader():
-    """fit's weight scan, diff's units, the quick plan, inspect --tensors and the opening import the reader."""
-    for rel in ("fit/weights.py", "fit/run.py", "diff/units.py", "diff/run.py", "repack/preflight.py",
-                "inspect_tensors.py", "inspect_request.py", "dialects/open.py"):
+    """fit, diff's units (the dialects answer for their bytes: the shards' and a container's other files in
+    dialects/units.py, a route pack's layer files in dialects/routepack/units.py), the quick plan, inspect
+    --tensors and the opening import the reader."""
+    for rel in ("fit/run.py", "dialects/units.py", "dialects/routepack/units.py", "diff/run.py",
+                "repack/preflight.py", "inspect_tensors.py", "inspect_request.py", "dialects/open.py"):
         source = (PACKAGE / rel).read_text()
         assert "checkpoint.reader" in source or "checkpoint import reader" in source, rel
 

@@ -244,7 +244,9 @@ def _write_glm53(out: Path, preset: str, refused: list[str], changes: dict, over
 
 
 def _write_exl3v1(out: Path, spec, overwrite: bool, as_json: bool) -> None:
-    from trellis_cli.dialects.exl3v1 import synth as synth_exl3v1
+    from trellis_cli.dialects.registry import synth_module
+
+    synth_exl3v1 = synth_module(Format.exl3_v1.value)
 
     from trellis_cli.inspect_report import human_bytes
     from trellis_cli.synth import check_target
@@ -254,7 +256,7 @@ def _write_exl3v1(out: Path, spec, overwrite: bool, as_json: bool) -> None:
     output.log(f"writing {out}: exl3-v1, {len(spec.layers)} layer files, {human_bytes(size)} of tensor data"
                + (" (sparse: rate tables only)" if spec.sparse else ""))
     with output.progress_bar("synth layers", len(spec.layers), enabled=output.progress_enabled(as_json)) as advance:
-        synth_exl3v1.write_exl3v1_checkpoint(out, spec, lambda _layer: advance(), overwrite=overwrite)
+        synth_exl3v1.write_checkpoint(out, spec, lambda _layer: advance(), overwrite=overwrite)
     doc = synth_exl3v1.summary(spec, out)
     if as_json:
         output.emit_json(doc)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -127,10 +127,32 @@ def render_report(report: Report) -> None:
         output.print_line("engine rules enforced: none (no profiled loader reads this dialect; --engine NAME "
                           "enforces one)")
     if context.get("tp_partitions"):
-        from trellis_cli.dialects.exl3v1.partitions import partition_lines
-
         for line in partition_lines(context["tp_partitions"], context["tp"]):
             output.print_line(line)
     output.print_line(report.summary(), style="bold green" if report.ok else "bold red")
     if report.engines:
         output.print_line(compatibility_line(report.engines, context.get("markers") != "not read", context.get("tp")))
+
+
+def partition_lines(parts: list[dict[str, Any]], tp: int) -> list[str]:
+    """The human view of a dialect's `tp_partitions` (each planner's rank extents at the server TP)."""
+    from trellis_cli.id_ranges import compact_ranges
+
+    lines = []
+    for part in parts:
+        head = f"TP {tp} extents by {part['planner']} ({part['version']})"
+        if part["refused"]:
+            lines.append(f"{head}: refused: {part['refused']}")
+        elif not part["per_layer"]:
+            lines.append(f"{head}, every layer: " + _shown(part["extents"]))
+        else:
+            layers = part["layers"]
+            first = next(iter(layers))
+            agree = compact_ranges(part["same_as_b12x"]) if part["same_as_b12x"] else "none"
+            lines.append(f"{head}, rotating per layer: layer {first} " + _shown(layers[first])
+                         + f"; layers where it equals b12x's: {agree}")
+    return lines
+
+
+def _shown(extents: list[list[int]]) -> str:
+    return " ".join(f"r{r}=[{a},{a + n})" for r, (a, n) in enumerate(extents))

@@ -1,8 +1,10 @@
 """The `Dialect` interface: everything one checkpoint format owns, in one object per dialect name.
 
-validate, inspect, repack and bench never compare a checkpoint's dialect name: they ask its Dialect (through
-`registry.dialect_of`) for the answer. A method or trait left at its default here means "nothing of that kind":
-no own rules, no conversion, read by no profiled loader.
+validate, inspect, fit, diff, repack and bench never compare a checkpoint's dialect name or the layout of its
+bytes: they ask its Dialect (through `registry.dialect_of`) for the answer. A method or trait left at its default
+here means "nothing of that kind" (no own rules, no conversion, read by no profiled loader), and where a command
+asks about bytes (diff's units, fit's weights, inspect's document and files), the default answers for per-linear
+safetensors shards, so a new shard dialect works without overriding them.
 
 docs/architecture.md ("Dialects") shows this page and how to add a dialect.
 """
@@ -16,6 +18,8 @@ from typing import Any, Callable, Iterator, Protocol
 from trellis_cli.checkpoint.model import Checkpoint, MoeLayer, VectorRef
 from trellis_cli.findings import Location, Report
 from trellis_cli.integrity import RecordedHash
+
+CONFIG, QUANT_CONFIG = "config.json", "quantization_config.json"
 
 # The loader families of the engine profiles (validate/engines.py): whose container reader is asked.
 VLLM, B12X, EXLLAMAV3 = "vllm", "b12x", "exllamav3"
@@ -71,6 +75,24 @@ class ShardLayout:
 
 
 @dataclass(frozen=True)
+class RankShare:
+    """What one rank reads of one MoE layer of a container that places its own bytes per rank (`layer_shares`)."""
+
+    nbytes: int  # every byte of the layer this rank reads
+    experts: list[tuple[int | None, int]] | None  # per routed expert, in id order: (K or None when mixed, bytes);
+    # None where the layer's rates are not read (an MTP layer, a rate table that cannot be read)
+
+
+@dataclass(frozen=True)
+class LayerShare:
+    """One MoE layer's bytes, whole and per rank, at the TP `layer_shares` was asked about."""
+
+    layer: int
+    nbytes: int  # the whole layer (every rank's extent together)
+    ranks: list[RankShare]
+
+
+@dataclass(frozen=True)
 class CheckRequest:
     """One validation as a dialect's own rules see it; `layers` is the selection, already checked present."""
 
@@ -94,6 +116,18 @@ class StagedOutput(Protocol):
         ...
 
 
+def read_json_or_none(ckpt: Checkpoint, name: str) -> Any:
+    """A small JSON file of the checkpoint, or None when it is absent or unreadable (validate's finding)."""
+    from trellis_cli.errors import CheckFailed
+
+    if name not in ckpt.files:
+        return None
+    try:
+        return ckpt.source.read_json(name)
+    except CheckFailed:
+        return None
+
+
 class Dialect:
     """One on-disk format. Subclasses set the traits and override what they own."""
 
@@ -102,16 +136,23 @@ class Dialect:
     described_as: str = ""  # "an exl3-v1": how a message names a checkpoint of it
     # Traits the shared rules read instead of a name:
     shard_rules: bool = False  # per-linear EXL3 tensors in safetensors shards: validate's shard rules apply
-    hybrid_tr3_tail: bool = False  # the rank-sliced TR3 contract in config.json
     shared_h: bool = False  # hidden-side vectors once per expert (shared_h_v1)
-    tensor_storage: bool = False  # plain exllamav3 per-linear names and tensor_storage
-    r7_maps: bool = False  # R7 per-projection K maps
+    # How the vLLM fork's EXL3 loaders find its experts, for validate's engine rules (the rank-sliced path is
+    # `rank_sliced_contract`): the generic path (per-module records, experts sliced per rank at load) ...
+    module_records: bool = False
+    # ... or the R7 version's per-projection K maps (experts streamed and sliced per rank at load).
+    streamed_k_maps: bool = False
+    # Opening (dialects/open.py) asks these instead of a name: whether its TP is one more than the highest rank
+    # id of its tensor names (not declared) ...
+    tp_from_rank_ids: bool = False
+    # ... and whether its listing and JSON alone declare TP, layout and K per expert (a dry run's plan, no header).
+    declared_opening: bool = False
     default_engine: str | None = None  # the profile validate enforces without --engine
     tensor_data: bool = True  # --deep reads its vectors (False: its values are covered by recorded hashes)
     records_hashes: bool = False  # its own metadata records each file's sha256
     holds_model_weights: bool = True  # its files hold the model's weights (False: a config block alone)
     publisher_digests: bool = False  # with --checksums, the publisher's hashes are compared first and reused
-    inspect_view: str = "shards"  # which inspect document describes it: "shards", "slot-rows" or "route-pack"
+    inspect_view: str = "shards"  # how it lays out its bytes: "shards", "slot-rows" or "route-pack" (registry.storage_of)
     read_by: frozenset[str] = frozenset()  # the loader families that open this container
     container_notes: dict[str, str] = {}  # family -> why it does not, where that says more than the default
     # Conversions this dialect writes: source dialect name -> the repack driver that writes it.
@@ -119,6 +160,9 @@ class Dialect:
     # The module of this package that lays out a conversion's output (which files, tensors and declarations it
     # holds), handed the staged tree by repack's driver; set wherever `converts_from` is.
     writer: str | None = None
+    # Its module that writes synthetic checkpoints for `trellis synth --format` (checkpoint_bytes, summary and
+    # write_checkpoint of a SynthSpec); None: synth does not write it.
+    synth: str | None = None
 
     def detect(self, probe: Probe) -> DialectInfo | None:
         """This dialect's DialectInfo when the metadata says so, None when it is not this dialect; raise
@@ -128,6 +172,13 @@ class Dialect:
     def fill(self, ckpt: Checkpoint, probe: Probe, info: DialectInfo) -> bool:
         """Fill `ckpt` its own way and return True; False leaves it to the shared shard reader."""
         return False
+
+    def declarations(self, ckpt: Checkpoint, info: DialectInfo, read_json: Callable[[str], Any],
+                     files: dict[str, int]) -> Any | None:
+        """Its per-layer declarations parsed from its own metadata, for the shared shard reader
+        (checkpoint/declared.py `Declared`: K per expert or per (expert, projection), and where each layer's came
+        from); it may add the MoE layers it declares to `ckpt.layers`. None: it declares none."""
+        return None
 
     def check(self, ckpt: Checkpoint, request: CheckRequest, report: Report) -> None:
         """This dialect's own rules (header, config, tensor, --deep data, checksums), as findings in `report`.
@@ -222,6 +273,107 @@ class Dialect:
         if tp is None:
             return pack_layer(ckpt, layer, rank, device=device)
         return pack_layer(ckpt, layer, rank, device=device, tp=tp)
+
+    def rank_sliced_contract(self, ckpt: Checkpoint) -> dict[str, Any] | None:
+        """The rank-sliced contract its config.json declares, as the fork's rank-sliced path reads it (a
+        checkpoint served at exactly its recorded tp); None when it declares none."""
+        return None
+
+    def bit_map_problems(self, ckpt: Checkpoint) -> list[tuple[str, Any, Any]]:
+        """What is wrong with the per-layer bit map of its rank-sliced contract, for the loader version that
+        reads one: (problem, expected, found) each; [] when there is none or nothing is wrong."""
+        return []
+
+    def slot_manifest(self, ckpt: Checkpoint) -> tuple[Any, str] | None:
+        """Its exl3-manifest.json container's parsed manifest (formats/exl3v1_schema.py `Manifest`) and the
+        manifest's file name, for the loaders that read such a container; None: not one, or it did not parse."""
+        return None
+
+    # ---- what diff, fit and inspect ask of its bytes (defaults: per-linear safetensors shards) ----------------
+
+    def stored_tp(self, ckpt: Checkpoint) -> int | None:
+        """The TP its ranks are stored at; None when a rank is an extent cut when read (exl3-v1's slots)."""
+        return max(ckpt.tp, 1)
+
+    def read_tp(self, ckpt: Checkpoint) -> int:
+        """The TP two checkpoints without a stored TP are compared at (diff), read from this one."""
+        return max(ckpt.tp, 1)
+
+    def compared_layers(self, ckpt: Checkpoint) -> list[int]:
+        """The MoE layers diff compares (what its bytes hold, declared or not)."""
+        return sorted(ckpt.layers)
+
+    def layer_units(self, ckpt: Checkpoint, layer: int, tp: int) -> dict[Any, Any]:
+        """Every logical unit of MoE layer `layer` at `tp` ranks (dialects/units.py: `Key` -> `Unit`), as diff
+        compares them; a TP it cannot be read at is a CheckFailed naming why."""
+        from trellis_cli.dialects.units import shard_layer_units
+
+        return shard_layer_units(ckpt, layer, tp)
+
+    def other_units(self, ckpt: Checkpoint) -> dict[Any, Any]:
+        """Every tensor outside the MoE expert layout as a unit keyed by its name (the first file holding it)."""
+        from trellis_cli.dialects.units import shard_other_units
+
+        return shard_other_units(ckpt)
+
+    def layer_file_tensors(self, ckpt: Checkpoint, layer: int) -> dict[Any, Any] | None:
+        """A layer kept whole in one file, its tensors as units by name: how two checkpoints that both answer
+        compare a layer (file to file first); None: its layers are not stored as such files."""
+        return None
+
+    def stored_expert_k(self, ckpt: Checkpoint, layer: int) -> dict[int, int | None] | None:
+        """K per expert of `layer` from its own metadata, when its layer files are compared whole; None: unknown."""
+        return None
+
+    def model_facts(self, ckpt: Checkpoint) -> dict[str, Any]:
+        """Model facts (diff's structure: hidden, num_experts, rotation_layout, ...) its own metadata gives
+        where the model leaves them open; {}: the model's own."""
+        return {}
+
+    def declaration_documents(self, ckpt: Checkpoint) -> dict[str, Any]:
+        """The JSON documents that declare it (file name -> parsed document), compared key by key by diff."""
+        docs: dict[str, Any] = {}
+        if ckpt.config:
+            docs[CONFIG] = ckpt.config
+        if ckpt.quant_config:
+            docs[QUANT_CONFIG] = ckpt.quant_config
+        return docs
+
+    def layer_files(self, ckpt: Checkpoint) -> dict[str, int]:
+        """Files that hold one MoE layer under tensor names without a layer number, and that layer; {}: every
+        tensor name says its layer (the shards)."""
+        return {}
+
+    def loose_tensors(self, ckpt: Checkpoint) -> list[Any] | None:
+        """The tensors outside its layer files (TensorRef), when its layers are not tensors of the shards; None:
+        every tensor is in the model (`Checkpoint.tensors`)."""
+        return None
+
+    def codes_tables(self, ckpt: Checkpoint) -> dict[str, tuple[int, int]]:
+        """File -> (offset of a codes table that mixes K per expert, the routed weights it encodes): inspect
+        --tensors gives such a table a bpw and no K. {}: every codes tensor has one K (`.trellis`)."""
+        return {}
+
+    def weights_refusal(self, ckpt: Checkpoint) -> str | None:
+        """Why `trellis fit` cannot count a served model's weights from it; None when it can."""
+        return None
+
+    def layer_shares(self, ckpt: Checkpoint, tp: int, rates_below: int) -> list[LayerShare] | None:
+        """Each MoE layer's bytes per rank at `tp` where the container places them itself (rates read for layers
+        below `rates_below`, the decoder's); None: its tensors are placed by the engine's sharding table."""
+        return None
+
+    def source_digests(self, ckpt: Checkpoint) -> dict[str, list[tuple[str, str, str]]]:
+        """The sha256 its own metadata records per file, for a conversion's source-hash plan: file -> [(sha256,
+        who records it, the finding code of a mismatch)]. {}: none recorded."""
+        return {}
+
+    def inspect_document(self, ckpt: Checkpoint, layers: list[int] | None) -> dict[str, Any]:
+        """What `trellis inspect` shows (the chosen MoE layers, or all); by default the per-linear shard
+        document (dialects/inspect_doc.py)."""
+        from trellis_cli.dialects.inspect_doc import shard_document
+
+        return shard_document(ckpt, layers)
 
     def __repr__(self) -> str:
         return f"<dialect {self.name}>"

@@ -21,10 +21,6 @@ from trellis_cli.dialects import registry
 from trellis_cli.dialects.detect import CONFIG, QUANT_CONFIG, route_pack_info
 from trellis_cli.dialects.interface import DialectInfo, Probe
 from trellis_cli.checkpoint.model import (
-    DIALECT_EXL3,
-    DIALECT_R7,
-    DIALECT_TR3_PER_EXPERT,
-    DIALECT_TR3_SHARED_H,
     Checkpoint,
     LinearRef,
     MoeLayer,
@@ -102,13 +98,14 @@ def _open(source: Any, progress: Callable[[str, int, int], None], headers: bool 
                       num_experts=None, tp=info.tp, codebook=info.codebook, rotation_layout=info.rotation_layout,
                       declared=info.declared, parse_findings=findings, files=dict(files),
                       quant_config=quant_config)
+    dialect = registry.dialect_named(info.dialect)
     if not headers:
-        if info.dialect not in (DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H):  # TP or layout from headers
+        if not dialect.declared_opening:  # TP or layout from headers
             return None
         _apply_declarations(ckpt, info, source, files)
         _fill_geometry(ckpt, info)
         return ckpt
-    if registry.dialect_named(info.dialect).fill(ckpt, probe, info):  # a container read its own way
+    if dialect.fill(ckpt, probe, info):  # a container read its own way
         return ckpt
     _read_headers(ckpt, source, files, progress)
     steps = (lambda: _read_index(ckpt, source, files), lambda: _collect_tensors(ckpt), lambda: _build_layers(ckpt),
@@ -245,16 +242,9 @@ def _add_other_expert_tensor(ckpt: Checkpoint, name: str, ref: TensorRef) -> Non
 
 
 def _apply_declarations(ckpt: Checkpoint, info: DialectInfo, source: Any, files: dict[str, int]) -> None:
-    hybrid = info.declared.get("hybrid_tr3_tail")
-    if hybrid is not None:
-        d = decl.tr3_declared(hybrid, source.read_json, files, ckpt.count_limit)
-        for layer in decl.layer_range(hybrid.get("moe_layers"), ckpt.count_limit):
-            ckpt.layers.setdefault(layer, MoeLayer(layer))
-    elif info.dialect == DIALECT_R7:
-        d = decl.r7_declared(info.declared["r7_routed_experts"], source.read_json, files)
-    elif info.dialect == DIALECT_EXL3:
-        d = decl.exl3_declared(ckpt.quant_config)
-    else:
+    """The dialect's own declarations (`Dialect.declarations`), applied to the model's layers."""
+    d = registry.dialect_named(info.dialect).declarations(ckpt, info, source.read_json, files)
+    if d is None:
         return
     ckpt.parse_findings.extend(d.findings)
     for li, ks in d.expert_k.items():
@@ -272,7 +262,8 @@ def _fill_geometry(ckpt: Checkpoint, info: DialectInfo) -> None:
     `count.implausible` and replaced by what the tensors present support, so no later stage iterates or
     allocates by it; ids beyond the limit stay in the model, where validate reports them as extras.
     """
-    config, hybrid = ckpt.config, info.declared.get("hybrid_tr3_tail") or {}
+    dialect = registry.dialect_named(info.dialect)
+    config, hybrid = ckpt.config, dialect.rank_sliced_contract(ckpt) or {}
     limit = ckpt.count_limit
     ckpt.hidden = _int(config.get("hidden_size"))
     ckpt.intermediate = _int(config.get("moe_intermediate_size"))
@@ -285,7 +276,7 @@ def _fill_geometry(ckpt: Checkpoint, info: DialectInfo) -> None:
     if ckpt.num_experts is not None and ckpt.num_experts > limit:
         _implausible(ckpt, Location(file=CONFIG, tensor=key), "experts per layer", ckpt.num_experts)
         ckpt.num_experts = None  # inferred from the expert ids below
-    if info.dialect in (DIALECT_EXL3, DIALECT_R7):
+    if dialect.tp_from_rank_ids:
         ranks = _ids(ckpt, "rank")
         ckpt.tp = _plausible_max(ckpt, ranks, "ranks", limit) + 1 if ranks else 1
     elif ckpt.tp > limit:

@@ -7,6 +7,7 @@ DIALECTS. Order is detection order: the first dialect whose metadata claims the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects import b12x_trellis, btx, exl3, exl3v1, glm53, r7, routepack, tr3
@@ -44,14 +45,23 @@ def dialect_of(ckpt: Checkpoint) -> Dialect:
     return _BY_NAME[ckpt.dialect]
 
 
-# How a dialect lays out its bytes, for code that reads them itself (diff, fit, inspect --tensors, repack's
-# source hashes): per-linear safetensors shards, exl3-v1 slot rows, or a route pack's layer files.
+# How a dialect lays out its bytes: per-linear safetensors shards, exl3-v1 slot rows, or a route pack's layer
+# files. Only repack's source hashes still switch on it (tests/base/test_dialect_boundary.py allows it there
+# alone, until they ask `Dialect.source_digests`); diff, fit and inspect ask the dialect's methods instead.
 SHARDS, SLOT_ROWS, ROUTE_PACK = "shards", "slot-rows", "route-pack"
 
 
 def storage_of(ckpt: Checkpoint) -> str:
     """SHARDS, SLOT_ROWS or ROUTE_PACK: the layout of `ckpt`'s bytes (its dialect's `inspect_view`)."""
     return dialect_of(ckpt).inspect_view
+
+
+def synth_module(target: str) -> Any:
+    """The module that writes synthetic checkpoints of the dialect `repack --to` calls `target` (its `synth`)."""
+    import importlib
+
+    dialect = next(d for d in DIALECTS if d.target == target and d.synth)
+    return importlib.import_module(dialect.synth or "")
 
 
 def targets() -> list[str]:

@@ -14,13 +14,13 @@ from typing import Any, Callable, NamedTuple
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.reader import require_intact
-from trellis_cli.dialects.registry import SLOT_ROWS, storage_of
+from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.diff.hashing import HEADER, SHA256, Hasher, storage_identity
 from trellis_cli.diff.result import (BYTES, DTYPE, ONLY_A, ONLY_B, SHAPE, DiffResult, LayerDiff, TensorDifference,
                                      TierChange)
 from trellis_cli.diff.structure import structure_changes
-from trellis_cli.diff.units import (CODES, OTHER, Key, Unit, exl3v1_layer_tensors, layer_units, moe_layers, native_tp,
-                                    other_units)
+from trellis_cli.diff.units import (CODES, OTHER, Key, Unit, layer_file_tensors, layer_units, moe_layers, native_tp,
+                                    other_units, read_tp)
 from trellis_cli.errors import CheckFailed, UsageError
 
 Progress = Callable[[int], None]
@@ -48,10 +48,10 @@ def run_diff(a: Checkpoint, b: Checkpoint, *, layers: list[int] | None = None, p
                         structure=structure_changes(a, b), layers_only_a=sorted(layers_a - layers_b),
                         layers_only_b=sorted(layers_b - layers_a), other_tensors_compared=layers is None)
     comparer = _Comparer(a, b, result, progress, download_progress)
-    both_exl3v1 = storage_of(a) == storage_of(b) == SLOT_ROWS
     for done, layer in enumerate(both, 1):
-        if both_exl3v1:
-            result.layers.append(_exl3v1_pair_layer(comparer, layer, tp))
+        raw_a, raw_b = layer_file_tensors(a, layer), layer_file_tensors(b, layer)
+        if raw_a is not None and raw_b is not None:  # both keep the layer whole in one file
+            result.layers.append(_layer_file_pair(comparer, layer, tp, raw_a, raw_b))
         else:
             units_a, units_b = layer_units(a, layer, tp), layer_units(b, layer, tp)
             tally = comparer.compare(units_a, units_b, layer)
@@ -63,11 +63,11 @@ def run_diff(a: Checkpoint, b: Checkpoint, *, layers: list[int] | None = None, p
     return result
 
 
-def _exl3v1_pair_layer(comparer: "_Comparer", layer: int, tp: int) -> LayerDiff:
-    """Two exl3-v1 layer files: the same bytes decide by storage with nothing read (a Hub pair: no download);
-    otherwise expert by expert at `tp`, or tensor by tensor where a side has no TR3 form."""
+def _layer_file_pair(comparer: "_Comparer", layer: int, tp: int, raw_a: dict[Key, Unit],
+                     raw_b: dict[Key, Unit]) -> LayerDiff:
+    """Two layer files (two exl3-v1 sides): the same bytes decide by storage with nothing read (a Hub pair: no
+    download); otherwise expert by expert at `tp`, or tensor by tensor where a side has no TR3 form."""
     a, b = comparer.a, comparer.b
-    raw_a, raw_b = exl3v1_layer_tensors(a, layer), exl3v1_layer_tensors(b, layer)
     facts_a, facts_b = _rates_facts(a, layer), _rates_facts(b, layer)
     if raw_a and raw_a.keys() == raw_b.keys() and all(comparer.same_storage(raw_a[k], raw_b[k]) for k in raw_a):
         return _layer_diff(a, b, layer, facts_a, facts_b, comparer.compare(raw_a, raw_b, layer))
@@ -85,10 +85,7 @@ def compared_tp(a: Checkpoint, b: Checkpoint) -> int:
         return max(ta, tb)
     if ta is not None or tb is not None:
         return ta or tb or 1
-    from trellis_cli.dialects.exl3v1.container import container
-    from trellis_cli.dialects.exl3v1.pack import default_tp
-
-    return default_tp(a) if container(a).manifest is not None else 1  # no manifest: validate's finding
+    return read_tp(a)
 
 
 class _Comparer:
@@ -189,14 +186,11 @@ def _unit_facts(units: dict[Key, Unit]) -> _Facts:
 
 
 def _rates_facts(ck: Checkpoint, layer: int) -> _Facts:
-    """An exl3-v1 layer compared file to file: K per expert from its rate tables (when readable here); bpw the
-    experts' mean K (every expert has the same number of weights); no ranks."""
-    from trellis_cli.dialects.exl3v1.container import container, layer_rates
-
-    m, rates = container(ck).manifest, layer_rates(ck, layer)
-    if m is None or rates is None:
+    """A layer compared file to file: K per expert from the side's own metadata (an exl3-v1's rate tables, when
+    readable here); bpw the experts' mean K (every expert has the same number of weights); no ranks."""
+    ks = dialect_of(ck).stored_expert_k(ck, layer)
+    if ks is None:
         return _Facts({}, None, [])
-    ks = {e: rates.expert_k(e, m.num_slots) for e in range(m.num_experts)}
     known = [k for k in ks.values() if k is not None]
     return _Facts(ks, round(sum(known) / len(known), 4) if len(known) == len(ks) and known else None, [])
 
@@ -259,7 +253,7 @@ def _side(ck: Checkpoint) -> dict[str, Any]:
     describe = getattr(ck.source, "describe", None)
     return {"description": getattr(ck.source, "description", None),
             "source": describe() if describe is not None else str(ck.source), "dialect": ck.dialect, "tp": ck.tp
-            if storage_of(ck) != SLOT_ROWS else None, "codebook": ck.codebook, "rotation_layout": ck.rotation_layout}
+            if native_tp(ck) is not None else None, "codebook": ck.codebook, "rotation_layout": ck.rotation_layout}
 
 
 def _span(layers: set[int]) -> str:

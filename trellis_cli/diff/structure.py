@@ -1,7 +1,7 @@
 """The declarations of two checkpoints, key by key: model facts, config.json, quantization metadata, manifests.
 
 Nested objects are compared leaf by leaf under dotted keys (`hybrid_tr3_tail.tp`); lists are compared whole.
-Only JSON the model already read (or a route pack's and an exl3-v1's own small JSON files) is used.
+Only JSON the model already read (or the small JSON files its dialect names) is used.
 """
 
 from __future__ import annotations
@@ -9,14 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.dialects.registry import ROUTE_PACK, SLOT_ROWS, storage_of
+from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.diff.result import StructureChange
-from trellis_cli.errors import CheckFailed
 
 FACTS = ("dialect", "tp", "codebook", "rotation_layout", "hidden", "intermediate", "num_experts")
-CONFIG = "config.json"
-QUANT_CONFIG = "quantization_config.json"
-ROUTE_PACK_ROTATIONS = {"per_expert": "per_expert_v1", "shared_h": "shared_h_v1"}
 MISSING = None  # a key absent on one side is shown as null
 
 
@@ -30,44 +26,18 @@ def structure_changes(a: Checkpoint, b: Checkpoint) -> list[StructureChange]:
 
 
 def model_facts(ck: Checkpoint) -> dict[str, Any]:
-    """The model's facts; a route pack's geometry and rotation layout come from its manifest (the model leaves
-    them to the route-pack verifier)."""
+    """The model's facts, with what the dialect's own metadata gives where the model leaves it open (a route
+    pack's geometry and rotation layout from its manifest; no stored TP for an exl3-v1, whose rank is a slot
+    extent)."""
     facts = {name: getattr(ck, name) for name in FACTS}
-    manifest = ck.declared.get("manifest") if storage_of(ck) == ROUTE_PACK else None
-    if isinstance(manifest, dict):
-        geometry = manifest.get("geometry") if isinstance(manifest.get("geometry"), dict) else {}
-        facts.update(hidden=geometry.get("hidden"), intermediate=geometry.get("intermediate"),
-                     num_experts=geometry.get("num_experts"),
-                     rotation_layout=ROUTE_PACK_ROTATIONS.get(manifest.get("rotation"), ck.rotation_layout))
-    if storage_of(ck) == SLOT_ROWS:
-        facts["tp"] = None  # a rank is a slot extent: no stored TP
+    facts.update(dialect_of(ck).model_facts(ck))
     return facts
 
 
 def _documents(ck: Checkpoint) -> dict[str, Any]:
-    docs: dict[str, Any] = {}
-    config = ck.config or (_read(ck, CONFIG) if storage_of(ck) == ROUTE_PACK else None)
-    if config:
-        docs[CONFIG] = config
-    if ck.quant_config:
-        docs[QUANT_CONFIG] = ck.quant_config
-    if storage_of(ck) == ROUTE_PACK and isinstance(ck.declared.get("manifest"), dict):
-        docs["manifest.json"] = ck.declared["manifest"]
-    if storage_of(ck) == SLOT_ROWS:
-        name = ck.declared.get("exl3v1_manifest_file")
-        manifest = _read(ck, name) if isinstance(name, str) else None
-        if manifest is not None:
-            docs[name] = manifest
-    return docs
-
-
-def _read(ck: Checkpoint, name: str) -> Any:
-    if name not in ck.files:
-        return None
-    try:
-        return ck.source.read_json(name)
-    except CheckFailed:
-        return None  # an unreadable file is validate's finding; the diff shows it as absent
+    """The JSON that declares the side, as its dialect names it (an unreadable file shows as absent: it is
+    validate's finding)."""
+    return dialect_of(ck).declaration_documents(ck)
 
 
 def flatten(doc: Any, prefix: str = "") -> dict[str, Any]:

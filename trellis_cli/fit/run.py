@@ -9,7 +9,7 @@ from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.reader import require_intact
-from trellis_cli.dialects.registry import ROUTE_PACK, storage_of
+from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.fit.arch import Arch, read_arch
 from trellis_cli.fit.budget import Outcome, RankBudget, outcome, rank_budgets
@@ -227,9 +227,9 @@ class _Evaluator:
 
 def fit(ckpt: Checkpoint, request: FitRequest) -> FitResult:
     check_request(request)
-    if storage_of(ckpt) == ROUTE_PACK:
-        raise UsageError("a route pack is the kernel's layout of one checkpoint's experts only: run fit on the "
-                         "checkpoint it was made from")
+    refusal = dialect_of(ckpt).weights_refusal(ckpt)
+    if refusal is not None:
+        raise UsageError(refusal)
     require_intact(ckpt, "fit")  # weights counted from files that could not all be read would be a lie
     arch = read_arch(ckpt.config)
     check_split(arch, request.tp)

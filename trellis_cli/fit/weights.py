@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.checkpoint.reader import shard_header
-from trellis_cli.dialects.registry import SLOT_ROWS, storage_of
+from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.checkpoint.names import KIND_LINEAR, KIND_R7_SHARED, KIND_SHARED_H, parse_expert_name
-from trellis_cli.errors import CheckFailed, UsageError
+from trellis_cli.errors import UsageError
 from trellis_cli.fit.arch import Arch
 from trellis_cli.fit.sharding import (COLUMN, EXPERT, PART_EXPERTS, PART_MTP, PARTS, REPLICATED, ROW, VOCAB, WHOLE,
                                       Rule, classify, layer_of, share, slice_bytes, split_of)
@@ -104,9 +103,11 @@ class Inventory:
 def scan(ckpt: Checkpoint, arch: Arch, rules: tuple[Rule, ...]) -> Inventory:
     """Read every header tensor once into an Inventory (exl3-v1 layer files are placed per TP instead)."""
     sliced_tp = ckpt.tp if any(layer.rank_sliced for layer in ckpt.layers.values()) else None
-    if storage_of(ckpt) == SLOT_ROWS:
+    loose = dialect_of(ckpt).loose_tensors(ckpt)
+    if loose is not None:  # the layers are a container's files (placed per TP by rank_weights); the rest here
         inv = Inventory(None, rules)
-        tensors: Iterable[tuple[str, tuple[int, ...], int]] = _non_layer_tensors(ckpt)
+        tensors: Iterable[tuple[str, tuple[int, ...], int]] = ((ref.name, tuple(ref.shape), ref.nbytes)
+                                                                for ref in loose)
     else:
         inv = Inventory(sliced_tp, rules)
         tensors = ((ref.name, ref.shape, ref.nbytes) for ref in ckpt.tensors.values())
@@ -176,73 +177,37 @@ def rank_weights(ckpt: Checkpoint, arch: Arch, inv: Inventory, tp: int, mtp: boo
                 tier = rw.tier(k)
                 tier.bytes += b
                 tier.experts += experts
-    if storage_of(ckpt) == SLOT_ROWS:
-        _exl3v1(ckpt, arch, out, mtp)
+    _placed_by_container(ckpt, arch, out, mtp)
     _estimate_absent(arch, out, inv.rules)
     return out
 
 
-def _exl3v1(ckpt: Checkpoint, arch: Arch, out: Weights, mtp: bool) -> None:
-    """An exl3-v1 container: each rank reads its extent of slots from `codes`, `rotations` and the rate tables
-    (rows along dim 0), and the whole hidden-side tables and sign pattern."""
-    from trellis_cli.dialects.exl3v1.container import CODES, RATES_FC1, RATES_FC2, ROTATIONS, container, layer_rates
-    from trellis_cli.formats.exl3v1_layout import bundle_bytes, rank_extent, tp_problem
-    from trellis_cli.formats.exl3v1_schema import SLOT_CHANNELS, SLOTS_PER_PAIR
-
-    box = container(ckpt)
-    m = box.manifest
-    if m is None:
-        raise CheckFailed("exl3-manifest.json: the exl3-v1 manifest could not be read; a damaged source "
-                          "(run `trellis validate` for the findings)")
-    problem = tp_problem(m, out.tp)
-    if problem:
-        raise UsageError(f"--tp {out.tp}: this exl3-v1 container cannot be split so ({problem})")
-    sliced = {CODES, ROTATIONS, RATES_FC1, RATES_FC2}
-    for index, layer in box.layers.items():
-        is_mtp = index >= arch.layers
+def _placed_by_container(ckpt: Checkpoint, arch: Arch, out: Weights, mtp: bool) -> bool:
+    """Layers a container places per rank itself (an exl3-v1's slot extents: `Dialect.layer_shares`), added to
+    `out`; False when the checkpoint's layers are tensors the sharding table placed."""
+    shares = dialect_of(ckpt).layer_shares(ckpt, out.tp, rates_below=arch.layers)
+    if shares is None:
+        return False
+    for layer in shares:
+        is_mtp = layer.layer >= arch.layers
         if is_mtp and not mtp:
-            out.mtp_skipped_bytes += sum(ref.nbytes for ref in layer.tensors.values())
+            out.mtp_skipped_bytes += layer.nbytes
             continue
         part = PART_MTP if is_mtp else PART_EXPERTS
         out.styles.setdefault(part, set()).add(EXPERT)
         out.present.add(PART_EXPERTS)
-        rates = None if is_mtp else layer_rates(ckpt, index)
-        for rw in out.ranks:
-            first, count = rank_extent(m, out.tp, rw.rank)
-            layer_bytes = 0
-            for name, ref in layer.tensors.items():
-                rows = ref.shape[0] if ref.shape else 0
-                if name in sliced and rows:
-                    layer_bytes += ref.nbytes // rows * (rows // out.tp)
-                else:
-                    layer_bytes += ref.nbytes
-            rw.parts[part] += layer_bytes
+        for rw, share in zip(out.ranks, layer.ranks):
+            rw.parts[part] += share.nbytes
             if is_mtp:
                 continue
             in_tiers = 0
-            if rates is not None:
-                rate_bytes = 2 * (count // SLOTS_PER_PAIR) if m.pair_structure else 0
-                for e in range(m.num_experts):
-                    b = sum(bundle_bytes(m.hidden, *rates.codes(s, e)) for s in range(first, first + count))
-                    b += count * 3 * SLOT_CHANNELS * 2 + rate_bytes
-                    tier = rw.tier(rates.expert_k(e, m.num_slots))
-                    tier.experts += 1
-                    tier.bytes += b
-                    in_tiers += b
-            rw.tier(None).bytes += layer_bytes - in_tiers
-
-
-def _non_layer_tensors(ckpt: Checkpoint) -> list[tuple[str, tuple[int, ...], int]]:
-    """Tensors of an exl3-v1 directory's other safetensors files (a served model keeps attention etc. there)."""
-    from trellis_cli.dialects.exl3v1.container import container
-
-    layer_files = {layer.file for layer in container(ckpt).layers.values()}
-    found = []
-    for name, size in sorted(ckpt.files.items()):
-        if name.endswith(".safetensors") and name not in layer_files and size >= 0:
-            header = shard_header(ckpt, name)
-            found += [(t, tuple(e.shape), e.end - e.begin) for t, e in header.tensors.items()]
-    return found
+            for k, b in share.experts or ():
+                tier = rw.tier(k)
+                tier.experts += 1
+                tier.bytes += b
+                in_tiers += b
+            rw.tier(None).bytes += share.nbytes - in_tiers
+    return True
 
 
 # ---- what the checkpoint does not hold ------------------------------------------------------------------

@@ -10,7 +10,7 @@ uniform rates only; the TP extent plan is engine_tp.manifest_tp. Every other con
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.detect import EXL3V1_MANIFEST
@@ -61,37 +61,32 @@ def manifest_config(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
 
 def manifest_geometry(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """The manifest's expert count and hidden size are the model's (config.json)."""
-    m = _manifest(ckpt)
+    m, manifest_file = _manifest(ckpt)
     if m is None:
         return
-    from trellis_cli.dialects.exl3v1.container import container
-
     text = text_config(ckpt)
     experts = next((text.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts") if k in text),
                    None)
     model = {"num_experts": experts, "hidden_size": text.get("hidden_size")}
     if model != {"num_experts": m.num_experts, "hidden_size": m.hidden}:
         yield Refusal("engine.manifest-geometry", "manifest geometry differs from the model",
-                      Location(file=container(ckpt).manifest_file, tensor="geometry"), "the manifest's expert "
+                      Location(file=manifest_file, tensor="geometry"), "the manifest's expert "
                       "count and hidden size must be the model's (config.json)",
                       expected=model, found={"num_experts": m.num_experts, "hidden_size": m.hidden})
 
 
 def uniform_rates(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """b12x 1.5.1's trellis adapter (trellis_from_exl3) prepares uniform rates only."""
-    from trellis_cli.dialects.exl3v1.container import container
-
-    m = _manifest(ckpt)
+    m, manifest_file = _manifest(ckpt)
     if m is not None and m.structure != "uniform":
-        yield Refusal("engine.manifest-rates", "per-expert rates", Location(file=container(ckpt).manifest_file,
+        yield Refusal("engine.manifest-rates", "per-expert rates", Location(file=manifest_file,
                       tensor="rates"), "b12x 1.5.1's trellis adapter takes uniform EXL3 rates only",
                       expected="uniform", found=m.structure)
 
 
-def _manifest(ckpt: Checkpoint):
-    """The exl3-v1 manifest of a checkpoint this loader reads, None otherwise (or when it did not parse)."""
-    if dialect_of(ckpt).container_refusal(VLLM_MANIFEST) is not None:
-        return None
-    from trellis_cli.dialects.exl3v1.container import container
-
-    return container(ckpt).manifest
+def _manifest(ckpt: Checkpoint) -> tuple[Any, str | None]:
+    """The exl3-v1 manifest of a checkpoint this loader reads and its file name; (None, None) otherwise (or
+    when it did not parse)."""
+    dialect = dialect_of(ckpt)
+    found = dialect.slot_manifest(ckpt) if dialect.container_refusal(VLLM_MANIFEST) is None else None
+    return found if found is not None else (None, None)

@@ -52,7 +52,7 @@ def r7_detected(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     it is not seen: the stamp then picks the loader (modelopt: not this one), or, stamped exl3, the R7 block is
     never configured and the layer-shared vectors have no reader."""
     q = embedded(ckpt)
-    if not dialect_of(ckpt).r7_maps or q is None or _r7(ckpt) is not None:
+    if not dialect_of(ckpt).streamed_k_maps or q is None or _r7(ckpt) is not None:
         return
     stamp = q.get("quant_method")
     if stamp != "exl3":
@@ -202,12 +202,12 @@ def pr766_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
 def r7_tensor_storage(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Outside the rank-sliced path (R7, plain EXL3) tensor_storage is required; the GLM-5.3 scope's
     maybe_update_config returns after configuring its own contract and never reads it."""
-    if not dialect_of(ckpt).hybrid_tr3_tail and not glm53_scope(ckpt):
+    if dialect_of(ckpt).rank_sliced_contract(ckpt) is None and not glm53_scope(ckpt):
         yield from storage_refusals(ckpt)
 
 
 def _r7_layers(ckpt: Checkpoint, layers: list[int]) -> list[int]:
-    return [li for li in layers if li in ckpt.layers] if dialect_of(ckpt).r7_maps else []
+    return [li for li in layers if li in ckpt.layers] if dialect_of(ckpt).streamed_k_maps else []
 
 
 def r7_layer_range(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
@@ -267,5 +267,5 @@ def r7_undeclared_k(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
 
 def uniform_k_r7(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Its rank-sliced TR3 path is the #190 one: a uniform bits is every layer's K, served at K3..K6."""
-    if dialect_of(ckpt).hybrid_tr3_tail:
+    if dialect_of(ckpt).rank_sliced_contract(ckpt) is not None:
         yield from uniform_k_190(ckpt, layers)

@@ -34,9 +34,13 @@ class Refusal(NamedTuple):
     found: Any = None
 
 
+def rank_sliced_contract(ckpt: Checkpoint) -> dict | None:
+    """The rank-sliced contract the fork's exl3-trellis path reads; None: the checkpoint declares none."""
+    return dialect_of(ckpt).rank_sliced_contract(ckpt)
+
+
 def _hybrid(ckpt: Checkpoint) -> dict:
-    h = ckpt.declared.get("hybrid_tr3_tail")
-    return h if isinstance(h, dict) else {}
+    return rank_sliced_contract(ckpt) or {}
 
 
 def _at(key: str) -> Location:
@@ -97,7 +101,7 @@ def exllamav3_container(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal
         yield Refusal("engine.container", "rank-sliced names", Location(), "expert tensors carry a .rank{r}. "
                       "segment: exllamav3 finds no experts.{E}.{proj}.trellis and loads no expert",
                       expected="experts.{E}.{proj}.trellis", found="experts.{E}.{proj}.rank{r}.trellis")
-    elif dialect.r7_maps and any(ckpt.layers[li].r7_shared for li in layers if li in ckpt.layers):
+    elif dialect.streamed_k_maps and any(ckpt.layers[li].r7_shared for li in layers if li in ckpt.layers):
         yield Refusal("engine.container", "layer-shared vectors", Location(), "hidden-side vectors live once per "
                       "layer (experts.r7_shared): exllamav3 needs suh/svh (or su/sv) under every linear")
 
@@ -155,7 +159,7 @@ def uniform_map(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Shared-H version: a uniform checkpoint needs trellis_bits_by_layer, or the legacy pair it is derived from."""
     h = _hybrid(ckpt)
     bits = h.get("bits")
-    if not dialect_of(ckpt).hybrid_tr3_tail or isinstance(bits, str) or "trellis_bits_by_layer" in h:
+    if rank_sliced_contract(ckpt) is None or isinstance(bits, str) or "trellis_bits_by_layer" in h:
         return
     integral = isinstance(bits, (int, float)) and not isinstance(bits, bool) and float(bits).is_integer()
     derivable = (integral and bool(layer_range(h.get("moe_layers"))) and h.get("nvfp4_keep_per_layer") == 0
@@ -172,7 +176,7 @@ def uniform_k_190(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """#190 version: uniform bits (read for every layer; trellis_bits_by_layer is unknown to it) in 3..6."""
     h = _hybrid(ckpt)
     bits = uniform_bits(h.get("bits"))  # float(), as this version reads it: "4" is K4
-    if not dialect_of(ckpt).hybrid_tr3_tail or bits is None:
+    if rank_sliced_contract(ckpt) is None or bits is None:
         return  # a non-integral bits: config.tr3-bits reports it for every version
     if bits not in UNIFORM_K_190:
         yield Refusal("engine.uniform-k", f"uniform K{int(bits)} unsupported", _at("bits"), "this version serves "
@@ -199,7 +203,7 @@ def shared_h_unsupported(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusa
 
 def tier_count(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Both fork versions: a mixed rank-sliced layer runs on the one-grid path, which takes exactly two bitrates."""
-    if not dialect_of(ckpt).hybrid_tr3_tail:
+    if rank_sliced_contract(ckpt) is None:
         return
     for li in layers:
         tiers = ckpt.layers[li].partition() if li in ckpt.layers else {}
@@ -212,7 +216,7 @@ def tier_count(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
 def legacy_signs(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Both fork versions: MoE experts get suh/svh parameters only; packed su/sv is a dense-layer form."""
     dialect = dialect_of(ckpt)
-    if not (dialect.hybrid_tr3_tail or dialect.tensor_storage):
+    if not (dialect.rank_sliced_contract(ckpt) is not None or dialect.module_records):
         return
     shared = dialect.shared_h
     for li in layers:
@@ -247,9 +251,9 @@ def one_k_per_projection(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusa
                               expected="one K, one codebook", found={"K": ks, "codebook": books})
 
 
-def tensor_storage(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+def module_records(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Both fork versions, non-rank-sliced EXL3: per-module records in tensor_storage, checked before loading."""
-    if dialect_of(ckpt).tensor_storage:
+    if dialect_of(ckpt).module_records:
         yield from storage_refusals(ckpt)
 
 

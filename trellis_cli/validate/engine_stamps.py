@@ -16,7 +16,7 @@ from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import Location
 from trellis_cli.header import is_int
-from trellis_cli.validate.engine_rules import Refusal
+from trellis_cli.validate.engine_rules import Refusal, rank_sliced_contract
 
 STAMP = Location(file="config.json", tensor="quantization_config.quant_method")
 
@@ -49,7 +49,7 @@ def stamp_selects_exl3(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]
     """#190 and shared-H: the EXL3 override recognizes only hybrid_tr3_tail; a plain EXL3 checkpoint is served
     by the method its stamp names, so a `modelopt` (or any other) stamp hands it to another quantizer."""
     q = embedded(ckpt)
-    if not dialect_of(ckpt).tensor_storage or q is None or q.get("quant_method") == "exl3":
+    if not dialect_of(ckpt).module_records or q is None or q.get("quant_method") == "exl3":
         return
     yield Refusal("engine.quant-method", f"stamped {q.get('quant_method')!r}", STAMP,
                   "without hybrid_tr3_tail the EXL3 override does not claim the checkpoint, so config.json's "
@@ -59,8 +59,8 @@ def stamp_selects_exl3(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]
 def json_ints(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Shared-H version: tp and experts_per_layer positive JSON integers, moe_layers two JSON integers, a uniform
     `bits` a number (a string other than 'mixed' takes the uniform path and finds no per-layer map)."""
-    h = ckpt.declared.get("hybrid_tr3_tail")
-    if not dialect_of(ckpt).hybrid_tr3_tail or not isinstance(h, dict):
+    h = rank_sliced_contract(ckpt)
+    if h is None:
         return
     for key in ("tp", "experts_per_layer"):
         if key in h and not is_int(h[key]):
@@ -84,8 +84,8 @@ def protected_unread(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """#190 and R7 versions: a rank-sliced checkpoint's metadata ends at hybrid_tr3_tail; protected_tensor_policy
     is not read and neither is tensor_storage, so the protected (dense EXL3) tensors get no EXL3 parameters and
     their trellis/suh/svh/mcg have nowhere to load."""
-    h = ckpt.declared.get("hybrid_tr3_tail")
-    if dialect_of(ckpt).hybrid_tr3_tail and isinstance(h, dict) and "protected_tensor_policy" in h:
+    h = rank_sliced_contract(ckpt)
+    if h is not None and "protected_tensor_policy" in h:
         yield Refusal("engine.protected-unread", "protected tensors not read",
                       Location(file="config.json", tensor="hybrid_tr3_tail.protected_tensor_policy"),
                       "this version has no protected_tensor_policy and reads no tensor_storage for a rank-sliced "
@@ -96,10 +96,8 @@ def protected_unread(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
 def bits_map(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Shared-H version: trellis_bits_by_layer is forbidden with bits 'mixed'; otherwise an object keyed by every
     layer of moe_layers (decimal strings) with JSON-integer K in 3, 4, 5, 6, 8 (#190 does not read it)."""
-    from trellis_cli.dialects.tr3.rules import bits_map_problems
-
-    h = ckpt.declared.get("hybrid_tr3_tail")
-    if not dialect_of(ckpt).hybrid_tr3_tail or not isinstance(h, dict) or "trellis_bits_by_layer" not in h:
+    h = rank_sliced_contract(ckpt)
+    if h is None or "trellis_bits_by_layer" not in h:
         return
     where = Location(file="config.json", tensor="hybrid_tr3_tail.trellis_bits_by_layer")
     if h.get("bits") == "mixed":
@@ -107,7 +105,7 @@ def bits_map(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
                       "not declare trellis_bits_by_layer in this version", expected="no trellis_bits_by_layer",
                       found="trellis_bits_by_layer")
         return
-    for problem, expected, found in bits_map_problems(h, ckpt.count_limit):
+    for problem, expected, found in dialect_of(ckpt).bit_map_problems(ckpt):
         yield Refusal("engine.bits-map", "trellis_bits_by_layer malformed", where, f"trellis_bits_by_layer: "
                       f"{problem}", expected=expected, found=found)
 
@@ -115,8 +113,8 @@ def bits_map(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
 def bits_required(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """#190 and R7 versions: `bits` is a required hybrid_tr3_tail key (trellis_bits_by_layer does not replace
     it: they never read the map)."""
-    h = ckpt.declared.get("hybrid_tr3_tail")
-    if dialect_of(ckpt).hybrid_tr3_tail and isinstance(h, dict) and "bits" not in h:
+    h = rank_sliced_contract(ckpt)
+    if h is not None and "bits" not in h:
         yield Refusal("engine.bits-required", "bits missing", Location(file="config.json",
                       tensor="hybrid_tr3_tail.bits"), "this version requires bits among the rank-sliced keys and "
                       "does not read trellis_bits_by_layer", expected="bits", found=None)

@@ -30,8 +30,8 @@ def _refuse(reason: str, message: str, expected: Any, tp: int, where: Location |
 
 
 def checkpoint_tp(ckpt: Checkpoint) -> int | None:
-    hybrid = ckpt.declared.get("hybrid_tr3_tail")
-    return coerced_int(hybrid.get("tp")) if isinstance(hybrid, dict) else None
+    hybrid = dialect_of(ckpt).rank_sliced_contract(ckpt)
+    return coerced_int(hybrid.get("tp")) if hybrid is not None else None
 
 
 def rank_sliced_tp(ckpt: Checkpoint, tp: int) -> Refusal | None:
@@ -59,9 +59,9 @@ def sliced_at_load_tp(ckpt: Checkpoint, tp: int) -> Refusal | None:
 def fork_tp(ckpt: Checkpoint, tp: int) -> Refusal | None:
     """#190 and shared-H versions: rank-sliced TR3 at its recorded tp; plain EXL3 MoE sliced at load."""
     dialect = dialect_of(ckpt)
-    if dialect.hybrid_tr3_tail:
+    if dialect.rank_sliced_contract(ckpt) is not None:
         return rank_sliced_tp(ckpt, tp)
-    if dialect.tensor_storage:
+    if dialect.module_records:
         return sliced_at_load_tp(ckpt, tp)
     return None
 
@@ -77,7 +77,7 @@ def r7_fork_tp(ckpt: Checkpoint, tp: int) -> Refusal | None:
                        "(allowed for this scope only) the check is skipped and every EP rank loads whole experts, "
                        "forced to K4", GLM53_SCOPE_TP, tp, Location(file="config.json",
                                                                    tensor="quantization_config.scope"))
-    if dialect_of(ckpt).r7_maps:
+    if dialect_of(ckpt).streamed_k_maps:
         return sliced_at_load_tp(ckpt, tp)
     return fork_tp(ckpt, tp)
 
@@ -99,13 +99,13 @@ def pr766_tp(ckpt: Checkpoint, tp: int) -> Refusal | None:
 
 def manifest_tp(ckpt: Checkpoint, tp: int) -> Refusal | None:
     """The mainline loader's extent plan (utils/exl3.py plan_exl3_extent, then b12x's validate_extent)."""
-    from trellis_cli.dialects.exl3v1.container import container
-
-    if dialect_of(ckpt).container_refusal(VLLM_MANIFEST) is not None:
+    dialect = dialect_of(ckpt)
+    if dialect.container_refusal(VLLM_MANIFEST) is not None:
         return None
-    m = container(ckpt).manifest
-    if m is None:
+    found = dialect.slot_manifest(ckpt)
+    if found is None:
         return None
+    m, manifest_file = found
     if tp not in MANIFEST_TP:
         return _refuse(f"TP {tp} outside 2..24", "the extent planner takes TP 2..24 only", "2..24", tp)
     half = m.num_slots // 2
@@ -113,7 +113,7 @@ def manifest_tp(ckpt: Checkpoint, tp: int) -> Refusal | None:
     if tuple(m.barriers) != (half,) or 2 * half != m.num_slots or align <= 0 or half % align:
         return _refuse("not one barrier at the halfway slot", "the extent planner needs exactly one barrier, at "
                        "the halfway slot, between two halves of whole alignment blocks",
-                       f"barriers [{half}]", tp, Location(file=container(ckpt).manifest_file, tensor="layout"))
+                       f"barriers [{half}]", tp, Location(file=manifest_file, tensor="layout"))
     # Each half's blocks are dealt to ceil(tp/2) (first half) or floor(tp/2) ranks, in whole blocks; ownership
     # only rotates between layers, so every layer has the same shares: a rank gets none when the first half has
     # fewer blocks than ranks.
@@ -121,7 +121,7 @@ def manifest_tp(ckpt: Checkpoint, tp: int) -> Refusal | None:
     if blocks < ranks:
         return _refuse(f"empty extent at TP {tp}", f"each half has {blocks} alignment block(s) of {align} slots for "
                        f"{ranks} ranks: a rank gets no slots, and an empty extent is refused", "a non-empty extent",
-                       tp, Location(file=container(ckpt).manifest_file, tensor="layout"))
+                       tp, Location(file=manifest_file, tensor="layout"))
     return None
 
 

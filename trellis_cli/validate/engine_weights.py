@@ -18,7 +18,7 @@ from typing import Iterator
 
 from trellis_cli.checkpoint.architecture import ConfigProblem, ModelWeights, Weight, expected_form, mismatch, model_weights
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.dialects.registry import SLOT_ROWS, dialect_of, storage_of
+from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import Finding, Location, Severity, warning
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.validate.engine_rules import Refusal
@@ -45,22 +45,16 @@ def _facts(ckpt: Checkpoint) -> tuple[Stored, ModelWeights | None | ConfigProble
 
 
 def _stored(ckpt: Checkpoint) -> Stored:
-    """name -> (dtype, shape) of every tensor the checkpoint's files hold; an exl3-v1 directory's model weights
-    live in its other safetensors files, beside the container."""
-    stored = {name: (ref.dtype, tuple(ref.shape)) for name, ref in ckpt.tensors.items()}
-    if storage_of(ckpt) == SLOT_ROWS:
-        from trellis_cli.checkpoint import reader
-        from trellis_cli.dialects.exl3v1.container import container
-        from trellis_cli.errors import CheckFailed
+    """name -> (dtype, shape) of every tensor the checkpoint's files hold; a container's model weights live in
+    its other safetensors files, beside its layer files (`Dialect.loose_tensors`)."""
+    from trellis_cli.errors import CheckFailed
 
-        layer_files = {layer.file for layer in container(ckpt).layers.values()}
-        for name, size in sorted(ckpt.files.items()):
-            if name.endswith(".safetensors") and name not in layer_files and size >= 0:
-                try:
-                    header = reader.shard_header(ckpt, name)
-                except CheckFailed:
-                    continue  # the file rules name an unreadable header
-                stored.update({t: (e.dtype, tuple(e.shape)) for t, e in header.tensors.items()})
+    stored = {name: (ref.dtype, tuple(ref.shape)) for name, ref in ckpt.tensors.items()}
+    try:
+        loose = dialect_of(ckpt).loose_tensors(ckpt)
+    except CheckFailed:
+        loose = None  # a file that cannot be read: the file rules name it, and its weights count as absent
+    stored.update({ref.name: (ref.dtype, tuple(ref.shape)) for ref in loose or []})
     return stored
 
 

@@ -46,7 +46,7 @@ class Engine:
         return self.scope is None or self.name == enforced or self.scope(ckpt)
 
 
-_VLLM_COMMON = (r.vllm_container, st.embedded_quant_config, st.stamp_selects_exl3, r.tensor_storage,
+_VLLM_COMMON = (r.vllm_container, st.embedded_quant_config, st.stamp_selects_exl3, r.module_records,
                 r.legacy_signs, r.tier_count)
 
 _R7_RULES = (r7.r7_container, st.embedded_quant_config, r7.r7_detected, r7.r7_contract, r7.glm53_contract,

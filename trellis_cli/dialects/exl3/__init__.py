@@ -4,6 +4,8 @@ exllamav3 and by the vLLM fork through tensor_storage; checked by the shared sha
 
 from __future__ import annotations
 
+from typing import Any
+
 from trellis_cli.checkpoint.model import DIALECT_EXL3
 from trellis_cli.dialects.detect import exl3_info
 from trellis_cli.dialects.interface import (EXLLAMAV3, VLLM, VLLM_R7, CheckRequest, Dialect, DialectInfo, Probe,
@@ -14,12 +16,19 @@ class Exl3Dialect(Dialect):
     name = DIALECT_EXL3
     described_as = "a plain exllamav3"
     shard_rules = True
-    tensor_storage = True
+    module_records = True  # the fork's generic EXL3 path: tensor_storage
+    tp_from_rank_ids = True
     default_engine = "exllamav3"
     read_by = frozenset({VLLM, VLLM_R7, EXLLAMAV3})
 
     def detect(self, probe: Probe) -> DialectInfo | None:
         return exl3_info(probe)
+
+    def declarations(self, ckpt, info: DialectInfo, read_json, files: dict[str, int]) -> Any | None:
+        """Per-projection K from tensor_storage's bits_per_weight."""
+        from trellis_cli.checkpoint import declared as decl
+
+        return decl.exl3_declared(ckpt.quant_config)
 
     def shard_layout(self, ckpt, layer) -> ShardLayout:
         return ShardLayout(k_declared_by="tensor_storage")

@@ -10,14 +10,15 @@ docs/checkpoint-dialects.md describes the container.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 from trellis_cli.checkpoint.model import (DIALECT_EXL3V1, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H, PROJECTIONS,
                                          VectorRef)
 from trellis_cli.findings import Location
 from trellis_cli.integrity import RecordedHash
 from trellis_cli.dialects.detect import exl3v1_info
-from trellis_cli.dialects.interface import B12X, VLLM, VLLM_MANIFEST, CheckRequest, Dialect, DialectInfo, Probe
+from trellis_cli.dialects.interface import (B12X, VLLM, VLLM_MANIFEST, CheckRequest, Dialect, DialectInfo, LayerShare,
+                                           Probe, read_json_or_none)
 
 
 class Exl3v1Dialect(Dialect):
@@ -31,6 +32,7 @@ class Exl3v1Dialect(Dialect):
     read_by = frozenset({B12X, VLLM_MANIFEST})
     container_notes = {VLLM: "exl3-v1 is b12x's container"}
     writer = "trellis_cli.dialects.exl3v1.write"
+    synth = "trellis_cli.dialects.exl3v1.synth"
     converts_from = {DIALECT_TR3_PER_EXPERT: "tr3-to-exl3-v1", DIALECT_TR3_SHARED_H: "tr3-to-exl3-v1",
                      "btx-atoms-v1": "btx-to-exl3-v1"}  # BTX: a renaming (dialects/btx/)
 
@@ -60,6 +62,93 @@ class Exl3v1Dialect(Dialect):
         chosen = [box.layers[i] for i in request.layers if box.layers[i].readable]
         return [RecordedHash(layer.file, layer.sha256, finding_where(layer), "exl3v1.sha256-mismatch",
                              "the layer file's sha256 differs from the manifest") for layer in chosen]
+
+    def slot_manifest(self, ckpt) -> tuple[Any, str] | None:
+        from trellis_cli.dialects.exl3v1.container import container
+
+        box = container(ckpt)
+        return (box.manifest, box.manifest_file) if box.manifest is not None else None
+
+    # ---- its bytes, as diff, fit and inspect ask about them -------------------------------------------------
+
+    def stored_tp(self, ckpt) -> int | None:
+        return None  # a rank is a slot extent, cut at whatever TP the layout allows
+
+    def read_tp(self, ckpt) -> int:
+        from trellis_cli.dialects.exl3v1.units import read_tp
+
+        return read_tp(ckpt)
+
+    def layer_units(self, ckpt, layer: int, tp: int) -> dict:
+        from trellis_cli.dialects.exl3v1.units import layer_units
+
+        return layer_units(ckpt, layer, tp)
+
+    def other_units(self, ckpt) -> dict:
+        from trellis_cli.dialects.exl3v1.units import other_units
+
+        return other_units(ckpt)
+
+    def layer_file_tensors(self, ckpt, layer: int) -> dict:
+        from trellis_cli.dialects.exl3v1.units import layer_file_tensors
+
+        return layer_file_tensors(ckpt, layer)
+
+    def stored_expert_k(self, ckpt, layer: int) -> dict[int, int | None] | None:
+        from trellis_cli.dialects.exl3v1.units import rate_expert_k
+
+        return rate_expert_k(ckpt, layer)
+
+    def model_facts(self, ckpt) -> dict[str, Any]:
+        return {"tp": None}  # a rank is a slot extent: no stored TP
+
+    def declaration_documents(self, ckpt) -> dict[str, Any]:
+        """config.json and the quantization config, and its manifest (read again: the model keeps it parsed)."""
+        docs = super().declaration_documents(ckpt)
+        name = ckpt.declared.get("exl3v1_manifest_file")
+        manifest = read_json_or_none(ckpt, name) if isinstance(name, str) else None
+        if manifest is not None:
+            docs[name] = manifest
+        return docs
+
+    def layer_files(self, ckpt) -> dict[str, int]:
+        from trellis_cli.dialects.exl3v1.units import layer_files
+
+        return layer_files(ckpt)
+
+    def loose_tensors(self, ckpt) -> list:
+        from trellis_cli.dialects.exl3v1.units import loose_tensors
+
+        return loose_tensors(ckpt)
+
+    def codes_tables(self, ckpt) -> dict[str, tuple[int, int]]:
+        from trellis_cli.dialects.exl3v1.inspect import codes_tables
+
+        return codes_tables(ckpt)
+
+    def layer_shares(self, ckpt, tp: int, rates_below: int) -> list[LayerShare]:
+        from trellis_cli.dialects.exl3v1.weights import layer_shares
+
+        return layer_shares(ckpt, tp, rates_below)
+
+    def source_digests(self, ckpt) -> dict[str, list[tuple[str, str, str]]]:
+        """The manifest's sha256 of each layer file (the all-zero digest of a sparse synthetic checkpoint
+        records nothing)."""
+        from trellis_cli.dialects.exl3v1.container import container
+
+        box = container(ckpt)
+        out: dict[str, list[tuple[str, str, str]]] = {}
+        for index, layer in box.layers.items():
+            if layer.sha256 and set(layer.sha256) != {"0"}:
+                out.setdefault(layer.file, []).append(
+                    (layer.sha256, f"the manifest's layers.{index}.sha256 in {box.manifest_file}",
+                     "exl3v1.sha256-mismatch"))
+        return out
+
+    def inspect_document(self, ckpt, layers: list[int] | None) -> dict[str, Any]:
+        from trellis_cli.dialects.exl3v1.inspect import exl3v1_document
+
+        return exl3v1_document(ckpt, layers)
 
     def vectors(self, ckpt, layer: int) -> Iterator[VectorRef]:
         """The hidden-side tables: one row per expert ([E, hidden]), or one vector for all of them ([hidden])."""

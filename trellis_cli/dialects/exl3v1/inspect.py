@@ -73,3 +73,40 @@ def exl3v1_rows(ckpt: Checkpoint, chosen: list[int]) -> list[dict[str, Any]]:
             "tensors": len(layer.tensors),
         })
     return rows
+
+
+def exl3v1_document(ckpt: Checkpoint, layers: list[int] | None) -> dict[str, Any]:
+    """The inspect document: the shared rows, runs and totals, plus the slot layout section and the bytes one
+    rank reads at each allowed TP per run."""
+    from trellis_cli.dialects.inspect_doc import collapse_runs, describe_source, totals
+    from trellis_cli.selection import require_present
+
+    chosen = list(ckpt.layers) if layers is None else require_present(layers, ckpt.layers)
+    whole = layers is None
+    rows = exl3v1_rows(ckpt, chosen)
+    every = rows if whole else exl3v1_rows(ckpt, list(ckpt.layers))  # totals cover the whole checkpoint
+    runs = collapse_runs(rows)
+    for run in runs:  # bytes per rank at each TP degree: the same across a run (same stride)
+        run["rank_bytes"] = next(r["rank_bytes"] for r in rows if r["layer"] == run["layers"][0])
+    return {"dialect": ckpt.dialect, "source": describe_source(ckpt),
+            "geometry": {"hidden": ckpt.hidden, "intermediate": ckpt.intermediate,
+                         "intermediate_per_rank": ckpt.intermediate, "experts": ckpt.num_experts, "tp": 1,
+                         "codebook": ckpt.codebook, "rotation_layout": ckpt.rotation_layout},
+            "declared": {}, "exl3v1": exl3v1_section(ckpt), "layers": rows, "runs": runs,
+            "totals": {**totals(ckpt, every), "tensors": sum(r["tensors"] for r in every),
+                       "tensor_bytes": sum(e.nbytes for h in ckpt.headers.values() for e in h.tensors.values())},
+            "parse_findings": [f.to_dict() for f in ckpt.parse_findings]}
+
+
+def codes_tables(ckpt: Checkpoint) -> dict[str, tuple[int, int]]:
+    """Layer file -> (where its codes table starts, the routed weights it encodes: E * 3 * H * I). The table
+    mixes K per expert, so `inspect --tensors` gives it a bpw (bytes over weights) and no K; BTX names it
+    `atoms`: the model knows it as codes."""
+    box = ckpt.declared.get("exl3v1")
+    m = box.manifest if box is not None else None
+    if m is None:
+        return {}
+    weights = m.num_experts * 3 * m.hidden * m.intermediate
+    if not weights:
+        return {}
+    return {layer.file: (ref.begin, weights) for layer in box.layers.values() if (ref := layer.ref(CODES)) is not None}

@@ -102,27 +102,3 @@ def tp_partitions(m: Manifest, tp: int) -> list[dict[str, Any]]:
     except Refused as e:
         fork |= {"layers": None, "refused": str(e), "same_as_b12x": []}
     return [b12x, fork]
-
-
-def partition_lines(parts: list[dict[str, Any]], tp: int) -> list[str]:
-    """The human view of `tp_partitions`."""
-    from trellis_cli.id_ranges import compact_ranges
-
-    lines = []
-    for part in parts:
-        head = f"TP {tp} extents by {part['planner']} ({part['version']})"
-        if part["refused"]:
-            lines.append(f"{head}: refused: {part['refused']}")
-        elif not part["per_layer"]:
-            lines.append(f"{head}, every layer: " + _shown(part["extents"]))
-        else:
-            layers = part["layers"]
-            first = next(iter(layers))
-            agree = compact_ranges(part["same_as_b12x"]) if part["same_as_b12x"] else "none"
-            lines.append(f"{head}, rotating per layer: layer {first} " + _shown(layers[first])
-                         + f"; layers where it equals b12x's: {agree}")
-    return lines
-
-
-def _shown(extents: list[list[int]]) -> str:
-    return " ".join(f"r{r}=[{a},{a + n})" for r, (a, n) in enumerate(extents))

@@ -141,3 +141,4 @@ def summary(spec: SynthSpec, out: str | Path) -> dict:
             "per_expert_input_rotations": m.per_expert_input_rotations, "mean_bpw": spec.mean_bpw(),
             "partitions": partitions, "tensor_bytes": checkpoint_bytes(spec), "sparse": spec.sparse,
             "seed": spec.seed, "files": sorted(p.name for p in Path(out).iterdir())}
+write_checkpoint = write_exl3v1_checkpoint  # the name trellis synth calls (Dialect.synth)

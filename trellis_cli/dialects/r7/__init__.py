@@ -6,6 +6,8 @@ every linear (docs/checkpoint-dialects.md).
 
 from __future__ import annotations
 
+from typing import Any
+
 from trellis_cli.checkpoint.model import DIALECT_R7
 from trellis_cli.dialects.detect import r7_info
 from trellis_cli.dialects.interface import (EXLLAMAV3, VLLM, VLLM_R7, CheckRequest, Dialect, DialectInfo, Probe,
@@ -16,7 +18,8 @@ class R7Dialect(Dialect):
     name = DIALECT_R7
     described_as = "an R7 (r7_routed_experts)"
     shard_rules = True
-    r7_maps = True
+    streamed_k_maps = True  # r7_routed_experts: the R7 version's per-projection K maps
+    tp_from_rank_ids = True
     default_engine = "vllm-exl3-r7"  # the fork's R7 loader version (validate/engine_r7.py)
     read_by = frozenset({EXLLAMAV3, VLLM_R7})
     container_notes = {VLLM: "r7_routed_experts is not a contract this version reads (it knows hybrid_tr3_tail "
@@ -25,6 +28,11 @@ class R7Dialect(Dialect):
     def detect(self, probe: Probe) -> DialectInfo | None:
         return r7_info(probe)
 
+    def declarations(self, ckpt, info: DialectInfo, read_json, files: dict[str, int]) -> Any | None:
+        """Its per-layer bit maps (r7_routed_experts)."""
+        from trellis_cli.checkpoint import declared as decl
+
+        return decl.r7_declared(info.declared["r7_routed_experts"], read_json, files)
 
     def shard_layout(self, ckpt, layer) -> ShardLayout:
         return ShardLayout(r7_shared=bool(layer.r7_shared), k_declared_by="the R7 bit map")

@@ -8,9 +8,14 @@ and its verdicts (no profiled loader reads it; `repack --to tr3` rebuilds the se
 
 from __future__ import annotations
 
+from typing import Any
+
 from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H
 from trellis_cli.dialects.detect import route_pack_info
-from trellis_cli.dialects.interface import VLLM, CheckRequest, Dialect, DialectInfo, Probe
+from trellis_cli.dialects.interface import (CONFIG, QUANT_CONFIG, VLLM, CheckRequest, Dialect, DialectInfo, Probe,
+                                           read_json_or_none)
+
+MANIFEST_ROTATIONS = {"per_expert": "per_expert_v1", "shared_h": "shared_h_v1"}  # the manifest's word -> the model's
 
 # What a route pack is for, said wherever one is made or read (repack --help, validate, inspect).
 PURPOSE = ("a route pack is the bundled fused kernel's own layout, for `trellis bench` and kernel work: no serving "
@@ -35,6 +40,62 @@ class RoutePackDialect(Dialect):
 
     def detect(self, probe: Probe) -> DialectInfo | None:
         return route_pack_info(probe.files, probe.read_json)
+
+    def compared_layers(self, ckpt) -> list[int]:
+        from trellis_cli.dialects.routepack.units import manifest_layers
+
+        return manifest_layers(ckpt)
+
+    def layer_units(self, ckpt, layer: int, tp: int) -> dict:
+        from trellis_cli.dialects.routepack.units import layer_units
+
+        return layer_units(ckpt, layer, tp)
+
+    def other_units(self, ckpt) -> dict:
+        from trellis_cli.dialects.routepack.units import other_units
+
+        return other_units(ckpt)
+
+    def loose_tensors(self, ckpt) -> list:
+        from trellis_cli.dialects.routepack.units import loose_tensors
+
+        return loose_tensors(ckpt)
+
+    def layer_files(self, ckpt) -> dict[str, int]:
+        from trellis_cli.dialects.routepack.inspect import layer_files
+
+        return layer_files(ckpt)
+
+    def model_facts(self, ckpt) -> dict[str, Any]:
+        """Its geometry and rotation layout from the manifest (the model leaves them to the verifier)."""
+        manifest = ckpt.declared.get("manifest")
+        if not isinstance(manifest, dict):
+            return {}
+        geometry = manifest.get("geometry") if isinstance(manifest.get("geometry"), dict) else {}
+        return dict(hidden=geometry.get("hidden"), intermediate=geometry.get("intermediate"),
+                    num_experts=geometry.get("num_experts"),
+                    rotation_layout=MANIFEST_ROTATIONS.get(manifest.get("rotation"), ckpt.rotation_layout))
+
+    def declaration_documents(self, ckpt) -> dict[str, Any]:
+        """config.json (carried beside the layer files when the model did not read it) and manifest.json."""
+        docs: dict[str, Any] = {}
+        config = ckpt.config or read_json_or_none(ckpt, CONFIG)
+        if config:
+            docs[CONFIG] = config
+        if ckpt.quant_config:
+            docs[QUANT_CONFIG] = ckpt.quant_config
+        if isinstance(ckpt.declared.get("manifest"), dict):
+            docs["manifest.json"] = ckpt.declared["manifest"]
+        return docs
+
+    def weights_refusal(self, ckpt) -> str | None:
+        return ("a route pack is the kernel's layout of one checkpoint's experts only: run fit on the checkpoint it "
+                "was made from")
+
+    def inspect_document(self, ckpt, layers: list[int] | None) -> dict[str, Any]:
+        from trellis_cli.dialects.routepack.inspect import route_pack_document
+
+        return route_pack_document(ckpt, layers)
 
     def declared_layers(self, ckpt) -> list[int]:
         from trellis_cli.routepack.manifest import declared_layers

@@ -5,6 +5,8 @@ check them; repack writes them from a route pack, an exl3-v1 or another TR3 (doc
 
 from __future__ import annotations
 
+from typing import Any
+
 from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H
 from trellis_cli.dialects.detect import tr3_info
 from trellis_cli.dialects.glm53.contract import DIALECT_GLM53
@@ -18,8 +20,8 @@ NEWEST_RANK_SLICED = "vllm-exl3-shared-h"
 class Tr3Dialect(Dialect):
     target = "tr3"
     shard_rules = True
-    hybrid_tr3_tail = True
     writer = "trellis_cli.dialects.tr3.write"
+    declared_opening = True  # TP, layout and K per expert are all in config.json and its bitmaps
     default_engine = NEWEST_RANK_SLICED
     read_by = frozenset({VLLM, VLLM_R7})
 
@@ -37,6 +39,31 @@ class Tr3Dialect(Dialect):
 
     def shard_layout(self, ckpt, layer) -> ShardLayout:
         return ShardLayout(rank_sliced=True, shared_h=self.shared_h)
+
+    def declarations(self, ckpt, info: DialectInfo, read_json, files: dict[str, int]) -> Any | None:
+        """The contract's K per expert (bits, trellis_bits_by_layer or the tier bitmaps it names); every layer
+        of moe_layers is a MoE layer, present or not."""
+        from trellis_cli.checkpoint import declared as decl
+        from trellis_cli.checkpoint.model import MoeLayer
+
+        hybrid = info.declared.get("hybrid_tr3_tail")
+        if hybrid is None:
+            return None
+        found = decl.tr3_declared(hybrid, read_json, files, ckpt.count_limit)
+        for layer in decl.layer_range(hybrid.get("moe_layers"), ckpt.count_limit):
+            ckpt.layers.setdefault(layer, MoeLayer(layer))
+        return found
+
+    def rank_sliced_contract(self, ckpt) -> dict[str, Any] | None:
+        """config.json's hybrid_tr3_tail (detection took the checkpoint for TR3 only when it is an object)."""
+        hybrid = ckpt.declared.get("hybrid_tr3_tail")
+        return hybrid if isinstance(hybrid, dict) else None
+
+    def bit_map_problems(self, ckpt) -> list[tuple[str, Any, Any]]:
+        from trellis_cli.dialects.tr3.rules import bits_map_problems
+
+        hybrid = self.rank_sliced_contract(ckpt)
+        return list(bits_map_problems(hybrid, ckpt.count_limit)) if hybrid is not None else []
 
     def check(self, ckpt, request: CheckRequest, report) -> None:
         """The hybrid_tr3_tail contract and its bitmaps (rules.py); the shard rules run besides."""

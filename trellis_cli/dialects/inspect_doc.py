@@ -1,0 +1,183 @@
+"""The inspect document of a checkpoint stored as per-linear safetensors shards (the `Dialect` default), and the
+parts every dialect's inspect document shares: a layer's summary row, runs of identical layers collapsed for
+reading, whole-checkpoint totals and the source's description.
+
+Built from the checkpoint model only (headers and JSON), so it works header-only on a remote checkpoint.
+Plain data out; inspect_report renders it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from trellis_cli.checkpoint.model import Checkpoint, MoeLayer
+from trellis_cli.id_ranges import compact_ranges
+
+
+def shard_document(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str, Any]:
+    """The inspect document of per-linear shards: a summary row per chosen MoE layer, runs, totals."""
+    from trellis_cli.selection import require_present
+
+    chosen = list(ckpt.layers) if layers is None else require_present(layers, ckpt.layers)
+    rows = [layer_summary(ckpt, ckpt.layers[li]) for li in chosen]
+    # Totals describe the whole checkpoint, whatever --layers shows; the selection gets its own.
+    every = rows if layers is None else [layer_summary(ckpt, moe) for moe in ckpt.layers.values()]
+    document = {
+        "dialect": ckpt.dialect,
+        "source": describe_source(ckpt),
+        "geometry": {"hidden": ckpt.hidden, "intermediate": ckpt.intermediate,
+                     "intermediate_per_rank": ckpt.intermediate_per_rank, "experts": ckpt.num_experts, "tp": ckpt.tp,
+                     "codebook": ckpt.codebook, "rotation_layout": ckpt.rotation_layout},
+        "declared": _declared_keys(ckpt),
+        "layers": rows,
+        "runs": collapse_runs(rows),
+        "totals": totals(ckpt, every),
+        "parse_findings": [f.to_dict() for f in ckpt.parse_findings],
+    }
+    if layers is not None:
+        document["selection"] = {"layers": compact_ranges(chosen),
+                                 "routed_bytes_per_rank": sum(r["bytes_per_rank"] for r in rows),
+                                 "routed_trellis_bytes_per_rank": sum(r["trellis_bytes_per_rank"] for r in rows)}
+    return document
+
+
+def describe_source(ckpt: Checkpoint) -> dict[str, Any]:
+    describe = getattr(ckpt.source, "describe", None)
+    info = describe() if describe else {"path": str(ckpt.source)}
+    info.setdefault("revision", getattr(ckpt.source, "revision", None))
+    return info
+
+
+def _declared_keys(ckpt: Checkpoint) -> dict[str, Any]:
+    hybrid = ckpt.declared.get("hybrid_tr3_tail") or {}
+    keys = ("format", "bits", "k_values", "bits_per_expert", "codebook", "experts_per_layer", "moe_layers", "tp",
+            "rotation_layout")
+    out = {k: hybrid[k] for k in keys if k in hybrid}
+    q = ckpt.config.get("quantization_config")
+    if isinstance(q, dict):
+        out["quant_method"] = q.get("quant_method")
+        if q.get("scope") is not None:  # a scope (GLM-5.3's unsliced stream) declares its one K there
+            out["scope"] = q["scope"]
+            out.setdefault("bits", q.get("bits"))
+    sources = sorted(set((ckpt.declared.get("k_source") or {}).values()))
+    if sources:
+        out["k_source"] = sources
+    return out
+
+
+def layer_summary(ckpt: Checkpoint, layer: MoeLayer) -> dict[str, Any]:
+    tiers = layer.partition()
+    n_experts = sum(len(ids) for ids in tiers.values())
+    rank_bytes: Counter[int] = Counter()
+    trellis_bytes: Counter[int] = Counter()
+    tensors = 0
+    proj_k: Counter[int] = Counter()
+    for projs in layer.experts.values():
+        for by_rank in projs.values():
+            ks = {lin.k for lin in by_rank.values()}
+            if len(ks) == 1 and None not in ks:
+                proj_k[ks.pop()] += 1
+            for rank, lin in by_rank.items():
+                for ref in (lin.trellis, lin.suh, lin.svh, lin.su, lin.sv, lin.mcg, lin.mul1, *lin.extra):
+                    if ref is not None:
+                        rank_bytes[rank] += ref.nbytes
+                        tensors += 1
+                if lin.trellis is not None:
+                    trellis_bytes[rank] += lin.trellis.nbytes
+    for (_, rank), fields in layer.shared_h.items():
+        for ref in fields.values():
+            rank_bytes[rank] += ref.nbytes
+            tensors += 1
+    bpw = sum(k * n for k, n in proj_k.items()) / max(sum(proj_k.values()), 1)
+    per_projection = len({k for k in proj_k}) > len(tiers) or any(layer.expert_k(e) is None for e in layer.experts)
+    return {
+        "layer": layer.index,
+        "partition": "/".join(str(len(ids)) for ids in tiers.values()) if tiers else "-",
+        "k_values": list(tiers),
+        "experts": n_experts,
+        "bpw": round(bpw, 3),
+        "tiers": {f"K{k}": compact_ranges(ids) for k, ids in tiers.items()},
+        "projection_k": {f"K{k}": n for k, n in sorted(proj_k.items())} if per_projection else None,
+        "declared_projection_k": _declared_projection_counts(layer),
+        "bytes_per_rank": max(rank_bytes.values(), default=0),
+        "trellis_bytes_per_rank": max(trellis_bytes.values(), default=0),
+        "ranks": len(rank_bytes),
+        "rotation": "shared_h_v1" if layer.shared_h else ("r7_shared" if layer.r7_shared else "per_expert_v1"),
+        "shards": sorted(layer.files),
+        "tensors": tensors + len(layer.r7_shared) + len(layer.unparsed),
+    }
+
+
+def _declared_projection_counts(layer: MoeLayer) -> dict[str, int] | None:
+    """R7 and tensor_storage maps: how many (expert, projection) pairs are declared at each K."""
+    if not layer.declared_projection_k:
+        return None
+    counts = Counter(layer.declared_projection_k.values())
+    return {f"K{k}": n for k, n in sorted(counts.items(), key=lambda kv: str(kv[0]))}
+
+
+_RUN_KEYS = ("partition", "k_values", "bpw", "bytes_per_rank", "trellis_bytes_per_rank", "rotation", "tensors",
+             "projection_k", "declared_projection_k")
+
+
+def collapse_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive layers with the same partition, bpw, bytes, rotation and tensor count become one run."""
+    runs: list[dict[str, Any]] = []
+    for row in rows:
+        key = tuple(str(row[k]) for k in _RUN_KEYS)
+        if runs and runs[-1]["_key"] == key and runs[-1]["layers"][-1] == row["layer"] - 1:
+            runs[-1]["layers"].append(row["layer"])
+            runs[-1]["_tiers"].add(tuple(row["tiers"].items()))
+            runs[-1]["shards"].extend(s for s in row["shards"] if s not in runs[-1]["shards"])
+            continue
+        runs.append({"_key": key, "layers": [row["layer"]], "_tiers": {tuple(row["tiers"].items())},
+                     "shards": list(row["shards"]), **{k: row[k] for k in _RUN_KEYS}})
+    for run in runs:
+        run.pop("_key")
+        tier_sets = run.pop("_tiers")
+        run["tiers"] = dict(next(iter(tier_sets))) if len(tier_sets) == 1 else None  # None: membership varies
+        run["layer_range"] = compact_ranges(run["layers"])
+    return runs
+
+
+def _decoder_layers(ckpt: Checkpoint) -> int | None:
+    """config.json's num_hidden_layers: MoE layers from there on are MTP layers (None: not declared)."""
+    n = ckpt.config.get("num_hidden_layers") if isinstance(ckpt.config, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def totals(ckpt: Checkpoint, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    # "Routed experts per rank", one definition with `trellis fit`: the decoder's MoE layers, the MTP layer apart.
+    decoder = _decoder_layers(ckpt)
+    mtp_rank = sum(r["bytes_per_rank"] for r in rows if decoder is not None and r["layer"] >= decoder)
+    routed_rank = sum(r["bytes_per_rank"] for r in rows) - mtp_rank
+    expert_names = _expert_tensor_bytes(ckpt)
+    all_tensor_bytes = sum(ref.nbytes for ref in ckpt.tensors.values())
+    other = all_tensor_bytes - expert_names
+    return {
+        "layers": len(rows),
+        "routed_bytes_per_rank": routed_rank,
+        "mtp_routed_bytes_per_rank": mtp_rank,
+        "routed_trellis_bytes_per_rank": sum(r["trellis_bytes_per_rank"] for r in rows),
+        "checkpoint_bytes": sum(size for size in ckpt.files.values() if size > 0),
+        "tensor_bytes": all_tensor_bytes,
+        "non_routed_bytes": other,
+        # Estimate: non-routed tensors (attention, shared expert, embeddings) split evenly over the TP ranks.
+        "weights_per_rank_bytes": routed_rank + mtp_rank + other // max(ckpt.tp, 1),
+        "tensors": len(ckpt.tensors),
+        "files": len(ckpt.files),
+    }
+
+
+def _expert_tensor_bytes(ckpt: Checkpoint) -> int:
+    total = 0
+    for layer in ckpt.layers.values():
+        for projs in layer.experts.values():
+            for by_rank in projs.values():
+                for lin in by_rank.values():
+                    total += sum(ref.nbytes for ref in (lin.trellis, lin.suh, lin.svh, lin.su, lin.sv, lin.mcg,
+                                                        lin.mul1, *lin.extra) if ref is not None)
+        total += sum(ref.nbytes for f in layer.shared_h.values() for ref in f.values())
+        total += sum(ref.nbytes for ref in layer.r7_shared.values()) + sum(ref.nbytes for ref in layer.unparsed)
+    return total
