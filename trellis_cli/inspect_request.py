@@ -142,7 +142,7 @@ def serve_tp_view(checkpoint: Any, layers: list[int] | None, tp: int) -> dict[st
     from trellis_cli.validate.engines import tp_verdicts
 
     chosen = list(checkpoint.layers) if layers is None else layers
-    if dialect_of(checkpoint).inspect_view == "shards":  # per-linear tensors in shards: what inspect_tp reads
+    if not dialect_of(checkpoint).layer_files(checkpoint):  # every tensor name says its layer: what inspect_tp reads
         view = tp_view(checkpoint, chosen, tp)
     else:
         view = {"tp": tp, "layers": [], "routed_bytes_per_rank": None,

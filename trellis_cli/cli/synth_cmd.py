@@ -218,10 +218,11 @@ def register(app: typer.Typer) -> None:
 
 
 def _write_glm53(out: Path, preset: str, refused: list[str], changes: dict, overwrite: bool, as_json: bool) -> None:
-    from trellis_cli.dialects.glm53 import synth as synth_glm53
+    from trellis_cli.dialects.registry import synth_module
     from trellis_cli.inspect_report import human_bytes
     from trellis_cli.synth import check_target
 
+    synth_glm53 = synth_module("glm53-stream")
     if refused:
         raise UsageError(f"synth --preset {preset}: {', '.join(refused)} do not apply (the GLM-5.3 stream is "
                          "unsliced, mcg, with MoE layers from first_k_dense_replace on; --uniform K sets its bits)")

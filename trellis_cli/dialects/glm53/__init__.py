@@ -19,6 +19,7 @@ from trellis_cli.dialects.interface import VLLM, VLLM_R7, CheckRequest, Dialect,
 class Glm53StreamDialect(Dialect):
     name = DIALECT_GLM53
     target = "glm53-stream"
+    synth = "trellis_cli.dialects.glm53.synth"
     described_as = "a GLM-5.3 unsliced-stream (glm53_routed_experts_only)"
     default_engine = "vllm-exl3-r7"  # the fork's loader version that recognizes the scope
     read_by = frozenset({VLLM_R7})

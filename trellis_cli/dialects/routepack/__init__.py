@@ -95,7 +95,7 @@ class RoutePackDialect(Dialect):
     def inspect_document(self, ckpt, layers: list[int] | None) -> dict[str, Any]:
         from trellis_cli.dialects.routepack.inspect import route_pack_document
 
-        return route_pack_document(ckpt, layers)
+        return {**route_pack_document(ckpt, layers), "purpose": PURPOSE}
 
     def declared_layers(self, ckpt) -> list[int]:
         from trellis_cli.routepack.manifest import declared_layers

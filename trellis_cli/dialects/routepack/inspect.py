@@ -21,9 +21,7 @@ def route_pack_document(ckpt: Checkpoint, layers: list[int] | None) -> dict[str,
 
         require_present(layers, [row["layer"] for row in pack.get("layers", [])])
         pack["layers"] = [row for row in pack.get("layers", []) if row["layer"] in layers]
-    from trellis_cli.dialects.routepack import PURPOSE
-
-    return {"dialect": ckpt.dialect, "source": describe_source(ckpt), "route_pack": pack, "purpose": PURPOSE}
+    return {"dialect": ckpt.dialect, "source": describe_source(ckpt), "route_pack": pack}
 
 
 def _as_tr3_terms(pack: dict[str, Any]) -> dict[str, Any]:
