@@ -83,6 +83,8 @@ def main() -> int:
         shutil.rmtree(work)
     work.mkdir(parents=True)
     made = sources(new, work)
+    for side in ("old", "new"):
+        (work / side).mkdir()
     compared = 0
     for name, src, args in RUNS:
         source = made[src] if src in made else work / "old" / src
