@@ -157,9 +157,9 @@ def test_other_targets_name_the_conversion_without_parsing_a_header(capsys, sour
 
 
 def test_a_real_run_is_refused_for_space_before_any_header_is_parsed(capsys, sources, tmp_path, monkeypatch):
-    from trellis_cli.repack import preflight
+    from trellis_cli.repack import staged_run
 
-    monkeypatch.setattr(preflight, "free_bytes", lambda _out: 1000)
+    monkeypatch.setattr(staged_run, "free_bytes", lambda _out: 1000)
     monkeypatch.setattr(header, "parse_header", lambda *_a, **_k: pytest.fail("a header was parsed"))
     code, stdout, err = run_cli(capsys, "repack", str(sources["mixed"]), str(tmp_path / "pack"))
     assert code == 1 and stdout == ""
