@@ -31,7 +31,8 @@ def tree(root: Path) -> dict[str, str]:
 def repack(checkout: Path, source: Path, out: Path, *args: str) -> tuple[int, str]:
     """The exit status and, for a refusal, its error line with OUT's side folder named `SIDE`."""
     env = dict(os.environ, PYTHONPATH=str(checkout))
-    done = subprocess.run([sys.executable, "-m", "trellis_cli", "repack", str(source), str(out), *args],
+    # --jobs 1: with several workers, which of two bad layers is refused first is a race.
+    done = subprocess.run([sys.executable, "-m", "trellis_cli", "repack", str(source), str(out), *args, "--jobs", "1"],
                           cwd=checkout, env=env, capture_output=True, text=True)
     error = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     return done.returncode, (error[-1] if error else "").replace(str(out.parent), "SIDE")

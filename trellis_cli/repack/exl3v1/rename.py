@@ -46,10 +46,11 @@ class Rename(Driver):
         refuse_collisions([(manifest_name, f"the {target} manifest")]
                           + [(name, f"the {target} file of layer {li}") for li, name in self.outputs.items()]
                           + [(name, f"source file {name}") for name in self.copies], [])
-        files: list[dict[str, Any]] = [{"name": name, "bytes": ck.files.get(box.layers[li].file, 0)}
+        # A renamed layer file: its source file's size, give or take the header's longer or shorter names.
+        files: list[dict[str, Any]] = [{"name": name, "bytes_planned": ck.files.get(box.layers[li].file, 0)}
                                        for li, name in self.outputs.items()]
         files += [{"name": n, "bytes": ck.files.get(n, 0)} for n in self.copies] + [{"name": manifest_name}]
-        total = sum(f.get("bytes", 0) for f in files)
+        total = sum(f.get("bytes", f.get("bytes_planned", 0)) for f in files)
         return OutputPlan(conversion=f"{ck.dialect} -> {target}", out=self.out, protected=protected_paths(ck),
                           fingerprint={"source": ck.source.describe(), "to": target, "layers": layers},
                           files=files, bytes_needed=total, progress_total=total, selection={"layers": layers},
