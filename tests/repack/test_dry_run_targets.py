@@ -150,3 +150,10 @@ def test_a_real_run_writes_by_the_plan_of_its_driver(sources, tmp_path):
     finally:
         staged_run.Driver.planned = original  # type: ignore[method-assign]
     assert len({id(d) for d in plans}) == 1
+
+
+def test_every_row_of_the_conversion_table_has_a_driver_and_every_driver_a_row():
+    from trellis_cli.dialects import registry
+    from trellis_cli.repack.drivers import DRIVERS
+
+    assert {row.driver for row in registry.conversions()} == set(DRIVERS)
