@@ -1,4 +1,5 @@
-"""`trellis repack SOURCE OUT`: TR3 -> route pack (or back with --to tr3), streamed, verified, resumable."""
+"""`trellis repack SOURCE OUT`: any conversion of the dialect registry's table (TR3 -> route pack by default; --to
+tr3, exl3-v1, btx), streamed, verified, resumable; or its dry run (the conversion's plan, nothing written)."""
 
 from __future__ import annotations
 

@@ -69,4 +69,11 @@ def driver_for(source_dialect: str, source: Any, out: Path, options: Any, valida
     return DRIVERS[row.driver](source, out, options, validator)
 
 
-__all__ = ["DRIVERS", "conversion_of", "driver_for"]
+def route_pack_driver(root: Path, out: Path, options: Any, validator: Validator) -> Driver:
+    """The driver for a local route pack's directory (read by its driver, not opened as a checkpoint)."""
+    from trellis_cli.dialects.routepack import DIALECT as ROUTE_PACK
+
+    return driver_for(ROUTE_PACK.name, root, out, options, validator)
+
+
+__all__ = ["DRIVERS", "conversion_of", "driver_for", "route_pack_driver"]

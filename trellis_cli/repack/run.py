@@ -84,9 +84,9 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
     if root is not None and is_route_pack(root):
         if options.to != "tr3":
             raise UsageError(f"{root} is already a route pack; pass --to tr3 to convert it back to TR3")
-        from trellis_cli.checkpoint.model import DIALECT_REPACKED
+        from trellis_cli.repack.drivers import route_pack_driver
 
-        make: Callable[[], Driver] = lambda: driver_for(DIALECT_REPACKED, root, out, options, validator)
+        make: Callable[[], Driver] = lambda: route_pack_driver(root, out, options, validator)
     else:
         checkpoint = source if isinstance(source, Checkpoint) else open_repack_source(source, on_stage)
         opened = checkpoint
