@@ -157,3 +157,18 @@ def test_every_row_of_the_conversion_table_has_a_driver_and_every_driver_a_row()
     from trellis_cli.repack.drivers import DRIVERS
 
     assert {row.driver for row in registry.conversions()} == set(DRIVERS)
+
+
+@pytest.mark.slow
+def test_the_re_slice_fit_recommends_is_planned_at_production_size(capsys, glm52_tp4_sparse, tmp_path, monkeypatch):
+    """`repack --to tr3 --tp 8 --dry-run` on the production shape: ~300 GB planned; 59 GB free is refused."""
+    from trellis_cli.repack import staged_run
+
+    monkeypatch.setattr(staged_run, "free_bytes", lambda _out: 59 * 10**9)
+    args = ("repack", str(glm52_tp4_sparse), str(tmp_path / "out"), "--to", "tr3", "--tp", "8", "--dry-run")
+    code, stdout, err = run_cli(capsys, *args, "--json")
+    plan = json.loads(stdout)
+    assert code == 1 and plan["tp"] == 8 and plan["space_ok"] is False
+    assert plan["bytes_needed"] > 290e9 and len(plan["files"]) == 76 + 5
+    assert "59.00 GB free on its filesystem, the repack needs" in err
+    assert list(tmp_path.iterdir()) == []
