@@ -28,15 +28,17 @@ class Tr3Driver(Driver):
         output.refuse_unrepresentable()
         output.narrow_declarations()
         refuse_collisions(output.claims(), output.all_shards())
+        # Every byte of the output (Tr3Output.bytes_to_write, file by file): shards with their headers, copied
+        # and rewritten files; config.json, the index and MANIFEST.sha256 are small and written last.
         files: list[dict[str, Any]] = [
             {"name": s, "bytes": carry.file_bytes(output.shard_tensors(s), output.metadata.get(s, DEFAULT_METADATA))}
             for s in output.all_shards()]
         files += [{"name": n, "bytes": path.stat().st_size} for n, path in output.copied.items()]
         files += [{"name": n, "bytes": len(text.encode())} for n, text in output.rewritten.items()]
-        files += [{"name": CONFIG}, {"name": INDEX_NAME}, {"name": CHECKSUM_MANIFEST}]  # small, written last
+        needed = sum(f["bytes"] for f in files)
+        files += [{"name": CONFIG}, {"name": INDEX_NAME}, {"name": CHECKSUM_MANIFEST}]
         root = output.source_root
         protected = [] if root is None else [root] if isinstance(root, Path) else list(root)
-        needed = output.bytes_to_write()
         tps = sorted({spec.tp for spec in output.specs.values()})
         return OutputPlan(conversion=self.conversion, out=self.out, protected=protected,
                           fingerprint=output.fingerprint, files=files, bytes_needed=needed, progress_total=needed,
