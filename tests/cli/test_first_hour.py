@@ -145,9 +145,9 @@ def test_dry_run_writes_nothing_and_matches_a_real_run(capsys, tiny, tmp_path):
 
 
 def test_dry_run_reports_the_space_refusal(capsys, tiny, tmp_path, monkeypatch):
-    from trellis_cli.repack import preflight
+    from trellis_cli.repack import staged_run
 
-    monkeypatch.setattr(preflight, "free_bytes", lambda _out: 1000)  # a nearly full filesystem
+    monkeypatch.setattr(staged_run, "free_bytes", lambda _out: 1000)  # a nearly full filesystem
     code, stdout, err = run_cli(capsys, "repack", str(tiny), str(tmp_path / "pack"), "--dry-run")
     assert code == 1 and "(NOT enough)" in stdout
     assert "error: dry run: a real run would be refused:" in err and "0.00 GB free" in err
@@ -171,9 +171,9 @@ def test_space_and_out_are_refused_before_the_source_is_validated(tiny, tmp_path
         repack_run.run_repack(tiny, tmp_path / "full", validator=validator)
     with pytest.raises(UsageError, match="--ranks"):
         repack_run.run_repack(tiny, tmp_path / "pack", repack_run.RepackOptions(ranks="7"), validator=validator)
-    from trellis_cli.repack import preflight
+    from trellis_cli.repack import staged_run
 
-    monkeypatch.setattr(preflight, "free_bytes", lambda _out: 1000)
+    monkeypatch.setattr(staged_run, "free_bytes", lambda _out: 1000)
     with pytest.raises(CheckFailed, match="GB free on its filesystem"):
         repack_run.run_repack(tiny, tmp_path / "pack", validator=validator)
     assert validated == [] and not (tmp_path / "pack").exists()
@@ -285,12 +285,12 @@ def test_long_phases_show_their_stage_and_count(capsys, many, tmp_path, terminal
 
 def test_to_exl3v1_refuses_space_before_validating(tmp_path, monkeypatch):
     from trellis_cli.errors import CheckFailed
-    from trellis_cli.repack import staging
+    from trellis_cli.repack import staged_run
     from trellis_cli.repack.run import RepackOptions, run_repack
 
     source = tiny_checkpoint(tmp_path, tp=1, intermediate=1024)
     validated = []
-    monkeypatch.setattr(staging, "free_bytes", lambda _out: 1000)
+    monkeypatch.setattr(staged_run, "free_bytes", lambda _out: 1000)
     with pytest.raises(CheckFailed, match="GB free on its filesystem"):
         run_repack(source, tmp_path / "v1", RepackOptions(to="exl3-v1"), validator=validated.append)
     assert validated == [] and not (tmp_path / "v1").exists()

@@ -1,4 +1,5 @@
-"""`trellis repack SOURCE OUT`: TR3 -> route pack (or back with --to tr3), streamed, verified, resumable."""
+"""`trellis repack SOURCE OUT`: any conversion of the dialect registry's table (TR3 -> route pack by default; --to
+tr3, exl3-v1, btx), streamed, verified, resumable; or its dry run (the conversion's plan, nothing written)."""
 
 from __future__ import annotations
 
@@ -159,18 +160,14 @@ def _print_plan(plan: dict, as_json: bool) -> None:
     if as_json:
         output.emit_json({"dry_run": True, **plan})
     else:
-        files = plan["files"]
-        needed = plan["bytes_needed"]
+        files, needed = plan["files"], plan["bytes_needed"]
         output.print_line(f"dry run: {plan['conversion']} into {plan['out']}; nothing written")
-        if files is not None:
-            output.print_line(f"  files     {len(files)} ({sum(1 for f in files if f['name'].startswith('layer-'))} "
-                              f"layer file(s))")
-        output.print_line("  bytes     " + ("known once the conversion plans" if needed is None else
-                                            f"{needed / 1e9:.2f} GB to hold, {plan['bytes_resumable'] / 1e9:.2f} GB "
-                                            f"of it already staged"))
+        layer_files = sum(1 for f in files if f["name"].startswith("layer-"))
+        output.print_line(f"  files     {len(files)}" + (f" ({layer_files} layer file(s))" if layer_files else ""))
+        output.print_line(f"  bytes     {needed / 1e9:.2f} GB to hold, {plan['bytes_resumable'] / 1e9:.2f} GB of it "
+                          f"already staged")
         output.print_line(f"  free      {plan['free_bytes'] / 1e9:.2f} GB on OUT's filesystem"
-                          + ("" if plan["space_ok"] is None else (" (enough)" if plan["space_ok"] else
-                                                                   " (NOT enough)")))
+                          + (" (enough)" if plan["space_ok"] else " (NOT enough)"))
         for note in plan["notes"]:
             output.print_line(f"  note      {note}")
     if plan["refusals"]:

@@ -2,7 +2,7 @@
 
 A TR3 shard holds every rank of its layers. The TR3 writer (dialects/tr3/write.py) decides which layers and
 non-expert tensors go where and writes each shard rank by rank from one LayerPack at a time (dialects/tr3/
-shard.py); tr3_output.py stages the run. After each shard is written it is read back and compared bit for bit
+shard.py); tr3_output.py is the driver the staged run (staged_run.py) runs. After each shard is written it is read back and compared bit for bit
 with the packs and the source tensors it came from; nothing is ever
 rounded, so a conversion either is exact or is refused.
 """
@@ -25,7 +25,7 @@ from trellis_cli.routepack.plan import parse_selection, rank_pieces, resolve_tar
 from trellis_cli.repack.source_facts import CONFIG, NOT_COPIED, SourceHashes, has_experts, protected_paths, vector_ndim
 from trellis_cli.dialects.tr3.shard import Tr3Layer
 from trellis_cli.dialects.tr3.write import Tr3Output, assign_shards, restored_config
-from trellis_cli.repack.tr3_output import Tr3Run, fingerprint_options
+from trellis_cli.repack.tr3_output import Tr3Driver, fingerprint_options
 from trellis_cli.routepack import manifest as mf
 from trellis_cli.repack.result import check_output
 from trellis_cli.sources import LocalSource
@@ -33,7 +33,7 @@ from trellis_cli.sources import LocalSource
 
 # ---- the two drivers ------------------------------------------------------------------------------------
 
-def route_pack_to_tr3(root: Path, out: Path, options, *, on_bytes=None, on_total=None, log=None, validator=None):
+def route_pack_to_tr3(root: Path, out: Path, options, validator=None) -> Tr3Driver:
     """A route-pack directory -> the TR3 layout (config, bitmap and other files restored, shards rebuilt)."""
     from trellis_cli.dialects.routepack.verify import verify_repacked
 
@@ -42,8 +42,9 @@ def route_pack_to_tr3(root: Path, out: Path, options, *, on_bytes=None, on_total
     if options.tp is not None or options.ranks is not None:
         raise UsageError("--tp and --ranks apply when reading a TR3 checkpoint; repack the TR3 source instead")
     # Verification also checks every key and name of the manifest, so what follows can index it freely and
-    # every name it joins onto OUT stays inside OUT. It hashes every file: the manifest's hashes hold below.
-    report = verify_repacked(root)
+    # every name it joins onto OUT stays inside OUT. A real run hashes every file: the manifest's hashes hold
+    # below (a dry run checks the structure and sizes only).
+    report = verify_repacked(root, check_hashes=not options.dry_run)
     if not report.ok:
         raise CheckFailed(f"{root}: the route pack does not verify: {report.errors[0].line()}")
     doc, _ = mf.read_manifest(root)
@@ -80,10 +81,12 @@ def route_pack_to_tr3(root: Path, out: Path, options, *, on_bytes=None, on_total
     out_plan.check_copy = lambda name, copy: _check_copy(name, copy, files[name]["sha256"])
     if validator is not None:
         out_plan.final_check = lambda tree: check_output(tree, validator, "TR3")
-    return Tr3Run(out, options, out_plan, on_bytes, on_total, log).run()
+    notes = ("the route pack's files were not hashed (dry run): a real run checks them against its manifest "
+             "first",)
+    return Tr3Driver("route-pack -> tr3", out, out_plan, notes if options.dry_run else ())
 
 
-def tr3_to_tr3(checkpoint: Checkpoint, out: Path, options, *, on_bytes=None, on_total=None, log=None):
+def tr3_to_tr3(checkpoint: Checkpoint, out: Path, options, validator=None) -> Tr3Driver:
     """TR3 -> TR3 with --tp re-slicing and/or --shared-h, through in-memory packs (exact or refused)."""
 
     if options.ranks is not None:
@@ -116,7 +119,7 @@ def tr3_to_tr3(checkpoint: Checkpoint, out: Path, options, *, on_bytes=None, on_
     out_plan.check_copy = hashes.check_copy
     layer_files = {layer: sorted(checkpoint.layers[layer].files) for layer in layers}
     out_plan.sources = lambda shard: hashes.of(_made_from(out_plan, shard, layer_files, {n: n for n in carried}))
-    return Tr3Run(out, options, out_plan, on_bytes, on_total, log).run()
+    return Tr3Driver(f"{checkpoint.dialect} -> tr3", out, out_plan)
 
 
 def _check_copy(name: str, copy: Path, expected: str) -> None:

@@ -1,6 +1,7 @@
 """The GLM-5.3 unsliced stream and TR3, both ways: `repack STREAM --to tr3 [--tp N]` and
 `repack TR3 --to glm53-stream`. Exact or refused; what each side holds is the glm53 dialect's writer
-(dialects/glm53/write.py), the staging (lock, OUT.partial, free space, the move into place) is repack's.
+(dialects/glm53/write.py), the staging (lock, OUT.partial, free space, the move into place) is the staged run's (staged_run.py): these
+are its two drivers, `stream_to_tr3` (the TR3 driver over the stream) and `Tr3ToStream`.
 
 To TR3 the stream's full-width experts are cut into rank slices by the same packer every TR3 re-slice uses
 (`pack_layer` at the target TP), written by the TR3 writer and read back against those packs; any TP whose
@@ -11,7 +12,6 @@ exl3-v1 is made from that TR3 (`repack TR3 --to route-pack | exl3-v1`), each con
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 from trellis_cli.checkpoint.model import Checkpoint
@@ -24,29 +24,22 @@ from trellis_cli.dialects.tr3.shard import Tr3Layer
 from trellis_cli.dialects.tr3.write import Tr3Output, assign_shards
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.integrity import CHECKSUM_MANIFEST
-from trellis_cli.repack.lock import StageLock
-from trellis_cli.repack.result import RepackResult, Validator, check_output, check_source
+from trellis_cli.repack.result import RepackResult, Validator, check_output
 from trellis_cli.repack.source_facts import SourceHashes, protected_paths
-from trellis_cli.repack.staging import Stage, announce, check_free_space, check_target, refuse_collisions, \
-    refuse_overlap, stage_path
-from trellis_cli.repack.tr3_output import Tr3Run, fingerprint_options
+from trellis_cli.repack.staging import Stage, refuse_collisions
+from trellis_cli.repack.staged_run import NOT_VALIDATED, Driver, OutputPlan, Progress
+from trellis_cli.repack.tr3_output import Tr3Driver, fingerprint_options
 from trellis_cli.routepack import carry
 from trellis_cli.routepack.pack import pack_layer
 from trellis_cli.routepack.plan import parse_selection
 
-DRIVERS = ("glm53-stream-to-tr3", "tr3-to-glm53-stream")
 INDEX = "model.safetensors.index.json"
 
 
-def run_glm53_repack(driver: str, ck: Checkpoint, out: Path, options, validator: Validator, **progress):
+def _refuse_options(options) -> None:
     if options.ranks is not None or options.shared_h:
         raise UsageError("--ranks and --shared-h do not apply between a GLM-5.3 stream and TR3 (a TR3 shard holds "
                          "every rank; the stream's hidden-side vectors are per expert)")
-    if options.validate:
-        check_source(ck, validator)
-    if driver == "glm53-stream-to-tr3":
-        return stream_to_tr3(ck, out, options, validator, **progress)
-    return tr3_to_stream(ck, out, options, validator, **progress)
 
 
 def target_tp(ck: Checkpoint, tp: int | None) -> int:
@@ -61,8 +54,9 @@ def target_tp(ck: Checkpoint, tp: int | None) -> int:
     return tp
 
 
-def stream_to_tr3(ck: Checkpoint, out: Path, options, validator: Validator, *, on_bytes=None, on_total=None,
-                  log=None):
+def stream_to_tr3(ck: Checkpoint, out: Path, options, validator: Validator) -> Driver:
+    """The stream cut into TR3 rank slices at --tp (the staged run writes it through the TR3 driver)."""
+    _refuse_options(options)
     tp = target_tp(ck, options.tp)
     k = declared_bits(ck)
     if k is None:
@@ -94,63 +88,64 @@ def stream_to_tr3(ck: Checkpoint, out: Path, options, validator: Validator, *, o
     plan.final_check = lambda tree: check_output(tree, validator, "TR3")
     plan.sources = lambda shard: hashes.of(
         {f for li in plan.shards.get(shard, []) for f in ck.layers[li].files} | ({shard} & set(carried)))
-    return Tr3Run(out, options, plan, on_bytes, on_total, log).run()
+    return Tr3Driver(f"{ck.dialect} -> tr3", out, plan, notes=() if options.validate else (NOT_VALIDATED,))
 
 
-def tr3_to_stream(ck: Checkpoint, out: Path, options, validator: Validator, *, on_bytes=None, on_total=None,
-                  log=None):
-    if options.tp is not None:
-        raise UsageError("--tp does not apply with --to glm53-stream (the stream is unsliced)")
-    note = note_of(ck)
-    start = time.perf_counter()
-    layers = parse_selection(options.layers, [li for li, moe in ck.layers.items() if moe.experts], "layers")
-    import json
+class Tr3ToStream(Driver):
+    """A TR3 form of the stream joined back into the unsliced stream, the files of its note."""
 
-    expected = moe_layers(text_config(json.loads(note["config_json"]))) or []
-    if layers != expected:
-        raise UsageError(f"--to glm53-stream: the stream's config declares MoE layers {expected[:1]}..{expected[-1:]}; "
-                         f"a stream of layers {layers} would not be the checkpoint its config describes")
-    output = StreamOutput(ck, layers, note)
-    refuse_collisions(output.claims(), [])
-    hashes = SourceHashes(ck)
-    result = RepackResult(out)
-    on_bytes = on_bytes or (lambda _n: None)
-    refuse_overlap(out, protected_paths(ck))
-    fingerprint = {"source": ck.source.describe(), "to": "glm53-stream", "layers": layers}
-    with StageLock(stage_path(out), out):
-        check_target(out, protected_paths(ck), options.overwrite)
-        stage = Stage(out, fingerprint, options.overwrite)
-        announce(stage, log or (lambda _m: None))
-        total = output.output_bytes()
-        try:
-            check_free_space(out, total - stage.bytes_done())
-        except CheckFailed:
-            stage.discard_if_new()
-            raise
-        (on_total or (lambda _n: None))(total)
+    def __init__(self, ck: Checkpoint, out: Path, options, validator: Validator) -> None:
+        _refuse_options(options)
+        if options.tp is not None:
+            raise UsageError("--tp does not apply with --to glm53-stream (the stream is unsliced)")
+        self.ck, self.out, self.validator = ck, out, validator
+        self.note = note_of(ck)
+        import json
+
+        layers = parse_selection(options.layers, [li for li, moe in ck.layers.items() if moe.experts], "layers")
+        expected = moe_layers(text_config(json.loads(self.note["config_json"]))) or []
+        if layers != expected:
+            raise UsageError(f"--to glm53-stream: the stream's config declares MoE layers {expected[:1]}.."
+                             f"{expected[-1:]}; a stream of layers {layers} would not be the checkpoint its config "
+                             "describes")
+        self.layers = layers
+        self.output = StreamOutput(ck, layers, self.note)
+        self.hashes = SourceHashes(ck)
+        self.notes = [] if options.validate else [NOT_VALIDATED]
+
+    def plan(self) -> OutputPlan:
+        refuse_collisions(self.output.claims(), [])
+        total = self.output.output_bytes()
+        return OutputPlan(conversion=f"{self.ck.dialect} -> glm53-stream", out=self.out,
+                          protected=list(protected_paths(self.ck)),
+                          fingerprint={"source": self.ck.source.describe(), "to": "glm53-stream",
+                                       "layers": self.layers},
+                          files=[{"name": shard} for shard in self.output.shards], bytes_needed=total,
+                          progress_total=total, selection={"layers": self.layers}, notes=self.notes)
+
+    def write(self, stage: Stage, result: RepackResult, on_bytes: Progress) -> None:
         from trellis_cli.routepack.manifest import file_entry
 
-        with stage.discard_on_refusal():
-            for shard in output.shards:
-                sources = hashes.of({f for li in output.shards[shard] for f in ck.layers[li].files}
-                                    | ({shard} & set(ck.files)))
-                if stage.completed(shard, sources):
-                    result.files_resumed += 1
-                    continue
-                path = output.write_shard(stage, shard, on_bytes)
-                stage.record(shard, file_entry(path), sources)
-                result.files_written += 1
-                result.bytes_written += path.stat().st_size
+        ck, output = self.ck, self.output
+        for shard in output.shards:
+            sources = self.hashes.of({f for li in output.shards[shard] for f in ck.layers[li].files}
+                                     | ({shard} & set(ck.files)))
+            if stage.completed(shard, sources):
+                result.files_resumed += 1
+                continue
+            path = output.write_shard(stage, shard, on_bytes)
+            stage.record(shard, file_entry(path), sources)
+            result.files_written += 1
+            result.bytes_written += path.stat().st_size
 
-            def copy(name: str, target: Path) -> None:
-                shutil.copyfile(ck.source.local_path(name), target)
-                hashes.check_copy(name, target)
+        def copy(name: str, target: Path) -> None:
+            shutil.copyfile(ck.source.local_path(name), target)
+            self.hashes.check_copy(name, target)
 
-            output.write_rest(stage, copy)
-            _format_check(stage.path, validator)
-        stage.move_into_place()
-    result.seconds = time.perf_counter() - start
-    return result
+        output.write_rest(stage, copy)
+
+    def verify(self, tree: Path) -> None:
+        _format_check(tree, self.validator)
 
 
 def _format_check(tree: Path, validator: Validator) -> None:

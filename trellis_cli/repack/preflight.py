@@ -1,5 +1,5 @@
-"""What a repack would write and what would refuse it, known before any work: the name claims of a route pack,
-the dry run of a conversion that plans only when it runs, and the quick dry run of a local TR3 source.
+"""What a route-pack repack would write and what would refuse it, known before any work: the name claims of a
+route pack, and the quick dry run of a local TR3 source (every other dry run is its driver's `plan()`).
 
 The quick dry run plans from the declarations (config.json, tier_bitmap.json: geometry and K per expert),
 the listing (file sizes) and the raw header of each shard, in which it only counts names: which layers'
@@ -20,16 +20,14 @@ from trellis_cli.dialects.routepack.write import EXTRA_DIR
 from trellis_cli.checkpoint import reader
 from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Severity
-from trellis_cli.disk_space import free_bytes, space_refusal
 from trellis_cli.formats.route_pack import MANIFEST_NAME, layer_file_name
-from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.repack.result import RepackResult
 from trellis_cli.repack.source_facts import CONFIG, NOT_COPIED, fingerprint, protected_paths
+from trellis_cli.repack.staged_run import NOT_VALIDATED, OutputPlan, plan_document
 from trellis_cli.repack.staging import check_target, refuse_collisions, resumable_bytes
 from trellis_cli.routepack.plan import parse_selection, rank_pieces, resolve_target_tp, route_pack_layer_bytes
 from trellis_cli.stwriter import PlannedTensor
 
-NOT_VALIDATED = "the source was not validated (dry run): a real run validates it first"
 FROM_DECLARATIONS = ("layer file sizes planned from the declarations (config.json, tier_bitmap.json) and the "
                      "shards' names; the headers' tensors are parsed and checked against them by the real run")
 
@@ -45,31 +43,17 @@ def refuse_pack_collisions(layer_files: list[tuple[str, int, int]], copied: list
                       + [MANIFEST_NAME])
 
 
-def unplanned_dry_run(out: Path, options: Any, source_dialect: str, root: Path | list[Path] | None,
-                      overwrite: bool) -> RepackResult:
-    """--dry-run of a conversion whose byte count is known only once it plans: OUT and free space checked."""
-    check_target(out, root, overwrite)
-    result = RepackResult(out)
-    result.plan = {"conversion": f"{source_dialect} -> {options.to}", "out": str(out), "files": None,
-                   "bytes_needed": None, "bytes_resumable": 0, "free_bytes": free_bytes(out),
-                   "space_ok": None, "refusals": [],
-                   "notes": ["the byte count of this conversion is known once it plans; a real run checks the "
-                             "free space before writing anything",
-                             "the source was not validated (dry run)"]}
-    return result
-
-
-def route_pack_plan(out: Path, options: Any, dialect: str, layer_files: list[dict[str, Any]],
+def route_pack_plan(out: Path, options: Any, ck: Checkpoint, layer_files: list[dict[str, Any]],
                     other_files: list[dict[str, Any]], needed: int, resumable: int, *, layers: list[int],
-                    ranks: list[int], tp: int, notes: list[str]) -> dict[str, Any]:
-    """The dry-run document of a route-pack repack (the same keys whichever way it was planned)."""
-    free = free_bytes(out)
-    refusal = space_refusal(out, free, needed - resumable, "the repack")
+                    ranks: list[int], tp: int, used: list[str], notes: list[str]) -> dict[str, Any]:
+    """The dry-run document of a route-pack repack: the staged run's document (staged_run.plan_document), the
+    same keys as the full plan (tr3_to_route_pack.Tr3ToRoutePack.plan)."""
     files = layer_files + other_files + [{"name": CONFIG}, {"name": MANIFEST_NAME}]  # the last two are small
-    return {"conversion": f"{dialect} -> route-pack", "out": str(out), "layers": compact_ranges(layers),
-            "ranks": list(ranks), "tp": tp, "files": files, "bytes_needed": needed, "bytes_resumable": resumable,
-            "free_bytes": free, "space_ok": refusal is None, "refusals": [refusal] if refusal else [],
-            "notes": notes}
+    plan = OutputPlan(conversion=f"{ck.dialect} -> route-pack", out=out, protected=protected_paths(ck),
+                      fingerprint=fingerprint(ck, options, used), files=files, bytes_needed=needed,
+                      progress_total=sum(f["data_bytes"] for f in layer_files),
+                      selection={"layers": layers, "ranks": list(ranks), "tp": tp}, notes=notes)
+    return plan_document(plan, resumable)
 
 
 def quick_dry_run(source: Any, out: Path, options: Any) -> RepackResult | None:
@@ -92,7 +76,7 @@ def quick_dry_run(source: Any, out: Path, options: Any) -> RepackResult | None:
     if driver is None:
         return None  # the full path names the conversions this source has
     if driver != "tr3-to-route-pack":
-        return unplanned_dry_run(out, options, ck.dialect, protected_paths(ck), options.overwrite)
+        return None  # every other conversion's dry run is its driver's plan, from the full opening
     scan = _scan_shards(ck)
     if scan is None:
         return None
@@ -178,8 +162,8 @@ def _plan_from_declarations(ck: Checkpoint, scans: dict[str, _ShardScan], out: P
     other_files: list[dict[str, Any]] = [{"name": n, "bytes": size} for n, size in sizes.items()]
     needed = size_total + sum(sizes.values())
     resumable = resumable_bytes(out, fingerprint(ck, options, used))
-    return route_pack_plan(out, options, ck.dialect, layer_files, other_files, needed, resumable, layers=layers,
-                           ranks=ranks, tp=tp, notes=[NOT_VALIDATED, FROM_DECLARATIONS])
+    return route_pack_plan(out, options, ck, layer_files, other_files, needed, resumable, layers=layers,
+                           ranks=ranks, tp=tp, used=used, notes=[NOT_VALIDATED, FROM_DECLARATIONS])
 
 
 def _codes_as_declared(ck: Checkpoint, scans: dict[str, _ShardScan], shards: list[str], tiers: dict[int, int]) -> bool:

@@ -6,13 +6,13 @@ and compared with the source's bytes. Memory: one layer-rank. Any `--tp` the slo
 for `--to tr3`); `--layers` and `--ranks` select. config.json, tier_bitmap.json and the carried files are the
 ones `--to tr3` writes (to_tr3.tr3_form) plus the route-pack note, and each layer entry names the TR3 shard it
 goes back into (`tr3_shard`), so `repack PACK OUT --to tr3` writes what `repack EXL3 OUT --to tr3` writes.
-Staged in OUT.partial (resumable), checked by verify_repacked, then moved into place, as for a TR3 source.
+A driver of the staged run (staged_run.py): staged in OUT.partial (resumable), checked by verify_repacked, then
+moved into place, as for a TR3 source.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,26 +28,13 @@ from trellis_cli.routepack import manifest as mf
 from trellis_cli.formats.route_pack import MANIFEST_NAME, layer_file_name, tier_trellis_shape
 from trellis_cli.routepack.layer_file import write_layer_pack
 from trellis_cli.routepack.plan import LayerRankJob, parse_selection
-from trellis_cli.repack.result import RepackResult, Validator, check_source
+from trellis_cli.repack.result import RepackResult, Validator
 from trellis_cli.repack.source_facts import SourceHashes, fingerprint, protected_paths
-from trellis_cli.repack.lock import StageLock
+from trellis_cli.repack.staged_run import NOT_VALIDATED, Driver, OutputPlan, Progress
 from trellis_cli.routepack.source_bytes import TensorReader
-from trellis_cli.repack.staging import (Stage, announce, check_free_space, check_target, refuse_collisions,
-                                        refuse_overlap, stage_path)
+from trellis_cli.repack.staging import Stage, refuse_collisions
 
 CONFIG = "config.json"
-
-
-def exl3v1_to_route_pack(ck: Checkpoint, out: Path, options, validator: Validator, *, on_bytes=None, on_total=None,
-                         log=None):
-
-    if options.shared_h:
-        raise UsageError("--shared-h does not apply to an exl3-v1 source: its hidden-side tables are kept as "
-                         "stored ([H]: one row for every expert, [E, H]: one row per expert)")
-    if options.validate:
-        check_source(ck, validator)
-    import torch  # noqa: F401 - imported once here, before the first layer-rank
-    return _Exl3RoutePack(ck, out, options, on_bytes, on_total, log).run()
 
 
 def pack_bytes(m, tiers: list[tuple[int, list[int]]], tp: int) -> int:
@@ -58,12 +45,17 @@ def pack_bytes(m, tiers: list[tuple[int, list[int]]], tp: int) -> int:
     return slabs + 4 * m.num_experts + 4 * served + 8 * len(tiers) + 2 * (served * 3 * width + 3 * rows * m.hidden)
 
 
-class _Exl3RoutePack:
-    def __init__(self, ck: Checkpoint, out: Path, options, on_bytes, on_total, log) -> None:
+class Exl3v1ToRoutePack(Driver):
+    """exl3-v1 -> route pack, one (layer, rank) at a time (see the module docstring)."""
+
+    def __init__(self, ck: Checkpoint, out: Path, options: Any, validator: Validator) -> None:
+        if options.shared_h:
+            raise UsageError("--shared-h does not apply to an exl3-v1 source: its hidden-side tables are kept as "
+                             "stored ([H]: one row for every expert, [E, H]: one row per expert)")
         self.ck, self.out, self.opt = ck, out, options
-        self.on_bytes = on_bytes or (lambda _n: None)
-        self.on_total = on_total or (lambda _n: None)
-        self.log = log or (lambda _m: None)
+
+    def plan(self) -> OutputPlan:
+        ck, options = self.ck, self.opt
         box = container(ck)
         self.m = m = box.manifest
         self.tp = options.tp if options.tp is not None else default_tp(ck)
@@ -79,36 +71,31 @@ class _Exl3RoutePack:
                            | ({CONFIG} if CONFIG in ck.files else set()))
         self.rotation = "per_expert" if m.per_expert_input_rotations else "shared_h"
         self.hashes = SourceHashes(ck)
+        self._refuse_collisions()
+        total = sum(job.bytes for job in self.jobs)
+        carried = {n: max(ck.files.get(n, 0), 0) for n in self.form.copy_from}
+        files: list[dict[str, Any]] = [{"name": job.file, "data_bytes": job.bytes} for job in self.jobs]
+        files += [{"name": n, "bytes": size} for n, size in carried.items()]
+        files += [{"name": n} for n in self.form.extra_json] + [{"name": CONFIG}, {"name": MANIFEST_NAME}]
+        return OutputPlan(conversion=f"{ck.dialect} -> route-pack", out=self.out, protected=protected_paths(ck),
+                          fingerprint={**fingerprint(ck, options, self.used), "tp": self.tp}, files=files,
+                          bytes_needed=total + sum(carried.values()), progress_total=total,
+                          selection={"layers": self.layers, "ranks": list(self.ranks), "tp": self.tp},
+                          notes=[NOT_VALIDATED])
 
-    def run(self):
+    def write(self, stage: Stage, result: RepackResult, on_bytes: Progress) -> None:
+        import torch  # noqa: F401 - imported once here, before the first layer-rank
+
+        self.on_bytes = on_bytes
+        self._write_layer_files(stage, result)
+        result.manifest = self._finish(stage)
+
+    def verify(self, tree: Path) -> None:
         from trellis_cli.dialects.routepack.verify import verify_repacked
 
-        start = time.perf_counter()
-        self._refuse_collisions()
-        result = RepackResult(self.out)
-        refuse_overlap(self.out, protected_paths(self.ck))
-        with StageLock(stage_path(self.out), self.out):
-            check_target(self.out, protected_paths(self.ck), self.opt.overwrite)
-            stage = Stage(self.out, {**fingerprint(self.ck, self.opt, self.used), "tp": self.tp}, self.opt.overwrite)
-            announce(stage, self.log)
-            total = sum(job.bytes for job in self.jobs)
-            carried = sum(max(self.ck.files.get(n, 0), 0) for n in self.form.copy_from)
-            result.bytes_needed = total + carried
-            try:
-                check_free_space(self.out, result.bytes_needed - stage.bytes_done())
-            except CheckFailed:
-                stage.discard_if_new()
-                raise
-            self.on_total(total)
-            with stage.discard_on_refusal():
-                self._write_layer_files(stage, result)
-                result.manifest = self._finish(stage)
-                report = verify_repacked(stage.path, check_hashes=False)
-                if not report.ok:
-                    raise CheckFailed(f"{stage.path}: the staged output does not verify: {report.errors[0].line()}")
-            stage.move_into_place()
-        result.seconds = time.perf_counter() - start
-        return result
+        report = verify_repacked(tree, check_hashes=False)
+        if not report.ok:
+            raise CheckFailed(f"{tree}: the staged output does not verify: {report.errors[0].line()}")
 
     def _refuse_collisions(self) -> None:
         """Every name the pack writes belongs to one output (checked before any work)."""
@@ -162,4 +149,4 @@ class _Exl3RoutePack:
                 "num_experts": m.num_experts}
 
 
-__all__ = ["exl3v1_to_route_pack"]
+__all__ = ["Exl3v1ToRoutePack"]

@@ -21,11 +21,11 @@ from trellis_cli.dialects.exl3v1.container import container
 from trellis_cli.dialects.exl3v1.pack import (NOTE_KEY, check_convertible, checked_rates, conversion_note,
                                               default_tp, expert_tiers, exl3v1_pack)
 from trellis_cli.routepack.plan import parse_selection
-from trellis_cli.repack.result import Validator, check_output, check_source
+from trellis_cli.repack.result import Validator, check_output
 from trellis_cli.repack.source_facts import SourceHashes, protected_paths
 from trellis_cli.dialects.tr3.shard import Tr3Layer
 from trellis_cli.dialects.tr3.write import Tr3Output, assign_shards, restored_config
-from trellis_cli.repack.tr3_output import Tr3Run, fingerprint_options
+from trellis_cli.repack.tr3_output import Tr3Driver, fingerprint_options
 
 @dataclass
 class Tr3Form:
@@ -60,13 +60,10 @@ def tr3_form(ck: Checkpoint, layers: list[int], tiers, tp: int, copy_other: bool
                    {"per_expert": ndim.get("per_expert", 1), "shared_h": ndim.get("shared_h", 1)})
 
 
-def exl3v1_to_tr3(ck: Checkpoint, out: Path, options, validator: Validator, *, on_bytes=None, on_total=None,
-                  log=None):
-
+def exl3v1_to_tr3(ck: Checkpoint, out: Path, options, validator: Validator) -> Tr3Driver:
+    """The `--to tr3` driver of an exl3-v1 source (the staged run validates the source before writing)."""
     if options.ranks is not None or options.shared_h:
         raise UsageError("--ranks and --shared-h do not apply when converting exl3-v1 to TR3")
-    if options.validate:
-        check_source(ck, validator)
     m = container(ck).manifest
     tp = options.tp if options.tp is not None else default_tp(ck)
     check_convertible(m, tp)
@@ -91,7 +88,7 @@ def exl3v1_to_tr3(ck: Checkpoint, out: Path, options, validator: Validator, *, o
     plan.final_check = lambda tree: check_output(tree, validator, "TR3")
     # A shard is made from its layers' exl3-v1 files, read as the manifest describes them.
     plan.sources = lambda shard: hashes.of({box.manifest_file, *(box.layers[li].file for li in plan.shards[shard])})
-    return Tr3Run(out, options, plan, on_bytes, on_total, log).run()
+    return Tr3Driver(f"{ck.dialect} -> tr3", out, plan)
 
 
 def _tr3_config(m, tiers, tp: int, shared: bool) -> tuple[dict, dict]:
