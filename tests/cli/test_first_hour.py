@@ -59,7 +59,7 @@ def test_every_json_document_parses_on_a_checkpoint_with_many_findings(capsys, m
     assert code == 2 and out == ""  # a usage error before anything: no document to give
     code, out, _ = run_cli(capsys, "repack", str(many), str(tmp_path / "pack"), "--json", "--dry-run")
     doc = json.loads(out)
-    assert code == 0 and doc["dry_run"] and len(doc["files"]) == 4 * 2 + 3  # layer files, copied files, config, manifest
+    assert code == 0 and doc["dry_run"] and len(doc["files"]) == 4 * 2 + 4  # layer files, copied files (the other weights, the bitmap), config, manifest
     code, out, _ = run_cli(capsys, "synth", str(tmp_path / "s"), "--preset", "tiny", "--sparse", "--json")
     assert code == 0 and json.loads(out)
 
@@ -274,7 +274,7 @@ def test_long_phases_show_their_stage_and_count(capsys, many, tmp_path, terminal
     code, _, err = run_cli(capsys, command, str(many), *extra, *rest)
     assert code == (1 if command == "validate" else 0), err
     drawn = terminal.getvalue()
-    assert "reading headers (files)" in drawn and "4/4" in drawn  # 4 shards
+    assert "reading headers (files)" in drawn and "5/5" in drawn  # 5 shards: 4 layers and the other weights
     assert "building the checkpoint model (steps)" in drawn and "5/5" in drawn
     assert "0/?" not in drawn
     if command == "validate":

@@ -196,7 +196,8 @@ def test_a_damaged_source_gets_the_answer_of_the_full_opening(capsys, sources, t
 def _dense_shard_quoting_an_expert(root: Path, tensors: int) -> None:
     """A non-expert shard whose __metadata__ quotes a routed-expert name (as a converter's note might)."""
     gen = torch.Generator().manual_seed(52)
-    dense = {f"model.layers.{i}.self_attn.o_proj.weight": torch.randn(256, 256, generator=gen).to(torch.bfloat16)
+    # names of their own: the tiny preset's model-non-expert.safetensors already holds every attention weight
+    dense = {f"model.extra_dense.{i}.weight": torch.randn(256, 256, generator=gen).to(torch.bfloat16)
              for i in range(tensors)}
     save_file(dense, str(root / "model-dense.safetensors"),
               metadata={"format": "pt", "source": "model.layers.4.mlp.experts.0.gate_proj.rank0.trellis"})

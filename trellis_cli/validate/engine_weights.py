@@ -46,15 +46,21 @@ def _facts(ckpt: Checkpoint) -> tuple[Stored, ModelWeights | None | ConfigProble
 
 def _stored(ckpt: Checkpoint) -> Stored:
     """name -> (dtype, shape) of every tensor the checkpoint's files hold; a container's model weights live in
-    its other safetensors files, beside its layer files (`Dialect.loose_tensors`)."""
+    its other safetensors files, beside its layer files (`Dialect.layer_files`), each read through the one reader."""
+    from trellis_cli.checkpoint import reader
     from trellis_cli.errors import CheckFailed
 
     stored = {name: (ref.dtype, tuple(ref.shape)) for name, ref in ckpt.tensors.items()}
-    try:
-        loose = dialect_of(ckpt).loose_tensors(ckpt)
-    except CheckFailed:
-        loose = None  # a file that cannot be read: the file rules name it, and its weights count as absent
-    stored.update({ref.name: (ref.dtype, tuple(ref.shape)) for ref in loose or []})
+    layer_files = dialect_of(ckpt).layer_files(ckpt)
+    if not layer_files:
+        return stored  # every tensor is in the model
+    for name, size in sorted(ckpt.files.items()):
+        if name.endswith(".safetensors") and name not in layer_files and size >= 0:
+            try:
+                header = reader.shard_header(ckpt, name)
+            except CheckFailed:
+                continue  # the file rules name a file that cannot be read (a link out, a bad header)
+            stored.update({t: (e.dtype, tuple(e.shape)) for t, e in header.tensors.items()})
     return stored
 
 
