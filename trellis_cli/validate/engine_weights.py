@@ -45,22 +45,23 @@ def _facts(ckpt: Checkpoint) -> tuple[Stored, ModelWeights | None | ConfigProble
 
 
 def _stored(ckpt: Checkpoint) -> Stored:
-    """name -> (dtype, shape) of every tensor the checkpoint's files hold; a container's model weights live in
-    its other safetensors files, beside its layer files (`Dialect.layer_files`), each read through the one reader."""
+    """name -> (dtype, shape) of every tensor the checkpoint's files hold. A container keeps its model weights in
+    safetensors files beside its layer files, outside its model: each is read through the one reader."""
     from trellis_cli.checkpoint import reader
     from trellis_cli.errors import CheckFailed
 
     stored = {name: (ref.dtype, tuple(ref.shape)) for name, ref in ckpt.tensors.items()}
-    layer_files = dialect_of(ckpt).layer_files(ckpt)
-    if not layer_files:
-        return stored  # every tensor is in the model
     for name, size in sorted(ckpt.files.items()):
-        if name.endswith(".safetensors") and name not in layer_files and size >= 0:
-            try:
-                header = reader.shard_header(ckpt, name)
-            except CheckFailed:
-                continue  # the file rules name a file that cannot be read (a link out, a bad header)
-            stored.update({t: (e.dtype, tuple(e.shape)) for t, e in header.tensors.items()})
+        if not name.endswith(".safetensors") or size < 0:
+            continue
+        header = ckpt.headers.get(name)
+        if header is not None and (not header.tensors or next(iter(header.tensors)) in ckpt.tensors):
+            continue  # its tensors are the model's already
+        try:
+            header = reader.shard_header(ckpt, name)
+        except CheckFailed:
+            continue  # the file rules name a file that cannot be read (a link out, a bad header)
+        stored.update({t: (e.dtype, tuple(e.shape)) for t, e in header.tensors.items()})
     return stored
 
 
