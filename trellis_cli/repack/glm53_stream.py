@@ -88,7 +88,7 @@ def stream_to_tr3(ck: Checkpoint, out: Path, options, validator: Validator) -> D
     plan.final_check = lambda tree: check_output(tree, validator, "TR3")
     plan.sources = lambda shard: hashes.of(
         {f for li in plan.shards.get(shard, []) for f in ck.layers[li].files} | ({shard} & set(carried)))
-    return Tr3Driver(f"{ck.dialect} -> tr3", out, plan, notes=() if options.validate else (NOT_VALIDATED,))
+    return Tr3Driver(f"{ck.dialect} -> tr3", out, plan)
 
 
 class Tr3ToStream(Driver):
@@ -111,7 +111,7 @@ class Tr3ToStream(Driver):
         self.layers = layers
         self.output = StreamOutput(ck, layers, self.note)
         self.hashes = SourceHashes(ck)
-        self.notes = [] if options.validate else [NOT_VALIDATED]
+        self.notes = [NOT_VALIDATED]  # shown by a dry run, which validates nothing
 
     def plan(self) -> OutputPlan:
         refuse_collisions(self.output.claims(), [])
