@@ -415,7 +415,7 @@ class HubSource:
     def _read_remote_header(self, name: str, size: int | None) -> Header:
         window = self.header_window(size)
         with self._errors(file=name):
-            data = self._read_range(name, 0, window)
+            data = self._read_range(name, 0, window) if size != 0 else b""  # an empty file: nothing to ask for
             expected = window if size is None else min(window, size)
             if len(data) < expected and (size is not None or len(data) < 8):
                 raise SourceUnavailable(f"{name}: the server sent {len(data)} of the {expected} bytes asked for")

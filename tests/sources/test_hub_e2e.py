@@ -155,6 +155,26 @@ def test_a_header_longer_than_the_window_costs_a_second_get_of_its_rest(tmp_path
         assert hub.bytes_served[(REPO, "b.safetensors")] == 8 + b.header_len  # the rest, exactly
 
 
+def test_short_files_and_lying_lengths_are_findings_not_network_errors(tmp_path, cache):
+    import struct
+
+    from trellis_cli.errors import CheckFailed
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "empty.safetensors").write_bytes(b"")
+    (repo / "short.safetensors").write_bytes(b"\x01\x02\x03")
+    (repo / "long.safetensors").write_bytes(struct.pack("<Q", 10**6) + b"{}")  # a header past the file's end
+    with HubServer() as hub:
+        hub.main_sha = hub.add_commit(REPO, repo)
+        source = open_hub(hub, cache)
+        for name, reason in (("empty.safetensors", "0 bytes"), ("short.safetensors", "3 bytes"),
+                             ("long.safetensors", "")):
+            with pytest.raises(CheckFailed, match=reason):
+                source.read_header(name)
+        assert resolve_gets(hub, "empty.safetensors") == 0
+
+
 def test_a_server_that_ignores_ranges_is_refused_not_read_whole(hub, cache, checkpoint):
     source = open_hub(hub, cache)
     hub.honour_ranges = False

@@ -94,9 +94,6 @@ def test_tensor_count_formula_matches_production_numbers():
     (lambda h: h.update(protected_tensor_policy={"format": "exl3-protected-v1", "tensors": {
         "model.layers.0.self_attn.q_proj": {"bits": 6, "codebook": "mcg"}}}), "config.protected-missing"),
     (lambda h: h.update(protected_tensor_policy={"format": "exl3-protected-v1", "tensors": {
-        "model.layers.3.mlp.experts.0.gate_proj.rank0": {"bits": 8, "codebook": "mcg"}}}),
-     "config.protected-stored-k"),  # stored K3/K4, declared 8: the loader loads it (a warning), issue 52
-    (lambda h: h.update(protected_tensor_policy={"format": "exl3-protected-v1", "tensors": {
         "model.layers.3.mlp.experts.0.gate_proj.rank0": {"bits": True, "codebook": "mcg"}}}),
      "config.protected-policy"),
 ])
@@ -105,6 +102,18 @@ def test_contract_violations(tmp_path, edit, code):
     edit_json(root / "config.json", lambda c: edit(c["hybrid_tr3_tail"]))
     report = validate(root)
     assert code in codes(report), [f.line() for f in report.findings]
+
+
+def test_a_protected_tensor_stored_at_another_k_than_declared_is_a_warning(tmp_path):
+    """The shared-H loader checks the declaration against tensor_storage's record, never the stored tensor's K
+    (issue 52): stored K3/K4, declared 8, is said, not refused by the format rules."""
+    root = tiny_checkpoint(tmp_path)
+    edit_json(root / "config.json", lambda c: c["hybrid_tr3_tail"].update(protected_tensor_policy={
+        "format": "exl3-protected-v1", "tensors": {"model.layers.3.mlp.experts.0.gate_proj.rank0": {
+            "bits": 8, "codebook": "mcg"}}}))
+    report = validate(root)
+    assert "config.protected-stored-k" in codes(report, Severity.WARNING)
+    assert "config.protected-k" not in codes(report)
 
 
 def test_k_inconsistent_across_ranks(tmp_path):
