@@ -392,8 +392,10 @@ class HubSource:
         size = self.file_info(name).size
         cached = self.cached_path(name)
         try:
-            if cached is not None:
-                return read_local_header(self._refuse_escape(name, cached), name)
+            if cached is not None:  # a cached file's header sizes the windows of its siblings too
+                header = read_local_header(self._refuse_escape(name, cached), name)
+                self._largest_header = max(self._largest_header or 0, header.header_len)
+                return header
             if self.offline:
                 raise SourceUnavailable(
                     f"{name} in {self.repo_id}@{self.revision}: not in the local Hub cache and {self._hub.OFFLINE_HINT}"
