@@ -18,7 +18,8 @@ caller leaves alone). An LFS file's sha256 is computed, by streaming, only when 
 by the caller (`lfs_sha256`) for files no test downloads whole: the client checks it only then. Its git oid is
 that of its LFS pointer, as on the Hub, so listings never read a file's data. The server counts every body
 byte it sends per file, and separately the bytes that fall in a safetensors file's data buffer (after 8 +
-header length): tests assert header-only reads send no tensor data.
+header length): tests assert header-only reads send no tensor data beyond their speculative window
+(`tensor_bytes_past_window`).
 """
 
 from __future__ import annotations
@@ -152,11 +153,14 @@ class HubServer:
         self.lock = threading.Lock()
         self.bytes_served: dict[tuple[str, str], int] = defaultdict(int)
         self.tensor_bytes_served: dict[tuple[str, str], int] = defaultdict(int)
+        self.data_starts: dict[tuple[str, str], int] = {}  # safetensors files sent: 8 + header length
         self.requests: list[tuple[str, str, str | None, int]] = []  # (method, path, range, status)
         self._counter = 0
         self._httpd: ThreadingHTTPServer | None = None
         # Requests whose path this predicate accepts are read and never answered (a stalled server).
         self.stall: Callable[[str], bool] | None = None
+        # False: Range headers are ignored and every file is sent whole with 200 (a server or proxy that does).
+        self.honour_ranges = True
         self._stopping = threading.Event()
         self._files = tempfile.TemporaryDirectory(prefix="hub-server-")  # commit copies, corrupted blobs
 
@@ -247,10 +251,27 @@ class HubServer:
         with self.lock:
             self.bytes_served[(repo_id, name)] += end - begin
             if served.data_start is not None:
+                self.data_starts[(repo_id, name)] = served.data_start
                 self.tensor_bytes_served[(repo_id, name)] += max(0, end - max(begin, served.data_start))
 
     def total_tensor_bytes(self) -> int:
         return sum(self.tensor_bytes_served.values())
+
+    def tensor_bytes_past_window(self, window) -> int:
+        """Tensor-data bytes sent beyond what the client's speculative header reads may take (`window`: its
+        trellis_cli.sources.HeaderWindow): per safetensors file, the data bytes past offset max(window.first,
+        1.25 x the longest header among the files sent + window.margin). 0 when every data byte sent came with
+        a header read: header-only commands assert it."""
+        return sum(self.tensor_bytes_past_window_by_file(window).values())
+
+    def tensor_bytes_past_window_by_file(self, window) -> dict[str, int]:
+        """`tensor_bytes_past_window` per file name, for the files that have any."""
+        with self.lock:
+            starts = {key: self.data_starts[key] for key in self.bytes_served if key in self.data_starts}
+            longest = max((start - 8 for start in starts.values()), default=0)
+            allowance = max(window.first, longest * 5 // 4 + window.margin)
+            past = {key[1]: n - max(0, allowance - starts[key]) for key, n in self.tensor_bytes_served.items()}
+            return {name: n for name, n in past.items() if n > 0}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -419,7 +440,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _body(self, repo_id: str, path: str, served: ServedFile, headers: dict, head: bool) -> None:
         size = served.size
-        span = _parse_range(self.headers.get("Range"), size)
+        span = _parse_range(self.headers.get("Range") if self.hub.honour_ranges else None, size)
         if span == "unsatisfiable":
             return self._send(416, b"", {**headers, "Content-Range": f"bytes */{size}"}, head=head)
         if span is None:

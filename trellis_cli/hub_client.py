@@ -1,7 +1,8 @@
 """The one place that talks to huggingface_hub: error mapping, version differences, progress adapters.
 
 huggingface_hub 1.x uses httpx and 2.x uses httpx2; the public API trellis needs (HfApi.model_info,
-hf_hub_download, HfFileSystem, try_to_load_from_cache, is_offline_mode, get_token) is the same in both.
+hf_hub_download, hf_hub_url, try_to_load_from_cache, is_offline_mode, get_token, and utils.get_session /
+build_hf_headers for ranged reads) is the same in both.
 Anything that differs is feature-detected here so the rest of trellis never checks versions.
 
 Every Hub call runs inside `hub_errors(...)`, which turns the library's exceptions into one
@@ -194,6 +195,63 @@ def _timeout_cause(error: BaseException) -> BaseException | None:
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+def read_range(repo_id: str, filename: str, revision: str, endpoint: str | None, token: str | bool | None,
+               start: int, length: int) -> bytes:
+    """Bytes [start, start + length) of a file at a pinned commit: one ranged GET of the file's resolve URL,
+    through the library's shared HTTP client (its timeouts, headers and token), redirects followed.
+
+    Fail-closed: an answer other than 206 for exactly that range, or more bytes than asked, is a
+    SourceUnavailable; the body is read only up to `length` (a server that ignores the Range header is cut off
+    there). Fewer bytes than asked come back as they are: the caller knows how many the file has. Transport
+    errors propagate for `hub_errors` to map.
+    """
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session
+
+    where = f"{filename} in {describe_target(repo_id, revision)}"
+    url = hf_hub_url(repo_id, filename, revision=revision, endpoint=endpoint)
+    headers = build_hf_headers(token=token)
+    headers["Range"] = f"bytes={start}-{start + length - 1}"
+    with get_session().stream("GET", url, headers=headers, follow_redirects=True) as response:
+        status = response.status_code
+        if status == 200:
+            raise SourceUnavailable(f"{where}: the server ignored the byte-range request (HTTP 200 for the whole "
+                                    "file); not read")
+        if status != 206:
+            raise SourceUnavailable(_range_refusal(where, repo_id, revision, endpoint, status,
+                                                   response.headers.get("X-Error-Code")))
+        answered = _CONTENT_RANGE.fullmatch(response.headers.get("Content-Range", "").strip())
+        if answered is None or int(answered.group(1)) != start or int(answered.group(2)) > start + length - 1:
+            raise SourceUnavailable(f"{where}: the server answered another byte range "
+                                    f"({response.headers.get('Content-Range') or 'no Content-Range'}) than "
+                                    f"bytes {start}-{start + length - 1}")
+        data = bytearray()
+        for chunk in response.iter_bytes():
+            data += chunk
+            if len(data) > length:
+                raise SourceUnavailable(f"{where}: the server sent more than the {length} bytes asked for")
+    return bytes(data)
+
+
+def _range_refusal(where: str, repo_id: str, revision: str, endpoint: str | None, status: int,
+                   error_code: str | None) -> str:
+    """What a failed ranged read says, as `hub_errors` says it for the library's own requests."""
+    if error_code == "GatedRepo":
+        return f"{repo_id} is gated: request access on its Hub page, then {AUTH_HINT}"
+    if error_code == "RepoNotFound":
+        return f"{repo_id}: repository not found at {endpoint or default_endpoint()} ({AUTH_HINT})"
+    if error_code == "RevisionNotFound":
+        return f"{repo_id}: revision {revision!r} not found (use a branch, tag or full commit sha)"
+    if error_code == "EntryNotFound" or status == 404:
+        return f"{where}: no such file in the repository"
+    if status in (401, 403):
+        return f"{where}: access denied ({status}); {AUTH_HINT}"
+    return f"{where}: Hub request failed (HTTP {status})"
 
 
 def quiet_library_logs() -> None:

@@ -182,6 +182,23 @@ ProgressCallback = Callable[[int], None]  # called with the number of bytes just
 
 
 @dataclass(frozen=True)
+class HeaderWindow:
+    """How many bytes the one ranged GET of a remote header asks for, from offset 0 and never past the file's
+    end: `first` until a header of this source has been read, then 1.25 x the longest header read so far +
+    `margin`, at most `most`. A header longer than its window costs a second GET of exactly its remaining bytes
+    (the first file of a production checkpoint: its layer shards' headers are about 1.8 MB; their siblings then
+    take one GET each). So a header read transfers at most its window: beyond the header, under
+    max(64 KiB, 1.25 x the longest header + 16 KiB) and never more than 16 MiB or past the file's end."""
+
+    first: int = 64 << 10
+    margin: int = 16 << 10
+    most: int = 16 << 20
+
+
+HEADER_WINDOW = HeaderWindow()
+
+
+@dataclass(frozen=True)
 class HubFile:
     """What the Hub says about one file at the pinned commit."""
 
@@ -212,9 +229,9 @@ class HubSource:
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None
         self.endpoint = endpoint.rstrip("/") if endpoint else None
         self.offline = hub_client.is_offline(offline)
-        self._fs: Any = None  # huggingface_hub's HfFileSystem, made on first use
         self._repo_folder: Path | None = None
         self._headers: dict[str, Header | Exception] = {}
+        self._largest_header: int | None = None  # the longest header length read so far (sizes the next window)
         # Offline, the listing is what the cache holds: shards never downloaded are absent from it.
         self.listing_complete = not self.offline
         if self.offline:
@@ -346,7 +363,9 @@ class HubSource:
         return read_json_file(self.local_path(name), name)
 
     def prefetch_headers(self, names: list[str], workers: int = 8) -> None:
-        """Read many headers concurrently (each is two small round trips); read_header then answers from memory."""
+        """Read many headers concurrently, one ranged GET per file in the common case (see HEADER_WINDOW);
+        read_header then answers from memory. Until a header size is known, the first file is read alone so
+        that its siblings' windows are sized from it."""
         from concurrent.futures import ThreadPoolExecutor
 
         def fetch(name: str) -> None:
@@ -355,11 +374,15 @@ class HubSource:
             except (CheckFailed, SourceUnavailable) as e:
                 self._headers[name] = e
 
+        todo = [n for n in names if n not in self._headers]
+        if todo and self._largest_header is None:
+            fetch(todo.pop(0))
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            list(pool.map(fetch, [n for n in names if n not in self._headers]))
+            list(pool.map(fetch, todo))
 
     def read_header(self, name: str) -> Header:
-        """Parse a safetensors header: from the cache when the file is there, else two ranged reads."""
+        """Parse a safetensors header: from the cache when the file is there, else one ranged read (two when
+        the header is longer than the window asked for)."""
         found = self._headers.pop(name, None)
         if isinstance(found, Exception):
             raise found
@@ -369,8 +392,10 @@ class HubSource:
         size = self.file_info(name).size
         cached = self.cached_path(name)
         try:
-            if cached is not None:
-                return read_local_header(self._refuse_escape(name, cached), name)
+            if cached is not None:  # a cached file's header sizes the windows of its siblings too
+                header = read_local_header(self._refuse_escape(name, cached), name)
+                self._largest_header = max(self._largest_header or 0, header.header_len)
+                return header
             if self.offline:
                 raise SourceUnavailable(
                     f"{name} in {self.repo_id}@{self.revision}: not in the local Hub cache and {self._hub.OFFLINE_HINT}"
@@ -381,27 +406,33 @@ class HubSource:
         except OSError as e:  # the cached copy cannot be read
             raise CheckFailed(f"{name}: cannot read the file ({os_reason(e)})", code="file.unreadable") from e
 
+    def header_window(self, size: int | None) -> int:
+        """The bytes the first ranged read of a header asks for (HEADER_WINDOW), never past the file's end."""
+        if self._largest_header is None:
+            window = HEADER_WINDOW.first
+        else:
+            window = min(HEADER_WINDOW.most, self._largest_header * 5 // 4 + HEADER_WINDOW.margin)
+        return max(8, min(window, size)) if size is not None else window
+
     def _read_remote_header(self, name: str, size: int | None) -> Header:
-        # HfFileSystem with cache_type="none" fetches exactly the bytes asked for (8, then N): no tensor data.
-        fs = self._filesystem()
+        window = self.header_window(size)
         with self._errors(file=name):
-            try:
-                with fs.open(f"{self.repo_id}@{self.revision}/{name}", "rb", cache_type="none", size=size) as f:
-                    prefix = f.read(8)
-                    if len(prefix) > 8:
-                        raise SourceUnavailable(f"{name}: the server ignored the byte-range request")
-                    n = header_length(prefix, name, size)
-                    body = f.read(n)
-            except FileNotFoundError as e:
-                raise SourceUnavailable(f"{name}: not found in {self.repo_id}@{self.revision}") from e
-        return parse_header(name, body, n, size)
+            data = self._read_range(name, 0, window) if size != 0 else b""  # an empty file: nothing to ask for
+            expected = window if size is None else min(window, size)
+            if len(data) < expected and (size is not None or len(data) < 8):
+                raise SourceUnavailable(f"{name}: the server sent {len(data)} of the {expected} bytes asked for")
+            n = header_length(data[:8], name, size)
+            self._largest_header = max(self._largest_header or 0, n)
+            if 8 + n > len(data):  # the header is longer than the window: its rest, exactly
+                rest = self._read_range(name, len(data), 8 + n - len(data))
+                if len(rest) != 8 + n - len(data):
+                    raise SourceUnavailable(f"{name}: the server sent {len(rest)} of the "
+                                            f"{8 + n - len(data)} header bytes asked for")
+                data += rest
+        return parse_header(name, data[8:8 + n], n, size)
 
-    def _filesystem(self) -> Any:
-        if self._fs is None:
-            from huggingface_hub import HfFileSystem
-
-            self._fs = HfFileSystem(endpoint=self.endpoint, token=self.token, skip_instance_cache=True)
-        return self._fs
+    def _read_range(self, name: str, start: int, length: int) -> bytes:
+        return self._hub.read_range(self.repo_id, name, self.revision, self.endpoint, self.token, start, length)
 
     def describe(self) -> dict[str, Any]:
         return {

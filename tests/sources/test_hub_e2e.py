@@ -20,7 +20,7 @@ from trellis_cli.errors import EXIT_SOURCE, SourceUnavailable
 from trellis_cli.header import read_local_header
 from trellis_cli.integrity import MISMATCH, NOT_CACHED, OK, verify_checksums
 from trellis_cli.selection import fetch_files, parse_layer_ranges
-from trellis_cli.sources import HubSource, open_source
+from trellis_cli.sources import HEADER_WINDOW, HubSource, open_source
 from trellis_cli.synth import preset, shard_name, write_checkpoint
 
 REPO = "org/tiny-tr3"
@@ -105,19 +105,82 @@ def test_listing_has_sizes_from_one_metadata_call(hub, cache, checkpoint):
     assert len(api_calls) <= 2  # resolve the revision, then one listing with sizes and LFS hashes
 
 
-def test_header_reads_transfer_no_tensor_bytes(hub, cache, checkpoint):
+def resolve_gets(hub: HubServer, name: str) -> int:
+    """GETs of one file's resolve URL: one per round trip (each may be followed by the redirect to its blob)."""
+    return sum(1 for method, path, _, _ in hub.requests if method == "GET" and path.endswith(f"/resolve/{hub.main_sha}/{name}"))
+
+
+def test_header_reads_cost_one_ranged_get_per_file_within_the_window(hub, cache, checkpoint):
     source = open_hub(hub, cache)
+    names = sorted(n for n in source.list_files() if n.endswith(".safetensors"))
     hub.reset_counters()
-    for name in shards(checkpoint):
+    source.prefetch_headers(names)
+    largest = 0
+    for i, name in enumerate(names):
         remote = source.read_header(name)
         local = read_local_header(checkpoint / name, name)
         assert remote == local
-        header_bytes = 8 + local.header_len
-        assert hub.bytes_served[(REPO, name)] == header_bytes
-    assert hub.total_tensor_bytes() == 0
-    assert not (cache / f"models--{REPO.replace('/', '--')}" / "blobs").exists() or not any(
-        p.suffix == "" and p.stat().st_size > 100_000
-        for p in (cache / f"models--{REPO.replace('/', '--')}" / "blobs").iterdir())
+        assert resolve_gets(hub, name) == 1  # one round trip per file beyond the listing
+        size = (checkpoint / name).stat().st_size
+        window = min(size, HEADER_WINDOW.first if i == 0 else largest * 5 // 4 + HEADER_WINDOW.margin)
+        # what a read transfers beyond the header is at most its window
+        assert 8 + local.header_len <= hub.bytes_served[(REPO, name)] <= max(window, 8 + local.header_len)
+        largest = max(largest, local.header_len)
+    assert not [p for _, p, _, _ in hub.requests if p.startswith("/api/")]  # no metadata call per file
+    assert not (cache / f"models--{REPO.replace('/', '--')}" / "blobs").exists()  # nothing downloaded
+
+
+def test_a_header_longer_than_the_window_costs_a_second_get_of_its_rest(tmp_path, cache):
+    """The first file's header is short, so its sibling's window is sized from it and falls short."""
+    import torch
+    from safetensors.torch import save_file
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    save_file({"w": torch.zeros(4)}, str(repo / "a.safetensors"))
+    many = {f"model.layers.{i // 100}.mlp.experts.{i % 100}.down_proj.trellis": torch.zeros(1) for i in range(3000)}
+    save_file(many, str(repo / "b.safetensors"))
+    with HubServer() as hub:
+        hub.main_sha = hub.add_commit(REPO, repo)
+        source = open_hub(hub, cache)
+        hub.reset_counters()
+        source.prefetch_headers(["a.safetensors", "b.safetensors"])
+        for name in ("a.safetensors", "b.safetensors"):
+            assert source.read_header(name) == read_local_header(repo / name, name)
+        a = read_local_header(repo / "a.safetensors", "a.safetensors")
+        b = read_local_header(repo / "b.safetensors", "b.safetensors")
+        assert 8 + b.header_len > a.header_len * 5 // 4 + HEADER_WINDOW.margin  # the guess from a's header is short
+        assert resolve_gets(hub, "a.safetensors") == 1
+        assert resolve_gets(hub, "b.safetensors") == 2
+        assert hub.bytes_served[(REPO, "b.safetensors")] == 8 + b.header_len  # the rest, exactly
+
+
+def test_short_files_and_lying_lengths_are_findings_not_network_errors(tmp_path, cache):
+    import struct
+
+    from trellis_cli.errors import CheckFailed
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "empty.safetensors").write_bytes(b"")
+    (repo / "short.safetensors").write_bytes(b"\x01\x02\x03")
+    (repo / "long.safetensors").write_bytes(struct.pack("<Q", 10**6) + b"{}")  # a header past the file's end
+    with HubServer() as hub:
+        hub.main_sha = hub.add_commit(REPO, repo)
+        source = open_hub(hub, cache)
+        for name, reason in (("empty.safetensors", "0 bytes"), ("short.safetensors", "3 bytes"),
+                             ("long.safetensors", "")):
+            with pytest.raises(CheckFailed, match=reason):
+                source.read_header(name)
+        assert resolve_gets(hub, "empty.safetensors") == 0
+
+
+def test_a_server_that_ignores_ranges_is_refused_not_read_whole(hub, cache, checkpoint):
+    source = open_hub(hub, cache)
+    hub.honour_ranges = False
+    name = shards(checkpoint)[0]
+    with pytest.raises(SourceUnavailable, match="ignored the byte-range request"):
+        source.read_header(name)
 
 
 def test_missing_file_is_source_unavailable(hub, cache):
@@ -144,7 +207,7 @@ def test_selective_download_fetches_only_the_chosen_layers(hub, cache, checkpoin
 
     hub.reset_counters()  # a second fetch is served from the cache
     assert fetch_files(source, wanted) == snapshot
-    assert hub.total_tensor_bytes() == 0
+    assert hub.tensor_bytes_past_window(HEADER_WINDOW) == 0
 
 
 # ---- checksums ---------------------------------------------------------------------------------------
@@ -167,7 +230,7 @@ def test_checksums_without_download_report_uncached_files(hub, cache, checkpoint
     source = open_hub(hub, cache)
     results = verify_checksums(source, shards(checkpoint), download=False)
     assert {r.status for r in results} == {NOT_CACHED}
-    assert hub.total_tensor_bytes() == 0
+    assert hub.tensor_bytes_past_window(HEADER_WINDOW) == 0
 
 
 # ---- errors ------------------------------------------------------------------------------------------
@@ -260,7 +323,7 @@ def test_prefetched_headers_match_and_send_no_tensor_bytes(hub, cache, checkpoin
     source = open_hub(hub, cache)
     names = shards(checkpoint)
     source.prefetch_headers(names + ["missing.safetensors"])
-    assert hub.total_tensor_bytes() == 0
+    assert hub.tensor_bytes_past_window(HEADER_WINDOW) == 0
     hub.reset_counters()
     for name in names:
         assert source.read_header(name) == read_local_header(checkpoint / name, name)
@@ -324,14 +387,14 @@ def test_cli_inspect_pins_the_revision_and_reads_headers_only(hub, trellis):
     assert result.returncode == 0, result.stderr
     source = json.loads(result.stdout)["source"]
     assert source["revision"] == hub.main_sha and source["requested_revision"] == "main"
-    assert hub.total_tensor_bytes() == 0
+    assert hub.tensor_bytes_past_window(HEADER_WINDOW) == 0
 
 
 def test_cli_validate_passes_header_only(hub, trellis):
     result = trellis("validate", REPO)
     assert result.returncode == 0, result.stderr
     assert "PASS" in result.stdout and hub.main_sha in result.stdout
-    assert hub.total_tensor_bytes() == 0
+    assert hub.tensor_bytes_past_window(HEADER_WINDOW) == 0
 
 
 @pytest.mark.parametrize("args, expected", [

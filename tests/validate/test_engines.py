@@ -15,6 +15,7 @@ import torch
 
 from corrupt import SHARD3, SHARD4, edit_json, key, rebuild_shard, write_tensor_bytes
 from helpers import tiny_checkpoint as synth, to_plain_exl3, to_r7, to_r7_v2
+from trellis_cli.sources import HEADER_WINDOW
 from trellis_cli.cli import validate_cmd
 from trellis_cli.validate.engines import BY_NAME, ENGINES
 from helpers import run_cli
@@ -166,7 +167,7 @@ def test_remote_source_says_its_markers_were_not_read(tmp_path):
         assert plain.returncode == 0, plain.stderr
         assert "info[marker.not-read]" in plain.stdout
         assert plain.stdout.strip().splitlines()[-1].startswith("loads on (codebook markers not read): ")
-        assert not any(n for n in hub.tensor_bytes_served.values())  # nothing downloaded for it
+        assert hub.tensor_bytes_past_window(HEADER_WINDOW) == 0  # nothing downloaded for it
         deep = validate("--deep", "--layers", "4", "--json")
         assert deep.returncode == 1 and "marker.value" in error_codes(json.loads(deep.stdout))
 

@@ -35,6 +35,7 @@ class Case(NamedTuple):
     tp: int | None
     code: str | None  # None: the loader loads it (exit 0); else the finding naming the rule that refuses it
     source: str  # the version, the function, and the gist of what it does there
+    warning: str | None = None  # a warning the report must carry beside the verdict
 
 
 # ---- builders ---------------------------------------------------------------------------------------------
@@ -152,6 +153,58 @@ def protected(**kw) -> Callable[[Path], Path]:
     return lambda t: add_protected(tiny_checkpoint(t), **kw)
 
 
+def protected_embedded(**kw) -> Callable[[Path], Path]:
+    """A protected tensor whose tensor_storage is embedded in config.json's quantization_config too (what the
+    #190 and R7 versions read through Exl3Config.from_config)."""
+    def build(t: Path) -> Path:
+        root = add_protected(tiny_checkpoint(t), **kw)
+        storage = json.loads((root / "quantization_config.json").read_text())["tensor_storage"]
+        edit_json(root / "config.json", lambda c: c["quantization_config"].update(tensor_storage=storage))
+        return root
+    return build
+
+
+def protected_record_without_mcg(t: Path) -> Path:
+    """lm_head protected, its .mcg in the shard but not in its tensor_storage record."""
+    root = add_protected(tiny_checkpoint(t), prefix="lm_head")
+    edit_json(root / "quantization_config.json",
+              lambda q: q["tensor_storage"]["lm_head"]["stored_tensors"].pop("lm_head.mcg"))
+    return root
+
+
+def protected_stored_k6_declared_8(t: Path) -> Path:
+    """A protected tensor stored at K6 whose policy and tensor_storage record both say 8 (shape and bits)."""
+    root = add_protected(tiny_checkpoint(t), bits=6, declared=8)
+    prefix = "model.layers.0.self_attn.q_proj"
+
+    def record(q: dict) -> None:
+        entry = q["tensor_storage"][prefix]
+        entry["bits_per_weight"] = 8
+        entry["stored_tensors"][f"{prefix}.trellis"]["shape"] = [16, 16, 128]
+    edit_json(root / "quantization_config.json", record)
+    return root
+
+
+def uniform_k4_map_says(k: int) -> Callable[[Path], Path]:
+    """Uniform K4 data, bits 4, and trellis_bits_by_layer saying K`k` for layer 3."""
+    return tr3_hybrid({"trellis_bits_by_layer": {"3": k, "4": 4}}, partition=None, uniform_k=4)
+
+
+def uniform_k4_bits_says(k: int) -> Callable[[Path], Path]:
+    """Uniform K4 data and map, bits saying K`k`."""
+    return tr3_hybrid({"bits": k, "trellis_bits_by_layer": {"3": 4, "4": 4}}, partition=None, uniform_k=4)
+
+
+def r7_map_disagrees(t: Path) -> Path:
+    """An R7 checkpoint whose bit map gives expert 0's gate_proj another K than its trellis shape."""
+    root = to_r7_v2(tiny_checkpoint(t, tp=1))
+    manifest = root / "r7-experts-layer-003.json"
+    ks = json.loads(manifest.read_text())
+    ks[0] = 5 if ks[0] != 5 else 3
+    manifest.write_text(json.dumps(ks))
+    return root
+
+
 # ---- the cases, by class of issue 47 ------------------------------------------------------------------------
 
 CASES: dict[str, Case] = {
@@ -254,6 +307,31 @@ CASES: dict[str, Case] = {
                                     f"{VSHARED} _validate_protected_tensor_storage: stored bits = declared bits"),
     "protected/mul1": Case(protected(marker="mul1"), "vllm-exl3-shared-h", 2, "config.protected-marker",
                            f"{VSHARED} _validate_protected_tensor_storage: an MCG marker, never MUL1"),
+    # issue 52: the record of lm_head lists no .mcg (the shard has one): the record is what this version reads
+    "protected/shared-h-record-without-mcg": Case(protected_record_without_mcg, "vllm-exl3-shared-h", 2,
+                                                  "config.protected-marker",
+                                                  f"{VSHARED} _validate_protected_tensor_storage: the record's "
+                                                  "stored_tensors must name the MCG marker (\"missing its MCG marker\")"),
+    "protected/shared-h-stored-k6-declared-8": Case(protected_stored_k6_declared_8, "vllm-exl3-shared-h", 2, None,
+                                                    f"{VSHARED} _validate_protected_tensor_storage compares the "
+                                                    "declaration with the record only; _validate_loaded_tensors "
+                                                    "takes any width 1..8 x 16", "config.protected-stored-k"),
+    "protected/r7-embedded": Case(protected_embedded(), "vllm-exl3-r7", 2, None,
+                                  f"{VR7} Exl3Config.from_config reads the embedded tensor_storage; "
+                                  "codebook_for_prefix falls back to the record's marker outside moe_layers"),
+    "protected/190-embedded-in-moe-layers": Case(protected_embedded(prefix="model.layers.3.self_attn.q_proj"),
+                                                 "vllm-exl3-190", 2, None,
+                                                 f"{V190} Exl3Config.from_config, get_quant_method: the embedded "
+                                                 "record makes the linear EXL3; codebook_for_prefix: mcg inside "
+                                                 "moe_layers"),
+    "protected/190-embedded-lm-head": Case(protected_embedded(prefix="lm_head"), "vllm-exl3-190", 2,
+                                           "engine.protected-codebook",
+                                           f"{V190} codebook_for_prefix answers from moe_layers alone on a "
+                                           "rank-sliced checkpoint: none for lm_head, so "
+                                           "Exl3LinearMethod.process_weights_after_loading finds its .mcg an "
+                                           "unexpected codebook"),
+    "protected/shared-h-embedded": Case(protected_embedded(), "vllm-exl3-shared-h", 2, None,
+                                        f"{VSHARED} _hydrate_tensor_storage keeps a non-empty embedded map"),
     # 6. quant_method stamps and missing configs
     "stamp/plain-modelopt": Case(plain_stamped("modelopt"), "vllm-exl3-190", None, "engine.quant-method",
                                  f"{V190} override_quantization_method claims only hybrid_tr3_tail: the stamp rules"),
@@ -303,6 +381,25 @@ CASES: dict[str, Case] = {
     "bits-map/190-ignores": Case(tr3_hybrid({"trellis_bits_by_layer": {"3": 4, "4": 4}}),
                                  "vllm-exl3-190", 2, None,
                                  f"{V190} _configure_rank_sliced never reads trellis_bits_by_layer"),
+    # issue 52: the #190 and R7 versions never read trellis_bits_by_layer: a map contradicting bits over data at
+    # bits' K loads (a warning); the shared-H version reads the map and refuses the K4 data
+    "bits-map/190-map-k5-over-k4": Case(uniform_k4_map_says(5), "vllm-exl3-190", 2, None,
+                                        f"{V190} _configure_rank_sliced, rank_sliced_layer_bitrates: bits for every "
+                                        "layer", "tensor.k-mismatch"),
+    "bits-map/r7-map-k5-over-k4": Case(uniform_k4_map_says(5), "vllm-exl3-r7", 2, None,
+                                       f"{VR7} _configure_rank_sliced, rank_sliced_layer_bitrates: bits for every "
+                                       "layer", "tensor.k-mismatch"),
+    "bits-map/shared-h-map-k5-over-k4": Case(uniform_k4_map_says(5), "vllm-exl3-shared-h", 2, "engine.bits-map-k",
+                                             f"{VSHARED} _configure_rank_sliced, trellis_bitrates_for_layer: the "
+                                             "map is the layer's K"),
+    "bits-map/190-bits-k5-over-k4": Case(uniform_k4_bits_says(5), "vllm-exl3-190", 2, "engine.uniform-k",
+                                         f"{V190} rank_sliced_layer_bitrates: K5 slabs for K4 data"),
+    "bits-map/shared-h-bits-k5-over-k4": Case(uniform_k4_bits_says(5), "vllm-exl3-shared-h", 2, None,
+                                              f"{VSHARED} _configure_rank_sliced reads the map, not bits",
+                                              "config.tr3-bits-by-layer"),
+    "r7/map-disagrees": Case(r7_map_disagrees, "vllm-exl3-r7", 2, None,
+                             f"{VR7} Exl3MoEMethod.process_weights_after_loading: K from each trellis shape; the "
+                             "bit maps are not read", "tensor.k-mismatch"),
     "bits-map/shared-h-refuses": Case(tr3_hybrid({"trellis_bits_by_layer": {"3": 4, "4": 4}}),
                                       "vllm-exl3-shared-h", 2, "engine.bits-map",
                                       f"{VSHARED} _configure_rank_sliced: no trellis_bits_by_layer with bits mixed"),
@@ -324,6 +421,8 @@ def test_profile_gives_the_loader_versions_verdict(name, tmp_path, capsys):
     verdict = next(v for v in doc["engines"] if v["name"] == case.engine)
     errors = {f["code"]: f.get("engine") for f in doc["findings"] if f["severity"] == "error"}
     assert verdict["enforced"] and verdict["tp"] == case.tp
+    warnings = {f["code"] for f in doc["findings"] if f["severity"] == "warning"}
+    assert case.warning is None or case.warning in warnings, (case.source, warnings)
     if case.code is None:
         assert code == 0 and verdict["loads"], (case.source, errors)
         assert case.tp is None or verdict["tp_accepted"] == "any" or case.tp in verdict["tp_accepted"]

@@ -12,6 +12,7 @@ import torch
 
 from corrupt import INDEX, SHARD3, edit_json, key, rebuild_shard, write_tensor_bytes
 from helpers import run_cli, tiny_checkpoint, to_plain_exl3, to_r7, to_r7_v2, error_line
+from trellis_cli.sources import HEADER_WINDOW
 from trellis_cli.dialects import open_checkpoint
 from trellis_cli.findings import Location, Severity, error
 from trellis_cli.sample import sample_path
@@ -93,8 +94,6 @@ def test_tensor_count_formula_matches_production_numbers():
     (lambda h: h.update(protected_tensor_policy={"format": "exl3-protected-v1", "tensors": {
         "model.layers.0.self_attn.q_proj": {"bits": 6, "codebook": "mcg"}}}), "config.protected-missing"),
     (lambda h: h.update(protected_tensor_policy={"format": "exl3-protected-v1", "tensors": {
-        "model.layers.3.mlp.experts.0.gate_proj.rank0": {"bits": 8, "codebook": "mcg"}}}), "config.protected-k"),
-    (lambda h: h.update(protected_tensor_policy={"format": "exl3-protected-v1", "tensors": {
         "model.layers.3.mlp.experts.0.gate_proj.rank0": {"bits": True, "codebook": "mcg"}}}),
      "config.protected-policy"),
 ])
@@ -103,6 +102,18 @@ def test_contract_violations(tmp_path, edit, code):
     edit_json(root / "config.json", lambda c: edit(c["hybrid_tr3_tail"]))
     report = validate(root)
     assert code in codes(report), [f.line() for f in report.findings]
+
+
+def test_a_protected_tensor_stored_at_another_k_than_declared_is_a_warning(tmp_path):
+    """The shared-H loader checks the declaration against tensor_storage's record, never the stored tensor's K
+    (issue 52): stored K3/K4, declared 8, is said, not refused by the format rules."""
+    root = tiny_checkpoint(tmp_path)
+    edit_json(root / "config.json", lambda c: c["hybrid_tr3_tail"].update(protected_tensor_policy={
+        "format": "exl3-protected-v1", "tensors": {"model.layers.3.mlp.experts.0.gate_proj.rank0": {
+            "bits": 8, "codebook": "mcg"}}}))
+    report = validate(root)
+    assert "config.protected-stored-k" in codes(report, Severity.WARNING)
+    assert "config.protected-k" not in codes(report)
 
 
 def test_k_inconsistent_across_ranks(tmp_path):
@@ -290,7 +301,7 @@ def test_deep_through_the_hub_downloads_only_the_chosen_layer(tmp_path, flag, la
         assert doc["revision"] == sha
         # --download only fetches; --deep also reads the data it fetched
         assert (doc["checked"].get("tiles decoded", 0) > 0) == (flag == "--deep")
-        tensor_bytes = {name: n for (_, name), n in hub.tensor_bytes_served.items() if n}
+        tensor_bytes = hub.tensor_bytes_past_window_by_file(HEADER_WINDOW)  # header reads aside
         assert list(tensor_bytes) == [f"model-layer-{layer:03d}.safetensors"]
 
 

@@ -222,3 +222,20 @@ def _is_integral(value: Any) -> bool:
     if isinstance(value, int):
         return True
     return isinstance(value, float) and value.is_integer()
+
+
+def bits_map_overrides(hybrid: Any) -> dict[int, Any]:
+    """Layers where a uniform checkpoint's trellis_bits_by_layer says another K than its integral `bits`:
+    layer -> the map's K. The loader versions read one field each (#190 and R7: bits for every layer; shared-H:
+    the map), so such a layer is judged per loader, not by the format rules."""
+    if not isinstance(hybrid, dict):
+        return {}
+    bits, by_layer = uniform_bits(hybrid.get("bits")), hybrid.get("trellis_bits_by_layer")
+    if bits is None or not isinstance(by_layer, dict):  # "mixed" is no uniform bits
+        return {}
+    found = {}
+    for key, k in by_layer.items():
+        layer = parse_id(key)
+        if layer is not None and k != bits:
+            found[layer] = k
+    return found

@@ -72,6 +72,10 @@ class ShardLayout:
     shared_h: bool = False  # hidden-side vectors once per (projection, rank) in experts.shared_h (shared_h_v1)
     r7_shared: bool = False  # hidden-side vectors in experts.r7_shared (R7 v2), not under each linear
     k_declared_by: str = "the declared K map"  # how a message names a per-projection K declaration
+    # None: every loader that reads this layer takes its K from the declaration, so a declaration that disagrees
+    # with the trellis shapes is an error. Else why not (which loaders read what): the disagreement is a warning
+    # and each loader profile judges the layer by what its loader reads.
+    k_map_note: str | None = None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, NamedTuple
 
-from trellis_cli.checkpoint.declared import layer_range, uniform_bits
+from trellis_cli.checkpoint.declared import bits_map_overrides, layer_range, uniform_bits
 from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint
 from trellis_cli.dialects.detect import QUANT_CONFIG
 from trellis_cli.dialects.interface import B12X, B12X_130, EXLLAMAV3, VLLM, ContainerRefusal
@@ -181,14 +181,36 @@ def uniform_k_190(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     if bits not in UNIFORM_K_190:
         yield Refusal("engine.uniform-k", f"uniform K{int(bits)} unsupported", _at("bits"), "this version serves "
                       "uniform rank-sliced layers at K3..K6 only", expected="3..6", found=bits)
-    by_layer = h.get("trellis_bits_by_layer")
-    if isinstance(by_layer, dict):
-        differ = sorted(str(key) for key, k in by_layer.items() if k != int(bits))
-        if differ:
-            yield Refusal("engine.uniform-k", "ignores trellis_bits_by_layer", _at("trellis_bits_by_layer"),
-                          "this version takes bits for every layer and does not read trellis_bits_by_layer, "
-                          "which says otherwise for some layers", expected=f"K{int(bits)} everywhere",
-                          found=f"layers {differ[:8]}")
+    # trellis_bits_by_layer is never read here: where it contradicts bits, the layer's slabs are K{bits}, and
+    # the stored K must be that (the format rules compare the shapes with the map only where the two agree).
+    for li in sorted(bits_map_overrides(h)):
+        stored = _stored_ks(ckpt, li)
+        if stored and stored != [int(bits)]:
+            yield Refusal("engine.uniform-k", f"layer {li} stored at K{stored}, bits says K{int(bits)}",
+                          Location(layer=li), "this version reads bits for every layer (trellis_bits_by_layer is "
+                          f"not read) and allocates K{int(bits)} slabs; the stored trellis shapes are another K",
+                          expected=int(bits), found=stored)
+
+
+def bits_map_k(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
+    """Shared-H version: a uniform checkpoint's K per layer is trellis_bits_by_layer's (bits is not read when the
+    map is there); where the map contradicts bits the format rules leave the shapes to each profile."""
+    h = rank_sliced_contract(ckpt)
+    for li, k in sorted(bits_map_overrides(h).items()):
+        stored = _stored_ks(ckpt, li)
+        if stored and stored != [k]:
+            yield Refusal("engine.bits-map-k", f"layer {li} stored at K{stored}, trellis_bits_by_layer says {k!r}",
+                          Location(layer=li), "this version takes the layer's K from trellis_bits_by_layer "
+                          "(_configure_rank_sliced; trellis_bitrates_for_layer) and allocates slabs of that K; "
+                          "the stored trellis shapes are another K", expected=k, found=stored)
+
+
+def _stored_ks(ckpt: Checkpoint, li: int) -> list[int]:
+    layer = ckpt.layers.get(li)
+    if layer is None:
+        return []
+    return sorted({lin.k for projs in layer.experts.values() for by_rank in projs.values()
+                   for lin in by_rank.values() if lin.k is not None})
 
 
 def shared_h_unsupported(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:

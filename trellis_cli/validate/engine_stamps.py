@@ -1,5 +1,5 @@
 """Loader checks on how a checkpoint says what it is: the quantization config vLLM selects a method from, the
-`quant_method` stamp, JSON integers against int() coercion, and whether protected tensors are read at all.
+`quant_method` stamp and JSON integers against int() coercion (protected tensors: engine_protected.py).
 
 These differ between the fork's loader versions (docs/engines.md cites each): vLLM picks the quantization
 method from config.json's embedded `quantization_config` only; the fork's EXL3 override then recognizes its
@@ -78,19 +78,6 @@ def _not_json_int(key: str, value: object, why: str) -> Refusal:
     return Refusal("engine.json-int", f"{key} not a JSON integer", Location(file="config.json",
                    tensor=f"hybrid_tr3_tail.{key}"), f"this version does not coerce: {key} {why}",
                    expected="a JSON integer", found=value)
-
-
-def protected_unread(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
-    """#190 and R7 versions: a rank-sliced checkpoint's metadata ends at hybrid_tr3_tail; protected_tensor_policy
-    is not read and neither is tensor_storage, so the protected (dense EXL3) tensors get no EXL3 parameters and
-    their trellis/suh/svh/mcg have nowhere to load."""
-    h = rank_sliced_contract(ckpt)
-    if h is not None and "protected_tensor_policy" in h:
-        yield Refusal("engine.protected-unread", "protected tensors not read",
-                      Location(file="config.json", tensor="hybrid_tr3_tail.protected_tensor_policy"),
-                      "this version has no protected_tensor_policy and reads no tensor_storage for a rank-sliced "
-                      "checkpoint: the protected dense tensors are not EXL3 to it and their tensors have no "
-                      "parameter to load into", expected="no protected tensors", found="protected_tensor_policy")
 
 
 def bits_map(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:

@@ -2,7 +2,7 @@
 
 A profile is a named, versioned rule set: plain data (name, label, the loader version it was read from) plus
 the small checks that yield what that loader refuses (engine_rules.py; engine_stamps.py for the quantization
-config, stamps, JSON integers and protected tensors; engine_r7.py for the R7 loader version; engine_manifest.py
+config, stamps and JSON integers; engine_protected.py for protected tensors; engine_r7.py for the R7 loader version; engine_manifest.py
 for the mainline exl3-manifest loader) and its TP contract (engine_tp.py). `trellis validate` enforces one
 profile (`--engine NAME`, or the default for the checkpoint's dialect): its refusals become error findings
 carrying the engine name. Every other profile is evaluated too and reported in the compatibility verdicts,
@@ -20,6 +20,7 @@ from trellis_cli.errors import UsageError
 from trellis_cli.findings import Finding, Report, Severity
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.validate import engine_manifest as m
+from trellis_cli.validate import engine_protected as pr
 from trellis_cli.validate import engine_r7 as r7
 from trellis_cli.validate import engine_rules as r
 from trellis_cli.validate import engine_stamps as st
@@ -50,21 +51,21 @@ _VLLM_COMMON = (r.vllm_container, st.embedded_quant_config, st.stamp_selects_exl
                 r.legacy_signs, r.tier_count)
 
 _R7_RULES = (r7.r7_container, st.embedded_quant_config, r7.r7_detected, r7.r7_contract, r7.glm53_contract,
-             r7.glm53_stream, r7.glm53_external, st.stamp_selects_exl3, st.bits_required, st.protected_unread, r7.r7_tensor_storage,
+             r7.glm53_stream, r7.glm53_external, st.stamp_selects_exl3, st.bits_required, pr.protected_r7, r7.r7_tensor_storage,
              r7.r7_layer_range, r7.r7_rank_free, r7.r7_shared_vectors, r7.r7_undeclared_k, r.legacy_signs,
              r.tier_count, r7.uniform_k_r7, w.model_weights_rule)
 
 ENGINES: tuple[Engine, ...] = (
-    Engine("vllm-exl3-shared-h", "vllm-exl3 (shared-H rules)", 3,
+    Engine("vllm-exl3-shared-h", "vllm-exl3 (shared-H rules)", 4,
            "local-inference-lab/vllm exl3.py with rotation_layout and _normalize_rank_sliced_metadata",
-           _VLLM_COMMON + (st.json_ints, st.bits_map, r.bits_exact, r.k_values_two, r.every_k_used, r.bitmap_field,
-                           r.uniform_map, w.model_weights_rule), tpc.fork_tp),
-    Engine("vllm-exl3-190", "vllm-exl3 (#190 rules)", 3,
+           _VLLM_COMMON + (st.json_ints, st.bits_map, r.bits_map_k, r.bits_exact, r.k_values_two, r.every_k_used,
+                           r.bitmap_field, r.uniform_map, pr.protected_storage, w.model_weights_rule), tpc.fork_tp),
+    Engine("vllm-exl3-190", "vllm-exl3 (#190 rules)", 4,
            "yatesdr/vllm-opt@1f0baf95 exl3.py (#190: rank-sliced, int() coercion, no rotation_layout)",
-           _VLLM_COMMON + (st.bits_required, st.protected_unread, r.shared_h_unsupported, r.uniform_k_190,
+           _VLLM_COMMON + (st.bits_required, pr.protected_190, r.shared_h_unsupported, r.uniform_k_190,
                            w.model_weights_rule),
            tpc.fork_tp),
-    Engine("vllm-exl3-r7", "vllm-exl3 (R7 rules)", 3,
+    Engine("vllm-exl3-r7", "vllm-exl3 (R7 rules)", 4,
            "the fork's exl3.py with r7_routed_experts (r7-complete-v2-checkpoint-v1) and the GLM-5.3 scope",
            _R7_RULES, tpc.r7_fork_tp),
     Engine("vllm-exl3-manifest", "vllm-exl3 (manifest rules)", 2,

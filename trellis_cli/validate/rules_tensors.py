@@ -33,6 +33,7 @@ class LayerContext:
     shared: bool
     r7_shared: bool = False  # R7 v2: H-side vectors live in `experts.r7_shared.*`, not per expert
     k_declared_by: str = "the declared K map"  # what declares per-projection K, as messages name it
+    k_map_note: str | None = None  # ShardLayout.k_map_note: why the declared K does not bind every loader
 
 
 def check_layers(ckpt: Checkpoint, layers: list[int]) -> Iterator[Finding]:
@@ -46,7 +47,8 @@ def _context(ckpt: Checkpoint, layer: MoeLayer) -> LayerContext:
     """The layer's geometry, with how its dialect stores it (`Dialect.shard_layout`: the dialect's own answer)."""
     layout = dialect_of(ckpt).shard_layout(ckpt, layer)
     return LayerContext(layer.index, ckpt.num_experts, ckpt.tp, ckpt.hidden, ckpt.intermediate_per_rank,
-                        ckpt.codebook, layout.rank_sliced, layout.shared_h, layout.r7_shared, layout.k_declared_by)
+                        ckpt.codebook, layout.rank_sliced, layout.shared_h, layout.r7_shared, layout.k_declared_by,
+                        layout.k_map_note)
 
 
 def check_layer(ckpt: Checkpoint, layer: MoeLayer) -> Iterator[Finding]:
@@ -81,6 +83,8 @@ def check_layer(ckpt: Checkpoint, layer: MoeLayer) -> Iterator[Finding]:
                                 "rank outside the declared tp", expected=f"< {ctx.tp}", found=rank)
                 yield from check_linear(ctx, expert, proj, rank, lin)
         yield from _check_expert_k(ckpt, ctx, layer, expert, projs)
+    if ctx.k_map_note is not None:
+        yield from _unbinding_k_map(ctx, layer)
     if missing > shown:
         yield error_summary("rank.missing", here, missing - shown, "missing rank slices in this layer",
                             expected=f"ranks 0-{ctx.tp - 1}", found=f"{missing} missing")
@@ -204,7 +208,8 @@ def _check_expert_k(ckpt: Checkpoint, ctx: LayerContext, layer: MoeLayer, expert
                         "of one expert have different K (one K per expert in this dialect)", found=sorted(ks))
             return
         declared = layer.declared_k
-        if declared is not None and ks and expert < len(declared) and declared[expert] != next(iter(ks)):
+        if ctx.k_map_note is None and declared is not None and ks and expert < len(declared) \
+                and declared[expert] != next(iter(ks)):
             yield error("tensor.k-mismatch", Location(layer=layer.index, expert=expert), "the bitmap's K differs "
                         "from the K of the trellis shapes", expected=declared[expert], found=next(iter(ks)))
         return
@@ -213,12 +218,34 @@ def _check_expert_k(ckpt: Checkpoint, ctx: LayerContext, layer: MoeLayer, expert
         where = Location(layer=layer.index, expert=expert, projection=proj)
         if len(ks) > 1:
             yield error("expert.k-inconsistent", where, "ranks of one projection have different K", found=sorted(ks))
-        elif ks and layer.declared_projection_k is not None:
+        elif ks and layer.declared_projection_k is not None and ctx.k_map_note is None:
             declared_k = layer.declared_projection_k.get((expert, proj))
             if declared_k is not None and declared_k != next(iter(ks)):
                 yield error("tensor.k-mismatch", where,
                             f"{ctx.k_declared_by} K differs from the K of the trellis shape",
                             expected=declared_k, found=next(iter(ks)))
+
+
+def _unbinding_k_map(ctx: LayerContext, layer: MoeLayer) -> Iterator[Finding]:
+    """A declared K no loader of this layer is bound by, against the trellis shapes: one warning per layer."""
+    differ = []
+    for expert, projs in sorted(layer.experts.items()):
+        for proj, by_rank in projs.items():
+            ks = {lin.k for lin in by_rank.values() if lin.k is not None}
+            if len(ks) != 1:
+                continue  # none, or ranks that disagree (expert.k-inconsistent)
+            if layer.declared_projection_k is not None:
+                declared = layer.declared_projection_k.get((expert, proj))
+            else:
+                declared = layer.declared_k[expert] if layer.declared_k and expert < len(layer.declared_k) else None
+            if declared is not None and declared != next(iter(ks)):
+                differ.append((expert, proj, declared, next(iter(ks))))
+    if differ:
+        expert, proj, declared, stored = differ[0]
+        yield warning("tensor.k-mismatch", Location(layer=layer.index, expert=expert, projection=proj),
+                      f"{ctx.k_declared_by} K differs from the K of the trellis shapes for {len(differ)} "
+                      f"(expert, projection) pair(s) of this layer; {ctx.k_map_note}",
+                      expected=declared, found=stored)
 
 
 def _check_shared_h(ctx: LayerContext, layer: MoeLayer) -> Iterator[Finding]:

@@ -14,6 +14,12 @@ from trellis_cli.dialects.interface import (EXLLAMAV3, VLLM, VLLM_R7, CheckReque
                                            ShardLayout)
 
 
+# The fork's R7 loader takes each tensor's K from its trellis shape and never opens bit_map_manifests (stored
+# version of 212,886 chars: no reader of that key); exllamav3 reads K from the shapes too.
+R7_MAPS_UNREAD = ("the R7 loader reads each K from the trellis shape and never reads the bit maps, so it loads "
+                  "what is stored")
+
+
 class R7Dialect(Dialect):
     name = DIALECT_R7
     described_as = "an R7 (r7_routed_experts)"
@@ -35,7 +41,7 @@ class R7Dialect(Dialect):
         return decl.r7_declared(info.declared["r7_routed_experts"], read_json, files)
 
     def shard_layout(self, ckpt, layer) -> ShardLayout:
-        return ShardLayout(r7_shared=bool(layer.r7_shared), k_declared_by="the R7 bit map")
+        return ShardLayout(r7_shared=bool(layer.r7_shared), k_declared_by="the R7 bit map", k_map_note=R7_MAPS_UNREAD)
 
     def check(self, ckpt, request: CheckRequest, report) -> None:
         """Its K maps and the eager start its metadata gets (rules.py); the shard rules run besides."""

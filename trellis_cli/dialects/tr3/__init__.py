@@ -38,7 +38,16 @@ class Tr3Dialect(Dialect):
         return info if info is not None and info.dialect == self.name else None
 
     def shard_layout(self, ckpt, layer) -> ShardLayout:
-        return ShardLayout(rank_sliced=True, shared_h=self.shared_h)
+        from trellis_cli.checkpoint.declared import bits_map_overrides
+
+        hybrid = self.rank_sliced_contract(ckpt) or {}
+        overrides = bits_map_overrides(hybrid)
+        note = None if layer.index not in overrides else (
+            f"trellis_bits_by_layer says {overrides[layer.index]!r} for this layer where bits says "
+            f"{hybrid.get('bits')!r}: the #190 and R7 loaders read bits for every layer "
+            "and never the map, the shared-H loader reads the map (each profile judges the layer by its field)")
+        return ShardLayout(rank_sliced=True, shared_h=self.shared_h, k_map_note=note,
+                           k_declared_by="trellis_bits_by_layer's" if note else ShardLayout.k_declared_by)
 
     def declarations(self, ckpt, info: DialectInfo, read_json, files: dict[str, int]) -> Any | None:
         """The contract's K per expert (bits, trellis_bits_by_layer or the tier bitmaps it names); every layer

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from trellis_cli.checkpoint.declared import layer_range, layer_span, uniform_bits
+from trellis_cli.checkpoint.declared import bits_map_overrides, layer_range, layer_span, uniform_bits
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, TENSOR_SCHEMA
 from trellis_cli.dialects.detect import QUANT_CONFIG
@@ -105,6 +105,13 @@ def _check_uniform(h: dict, bits: Any, limit: int) -> Iterator[Finding]:
     by_layer = h.get("trellis_bits_by_layer")
     if by_layer is None:
         return
+    overrides = bits_map_overrides(h)
+    if overrides:
+        yield warning("config.tr3-bits-by-layer", _where("trellis_bits_by_layer"), f"says another K than bits "
+                      f"({bits!r}) for {len(overrides)} layer(s): the #190 and R7 loaders read bits for every layer "
+                      "and never the map, the shared-H loader reads the map and not bits; each profile checks the "
+                      "stored K against its own field (engine.uniform-k, engine.bits-map-k)",
+                      expected=uniform_bits(bits), found={str(li): k for li, k in sorted(overrides.items())[:8]})
     for problem, expected, found in bits_map_problems(h, limit):  # the shared-H loader's: engine.bits-map
         yield warning("config.tr3-bits-by-layer", _where("trellis_bits_by_layer"), f"{problem} (the shared-H loader "
                       "refuses it; the #190 one does not read trellis_bits_by_layer)", expected=expected, found=found)
@@ -219,17 +226,56 @@ def _check_protected_entry(ckpt: Checkpoint, prefix: str, entry: Any) -> Iterato
                     found=f"{prefix}.trellis")
         return
     tensor_where = Location(file=trellis.file, tensor=trellis.name)
-    if len(trellis.shape) != 3 or trellis.shape[-1] != 16 * bits:
-        yield error("config.protected-k", tensor_where, "trellis last dim must be 16 x the declared bits",
-                    expected=16 * bits, found=trellis.shape[-1] if trellis.shape else None)
+    width = trellis.shape[-1] if len(trellis.shape) == 3 else None
+    if width is None or width % 16 or not 1 <= width // 16 <= 8:
+        yield error("config.protected-k", tensor_where, "a protected trellis is rank 3 with a last dim of 16 x K, "
+                    "K in 1..8 (the loader's _validate_loaded_tensors refuses any other)", expected=16 * bits,
+                    found=list(trellis.shape))
+    elif width != 16 * bits:
+        # The shared-H loader checks the declaration against tensor_storage only and loads any width 1..8 x 16.
+        yield warning("config.protected-stored-k", tensor_where, f"the stored trellis is K{width // 16} where the "
+                      f"policy declares {bits}: the shared-H loader compares the declaration with tensor_storage's "
+                      "record only (_validate_protected_tensor_storage) and loads any trellis width "
+                      f"(_validate_loaded_tensors), so it serves this tensor at K{width // 16}",
+                      expected=16 * bits, found=width)
     if f"{prefix}.mcg" not in ckpt.tensors or f"{prefix}.mul1" in ckpt.tensors:
         yield error("config.protected-marker", tensor_where, "protected tensors carry an .mcg marker and no .mul1",
                     expected=".mcg only", found=[m for m in (".mcg", ".mul1") if f"{prefix}{m}" in ckpt.tensors])
+    yield from _check_protected_record(ckpt, prefix, bits)
+
+
+def _check_protected_record(ckpt: Checkpoint, prefix: str, bits: int) -> Iterator[Finding]:
+    """The shared-H loader's _validate_protected_tensor_storage, on the module's tensor_storage record (the
+    coverage of the records is checked beside): its stored_tensors name an .mcg marker and no .mul1
+    ("missing its MCG marker"), bits_per_weight is the declared bits as a JSON integer, and the recorded
+    trellis shape ends in 16 x bits."""
     record = (_protected_storage(ckpt) or {}).get(prefix)
-    if isinstance(record, dict) and record.get("bits_per_weight") != bits:
-        yield error("config.protected-k", Location(file=QUANT_CONFIG, tensor=prefix),
-                    "tensor_storage bits_per_weight differs from the declared bits", expected=bits,
-                    found=record.get("bits_per_weight"))
+    if not isinstance(record, dict):
+        return
+    where = Location(file=_protected_storage_file(ckpt), tensor=f"tensor_storage.{prefix}")
+    stored = record.get("stored_tensors")
+    names = stored if isinstance(stored, dict) else {}
+    if f"{prefix}.mcg" not in names or f"{prefix}.mul1" in names:
+        yield error("config.protected-marker", where, "the record's stored_tensors must list the .mcg marker and "
+                    "no .mul1: the shared-H loader (_validate_protected_tensor_storage) refuses a protected tensor "
+                    "whose record is missing its MCG marker or has a MUL1 one", expected=f"{prefix}.mcg",
+                    found=sorted(str(n) for n in names if str(n).rsplit(".", 1)[-1] in ("mcg", "mul1")))
+    stored_bits = record.get("bits_per_weight")
+    if not is_int(stored_bits) or stored_bits != bits:
+        yield error("config.protected-k", where, "tensor_storage bits_per_weight must be the declared bits as a "
+                    "JSON integer", expected=bits, found=stored_bits)
+    entry = names.get(f"{prefix}.trellis")
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    if not (isinstance(shape, list) and shape and is_int(shape[-1]) and shape[-1] == 16 * bits):
+        yield error("config.protected-k", where, "the record's trellis shape must end in 16 x the declared bits "
+                    "(the shared-H loader reads the shape from the record, not from the shard)",
+                    expected=16 * bits, found=shape)
+
+
+def _protected_storage_file(ckpt: Checkpoint) -> str:
+    embedded = ckpt.config.get("quantization_config")
+    storage = embedded.get("tensor_storage") if isinstance(embedded, dict) else None
+    return "config.json" if isinstance(storage, dict) and storage else QUANT_CONFIG
 
 
 def _check_bits_spelling(bits: str) -> Iterator[Finding]:
