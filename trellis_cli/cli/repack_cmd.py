@@ -49,54 +49,52 @@ HELP = (
 )
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("repack", help=HELP)
-    def repack_command(
-        source: Annotated[str, typer.Argument(
-            help="TR3 checkpoint (a directory, or a Hub id org/name or org/name@rev), a route pack or an exl3-v1 "
-                 "checkpoint.")],
-        out: Annotated[Path, typer.Argument(help="Output directory (must not exist or be empty).")],
-        revision: RevisionOpt = None,
-        token: TokenOpt = None,
-        offline: OfflineOpt = False,
-        endpoint: EndpointOpt = None,
-        cache_dir: CacheDirOpt = None,
-        layers: Annotated[Optional[str], typer.Option(help="MoE layers to repack, e.g. 3-5,40 (default all).")] = None,
-        ranks: Annotated[Optional[str], typer.Option(help="TP ranks to write, e.g. 0,1 (default all).")] = None,
-        tp: Annotated[Optional[int], typer.Option(help="Target TP degree (exact re-slicing only).")] = None,
-        shared_h: Annotated[bool, typer.Option("--shared-h", help="Collapse hidden-side rotations to one row "
-                                                                  "(refused unless byte-equal).")] = False,
-        to: Annotated[Target, typer.Option("--to", help="Output layout.")] = Target.route_pack,
-        jobs: Annotated[int, typer.Option("--jobs", "-j", help="Layer-ranks processed in parallel (each holds "
-                                                                 "one layer-rank, ~1 GB at GLM-5.2 TP4).")] = 4,
-        overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")] = False,
-        experts_only: Annotated[bool, typer.Option("--experts-only", help="Do not carry non-expert files and "
-                                                                          "tensors through.")] = False,
-        dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be written (files, bytes, free "
-                                                                "space, the conversion) and what would be "
-                                                                "refused; write nothing, validate nothing.")] = False,
-        as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
-    ) -> None:
-        from trellis_cli.repack.run import RepackOptions
+def repack_command(
+    source: Annotated[str, typer.Argument(
+        help="TR3 checkpoint (a directory, or a Hub id org/name or org/name@rev), a route pack or an exl3-v1 "
+             "checkpoint.")],
+    out: Annotated[Path, typer.Argument(help="Output directory (must not exist or be empty).")],
+    revision: RevisionOpt = None,
+    token: TokenOpt = None,
+    offline: OfflineOpt = False,
+    endpoint: EndpointOpt = None,
+    cache_dir: CacheDirOpt = None,
+    layers: Annotated[Optional[str], typer.Option(help="MoE layers to repack, e.g. 3-5,40 (default all).")] = None,
+    ranks: Annotated[Optional[str], typer.Option(help="TP ranks to write, e.g. 0,1 (default all).")] = None,
+    tp: Annotated[Optional[int], typer.Option(help="Target TP degree (exact re-slicing only).")] = None,
+    shared_h: Annotated[bool, typer.Option("--shared-h", help="Collapse hidden-side rotations to one row "
+                                                              "(refused unless byte-equal).")] = False,
+    to: Annotated[Target, typer.Option("--to", help="Output layout.")] = Target.route_pack,
+    jobs: Annotated[int, typer.Option("--jobs", "-j", help="Layer-ranks processed in parallel (each holds "
+                                                             "one layer-rank, ~1 GB at GLM-5.2 TP4).")] = 4,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")] = False,
+    experts_only: Annotated[bool, typer.Option("--experts-only", help="Do not carry non-expert files and "
+                                                                      "tensors through.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be written (files, bytes, free "
+                                                            "space, the conversion) and what would be "
+                                                            "refused; write nothing, validate nothing.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
+) -> None:
+    from trellis_cli.repack.run import RepackOptions
 
-        started = time.perf_counter()  # the summary's time covers opening, validating and planning too
-        # --layers / --ranks typed once here: the syntax and id bound validate and inspect use (an empty text or
-        # 0-99999999999 is a usage error before the source is opened)
-        chosen_layers, chosen_ranks = parse_layers(layers), parse_layers(ranks, "--ranks")
-        check_arguments(source, out, tp, jobs, overwrite)
-        options = RepackOptions(layers=chosen_layers, ranks=chosen_ranks, tp=tp, shared_h=shared_h, to=to.value, jobs=jobs,
-                                overwrite=overwrite, copy_other=not experts_only,
-                                dry_run=dry_run)
-        opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
-        # A plain line even off a terminal: opening and validating a 300 GB source reads ~80 headers first.
-        output.log(f"opening {opened.description}: " + (
-            "reading headers (dry run: nothing is validated or written) ..." if dry_run else
-            "reading headers and validating it before writing (OUT and free space are checked first) ..."))
-        result = _run(opened, out, options, as_json)
-        if result.plan is not None:
-            _print_plan(result.plan, as_json)
-            return
-        _print_summary(result, options, source, time.perf_counter() - started, as_json)
+    started = time.perf_counter()  # the summary's time covers opening, validating and planning too
+    # --layers / --ranks typed once here: the syntax and id bound validate and inspect use (an empty text or
+    # 0-99999999999 is a usage error before the source is opened)
+    chosen_layers, chosen_ranks = parse_layers(layers), parse_layers(ranks, "--ranks")
+    check_arguments(source, out, tp, jobs, overwrite)
+    options = RepackOptions(layers=chosen_layers, ranks=chosen_ranks, tp=tp, shared_h=shared_h, to=to.value, jobs=jobs,
+                            overwrite=overwrite, copy_other=not experts_only,
+                            dry_run=dry_run)
+    opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
+    # A plain line even off a terminal: opening and validating a 300 GB source reads ~80 headers first.
+    output.log(f"opening {opened.description}: " + (
+        "reading headers (dry run: nothing is validated or written) ..." if dry_run else
+        "reading headers and validating it before writing (OUT and free space are checked first) ..."))
+    result = _run(opened, out, options, as_json)
+    if result.plan is not None:
+        _print_plan(result.plan, as_json)
+        return
+    _print_summary(result, options, source, time.perf_counter() - started, as_json)
 
 
 def check_arguments(source: str, out: Path, tp: int | None, jobs: int, overwrite: bool) -> None:

@@ -38,45 +38,43 @@ TP_HELP = ("The tensor-parallel degree the server will run: checked against each
            "the report lists the TP degrees each engine would accept.")
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("validate", help=HELP)
-    def validate_command(
-        source: SourceArg = None,
-        revision: RevisionOpt = None,
-        token: TokenOpt = None,
-        offline: OfflineOpt = False,
-        endpoint: EndpointOpt = None,
-        cache_dir: CacheDirOpt = None,
-        layers: Annotated[Optional[str], typer.Option(help="MoE layers for the per-layer rules, e.g. 3-5,40.")] = None,
-        deep: Annotated[bool, typer.Option("--deep", help="Also read tensor data of the chosen layers (finite "
-                                                          "vectors, marker values, sampled tile decode).")] = False,
-        download: Annotated[bool, typer.Option("--download", help="Download the chosen layers' shards into the Hub "
-                                                                  "cache (implied by --deep).")] = False,
-        checksums: Annotated[bool, typer.Option("--checksums", help="Compare sha256 with the Hub's LFS hashes or "
-                                                                    "MANIFEST.sha256.")] = False,
-        strict: Annotated[bool, typer.Option("--strict", help="Warnings fail too.")] = False,
-        engine: Annotated[Optional[str], typer.Option("--engine", help=ENGINE_HELP)] = None,
-        tp: Annotated[Optional[int], typer.Option("--tp", min=1, help=TP_HELP)] = None,
-        as_json: Annotated[bool, typer.Option("--json", help="Emit the report as one JSON document.")] = False,
-    ) -> None:
-        from trellis_cli.validate.request import ValidateRequest, validate_source
+def validate_command(
+    source: SourceArg = None,
+    revision: RevisionOpt = None,
+    token: TokenOpt = None,
+    offline: OfflineOpt = False,
+    endpoint: EndpointOpt = None,
+    cache_dir: CacheDirOpt = None,
+    layers: Annotated[Optional[str], typer.Option(help="MoE layers for the per-layer rules, e.g. 3-5,40.")] = None,
+    deep: Annotated[bool, typer.Option("--deep", help="Also read tensor data of the chosen layers (finite "
+                                                      "vectors, marker values, sampled tile decode).")] = False,
+    download: Annotated[bool, typer.Option("--download", help="Download the chosen layers' shards into the Hub "
+                                                              "cache (implied by --deep).")] = False,
+    checksums: Annotated[bool, typer.Option("--checksums", help="Compare sha256 with the Hub's LFS hashes or "
+                                                                "MANIFEST.sha256.")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Warnings fail too.")] = False,
+    engine: Annotated[Optional[str], typer.Option("--engine", help=ENGINE_HELP)] = None,
+    tp: Annotated[Optional[int], typer.Option("--tp", min=1, help=TP_HELP)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Emit the report as one JSON document.")] = False,
+) -> None:
+    from trellis_cli.validate.request import ValidateRequest, validate_source
 
-        request = ValidateRequest(layers=parse_layers(layers), deep=deep, checksums=checksums, download=download,
-                                  engine=engine_option(engine), tp=tp, strict=strict)
-        opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
-        with output.make_progress(enabled=output.progress_enabled(as_json)) as bars:
-            report = validate_source(opened, request, _progress(bars, as_json))
-        report.context.setdefault("source", opened.describe())
-        if as_json:
-            emit_report_json(report, source=opened.describe(), revision=getattr(opened, "revision", None),
-                             strict=strict)
-        else:
-            render_report(report)
-        if not report.ok:
-            if report.error_count:  # the FAIL verdict is already on stdout (or in the JSON): said once
-                raise typer.Exit(EXIT_FINDINGS)
-            raise CheckFailed(f"{report.warning_count} warning(s) with --strict (the verdict above counts errors "
-                              f"only)")
+    request = ValidateRequest(layers=parse_layers(layers), deep=deep, checksums=checksums, download=download,
+                              engine=engine_option(engine), tp=tp, strict=strict)
+    opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
+    with output.make_progress(enabled=output.progress_enabled(as_json)) as bars:
+        report = validate_source(opened, request, _progress(bars, as_json))
+    report.context.setdefault("source", opened.describe())
+    if as_json:
+        emit_report_json(report, source=opened.describe(), revision=getattr(opened, "revision", None),
+                         strict=strict)
+    else:
+        render_report(report)
+    if not report.ok:
+        if report.error_count:  # the FAIL verdict is already on stdout (or in the JSON): said once
+            raise typer.Exit(EXIT_FINDINGS)
+        raise CheckFailed(f"{report.warning_count} warning(s) with --strict (the verdict above counts errors "
+                          f"only)")
 
 
 def emit_report_json(report: Report, **extra: object) -> None:
