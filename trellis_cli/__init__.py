@@ -54,7 +54,6 @@ _EXPORTS = {
     "choose_gpu": "trellis_cli.fit.gpus",
     "bench_run": "trellis_cli.bench.run",
     "BenchRequest": "trellis_cli.bench.request",
-    "BenchResult": "trellis_cli.bench.run",
     "DiffResult": "trellis_cli.diff.result",
     "FusedMoe": "trellis_cli.kernel.launch",
     "TrellisError": "trellis_cli.errors",
@@ -64,7 +63,7 @@ __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on demand
     from trellis_cli.bench.request import BenchRequest
-    from trellis_cli.bench.run import BenchResult, bench_run
+    from trellis_cli.bench.run import bench_run
     from trellis_cli.checkpoint.model import Checkpoint
     from trellis_cli.dialects.open import open_checkpoint
     from trellis_cli.checkpoint.tensors import read_tensor

@@ -59,8 +59,8 @@ def diff_command(
         tasks = {name: progress.add_task(name, total=None, bytes=name != "MoE layers compared", visible=False)
                  for name in ("MoE layers compared", "sha256", "download")}
 
-        def advance(name: str, n: int = 0, **fields: int) -> None:
-            progress.update(tasks[name], advance=n, visible=True, **fields)
+        def advance(name: str, n: int = 0, completed: int | None = None, total: int | None = None) -> None:
+            progress.update(tasks[name], advance=n, visible=True, completed=completed, total=total)  # None: kept
 
         result = diff_sources(*opened, layers=chosen,
                               on_open=lambda description: output.log(f"reading headers of {description} ..."),
