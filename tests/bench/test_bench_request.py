@@ -120,3 +120,20 @@ def test_the_cpu_smoke_from_the_library_passes_on_a_tiny_checkpoint(tmp_path):
     result = bench_run(BenchRequest(source=str(root), smoke=True, device="cpu", tp=2))  # the preset's own TP
     assert isinstance(result, SmokeResult) and result.failure is None and result.checks
     assert result.to_json()["tp"] == 2 and all(c.passed for c in result.checks)
+
+
+def test_the_docs_table_is_the_rules():
+    from pathlib import Path
+
+    from trellis_cli.bench.request import FLAGS
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text(encoding="utf-8")
+    head = "| option | refused with | only with |"
+    rows = text[text.index(head):].split("\n\n")[0].splitlines()[2:]
+
+    def flags(cell: str) -> tuple[str, ...]:
+        return tuple(part.strip().strip("`") for part in cell.split(",") if part.strip())
+
+    documented = [tuple(flags(c) for c in row.strip("|").split("|")) for row in rows]
+    assert documented == [((FLAGS[r.option],), tuple(FLAGS[o] for o in r.not_with),
+                           tuple(FLAGS[o] for o in r.only_with)) for r in RULES]

@@ -57,3 +57,16 @@ def test_a_command_function_runs_when_called_directly(capsys):
 def test_help_through_the_app_is_unchanged_by_the_table(capsys):
     code, out, _ = run_cli(capsys, "--help")
     assert code == 0 and all(name in out for name, _, _ in COMMANDS)
+
+
+def test_validate_help_names_every_dialect_default_engine_and_every_engine():
+    from trellis_cli.cli.validate_cmd import ENGINE_HELP, HELP
+    from trellis_cli.dialects.registry import DIALECTS
+    from trellis_cli.validate.engines import ENGINES
+
+    text = " ".join(HELP.split())
+    for dialect in DIALECTS:
+        assert dialect.default_engine is None or dialect.default_engine in text or dialect.default_engine == \
+            "vllm-exl3-shared-h", dialect.name  # TR3's is said as "the newest rank-sliced vLLM loader"
+    assert "none)" in text  # the route pack: no engine loads it
+    assert [e.name for e in ENGINES] == ENGINE_HELP.split(": ", 1)[1].split(" (default")[0].split(", ")

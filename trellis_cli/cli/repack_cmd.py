@@ -1,5 +1,6 @@
-"""`trellis repack SOURCE OUT`: any conversion of the dialect registry's table (TR3 -> route pack by default; --to
-tr3, exl3-v1, btx), streamed, verified, resumable; or its dry run (the conversion's plan, nothing written)."""
+"""`trellis repack SOURCE OUT`: any conversion of the dialect registry's table, from a TR3, exl3-v1, BTX, route-pack
+or GLM-5.3 stream SOURCE (--to route-pack by default; tr3, exl3-v1, btx, glm53-stream), streamed, verified,
+resumable; or its dry run (the conversion's plan, nothing written)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ class Target(str, Enum):
 
 
 HELP = (
-    "Repack a rank-sliced TR3 checkpoint into the route-pack layout the fused kernel reads directly "
-    "(one file per MoE layer and TP rank: tier-ordered trellis slabs, descriptors, rotation tables; "
-    "docs/format.md), or convert back with --to tr3.\n\n"
+    "Convert a checkpoint to another layout of the dialect registry's table: by default a rank-sliced TR3 (or "
+    "exl3-v1) checkpoint into the route-pack layout the fused kernel reads directly (one file per MoE layer and "
+    "TP rank: tier-ordered trellis slabs, descriptors, rotation tables; docs/format.md); --to tr3, exl3-v1, btx "
+    "or glm53-stream for the others (below).\n\n"
     "Which target for what: the default route pack is for the bundled kernel (`trellis bench`) and loads in no "
     "serving engine; the vLLM fork loads --to tr3 (with --tp N, the TP the server runs), b12x loads "
     "--to exl3-v1.\n\n"
@@ -36,7 +38,8 @@ HELP = (
     "hidden-side rotations only where that is exact, and refuses otherwise.\n\n"
     "--to exl3-v1 writes b12x's slot-major container from TR3 (refused, before anything is written, unless "
     "every rank's hidden-side vectors are byte-identical); an exl3-v1 SOURCE repacks into a route pack, or "
-    "converts back with --to tr3, at any --tp its slot layout allows.\n\n"
+    "converts back with --to tr3, at any --tp its slot layout allows. --to btx writes an exl3-v1 container under "
+    "b12x 1.3.0's names (BTX), and a BTX SOURCE converts back with --to exl3-v1.\n\n"
     "A GLM-5.3 unsliced stream (scope glm53_routed_experts_only) converts to TR3 rank slices with --to tr3 "
     "--tp N (any N whose intermediate slice is whole 128-channel blocks), and such a TR3 back with --to "
     "glm53-stream, bit for bit.\n\n"
@@ -51,8 +54,8 @@ HELP = (
 
 def repack_command(
     source: Annotated[str, typer.Argument(
-        help="TR3 checkpoint (a directory, or a Hub id org/name or org/name@rev), a route pack or an exl3-v1 "
-             "checkpoint.")],
+        help="TR3 checkpoint (a directory, or a Hub id org/name or org/name@rev), a route pack, an exl3-v1 or "
+             "BTX checkpoint, or a GLM-5.3 unsliced stream.")],
     out: Annotated[Path, typer.Argument(help="Output directory (must not exist or be empty).")],
     revision: RevisionOpt = None,
     token: TokenOpt = None,
