@@ -9,6 +9,9 @@ The library API (docs/architecture.md, "Library API"); every name is imported on
     report = validate_source(source, ValidateRequest(deep=True))   # the same, opening included: `trellis validate`
     document = inspect_source(source, InspectRequest(tp=4))        # `trellis inspect --tp 4`; .to_json()
     result = run_repack(checkpoint, "OUT", RepackOptions(tp=4))
+    result = fit_source(source, FitRequest(tp=4, gpu=choose_gpu("rtx-pro-6000", None)))   # `trellis fit`
+    result = diff_sources(source, open_source("OUT"))   # `trellis diff`; .identical, .to_dict()
+    result = bench_run(BenchRequest(synthetic="glm52-tp4", smoke=True))   # `trellis bench --smoke`
     moe = FusedMoe(read_layer_pack("OUT", layer=3, rank=0))   # needs a CUDA GPU
     y = moe.forward(x, topk_ids, topk_weights)
 
@@ -44,6 +47,13 @@ _EXPORTS = {
     "LayerPack": "trellis_cli.formats.route_pack",
     "read_layer_pack": "trellis_cli.routepack.layer_file",
     "run_diff": "trellis_cli.diff.run",
+    "diff_sources": "trellis_cli.diff.run",
+    "fit_source": "trellis_cli.fit.run",
+    "FitRequest": "trellis_cli.fit.run",
+    "FitResult": "trellis_cli.fit.run",
+    "choose_gpu": "trellis_cli.fit.gpus",
+    "bench_run": "trellis_cli.bench.run",
+    "BenchRequest": "trellis_cli.bench.request",
     "DiffResult": "trellis_cli.diff.result",
     "FusedMoe": "trellis_cli.kernel.launch",
     "TrellisError": "trellis_cli.errors",
@@ -52,13 +62,17 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on demand
+    from trellis_cli.bench.request import BenchRequest
+    from trellis_cli.bench.run import bench_run
     from trellis_cli.checkpoint.model import Checkpoint
     from trellis_cli.dialects.open import open_checkpoint
     from trellis_cli.checkpoint.tensors import read_tensor
     from trellis_cli.diff.result import DiffResult
-    from trellis_cli.diff.run import run_diff
+    from trellis_cli.diff.run import diff_sources, run_diff
     from trellis_cli.errors import TrellisError
     from trellis_cli.findings import Finding, Report, Severity
+    from trellis_cli.fit.gpus import choose_gpu
+    from trellis_cli.fit.run import FitRequest, FitResult, fit_source
     from trellis_cli.formats.route_pack import LayerPack
     from trellis_cli.inspect_request import InspectDocument, InspectRequest, inspect_source
     from trellis_cli.kernel.launch import FusedMoe

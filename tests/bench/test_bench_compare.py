@@ -23,7 +23,8 @@ from trellis_cli.bench.peer_exllamav3 import PEER_VERSION, locate_peer, package_
 from trellis_cli.bench.smoke import rel_l2
 from trellis_cli.bench.synthetic import Preset, random_activations, random_routes, synthetic_pack
 from trellis_cli.dialects import open_checkpoint
-from trellis_cli.cli.bench_compare import compare_cells, compare_columns, compare_summary
+from trellis_cli.bench.run import peer_summary
+from trellis_cli.cli.bench_compare import compare_cells, compare_columns
 from trellis_cli.reference import layer_pack_forward, moe_forward
 from trellis_cli.routepack.pack import pack_layer
 from trellis_cli.sample import sample_path
@@ -141,6 +142,6 @@ def test_table_and_json_pieces():
     assert compare_cells(good) == ["412.3", "graph", "2.50"]
     assert compare_cells(bad)[0] == "wrong (rel L2 1.3)"
     assert disagreements([good, bad, {"m": 1}]) == ["M=64: rel L2 1.3 > 0.01"]
-    assert compare_summary(None, None, []) == ({}, [])
-    assert compare_summary("exllamav3", "it is not installed", [good]) == (
+    assert peer_summary(None, None, []) == ({}, [])
+    assert peer_summary("exllamav3", "it is not installed", [good]) == (
         {"compare": {"peer": "exllamav3", "skipped": "it is not installed"}}, [])

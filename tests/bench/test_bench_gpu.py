@@ -63,7 +63,7 @@ from trellis_cli.bench.synthetic import random_activations, random_routes
 from trellis_cli.bench.throughput import WeightPool, capture_graph, copies_needed, device_facts, touched
 from trellis_cli.kernel.abi import default_library
 
-plan = plan_mixed_gap(None, "glm52-tp4", None, False)
+plan = plan_mixed_gap(None, "glm52-tp4", None)
 library = default_library("mcg")
 pools = [WeightPool(pack, library) for _, pack in gap_layers(plan, device="cuda", seed=0)]
 l2_bytes, _ = device_facts(pools[0].runners[0].device, lambda _s: None)

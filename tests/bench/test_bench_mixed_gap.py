@@ -29,12 +29,12 @@ def timing(us: float) -> dict:
 
 
 def test_plan_for_the_production_preset_is_192_64_against_256_0_and_0_256():
-    plan = plan_mixed_gap(None, "glm52-tp4", None, False)
+    plan = plan_mixed_gap(None, "glm52-tp4", None)
     assert plan.partition == (192, 64) and plan.kept == [(0, 3), (1, 4)]
     assert plan.uniform_partition(0) == (256, 0) and plan.uniform_partition(1) == (0, 256)
     assert plan.weights == [0.75, 0.25] and plan.bpw == 3.25
     assert plan.description == "synthetic glm52-tp4 partition 192/64"
-    other = plan_mixed_gap(None, "glm52-tp4-shared-h", "160/96", False)
+    other = plan_mixed_gap(None, "glm52-tp4-shared-h", "160/96")
     assert other.preset.shared_h and other.weights == [160 / 256, 96 / 256]
 
 
@@ -85,7 +85,7 @@ def test_interpolation_is_the_partition_weighted_mean_and_gap_is_relative():
 
 
 def test_gap_row_and_report_schema_round_trip_through_json():
-    plan = plan_mixed_gap(None, "glm52-tp4", None, False)
+    plan = plan_mixed_gap(None, "glm52-tp4", None)
     uniform = [{"k": 3, "experts": 8, "bytes": 3_000_000, "copies": 6, "fused": timing(100.0)},
                {"k": 4, "experts": 8, "bytes": 4_000_000, "copies": 5, "fused": timing(120.0)}]
     mixed = {"experts": 8, "bytes": 3_375_000, "copies": 6, "tier_experts": [5, 3], "fused": timing(107.0)}
@@ -106,7 +106,7 @@ def test_gap_row_and_report_schema_round_trip_through_json():
 
 
 def test_table_has_one_row_per_m_with_the_gap(capsys):
-    plan = plan_mixed_gap(None, "glm52-tp4", None, False)
+    plan = plan_mixed_gap(None, "glm52-tp4", None)
     rows = [gap_row(m, [{"k": 3, "experts": 8, "bytes": 1, "copies": 2, "fused": timing(100.0 * m)},
                         {"k": 4, "experts": 8, "bytes": 1, "copies": 2, "fused": timing(120.0 * m)}],
                     {"experts": 8, "bytes": 1, "copies": 2, "tier_experts": [6, 2], "fused": timing(107.1 * m)},

@@ -225,7 +225,7 @@ def rank_row(m: int, kernel: float, reduce: float, layer: float, graphs: bool = 
 
 def test_tp_report_takes_the_slowest_rank_and_keeps_every_rank(capsys):
     from trellis_cli.bench.tp_timing import combine_ranks
-    from trellis_cli.cli.bench_tp import _print_timing
+    from trellis_cli.cli.bench_tp import print_tp_timing
 
     per_rank = [[rank_row(1, 10.0, 5.0, 16.0), rank_row(64, 30.0, 8.0, 40.0)],
                 [rank_row(1, 12.0, 4.0, 17.0), rank_row(64, 28.0, 9.0, 41.0, graphs=False)]]
@@ -235,7 +235,7 @@ def test_tp_report_takes_the_slowest_rank_and_keeps_every_rank(capsys):
     assert first["all_reduce"]["median_us"] == 5.0 and first["layer"]["median_us"] == 17.0
     assert first["all_reduce_bytes"] == 1 * 6144 * 4 and first["graphs"] is True
     assert second["layer_over_max_kernel"] == pytest.approx(41.0 / 30.0) and second["graphs"] is False
-    _print_timing({"source": "synthetic glm52-tp4 at TP2", "cold": True, "out_dtype": "float32", "backend": "nccl",
+    print_tp_timing({"source": "synthetic glm52-tp4 at TP2", "cold": True, "out_dtype": "float32", "backend": "nccl",
                    "rows": rows})
     out = capsys.readouterr().out
     assert "kernel max µs" in out and "41.0" in out and "eager" in out

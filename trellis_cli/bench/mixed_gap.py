@@ -59,12 +59,11 @@ class GapPlan:
         return tuple(self.preset.experts if t == tier else 0 for t in range(len(self.partition)))
 
 
-def plan_mixed_gap(source: str | None, synthetic: str | None, partition: str | None, smoke: bool) -> GapPlan:
-    """Check the --mixed-gap arguments (no GPU needed) and return what to build."""
+def plan_mixed_gap(source: str | None, synthetic: str | None, partition: str | None) -> GapPlan:
+    """Check the --mixed-gap arguments (no GPU needed; the options it does not combine with are refused by
+    bench/request.py) and return what to build."""
     if source or not synthetic:
         raise UsageError("--mixed-gap times synthetic layers: give --synthetic NAME (and no SOURCE)")
-    if smoke:
-        raise UsageError("--mixed-gap is a throughput run: drop --smoke (run --smoke on its own)")
     preset = get_preset(synthetic)
     parts = parse_partition(partition, len(preset.tier_k)) if partition else preset.partition
     if sum(parts) != preset.experts:

@@ -6,7 +6,7 @@ import itertools
 import os
 import sys
 from functools import partial
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import click
 import typer
@@ -54,16 +54,26 @@ def _global_options(
     output.state.quiet = quiet
 
 
-def _register_commands() -> None:
-    # One thin module per command; each exposes `register(app)`. Imported here, not at package import,
-    # so that `trellis --help` stays fast and torch-free commands never import torch.
+def command_table() -> tuple[tuple[str, Callable[..., None], str], ...]:
+    """Every command as (name, function, help), in the order `trellis --help` lists them. Each function is a
+    module-level one of its thin cli/<name>_cmd.py module, importable and callable without the app. Imported
+    here, not at package import, so that torch-free commands never import torch."""
     from trellis_cli.cli import bench_cmd, diff_cmd, fit_cmd, inspect_cmd, repack_cmd, synth_cmd, validate_cmd
 
-    for module in (inspect_cmd, validate_cmd, repack_cmd, bench_cmd, synth_cmd, diff_cmd, fit_cmd):
-        module.register(app)
+    return (
+        ("inspect", inspect_cmd.inspect_command, inspect_cmd.HELP),
+        ("validate", validate_cmd.validate_command, validate_cmd.HELP),
+        ("repack", repack_cmd.repack_command, repack_cmd.HELP),
+        ("bench", bench_cmd.bench_command, bench_cmd.HELP),
+        ("synth", synth_cmd.synth_command, synth_cmd.HELP),
+        ("diff", diff_cmd.diff_command, diff_cmd.HELP),
+        ("fit", fit_cmd.fit_command, fit_cmd.HELP),
+    )
 
 
-_register_commands()
+COMMANDS = command_table()
+for _name, _function, _help in COMMANDS:
+    app.command(_name, help=_help)(_function)
 
 
 def build_command():
@@ -220,6 +230,6 @@ def _report_error(message: str) -> None:
         output.stderr.print_exception()
 
 
-__all__ = ["app", "main", "EXIT_USAGE"]
+__all__ = ["app", "main", "COMMANDS", "EXIT_USAGE"]
 if __name__ == "__main__":  # pragma: no cover
     main(sys.argv[1:])

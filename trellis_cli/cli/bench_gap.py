@@ -1,23 +1,8 @@
-"""`trellis bench --mixed-gap`: the mixed synthetic layer beside uniform layers of each K, one table or JSON."""
+"""`trellis bench --mixed-gap`: the mixed synthetic layer beside uniform layers of each K, as one table."""
 
 from __future__ import annotations
 
-from trellis_cli.bench.mixed_gap import GapPlan
 from trellis_cli.cli import output
-
-
-def run_mixed_gap_bench(plan: GapPlan, library, m_list: list[int], *, cold: bool, replays: int, seed: int,
-                        as_json: bool) -> None:
-    from trellis_cli.bench.environment import environment
-    from trellis_cli.bench.mixed_gap import run_mixed_gap
-
-    output.log(f"source: {plan.description}, with uniform "
-               + " and ".join(f"K{k}" for _, k in plan.kept) + " layers of the same shape")
-    report = run_mixed_gap(plan, library, m_list, cold=cold, replays=replays, seed=seed, log=output.log)
-    if as_json:
-        output.emit_json({"source": plan.description, "environment": environment(library), **report})
-        return
-    print_mixed_gap(report, plan.description)
 
 
 def print_mixed_gap(report: dict, description: str) -> None:

@@ -28,56 +28,53 @@ HELP = (
 )
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("diff", help=HELP)
-    def diff_command(
-        a: Annotated[str, typer.Argument(metavar="A", help="First checkpoint: directory, or Hub id org/name or "
-                                                            "org/name@rev.")],
-        b: Annotated[str, typer.Argument(metavar="B", help="Second checkpoint: directory, or Hub id org/name or "
-                                                            "org/name@rev.")],
-        revision_a: Annotated[Optional[str], typer.Option("--revision-a", help="Hub revision of A (branch, tag "
-                                                          "or sha).", rich_help_panel="Source")] = None,
-        revision_b: Annotated[Optional[str], typer.Option("--revision-b", help="Hub revision of B.",
-                                                          rich_help_panel="Source")] = None,
-        token: TokenOpt = None,
-        offline: OfflineOpt = False,
-        endpoint: EndpointOpt = None,
-        cache_dir: CacheDirOpt = None,
-        layers: Annotated[Optional[str], typer.Option(help="Only these MoE layers, e.g. 3-5,40 (non-expert "
-                                                           "tensors are then not compared).")] = None,
-        as_json: Annotated[bool, typer.Option("--json", help="Emit one JSON document with every difference.")] = False,
-        markdown: Annotated[bool, typer.Option("--markdown", help="Emit Markdown tables.")] = False,
-    ) -> None:
-        from trellis_cli.dialects import open_checkpoint
-        from trellis_cli.diff import run_diff
-        from trellis_cli.selection import parse_layer_ranges
+def diff_command(
+    a: Annotated[str, typer.Argument(metavar="A", help="First checkpoint: directory, or Hub id org/name or "
+                                                        "org/name@rev.")],
+    b: Annotated[str, typer.Argument(metavar="B", help="Second checkpoint: directory, or Hub id org/name or "
+                                                        "org/name@rev.")],
+    revision_a: Annotated[Optional[str], typer.Option("--revision-a", help="Hub revision of A (branch, tag "
+                                                      "or sha).", rich_help_panel="Source")] = None,
+    revision_b: Annotated[Optional[str], typer.Option("--revision-b", help="Hub revision of B.",
+                                                      rich_help_panel="Source")] = None,
+    token: TokenOpt = None,
+    offline: OfflineOpt = False,
+    endpoint: EndpointOpt = None,
+    cache_dir: CacheDirOpt = None,
+    layers: Annotated[Optional[str], typer.Option(help="Only these MoE layers, e.g. 3-5,40 (non-expert "
+                                                       "tensors are then not compared).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Emit one JSON document with every difference.")] = False,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Emit Markdown tables.")] = False,
+) -> None:
+    from trellis_cli.diff.run import diff_sources
+    from trellis_cli.selection import parse_layer_ranges
 
-        if as_json and markdown:
-            raise UsageError("--json and --markdown are exclusive: choose one output format")
-        chosen = parse_layer_ranges(layers) if layers is not None else None
-        opened = [open_cli_source(spec, revision, token, offline, endpoint, cache_dir)
-                  for spec, revision in ((a, revision_a), (b, revision_b))]
-        checkpoints = []
-        for side in opened:
-            output.log(f"reading headers of {side.description} ...")
-            with output.progress_bar(f"reading headers of {side.description}", None,
-                                     enabled=output.progress_enabled(as_json)):
-                checkpoints.append(open_checkpoint(side))
-        with output.make_progress(enabled=output.progress_enabled(as_json)) as progress:
-            layer_task = progress.add_task("MoE layers compared", total=None)
-            hash_task = progress.add_task("sha256", total=None, bytes=True)
-            download_task = progress.add_task("download", total=None, bytes=True)
-            result = run_diff(*checkpoints, layers=chosen,
-                              progress=lambda n: progress.advance(hash_task, n),
-                              download_progress=lambda n: progress.advance(download_task, n),
-                              on_layer=lambda done, total: progress.update(layer_task, completed=done, total=total))
-        if as_json:
-            output.emit_json(result.to_dict())
-        else:
-            for line in (render_markdown(result) if markdown else render_text(result)):
-                output.print_line(line)
-        if not result.identical:
-            raise typer.Exit(code=EXIT_FINDINGS)
+    if as_json and markdown:
+        raise UsageError("--json and --markdown are exclusive: choose one output format")
+    chosen = parse_layer_ranges(layers) if layers is not None else None
+    opened = [open_cli_source(spec, revision, token, offline, endpoint, cache_dir)
+              for spec, revision in ((a, revision_a), (b, revision_b))]
+    with output.make_progress(enabled=output.progress_enabled(as_json)) as progress:
+        # Opening shows each side's stages; the comparison's bars appear with their first count.
+        tasks = {name: progress.add_task(name, total=None, bytes=name != "MoE layers compared", visible=False)
+                 for name in ("MoE layers compared", "sha256", "download")}
+
+        def advance(name: str, n: int = 0, completed: int | None = None, total: int | None = None) -> None:
+            progress.update(tasks[name], advance=n, visible=True, completed=completed, total=total)  # None: kept
+
+        result = diff_sources(*opened, layers=chosen,
+                              on_open=lambda description: output.log(f"reading headers of {description} ..."),
+                              open_progress=output.stage_advancer(progress),
+                              progress=lambda n: advance("sha256", n),
+                              download_progress=lambda n: advance("download", n),
+                              on_layer=lambda done, total: advance("MoE layers compared", completed=done, total=total))
+    if as_json:
+        output.emit_json(result.to_dict())
+    else:
+        for line in (render_markdown(result) if markdown else render_text(result)):
+            output.print_line(line)
+    if not result.identical:
+        raise typer.Exit(code=EXIT_FINDINGS)
 
 
 # ---- the human view: grouped, capped with counts ------------------------------------------------------------

@@ -22,52 +22,50 @@ HELP = (
 )
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("inspect", help=HELP)
-    def inspect_command(
-        source: SourceArg = None,
-        revision: RevisionOpt = None,
-        token: TokenOpt = None,
-        offline: OfflineOpt = False,
-        endpoint: EndpointOpt = None,
-        cache_dir: CacheDirOpt = None,
-        layers: Annotated[Optional[str], typer.Option(help="Only these MoE layers, e.g. 3-5,40.")] = None,
-        as_json: Annotated[bool, typer.Option("--json", help="Emit one JSON document.")] = False,
-        markdown: Annotated[bool, typer.Option("--markdown", help="Emit a Markdown table.")] = False,
-        tp: Annotated[Optional[int], typer.Option("--tp", min=1, help="The TP the server will run: K per "
-                                                  "projection and routed bytes per rank at that TP, and which "
-                                                  "engines accept it; with --gpu or --gpu-mem also the "
-                                                  "`trellis fit` section at this TP.")] = None,
-        gpu: Annotated[Optional[str], typer.Option("--gpu", help="GPU preset for the fit section.")] = None,
-        gpu_mem: Annotated[Optional[str], typer.Option("--gpu-mem", help="GPU memory for the fit section "
-                                                       "(with --arch).")] = None,
-        arch: Annotated[Optional[str], typer.Option("--arch", help="GPU family for the fit section with --gpu-mem: "
-                                                    "sm_90, sm_100 or sm_120.")] = None,
-        ctx: Annotated[Optional[int], typer.Option("--ctx", help="Context length for the fit section.")] = None,
-        tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor (file, name, dtype, shape, "
-                                                               "bytes; K and bpw of EXL3 codes), with per-layer and "
-                                                               "whole totals; --markdown: one table per layer.")] = False,
-    ) -> None:
-        from trellis_cli.inspect_request import InspectProgress, InspectRequest, inspect_source
+def inspect_command(
+    source: SourceArg = None,
+    revision: RevisionOpt = None,
+    token: TokenOpt = None,
+    offline: OfflineOpt = False,
+    endpoint: EndpointOpt = None,
+    cache_dir: CacheDirOpt = None,
+    layers: Annotated[Optional[str], typer.Option(help="Only these MoE layers, e.g. 3-5,40.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Emit one JSON document.")] = False,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Emit a Markdown table.")] = False,
+    tp: Annotated[Optional[int], typer.Option("--tp", min=1, help="The TP the server will run: K per "
+                                              "projection and routed bytes per rank at that TP, and which "
+                                              "engines accept it; with --gpu or --gpu-mem also the "
+                                              "`trellis fit` section at this TP.")] = None,
+    gpu: Annotated[Optional[str], typer.Option("--gpu", help="GPU preset for the fit section.")] = None,
+    gpu_mem: Annotated[Optional[str], typer.Option("--gpu-mem", help="GPU memory for the fit section "
+                                                   "(with --arch).")] = None,
+    arch: Annotated[Optional[str], typer.Option("--arch", help="GPU family for the fit section with --gpu-mem: "
+                                                "sm_90, sm_100 or sm_120.")] = None,
+    ctx: Annotated[Optional[int], typer.Option("--ctx", help="Context length for the fit section.")] = None,
+    tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor (file, name, dtype, shape, "
+                                                           "bytes; K and bpw of EXL3 codes), with per-layer and "
+                                                           "whole totals; --markdown: one table per layer.")] = False,
+) -> None:
+    from trellis_cli.inspect_request import InspectProgress, InspectRequest, inspect_source
 
-        if as_json and markdown:
-            raise UsageError("--json and --markdown are exclusive: choose one output format")
-        fit_gpu = _fit_gpu(tp, gpu, gpu_mem, arch)
-        request = InspectRequest(layers=parse_layers(layers), tensors=tensors, tp=tp, gpu=fit_gpu, ctx=ctx)
-        opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
-        # A production checkpoint has ~80 shards and 930k tensors: on a terminal, a bar per stage with its count.
-        with output.stage_progress(enabled=output.progress_enabled(as_json)) as advance:
-            document = inspect_source(opened, request, InspectProgress(stage=advance, log=output.log))
-        if as_json:
-            output.emit_json(document.to_json())
-        elif document.tensors is not None:
-            _print_tensors(document.tensors, markdown)
-        else:
-            _print_summary(document, markdown)
-        if document.unreadable:
-            first = document.unreadable[0]
-            raise CheckFailed(f"{len(document.unreadable)} file header(s) could not be read, first "
-                              f"{first['file']}: {first['error']}")
+    if as_json and markdown:
+        raise UsageError("--json and --markdown are exclusive: choose one output format")
+    fit_gpu = _fit_gpu(tp, gpu, gpu_mem, arch)
+    request = InspectRequest(layers=parse_layers(layers), tensors=tensors, tp=tp, gpu=fit_gpu, ctx=ctx)
+    opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
+    # A production checkpoint has ~80 shards and 930k tensors: on a terminal, a bar per stage with its count.
+    with output.stage_progress(enabled=output.progress_enabled(as_json)) as advance:
+        document = inspect_source(opened, request, InspectProgress(stage=advance, log=output.log))
+    if as_json:
+        output.emit_json(document.to_json())
+    elif document.tensors is not None:
+        _print_tensors(document.tensors, markdown)
+    else:
+        _print_summary(document, markdown)
+    if document.unreadable:
+        first = document.unreadable[0]
+        raise CheckFailed(f"{len(document.unreadable)} file header(s) could not be read, first "
+                          f"{first['file']}: {first['error']}")
 
 
 def _fit_gpu(tp: int | None, gpu: str | None, gpu_mem: str | None, arch: str | None = None):

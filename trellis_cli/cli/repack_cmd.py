@@ -1,5 +1,6 @@
-"""`trellis repack SOURCE OUT`: any conversion of the dialect registry's table (TR3 -> route pack by default; --to
-tr3, exl3-v1, btx), streamed, verified, resumable; or its dry run (the conversion's plan, nothing written)."""
+"""`trellis repack SOURCE OUT`: any conversion of the dialect registry's table, from a TR3, exl3-v1, BTX, route-pack
+or GLM-5.3 stream SOURCE (--to route-pack by default; tr3, exl3-v1, btx, glm53-stream), streamed, verified,
+resumable; or its dry run (the conversion's plan, nothing written)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ class Target(str, Enum):
 
 
 HELP = (
-    "Repack a rank-sliced TR3 checkpoint into the route-pack layout the fused kernel reads directly "
-    "(one file per MoE layer and TP rank: tier-ordered trellis slabs, descriptors, rotation tables; "
-    "docs/format.md), or convert back with --to tr3.\n\n"
+    "Convert a checkpoint to another layout of the dialect registry's table: by default a rank-sliced TR3 (or "
+    "exl3-v1) checkpoint into the route-pack layout the fused kernel reads directly (one file per MoE layer and "
+    "TP rank: tier-ordered trellis slabs, descriptors, rotation tables; docs/format.md); --to tr3, exl3-v1, btx "
+    "or glm53-stream for the others (below).\n\n"
     "Which target for what: the default route pack is for the bundled kernel (`trellis bench`) and loads in no "
     "serving engine; the vLLM fork loads --to tr3 (with --tp N, the TP the server runs), b12x loads "
     "--to exl3-v1.\n\n"
@@ -36,7 +38,8 @@ HELP = (
     "hidden-side rotations only where that is exact, and refuses otherwise.\n\n"
     "--to exl3-v1 writes b12x's slot-major container from TR3 (refused, before anything is written, unless "
     "every rank's hidden-side vectors are byte-identical); an exl3-v1 SOURCE repacks into a route pack, or "
-    "converts back with --to tr3, at any --tp its slot layout allows.\n\n"
+    "converts back with --to tr3, at any --tp its slot layout allows. --to btx writes an exl3-v1 container under "
+    "b12x 1.3.0's names (BTX), and a BTX SOURCE converts back with --to exl3-v1.\n\n"
     "A GLM-5.3 unsliced stream (scope glm53_routed_experts_only) converts to TR3 rank slices with --to tr3 "
     "--tp N (any N whose intermediate slice is whole 128-channel blocks), and such a TR3 back with --to "
     "glm53-stream, bit for bit.\n\n"
@@ -49,54 +52,52 @@ HELP = (
 )
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("repack", help=HELP)
-    def repack_command(
-        source: Annotated[str, typer.Argument(
-            help="TR3 checkpoint (a directory, or a Hub id org/name or org/name@rev), a route pack or an exl3-v1 "
-                 "checkpoint.")],
-        out: Annotated[Path, typer.Argument(help="Output directory (must not exist or be empty).")],
-        revision: RevisionOpt = None,
-        token: TokenOpt = None,
-        offline: OfflineOpt = False,
-        endpoint: EndpointOpt = None,
-        cache_dir: CacheDirOpt = None,
-        layers: Annotated[Optional[str], typer.Option(help="MoE layers to repack, e.g. 3-5,40 (default all).")] = None,
-        ranks: Annotated[Optional[str], typer.Option(help="TP ranks to write, e.g. 0,1 (default all).")] = None,
-        tp: Annotated[Optional[int], typer.Option(help="Target TP degree (exact re-slicing only).")] = None,
-        shared_h: Annotated[bool, typer.Option("--shared-h", help="Collapse hidden-side rotations to one row "
-                                                                  "(refused unless byte-equal).")] = False,
-        to: Annotated[Target, typer.Option("--to", help="Output layout.")] = Target.route_pack,
-        jobs: Annotated[int, typer.Option("--jobs", "-j", help="Layer-ranks processed in parallel (each holds "
-                                                                 "one layer-rank, ~1 GB at GLM-5.2 TP4).")] = 4,
-        overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")] = False,
-        experts_only: Annotated[bool, typer.Option("--experts-only", help="Do not carry non-expert files and "
-                                                                          "tensors through.")] = False,
-        dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be written (files, bytes, free "
-                                                                "space, the conversion) and what would be "
-                                                                "refused; write nothing, validate nothing.")] = False,
-        as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
-    ) -> None:
-        from trellis_cli.repack.run import RepackOptions
+def repack_command(
+    source: Annotated[str, typer.Argument(
+        help="TR3 checkpoint (a directory, or a Hub id org/name or org/name@rev), a route pack, an exl3-v1 or "
+             "BTX checkpoint, or a GLM-5.3 unsliced stream.")],
+    out: Annotated[Path, typer.Argument(help="Output directory (must not exist or be empty).")],
+    revision: RevisionOpt = None,
+    token: TokenOpt = None,
+    offline: OfflineOpt = False,
+    endpoint: EndpointOpt = None,
+    cache_dir: CacheDirOpt = None,
+    layers: Annotated[Optional[str], typer.Option(help="MoE layers to repack, e.g. 3-5,40 (default all).")] = None,
+    ranks: Annotated[Optional[str], typer.Option(help="TP ranks to write, e.g. 0,1 (default all).")] = None,
+    tp: Annotated[Optional[int], typer.Option(help="Target TP degree (exact re-slicing only).")] = None,
+    shared_h: Annotated[bool, typer.Option("--shared-h", help="Collapse hidden-side rotations to one row "
+                                                              "(refused unless byte-equal).")] = False,
+    to: Annotated[Target, typer.Option("--to", help="Output layout.")] = Target.route_pack,
+    jobs: Annotated[int, typer.Option("--jobs", "-j", help="Layer-ranks processed in parallel (each holds "
+                                                             "one layer-rank, ~1 GB at GLM-5.2 TP4).")] = 4,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")] = False,
+    experts_only: Annotated[bool, typer.Option("--experts-only", help="Do not carry non-expert files and "
+                                                                      "tensors through.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be written (files, bytes, free "
+                                                            "space, the conversion) and what would be "
+                                                            "refused; write nothing, validate nothing.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
+) -> None:
+    from trellis_cli.repack.run import RepackOptions
 
-        started = time.perf_counter()  # the summary's time covers opening, validating and planning too
-        # --layers / --ranks typed once here: the syntax and id bound validate and inspect use (an empty text or
-        # 0-99999999999 is a usage error before the source is opened)
-        chosen_layers, chosen_ranks = parse_layers(layers), parse_layers(ranks, "--ranks")
-        check_arguments(source, out, tp, jobs, overwrite)
-        options = RepackOptions(layers=chosen_layers, ranks=chosen_ranks, tp=tp, shared_h=shared_h, to=to.value, jobs=jobs,
-                                overwrite=overwrite, copy_other=not experts_only,
-                                dry_run=dry_run)
-        opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
-        # A plain line even off a terminal: opening and validating a 300 GB source reads ~80 headers first.
-        output.log(f"opening {opened.description}: " + (
-            "reading headers (dry run: nothing is validated or written) ..." if dry_run else
-            "reading headers and validating it before writing (OUT and free space are checked first) ..."))
-        result = _run(opened, out, options, as_json)
-        if result.plan is not None:
-            _print_plan(result.plan, as_json)
-            return
-        _print_summary(result, options, source, time.perf_counter() - started, as_json)
+    started = time.perf_counter()  # the summary's time covers opening, validating and planning too
+    # --layers / --ranks typed once here: the syntax and id bound validate and inspect use (an empty text or
+    # 0-99999999999 is a usage error before the source is opened)
+    chosen_layers, chosen_ranks = parse_layers(layers), parse_layers(ranks, "--ranks")
+    check_arguments(source, out, tp, jobs, overwrite)
+    options = RepackOptions(layers=chosen_layers, ranks=chosen_ranks, tp=tp, shared_h=shared_h, to=to.value, jobs=jobs,
+                            overwrite=overwrite, copy_other=not experts_only,
+                            dry_run=dry_run)
+    opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
+    # A plain line even off a terminal: opening and validating a 300 GB source reads ~80 headers first.
+    output.log(f"opening {opened.description}: " + (
+        "reading headers (dry run: nothing is validated or written) ..." if dry_run else
+        "reading headers and validating it before writing (OUT and free space are checked first) ..."))
+    result = _run(opened, out, options, as_json)
+    if result.plan is not None:
+        _print_plan(result.plan, as_json)
+        return
+    _print_summary(result, options, source, time.perf_counter() - started, as_json)
 
 
 def check_arguments(source: str, out: Path, tp: int | None, jobs: int, overwrite: bool) -> None:

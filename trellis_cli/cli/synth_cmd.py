@@ -143,78 +143,79 @@ def _bitmap_choice(bitmap, layers: tuple[int, ...]) -> dict[str, Any]:
     return {"bitmap": bitmap}
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("synth", help=(
-        "Write a synthetic rank-sliced TR3 checkpoint (EXL3 trellis, mixed K per expert) at any geometry.\n\n"
-        "Random valid codes with realistic suh/svh, seeded and reproducible. Streams one linear at a time: "
-        f"peak memory about {PEAK_RSS_MB} MB even for a glm52-tp4 layer (3.97 GB per shard). "
-        "--sparse writes real headers over unwritten data, so the full glm52-tp4 checkpoint "
-        "(~300 GB apparent) takes about half a minute and almost no disk. Options override the preset.\n\n"
-        "What the presets make: tiny (the default) is a whole toy GLM MoE DSA model, its routed experts and every "
-        "other weight an engine loads (attention, indexer, norms, router, shared expert, dense MLP, embeddings, "
-        "lm_head) in bf16, so `trellis validate` passes it; glm52-tp4 writes the routed experts only (the ~300 GB "
-        "the layout is about), which every engine refuses for its missing weights: add --non-expert bf16 "
-        "(with --sparse, headers only) for a checkpoint an engine would load."
-    ))
-    def synth_command(
-        out: Annotated[Path, typer.Argument(help="Output directory (must not exist or be empty).")],
-        preset_name: Annotated[Preset, typer.Option("--preset", help="Starting geometry.")] = Preset.tiny,
-        hidden: Annotated[Optional[int], typer.Option(help="Hidden size H (multiple of 128).")] = None,
-        intermediate: Annotated[Optional[int], typer.Option(help="Global MoE intermediate size.")] = None,
-        experts: Annotated[Optional[int], typer.Option(help="Routed experts per layer.")] = None,
-        tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel ranks (slices per expert).")] = None,
-        layers: Annotated[Optional[str], typer.Option(help="MoE layers, e.g. 3-78 or 3,5.")] = None,
-        partition: Annotated[Optional[str], typer.Option(help="LOW/HIGH expert counts, e.g. 192/64.")] = None,
-        k_values: Annotated[Optional[str], typer.Option("--k-values", help="The two K of --partition.")] = None,
-        bitmap: Annotated[Optional[Path], typer.Option(help="JSON: per-expert K list or {layer: [K...]}.")] = None,
-        uniform: Annotated[Optional[int], typer.Option(help="Every expert at this K.")] = None,
-        codebook: Annotated[Codebook, typer.Option(help="Codebook marker per linear.")] = Codebook.mcg,
-        shared_h: Annotated[bool, typer.Option("--shared-h", help="rotation_layout shared_h_v1.")] = False,
-        bitmap_field: Annotated[BitmapField, typer.Option(help="tier_bitmap.json field name.")] = BitmapField.k,
-        top_k: Annotated[Optional[int], typer.Option("--top-k", help="Experts per token.")] = None,
-        seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
-        sparse: Annotated[bool, typer.Option("--sparse", help="Headers only, data left as holes.")] = False,
-        non_expert: Annotated[Optional[NonExpert], typer.Option(
-            "--non-expert", help="The weights besides the routed experts: none (experts only: no engine loads it) or "
-                                 "bf16 (every weight the model class loads, as the GLM-5 release stores them; holes "
-                                 "with --sparse). Default: the preset's (tiny bf16, glm52-tp4 none).")] = None,
-        fmt: Annotated[Format, typer.Option("--format", help="tr3 (rank-sliced shards) or exl3-v1 (b12x's "
-                                                             "slot-major container; --tp is then ignored).")] = Format.tr3,
-        overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")] = False,
-        as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
-    ) -> None:
-        from trellis_cli import synth
+HELP = (
+    "Write a synthetic rank-sliced TR3 checkpoint (EXL3 trellis, mixed K per expert) at any geometry.\n\n"
+    "Random valid codes with realistic suh/svh, seeded and reproducible. Streams one linear at a time: "
+    f"peak memory about {PEAK_RSS_MB} MB even for a glm52-tp4 layer (3.97 GB per shard). "
+    "--sparse writes real headers over unwritten data, so the full glm52-tp4 checkpoint "
+    "(~300 GB apparent) takes about half a minute and almost no disk. Options override the preset.\n\n"
+    "What the presets make: tiny (the default) is a whole toy GLM MoE DSA model, its routed experts and every "
+    "other weight an engine loads (attention, indexer, norms, router, shared expert, dense MLP, embeddings, "
+    "lm_head) in bf16, so `trellis validate` passes it; glm52-tp4 writes the routed experts only (the ~300 GB "
+    "the layout is about), which every engine refuses for its missing weights: add --non-expert bf16 "
+    "(with --sparse, headers only) for a checkpoint an engine would load."
+)
 
-        if preset_name.value.startswith("glm53-"):
-            given = {"--tp": tp, "--layers": layers, "--partition": partition, "--k-values": k_values,
-                     "--bitmap": bitmap, "--shared-h": shared_h or None, "--format": None if fmt is Format.tr3 else fmt,
-                     "--codebook": None if codebook is Codebook.mcg else codebook}
-            _write_glm53(out, preset_name.value, [k for k, v in given.items() if v is not None],
-                         {"hidden": hidden, "intermediate": intermediate, "experts": experts, "top_k": top_k,
-                          "bits": uniform, "seed": seed, "sparse": sparse}, overwrite, as_json)
-            return
-        overrides = {"hidden": hidden, "intermediate": intermediate, "experts": experts, "tp": tp,
-                     "layers": parse_layers(layers) if layers is not None else None, "top_k": top_k,
-                     "non_expert": non_expert.value if non_expert is not None else None}
-        spec = build_spec(preset_name.value, overrides, partition, k_values, bitmap, uniform)
-        spec = dataclasses.replace(spec, codebook=codebook.value, bitmap_field=bitmap_field.value, seed=seed,
-                                   sparse=sparse, rotation_layout="shared_h_v1" if shared_h else "per_expert_v1")
-        if fmt is Format.exl3_v1:
-            _write_exl3v1(out, spec, overwrite, as_json)
-            return
-        from trellis_cli.inspect_report import human_bytes
 
-        synth.check_target(out, overwrite)  # refused before a word about writing it
-        size = synth.checkpoint_bytes(spec)
-        output.log(f"writing {out}: {len(spec.layers)} layer shards, {human_bytes(size)} of tensor data"
-                   + (" (sparse: headers only)" if sparse else ""))
-        with output.progress_bar("synth layers", len(spec.layers), enabled=output.progress_enabled(as_json)) as advance:
-            synth.write_checkpoint(out, spec, lambda _layer: advance(), overwrite=overwrite)
-        doc = synth.summary(spec, out)
-        if as_json:
-            output.emit_json(doc)
-            return
-        _print_summary(doc)
+def synth_command(
+    out: Annotated[Path, typer.Argument(help="Output directory (must not exist or be empty).")],
+    preset_name: Annotated[Preset, typer.Option("--preset", help="Starting geometry.")] = Preset.tiny,
+    hidden: Annotated[Optional[int], typer.Option(help="Hidden size H (multiple of 128).")] = None,
+    intermediate: Annotated[Optional[int], typer.Option(help="Global MoE intermediate size.")] = None,
+    experts: Annotated[Optional[int], typer.Option(help="Routed experts per layer.")] = None,
+    tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel ranks (slices per expert).")] = None,
+    layers: Annotated[Optional[str], typer.Option(help="MoE layers, e.g. 3-78 or 3,5.")] = None,
+    partition: Annotated[Optional[str], typer.Option(help="LOW/HIGH expert counts, e.g. 192/64.")] = None,
+    k_values: Annotated[Optional[str], typer.Option("--k-values", help="The two K of --partition.")] = None,
+    bitmap: Annotated[Optional[Path], typer.Option(help="JSON: per-expert K list or {layer: [K...]}.")] = None,
+    uniform: Annotated[Optional[int], typer.Option(help="Every expert at this K.")] = None,
+    codebook: Annotated[Codebook, typer.Option(help="Codebook marker per linear.")] = Codebook.mcg,
+    shared_h: Annotated[bool, typer.Option("--shared-h", help="rotation_layout shared_h_v1.")] = False,
+    bitmap_field: Annotated[BitmapField, typer.Option(help="tier_bitmap.json field name.")] = BitmapField.k,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Experts per token.")] = None,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    sparse: Annotated[bool, typer.Option("--sparse", help="Headers only, data left as holes.")] = False,
+    non_expert: Annotated[Optional[NonExpert], typer.Option(
+        "--non-expert", help="The weights besides the routed experts: none (experts only: no engine loads it) or "
+                             "bf16 (every weight the model class loads, as the GLM-5 release stores them; holes "
+                             "with --sparse). Default: the preset's (tiny bf16, glm52-tp4 none).")] = None,
+    fmt: Annotated[Format, typer.Option("--format", help="tr3 (rank-sliced shards) or exl3-v1 (b12x's "
+                                                         "slot-major container; --tp is then ignored).")] = Format.tr3,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
+) -> None:
+    from trellis_cli import synth
+
+    if preset_name.value.startswith("glm53-"):
+        given = {"--tp": tp, "--layers": layers, "--partition": partition, "--k-values": k_values,
+                 "--bitmap": bitmap, "--shared-h": shared_h or None, "--format": None if fmt is Format.tr3 else fmt,
+                 "--codebook": None if codebook is Codebook.mcg else codebook}
+        _write_glm53(out, preset_name.value, [k for k, v in given.items() if v is not None],
+                     {"hidden": hidden, "intermediate": intermediate, "experts": experts, "top_k": top_k,
+                      "bits": uniform, "seed": seed, "sparse": sparse}, overwrite, as_json)
+        return
+    overrides = {"hidden": hidden, "intermediate": intermediate, "experts": experts, "tp": tp,
+                 "layers": parse_layers(layers) if layers is not None else None, "top_k": top_k,
+                 "non_expert": non_expert.value if non_expert is not None else None}
+    spec = build_spec(preset_name.value, overrides, partition, k_values, bitmap, uniform)
+    spec = dataclasses.replace(spec, codebook=codebook.value, bitmap_field=bitmap_field.value, seed=seed,
+                               sparse=sparse, rotation_layout="shared_h_v1" if shared_h else "per_expert_v1")
+    if fmt is Format.exl3_v1:
+        _write_exl3v1(out, spec, overwrite, as_json)
+        return
+    from trellis_cli.inspect_report import human_bytes
+
+    synth.check_target(out, overwrite)  # refused before a word about writing it
+    size = synth.checkpoint_bytes(spec)
+    output.log(f"writing {out}: {len(spec.layers)} layer shards, {human_bytes(size)} of tensor data"
+               + (" (sparse: headers only)" if sparse else ""))
+    with output.progress_bar("synth layers", len(spec.layers), enabled=output.progress_enabled(as_json)) as advance:
+        synth.write_checkpoint(out, spec, lambda _layer: advance(), overwrite=overwrite)
+    doc = synth.summary(spec, out)
+    if as_json:
+        output.emit_json(doc)
+        return
+    _print_summary(doc)
 
 
 def _write_glm53(out: Path, preset: str, refused: list[str], changes: dict, overwrite: bool, as_json: bool) -> None:

@@ -13,14 +13,20 @@ from trellis_cli.errors import EXIT_FINDINGS, CheckFailed
 from trellis_cli.findings import Report, Severity
 
 HELP = (
-    "Validate a checkpoint: file safety (header bounds, sizes, offsets, index <-> headers, paths), the "
-    "hybrid_tr3_tail contract, bitmap <-> tensor shapes for every (layer, expert, projection, rank), markers, "
-    "shared-H rows, tier sizes and tensor counts. Header-only unless --deep or --checksums.\n\n"
+    "Validate a checkpoint of any dialect trellis reads (TR3, R7, plain exllamav3, exl3-v1, BTX, a b12x_trellis "
+    "block, a route pack, a GLM-5.3 unsliced stream; the report names it): file safety for every one (header "
+    "bounds, sizes, offsets, index <-> headers, paths), then the dialect's own rules: for TR3 the hybrid_tr3_tail "
+    "contract, bitmap <-> tensor shapes for every (layer, expert, projection, rank), markers, shared-H rows, tier "
+    "sizes and tensor counts; for R7 its per-projection K maps; for plain exllamav3 its tensor_storage records; for "
+    "exl3-v1 and BTX the checks b12x's reader makes of the slot-major container; for a b12x_trellis block its "
+    "TrellisConfig and rate tensor; for a route pack every layer file against its manifest; for the GLM-5.3 stream "
+    "its scope and schema. Header-only unless --deep or --checksums.\n\n"
     "Each finding has a stable code (docs/findings.md), a location and expected vs found. Exit 1 on any "
     "error (or any warning with --strict).\n\n"
     "The report ends with which serving engines load the checkpoint (docs/engines.md). One engine's rules are "
-    "enforced: --engine NAME, or by default the newest rank-sliced vLLM loader for TR3 checkpoints (a plain "
-    "exllamav3 checkpoint: exllamav3); the others are reported, not enforced.\n\n"
+    "enforced: --engine NAME, or by default the dialect's own (TR3: the newest rank-sliced vLLM loader; R7 and the "
+    "GLM-5.3 stream: vllm-exl3-r7; exl3-v1 and a b12x_trellis block: b12x-exl3-v1; BTX: b12x-1.3.0; plain "
+    "exllamav3: exllamav3; a route pack, which no engine loads: none); the others are reported, not enforced.\n\n"
     "Examples:\n\n"
     "  trellis validate                      # the bundled sample\n\n"
     "  trellis validate ./GLM-TR3 --deep --layers 3-5,40\n\n"
@@ -38,45 +44,43 @@ TP_HELP = ("The tensor-parallel degree the server will run: checked against each
            "the report lists the TP degrees each engine would accept.")
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("validate", help=HELP)
-    def validate_command(
-        source: SourceArg = None,
-        revision: RevisionOpt = None,
-        token: TokenOpt = None,
-        offline: OfflineOpt = False,
-        endpoint: EndpointOpt = None,
-        cache_dir: CacheDirOpt = None,
-        layers: Annotated[Optional[str], typer.Option(help="MoE layers for the per-layer rules, e.g. 3-5,40.")] = None,
-        deep: Annotated[bool, typer.Option("--deep", help="Also read tensor data of the chosen layers (finite "
-                                                          "vectors, marker values, sampled tile decode).")] = False,
-        download: Annotated[bool, typer.Option("--download", help="Download the chosen layers' shards into the Hub "
-                                                                  "cache (implied by --deep).")] = False,
-        checksums: Annotated[bool, typer.Option("--checksums", help="Compare sha256 with the Hub's LFS hashes or "
-                                                                    "MANIFEST.sha256.")] = False,
-        strict: Annotated[bool, typer.Option("--strict", help="Warnings fail too.")] = False,
-        engine: Annotated[Optional[str], typer.Option("--engine", help=ENGINE_HELP)] = None,
-        tp: Annotated[Optional[int], typer.Option("--tp", min=1, help=TP_HELP)] = None,
-        as_json: Annotated[bool, typer.Option("--json", help="Emit the report as one JSON document.")] = False,
-    ) -> None:
-        from trellis_cli.validate.request import ValidateRequest, validate_source
+def validate_command(
+    source: SourceArg = None,
+    revision: RevisionOpt = None,
+    token: TokenOpt = None,
+    offline: OfflineOpt = False,
+    endpoint: EndpointOpt = None,
+    cache_dir: CacheDirOpt = None,
+    layers: Annotated[Optional[str], typer.Option(help="MoE layers for the per-layer rules, e.g. 3-5,40.")] = None,
+    deep: Annotated[bool, typer.Option("--deep", help="Also read tensor data of the chosen layers (finite "
+                                                      "vectors, marker values, sampled tile decode).")] = False,
+    download: Annotated[bool, typer.Option("--download", help="Download the chosen layers' shards into the Hub "
+                                                              "cache (implied by --deep).")] = False,
+    checksums: Annotated[bool, typer.Option("--checksums", help="Compare sha256 with the Hub's LFS hashes or "
+                                                                "MANIFEST.sha256.")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Warnings fail too.")] = False,
+    engine: Annotated[Optional[str], typer.Option("--engine", help=ENGINE_HELP)] = None,
+    tp: Annotated[Optional[int], typer.Option("--tp", min=1, help=TP_HELP)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Emit the report as one JSON document.")] = False,
+) -> None:
+    from trellis_cli.validate.request import ValidateRequest, validate_source
 
-        request = ValidateRequest(layers=parse_layers(layers), deep=deep, checksums=checksums, download=download,
-                                  engine=engine_option(engine), tp=tp, strict=strict)
-        opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
-        with output.make_progress(enabled=output.progress_enabled(as_json)) as bars:
-            report = validate_source(opened, request, _progress(bars, as_json))
-        report.context.setdefault("source", opened.describe())
-        if as_json:
-            emit_report_json(report, source=opened.describe(), revision=getattr(opened, "revision", None),
-                             strict=strict)
-        else:
-            render_report(report)
-        if not report.ok:
-            if report.error_count:  # the FAIL verdict is already on stdout (or in the JSON): said once
-                raise typer.Exit(EXIT_FINDINGS)
-            raise CheckFailed(f"{report.warning_count} warning(s) with --strict (the verdict above counts errors "
-                              f"only)")
+    request = ValidateRequest(layers=parse_layers(layers), deep=deep, checksums=checksums, download=download,
+                              engine=engine_option(engine), tp=tp, strict=strict)
+    opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
+    with output.make_progress(enabled=output.progress_enabled(as_json)) as bars:
+        report = validate_source(opened, request, _progress(bars, as_json))
+    report.context.setdefault("source", opened.describe())
+    if as_json:
+        emit_report_json(report, source=opened.describe(), revision=getattr(opened, "revision", None),
+                         strict=strict)
+    else:
+        render_report(report)
+    if not report.ok:
+        if report.error_count:  # the FAIL verdict is already on stdout (or in the JSON): said once
+            raise typer.Exit(EXIT_FINDINGS)
+        raise CheckFailed(f"{report.warning_count} warning(s) with --strict (the verdict above counts errors "
+                          f"only)")
 
 
 def emit_report_json(report: Report, **extra: object) -> None:

@@ -5,7 +5,8 @@ units present on one side only and dtype/shape differences come from headers; th
 storage identity (LFS sha256, the same file) when it applies, else by a streamed sha256 of each unit's bytes
 (diff/hashing.py). The TP compared is the larger of the two sides' (an exl3-v1 side is read at the other side's
 TP, or at the TP its manifest's conversion note or slot layout gives when both are exl3-v1); a TR3 side at a
-lower TP is re-sliced to it (exactly, or refused by name).
+lower TP is re-sliced to it (exactly, or refused by name). `diff_sources(a, b)` opens both first: the one call
+behind `trellis diff`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,23 @@ from trellis_cli.diff.units import (CODES, OTHER, Key, Unit, layer_file_tensors,
 from trellis_cli.errors import CheckFailed, UsageError
 
 Progress = Callable[[int], None]
+
+
+def diff_sources(a: Any, b: Any, *, layers: list[int] | None = None, progress: Progress | None = None,
+                 download_progress: Progress | None = None, on_layer: Callable[[int, int], None] | None = None,
+                 on_open: Callable[[str], None] | None = None,
+                 open_progress: Callable[[str, int, int], None] | None = None) -> DiffResult:
+    """Open `a` and `b` (Sources or local paths) and compare them as `run_diff` does. `on_open(description)`
+    before each side is opened, `open_progress(stage, done, total)` while its headers are read."""
+    from trellis_cli.dialects.open import open_checkpoint
+
+    checkpoints = []
+    for side in (a, b):
+        if on_open is not None:
+            on_open(str(getattr(side, "description", side)))
+        checkpoints.append(open_checkpoint(side, progress=open_progress))
+    return run_diff(*checkpoints, layers=layers, progress=progress, download_progress=download_progress,
+                    on_layer=on_layer)
 
 
 def run_diff(a: Checkpoint, b: Checkpoint, *, layers: list[int] | None = None, progress: Progress | None = None,

@@ -1,11 +1,12 @@
 """`fit(checkpoint, request) -> FitResult`: the engine version's layout and defaults on the GPU family, weights per
-rank, KV per token, reserve, budget, the verdict over the reserve's band, and remedies."""
+rank, KV per token, reserve, budget, the verdict over the reserve's band, and remedies. `fit_source(source,
+request)` opens the checkpoint first: the one call behind `trellis fit`."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.reader import require_intact
@@ -84,6 +85,7 @@ class FitResult:
     resliced_to: int | None = None  # the TP the answer assumes after re-slicing a rank-sliced checkpoint
     remedies: list[Remedy] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    dialect: str = ""  # the checkpoint's dialect, as open_checkpoint named it
 
     @property
     def layout(self) -> KvLayout:
@@ -225,6 +227,16 @@ class _Evaluator:
             return None
 
 
+def fit_source(source: Any, request: FitRequest,
+               progress: Callable[[str, int, int], None] | None = None) -> FitResult:
+    """Check `request` (a usage error before anything is read or downloaded), open `source` (a Source or a local
+    path; `progress(stage, done, total)` while its headers are read) and fit it."""
+    from trellis_cli.dialects.open import open_checkpoint
+
+    check_request(request)
+    return fit(open_checkpoint(source, progress=progress), request)
+
+
 def fit(ckpt: Checkpoint, request: FitRequest) -> FitResult:
     check_request(request)
     refusal = dialect_of(ckpt).weights_refusal(ckpt)
@@ -264,6 +276,7 @@ def fit(ckpt: Checkpoint, request: FitRequest) -> FitResult:
     if verdict == MARGINAL:
         result.deciding_term = _deciding_term(reserve)
     result.notes = _notes(result, sliced_tp)
+    result.dialect = ckpt.dialect
     if verdict != FITS:
         result.remedies = find_remedies(request, band["high"], ctx, ev.outcome, KV_REMEDY_ORDER,
                                         sliced_tp=sliced_tp)

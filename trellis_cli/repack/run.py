@@ -28,7 +28,7 @@ class RepackOptions:
     ranks: list[int] | None = None  # [0, 1] (of the target TP)
     tp: int | None = None  # target TP; None keeps the source's
     shared_h: bool = False  # collapse hidden-side rows to [1, H] (refused unless byte-equal)
-    to: str = "route-pack"  # a conversion target of the dialect registry: route-pack, tr3, exl3-v1
+    to: str = "route-pack"  # a conversion target of the dialect registry: route-pack, tr3, exl3-v1, btx, glm53-stream
     jobs: int = 1
     overwrite: bool = False
     copy_other: bool = True  # carry non-expert files and tensors through
