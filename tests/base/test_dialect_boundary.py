@@ -35,12 +35,11 @@ SHARED_DECLARED = {"index_metadata", "inferred", "k_source"}
 ALLOWED: dict[str, set[str]] = {
     # the exl3-v1 manifest's layer digests by storage tag (Dialect.source_digests answers it)
     "repack/source_facts.py": {"storage tag", "dialect import"},
-    # the exl3-v1 drivers: the container, its packer and writer; BTX's renaming writer; TR3's writer
-    "repack/exl3v1/pack_readback.py": {"dialect import"},
-    "repack/exl3v1/from_tr3.py": {"dialect import"},
-    "repack/exl3v1/to_route_pack.py": {"dialect import"},
-    "repack/exl3v1/rename.py": {"dialect import"},
-    "repack/exl3v1/to_tr3.py": {"dialect import"},
+    # the exl3-v1 drivers: the container, its packer, writer and read-backs; BTX's renaming writer; TR3's writer
+    "repack/tr3_to_exl3v1.py": {"dialect import"},
+    "repack/exl3v1_to_route_pack.py": {"dialect import"},
+    "repack/exl3v1_btx.py": {"dialect import"},
+    "repack/exl3v1_to_tr3.py": {"dialect import"},
     # the TR3 -> route pack driver: the route pack's writer and verifier; the driver table finds the route pack's
     # conversions by its dialect (its DIALECT imported as ROUTE_PACK)
     "repack/tr3_to_route_pack.py": {"dialect import"},

@@ -285,7 +285,7 @@ class Dialect:
         return []
 
     def slot_manifest(self, ckpt: Checkpoint) -> tuple[Any, str] | None:
-        """Its exl3-manifest.json container's parsed manifest (formats/exl3v1_schema.py `Manifest`) and the
+        """Its exl3-manifest.json container's parsed manifest (dialects/exl3v1/schema.py `Manifest`) and the
         manifest's file name, for the loaders that read such a container; None: not one, or it did not parse."""
         return None
 

@@ -13,10 +13,10 @@ from typing import Any, Callable
 from trellis_cli.dialects import registry
 from trellis_cli.errors import UsageError
 from trellis_cli.repack.convert import route_pack_to_tr3, tr3_to_tr3
-from trellis_cli.repack.exl3v1.from_tr3 import Tr3ToExl3v1
-from trellis_cli.repack.exl3v1.rename import Rename
-from trellis_cli.repack.exl3v1.to_route_pack import Exl3v1ToRoutePack
-from trellis_cli.repack.exl3v1.to_tr3 import exl3v1_to_tr3
+from trellis_cli.repack.tr3_to_exl3v1 import Tr3ToExl3v1
+from trellis_cli.repack.exl3v1_btx import Rename
+from trellis_cli.repack.exl3v1_to_route_pack import Exl3v1ToRoutePack
+from trellis_cli.repack.exl3v1_to_tr3 import exl3v1_to_tr3
 from trellis_cli.repack.glm53_stream import Tr3ToStream, stream_to_tr3
 from trellis_cli.repack.result import Validator
 from trellis_cli.repack.staged_run import Driver

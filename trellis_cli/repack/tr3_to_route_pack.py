@@ -18,7 +18,7 @@ from trellis_cli.dialects.routepack import write as rp_write
 from trellis_cli.errors import CheckFailed
 from trellis_cli.formats.route_pack import MANIFEST_NAME
 from trellis_cli.repack.preflight import EXTRA_DIR, refuse_pack_collisions
-from trellis_cli.repack.readback import check_layer_file
+from trellis_cli.dialects.routepack.readback import check_layer_file
 from trellis_cli.repack.result import RepackResult
 from trellis_cli.repack.source_facts import (CONFIG, NOT_COPIED, SourceHashes, fingerprint, has_experts,
                                              protected_paths, used_source_files, vector_ndim)

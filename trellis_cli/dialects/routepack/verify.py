@@ -6,7 +6,7 @@ self-consistent (tier K ascending and matching the slab shapes, tier sizes <= 25
 tables shaped for the geometry). Every problem is a finding with a stable `repack.*` code.
 
 The manifest is untrusted input: its structure, types and file names are checked first (`manifest_findings`,
-routepack/manifest_shape.py), and nothing after that reads a key or opens a name it has not vouched for. The
+manifest_shape.py), and nothing after that reads a key or opens a name it has not vouched for. The
 work done is bounded by what the directory holds, not by what the manifest declares: a count of listed files
 or of (layer, rank) pairs above that is one `count.implausible`, and missing items are listed up to a cap
 while they are found, then counted.
@@ -30,7 +30,7 @@ from trellis_cli.formats.route_pack import (
     ROT_UP_SUH, SCHEMA, SCHEMA_VERSION, TABLE_NAMES, TIER_K, TIER_SIZE, descriptor, layer_file_name,
     tier_trellis_name, tier_trellis_shape,
 )
-from trellis_cli.routepack.manifest_shape import CONFIG_NAME, manifest_findings
+from trellis_cli.dialects.routepack.manifest_shape import CONFIG_NAME, manifest_findings
 from trellis_cli.sources import LocalSource, read_json_file
 from trellis_cli.formats.safetensors_layout import check_shard
 
