@@ -40,10 +40,8 @@ ALLOWED: dict[str, set[str]] = {
     "repack/exl3v1_to_route_pack.py": {"dialect import"},
     "repack/exl3v1_btx.py": {"dialect import"},
     "repack/exl3v1_to_tr3.py": {"dialect import"},
-    # the TR3 -> route pack driver: the route pack's writer and verifier; the driver table finds the route pack's
-    # conversions by its dialect (its DIALECT imported as ROUTE_PACK)
+    # the TR3 -> route pack driver: the route pack's writer, verifier and layer-file read-back
     "repack/tr3_to_route_pack.py": {"dialect import"},
-    "repack/drivers.py": {"dialect import", "storage tag"},
     "repack/preflight.py": {"dialect import"},
     # --to tr3: TR3's writer and shard layout
     "repack/tr3_output.py": {"dialect import"},

@@ -1,13 +1,13 @@
 """`trellis repack EXL3 PACK` (`--to route-pack`): an exl3-v1 checkpoint -> a verified route-pack directory.
 
 One (layer, rank) at a time, in order: the rank's slot extent is gathered into a LayerPack (pack.py, what
-bench runs), written by the route pack's own writer (routepack/layer_file.py), then read back (dialects/exl3v1/pack_readback.py)
-and compared with the source's bytes. Memory: one layer-rank. Any `--tp` the slot layout allows (default as
-for `--to tr3`); `--layers` and `--ranks` select. config.json, tier_bitmap.json and the carried files are the
-ones `--to tr3` writes (exl3v1_to_tr3.tr3_form) plus the route-pack note, and each layer entry names the TR3 shard it
-goes back into (`tr3_shard`), so `repack PACK OUT --to tr3` writes what `repack EXL3 OUT --to tr3` writes.
-A driver of the staged run (staged_run.py): staged in OUT.partial (resumable), checked by verify_repacked, then
-moved into place, as for a TR3 source.
+bench runs), written by the route pack's own writer (routepack/layer_file.py), then read back
+(dialects/exl3v1/pack_readback.py) and compared with the source's bytes. Memory: one layer-rank. Any `--tp` the
+slot layout allows (default as for `--to tr3`); `--layers` and `--ranks` select. config.json, tier_bitmap.json
+and the carried files are the ones `--to tr3` writes (exl3v1_to_tr3.tr3_form) plus the route-pack note, and
+each layer entry names the TR3 shard it goes back into (`tr3_shard`), so `repack PACK OUT --to tr3` writes
+what `repack EXL3 OUT --to tr3` writes. A driver of the staged run (staged_run.py): staged in OUT.partial
+(resumable), checked by verify_route_pack, then moved into place, as for a TR3 source.
 """
 
 from __future__ import annotations
@@ -91,9 +91,9 @@ class Exl3v1ToRoutePack(Driver):
         result.manifest = self._finish(stage)
 
     def verify(self, tree: Path) -> None:
-        from trellis_cli.dialects.routepack.verify import verify_repacked
+        from trellis_cli.dialects.routepack.verify import verify_route_pack
 
-        report = verify_repacked(tree, check_hashes=False)
+        report = verify_route_pack(tree, check_hashes=False)
         if not report.ok:
             raise CheckFailed(f"{tree}: the staged output does not verify: {report.errors[0].line()}")
 

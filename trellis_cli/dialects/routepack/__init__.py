@@ -116,9 +116,9 @@ class RoutePackDialect(Dialect):
         """Every file against the manifest repack wrote, hashes included: always, --checksums or not (one read
         of the directory; hashing is the only check that sees a flipped byte inside tensor data). The hashes
         go through the one comparison of recorded hashes (integrity.check_recorded)."""
-        from trellis_cli.dialects.routepack.verify import verify_repacked
+        from trellis_cli.dialects.routepack.verify import verify_route_pack
 
-        found = verify_repacked(ckpt.source, check_hashes=True, progress=request.checksum_progress)
+        found = verify_route_pack(ckpt.source, check_hashes=True, progress=request.checksum_progress)
         report.findings.extend(found.findings)
         report.checked.update(found.checked)
         report.omitted.update(found.omitted)
