@@ -152,7 +152,6 @@ class Dialect:
     records_hashes: bool = False  # its own metadata records each file's sha256
     holds_model_weights: bool = True  # its files hold the model's weights (False: a config block alone)
     publisher_digests: bool = False  # with --checksums, the publisher's hashes are compared first and reused
-    inspect_view: str = "shards"  # how it lays out its bytes: "shards", "slot-rows" or "route-pack" (registry.storage_of)
     read_by: frozenset[str] = frozenset()  # the loader families that open this container
     container_notes: dict[str, str] = {}  # family -> why it does not, where that says more than the default
     # Conversions this dialect writes: source dialect name -> the repack driver that writes it.

@@ -28,7 +28,6 @@ class Exl3v1Dialect(Dialect):
     target = "exl3-v1"
     described_as = "an exl3-v1"
     default_engine = "b12x-exl3-v1"
-    inspect_view = "slot-rows"
     records_hashes = True  # the manifest's sha256 per layer file
     publisher_digests = True  # a Hub file's LFS sha256 is the layer file's digest too
     read_by = frozenset({B12X, VLLM_MANIFEST})

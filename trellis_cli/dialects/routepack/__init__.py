@@ -30,7 +30,6 @@ class RoutePackDialect(Dialect):
     name = DIALECT_REPACKED
     target = "route-pack"
     described_as = "a trellis route pack"
-    inspect_view = "route-pack"
     writer = "trellis_cli.dialects.routepack.write"
     tensor_data = False  # every file's sha256 is compared with the manifest instead (NOTE)
     records_hashes = True
