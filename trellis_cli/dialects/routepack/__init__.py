@@ -1,9 +1,11 @@
 """trellis's own route pack (manifest.json, schema "trellis-route-pack"): what `trellis repack` writes.
 
-The layout itself (layer files, manifest, plan, packer) is routepack/ in the model layer, shared by repack,
-bench and the kernel; this dialect owns reading a route-pack directory as a checkpoint: detection, the
-verification against its manifest (`verify.py`: every hash, every name, bounded by what the directory holds),
-and its verdicts (no profiled loader reads it; `repack --to tr3` rebuilds the served layout).
+The layer layout (formats/route_pack.py) and the packer, layer files and manifest (routepack/) sit below the
+dialects, where the kernel and bench read them; this package owns the rest: reading a route-pack directory as a
+checkpoint (detection, the manifest's shape in `manifest_shape.py`, the verification against its manifest in
+`verify.py`: every hash, every name, bounded by what the directory holds), its verdicts (no profiled loader
+reads it; `repack --to tr3` rebuilds the served layout), and, as a conversion target, its writer (`write.py`)
+and the read-back of each written layer file against its source (`readback.py`).
 """
 
 from __future__ import annotations
