@@ -10,7 +10,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-from trellis_cli.checkpoint.model import DIALECT_REPACKED
 from trellis_cli.dialects import registry
 from trellis_cli.errors import UsageError
 from trellis_cli.repack.convert import route_pack_to_tr3, tr3_to_tr3
@@ -78,8 +77,10 @@ def driver_for(source_dialect: str, source: Any, out: Path, options: Any, valida
 
 
 def route_pack_driver(root: Path, out: Path, options: Any, validator: Validator) -> Driver:
-    """The driver for a local route pack's directory (read by its driver, not opened as a checkpoint)."""
-    return driver_for(DIALECT_REPACKED, root, out, options, validator)
+    """The driver for a local route pack's directory (read by its driver, not opened as a checkpoint): the row
+    whose source is the dialect `--to route-pack` writes."""
+    route_pack = next(d for d in registry.DIALECTS if d.target == "route-pack")
+    return driver_for(route_pack.name, root, out, options, validator)
 
 
 __all__ = ["DRIVERS", "conversion_of", "driver_for", "plans_from_declarations", "route_pack_driver"]

@@ -74,8 +74,9 @@ def quick_dry_run(source: Any, out: Path, options: Any,
     if ck is None or any(f.severity is Severity.ERROR for f in ck.parse_findings):
         return None
     if not plans_from_declarations(ck.dialect):
-        return None  # no such conversion (the full path names those this source has), or one whose dry run is its
-        # driver's plan from the full opening
+        # no such conversion (the full path names those this source has), or one whose dry run is its driver's
+        # plan from the full opening
+        return None
     scan = _scan_shards(ck)
     if scan is None:
         return None
