@@ -13,6 +13,11 @@ Read from the source (AST), every module of the package outside dialects/ is che
 
 The modules of repack/ that still do so are listed in ALLOWED, each with what it still reads; an entry that no
 longer offends fails too, so the list only shrinks.
+
+And one home per format: outside dialects/ no module or package is named for one dialect (repack's drivers, named
+by their conversion, and the route pack's layers below the dialects excepted: BELOW_THE_DIALECTS), and the route
+pack is spelled one way in module and identifier names (`route_pack`, `RoutePack`; never `repacked`, `routepack`
+but as the packages' names).
 """
 
 from __future__ import annotations
@@ -33,18 +38,13 @@ SHARED_DECLARED = {"index_metadata", "inferred", "k_source"}
 # Offenders left in repack/ (being restructured on its own: drivers, one staged-run skeleton); each entry says
 # what the module still reads. Remove an entry once the module asks its dialect instead.
 ALLOWED: dict[str, set[str]] = {
-    # the exl3-v1 manifest's layer digests by storage tag (Dialect.source_digests answers it)
-    "repack/source_facts.py": {"storage tag", "dialect import"},
-    # the exl3-v1 drivers: the container, its packer and writer; BTX's renaming writer; TR3's writer
-    "repack/exl3v1/pack_readback.py": {"dialect import"},
-    "repack/exl3v1/from_tr3.py": {"dialect import"},
-    "repack/exl3v1/to_route_pack.py": {"dialect import"},
-    "repack/exl3v1/rename.py": {"dialect import"},
-    "repack/exl3v1/to_tr3.py": {"dialect import"},
-    # the TR3 -> route pack driver: the route pack's writer and verifier; the driver table finds the route pack's
-    # conversions by its dialect (its DIALECT imported as ROUTE_PACK)
+    # the exl3-v1 drivers: the container, its packer, writer and read-backs; BTX's renaming writer; TR3's writer
+    "repack/tr3_to_exl3v1.py": {"dialect import"},
+    "repack/exl3v1_to_route_pack.py": {"dialect import"},
+    "repack/exl3v1_btx.py": {"dialect import"},
+    "repack/exl3v1_to_tr3.py": {"dialect import"},
+    # the TR3 -> route pack driver: the route pack's writer, verifier and layer-file read-back
     "repack/tr3_to_route_pack.py": {"dialect import"},
-    "repack/drivers.py": {"dialect import", "storage tag"},
     "repack/preflight.py": {"dialect import"},
     # --to tr3: TR3's writer and shard layout
     "repack/tr3_output.py": {"dialect import"},
@@ -132,6 +132,62 @@ def test_the_allowlist_only_names_what_still_offends():
     assert not stale, "no longer offends, remove from ALLOWED:\n" + "\n".join(stale)
 
 
+# One home per format (docs/architecture.md): outside dialects/, no module or package is named for one dialect,
+# except repack's drivers (named by their conversion, `tr3_to_exl3v1.py`) and what the kernel reads below the
+# dialects: the route pack's layer layout and its packer, layer files and manifest.
+BELOW_THE_DIALECTS = {"formats/route_pack.py", "routepack"}
+# Spellings of the route pack other than `route_pack` / `RoutePack` / `route-pack` / `trellis-route-pack`; the one
+# identifier left is the dialect's name constant, which moves with the dialects' detection (dialects/detect.py).
+OTHER_SPELLINGS = ("repacked", "routepack")
+SPELLED_OTHERWISE = {"DIALECT_REPACKED"}
+
+
+def _named_for_a_dialect(name: str) -> bool:
+    word = name.removesuffix(".py")
+    return any(word.replace("_", "") == d.replace("_", "") or word.split("_")[0] == d for d in DIALECT_PACKAGES)
+
+
+def test_one_home_per_format():
+    found = []
+    for path in sorted(PACKAGE.rglob("*")):
+        rel = path.relative_to(PACKAGE)
+        if DIALECTS in path.parents or path == DIALECTS or rel.parts[0] == "repack" or "__pycache__" in rel.parts:
+            continue
+        if (path.suffix == ".py" or (path / "__init__.py").is_file()) and _named_for_a_dialect(path.name):
+            found.append(rel.as_posix())
+    assert sorted(found) == sorted(BELOW_THE_DIALECTS), "a format's modules go in its dialect's folder"
+
+
+def _spelled_otherwise(name: str) -> bool:
+    return any(form in name for s in OTHER_SPELLINGS for form in (s, s.upper(), s.capitalize()))
+
+
+def _defined_names(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.lineno, node.name
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            yield node.lineno, node.id
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            yield node.lineno, node.attr
+        elif isinstance(node, ast.arg):
+            yield node.lineno, node.arg
+        elif isinstance(node, ast.alias) and node.asname:
+            yield 0, node.asname
+
+
+def test_the_route_pack_is_spelled_one_way_in_code():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if _spelled_otherwise(path.stem):
+            wrong.append(f"{rel}: module name")
+        for line, name in _defined_names(ast.parse(path.read_text(encoding="utf-8"))):
+            if _spelled_otherwise(name) and name not in SPELLED_OTHERWISE:
+                wrong.append(f"{rel}:{line}: {name}")
+    assert not wrong, "spell it route_pack (RoutePack):\n" + "\n".join(wrong)
+
+
 def test_the_guard_sees_each_form():
     sample = "\n".join([
         "from trellis_cli.dialects.registry import SLOT_ROWS, storage_of",
@@ -154,4 +210,8 @@ def test_the_guard_sees_each_form():
     assert kinds.count("dialect trait") == 4
     assert kinds.count("declared key") == 3  # the shared keys pass
     assert kinds.count("dialect import") == 3  # the shared modules of dialects/ are the way in
+    assert [_spelled_otherwise(n) for n in ("verify_repacked", "RoutepackDialect", "is_routepack",
+                                            "Tr3ToRoutePack", "route_pack_root")] == [True, True, True, False, False]
+    assert _named_for_a_dialect("exl3v1_schema.py") and _named_for_a_dialect("route_pack.py")
+    assert not _named_for_a_dialect("tr3x.py") and not _named_for_a_dialect("engine_r7.py")
     assert {"btx", "exl3v1", "routepack", "tr3"} <= DIALECT_PACKAGES and "units" not in DIALECT_PACKAGES

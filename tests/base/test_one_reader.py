@@ -30,8 +30,8 @@ READ_BACK = {
     # while it is copied (the source was opened through the reader and validated before the conversion starts).
     "dialects/btx/write.py": HEADER_READS,
     "dialects/glm53/write.py": HEADER_READS,
-    "repack/exl3v1/from_tr3.py": HEADER_READS,  # a written exl3-v1 layer file, read back
-    "repack/readback.py": HEADER_READS,  # a written layer file, streamed back
+    "dialects/exl3v1/from_tr3.py": HEADER_READS,  # a written exl3-v1 layer file, read back
+    "dialects/routepack/readback.py": HEADER_READS,  # a written layer file, streamed back
     "dialects/routepack/verify.py": HEADER_READS,  # a route pack against its manifest (its own bounded reads)
     "integrity.py": LISTINGS | OPENS,  # sha256 of whole files (sources layer, below the reader)
     "selection.py": LISTINGS,  # which files to download (sources layer, below the reader)

@@ -21,7 +21,7 @@ import pytest
 
 from helpers import run_cli, error_line
 from trellis_cli import synth
-from trellis_cli.formats.exl3v1_schema import MAX_EXPERTS, MAX_HIDDEN, MAX_SLOT_EXPERTS, MAX_SLOTS, UNIFORM, LayerEntry, Manifest
+from trellis_cli.dialects.exl3v1.schema import MAX_EXPERTS, MAX_HIDDEN, MAX_SLOT_EXPERTS, MAX_SLOTS, UNIFORM, LayerEntry, Manifest
 from trellis_cli.header import MAX_HEADER_TENSORS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,7 +88,7 @@ def consistent_sparse_layer(root: Path, slots: int) -> Path:
     """A whole exl3-v1 checkpoint of one uniform K3 expert and `slots` slots, every header consistent, its data
     holes (hundreds of GB apparent, nothing on disk)."""
     from trellis_cli.dialects.exl3v1.write import layer_file_name, row_stride, write_layer, write_manifest
-    from trellis_cli.formats.exl3v1_layout import uniform_rates
+    from trellis_cli.dialects.exl3v1.layout import uniform_rates
 
     root.mkdir()
     m = Manifest(codebook="mcg", codebook_seed=0xCBAC1FED, num_experts=1, hidden=128, intermediate=32 * slots,

@@ -25,7 +25,7 @@ from trellis_cli.errors import UnknownDialect
 def _exl3v1_manifest(spec) -> dict:
     from trellis_cli.dialects.exl3v1.synth import manifest_for
     from trellis_cli.dialects.exl3v1.write import layer_file_name, manifest_document
-    from trellis_cli.formats.exl3v1_schema import LayerEntry
+    from trellis_cli.dialects.exl3v1.schema import LayerEntry
 
     m = manifest_for(spec)
     m.layers = {li: LayerEntry(layer_file_name(li), "0" * 64) for li in m.layer_indices}

@@ -13,7 +13,7 @@ import pytest
 from helpers import run_cli
 from trellis_cli.dialects.exl3v1.partitions import (B12X_PLANNER, FORK_PLANNER, Refused, partition_extents,
                                                     plan_exl3_extent)
-from trellis_cli.formats.exl3v1_schema import Manifest
+from trellis_cli.dialects.exl3v1.schema import Manifest
 from trellis_cli.synth import SynthSpec
 
 

@@ -159,6 +159,42 @@ def test_every_row_of_the_conversion_table_has_a_driver_and_every_driver_a_row()
     assert {row.driver for row in registry.conversions()} == set(DRIVERS)
 
 
+def test_the_quick_plan_is_asked_of_the_driver_and_no_driver_name_is_compared():
+    """Which conversions preflight plans from the declarations, before the opening, is said by the driver object
+    (`Driver.plans_from_declarations`): TR3 -> route pack alone. Outside the driver table no module of repack/
+    spells a driver's name."""
+    import trellis_cli.repack
+    from trellis_cli.checkpoint.model import DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H
+    from trellis_cli.dialects import registry
+    from trellis_cli.repack.drivers import DRIVERS, plans_from_declarations
+    from trellis_cli.repack.tr3_to_route_pack import Tr3ToRoutePack
+
+    rows = registry.conversions()
+    quick = {(row.source, row.target) for row in rows if plans_from_declarations(row.source, row.target)}
+    assert quick == {(DIALECT_TR3_PER_EXPERT, "route-pack"), (DIALECT_TR3_SHARED_H, "route-pack")}
+    assert DRIVERS[registry.conversion(DIALECT_TR3_PER_EXPERT, "route-pack") or ""] is Tr3ToRoutePack
+    assert not plans_from_declarations(DIALECT_TR3_PER_EXPERT, "no-such-target")
+    package = Path(trellis_cli.repack.__file__).parent
+    named = [f"{p.name}: {row.driver}" for p in sorted(package.glob("*.py")) if p.name != "drivers.py"
+             for row in rows if f'"{row.driver}"' in p.read_text(encoding="utf-8")]
+    assert not named
+
+
+@pytest.mark.parametrize("spelled", ["routepack", "route_pack", "Route-Pack"])
+def test_a_target_spelled_another_way_is_refused_naming_the_word(capsys, sources, tmp_path, spelled):
+    """`--to routepack`: the library's refusal says the word to use; the CLI's lists it among the targets. Nothing
+    is written either way."""
+    from trellis_cli import RepackOptions, run_repack
+    from trellis_cli.errors import UsageError
+
+    out = tmp_path / "out"
+    with pytest.raises(UsageError, match=r"did you mean --to route-pack\?"):
+        run_repack(sources["reslice"], out, RepackOptions(to=spelled))
+    code, _, err = run_cli(capsys, "repack", str(sources["reslice"]), str(out), "--to", spelled)
+    assert code == 2 and "'route-pack'" in err
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
 @pytest.mark.slow
 def test_the_re_slice_fit_recommends_is_planned_at_production_size(capsys, glm52_tp4_sparse, tmp_path, monkeypatch):
     """`repack --to tr3 --tp 8 --dry-run` on the production shape: ~300 GB planned; 59 GB free is refused."""

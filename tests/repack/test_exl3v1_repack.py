@@ -56,7 +56,7 @@ def test_bench_source_pack_equals_the_converted_tr3_pack(exl3, tmp_path):
     from trellis_cli.bench.source import load_bench_source
     from trellis_cli.dialects import open_checkpoint
     from trellis_cli.routepack.pack import pack_layer
-    from trellis_cli.repack.readback import same_bits
+    from trellis_cli.dialects.routepack.readback import same_bits
     from trellis_cli import RepackOptions, run_repack
 
     run_repack(str(exl3), tmp_path / "tr3", RepackOptions(to="tr3", tp=4))  # bench: the largest TP <= 4

@@ -100,7 +100,7 @@ def test_read_back_names_a_changed_byte(capsys, tmp_path):
     from trellis_cli.errors import CheckFailed
     from trellis_cli.dialects.exl3v1.container import container, layer_rates
     from trellis_cli.dialects.exl3v1.pack import expert_tiers
-    from trellis_cli.repack.exl3v1.pack_readback import check_written
+    from trellis_cli.dialects.exl3v1.pack_readback import check_written
     from trellis_cli.header import read_local_header
     from trellis_cli.routepack.source_bytes import TensorReader
 

@@ -22,7 +22,7 @@ from trellis_cli.validate import run_validation
 from trellis_cli.id_ranges import compact_ranges, expand_ranges
 from trellis_cli.formats.route_pack import SCHEMA, split_descriptor
 from trellis_cli import RepackOptions, run_repack
-from trellis_cli.dialects.routepack.verify import describe_repacked, verify_repacked
+from trellis_cli.dialects.routepack.verify import describe_route_pack, verify_route_pack
 from trellis_cli.sample import sample_path
 
 TINY = synth.preset("tiny")
@@ -88,7 +88,7 @@ def test_round_trip_is_bit_exact(sources, tmp_path, name):
     packed, back = tmp_path / "packed", tmp_path / "back"
     result = run_repack(sources[name], packed, RepackOptions(jobs=2))
     assert result.files_written == len(list(packed.glob("layer-*.safetensors")))
-    report = verify_repacked(packed)
+    report = verify_route_pack(packed)
     assert report.ok, report.summary()
     run_repack(packed, back, RepackOptions(to="tr3"))
     assert_same_tensors(all_tensors(sources[name]), all_tensors(back))
@@ -113,7 +113,7 @@ def test_manifest_describes_tiers_sources_and_files(sources, tmp_path):
     assert sorted(n for n in doc["files"] if n.startswith("layer-")) == ["layer-004-rank-1.safetensors"]
     config = json.loads((tmp_path / "p" / "config.json").read_text())
     assert config["trellis_repack"]["schema"] == SCHEMA
-    info = describe_repacked(tmp_path / "p")
+    info = describe_route_pack(tmp_path / "p")
     # manifest.json is counted too, as validate counts it
     assert info["layers"][0]["layer"] == 4 and info["tp"] == 2 and info["files"] == len(doc["files"]) + 1
 
@@ -132,7 +132,7 @@ def test_flipped_byte_in_any_output_file_fails_verification(sources, tmp_path):
         data = bytearray((broken / path.name).read_bytes())
         data[len(data) // 2] ^= 0x01
         (broken / path.name).write_bytes(bytes(data))
-        report = verify_repacked(broken)
+        report = verify_route_pack(broken)
         codes = {f.code for f in report.errors}
         assert not report.ok, path.name
         expected = "repack.manifest-integrity" if path.name == "manifest.json" else "repack.hash-mismatch"
@@ -147,7 +147,7 @@ def test_interrupted_repack_leaves_out_untouched_and_resumes(sources, tmp_path, 
     assert not out.exists() and (tmp_path / "out.partial").is_dir()
     result = run_repack(sources["mixed"], out, RepackOptions())
     assert result.files_resumed == 1 and result.files_written == 3
-    assert verify_repacked(out).ok and not (tmp_path / "out.partial").exists()
+    assert verify_route_pack(out).ok and not (tmp_path / "out.partial").exists()
 
 
 def test_resume_redoes_a_staged_file_that_changed(sources, tmp_path, monkeypatch):
@@ -160,7 +160,7 @@ def test_resume_redoes_a_staged_file_that_changed(sources, tmp_path, monkeypatch
     data[-1] ^= 0xFF
     staged.write_bytes(bytes(data))
     result = run_repack(sources["mixed"], out, RepackOptions())
-    assert result.files_resumed == 1 and result.files_written == 3 and verify_repacked(out).ok
+    assert result.files_resumed == 1 and result.files_written == 3 and verify_route_pack(out).ok
 
 
 def test_free_space_is_checked_up_front(tmp_path):

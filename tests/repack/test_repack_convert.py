@@ -15,7 +15,7 @@ from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.routepack.pack import pack_layer
 from trellis_cli.formats.route_pack import split_descriptor
 from trellis_cli import RepackOptions, run_repack
-from trellis_cli.dialects.routepack.verify import verify_repacked
+from trellis_cli.dialects.routepack.verify import verify_route_pack
 
 from helpers import all_tensors, assert_same_tensors
 
@@ -45,7 +45,7 @@ def write(tmp_path: Path, name: str, spec, *, across_experts: bool | None = None
 def test_per_expert_to_shared_h_when_rows_are_equal(tmp_path):
     src = write(tmp_path, "src", TINY, across_experts=True)
     run_repack(src, tmp_path / "packed", RepackOptions(shared_h=True))
-    assert verify_repacked(tmp_path / "packed").ok
+    assert verify_route_pack(tmp_path / "packed").ok
     pack = pack_layer(open_checkpoint(src), 3, 1, shared_h=True)
     assert pack.gate_suh.shape == (1, 256) and pack.rotation == "shared_h"
     run_repack(src, tmp_path / "tr3", RepackOptions(to="tr3", shared_h=True))
@@ -100,7 +100,7 @@ def test_tp_split_and_merge_are_exact_inverses(tmp_path):
 def test_tp_merge_when_hidden_side_is_equal_across_ranks(tmp_path):
     src = write(tmp_path, "src", WIDE, across_experts=False)
     run_repack(src, tmp_path / "packed", RepackOptions(tp=1))
-    assert verify_repacked(tmp_path / "packed").ok
+    assert verify_route_pack(tmp_path / "packed").ok
     pack = pack_layer(open_checkpoint(src), 4, 0, tp=1)
     tensors = all_tensors(src)
     expert = open_checkpoint(src).layers[4].partition()[3][0]  # first K3 expert: tier 0

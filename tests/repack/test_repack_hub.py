@@ -6,7 +6,7 @@ import json
 
 from hub_server import HubServer
 from trellis_cli import RepackOptions, run_repack
-from trellis_cli.dialects.routepack.verify import verify_repacked
+from trellis_cli.dialects.routepack.verify import verify_route_pack
 from trellis_cli.sources import open_source
 from trellis_cli.synth import preset, write_checkpoint
 
@@ -25,4 +25,4 @@ def test_repack_from_hub_downloads_only_the_selected_layer(tmp_path):
     doc = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert doc["source"]["kind"] == "hub" and doc["source"]["repo_id"] == REPO and doc["source"]["revision"] == sha
     assert "model-layer-004.safetensors" in doc["source"]["files"]
-    assert verify_repacked(tmp_path / "out").ok
+    assert verify_route_pack(tmp_path / "out").ok

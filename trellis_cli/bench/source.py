@@ -1,6 +1,6 @@
-"""What `trellis bench` runs on: a synthetic preset, a repacked directory, or a TR3 checkpoint.
+"""What `trellis bench` runs on: a synthetic preset, a route-pack directory, or a TR3 checkpoint.
 
-A repacked directory (a route-pack manifest) is read layer file by layer file; a TR3 checkpoint is
+A route-pack directory (its manifest) is read layer file by layer file; a TR3 checkpoint is
 repacked in memory for the one (layer, rank) asked for. Without --layer the first MoE layer is used.
 """
 
@@ -34,7 +34,8 @@ def choose_source(source: str | None, synthetic: str | None,
             raise UsageError(f"--partition {partition}: must add up to the preset's {preset.experts} experts")
         return preset, parts
     if not source:
-        raise UsageError("nothing to benchmark: give SOURCE (repacked dir or TR3 checkpoint) or --synthetic NAME")
+        raise UsageError("nothing to benchmark: give SOURCE (route-pack directory or TR3 checkpoint) or "
+                         "--synthetic NAME")
     if partition:
         raise UsageError("--partition applies to --synthetic only (a checkpoint declares its own)")
     return None
@@ -50,7 +51,7 @@ def load_bench_source(source: str | None, *, synthetic: str | None, partition: s
         return BenchSource(f"synthetic {preset.name} partition {label}", pack, "synthetic")
     path = Path(source)
     if path.is_dir() and _is_route_pack(path):
-        return _repacked(path, layer, rank, device)
+        return _route_pack(path, layer, rank, device)
     return _checkpoint(source, layer, rank, device)
 
 
@@ -60,11 +61,11 @@ def _is_route_pack(path: Path) -> bool:
     return is_route_pack(path)
 
 
-def _repacked(path: Path, layer: int | None, rank: int, device: str) -> BenchSource:
+def _route_pack(path: Path, layer: int | None, rank: int, device: str) -> BenchSource:
     from trellis_cli.routepack.layer_file import read_layer_pack
 
     if layer is None:
-        layer = first_repacked_layer(path)
+        layer = first_route_pack_layer(path)
     pack = read_layer_pack(path, layer, rank, device=device)
     return BenchSource(f"repacked {path} layer {layer} rank {rank}", pack, "repacked")
 
@@ -80,7 +81,7 @@ def chosen_layer(checkpoint, source: str, layer: int | None) -> int:
     return chosen
 
 
-def first_repacked_layer(path: Path) -> int:
+def first_route_pack_layer(path: Path) -> int:
     from trellis_cli.errors import CheckFailed
     from trellis_cli.routepack.manifest import declared_layers, read_manifest
 

@@ -51,7 +51,7 @@ class TpPlan:
 def plan_tp_source(source: str | None, *, synthetic: str | None, partition: str | None, layer: int | None,
                    tp: int, tp_given: bool = True) -> TpPlan:
     """`tp_given=False`: the user gave no --tp (the CPU check runs one rank), which refusals say."""
-    from trellis_cli.bench.source import choose_source, first_repacked_layer
+    from trellis_cli.bench.source import choose_source, first_route_pack_layer
 
     if tp < 1:
         raise UsageError(f"--tp {tp}: must be at least 1")
@@ -62,7 +62,7 @@ def plan_tp_source(source: str | None, *, synthetic: str | None, partition: str 
 
     path = Path(source)
     if path.is_dir() and is_route_pack(path):
-        return _plan_route_pack(path, first_repacked_layer(path) if layer is None else layer, tp)
+        return _plan_route_pack(path, first_route_pack_layer(path) if layer is None else layer, tp)
     return _plan_checkpoint(source, layer, tp, tp_given)
 
 

@@ -156,7 +156,6 @@ class Dialect:
     records_hashes: bool = False  # its own metadata records each file's sha256
     holds_model_weights: bool = True  # its files hold the model's weights (False: a config block alone)
     publisher_digests: bool = False  # with --checksums, the publisher's hashes are compared first and reused
-    inspect_view: str = "shards"  # how it lays out its bytes: "shards", "slot-rows" or "route-pack" (registry.storage_of)
     read_by: frozenset[str] = frozenset()  # the loader families that open this container
     container_notes: dict[str, str] = {}  # family -> why it does not, where that says more than the default
     # Conversions this dialect writes: source dialect name -> the repack driver that writes it.
@@ -289,7 +288,7 @@ class Dialect:
         return []
 
     def slot_manifest(self, ckpt: Checkpoint) -> tuple[Any, str] | None:
-        """Its exl3-manifest.json container's parsed manifest (formats/exl3v1_schema.py `Manifest`) and the
+        """Its exl3-manifest.json container's parsed manifest (dialects/exl3v1/schema.py `Manifest`) and the
         manifest's file name, for the loaders that read such a container; None: not one, or it did not parse."""
         return None
 

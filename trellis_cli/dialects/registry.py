@@ -45,17 +45,6 @@ def dialect_of(ckpt: Checkpoint) -> Dialect:
     return _BY_NAME[ckpt.dialect]
 
 
-# How a dialect lays out its bytes: per-linear safetensors shards, exl3-v1 slot rows, or a route pack's layer
-# files. Only repack's source hashes still switch on it (tests/base/test_dialect_boundary.py allows it there
-# alone, until they ask `Dialect.source_digests`); diff, fit and inspect ask the dialect's methods instead.
-SHARDS, SLOT_ROWS, ROUTE_PACK = "shards", "slot-rows", "route-pack"
-
-
-def storage_of(ckpt: Checkpoint) -> str:
-    """SHARDS, SLOT_ROWS or ROUTE_PACK: the layout of `ckpt`'s bytes (its dialect's `inspect_view`)."""
-    return dialect_of(ckpt).inspect_view
-
-
 def synth_module(target: str) -> Any:
     """The module that writes synthetic checkpoints of the dialect `repack --to` calls `target` (its `synth`)."""
     import importlib

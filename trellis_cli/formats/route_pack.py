@@ -1,4 +1,4 @@
-"""The repacked ("route pack") layout of one MoE layer on one tensor-parallel rank.
+"""The route-pack layout of one MoE layer on one tensor-parallel rank.
 
 This is the contract between `trellis repack` (writer), the loader (reader) and the fused CUDA kernel:
 the kernel reads these tensors as they are, with no transform at load time. docs/format.md is the

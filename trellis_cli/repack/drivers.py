@@ -13,10 +13,10 @@ from typing import Any, Callable
 from trellis_cli.dialects import registry
 from trellis_cli.errors import UsageError
 from trellis_cli.repack.convert import route_pack_to_tr3, tr3_to_tr3
-from trellis_cli.repack.exl3v1.from_tr3 import Tr3ToExl3v1
-from trellis_cli.repack.exl3v1.rename import Rename
-from trellis_cli.repack.exl3v1.to_route_pack import Exl3v1ToRoutePack
-from trellis_cli.repack.exl3v1.to_tr3 import exl3v1_to_tr3
+from trellis_cli.repack.tr3_to_exl3v1 import Tr3ToExl3v1
+from trellis_cli.repack.exl3v1_btx import Rename
+from trellis_cli.repack.exl3v1_to_route_pack import Exl3v1ToRoutePack
+from trellis_cli.repack.exl3v1_to_tr3 import exl3v1_to_tr3
 from trellis_cli.repack.glm53_stream import Tr3ToStream, stream_to_tr3
 from trellis_cli.repack.result import Validator
 from trellis_cli.repack.staged_run import Driver
@@ -26,10 +26,6 @@ from trellis_cli.repack.tr3_to_route_pack import Tr3ToRoutePack
 DriverFactory = Callable[[Any, Path, Any, Validator], Driver]
 
 
-def _tr3_to_route_pack(ck: Any, out: Path, options: Any, _validator: Validator) -> Driver:
-    return Tr3ToRoutePack(ck, out, options)
-
-
 def _route_pack_to_tr3(root: Any, out: Path, options: Any, validator: Validator) -> Driver:
     if not isinstance(root, Path):
         raise UsageError("a route pack converts back to TR3 from a local directory only")
@@ -37,7 +33,7 @@ def _route_pack_to_tr3(root: Any, out: Path, options: Any, validator: Validator)
 
 
 DRIVERS: dict[str, DriverFactory] = {
-    "tr3-to-route-pack": _tr3_to_route_pack,
+    "tr3-to-route-pack": Tr3ToRoutePack,
     "tr3-to-tr3": tr3_to_tr3,
     "route-pack-to-tr3": _route_pack_to_tr3,
     "tr3-to-exl3-v1": Tr3ToExl3v1,
@@ -63,6 +59,14 @@ def no_conversion(source: str, target: str) -> str:
             f"{source}{instead}")
 
 
+def plans_from_declarations(source_dialect: str, target: str) -> bool:
+    """Whether the driver of the row (source dialect, target) plans a local source from its declarations before
+    the opening (`Driver.plans_from_declarations`: preflight.quick_dry_run); False when there is no such row."""
+    row = conversion_of(source_dialect, target)
+    factory = DRIVERS[row.driver] if row is not None else None
+    return isinstance(factory, type) and issubclass(factory, Driver) and factory.plans_from_declarations
+
+
 def driver_for(source_dialect: str, source: Any, out: Path, options: Any, validator: Validator) -> Driver:
     """The driver of the registry's row (source dialect, options.to), built for this source and OUT; a usage
     error naming the targets this source has when the table has no such row."""
@@ -73,10 +77,10 @@ def driver_for(source_dialect: str, source: Any, out: Path, options: Any, valida
 
 
 def route_pack_driver(root: Path, out: Path, options: Any, validator: Validator) -> Driver:
-    """The driver for a local route pack's directory (read by its driver, not opened as a checkpoint)."""
-    from trellis_cli.dialects.routepack import DIALECT as ROUTE_PACK
+    """The driver for a local route pack's directory (read by its driver, not opened as a checkpoint): the row
+    whose source is the dialect `--to route-pack` writes."""
+    route_pack = next(d for d in registry.DIALECTS if d.target == "route-pack")
+    return driver_for(route_pack.name, root, out, options, validator)
 
-    return driver_for(ROUTE_PACK.name, root, out, options, validator)
 
-
-__all__ = ["DRIVERS", "conversion_of", "driver_for", "route_pack_driver"]
+__all__ = ["DRIVERS", "conversion_of", "driver_for", "plans_from_declarations", "route_pack_driver"]

@@ -12,7 +12,7 @@ source before writing. A production TR3 (76 shards, ~930k tensors) is planned in
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.routepack import write as rp_write
@@ -56,11 +56,12 @@ def route_pack_plan(out: Path, options: Any, ck: Checkpoint, layer_files: list[d
     return plan_document(plan, resumable)
 
 
-def quick_dry_run(source: Any, out: Path, options: Any) -> RepackResult | None:
+def quick_dry_run(source: Any, out: Path, options: Any,
+                  plans_from_declarations: Callable[[str], bool]) -> RepackResult | None:
     """The dry run of a local TR3 source without parsing its headers (see the module docstring); None where
     that is not possible (another dialect, a Hub source, a declaration it cannot plan from): the caller then
-    opens the checkpoint in full."""
-    from trellis_cli.dialects import registry
+    opens the checkpoint in full. `plans_from_declarations(dialect)`: whether the driver of (that source dialect,
+    `options.to`) is planned this way (drivers.plans_from_declarations)."""
     from trellis_cli.dialects.open import open_declared
 
     if isinstance(source, (str, Path)):
@@ -72,11 +73,10 @@ def quick_dry_run(source: Any, out: Path, options: Any) -> RepackResult | None:
     ck = open_declared(source)
     if ck is None or any(f.severity is Severity.ERROR for f in ck.parse_findings):
         return None
-    driver = registry.conversion(ck.dialect, options.to)
-    if driver is None:
-        return None  # the full path names the conversions this source has
-    if driver != "tr3-to-route-pack":
-        return None  # every other conversion's dry run is its driver's plan, from the full opening
+    if not plans_from_declarations(ck.dialect):
+        # no such conversion (the full path names those this source has), or one whose dry run is its driver's
+        # plan from the full opening
+        return None
     scan = _scan_shards(ck)
     if scan is None:
         return None

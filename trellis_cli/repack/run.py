@@ -63,10 +63,10 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
     options = options or RepackOptions()
     out = Path(out)
     from trellis_cli.dialects import registry
-    from trellis_cli.repack.drivers import driver_for
+    from trellis_cli.repack.drivers import driver_for, plans_from_declarations
 
     if options.to not in registry.targets():
-        raise UsageError(f"--to {options.to!r}: expected {', '.join(registry.targets())}")
+        raise UsageError(unknown_target(options.to))
     if options.jobs < 1:
         raise UsageError(f"--jobs {options.jobs}: must be at least 1")
     from trellis_cli.routepack.manifest import is_route_pack
@@ -75,7 +75,7 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
     if root is not None and not isinstance(source, Checkpoint) and not is_route_pack(root):
         # Planned from declarations, file sizes and names in the raw headers, seconds before the opening: the
         # dry run's answer, and a real run's refusal (no space, OUT, a name claimed twice) before the slow part.
-        quick = quick_dry_run(source, out, options)
+        quick = quick_dry_run(source, out, options, lambda dialect: plans_from_declarations(dialect, options.to))
         if quick is not None and options.dry_run:
             return quick
         if quick is not None and quick.plan and quick.plan["refusals"]:
@@ -99,6 +99,19 @@ def run_repack(source: Any, out: str | Path, options: RepackOptions | None = Non
     driver = _planned(make, checkpoint, validate)
     return run_staged(driver, options.overwrite, check_source=validate, on_bytes=on_bytes, on_total=on_total,
                       log=log)
+
+
+def unknown_target(to: str) -> str:
+    """The refusal of a `--to` the registry has no target for; a target spelled another way (`routepack`,
+    `route_pack`, `EXL3V1`) is named as the word to use."""
+    from trellis_cli.dialects import registry
+
+    def bare(word: str) -> str:
+        return "".join(c for c in word.lower() if c.isalnum())
+
+    meant = next((t for t in registry.targets() if bare(t) == bare(to)), None)
+    hint = f" (did you mean --to {meant}?)" if meant else ""
+    return f"--to {to!r}: expected {', '.join(registry.targets())}{hint}"
 
 
 def _planned(make: Callable[[], Driver], checkpoint: Checkpoint | None,

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.dialects.registry import SLOT_ROWS, storage_of
+from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.checkpoint.names import is_expert_name
 from trellis_cli.errors import CheckFailed
 from trellis_cli.integrity import CHECKSUM_MANIFEST, read_manifest
@@ -100,18 +100,11 @@ class SourceHashes:
 
 
 def recorded_hashes(checkpoint: Checkpoint) -> dict[str, list[tuple[str, str, str]]]:
-    """name -> [(sha256, who records it, finding code)]: the exl3-v1 manifest's layer digests (the all-zero
-    digest of a sparse synthetic checkpoint records nothing) and a local MANIFEST.sha256's lines."""
+    """name -> [(sha256, who records it, finding code)]: what the dialect's own metadata records
+    (`Dialect.source_digests`: the exl3-v1 manifest's layer digests) and a local MANIFEST.sha256's lines."""
     out: dict[str, list[tuple[str, str, str]]] = {}
-    if storage_of(checkpoint) == SLOT_ROWS:
-        from trellis_cli.dialects.exl3v1.container import container
-
-        box = container(checkpoint)
-        for index, layer in box.layers.items():
-            if layer.sha256 and set(layer.sha256) != {"0"}:
-                out.setdefault(layer.file, []).append(
-                    (layer.sha256, f"the manifest's layers.{index}.sha256 in {box.manifest_file}",
-                     "exl3v1.sha256-mismatch"))
+    for name, recorded in dialect_of(checkpoint).source_digests(checkpoint).items():
+        out.setdefault(name, []).extend(recorded)
     if isinstance(checkpoint.source, LocalSource):
         loaded = read_manifest(checkpoint.source)
         for name, digest in (loaded[0] if loaded is not None else {}).items():

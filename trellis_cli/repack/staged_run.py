@@ -19,7 +19,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from trellis_cli.disk_space import free_bytes, space_refusal
 from trellis_cli.errors import CheckFailed
@@ -54,6 +54,10 @@ class Driver(ABC):
     """One conversion of the registry's table (`repack --to TARGET` from one source dialect)."""
 
     _planned: OutputPlan | None = None
+    # True where a local source's dry run (and a real run's early refusals) can be planned from its declarations,
+    # file sizes and the names in its raw headers, before the opening (preflight.quick_dry_run), to the same plan
+    # as `plan()` makes from the opened checkpoint.
+    plans_from_declarations: ClassVar[bool] = False
 
     @abstractmethod
     def plan(self) -> OutputPlan:

@@ -18,8 +18,8 @@ from trellis_cli.dialects.routepack import write as rp_write
 from trellis_cli.errors import CheckFailed
 from trellis_cli.formats.route_pack import MANIFEST_NAME
 from trellis_cli.repack.preflight import EXTRA_DIR, refuse_pack_collisions
-from trellis_cli.repack.readback import check_layer_file
-from trellis_cli.repack.result import RepackResult
+from trellis_cli.dialects.routepack.readback import check_layer_file
+from trellis_cli.repack.result import RepackResult, Validator
 from trellis_cli.repack.source_facts import (CONFIG, NOT_COPIED, SourceHashes, fingerprint, has_experts,
                                              protected_paths, used_source_files, vector_ndim)
 from trellis_cli.repack.staged_run import NOT_VALIDATED, Driver, OutputPlan, Progress
@@ -35,7 +35,9 @@ from trellis_cli.routepack.source_bytes import TensorReader
 class Tr3ToRoutePack(Driver):
     """A TR3 checkpoint (or another per-linear shard dialect of the table) -> a route pack."""
 
-    def __init__(self, checkpoint: Checkpoint, out: Path, options: Any) -> None:
+    plans_from_declarations = True  # preflight.quick_dry_run, held to plan() by tests/repack/test_dry_run_plan.py
+
+    def __init__(self, checkpoint: Checkpoint, out: Path, options: Any, _validator: Validator | None = None) -> None:
         self.ck, self.out, self.opt = checkpoint, out, options
         self.on_bytes: Progress = lambda _n: None
         self.plan_: RepackPlan = make_plan(checkpoint, layers=options.layers, ranks=options.ranks, tp=options.tp,
@@ -79,9 +81,9 @@ class Tr3ToRoutePack(Driver):
         result.manifest = self._finish(stage)
 
     def verify(self, tree: Path) -> None:
-        from trellis_cli.dialects.routepack.verify import verify_repacked
+        from trellis_cli.dialects.routepack.verify import verify_route_pack
 
-        report = verify_repacked(tree, check_hashes=False)
+        report = verify_route_pack(tree, check_hashes=False)
         if not report.ok:
             raise CheckFailed(f"{tree}: the staged output does not verify: {report.errors[0].line()}")
 

@@ -75,7 +75,7 @@ def layer_path(path_or_dir: str | Path, layer: int, rank: int) -> Path:
 
 
 def read_layer_pack(path_or_dir: str | Path, layer: int, rank: int, device: str = "cpu") -> LayerPack:
-    """Load one (layer, rank) from a repacked directory (or a layer file) onto `device`, as stored."""
+    """Load one (layer, rank) from a route-pack directory (or a layer file) onto `device`, as stored."""
     from safetensors import SafetensorError, safe_open
 
     path = layer_path(path_or_dir, layer, rank)

@@ -1,4 +1,4 @@
-"""manifest.json of a repacked directory: build, write canonically, read back, and hash files.
+"""manifest.json of a route-pack directory: build, write canonically, read back, and hash files.
 
 The manifest is written as `json.dumps(doc, indent=2) + "\\n"` and carries `manifest_sha256`, the sha256 of
 that same serialization without the key. A reader re-serializes what it parsed: a changed byte anywhere

@@ -2,9 +2,11 @@
 
 Everything trellis knows about it lives here: `container` (the container in the normalized model), `rules`
 (every check of b12x's reader, and what it leaves unchecked), `inspect` (its inspect rows), `pack` (a rank's
-slot extent as a route-pack LayerPack, and back), `write` (layer files and manifest) and `synth` (synthetic
-exl3-v1 checkpoints). Its schema and byte arithmetic are the torch-free formats/exl3v1_schema.py and
-formats/exl3v1_layout.py; the repack drivers that read or write it are repack/exl3v1/.
+slot extent as a route-pack LayerPack, and back), `write` (layer files and manifest), `synth` (synthetic
+exl3-v1 checkpoints), `schema` and `layout` (the manifest, parsed strictly, and the byte arithmetic of rows,
+bundles, planes and TP extents: torch-free), `from_tr3` (TR3 ranks -> one exl3-v1 layer file, read back) and
+`pack_readback` (a route-pack layer file made from it, read back against its rows). The repack drivers around
+them are repack's (repack/tr3_to_exl3v1.py, exl3v1_to_tr3.py, exl3v1_to_route_pack.py, exl3v1_btx.py).
 docs/checkpoint-dialects.md describes the container.
 """
 
@@ -26,7 +28,6 @@ class Exl3v1Dialect(Dialect):
     target = "exl3-v1"
     described_as = "an exl3-v1"
     default_engine = "b12x-exl3-v1"
-    inspect_view = "slot-rows"
     records_hashes = True  # the manifest's sha256 per layer file
     publisher_digests = True  # a Hub file's LFS sha256 is the layer file's digest too
     read_by = frozenset({B12X, VLLM_MANIFEST})
@@ -184,7 +185,7 @@ class Exl3v1Dialect(Dialect):
 
     def rank_tp_degrees(self, ckpt) -> list[int] | None:
         from trellis_cli.dialects.exl3v1.container import container
-        from trellis_cli.formats.exl3v1_layout import tp_degrees
+        from trellis_cli.dialects.exl3v1.layout import tp_degrees
 
         return list(tp_degrees(container(ckpt).manifest))
 

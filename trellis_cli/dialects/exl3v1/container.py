@@ -15,8 +15,8 @@ from typing import Any
 from trellis_cli.checkpoint import reader
 from trellis_cli.checkpoint.model import Checkpoint, MoeLayer, TensorRef
 from trellis_cli.errors import CheckFailed
-from trellis_cli.formats.exl3v1_layout import LayerRates, uniform_rates
-from trellis_cli.formats.exl3v1_schema import SLOTS_PER_PAIR, Manifest, parse_manifest
+from trellis_cli.dialects.exl3v1.layout import LayerRates, uniform_rates
+from trellis_cli.dialects.exl3v1.schema import SLOTS_PER_PAIR, Manifest, parse_manifest
 from trellis_cli.findings import Location, error, warning
 
 CODES, ROTATIONS, RATES_FC1, RATES_FC2, SIGN_PATTERN = "codes", "rotations", "rates_fc1", "rates_fc2", "sign_pattern"

@@ -12,8 +12,8 @@ from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.exl3v1.container import CODES, container, layer_rates
-from trellis_cli.formats.exl3v1_layout import hidden_table_bytes, rank_bytes, row_payloads, tp_degrees
-from trellis_cli.formats.exl3v1_schema import SLOT_CHANNELS
+from trellis_cli.dialects.exl3v1.layout import hidden_table_bytes, rank_bytes, row_payloads, tp_degrees
+from trellis_cli.dialects.exl3v1.schema import SLOT_CHANNELS
 from trellis_cli.id_ranges import compact_ranges
 
 MIXED = "mixed"

@@ -2,7 +2,7 @@
 
 The LayerPack is the project's one in-memory form of (layer, rank) (formats/route_pack.py): TR3 shards are
 written from it (dialects/tr3/shard.py), the route pack is it on disk, and bench runs it. Moving between it and
-exl3-v1 rearranges bytes only (formats/exl3v1_layout.py says where each 16-channel tile goes); nothing is decoded.
+exl3-v1 rearranges bytes only (dialects/exl3v1/layout.py says where each 16-channel tile goes); nothing is decoded.
 TR3 and the route pack hold one K per expert, so an expert whose records use several bit widths is refused.
 """
 
@@ -14,9 +14,9 @@ from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.header import plain_relative
 from trellis_cli.dialects.exl3v1.container import CODES, HIDDEN_TABLES, ROTATIONS, Exl3Layer, container, layer_rates
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.formats.exl3v1_layout import (LayerRates, expert_offsets, plane_span, rank_extent, slot_channels,
+from trellis_cli.dialects.exl3v1.layout import (LayerRates, expert_offsets, plane_span, rank_extent, slot_channels,
                                        slot_tiles, tp_degrees, tp_problem)
-from trellis_cli.formats.exl3v1_schema import SLOT_CHANNELS, Manifest
+from trellis_cli.dialects.exl3v1.schema import SLOT_CHANNELS, Manifest
 from trellis_cli.formats.route_pack import MAX_TIER_EXPERTS, LayerPack, descriptor, split_descriptor, tier_trellis_shape
 from trellis_cli.routepack.source_bytes import TensorReader
 

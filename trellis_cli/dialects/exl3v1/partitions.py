@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trellis_cli.formats.exl3v1_schema import Manifest
+from trellis_cli.dialects.exl3v1.schema import Manifest
 
 B12X_PLANNER = "b12x partition_extents"
 B12X_VERSION = "local-inference-lab/b12x@e14d41c4 moe/_shared/exl3_schema.py (after 1.5.1; absent from the 1.5.1 wheel)"

@@ -19,8 +19,8 @@ from trellis_cli.errors import CheckFailed
 from trellis_cli.dialects.exl3v1.container import (CODES, HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS, SIGN_PATTERN,
                                           Exl3Layer, container, expected_metadata, finding_where, layer_rates,
                                           local_file, rate_table_shape)
-from trellis_cli.formats.exl3v1_layout import LayerRates, row_payloads
-from trellis_cli.formats.exl3v1_schema import KIND_OF_CODE, SLOT_CHANNELS, Manifest
+from trellis_cli.dialects.exl3v1.layout import LayerRates, row_payloads
+from trellis_cli.dialects.exl3v1.schema import KIND_OF_CODE, SLOT_CHANNELS, Manifest
 from trellis_cli.findings import Finding, Location, Report, error, error_summary, warning
 from trellis_cli.header import DTYPE_BYTES
 from trellis_cli.formats.safetensors_layout import check_shard

@@ -18,8 +18,8 @@ import torch
 
 from trellis_cli.errors import UsageError
 from trellis_cli.dialects.exl3v1.container import HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS
-from trellis_cli.formats.exl3v1_layout import LayerRates, row_payload
-from trellis_cli.formats.exl3v1_schema import (HADAMARD_BLOCK_SLOTS, MANIFEST_FILE, MAX_EXPERTS, MAX_HIDDEN,
+from trellis_cli.dialects.exl3v1.layout import LayerRates, row_payload
+from trellis_cli.dialects.exl3v1.schema import (HADAMARD_BLOCK_SLOTS, MANIFEST_FILE, MAX_EXPERTS, MAX_HIDDEN,
                                                MAX_SLOT_EXPERTS, MAX_SLOTS, PER_EXPERT_PAIR, SLOT_CHANNELS,
                                                SLOTS_PER_PAIR, UNIFORM, LayerEntry, Manifest)
 from trellis_cli.dialects.exl3v1.write import layer_file_name, layer_plan, row_stride, write_layer, write_manifest

@@ -10,8 +10,8 @@ from trellis_cli.errors import CheckFailed, UsageError
 
 def layer_shares(ckpt: Checkpoint, tp: int, rates_below: int) -> list[LayerShare]:
     from trellis_cli.dialects.exl3v1.container import CODES, RATES_FC1, RATES_FC2, ROTATIONS, container, layer_rates
-    from trellis_cli.formats.exl3v1_layout import bundle_bytes, rank_extent, tp_problem
-    from trellis_cli.formats.exl3v1_schema import SLOT_CHANNELS, SLOTS_PER_PAIR
+    from trellis_cli.dialects.exl3v1.layout import bundle_bytes, rank_extent, tp_problem
+    from trellis_cli.dialects.exl3v1.schema import SLOT_CHANNELS, SLOTS_PER_PAIR
 
     box = container(ckpt)
     m = box.manifest

@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterable
 
 from trellis_cli.dialects.exl3v1.container import CODES, HIDDEN_TABLES, RATES_FC1, RATES_FC2, ROTATIONS, SIGN_PATTERN
 from trellis_cli.dialects.exl3v1.container import expected_metadata, rate_table_shape
-from trellis_cli.formats.exl3v1_layout import LayerRates, row_payloads
-from trellis_cli.formats.exl3v1_schema import KIND, MCG_SEED, SCHEMA, SLOT_CHANNELS, Manifest
+from trellis_cli.dialects.exl3v1.layout import LayerRates, row_payloads
+from trellis_cli.dialects.exl3v1.schema import KIND, MCG_SEED, SCHEMA, SLOT_CHANNELS, Manifest
 from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter
 
 

@@ -1,9 +1,11 @@
 """trellis's own route pack (manifest.json, schema "trellis-route-pack"): what `trellis repack` writes.
 
-The layout itself (layer files, manifest, plan, packer) is routepack/ in the model layer, shared by repack,
-bench and the kernel; this dialect owns reading a route-pack directory as a checkpoint: detection, the
-verification against its manifest (`verify.py`: every hash, every name, bounded by what the directory holds),
-and its verdicts (no profiled loader reads it; `repack --to tr3` rebuilds the served layout).
+The layer layout (formats/route_pack.py) and the packer, layer files and manifest (routepack/) sit below the
+dialects, where the kernel and bench read them; this package owns the rest: reading a route-pack directory as a
+checkpoint (detection, the manifest's shape in `manifest_shape.py`, the verification against its manifest in
+`verify.py`: every hash, every name, bounded by what the directory holds), its verdicts (no profiled loader
+reads it; `repack --to tr3` rebuilds the served layout), and, as a conversion target, its writer (`write.py`)
+and the read-back of each written layer file against its source (`readback.py`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ class RoutePackDialect(Dialect):
     name = DIALECT_REPACKED
     target = "route-pack"
     described_as = "a trellis route pack"
-    inspect_view = "route-pack"
     writer = "trellis_cli.dialects.routepack.write"
     tensor_data = False  # every file's sha256 is compared with the manifest instead (NOTE)
     records_hashes = True
@@ -116,9 +117,9 @@ class RoutePackDialect(Dialect):
         """Every file against the manifest repack wrote, hashes included: always, --checksums or not (one read
         of the directory; hashing is the only check that sees a flipped byte inside tensor data). The hashes
         go through the one comparison of recorded hashes (integrity.check_recorded)."""
-        from trellis_cli.dialects.routepack.verify import verify_repacked
+        from trellis_cli.dialects.routepack.verify import verify_route_pack
 
-        found = verify_repacked(ckpt.source, check_hashes=True, progress=request.checksum_progress)
+        found = verify_route_pack(ckpt.source, check_hashes=True, progress=request.checksum_progress)
         report.findings.extend(found.findings)
         report.checked.update(found.checked)
         report.omitted.update(found.omitted)

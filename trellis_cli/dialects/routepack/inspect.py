@@ -1,4 +1,4 @@
-"""`trellis inspect` of a route pack: its manifest's description (verify.describe_repacked) in the keys and
+"""`trellis inspect` of a route pack: its manifest's description (verify.describe_route_pack) in the keys and
 notation of a TR3 inspect (the manifest on disk keeps its own names)."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ LAYER_FILE = re.compile(r"layer-([0-9]+)-rank-[0-9]+\.safetensors")
 
 def route_pack_document(ckpt: Checkpoint, layers: list[int] | None) -> dict[str, Any]:
     from trellis_cli.dialects.inspect_doc import describe_source
-    from trellis_cli.dialects.routepack.verify import describe_repacked
+    from trellis_cli.dialects.routepack.verify import describe_route_pack
 
-    pack = _as_tr3_terms(describe_repacked(ckpt.source))
+    pack = _as_tr3_terms(describe_route_pack(ckpt.source))
     if layers is not None:  # as for a checkpoint: every chosen layer must be there, and only those show
         from trellis_cli.selection import require_present
 

@@ -1,4 +1,4 @@
-"""Validate and describe a repacked (route-pack) directory: `verify_repacked`, `describe_repacked`.
+"""Validate and describe a route-pack directory: `verify_route_pack`, `describe_route_pack`.
 
 Needs no source checkpoint: the manifest states every file's sha256 and size, and each layer file must be
 self-consistent (tier K ascending and matching the slab shapes, tier sizes <= 256, descriptors equal to
@@ -6,7 +6,7 @@ self-consistent (tier K ascending and matching the slab shapes, tier sizes <= 25
 tables shaped for the geometry). Every problem is a finding with a stable `repack.*` code.
 
 The manifest is untrusted input: its structure, types and file names are checked first (`manifest_findings`,
-routepack/manifest_shape.py), and nothing after that reads a key or opens a name it has not vouched for. The
+manifest_shape.py), and nothing after that reads a key or opens a name it has not vouched for. The
 work done is bounded by what the directory holds, not by what the manifest declares: a count of listed files
 or of (layer, rank) pairs above that is one `count.implausible`, and missing items are listed up to a cap
 while they are found, then counted.
@@ -30,7 +30,7 @@ from trellis_cli.formats.route_pack import (
     ROT_UP_SUH, SCHEMA, SCHEMA_VERSION, TABLE_NAMES, TIER_K, TIER_SIZE, descriptor, layer_file_name,
     tier_trellis_name, tier_trellis_shape,
 )
-from trellis_cli.routepack.manifest_shape import CONFIG_NAME, manifest_findings
+from trellis_cli.dialects.routepack.manifest_shape import CONFIG_NAME, manifest_findings
 from trellis_cli.sources import LocalSource, read_json_file
 from trellis_cli.formats.safetensors_layout import check_shard
 
@@ -40,7 +40,7 @@ TABLE_DTYPES = {GLOBAL_TO_COMBINED: "I32", DESCRIPTORS: "I32", TIER_K: "I32", TI
                 ROT_INTERMEDIATE: "F16", ROT_GATE_SUH: "F16", ROT_UP_SUH: "F16", ROT_DOWN_SVH: "F16"}
 
 
-def repacked_root(source: Any) -> Path:
+def route_pack_root(source: Any) -> Path:
     """A directory from a path, a LocalSource, or a Checkpoint opened on one."""
     if isinstance(source, (str, Path)):
         return Path(source)
@@ -49,11 +49,11 @@ def repacked_root(source: Any) -> Path:
     return Path(source.root)
 
 
-def verify_repacked(source: Any, *, check_hashes: bool = True,
+def verify_route_pack(source: Any, *, check_hashes: bool = True,
                     progress: Callable[[int], None] | None = None) -> Report:
     """Check schema, file hashes and sizes against the manifest, and every layer file's consistency.
     `progress(n)` is called with the bytes hashed as they are read."""
-    root = repacked_root(source)
+    root = route_pack_root(source)
     report = Report(subject=f"route pack {root}")
     try:
         doc, problems = mf.read_manifest(root)
@@ -341,9 +341,9 @@ class _LayerChecks:
             start += len(ids)
 
 
-def describe_repacked(source: Any) -> dict[str, Any]:
+def describe_route_pack(source: Any) -> dict[str, Any]:
     """What `trellis inspect` shows for a route pack: source, geometry, TP, per-layer tiers, files, bytes."""
-    root = repacked_root(source)
+    root = route_pack_root(source)
     doc, problems = mf.read_manifest(root)
     if doc.get("schema") != SCHEMA:
         raise CheckFailed(f"{root}: {MANIFEST_NAME} schema {doc.get('schema')!r}, expected {SCHEMA!r}")

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 from trellis_cli.errors import CheckFailed
 from trellis_cli.dialects.exl3v1.container import CODES, HIDDEN_TABLES, ROTATIONS, Exl3Layer
-from trellis_cli.formats.exl3v1_layout import LayerRates, expert_offsets, rank_extent, row_payload
+from trellis_cli.dialects.exl3v1.layout import LayerRates, expert_offsets, rank_extent, row_payload
 from trellis_cli.dialects.exl3v1.pack import pack_rotations, pack_rows, rows_ref
-from trellis_cli.formats.exl3v1_schema import SLOT_CHANNELS, Manifest
+from trellis_cli.dialects.exl3v1.schema import SLOT_CHANNELS, Manifest
 from trellis_cli.formats.route_pack import ROT_INTERMEDIATE, LayerPack, tier_trellis_name
 from trellis_cli.routepack.layer_file import read_layer_pack
-from trellis_cli.repack.readback import _expected_tables
+from trellis_cli.dialects.routepack.readback import _expected_tables
 from trellis_cli.routepack.compare import same_bits
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ Each TR3 shard is written by the TR3 dialect's writer (dialects/tr3/write.py, sh
 rank, read from the rank's slot extent (pack.py), and read back against those packs. Any `--tp` the slot layout
 allows works (default: the TP recorded when the checkpoint was converted from TR3, else the largest allowed degree up to
 4); hidden-side tables are replicated per rank. `tr3_form` says what else the TR3 form holds (config.json,
-tier_bitmap.json, carried files, shard names); to_route_pack.py records the same in a route pack.
+tier_bitmap.json, carried files, shard names); exl3v1_to_route_pack.py records the same in a route pack.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Tr3Form:
 def tr3_form(ck: Checkpoint, layers: list[int], tiers, tp: int, copy_other: bool) -> Tr3Form:
     """config.json: the carried one when the checkpoint came from TR3 (its note restores shard names and vector
     shapes), else one written from the manifest, with tier_bitmap.json for mixed K."""
-    from trellis_cli.repack.exl3v1.carry import carried_files
+    from trellis_cli.repack.exl3v1_carry import carried_files
 
     m = container(ck).manifest
     note = conversion_note(ck)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trellis_cli.formats.exl3v1_schema import (HADAMARD_BLOCK_SLOTS, KIND_OF_CODE, SLOT_CHANNELS, SLOTS_PER_PAIR, Manifest,
+from trellis_cli.dialects.exl3v1.schema import (HADAMARD_BLOCK_SLOTS, KIND_OF_CODE, SLOT_CHANNELS, SLOTS_PER_PAIR, Manifest,
                                        rate_bits)
 
 MATRICES = ("gate_proj", "up_proj", "down_proj")  # matrix m of a bundle; fc1 = gate, up; fc2 = down

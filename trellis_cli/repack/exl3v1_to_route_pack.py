@@ -1,13 +1,13 @@
 """`trellis repack EXL3 PACK` (`--to route-pack`): an exl3-v1 checkpoint -> a verified route-pack directory.
 
 One (layer, rank) at a time, in order: the rank's slot extent is gathered into a LayerPack (pack.py, what
-bench runs), written by the route pack's own writer (routepack/layer_file.py), then read back (pack_readback.py)
-and compared with the source's bytes. Memory: one layer-rank. Any `--tp` the slot layout allows (default as
-for `--to tr3`); `--layers` and `--ranks` select. config.json, tier_bitmap.json and the carried files are the
-ones `--to tr3` writes (to_tr3.tr3_form) plus the route-pack note, and each layer entry names the TR3 shard it
-goes back into (`tr3_shard`), so `repack PACK OUT --to tr3` writes what `repack EXL3 OUT --to tr3` writes.
-A driver of the staged run (staged_run.py): staged in OUT.partial (resumable), checked by verify_repacked, then
-moved into place, as for a TR3 source.
+bench runs), written by the route pack's own writer (routepack/layer_file.py), then read back
+(dialects/exl3v1/pack_readback.py) and compared with the source's bytes. Memory: one layer-rank. Any `--tp` the
+slot layout allows (default as for `--to tr3`); `--layers` and `--ranks` select. config.json, tier_bitmap.json
+and the carried files are the ones `--to tr3` writes (exl3v1_to_tr3.tr3_form) plus the route-pack note, and
+each layer entry names the TR3 shard it goes back into (`tr3_shard`), so `repack PACK OUT --to tr3` writes
+what `repack EXL3 OUT --to tr3` writes. A driver of the staged run (staged_run.py): staged in OUT.partial
+(resumable), checked by verify_route_pack, then moved into place, as for a TR3 source.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from trellis_cli.dialects.routepack import write as rp_write
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.dialects.exl3v1.container import container
 from trellis_cli.dialects.exl3v1.pack import check_convertible, expert_tiers
-from trellis_cli.repack.exl3v1.pack_readback import check_written
-from trellis_cli.repack.exl3v1.to_tr3 import tr3_form
+from trellis_cli.dialects.exl3v1.pack_readback import check_written
+from trellis_cli.repack.exl3v1_to_tr3 import tr3_form
 from trellis_cli.dialects.exl3v1.pack import checked_rates, default_tp, exl3v1_pack
 from trellis_cli.routepack import manifest as mf
 from trellis_cli.formats.route_pack import MANIFEST_NAME, layer_file_name, tier_trellis_shape
@@ -91,9 +91,9 @@ class Exl3v1ToRoutePack(Driver):
         result.manifest = self._finish(stage)
 
     def verify(self, tree: Path) -> None:
-        from trellis_cli.dialects.routepack.verify import verify_repacked
+        from trellis_cli.dialects.routepack.verify import verify_route_pack
 
-        report = verify_repacked(tree, check_hashes=False)
+        report = verify_route_pack(tree, check_hashes=False)
         if not report.ok:
             raise CheckFailed(f"{tree}: the staged output does not verify: {report.errors[0].line()}")
 

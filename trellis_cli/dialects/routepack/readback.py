@@ -159,10 +159,10 @@ def _compare(written: _WrittenFile, checkpoint: Checkpoint, layer: int, rank: in
                     got = written.take(per_projection)
                     if identity:
                         ref = linear_slice(moe, expert, proj, pieces[0].source_rank).trellis
-                        want = reader.read_bytes(ref, scratch)
+                        expected = reader.read_bytes(ref, scratch)
                     else:
-                        want = bytes_of(expected_trellis(reader, moe, expert, proj, pieces, hidden, source_width))
-                    if not equal_bytes(got, want):
+                        expected = bytes_of(expected_trellis(reader, moe, expert, proj, pieces, hidden, source_width))
+                    if not equal_bytes(got, expected):
                         raise fail(entry.name, f"expert {expert} {proj}")
 
 
@@ -171,7 +171,7 @@ def _expected_tables(tiers, num_experts: int) -> dict[str, "torch.Tensor"]:
     import torch
 
     g2c = torch.full((num_experts,), -1, dtype=torch.int32)
-    desc = []
+    desc: list[int] = []
     for tier, (_, ids) in enumerate(tiers):
         for local, expert in enumerate(ids):
             g2c[expert] = len(desc)
