@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from trellis_cli.codebooks import MCG_MARKER, MUL1_MARKER  # noqa: F401  (the marker values, re-exported)
+from trellis_cli.header import TensorEntry
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -38,28 +39,9 @@ class VectorRef(NamedTuple):
 MIN_COUNT_LIMIT = 4096
 
 
-class TensorRef(NamedTuple):
-    """One tensor in one safetensors file, as its header describes it.
-
-    A NamedTuple rather than a dataclass: a production checkpoint has ~935k of them, and this is the
-    cheapest immutable record to build and hold.
-    """
-
-    name: str
-    file: str  # relative to the checkpoint root
-    dtype: str  # safetensors dtype: "I16", "F16", "I32", ...
-    shape: tuple[int, ...]
-    begin: int  # byte offsets relative to the data buffer
-    end: int
-    data_start: int  # absolute offset of the data buffer in the file (8 + header length)
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-    @property
-    def absolute_range(self) -> tuple[int, int]:
-        return self.data_start + self.begin, self.data_start + self.end
+# One tensor in one safetensors file, as its header describes it: the header's own entry (header.TensorEntry:
+# name, file, dtype, shape, begin, end, data_start), never a copy (a production checkpoint has ~935k).
+TensorRef = TensorEntry
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 from contextlib import contextmanager
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -39,6 +40,7 @@ from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.findings import Finding, Location, error, warning
 
 INDEX_SUFFIX = reader.INDEX_SUFFIX
+_FILE_OF = attrgetter("file")
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 
 
@@ -152,17 +154,29 @@ def _read_index(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:
 
 
 def _collect_tensors(ckpt: Checkpoint) -> None:
-    """Every tensor by name; a name in several files resolves to the index's file, else the first file."""
+    """Every tensor by name; a name in several files resolves to the index's file, else the first file. The
+    header's entries are the model's TensorRefs (the same records), merged file by file in C."""
     tensors = ckpt.tensors
-    for file in sorted(ckpt.headers):
-        header = ckpt.headers[file]
-        data_start = header.data_start
-        for name, e in header.tensors.items():
-            if name not in tensors:
-                tensors[name] = TensorRef(name, file, e.dtype, e.shape, e.begin, e.end, data_start)
+    for file, header in ckpt.headers.items():
+        if header.file != file:  # a header parsed under another name: its entries placed in the listed file
+            header.tensors.update({name: ref._replace(file=file) for name, ref in header.tensors.items()})
+    headers = [ckpt.headers[file] for file in sorted(ckpt.headers)]
+    for header in headers:
+        tensors.update(header.tensors)
+    if len(tensors) != sum(len(header.tensors) for header in headers):  # a name in several files: the first wins
+        tensors.clear()
+        for header in headers:
+            for name, ref in header.tensors.items():
+                if name not in tensors:
+                    tensors[name] = ref
     if not ckpt.index:
         return
-    # Re-key the index on the header's own name strings: halves its memory at production size.
+    # Re-key the index on the header's own name strings: halves its memory at production size. An index that
+    # maps every tensor to the file it was found in is that mapping itself, built and compared in C.
+    found = dict(zip(tensors.keys(), map(_FILE_OF, tensors.values())))
+    if found == ckpt.index:
+        ckpt.index = found
+        return
     compact: dict[str, str] = {}
     file_names = {file: file for file in ckpt.headers}
     for name, file in ckpt.index.items():
@@ -172,10 +186,10 @@ def _collect_tensors(ckpt: Checkpoint) -> None:
             compact[name] = file
             continue
         compact[ref.name] = file
-        header = ckpt.headers.get(file)
-        if ref.file != file and header is not None and name in header.tensors:
-            e = header.tensors[name]
-            tensors[name] = TensorRef(name, file, e.dtype, e.shape, e.begin, e.end, header.data_start)
+        if ref.file != file:
+            header = ckpt.headers.get(file)
+            if header is not None and name in header.tensors:
+                tensors[name] = header.tensors[name]
     ckpt.index = compact
 
 
