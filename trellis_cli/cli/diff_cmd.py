@@ -60,9 +60,8 @@ def register(app: typer.Typer) -> None:
         checkpoints = []
         for side in opened:
             output.log(f"reading headers of {side.description} ...")
-            with output.progress_bar(f"reading headers of {side.description}", None,
-                                     enabled=output.progress_enabled(as_json)):
-                checkpoints.append(open_checkpoint(side))
+            with output.stage_progress(enabled=output.progress_enabled(as_json)) as advance:  # files done / listed
+                checkpoints.append(open_checkpoint(side, progress=advance))
         with output.make_progress(enabled=output.progress_enabled(as_json)) as progress:
             layer_task = progress.add_task("MoE layers compared", total=None)
             hash_task = progress.add_task("sha256", total=None, bytes=True)
