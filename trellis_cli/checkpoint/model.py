@@ -44,9 +44,9 @@ MIN_COUNT_LIMIT = 4096
 TensorRef = TensorEntry
 
 
-@dataclass(frozen=True)
-class LinearRef:
-    """One EXL3 linear: one projection of one expert on one rank (or a whole tensor when tp=1)."""
+class LinearRef(NamedTuple):
+    """One EXL3 linear: one projection of one expert on one rank (or a whole tensor when tp=1). A NamedTuple:
+    a production checkpoint has ~233k of them, and a frozen dataclass costs several times as much to build."""
 
     prefix: str  # key prefix, e.g. model.layers.3.mlp.experts.17.up_proj.rank1
     trellis: TensorRef | None
