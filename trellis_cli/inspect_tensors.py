@@ -39,7 +39,7 @@ def build_tensor_listing(ckpt: Checkpoint, layers: list[int] | None = None) -> d
         d["tensors"] += 1
         d["bytes"] += row["bytes"]
         _add_to_layer(layer_totals, row)
-    rows.count = count
+    rows.length = count
     if layers is not None:  # as for `inspect --layers`: every chosen layer must be there
         from trellis_cli.selection import require_present
 
@@ -60,12 +60,12 @@ class TensorRows(Sequence[dict[str, Any]]):
         self.codes_tables = dialect.codes_tables(ckpt)  # file -> (offset, weights) of a table mixing K per expert
         self.seen: set[int] = set()
         self.unreadable: list[dict[str, str]] = []
-        self.count: int | None = None
+        self.length: int | None = None
         self._files = sorted(name for name, size in ckpt.files.items()
                              if name.endswith(".safetensors") and size >= 0)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        first = self.count is None  # the first pass records the layers seen and the unreadable files
+        first = self.length is None  # the first pass records the layers seen and the unreadable files
         for file in self._files:
             try:
                 header = shard_header(self.ckpt, file)
@@ -88,9 +88,9 @@ class TensorRows(Sequence[dict[str, Any]]):
                        "bytes": nbytes, "layer": layer, "k": k, "bpw": bpw}
 
     def __len__(self) -> int:
-        if self.count is None:
-            self.count = sum(1 for _ in self)
-        return self.count
+        if self.length is None:
+            self.length = sum(1 for _ in self)
+        return self.length
 
     @overload
     def __getitem__(self, index: int) -> dict[str, Any]: ...
@@ -104,7 +104,7 @@ class TensorRows(Sequence[dict[str, Any]]):
     def __eq__(self, other: object) -> bool:
         return list(self) == list(other) if isinstance(other, (list, TensorRows)) else NotImplemented
 
-    __hash__ = None  # type: ignore[assignment]  # compared by content, as a list is
+    __hash__ = None  # compared by content, as a list is
 
 
 def listing_json(listing: dict[str, Any]) -> dict[str, Any]:

@@ -104,8 +104,17 @@ class MoeLayer:
 
     def expert_k(self, expert: int) -> int | None:
         """The K of an expert when all its projections and ranks agree, else None."""
-        ks = {lin.k for projs in (self.experts.get(expert, {}),) for ranks in projs.values() for lin in ranks.values()}
-        return ks.pop() if len(ks) == 1 else None
+        k, first = None, True
+        for ranks in self.experts.get(expert, {}).values():
+            for lin in ranks.values():
+                t = lin.trellis  # LinearRef.k inlined: called for every linear of every layer, several times
+                shape = None if t is None else t.shape
+                lin_k = None if shape is None or len(shape) != 3 or shape[2] % 16 else shape[2] // 16
+                if first:
+                    k, first = lin_k, False
+                elif lin_k != k:
+                    return None
+        return k
 
     def partition(self) -> dict[int, list[int]]:
         """K -> sorted expert ids (from tensor shapes; experts with inconsistent K are left out)."""
