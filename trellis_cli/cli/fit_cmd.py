@@ -128,7 +128,6 @@ def register(app: typer.Typer) -> None:
                              kv_fp8_rope=kv_fp8_rope, allow_long_context=allow_long)
         check_request(request)  # before any download
         opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
-        output.log(f"reading headers of {opened.description} ...")
         with output.stage_progress(enabled=output.progress_enabled(as_json)) as advance:  # files done / listed
             checkpoint = open_checkpoint(opened, progress=advance)
             result = fit(checkpoint, request)
