@@ -39,6 +39,8 @@ DTYPE_BYTES = {
     "I32": 4, "U32": 4, "F32": 4,
     "I64": 8, "U64": 8, "F64": 8,
 }
+# One string object per dtype name, shared by every entry (json.loads makes a new one per tensor).
+_DTYPE_NAMES = {name: name for name in DTYPE_BYTES}
 
 
 class HeaderError(ValueError):
@@ -69,6 +71,10 @@ def load_json(data: bytes | str, *, strict_numbers: bool = False) -> Any:
     sees is not defined), or strings that are not valid Unicode (a lone surrogate escape; safetensors
     refuses them). `strict_numbers` also refuses what a strict JSON parser (safetensors') refuses and Python
     accepts: NaN and Infinity, floats out of range, and `-0` (read as a float, not the integer 0)."""
+    if not strict_numbers:
+        fast = _plain_json(data)
+        if fast is not None:
+            return fast[0]
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
         hooks = _strict_hooks(text) if strict_numbers else {}
@@ -90,6 +96,41 @@ def load_json(data: bytes | str, *, strict_numbers: bool = False) -> Any:
             bad = text_escape(e.object[e.start:e.end])
             raise JsonError(f"not valid Unicode (a string holds the lone surrogate {bad})") from e
     return value
+
+
+# In JSON text without a backslash every `"` delimits a string, so this scan, from the first `"` on, visits every
+# string once and marks the keys (a string followed by `:`).
+_STRING_OR_KEY = re.compile(r'"[^"]*"[ \t\n\r]*(:?)')
+
+
+def _plain_json(data: bytes | str) -> tuple[Any] | None:
+    """(value,) of a document `load_json` accepts as plain `json.loads` reads it, proven without a hook per object
+    (a production index has ~935k keys): no backslash (so no escape, no lone surrogate), and as many keys in the
+    value as in the text (so none twice in one object). None for anything else: the checked path decides and
+    words every refusal."""
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+        if "\\" in text:
+            return None
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if _key_count(value) != _STRING_OR_KEY.findall(text).count(":"):
+        return None
+    return (value,)
+
+
+def _key_count(value: Any) -> int:
+    """The keys of every object in a decoded JSON value (no recursion: the depth is the document's)."""
+    count, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if type(item) is dict:
+            count += len(item)
+            stack.extend(v for v in item.values() if type(v) is dict or type(v) is list)
+        elif type(item) is list:
+            stack.extend(v for v in item if type(v) is dict or type(v) is list)
+    return count
 
 
 def _added(seen: set[str], key: str) -> bool:
@@ -181,13 +222,17 @@ def os_reason(e: OSError) -> str:
 
 
 class TensorEntry(NamedTuple):
-    """One header entry. A NamedTuple: the cheapest immutable record to build (a header may hold 262k)."""
+    """One header entry, placed in its file: the checkpoint model's `TensorRef` is this same record, so a header's
+    entries are the model's tensors without a second object per tensor (a production checkpoint has ~935k). A
+    NamedTuple: the cheapest immutable record to build and hold."""
 
     name: str
-    dtype: str
+    file: str  # relative to the checkpoint root
+    dtype: str  # safetensors dtype: "I16", "F16", "I32", ...
     shape: tuple[int, ...]
-    begin: int  # relative to the data buffer
+    begin: int  # byte offsets relative to the data buffer
     end: int
+    data_start: int  # absolute offset of the data buffer in the file (8 + header length)
 
     @property
     def nbytes(self) -> int:
@@ -196,6 +241,10 @@ class TensorEntry(NamedTuple):
     @property
     def expected_nbytes(self) -> int:
         return math.prod(self.shape) * DTYPE_BYTES.get(self.dtype, 0)
+
+    @property
+    def absolute_range(self) -> tuple[int, int]:
+        return self.data_start + self.begin, self.data_start + self.end
 
 
 @dataclass(frozen=True)
@@ -287,11 +336,12 @@ def _parse_canonical(file: str, header_bytes: bytes, header_len: int, file_size:
             (meta_text is not None and len(metadata) != meta_text.count(b'":"')):
         return None  # a key twice in one object: Python kept the last one silently
     tensors = {}
-    for name, info in raw.items():
+    data_start, new, entry, dtypes = 8 + header_len, tuple.__new__, TensorEntry, _DTYPE_NAMES
+    for name, info in raw.items():  # the one Python step per tensor: keep it to a record built in C
         begin, end = info["data_offsets"]
         if begin > end:
             return None
-        tensors[name] = TensorEntry(name, info["dtype"], tuple(info["shape"]), begin, end)
+        tensors[name] = new(entry, (name, file, dtypes[info["dtype"]], tuple(info["shape"]), begin, end, data_start))
     return Header(file=file, header_len=header_len, file_size=file_size, tensors=tensors, metadata=metadata)
 
 
@@ -322,7 +372,7 @@ def parse_header(file: str, header_bytes: bytes, header_len: int, file_size: int
     if len(raw) > MAX_HEADER_TENSORS:
         raise HeaderError(f"{file}: header lists {len(raw)} tensors, more than the limit of {MAX_HEADER_TENSORS} "
                           "per file", "file.too-many-tensors")
-    tensors = {name: _parse_entry(file, name, info) for name, info in raw.items()}
+    tensors = {name: _parse_entry(file, name, info, 8 + header_len) for name, info in raw.items()}
     return Header(file=file, header_len=header_len, file_size=file_size, tensors=tensors, metadata=metadata)
 
 
@@ -346,7 +396,7 @@ def coerced_int(value: object) -> int | None:
     return None
 
 
-def _parse_entry(file: str, name: str, info: object) -> TensorEntry:
+def _parse_entry(file: str, name: str, info: object, data_start: int) -> TensorEntry:
     if type(info) is not dict:
         raise HeaderError(f"{file}: {name}: entry is not an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
@@ -371,7 +421,7 @@ def _parse_entry(file: str, name: str, info: object) -> TensorEntry:
             or not 0 <= offsets[0] <= offsets[1] <= U64_MAX):
         raise HeaderError(f"{file}: {name}: data_offsets must be [begin, end] with 0 <= begin <= end < 2^64, "
                           f"found {_short(offsets)}")
-    return TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
+    return TensorEntry(name, file, _DTYPE_NAMES[dtype], tuple(shape), offsets[0], offsets[1], data_start)
 
 
 def _short(value: object) -> str:

@@ -11,7 +11,7 @@ renderers show it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from trellis_cli.errors import UsageError
 from trellis_cli.fit.gpus import Gpu
@@ -83,13 +83,23 @@ class InspectDocument:
     def to_json(self) -> dict[str, Any]:
         """The one JSON document of `trellis inspect --json`: the summary with its sections, or the listing."""
         if self.tensors is not None:
-            return self.tensors
+            from trellis_cli.inspect_tensors import listing_json
+
+            return listing_json(self.tensors)
         document = dict(self.summary or {})
         if self.serve_tp is not None:
             document["serve_tp"] = self.serve_tp
         if self.fit is not None:
             document["fit"] = self.fit.to_json()
         return document
+
+
+    def json_parts(self) -> tuple[dict[str, Any], tuple[str, Iterable[Any]] | None]:
+        """`to_json()` as (document, (key, items)) for a writer that streams the long array: the tensor listing's
+        rows one at a time (bounded memory at any checkpoint size); None for the summary."""
+        if self.tensors is None:
+            return self.to_json(), None
+        return {k: v for k, v in self.tensors.items() if k != "tensors"}, ("tensors", self.tensors["tensors"])
 
 
 def inspect_source(source: Any, request: InspectRequest | None = None,

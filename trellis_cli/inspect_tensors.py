@@ -11,7 +11,7 @@ Plain data out (`build_tensor_listing` -> dict); the renderings are pure functio
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Iterator, Sequence, overload
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.reader import shard_header
@@ -23,39 +23,93 @@ TRELLIS_SUFFIX = ".trellis"
 
 
 def build_tensor_listing(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str, Any]:
-    """Every tensor (of the chosen MoE layers only, when `layers` is given), per-layer and whole totals."""
+    """Every tensor (of the chosen MoE layers only, when `layers` is given), per-layer and whole totals. The
+    rows (`tensors`) are a `TensorRows`: made from the headers each time they are read, never all held at once
+    (a production checkpoint has ~935k; as dicts they took 2 GB)."""
     chosen = set(layers) if layers is not None else None
-    dialect = dialect_of(ckpt)
-    file_layers = dialect.layer_files(ckpt)  # files holding one MoE layer under names without a layer
-    codes_tables = dialect.codes_tables(ckpt)  # file -> (offset, weights) of a table mixing K per expert
-    rows: list[dict[str, Any]] = []
-    seen: set[int] = set()
-    unreadable: list[dict[str, str]] = []
-    for file in sorted(name for name, size in ckpt.files.items() if name.endswith(".safetensors") and size >= 0):
-        try:
-            header = shard_header(ckpt, file)
-        except CheckFailed as e:
-            unreadable.append({"file": file, "error": str(e)})
-            continue
-        for entry in sorted(header.tensors.values(), key=lambda e: e.begin):  # file order, as stored
-            layer = file_layers.get(file, _layer_of(entry.name))
-            if layer is not None:
-                seen.add(layer)
-            if chosen is not None and layer not in chosen:
-                continue
-            nbytes = entry.end - entry.begin
-            table = codes_tables.get(file)
-            is_codes = table is not None and table[0] == entry.begin  # the container's codes table, any spelling
-            k, bpw = _k_and_bpw(entry.name, entry.dtype, tuple(entry.shape), nbytes, table[1] if table else None,
-                                is_codes)
-            rows.append({"file": file, "name": entry.name, "dtype": entry.dtype, "shape": list(entry.shape),
-                         "bytes": nbytes, "layer": layer, "k": k, "bpw": bpw})
+    rows = TensorRows(ckpt, chosen)
+    layer_totals: dict[int, dict[str, Any]] = {}
+    by_dtype: dict[str, dict[str, int]] = {}
+    count, total, files = 0, 0, set()
+    for row in rows:  # one pass for the totals; the rows themselves are dropped as they go
+        count += 1
+        total += row["bytes"]
+        files.add(row["file"])
+        d = by_dtype.setdefault(row["dtype"], {"tensors": 0, "bytes": 0})
+        d["tensors"] += 1
+        d["bytes"] += row["bytes"]
+        _add_to_layer(layer_totals, row)
+    rows.length = count
     if layers is not None:  # as for `inspect --layers`: every chosen layer must be there
         from trellis_cli.selection import require_present
 
-        require_present(layers, sorted(seen))
+        require_present(layers, sorted(rows.seen))
+    totals = {"tensors": count, "bytes": total, "files": len(files), "by_dtype": dict(sorted(by_dtype.items()))}
     return {"dialect": ckpt.dialect, "source": ckpt.source.describe(), "tensors": rows,
-            "layers": _layer_totals(rows), "totals": _totals(rows), "unreadable": unreadable}
+            "layers": _finish_layers(layer_totals), "totals": totals, "unreadable": rows.unreadable}
+
+
+class TensorRows(Sequence[dict[str, Any]]):
+    """The listing's rows in file order, made from the checkpoint's headers each time they are iterated (one
+    row dict alive at a time when streamed). A Sequence: len, index and iteration as a list's."""
+
+    def __init__(self, ckpt: Checkpoint, chosen: set[int] | None) -> None:
+        self.ckpt, self.chosen = ckpt, chosen
+        dialect = dialect_of(ckpt)
+        self.file_layers = dialect.layer_files(ckpt)  # files holding one MoE layer under names without a layer
+        self.codes_tables = dialect.codes_tables(ckpt)  # file -> (offset, weights) of a table mixing K per expert
+        self.seen: set[int] = set()
+        self.unreadable: list[dict[str, str]] = []
+        self.length: int | None = None
+        self._files = sorted(name for name, size in ckpt.files.items()
+                             if name.endswith(".safetensors") and size >= 0)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        first = self.length is None  # the first pass records the layers seen and the unreadable files
+        for file in self._files:
+            try:
+                header = shard_header(self.ckpt, file)
+            except CheckFailed as e:
+                if first:
+                    self.unreadable.append({"file": file, "error": str(e)})
+                continue
+            table = self.codes_tables.get(file)
+            for entry in sorted(header.tensors.values(), key=lambda e: e.begin):  # file order, as stored
+                layer = self.file_layers.get(file, _layer_of(entry.name))
+                if layer is not None and first:
+                    self.seen.add(layer)
+                if self.chosen is not None and layer not in self.chosen:
+                    continue
+                nbytes = entry.end - entry.begin
+                is_codes = table is not None and table[0] == entry.begin  # the container's codes table
+                k, bpw = _k_and_bpw(entry.name, entry.dtype, tuple(entry.shape), nbytes,
+                                    table[1] if table else None, is_codes)
+                yield {"file": file, "name": entry.name, "dtype": entry.dtype, "shape": list(entry.shape),
+                       "bytes": nbytes, "layer": layer, "k": k, "bpw": bpw}
+
+    def __len__(self) -> int:
+        if self.length is None:
+            self.length = sum(1 for _ in self)
+        return self.length
+
+    @overload
+    def __getitem__(self, index: int) -> dict[str, Any]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[dict[str, Any]]: ...
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return list(self)[index]
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, TensorRows)) else NotImplemented
+
+    __hash__ = None  # compared by content, as a list is
+
+
+def listing_json(listing: dict[str, Any]) -> dict[str, Any]:
+    """The listing as one plain JSON-ready document (its rows in a list): for a caller that keeps it whole."""
+    return {**listing, "tensors": list(listing["tensors"])}
 
 
 MAX_LAYER_DIGITS = 12  # longer is a damaged header, and past 4300 digits int() refuses it
@@ -81,33 +135,24 @@ def _k_and_bpw(name: str, dtype: str, shape: tuple[int, ...], nbytes: int,
     return None, None
 
 
-def _layer_totals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    by_layer: dict[int, dict[str, Any]] = {}
-    for row in rows:
-        if row["layer"] is None:
-            continue
-        t = by_layer.setdefault(row["layer"], {"layer": row["layer"], "tensors": 0, "bytes": 0, "code_bytes": 0,
-                                               "code_bits_per_weight": None})
-        t["tensors"] += 1
-        t["bytes"] += row["bytes"]
-        if row["bpw"] is not None:
-            t["code_bytes"] += row["bytes"]
-            t.setdefault("_weights", 0)
-            t["_weights"] += row["bytes"] * 8 / row["bpw"]
+def _add_to_layer(by_layer: dict[int, dict[str, Any]], row: dict[str, Any]) -> None:
+    if row["layer"] is None:
+        return
+    t = by_layer.setdefault(row["layer"], {"layer": row["layer"], "tensors": 0, "bytes": 0, "code_bytes": 0,
+                                           "code_bits_per_weight": None})
+    t["tensors"] += 1
+    t["bytes"] += row["bytes"]
+    if row["bpw"] is not None:
+        t["code_bytes"] += row["bytes"]
+        t.setdefault("_weights", 0)
+        t["_weights"] += row["bytes"] * 8 / row["bpw"]
+
+
+def _finish_layers(by_layer: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     for t in by_layer.values():
         w = t.pop("_weights", 0)
         t["code_bits_per_weight"] = round(t["code_bytes"] * 8 / w, 4) if w else None
     return [by_layer[k] for k in sorted(by_layer)]
-
-
-def _totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    by_dtype: dict[str, dict[str, int]] = {}
-    for row in rows:
-        d = by_dtype.setdefault(row["dtype"], {"tensors": 0, "bytes": 0})
-        d["tensors"] += 1
-        d["bytes"] += row["bytes"]
-    return {"tensors": len(rows), "bytes": sum(r["bytes"] for r in rows),
-            "files": len({r["file"] for r in rows}), "by_dtype": dict(sorted(by_dtype.items()))}
 
 
 # ---- renderings ---------------------------------------------------------------------------------------------

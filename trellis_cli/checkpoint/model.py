@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from trellis_cli.codebooks import MCG_MARKER, MUL1_MARKER  # noqa: F401  (the marker values, re-exported)
+from trellis_cli.header import TensorEntry
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -38,33 +39,14 @@ class VectorRef(NamedTuple):
 MIN_COUNT_LIMIT = 4096
 
 
-class TensorRef(NamedTuple):
-    """One tensor in one safetensors file, as its header describes it.
-
-    A NamedTuple rather than a dataclass: a production checkpoint has ~935k of them, and this is the
-    cheapest immutable record to build and hold.
-    """
-
-    name: str
-    file: str  # relative to the checkpoint root
-    dtype: str  # safetensors dtype: "I16", "F16", "I32", ...
-    shape: tuple[int, ...]
-    begin: int  # byte offsets relative to the data buffer
-    end: int
-    data_start: int  # absolute offset of the data buffer in the file (8 + header length)
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-    @property
-    def absolute_range(self) -> tuple[int, int]:
-        return self.data_start + self.begin, self.data_start + self.end
+# One tensor in one safetensors file, as its header describes it: the header's own entry (header.TensorEntry:
+# name, file, dtype, shape, begin, end, data_start), never a copy (a production checkpoint has ~935k).
+TensorRef = TensorEntry
 
 
-@dataclass(frozen=True)
-class LinearRef:
-    """One EXL3 linear: one projection of one expert on one rank (or a whole tensor when tp=1)."""
+class LinearRef(NamedTuple):
+    """One EXL3 linear: one projection of one expert on one rank (or a whole tensor when tp=1). A NamedTuple:
+    a production checkpoint has ~233k of them, and a frozen dataclass costs several times as much to build."""
 
     prefix: str  # key prefix, e.g. model.layers.3.mlp.experts.17.up_proj.rank1
     trellis: TensorRef | None
@@ -122,8 +104,17 @@ class MoeLayer:
 
     def expert_k(self, expert: int) -> int | None:
         """The K of an expert when all its projections and ranks agree, else None."""
-        ks = {lin.k for projs in (self.experts.get(expert, {}),) for ranks in projs.values() for lin in ranks.values()}
-        return ks.pop() if len(ks) == 1 else None
+        k, first = None, True
+        for ranks in self.experts.get(expert, {}).values():
+            for lin in ranks.values():
+                t = lin.trellis  # LinearRef.k inlined: called for every linear of every layer, several times
+                shape = None if t is None else t.shape
+                lin_k = None if shape is None or len(shape) != 3 or shape[2] % 16 else shape[2] // 16
+                if first:
+                    k, first = lin_k, False
+                elif lin_k != k:
+                    return None
+        return k
 
     def partition(self) -> dict[int, list[int]]:
         """K -> sorted expert ids (from tensor shapes; experts with inconsistent K are left out)."""

@@ -84,6 +84,7 @@ def read_headers(source: Any, files: dict[str, int], progress: Callable[[str, in
     if prefetch is not None and readable:
         prefetch(readable)
     headers: dict[str, Header] = {}
+    progress("files", 0, len(readable))  # the total is the listing's: shown before the first header is read
     for done, name in enumerate(readable, 1):
         try:
             headers[name] = _checked_header(source, name, files[name])

@@ -124,9 +124,8 @@ def fit_command(
                          kv_fp8_rope=kv_fp8_rope, allow_long_context=allow_long)
     check_request(request)  # before any download
     opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
-    with output.progress_bar(f"reading headers of {opened.description}", None,
-                             enabled=output.progress_enabled(as_json)):
-        result = fit_source(opened, request)
+    with output.stage_progress(enabled=output.progress_enabled(as_json)) as advance:  # files done / listed
+        result = fit_source(opened, request, progress=advance)
     if as_json:
         document = result.to_json()
         document["source"] = opened.describe()

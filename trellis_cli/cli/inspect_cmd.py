@@ -57,7 +57,8 @@ def inspect_command(
     with output.stage_progress(enabled=output.progress_enabled(as_json)) as advance:
         document = inspect_source(opened, request, InspectProgress(stage=advance, log=output.log))
     if as_json:
-        output.emit_json(document.to_json())
+        head, streamed = document.json_parts()  # a tensor listing's rows written one by one
+        output.emit_json(head, streamed=streamed)
     elif document.tensors is not None:
         _print_tensors(document.tensors, markdown)
     else:

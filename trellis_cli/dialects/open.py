@@ -11,7 +11,9 @@ file-name patterns.
 from __future__ import annotations
 
 import gc
+import re
 from contextlib import contextmanager
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -39,6 +41,7 @@ from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.findings import Finding, Location, error, warning
 
 INDEX_SUFFIX = reader.INDEX_SUFFIX
+_FILE_OF = attrgetter("file")
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 
 
@@ -152,17 +155,29 @@ def _read_index(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:
 
 
 def _collect_tensors(ckpt: Checkpoint) -> None:
-    """Every tensor by name; a name in several files resolves to the index's file, else the first file."""
+    """Every tensor by name; a name in several files resolves to the index's file, else the first file. The
+    header's entries are the model's TensorRefs (the same records), merged file by file in C."""
     tensors = ckpt.tensors
-    for file in sorted(ckpt.headers):
-        header = ckpt.headers[file]
-        data_start = header.data_start
-        for name, e in header.tensors.items():
-            if name not in tensors:
-                tensors[name] = TensorRef(name, file, e.dtype, e.shape, e.begin, e.end, data_start)
+    for file, header in ckpt.headers.items():
+        if header.file != file:  # a header parsed under another name: its entries placed in the listed file
+            header.tensors.update({name: ref._replace(file=file) for name, ref in header.tensors.items()})
+    headers = [ckpt.headers[file] for file in sorted(ckpt.headers)]
+    for header in headers:
+        tensors.update(header.tensors)
+    if len(tensors) != sum(len(header.tensors) for header in headers):  # a name in several files: the first wins
+        tensors.clear()
+        for header in headers:
+            for name, ref in header.tensors.items():
+                if name not in tensors:
+                    tensors[name] = ref
     if not ckpt.index:
         return
-    # Re-key the index on the header's own name strings: halves its memory at production size.
+    # Re-key the index on the header's own name strings: halves its memory at production size. An index that
+    # maps every tensor to the file it was found in is that mapping itself, built and compared in C.
+    found = dict(zip(tensors.keys(), map(_FILE_OF, tensors.values())))
+    if found == ckpt.index:
+        ckpt.index = found
+        return
     compact: dict[str, str] = {}
     file_names = {file: file for file in ckpt.headers}
     for name, file in ckpt.index.items():
@@ -172,47 +187,81 @@ def _collect_tensors(ckpt: Checkpoint) -> None:
             compact[name] = file
             continue
         compact[ref.name] = file
-        header = ckpt.headers.get(file)
-        if ref.file != file and header is not None and name in header.tensors:
-            e = header.tensors[name]
-            tensors[name] = TensorRef(name, file, e.dtype, e.shape, e.begin, e.end, header.data_start)
+        if ref.file != file:
+            header = ckpt.headers.get(file)
+            if header is not None and name in header.tensors:
+                tensors[name] = header.tensors[name]
     ckpt.index = compact
 
 
 def _build_layers(ckpt: Checkpoint) -> None:
+    # The ~935k per-expert tensors of a production checkpoint are grouped by their name less its field (one
+    # string split and one dict lookup per tensor); the grammar is matched once per linear, not per tensor.
+    # A field outside the EXL3 set takes the whole-name match, so every name is read as LINEAR_NAME reads it.
+    groups: dict[str, dict[str, TensorRef] | None] = {}  # name less field -> its linear's fields (None: no linear)
     linears: dict[tuple[int, int, str, int], dict[str, TensorRef]] = {}
     layers = ckpt.layers
     sliced: set[int] = set()
-    match_linear = LINEAR_NAME.match
+    match_linear, match_prefix = LINEAR_NAME.match, _LINEAR_PREFIX.fullmatch
     for name, ref in ckpt.tensors.items():
         if ".mlp.experts." not in name and name.isascii():
             continue  # (a non-ASCII name may read as an expert tensor once normalized: the slow path sees it)
-        m = match_linear(name)
-        if m is not None:  # fast path: the ~935k per-expert tensors of a production checkpoint
-            layer_s, expert_s, proj, rank_s, fieldname = m.groups()
-            layer_i = int(layer_s)
-            if rank_s is not None:
-                sliced.add(layer_i)
-            key = (layer_i, int(expert_s), PROJECTION_ALIASES[proj], int(rank_s or 0))
-            fields = linears.get(key)
-            if fields is None:
-                fields = linears[key] = {}
-            fields[fieldname] = ref
-            continue
+        prefix, _, fieldname = name.rpartition(".")
+        if fieldname in LINEAR_FIELDS:
+            fields = groups.get(prefix, _UNSEEN)
+            if fields is _UNSEEN:
+                m = match_prefix(prefix)
+                fields = groups[prefix] = None if m is None else _linear_fields(linears, sliced, *m.groups())
+            if fields is not None:
+                fields[fieldname] = ref
+                continue
+        else:
+            m = match_linear(name)
+            if m is not None:
+                layer_s, expert_s, proj, rank_s, fieldname = m.groups()
+                _linear_fields(linears, sliced, layer_s, expert_s, proj, rank_s)[fieldname] = ref
+                continue
         _add_other_expert_tensor(ckpt, name, ref)
+    new, linear = tuple.__new__, LinearRef
     for (li, expert, proj, rank), fields in linears.items():
         layer = layers.get(li)
         if layer is None:
             layer = layers[li] = MoeLayer(li)
         any_ref = next(iter(fields.values()))
         layer.files.add(any_ref.file)
-        extra = tuple(ref for f, ref in fields.items() if f not in LINEAR_FIELDS)
-        lin = LinearRef(any_ref.name.rsplit(".", 1)[0], fields.get("trellis"), fields.get("suh"), fields.get("svh"),
-                        fields.get("su"), fields.get("sv"), fields.get("mcg"), fields.get("mul1"), extra)
-        layer.experts.setdefault(expert, {}).setdefault(proj, {})[rank] = lin
+        get = fields.get
+        extra = () if fields.keys() <= LINEAR_FIELDS else tuple(ref for f, ref in fields.items()
+                                                                  if f not in LINEAR_FIELDS)
+        lin = new(linear, (any_ref.name.rsplit(".", 1)[0], get("trellis"), get("suh"), get("svh"), get("su"),
+                           get("sv"), get("mcg"), get("mul1"), extra))
+        by_expert = layer.experts.get(expert)
+        if by_expert is None:
+            by_expert = layer.experts[expert] = {}
+        by_proj = by_expert.get(proj)
+        if by_proj is None:
+            by_proj = by_expert[proj] = {}
+        by_proj[rank] = lin
     for li in sliced:
         layers[li].rank_sliced = True
     ckpt.layers = dict(sorted(layers.items()))
+
+
+_UNSEEN: Any = object()
+_LINEAR_PREFIX = re.compile(LINEAR_NAME.pattern.removeprefix("^").removesuffix(r"\.([A-Za-z0-9_]+)$"))
+
+
+def _linear_fields(linears: dict[tuple[int, int, str, int], dict[str, TensorRef]], sliced: set[int], layer_s: str,
+                   expert_s: str, proj: str, rank_s: str | None) -> dict[str, TensorRef]:
+    """The fields of the linear (layer, expert, projection, rank) a name's groups say: one per linear however
+    its projection is spelled (`w1` is `gate_proj`) or its rank 0 written (none is rank 0)."""
+    layer_i = int(layer_s)
+    if rank_s is not None:
+        sliced.add(layer_i)
+    key = (layer_i, int(expert_s), PROJECTION_ALIASES[proj], int(rank_s or 0))
+    fields = linears.get(key)
+    if fields is None:
+        fields = linears[key] = {}
+    return fields
 
 
 def _add_other_expert_tensor(ckpt: Checkpoint, name: str, ref: TensorRef) -> None:

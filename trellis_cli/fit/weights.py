@@ -109,8 +109,63 @@ def scan(ckpt: Checkpoint, arch: Arch, rules: tuple[Rule, ...]) -> Inventory:
         tensors: Iterable[tuple[str, tuple[int, ...], int]] = ((ref.name, tuple(ref.shape), ref.nbytes)
                                                                 for ref in loose)
     else:
+        fast = _scan_rank_sliced(ckpt, arch, rules, sliced_tp)
+        if fast is not None:
+            return fast
         inv = Inventory(sliced_tp, rules)
         tensors = ((ref.name, ref.shape, ref.nbytes) for ref in ckpt.tensors.values())
+    _scan_tensors(ckpt, arch, inv, tensors)
+    return inv
+
+
+def _scan_rank_sliced(ckpt: Checkpoint, arch: Arch, rules: tuple[Rule, ...], sliced_tp: int | None) -> Inventory | None:
+    """`scan` of a rank-sliced checkpoint whose routed-expert tensors are all fields of rank-sliced linears (the
+    production layout, ~935k tensors): each linear's bytes summed from the model's layers (one step per linear,
+    every one of its tensors placing the same way), the other tensors one by one as `scan` places them. None
+    where that does not prove the same inventory (any other expert tensor, a style `scan` would leave
+    order-dependent): `scan` then reads every tensor."""
+    if sliced_tp is None:
+        return None
+    others = [ref for name, ref in ckpt.tensors.items() if ".mlp.experts." not in name]
+    linears = 0
+    for layer in ckpt.layers.values():
+        if layer.index >= 10 ** MAX_LAYER_DIGITS_FIT:
+            return None  # `scan` refuses such a layer number by name
+        for projs in layer.experts.values():
+            for by_rank in projs.values():
+                for lin in by_rank.values():
+                    linears += 7 - lin[1:8].count(None) + len(lin.extra)
+    if linears != len(ckpt.tensors) - len(others):
+        return None
+    inv = Inventory(sliced_tp, rules)
+    _scan_tensors(ckpt, arch, inv, ((ref.name, ref.shape, ref.nbytes) for ref in others))
+    if any(EXPERT in styles for styles in inv.styles.values()):
+        return None  # a style the per-tensor order decides
+    for layer in ckpt.layers.values():
+        is_mtp = layer.index >= arch.layers
+        shown = PART_MTP if is_mtp else PART_EXPERTS
+        for expert, projs in layer.experts.items():
+            k = layer.expert_k(expert)
+            for proj, by_rank in projs.items():
+                for rank, lin in by_rank.items():
+                    refs = [ref for ref in lin[1:8] if ref is not None] + list(lin.extra)
+                    if lin.prefix != f"model.layers.{layer.index}.mlp.experts.{expert}.{proj}.rank{rank}" or \
+                            (rank == 0 and not all(".rank0." in ref.name for ref in refs)):
+                        return None  # another spelling, or a name without its rank segment: placed otherwise
+                    nbytes = sum(ref.end - ref.begin for ref in refs)
+                    counted = int(proj == "gate_proj" and lin.trellis is not None)
+                    inv.present.add(PART_EXPERTS)
+                    styles = inv.styles.setdefault(shown, set())
+                    styles.add(RANK_SLICED)
+                    inv.add((shown, PART_EXPERTS, is_mtp, k, rank, WHOLE, 0), nbytes, counted)
+    return inv
+
+
+MAX_LAYER_DIGITS_FIT = 12  # sharding.MAX_LAYER_DIGITS: a longer layer number is refused by `layer_of`
+
+
+def _scan_tensors(ckpt: Checkpoint, arch: Arch, inv: Inventory,
+                  tensors: Iterable[tuple[str, tuple[int, ...], int]]) -> None:
     k_of: dict[tuple[int, int], int | None] = {}
     for name, shape, nbytes in tensors:
         layer = layer_of(name)
@@ -118,7 +173,7 @@ def scan(ckpt: Checkpoint, arch: Arch, rules: tuple[Rule, ...]) -> Inventory:
         if is_mtp and MTP_SHARED.search(name):
             inv.mtp_shared_bytes += nbytes
             continue
-        part, style = (PART_EXPERTS, EXPERT) if ".mlp.experts." in name else classify(rules, name)
+        part, style = (PART_EXPERTS, EXPERT) if ".mlp.experts." in name else classify(inv.rules, name)
         shown = PART_MTP if is_mtp else part
         inv.present.add(part)
         inv.styles.setdefault(shown, set()).add(style)
@@ -145,7 +200,6 @@ def scan(ckpt: Checkpoint, arch: Arch, rules: tuple[Rule, ...]) -> Inventory:
             unsliced = EXPERT if parsed is not None and parsed.kind == KIND_LINEAR else REPLICATED
             split = split_of(name, shape, unsliced)
         inv.add((shown, part, is_mtp, k, owner, *split), nbytes, counted)
-    return inv
 
 
 def rank_weights(ckpt: Checkpoint, arch: Arch, inv: Inventory, tp: int, mtp: bool, reslice: bool = False) -> Weights:

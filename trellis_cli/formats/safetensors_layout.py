@@ -8,6 +8,7 @@ file size == 8 + header length + data end; every byte range inside the data buff
 from __future__ import annotations
 
 import math
+from operator import attrgetter, sub
 from typing import Iterator
 
 from trellis_cli.findings import Finding, Location, error
@@ -16,8 +17,9 @@ from trellis_cli.header import DTYPE_BYTES
 
 def check_shard(file: str, header) -> Iterator[Finding]:
     """Byte layout of one shard, from its header and its size."""
-    entries = sorted(header.tensors.values(), key=lambda e: (e.begin, e.end))
     data_end = header.data_end
+    sound = _sound_in_stored_order(header)
+    entries = [] if sound else sorted(header.tensors.values(), key=lambda e: (e.begin, e.end))
     if header.file_size is not None:
         expected_size = header.data_start + data_end
         if header.file_size < expected_size:
@@ -43,3 +45,24 @@ def check_shard(file: str, header) -> Iterator[Finding]:
                         "of the file", expected=f"end <= {header.file_size - header.data_start}", found=e.end)
         if e.end > cursor:
             cursor, previous = e.end, e.name
+
+
+_BEGIN, _END, _DTYPE, _SHAPE = attrgetter("begin"), attrgetter("end"), attrgetter("dtype"), attrgetter("shape")
+
+
+def _sound_in_stored_order(header) -> bool:
+    """True when the tensors, in the header's own order, tile the data buffer from 0 with no gap or overlap,
+    each of its dtype x shape and inside the file: then sorting changes nothing and the per-tensor checks find
+    nothing. Proven with list comparisons in C (a production shard has 12k tensors); False sends the shard to
+    the per-tensor walk, which names what is wrong."""
+    entries = list(header.tensors.values())
+    if not entries:
+        return False
+    begins, ends = list(map(_BEGIN, entries)), list(map(_END, entries))
+    if begins[0] != 0 or begins[1:] != ends[:-1]:
+        return False
+    if header.file_size is not None and header.data_start + ends[-1] > header.file_size:
+        return False
+    kinds = list(zip(map(_DTYPE, entries), map(_SHAPE, entries)))
+    size_of = {kind: math.prod(kind[1]) * DTYPE_BYTES.get(kind[0], 0) for kind in set(kinds)}
+    return list(map(sub, ends, begins)) == list(map(size_of.__getitem__, kinds))

@@ -9,12 +9,15 @@ All of it from headers and the file listing: no tensor data is read.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Iterator
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, error_summary, warning
 from trellis_cli.formats.safetensors_layout import check_shard
 from trellis_cli.header import safe_relative
+
+_FILE_OF, _BEGIN, _END = attrgetter("file"), attrgetter("begin"), attrgetter("end")
 
 
 def check_files(ckpt: Checkpoint) -> Iterator[Finding]:
@@ -29,6 +32,9 @@ def check_files(ckpt: Checkpoint) -> Iterator[Finding]:
 
 def _check_duplicates(ckpt: Checkpoint) -> Iterator[Finding]:
     tensors = ckpt.tensors
+    if len(tensors) == sum(len(header.tensors) for header in ckpt.headers.values()) and \
+            all(header.tensors.keys() <= tensors.keys() for header in ckpt.headers.values()):
+        return  # every name of every header is in one header only
     for file, header in ckpt.headers.items():
         for name in header.tensors:
             chosen = tensors[name].file
@@ -50,7 +56,10 @@ def _check_index(ckpt: Checkpoint) -> Iterator[Finding]:
             bad_files.add(file)
             yield error("index.file-missing", Location(file=index_file), "index names a shard that does not exist",
                         found=file)
-    for name, file in index.items():
+    # The common case, proven in C: the index maps exactly the headers' tensors, each to the file holding it.
+    agrees = index == dict(zip(ckpt.tensors.keys(), map(_FILE_OF, ckpt.tensors.values()))) and \
+        len(ckpt.tensors) == sum(len(header.tensors) for header in headers.values())
+    for name, file in () if agrees else index.items():
         if file in bad_files or file not in headers:
             continue
         if name not in headers[file].tensors:
@@ -58,7 +67,7 @@ def _check_index(ckpt: Checkpoint) -> Iterator[Finding]:
             found = f"in {where.file}" if where is not None else "in no shard"
             yield error("index.missing-tensor", Location(file=index_file, tensor=name),
                         f"index maps the tensor to {file}, whose header does not have it", expected=file, found=found)
-    for file, header in headers.items():
+    for file, header in () if agrees else headers.items():
         # Listed per shard up to the cap, then one total: a shard absent from the index may hold 262k tensors.
         unindexed = [name for name in header.tensors if name not in index]
         for name in unindexed[:MAX_MISSING_SHOWN]:
@@ -71,7 +80,7 @@ def _check_index(ckpt: Checkpoint) -> Iterator[Finding]:
     total = (ckpt.declared.get("index_metadata") or {}).get("total_size")
     if total is None or any(file not in headers for file in set(index.values())):
         return  # an unreadable shard is already reported; its bytes cannot be summed
-    data = sum(e.nbytes for h in headers.values() for e in h.tensors.values())
+    data = sum(sum(map(_END, h.tensors.values())) - sum(map(_BEGIN, h.tensors.values())) for h in headers.values())
     if total != data:
         yield warning("index.total-size", Location(file=index_file), "metadata.total_size differs from the sum of "
                       "tensor data bytes", expected=data, found=total)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
+
+import numpy as np
 
 from trellis_cli.checkpoint.model import Checkpoint, TensorRef
 from trellis_cli.codebooks import MARKERS
@@ -41,16 +43,78 @@ def check_marker_values(ckpt: Checkpoint, layers: Iterable[int], count) -> Itera
     for item in layer_markers(ckpt, layers):
         by_file[item[0].file].append(item)
     for file, items in sorted(by_file.items()):
-        values, problem = _read_scalars(ckpt, file, [ref for ref, _, _ in items])
+        refs = [ref for ref, _, _ in items]
+        read = _read_marker_array(ckpt, file, refs)
+        if read is None:  # offsets numpy cannot hold: the per-marker reader
+            values, problem = _read_scalars(ckpt, file, refs)
+            wrong: Iterable[tuple[int, int]] = ((i, values[ref.name]) for i, ref in enumerate(refs)
+                                                if ref.name in values and values[ref.name] != MARKER_VALUES[items[i][1]])
+            nread = len(values)
+        else:
+            array, done, problem = read
+            expected = np.fromiter((MARKER_VALUES[kind] for _, kind, _ in items), dtype=np.int64, count=len(items))
+            wrong = ((int(i), int(array[i])) for i in np.flatnonzero(done & (array != expected)))
+            nread = int(done.sum())
         if problem is not None:
             yield problem
-        count("markers read", len(values))
-        for ref, kind, (li, expert, proj, rank) in items:
-            value = values.get(ref.name)
-            if value is not None and value != MARKER_VALUES[kind]:
-                where = Location(layer=li, expert=expert, projection=proj, rank=rank, tensor=ref.name)
-                yield error("marker.value", where, f".{kind} marker holds the wrong value (the loaders refuse it)",
-                            expected=hex(MARKER_VALUES[kind] & 0xFFFFFFFF), found=hex(value & 0xFFFFFFFF))
+        count("markers read", nread)
+        for i, value in wrong:  # only the markers that hold another value are looked at one by one
+            ref, kind, (li, expert, proj, rank) = items[i]
+            where = Location(layer=li, expert=expert, projection=proj, rank=rank, tensor=ref.name)
+            yield error("marker.value", where, f".{kind} marker holds the wrong value (the loaders refuse it)",
+                        expected=hex(MARKER_VALUES[kind] & 0xFFFFFFFF), found=hex(value & 0xFFFFFFFF))
+
+
+def _read_marker_array(ckpt: Checkpoint, file: str, refs: list[TensorRef]) -> tuple[Any, Any, Finding | None] | None:
+    """`_read_scalars` with arrays: (value per ref, whether it was read, the problem), the same spans read in
+    the same order, each span's values gathered at once (a production shard has ~3k markers). None when an
+    offset does not fit an int64 (a header only the per-marker reader may take)."""
+    try:
+        offsets = np.fromiter((ref.data_start + ref.begin for ref in refs), dtype=np.int64, count=len(refs))
+    except OverflowError:
+        return None
+    if len(offsets) and int(offsets.max()) > 1 << 62:  # far past any file: no room for int64 arithmetic on it
+        return None
+    values = np.zeros(len(refs), dtype=np.int64)
+    done = np.zeros(len(refs), dtype=bool)
+    try:
+        path = ckpt.source.local_path(file)
+        size = os.path.getsize(path)
+        order = np.argsort(offsets, kind="stable")
+        order = order[offsets[order] + MARKER_BYTES <= size]
+        starts = offsets[order]
+        with open(path, "rb") as f:
+            for lo, hi in _array_spans(starts):
+                begin = int(starts[lo])
+                f.seek(begin)
+                data = f.read(int(starts[hi - 1]) + MARKER_BYTES - begin)
+                rel = starts[lo:hi] - begin
+                whole = rel + MARKER_BYTES <= len(data)
+                at = rel[whole]
+                raw = np.frombuffer(data, dtype=np.uint8)[at[:, None] + np.arange(MARKER_BYTES)]
+                chosen = order[lo:hi][whole]
+                values[chosen] = np.ascontiguousarray(raw).view("<i4").ravel()
+                done[chosen] = True
+    except OSError as e:
+        return values, done, error("data.unreadable", Location(file=file), f"cannot read the codebook markers "
+                                   f"({e.strerror or e})")
+    missing = len(refs) - int(done.sum())
+    if missing:
+        return values, done, error("data.unreadable", Location(file=file), "codebook markers lie past the end of "
+                                   "the file", expected=f"{len(refs)} markers readable", found=f"{missing} unreadable")
+    return values, done, None
+
+
+def _array_spans(starts: Any) -> Iterator[tuple[int, int]]:
+    """`_spans` over sorted offsets, as [lo, hi) index ranges: one Python step per span, not per marker."""
+    n = len(starts)
+    gaps = np.flatnonzero(np.diff(starts) > SPAN_GAP) + 1  # a span never crosses one of these
+    lo = 0
+    for stop in [*gaps.tolist(), n]:
+        while lo < stop:
+            hi = min(stop, int(np.searchsorted(starts, starts[lo] + SPAN_MAX, side="right")))
+            yield lo, hi
+            lo = hi
 
 
 def not_read_finding() -> Finding:

@@ -66,6 +66,7 @@ def check_layer(ckpt: Checkpoint, layer: MoeLayer) -> Iterator[Finding]:
     yield from _check_membership(ctx, layer)
     ranks = range(ctx.tp) if (ctx.tr3 or layer.rank_sliced) else range(1)
     shown = missing = 0  # rank slices: the first MAX_MISSING_SHOWN of the layer, then one total
+    clean: dict[tuple, bool] = {}  # linear template -> check_linear finds nothing in it (see _template)
     for expert, projs in layer.experts.items():
         for proj in PROJECTIONS:
             if proj not in projs:
@@ -81,7 +82,14 @@ def check_layer(ckpt: Checkpoint, layer: MoeLayer) -> Iterator[Finding]:
                 if rank not in ranks:
                     yield error("rank.extra", Location(layer=layer.index, expert=expert, projection=proj, rank=rank),
                                 "rank outside the declared tp", expected=f"< {ctx.tp}", found=rank)
-                yield from check_linear(ctx, expert, proj, rank, lin)
+                template = _template(proj, lin)
+                passed = clean.get(template)
+                if passed is None:  # the first linear of its template: its findings decide for the others
+                    found = list(check_linear(ctx, expert, proj, rank, lin))
+                    clean[template] = not found and template[1] is not None
+                    yield from found
+                elif not passed:
+                    yield from check_linear(ctx, expert, proj, rank, lin)
         yield from _check_expert_k(ckpt, ctx, layer, expert, projs)
     if ctx.k_map_note is not None:
         yield from _unbinding_k_map(ctx, layer)
@@ -161,6 +169,19 @@ def check_linear(ctx: LayerContext, expert: int, proj: str, rank: int, lin: Line
                           "folded out of the weights here is lost and outputs are off by it")
         else:
             yield warning("tensor.unexpected", at(ref.name), f"unexpected field {field!r} (ignored by loaders)")
+
+
+def _template(proj: str, lin: LinearRef) -> tuple:
+    """What `check_linear` decides from, besides the layer's context: the projection, and the dtype and shape of
+    each field present (names only label its findings). Every linear of a layer's experts shares a few templates,
+    so a template found clean once is clean for all (one tuple per linear instead of every rule); a linear with
+    extra fields gets None in its second place and is always checked."""
+    if lin.extra:
+        return (proj, None)
+    t, suh, svh, su, sv, mcg, mul1 = lin[1:8]
+    return (proj, t and (t.dtype, t.shape), suh and (suh.dtype, suh.shape), svh and (svh.dtype, svh.shape),
+            su and (su.dtype, su.shape), sv and (sv.dtype, sv.shape), mcg and (mcg.dtype, mcg.shape),
+            mul1 and (mul1.dtype, mul1.shape))
 
 
 def _check_trellis(ctx: LayerContext, proj: str, t, at) -> Iterator[Finding]:
@@ -307,7 +328,6 @@ def layer_tensor_count(layer: MoeLayer) -> int:
     n = sum(len(f) for f in layer.shared_h.values()) + len(layer.r7_shared) + len(layer.unparsed)
     for projs in layer.experts.values():
         for by_rank in projs.values():
-            for lin in by_rank.values():
-                n += sum(ref is not None for ref in (lin.trellis, lin.suh, lin.svh, lin.su, lin.sv, lin.mcg, lin.mul1))
-                n += len(lin.extra)
+            for lin in by_rank.values():  # the seven fields after the prefix, less those absent, plus extras
+                n += 7 - lin[1:8].count(None) + len(lin.extra)
     return n
