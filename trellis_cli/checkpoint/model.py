@@ -135,6 +135,15 @@ class MoeLayer:
         return dict(sorted(tiers.items()))
 
 
+class Declarations:
+    """What a dialect's metadata declares beyond the model's shared fields, typed by the dialect that read it: each
+    dialect's package subclasses this (dialects/tr3/declared.py `Tr3Declarations`, ...) and is the only reader of
+    its fields; everything else asks the dialect. The base declares nothing."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}>"
+
+
 @dataclass
 class Checkpoint:
     """A parsed checkpoint: declarations from JSON, facts from headers, nothing from tensor data."""
@@ -150,7 +159,10 @@ class Checkpoint:
     rotation_layout: str  # "per_expert_v1" | "shared_h_v1" | "r7_shared" | "n/a"
     layers: dict[int, MoeLayer] = field(default_factory=dict)
     headers: dict[str, Any] = field(default_factory=dict)  # file -> header.Header
-    declared: dict[str, Any] = field(default_factory=dict)  # dialect-specific declarations (hybrid_tr3_tail, ...)
+    declared: Declarations = field(default_factory=Declarations)  # its dialect's own, typed by that dialect
+    index_metadata: dict[str, Any] | None = None  # the index's "metadata" object (total_size, ...), when present
+    k_source: dict[int, str] = field(default_factory=dict)  # layer -> where its declared K list came from
+    inferred: list[str] = field(default_factory=list)  # geometry facts read from tensors, not declared
     # Problems met while parsing that do not stop parsing; validate reports them as findings.
     parse_findings: list[Any] = field(default_factory=list)
     tensors: dict[str, TensorRef] = field(default_factory=dict)  # every tensor by name (first file that has it)

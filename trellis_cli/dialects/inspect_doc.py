@@ -50,7 +50,9 @@ def describe_source(ckpt: Checkpoint) -> dict[str, Any]:
 
 
 def _declared_keys(ckpt: Checkpoint) -> dict[str, Any]:
-    hybrid = ckpt.declared.get("hybrid_tr3_tail") or {}
+    from trellis_cli.dialects.registry import dialect_of
+
+    hybrid = dialect_of(ckpt).rank_sliced_contract(ckpt) or {}
     keys = ("format", "bits", "k_values", "bits_per_expert", "codebook", "experts_per_layer", "moe_layers", "tp",
             "rotation_layout")
     out = {k: hybrid[k] for k in keys if k in hybrid}
@@ -60,7 +62,7 @@ def _declared_keys(ckpt: Checkpoint) -> dict[str, Any]:
         if q.get("scope") is not None:  # a scope (GLM-5.3's unsliced stream) declares its one K there
             out["scope"] = q["scope"]
             out.setdefault("bits", q.get("bits"))
-    sources = sorted(set((ckpt.declared.get("k_source") or {}).values()))
+    sources = sorted(set(ckpt.k_source.values()))
     if sources:
         out["k_source"] = sources
     return out

@@ -18,8 +18,7 @@ from typing import Any, Callable, Iterator
 from trellis_cli.checkpoint import declared as decl
 from trellis_cli.checkpoint import reader
 from trellis_cli.dialects import registry
-from trellis_cli.dialects.detect import CONFIG, QUANT_CONFIG, route_pack_info
-from trellis_cli.dialects.interface import DialectInfo, Probe
+from trellis_cli.dialects.interface import CONFIG, QUANT_CONFIG, DialectInfo, Probe
 from trellis_cli.checkpoint.model import (
     Checkpoint,
     LinearRef,
@@ -79,13 +78,13 @@ def open_declared(source: Any) -> Checkpoint | None:
 def _open(source: Any, progress: Callable[[str, int, int], None], headers: bool = True) -> Checkpoint | None:
     files = reader.listing(source)
     findings: list[Finding] = list(reader.listing_findings(source))
-    pack = route_pack_info(files, source.read_json)
-    if pack is not None:  # the route-pack verifier owns its own parsing, config.json included
+    own = registry.detect_from_listing(files, source.read_json)
+    if own is not None:  # its own verifier owns its parsing, config.json included (`Dialect.opens_from_listing`)
         if not headers:
             return None
-        return Checkpoint(source=source, dialect=pack.dialect, config={}, hidden=None, intermediate=None,
-                          num_experts=None, tp=pack.tp, codebook=pack.codebook, rotation_layout=pack.rotation_layout,
-                          declared=pack.declared, parse_findings=findings, files=dict(files))
+        return Checkpoint(source=source, dialect=own.dialect, config={}, hidden=None, intermediate=None,
+                          num_experts=None, tp=own.tp, codebook=own.codebook, rotation_layout=own.rotation_layout,
+                          declared=own.declared, parse_findings=findings, files=dict(files))
     config = _read_config(source, files)
     quant_config = reader.read_json(source, files, QUANT_CONFIG, findings, optional=True)
     if quant_config is not None and not isinstance(quant_config, dict):
@@ -148,7 +147,7 @@ def _read_headers(ckpt: Checkpoint, source: Any, files: dict[str, int],
 def _read_index(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:
     found = reader.read_index(source, files, ckpt.parse_findings)
     if found is not None:
-        ckpt.index_file, ckpt.index, ckpt.declared["index_metadata"] = found
+        ckpt.index_file, ckpt.index, ckpt.index_metadata = found
 
 
 def _collect_tensors(ckpt: Checkpoint) -> None:
@@ -252,7 +251,7 @@ def _apply_declarations(ckpt: Checkpoint, info: DialectInfo, source: Any, files:
     for li, pk in d.projection_k.items():
         ckpt.layers.setdefault(li, MoeLayer(li)).declared_projection_k = pk
     ckpt.layers = dict(sorted(ckpt.layers.items()))
-    ckpt.declared["k_source"] = d.k_source
+    ckpt.k_source = d.k_source
 
 
 def _fill_geometry(ckpt: Checkpoint, info: DialectInfo) -> None:
@@ -295,7 +294,7 @@ def _fill_geometry(ckpt: Checkpoint, info: DialectInfo) -> None:
         experts = _ids(ckpt, "expert")
         ckpt.num_experts = _plausible_max(ckpt, experts, "experts per layer", limit) + 1 if experts else None
         inferred.append("num_experts")
-    ckpt.declared["inferred"] = inferred
+    ckpt.inferred = inferred
 
 
 def _ids(ckpt: Checkpoint, kind: str) -> dict[int, str]:

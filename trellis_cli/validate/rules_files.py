@@ -68,7 +68,7 @@ def _check_index(ckpt: Checkpoint) -> Iterator[Finding]:
             yield error_summary("index.unindexed", Location(file=file), len(unindexed) - MAX_MISSING_SHOWN,
                                 "tensors of this shard are not in the index", expected="0 unindexed",
                                 found=f"{len(unindexed)} unindexed")
-    total = (ckpt.declared.get("index_metadata") or {}).get("total_size")
+    total = (ckpt.index_metadata or {}).get("total_size")
     if total is None or any(file not in headers for file in set(index.values())):
         return  # an unreadable shard is already reported; its bytes cannot be summed
     data = sum(e.nbytes for h in headers.values() for e in h.tensors.values())

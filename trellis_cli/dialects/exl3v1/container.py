@@ -10,14 +10,15 @@ read on first use by `layer_rates`, from local files only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from trellis_cli.checkpoint import reader
 from trellis_cli.checkpoint.model import Checkpoint, MoeLayer, TensorRef
+from trellis_cli.dialects.exl3v1.declared import Exl3v1Declarations
 from trellis_cli.errors import CheckFailed
 from trellis_cli.formats.exl3v1_layout import LayerRates, uniform_rates
 from trellis_cli.formats.exl3v1_schema import SLOTS_PER_PAIR, Manifest, parse_manifest
 from trellis_cli.findings import Location, error, warning
+from trellis_cli.sources import Source
 
 CODES, ROTATIONS, RATES_FC1, RATES_FC2, SIGN_PATTERN = "codes", "rotations", "rates_fc1", "rates_fc2", "sign_pattern"
 HIDDEN_TABLES = ("gate_suh", "up_suh", "down_svh")  # matrix order: gate, up, down
@@ -46,7 +47,19 @@ class Exl3Container:
 
 
 def container(ckpt: Checkpoint) -> Exl3Container:
-    return ckpt.declared["exl3v1"]
+    """The opened container of an exl3-v1 (or BTX) checkpoint."""
+    box = container_or_none(ckpt)
+    if box is None:
+        raise TypeError(f"{ckpt.dialect}: not an opened exl3-v1 container")
+    return box
+
+
+def container_or_none(ckpt: Checkpoint) -> Exl3Container | None:
+    """The opened container, or None when `ckpt` is not an exl3-v1 container or was not opened as one."""
+    from trellis_cli.dialects.exl3v1.declared import declarations
+
+    declared = declarations(ckpt)
+    return declared.container if declared is not None else None
 
 
 def expected_metadata(m: Manifest, layer: int) -> dict[str, str]:
@@ -55,14 +68,16 @@ def expected_metadata(m: Manifest, layer: int) -> dict[str, str]:
             "hidden_size": str(m.hidden), "intermediate_size": str(m.intermediate), "slot_channels": "32"}
 
 
-def fill_checkpoint(ckpt: Checkpoint, source: Any, files: dict[str, int], manifest_file: str, doc: Any, *,
-                    config_manifest: str | None = None) -> None:
-    """`doc` None: the directory has no `manifest_file`, only the other manifest config.json names."""
-    ckpt.parse_findings.extend(_config_manifest_findings(manifest_file, config_manifest, doc is None))
+def fill_checkpoint(ckpt: Checkpoint, source: Source, files: dict[str, int], manifest_file: str,
+                    declared: Exl3v1Declarations) -> None:
+    """The container read from `declared.manifest_doc` (the parsed `manifest_file`) into `ckpt`, kept as
+    `declared.container`; the document itself is dropped. No document: the directory has no `manifest_file`,
+    only the other manifest config.json names."""
+    doc, declared.manifest_doc = declared.manifest_doc, None
+    ckpt.parse_findings.extend(_config_manifest_findings(manifest_file, declared.config_manifest, doc is None))
     manifest, findings = parse_manifest(doc, manifest_file) if doc is not None else (None, [])
     ckpt.parse_findings.extend(findings)
-    box = Exl3Container(manifest_file, manifest)
-    ckpt.declared["exl3v1"] = box
+    box = declared.container = Exl3Container(manifest_file, manifest)
     if manifest is None:
         return
     ckpt.hidden, ckpt.intermediate, ckpt.num_experts = manifest.hidden, manifest.intermediate, manifest.num_experts
@@ -90,10 +105,9 @@ def _config_manifest_findings(manifest_file: str, named: str | None, missing: bo
                     manifest_file, named)]
 
 
-def _read_layer_header(ckpt: Checkpoint, source: Any, files: dict[str, int], layer: Exl3Layer) -> None:
+def _read_layer_header(ckpt: Checkpoint, source: Source, files: dict[str, int], layer: Exl3Layer) -> None:
     where = Location(file=layer.file, layer=layer.index)
-    escapes = getattr(source, "escapes", None)
-    if escapes is not None and escapes(layer.file):
+    if source.escapes(layer.file):
         ckpt.parse_findings.append(error("path.escape", where, "the layer file resolves outside the checkpoint "
                                          "directory (symlink)"))
         return
@@ -150,10 +164,7 @@ def _read_rates(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer) -> LayerRates |
 
 def local_file(ckpt: Checkpoint, ref: TensorRef) -> bool:
     """True when the file's bytes are on this machine (a local directory, or a Hub file already cached)."""
-    if getattr(ckpt.source, "root", None) is not None:
-        return True
-    cached = getattr(ckpt.source, "cached_path", None)
-    return cached is not None and cached(ref.file) is not None
+    return ckpt.source.root is not None or ckpt.source.cached_path(ref.file) is not None
 
 
 def finding_where(layer: Exl3Layer, tensor: str | None = None) -> Location:
@@ -161,4 +172,4 @@ def finding_where(layer: Exl3Layer, tensor: str | None = None) -> Location:
 
 
 __all__ = ["CODES", "Exl3Container", "Exl3Layer", "HIDDEN_TABLES", "METADATA_KEYS", "ROTATIONS", "container",
-           "expected_metadata", "fill_checkpoint", "layer_rates"]
+           "container_or_none", "expected_metadata", "fill_checkpoint", "layer_rates"]

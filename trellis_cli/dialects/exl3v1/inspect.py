@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.dialects.exl3v1.container import CODES, container, layer_rates
+from trellis_cli.dialects.exl3v1.container import CODES, container, container_or_none, layer_rates
 from trellis_cli.formats.exl3v1_layout import hidden_table_bytes, rank_bytes, row_payloads, tp_degrees
 from trellis_cli.formats.exl3v1_schema import SLOT_CHANNELS
 from trellis_cli.id_ranges import compact_ranges
@@ -102,7 +102,7 @@ def codes_tables(ckpt: Checkpoint) -> dict[str, tuple[int, int]]:
     """Layer file -> (where its codes table starts, the routed weights it encodes: E * 3 * H * I). The table
     mixes K per expert, so `inspect --tensors` gives it a bpw (bytes over weights) and no K; BTX names it
     `atoms`: the model knows it as codes."""
-    box = ckpt.declared.get("exl3v1")
+    box = container_or_none(ckpt)
     m = box.manifest if box is not None else None
     if m is None:
         return {}

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from trellis_cli.checkpoint.declared import TR3_MIXED_K, TR3_UNIFORM_K, layer_range
+from trellis_cli.checkpoint.declared import layer_range
+from trellis_cli.dialects.tr3.declared import TR3_MIXED_K, TR3_UNIFORM_K
 from trellis_cli.checkpoint.model import TensorRef
 from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, shard_name
 from trellis_cli.dialects.interface import StagedOutput
