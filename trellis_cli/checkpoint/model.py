@@ -11,9 +11,12 @@ linear (trellis + suh + svh + codebook marker). K = trellis.shape[-1] // 16 alwa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from trellis_cli.codebooks import MCG_MARKER, MUL1_MARKER  # noqa: F401  (the marker values, re-exported)
+
+if TYPE_CHECKING:
+    from trellis_cli.sources import Source
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -148,7 +151,7 @@ class Declarations:
 class Checkpoint:
     """A parsed checkpoint: declarations from JSON, facts from headers, nothing from tensor data."""
 
-    source: Any  # sources.Source
+    source: Source
     dialect: str
     config: dict[str, Any]
     hidden: int | None  # hidden size (H)

@@ -43,9 +43,8 @@ def shard_document(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[st
 
 
 def describe_source(ckpt: Checkpoint) -> dict[str, Any]:
-    describe = getattr(ckpt.source, "describe", None)
-    info = describe() if describe else {"path": str(ckpt.source)}
-    info.setdefault("revision", getattr(ckpt.source, "revision", None))
+    info = ckpt.source.describe()
+    info.setdefault("revision", ckpt.source.revision)
     return info
 
 

@@ -36,12 +36,13 @@ from trellis_cli.checkpoint.names import (
 )
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.findings import Finding, Location, error, warning
+from trellis_cli.sources import Source, SourceArg
 
 INDEX_SUFFIX = reader.INDEX_SUFFIX
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 
 
-def open_checkpoint(source: Any, *, progress: Callable[[str, int, int], None] | None = None) -> Checkpoint:
+def open_checkpoint(source: SourceArg, *, progress: Callable[[str, int, int], None] | None = None) -> Checkpoint:
     """Parse a checkpoint from a Source (or a local directory path) into the normalized model.
 
     `progress(stage, done, total)`: "files" per safetensors header read, then "model" per step of building it
@@ -68,14 +69,14 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def open_declared(source: Any) -> Checkpoint | None:
+def open_declared(source: SourceArg) -> Checkpoint | None:
     """The checkpoint as its listing and JSON declare it (dialect, geometry, declared K per expert), reading no
     safetensors header: what a dry run plans from. TR3 only (its TP and layout are declared); None for any
     other dialect, whose TP or layout is known from its headers."""
     return _open(_as_source(source), lambda _stage, _done, _total: None, headers=False)
 
 
-def _open(source: Any, progress: Callable[[str, int, int], None], headers: bool = True) -> Checkpoint | None:
+def _open(source: Source, progress: Callable[[str, int, int], None], headers: bool = True) -> Checkpoint | None:
     files = reader.listing(source)
     findings: list[Finding] = list(reader.listing_findings(source))
     own = registry.detect_from_listing(files, source.read_json)
@@ -115,22 +116,22 @@ def _open(source: Any, progress: Callable[[str, int, int], None], headers: bool 
     return ckpt
 
 
-def _as_source(source: Any) -> Any:
+def _as_source(source: SourceArg) -> Source:
     if isinstance(source, (str, Path)):
         from trellis_cli.sources import LocalSource
 
         return LocalSource(Path(source))
     if not callable(getattr(source, "list_files", None)) or not callable(getattr(source, "read_header", None)):
-        # The library's callers get its own error, not an AttributeError from deep inside the opening.
+        # An untyped caller's argument checked at the library's door: its own error, not an AttributeError from
+        # deep inside the opening.
         raise UsageError(f"a checkpoint source must be a Source (trellis_cli.open_source) or a local path, not "
                          f"{type(source).__name__}")
     return source
 
 
-def _read_config(source: Any, files: dict[str, int]) -> dict[str, Any] | None:
-    special = getattr(source, "special", {})
-    if CONFIG in special:
-        raise CheckFailed(f"{CONFIG}: {special[CONFIG]}, not a regular file")
+def _read_config(source: Source, files: dict[str, int]) -> dict[str, Any] | None:
+    if CONFIG in source.special:
+        raise CheckFailed(f"{CONFIG}: {source.special[CONFIG]}, not a regular file")
     if CONFIG not in files:
         return None
     config = source.read_json(CONFIG)  # unreadable config.json stops parsing: nothing else can be trusted
@@ -139,12 +140,12 @@ def _read_config(source: Any, files: dict[str, int]) -> dict[str, Any] | None:
     return config
 
 
-def _read_headers(ckpt: Checkpoint, source: Any, files: dict[str, int],
+def _read_headers(ckpt: Checkpoint, source: Source, files: dict[str, int],
                   progress: Callable[[str, int, int], None]) -> None:
     ckpt.headers.update(reader.read_headers(source, files, progress, ckpt.parse_findings))
 
 
-def _read_index(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:
+def _read_index(ckpt: Checkpoint, source: Source, files: dict[str, int]) -> None:
     found = reader.read_index(source, files, ckpt.parse_findings)
     if found is not None:
         ckpt.index_file, ckpt.index, ckpt.index_metadata = found
@@ -240,7 +241,7 @@ def _add_other_expert_tensor(ckpt: Checkpoint, name: str, ref: TensorRef) -> Non
         layer.unparsed.append(ref)
 
 
-def _apply_declarations(ckpt: Checkpoint, info: DialectInfo, source: Any, files: dict[str, int]) -> None:
+def _apply_declarations(ckpt: Checkpoint, info: DialectInfo, source: Source, files: dict[str, int]) -> None:
     """The dialect's own declarations (`Dialect.declarations`), applied to the model's layers."""
     d = registry.dialect_named(info.dialect).declarations(ckpt, info, source.read_json, files)
     if d is None:

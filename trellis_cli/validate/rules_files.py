@@ -42,7 +42,7 @@ def _check_index(ckpt: Checkpoint) -> Iterator[Finding]:
     index, index_file, headers = ckpt.index, ckpt.index_file, ckpt.headers
     bad_files: set[str] = set()
     for file in sorted(set(index.values())):
-        if not safe_relative(file) or (getattr(ckpt.source, "escapes", None) and ckpt.source.escapes(file)):
+        if not safe_relative(file) or ckpt.source.escapes(file):
             bad_files.add(file)
             yield error("path.escape", Location(file=index_file), "index entry points outside the checkpoint "
                         "directory", expected="a relative path inside the checkpoint", found=file)
