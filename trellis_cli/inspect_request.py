@@ -100,7 +100,9 @@ def inspect_source(source: SourceArg, request: InspectRequest | None = None,
     UsageError for a request that makes no sense, CheckFailed / UnknownDialect for a checkpoint that cannot
     be opened."""
     from trellis_cli.dialects import open_checkpoint
+    from trellis_cli.dialects.open import require_source
 
+    source = require_source(source)
     request = request or InspectRequest()
     progress = progress or InspectProgress()
     fit_request = request.fit_request()

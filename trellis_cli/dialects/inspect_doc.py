@@ -15,8 +15,10 @@ from trellis_cli.checkpoint.model import Checkpoint, MoeLayer
 from trellis_cli.id_ranges import compact_ranges
 
 
-def shard_document(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str, Any]:
-    """The inspect document of per-linear shards: a summary row per chosen MoE layer, runs, totals."""
+def shard_document(ckpt: Checkpoint, layers: list[int] | None = None,
+                   contract: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The inspect document of per-linear shards: a summary row per chosen MoE layer, runs, totals; `contract`:
+    the rank-sliced contract its dialect declares (`Dialect.rank_sliced_contract`), whose keys it shows."""
     from trellis_cli.selection import require_present
 
     chosen = list(ckpt.layers) if layers is None else require_present(layers, ckpt.layers)
@@ -29,7 +31,7 @@ def shard_document(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[st
         "geometry": {"hidden": ckpt.hidden, "intermediate": ckpt.intermediate,
                      "intermediate_per_rank": ckpt.intermediate_per_rank, "experts": ckpt.num_experts, "tp": ckpt.tp,
                      "codebook": ckpt.codebook, "rotation_layout": ckpt.rotation_layout},
-        "declared": _declared_keys(ckpt),
+        "declared": _declared_keys(ckpt, contract or {}),
         "layers": rows,
         "runs": collapse_runs(rows),
         "totals": totals(ckpt, every),
@@ -48,10 +50,7 @@ def describe_source(ckpt: Checkpoint) -> dict[str, Any]:
     return info
 
 
-def _declared_keys(ckpt: Checkpoint) -> dict[str, Any]:
-    from trellis_cli.dialects.registry import dialect_of
-
-    hybrid = dialect_of(ckpt).rank_sliced_contract(ckpt) or {}
+def _declared_keys(ckpt: Checkpoint, hybrid: dict[str, Any]) -> dict[str, Any]:
     keys = ("format", "bits", "k_values", "bits_per_expert", "codebook", "experts_per_layer", "moe_layers", "tp",
             "rotation_layout")
     out = {k: hybrid[k] for k in keys if k in hybrid}
@@ -77,8 +76,9 @@ def layer_summary(ckpt: Checkpoint, layer: MoeLayer) -> dict[str, Any]:
     for projs in layer.experts.values():
         for by_rank in projs.values():
             ks = {lin.k for lin in by_rank.values()}
-            if len(ks) == 1 and None not in ks:
-                proj_k[ks.pop()] += 1
+            k = ks.pop() if len(ks) == 1 else None
+            if k is not None:
+                proj_k[k] += 1
             for rank, lin in by_rank.items():
                 for ref in (lin.trellis, lin.suh, lin.svh, lin.su, lin.sv, lin.mcg, lin.mul1, *lin.extra):
                     if ref is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 from trellis_cli.checkpoint import declared as decl
 from trellis_cli.checkpoint import reader
@@ -117,16 +117,23 @@ def _open(source: Source, progress: Callable[[str, int, int], None], headers: bo
 
 
 def _as_source(source: SourceArg) -> Source:
-    if isinstance(source, (str, Path)):
+    checked = require_source(source)
+    if isinstance(checked, (str, Path)):
         from trellis_cli.sources import LocalSource
 
-        return LocalSource(Path(source))
+        return LocalSource(Path(checked))
+    return checked
+
+
+def require_source(source: object) -> SourceArg:
+    """`source` itself when it is a Source or a local path; else the library's own UsageError (an untyped
+    caller's argument, checked at the door rather than met as an AttributeError deep inside)."""
+    if isinstance(source, (str, Path)):
+        return source
     if not callable(getattr(source, "list_files", None)) or not callable(getattr(source, "read_header", None)):
-        # An untyped caller's argument checked at the library's door: its own error, not an AttributeError from
-        # deep inside the opening.
         raise UsageError(f"a checkpoint source must be a Source (trellis_cli.open_source) or a local path, not "
                          f"{type(source).__name__}")
-    return source
+    return cast(Source, source)
 
 
 def _read_config(source: Source, files: dict[str, int]) -> dict[str, Any] | None:

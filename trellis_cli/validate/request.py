@@ -49,9 +49,11 @@ def validate_source(source: SourceArg, request: ValidateRequest | None = None,
     """Open `source` (a Source or a local path) and validate it as `request` says. Raises only for a usage
     error (an unknown engine, a layer the checkpoint lacks); everything wrong with the checkpoint is a finding."""
     from trellis_cli.dialects import open_checkpoint
+    from trellis_cli.dialects.open import require_source
     from trellis_cli.dialects.registry import dialect_of
     from trellis_cli.selection import require_present
 
+    source = require_source(source)
     request = request or ValidateRequest()
     progress = progress or ValidateProgress()
     if request.engine not in (None, engines.DEFAULT):

@@ -176,7 +176,7 @@ def _rate_findings(ckpt, state: B12xTrellisDeclarations, block: rules.Block) -> 
     if ref.dtype != "U8":
         return [error("b12x_trellis.rate-dtype", where, "the rate tensor is one byte per rate", "U8", ref.dtype)]
     layers = _layer_count(ckpt, state)
-    if None in (layers, ckpt.num_experts, ckpt.intermediate) or block.granularity is None:
+    if layers is None or ckpt.num_experts is None or ckpt.intermediate is None or block.granularity is None:
         return [warning("b12x_trellis.rate-shape-unknown", where, "the geometry (config.json num_hidden_layers, "
                         "first_k_dense_replace, n_routed_experts, moe_intermediate_size) or the granularity is not "
                         "readable: the rate tensor's shape was not checked")]

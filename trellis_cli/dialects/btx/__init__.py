@@ -14,7 +14,7 @@ from __future__ import annotations
 from trellis_cli.checkpoint.model import DIALECT_EXL3V1
 from trellis_cli.dialects.btx import names
 from trellis_cli.dialects.exl3v1 import Exl3v1Dialect
-from trellis_cli.dialects.exl3v1.declared import Exl3v1Declarations
+from trellis_cli.dialects.exl3v1.container import Exl3v1Declarations
 from trellis_cli.dialects.interface import (B12X, B12X_130, VLLM, VLLM_MANIFEST, CheckRequest, ContainerRefusal,
                                             DialectInfo, Probe)
 from trellis_cli.errors import UnknownDialect

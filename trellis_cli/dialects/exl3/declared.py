@@ -30,6 +30,7 @@ def k_declared(quant_config: dict[str, Any] | None) -> Declared:
         parsed = parse_expert_name(f"{module}.trellis")
         if parsed is None or parsed.kind != "linear" or not is_integral(record.get("bits_per_weight")):
             continue
+        assert parsed.expert is not None and parsed.projection is not None  # the linear grammar names both
         out.projection_k.setdefault(parsed.layer, {})[(parsed.expert, parsed.projection)] = int(
             record["bits_per_weight"])
     return out

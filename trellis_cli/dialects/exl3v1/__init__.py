@@ -16,7 +16,8 @@ from trellis_cli.checkpoint.model import (DIALECT_EXL3V1, DIALECT_TR3_PER_EXPERT
                                          VectorRef)
 from trellis_cli.findings import Location
 from trellis_cli.integrity import RecordedHash
-from trellis_cli.dialects.exl3v1.declared import Exl3v1Declarations, declarations, detect_exl3v1
+from trellis_cli.dialects.exl3v1.container import Exl3v1Declarations, declarations
+from trellis_cli.dialects.exl3v1.declared import detect_exl3v1
 from trellis_cli.dialects.interface import (B12X, VLLM, VLLM_MANIFEST, CheckRequest, Dialect, DialectInfo, LayerShare,
                                            Probe, read_json_or_none)
 
@@ -106,9 +107,10 @@ class Exl3v1Dialect(Dialect):
         docs = super().declaration_documents(ckpt)
         declared = declarations(ckpt)
         name = declared.manifest_file if declared is not None else None
-        manifest = read_json_or_none(ckpt, name) if name is not None else None
-        if manifest is not None:
-            docs[name] = manifest
+        if name is not None:
+            manifest = read_json_or_none(ckpt, name)
+            if manifest is not None:
+                docs[name] = manifest
         return docs
 
     def layer_files(self, ckpt) -> dict[str, int]:
@@ -186,7 +188,9 @@ class Exl3v1Dialect(Dialect):
         from trellis_cli.dialects.exl3v1.container import container
         from trellis_cli.formats.exl3v1_layout import tp_degrees
 
-        return list(tp_degrees(container(ckpt).manifest))
+        m = container(ckpt).manifest
+        assert m is not None  # an opened container that parsed (bench asks only of one)
+        return list(tp_degrees(m))
 
     def tp_partitions(self, ckpt, tp: int):
         """b12x's partition_extents and the fork's plan_exl3_extent at `tp` (partitions.py)."""

@@ -10,10 +10,10 @@ read on first use by `layer_rates`, from local files only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from trellis_cli.checkpoint import reader
-from trellis_cli.checkpoint.model import Checkpoint, MoeLayer, TensorRef
-from trellis_cli.dialects.exl3v1.declared import Exl3v1Declarations
+from trellis_cli.checkpoint.model import Checkpoint, Declarations, MoeLayer, TensorRef
 from trellis_cli.errors import CheckFailed
 from trellis_cli.formats.exl3v1_layout import LayerRates, uniform_rates
 from trellis_cli.formats.exl3v1_schema import SLOTS_PER_PAIR, Manifest, parse_manifest
@@ -46,6 +46,23 @@ class Exl3Container:
     rates: dict[int, LayerRates | None] = field(default_factory=dict)  # cache of layer_rates
 
 
+@dataclass
+class Exl3v1Declarations(Declarations):
+    """An exl3-v1 (or BTX) checkpoint's declarations: the manifest as detection read it (declared.py), until
+    opening turns it into the container in the model."""
+
+    manifest_file: str | None  # the manifest diff compares as a declaration document (None: none, as for BTX)
+    config_manifest: str | None = None  # another manifest name config.json gives (never read by b12x)
+    manifest_doc: Any = None  # the parsed manifest JSON, handed to `fill_checkpoint` and then dropped
+    container: Exl3Container | None = None  # the container in the model, once opened
+
+
+def declarations(ckpt: Checkpoint) -> Exl3v1Declarations | None:
+    """The checkpoint's exl3-v1 declarations (an exl3-v1 or BTX checkpoint's), else None."""
+    declared = ckpt.declared
+    return declared if isinstance(declared, Exl3v1Declarations) else None
+
+
 def container(ckpt: Checkpoint) -> Exl3Container:
     """The opened container of an exl3-v1 (or BTX) checkpoint."""
     box = container_or_none(ckpt)
@@ -56,8 +73,6 @@ def container(ckpt: Checkpoint) -> Exl3Container:
 
 def container_or_none(ckpt: Checkpoint) -> Exl3Container | None:
     """The opened container, or None when `ckpt` is not an exl3-v1 container or was not opened as one."""
-    from trellis_cli.dialects.exl3v1.declared import declarations
-
     declared = declarations(ckpt)
     return declared.container if declared is not None else None
 
@@ -126,8 +141,9 @@ def _read_layer_header(ckpt: Checkpoint, source: Source, files: dict[str, int], 
     ckpt.headers[layer.file] = header
     layer.readable = True
     layer.metadata = header.metadata if isinstance(header.metadata, dict) else None
-    for name, e in header.tensors.items():
-        layer.tensors[name] = TensorRef(name, layer.file, e.dtype, e.shape, e.begin, e.end, header.data_start)
+    for name, entry in header.tensors.items():
+        layer.tensors[name] = TensorRef(name, layer.file, entry.dtype, entry.shape, entry.begin, entry.end,
+                                        header.data_start)
 
 
 def rate_table_shape(m: Manifest) -> tuple[int, int]:
@@ -141,6 +157,7 @@ def layer_rates(ckpt: Checkpoint, index: int) -> LayerRates | None:
     if m is None or index not in box.layers:
         return None
     if not m.pair_structure:
+        assert m.bits is not None  # the parser requires bits of uniform rates
         return uniform_rates(m.bits)
     if index not in box.rates:
         box.rates[index] = _read_rates(ckpt, m, box.layers[index])
@@ -162,14 +179,15 @@ def _read_rates(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer) -> LayerRates |
     return LayerRates(None, tables[0], tables[1])
 
 
-def local_file(ckpt: Checkpoint, ref: TensorRef) -> bool:
-    """True when the file's bytes are on this machine (a local directory, or a Hub file already cached)."""
-    return ckpt.source.root is not None or ckpt.source.cached_path(ref.file) is not None
+def local_file(ckpt: Checkpoint, ref: TensorRef | None) -> bool:
+    """True when the file's bytes are on this machine (a local directory, or a Hub file already cached); a
+    remote layer file with no tensor to name it is not."""
+    return ckpt.source.root is not None or (ref is not None and ckpt.source.cached_path(ref.file) is not None)
 
 
 def finding_where(layer: Exl3Layer, tensor: str | None = None) -> Location:
     return Location(file=layer.file, layer=layer.index, tensor=tensor)
 
 
-__all__ = ["CODES", "Exl3Container", "Exl3Layer", "HIDDEN_TABLES", "METADATA_KEYS", "ROTATIONS", "container",
-           "container_or_none", "expected_metadata", "fill_checkpoint", "layer_rates"]
+__all__ = ["CODES", "Exl3Container", "Exl3Layer", "Exl3v1Declarations", "HIDDEN_TABLES", "METADATA_KEYS", "ROTATIONS",
+           "container", "container_or_none", "declarations", "expected_metadata", "fill_checkpoint", "layer_rates"]

@@ -1,4 +1,5 @@
-"""What identifies an exl3-v1 container (detection) and what opening keeps of it (`Exl3v1Declarations`).
+"""What identifies an exl3-v1 container (detection); what opening keeps of it is container.py's
+`Exl3v1Declarations`.
 
 exl3-v1 is decided by the manifest's own identity strings (kind "exl3-manifest", schema "exl3-v1"), never by
 the layer files' names. The manifest is the one b12x's reader opens, `exl3-manifest.json`, whatever config.json's
@@ -8,29 +9,16 @@ is still exl3-v1 (so it is refused by name, not called unknown), with no manifes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from trellis_cli.checkpoint.model import DIALECT_EXL3V1, Checkpoint, Declarations
+from trellis_cli.checkpoint.model import DIALECT_EXL3V1
+from trellis_cli.dialects.exl3v1.container import Exl3v1Declarations
 from trellis_cli.dialects.interface import DialectInfo, Probe
 from trellis_cli.errors import UnknownDialect
 from trellis_cli.formats.exl3v1_schema import MANIFEST_FILE
 from trellis_cli.header import safe_relative
 
-if TYPE_CHECKING:
-    from trellis_cli.dialects.exl3v1.container import Exl3Container
-
 KIND, SCHEMA = "exl3-manifest", "exl3-v1"
-
-
-@dataclass
-class Exl3v1Declarations(Declarations):
-    """The manifest as detection read it, until opening turns it into the container in the model."""
-
-    manifest_file: str | None  # the manifest diff compares as a declaration document (None: none, as for BTX)
-    config_manifest: str | None = None  # another manifest name config.json gives (never read by b12x)
-    manifest_doc: Any = None  # the parsed manifest JSON, handed to the container's opening and then dropped
-    container: Exl3Container | None = None  # the container in the model (container.py), once opened
 
 
 def detect_exl3v1(probe: Probe) -> DialectInfo | None:
@@ -49,12 +37,6 @@ def detect_exl3v1(probe: Probe) -> DialectInfo | None:
     codebook = doc.get("codebook")
     return DialectInfo(DIALECT_EXL3V1, "n/a", 1, codebook if isinstance(codebook, str) else None,
                        Exl3v1Declarations(MANIFEST_FILE, named, doc))
-
-
-def declarations(ckpt: Checkpoint) -> Exl3v1Declarations | None:
-    """The checkpoint's exl3-v1 declarations (an exl3-v1 or BTX checkpoint's), else None."""
-    declared = ckpt.declared
-    return declared if isinstance(declared, Exl3v1Declarations) else None
 
 
 def _is_exl3v1(doc: Any) -> bool:

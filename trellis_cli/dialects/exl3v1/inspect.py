@@ -103,9 +103,9 @@ def codes_tables(ckpt: Checkpoint) -> dict[str, tuple[int, int]]:
     mixes K per expert, so `inspect --tensors` gives it a bpw (bytes over weights) and no K; BTX names it
     `atoms`: the model knows it as codes."""
     box = container_or_none(ckpt)
-    m = box.manifest if box is not None else None
-    if m is None:
+    if box is None or box.manifest is None:
         return {}
+    m = box.manifest
     weights = m.num_experts * 3 * m.hidden * m.intermediate
     if not weights:
         return {}

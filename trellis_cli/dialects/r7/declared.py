@@ -83,10 +83,13 @@ def _r7_map(data: Any) -> dict[tuple[int, str], int]:
     elif isinstance(data, dict):
         for key, value in data.items():
             if isinstance(value, dict):  # {E: {proj: K}}
+                expert = parse_id(key)
                 for proj, k in value.items():
-                    if parse_id(key) is not None:
-                        result[(parse_id(key), proj)] = k
-            elif "." in str(key) and parse_id(str(key).split(".")[0]) is not None:  # {"E.proj": K}
+                    if expert is not None:
+                        result[(expert, proj)] = k
+            elif "." in str(key):  # {"E.proj": K}
                 e, proj = str(key).split(".", 1)
-                result[(parse_id(e), proj)] = value
+                expert = parse_id(e)
+                if expert is not None:
+                    result[(expert, proj)] = value
     return result

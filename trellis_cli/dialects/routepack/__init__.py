@@ -72,10 +72,10 @@ class RoutePackDialect(Dialect):
         manifest = manifest_of(ckpt)
         if manifest is None:
             return {}
-        geometry = manifest.get("geometry") if isinstance(manifest.get("geometry"), dict) else {}
+        geometry: Any = manifest.get("geometry") if isinstance(manifest.get("geometry"), dict) else {}
         return dict(hidden=geometry.get("hidden"), intermediate=geometry.get("intermediate"),
                     num_experts=geometry.get("num_experts"),
-                    rotation_layout=MANIFEST_ROTATIONS.get(manifest.get("rotation"), ckpt.rotation_layout))
+                    rotation_layout=MANIFEST_ROTATIONS.get(str(manifest.get("rotation")), ckpt.rotation_layout))
 
     def declaration_documents(self, ckpt) -> dict[str, Any]:
         """config.json (carried beside the layer files when the model did not read it) and manifest.json."""

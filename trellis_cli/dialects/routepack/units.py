@@ -32,10 +32,11 @@ def layer_units(ck: Checkpoint, layer: int, tp: int) -> dict[Key, Unit]:
         raise CheckFailed(f"{where(ck)} is a route pack at TP {ck.tp}; its ranks cannot be compared at TP "
                           f"{tp} (convert one side with `trellis repack --to tr3 --tp {tp}`)")
     doc = manifest_of(ck) or {}
-    geometry = doc.get("geometry") or {}
+    geometry: Any = doc.get("geometry") or {}
     hidden, width = geometry.get("hidden"), geometry.get("intermediate_rank")
-    layers = doc.get("layers") if isinstance(doc.get("layers"), dict) else {}
-    tiers = layers.get(str(layer)).get("tiers") if isinstance(layers.get(str(layer)), dict) else None
+    layers: Any = doc.get("layers") if isinstance(doc.get("layers"), dict) else {}
+    entry = layers.get(str(layer))
+    tiers = entry.get("tiers") if isinstance(entry, dict) else None
     if not _multiple_of_16(hidden) or not _multiple_of_16(width) or not isinstance(tiers, list):
         raise CheckFailed(f"{where(ck)}: manifest.json has no usable geometry or tiers for layer {layer} "
                           f"(run `trellis validate`)")

@@ -149,7 +149,8 @@ def _check_listed_file(pack: LocalSource, name: str, entry: dict, report: Report
                                      entry.get("size"), size))
         return True
     if check_hashes:  # the one comparison of recorded hashes (integrity.check_recorded)
-        recorded = RecordedHash(name, entry.get("sha256"), where, "repack.hash-mismatch",
+        sha256: Any = entry.get("sha256")  # checked as a digest by the manifest's shape rules
+        recorded = RecordedHash(name, sha256, where, "repack.hash-mismatch",
                                 "sha256 differs from the manifest", size)
         check_recorded(pack, [recorded], report, progress)
     report.count("files")

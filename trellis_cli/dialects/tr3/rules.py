@@ -87,7 +87,7 @@ def _check_mixed(h: dict, bits: str) -> Iterator[Finding]:
     if not coerced or not all(k is not None and k in MIXED_K_RANGE for k in coerced):
         yield error("config.tr3-k-values", _where("k_values"), "mixed bits need a non-empty k_values list within "
                     "3..6", found=k_values)
-    elif not all(is_int(k) for k in k_values):
+    elif not all(is_int(k) for k in k_values or []):
         yield _int_spelling("k_values", k_values)
     if not isinstance(h.get("bits_per_expert"), str):
         yield error("config.tr3-bits-per-expert", _where("bits_per_expert"), "mixed bits need a 'file.json:field' "
