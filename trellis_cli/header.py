@@ -11,6 +11,7 @@ JSON file) and `open_regular` (never blocks on a FIFO or reads a device).
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -148,7 +149,7 @@ def plain_relative(name: object) -> bool:
             and all(part not in ("", ".", "..") for part in name.split("/")))
 
 
-def open_regular(path: str | os.PathLike) -> BinaryIO:
+def open_regular(path: str | os.PathLike) -> io.BufferedReader:
     """Open a file for reading, refusing FIFOs, sockets and devices without blocking on them.
 
     O_NONBLOCK makes opening a FIFO return at once (it changes nothing for regular files); fstat then
