@@ -20,7 +20,7 @@ import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, NamedTuple
 
 # The Hub's own parser refuses headers above 25 MB; the safetensors reader above 100 MB. A production
 # MoE layer shard (12,288 tensors) has a header of about 1.5 MB.
