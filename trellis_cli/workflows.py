@@ -9,7 +9,7 @@ validate before it is moved into place. The CLI (`trellis repack`) and the libra
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.findings import Report

@@ -15,7 +15,7 @@ import bisect
 import errno
 import hashlib
 import os
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from trellis_cli.diff.units import Span
 from trellis_cli.errors import CheckFailed

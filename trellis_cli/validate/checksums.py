@@ -12,7 +12,7 @@ Two kinds of record, one comparison (integrity.py):
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.interface import CheckRequest, Dialect

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from trellis_cli.errors import CheckFailed, UnknownDialect
 from trellis_cli.findings import Finding, Location, Report, Severity
