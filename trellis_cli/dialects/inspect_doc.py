@@ -15,10 +15,8 @@ from trellis_cli.checkpoint.model import Checkpoint, MoeLayer
 from trellis_cli.id_ranges import compact_ranges
 
 
-def shard_document(ckpt: Checkpoint, layers: list[int] | None = None,
-                   contract: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The inspect document of per-linear shards: a summary row per chosen MoE layer, runs, totals; `contract`:
-    the rank-sliced contract its dialect declares (`Dialect.rank_sliced_contract`), whose keys it shows."""
+def shard_document(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str, Any]:
+    """The inspect document of per-linear shards: a summary row per chosen MoE layer, runs, totals."""
     from trellis_cli.selection import require_present
 
     chosen = list(ckpt.layers) if layers is None else require_present(layers, ckpt.layers)
@@ -31,7 +29,7 @@ def shard_document(ckpt: Checkpoint, layers: list[int] | None = None,
         "geometry": {"hidden": ckpt.hidden, "intermediate": ckpt.intermediate,
                      "intermediate_per_rank": ckpt.intermediate_per_rank, "experts": ckpt.num_experts, "tp": ckpt.tp,
                      "codebook": ckpt.codebook, "rotation_layout": ckpt.rotation_layout},
-        "declared": _declared_keys(ckpt, contract or {}),
+        "declared": _declared_keys(ckpt),
         "layers": rows,
         "runs": collapse_runs(rows),
         "totals": totals(ckpt, every),
@@ -50,7 +48,11 @@ def describe_source(ckpt: Checkpoint) -> dict[str, Any]:
     return info
 
 
-def _declared_keys(ckpt: Checkpoint, hybrid: dict[str, Any]) -> dict[str, Any]:
+def _declared_keys(ckpt: Checkpoint) -> dict[str, Any]:
+    # config.json's rank-sliced contract, where it has one (detection takes any config with one for TR3, so a
+    # shard dialect that has none shows none)
+    hybrid = ckpt.config.get("hybrid_tr3_tail")
+    hybrid = hybrid if isinstance(hybrid, dict) else {}
     keys = ("format", "bits", "k_values", "bits_per_expert", "codebook", "experts_per_layer", "moe_layers", "tp",
             "rotation_layout")
     out = {k: hybrid[k] for k in keys if k in hybrid}

@@ -415,7 +415,7 @@ class Dialect:
         document (dialects/inspect_doc.py)."""
         from trellis_cli.dialects.inspect_doc import shard_document
 
-        return shard_document(ckpt, layers, self.rank_sliced_contract(ckpt))
+        return shard_document(ckpt, layers)
 
     def __repr__(self) -> str:
         return f"<dialect {self.name}>"
