@@ -30,7 +30,16 @@ TABLE = (
 BY_NAME = {c.name: c for c in TABLE}
 NAMES = tuple(c.name for c in TABLE)  # in id order
 IDS = {c.name: c.id for c in TABLE}
-MCG_MARKER = BY_NAME["mcg"].marker_value  # -877912083
-MUL1_MARKER = BY_NAME["mul1"].marker_value  # -2082680531
+
+
+def _marker_value(name: str) -> int:
+    value = BY_NAME[name].marker_value
+    assert value is not None  # a procedural codebook: it has a multiplier
+    return value
+
+
+MCG_MARKER = _marker_value("mcg")  # -877912083
+MUL1_MARKER = _marker_value("mul1")  # -2082680531
 # codebook -> (marker tensor suffix, int32 value), or None where the codebook has no marker
-MARKERS = {c.name: None if c.marker is None else (c.marker, c.marker_value) for c in TABLE}
+MARKERS: dict[str, tuple[str, int] | None] = {
+    c.name: None if c.marker is None else (c.marker, _marker_value(c.name)) for c in TABLE}

@@ -11,6 +11,7 @@ JSON file) and `open_regular` (never blocks on a FIFO or reads a device).
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -19,7 +20,7 @@ import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, NamedTuple
 
 # The Hub's own parser refuses headers above 25 MB; the safetensors reader above 100 MB. A production
 # MoE layer shard (12,288 tensors) has a header of about 1.5 MB.
@@ -189,7 +190,7 @@ def plain_relative(name: object) -> bool:
             and all(part not in ("", ".", "..") for part in name.split("/")))
 
 
-def open_regular(path: str | os.PathLike) -> BinaryIO:
+def open_regular(path: str | os.PathLike) -> io.BufferedReader:
     """Open a file for reading, refusing FIFOs, sockets and devices without blocking on them.
 
     O_NONBLOCK makes opening a FIFO return at once (it changes nothing for regular files); fstat then

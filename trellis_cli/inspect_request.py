@@ -11,11 +11,13 @@ renderers show it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from trellis_cli.errors import UsageError
 from trellis_cli.fit.gpus import Gpu
 from trellis_cli.fit.run import FitRequest, FitResult
+from trellis_cli.sources import SourceArg
 
 FIT_NEEDS = "the fit section of inspect needs --tp N and --gpu NAME or --gpu-mem SIZE"
 
@@ -102,17 +104,19 @@ class InspectDocument:
         return {k: v for k, v in self.tensors.items() if k != "tensors"}, ("tensors", self.tensors["tensors"])
 
 
-def inspect_source(source: Any, request: InspectRequest | None = None,
+def inspect_source(source: SourceArg, request: InspectRequest | None = None,
                    progress: InspectProgress | None = None) -> InspectDocument:
     """Open `source` (a Source or a local path) once and build every section `request` asks for. Raises
     UsageError for a request that makes no sense, CheckFailed / UnknownDialect for a checkpoint that cannot
     be opened."""
     from trellis_cli.dialects import open_checkpoint
+    from trellis_cli.dialects.open import require_source
 
+    source = require_source(source)
     request = request or InspectRequest()
     progress = progress or InspectProgress()
     fit_request = request.fit_request()
-    description = str(getattr(source, "description", source))
+    description = str(source) if isinstance(source, (str, Path)) else source.description
     if progress.log is not None:
         progress.log(f"reading headers of {description} ...")
     checkpoint = open_checkpoint(source, progress=progress.stage)

@@ -104,7 +104,7 @@ class TensorRows(Sequence[dict[str, Any]]):
     def __eq__(self, other: object) -> bool:
         return list(self) == list(other) if isinstance(other, (list, TensorRows)) else NotImplemented
 
-    __hash__ = None  # compared by content, as a list is
+    __hash__ = None  # type: ignore[assignment]  # compared by content, as a list is
 
 
 def listing_json(listing: dict[str, Any]) -> dict[str, Any]:

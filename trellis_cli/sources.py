@@ -19,7 +19,7 @@ import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Union
 
 from trellis_cli.errors import CheckFailed, SourceUnavailable, UsageError
 from trellis_cli.header import (
@@ -41,14 +41,25 @@ MAX_JSON_BYTES = 64 * 1024 * 1024
 
 
 class Source(Protocol):
+    """What every later stage may ask of a checkpoint's files (LocalSource and HubSource both answer all of it)."""
+
     description: str  # for reports: "local directory X" or "hub org/repo@sha"
 
     @property
     def revision(self) -> str | None: ...  # resolved commit sha (Hub) or None
 
+    @property
+    def root(self) -> Path | None: ...  # the local directory the files are in; None: a remote source
+
+    @property
+    def special(self) -> dict[str, str]: ...  # listed names that are no regular file ("a FIFO"), never opened
+
+    @property
+    def unlistable(self) -> dict[str, str]: ...  # subdirectories that could not be listed -> the reason
+
     def list_files(self) -> dict[str, int]: ...
 
-    def prefetch_headers(self, names: list[str]) -> None: ...  # optional speed-up before many read_header
+    def prefetch_headers(self, names: list[str]) -> None: ...  # a speed-up before many read_header (or nothing)
 
     def read_json(self, name: str) -> Any: ...
 
@@ -56,7 +67,17 @@ class Source(Protocol):
 
     def local_path(self, name: str, *, progress: Callable[[int], None] | None = None) -> Path: ...
 
+    def cached_path(self, name: str) -> Path | None: ...  # a local file with its bytes, never downloading; or None
+
+    def escapes(self, name: str) -> bool: ...  # True when `name` leads outside the checkpoint (never read then)
+
+    def file_info(self, name: str) -> HubFile | None: ...  # what the host lists of a file (LFS sha256); None: local
+
     def describe(self) -> dict[str, Any]: ...
+
+
+# What the library's entry points accept as a checkpoint: a Source, or a local directory's path.
+SourceArg = Union[Source, str, Path]
 
 
 @dataclass
@@ -152,6 +173,14 @@ class LocalSource:
         # Already local: nothing to fetch, so `progress` is never called.
         return self.resolve(name)
 
+    def cached_path(self, name: str) -> Path | None:
+        """The file itself (its bytes are local already); None when `name` leaves the directory."""
+        return None if self.escapes(name) else self.root / name
+
+    def file_info(self, name: str) -> HubFile | None:
+        """None: a local file has no host listing (its identity is the file itself)."""
+        return None
+
     def prefetch_headers(self, names: list[str]) -> None:
         """Nothing to do locally: reading a header is one short read."""
 
@@ -224,6 +253,9 @@ class HubSource:
         hub_client.install_timeouts()  # a stalled server must not hang the command
         hub_client.quiet_library_logs()
         self.repo_id = repo_id
+        self.root: Path | None = None  # remote: reads go through the Hub cache (local_path, cached_path)
+        self.special: dict[str, str] = {}  # the Hub lists regular files only
+        self.unlistable: dict[str, str] = {}
         self.requested_revision = revision
         self.token = token  # None: the library's default (HF_TOKEN, then the `hf auth login` token file)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None

@@ -9,15 +9,16 @@ validate before it is moved into place. The CLI (`trellis repack`) and the libra
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.findings import Report
 from trellis_cli.repack.result import RepackResult
 from trellis_cli.repack.run import RepackOptions
+from trellis_cli.sources import SourceArg
 
 
-def run_repack(source: Any, out: str | Path, options: RepackOptions | None = None, *,
+def run_repack(source: SourceArg | Checkpoint, out: str | Path, options: RepackOptions | None = None, *,
                on_bytes: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
                log: Callable[[str], None] | None = None,
                on_stage: Callable[[str, int, int], None] | None = None) -> RepackResult:

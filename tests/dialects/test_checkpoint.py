@@ -68,7 +68,7 @@ def test_tail_tr3_fallback_means_all_k3(tmp_path):
     (root / "tier_bitmap.json").write_text(json.dumps(bitmap))
     ckpt = open_checkpoint(root)
     assert ckpt.layers[4].declared_k == [3] * 8
-    assert ckpt.declared["k_source"][4] == "tier_bitmap.json:tail_tr3"
+    assert ckpt.k_source[4] == "tier_bitmap.json:tail_tr3"
 
 
 def test_plain_exllamav3_checkpoint(tmp_path):

@@ -212,7 +212,7 @@ def test_a_tr3_output_its_validator_refuses_is_never_written(capsys, work, tmp_p
 
 
 def test_repack_and_validate_agree_on_the_k_tr3_declares():
-    from trellis_cli.checkpoint.declared import TR3_MIXED_K, TR3_UNIFORM_K
+    from trellis_cli.dialects.tr3.declared import TR3_MIXED_K, TR3_UNIFORM_K
     from trellis_cli.dialects.tr3.rules import MIXED_K_RANGE, UNIFORM_K_VALUES
 
     assert set(TR3_UNIFORM_K) == set(UNIFORM_K_VALUES) and set(TR3_MIXED_K) == set(MIXED_K_RANGE)

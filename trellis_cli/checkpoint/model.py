@@ -11,10 +11,13 @@ linear (trellis + suh + svh + codebook marker). K = trellis.shape[-1] // 16 alwa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from trellis_cli.codebooks import MCG_MARKER, MUL1_MARKER  # noqa: F401  (the marker values, re-exported)
 from trellis_cli.header import TensorEntry
+
+if TYPE_CHECKING:
+    from trellis_cli.sources import Source
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -22,7 +25,7 @@ DIALECT_TR3_PER_EXPERT = "tr3/per_expert_v1"
 DIALECT_TR3_SHARED_H = "tr3/shared_h_v1"
 DIALECT_EXL3 = "exl3"  # plain exllamav3: per-tensor experts, no rank slices
 DIALECT_R7 = "r7"  # per-projection K maps (recognized and inspected)
-DIALECT_REPACKED = "trellis-route-pack"  # output of `trellis repack`
+DIALECT_ROUTE_PACK = "trellis-route-pack"  # output of `trellis repack`
 DIALECT_EXL3V1 = "exl3-v1"  # b12x's slot-major container (exl3-manifest.json + one file per layer)
 
 class VectorRef(NamedTuple):
@@ -126,11 +129,20 @@ class MoeLayer:
         return dict(sorted(tiers.items()))
 
 
+class Declarations:
+    """What a dialect's metadata declares beyond the model's shared fields, typed by the dialect that read it: each
+    dialect's package subclasses this (dialects/tr3/declared.py `Tr3Declarations`, ...) and is the only reader of
+    its fields; everything else asks the dialect. The base declares nothing."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}>"
+
+
 @dataclass
 class Checkpoint:
     """A parsed checkpoint: declarations from JSON, facts from headers, nothing from tensor data."""
 
-    source: Any  # sources.Source
+    source: Source
     dialect: str
     config: dict[str, Any]
     hidden: int | None  # hidden size (H)
@@ -141,7 +153,10 @@ class Checkpoint:
     rotation_layout: str  # "per_expert_v1" | "shared_h_v1" | "r7_shared" | "n/a"
     layers: dict[int, MoeLayer] = field(default_factory=dict)
     headers: dict[str, Any] = field(default_factory=dict)  # file -> header.Header
-    declared: dict[str, Any] = field(default_factory=dict)  # dialect-specific declarations (hybrid_tr3_tail, ...)
+    declared: Declarations = field(default_factory=Declarations)  # its dialect's own, typed by that dialect
+    index_metadata: dict[str, Any] | None = None  # the index's "metadata" object (total_size, ...), when present
+    k_source: dict[int, str] = field(default_factory=dict)  # layer -> where its declared K list came from
+    inferred: list[str] = field(default_factory=list)  # geometry facts read from tensors, not declared
     # Problems met while parsing that do not stop parsing; validate reports them as findings.
     parse_findings: list[Any] = field(default_factory=list)
     tensors: dict[str, TensorRef] = field(default_factory=dict)  # every tensor by name (first file that has it)

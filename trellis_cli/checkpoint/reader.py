@@ -26,6 +26,7 @@ from trellis_cli.findings import Finding, Location, Severity, error, warning
 from trellis_cli.header import (Header, HeaderError, JsonError, canonical_entries, header_length, load_json,
                                 open_regular, os_reason, parse_header, safe_relative)
 from trellis_cli.integrity import CHECKSUM_MANIFEST
+from trellis_cli.sources import Source
 
 INDEX_SUFFIX = ".safetensors.index.json"
 DEFAULT_INDEX = "model.safetensors.index.json"
@@ -39,33 +40,32 @@ BYTE_FAULT_CODES = frozenset({"index.format", "index.file-missing", "exl3v1.laye
 
 # ---- the listing -------------------------------------------------------------------------------------------
 
-def listing(source: Any) -> dict[str, int]:
+def listing(source: Source) -> dict[str, int]:
     """Every listed file with its size (-1: a dangling link or symlink loop)."""
     files: dict[str, int] = source.list_files()
     return files
 
 
-def listing_findings(source: Any) -> Iterator[Finding]:
+def listing_findings(source: Source) -> Iterator[Finding]:
     """What a local listing left out: special files (never opened) and subdirectories it could not list."""
-    for name, kind in getattr(source, "special", {}).items():
+    for name, kind in source.special.items():
         # A FIFO or device where a shard, a JSON file or the manifest belongs means the checkpoint is broken.
         needed = name.endswith((".safetensors", ".json")) or name == CHECKSUM_MANIFEST
         make = error if needed else warning
         yield make("path.special", Location(file=name), "not a regular file: left out and never opened",
                    expected="a regular file", found=kind)
-    for name, reason in getattr(source, "unlistable", {}).items():
+    for name, reason in source.unlistable.items():
         yield error("file.unreadable", Location(file=name), f"directory cannot be listed ({reason})")
 
 
-def escapes(source: Any, name: str) -> bool:
+def escapes(source: Source, name: str) -> bool:
     """True when `name` leaves the checkpoint (a path, or a link resolving outside it)."""
-    leaves = getattr(source, "escapes", None)
-    return not safe_relative(name) or (leaves is not None and leaves(name))
+    return not safe_relative(name) or source.escapes(name)
 
 
 # ---- headers -------------------------------------------------------------------------------------------------
 
-def read_headers(source: Any, files: dict[str, int], progress: Callable[[str, int, int], None],
+def read_headers(source: Source, files: dict[str, int], progress: Callable[[str, int, int], None],
                  findings: list[Finding]) -> dict[str, Header]:
     """Every safetensors header of the listing; each file that cannot be read is a finding instead.
 
@@ -80,9 +80,8 @@ def read_headers(source: Any, files: dict[str, int], progress: Callable[[str, in
             findings.append(fault)
         else:
             readable.append(name)
-    prefetch = getattr(source, "prefetch_headers", None)
-    if prefetch is not None and readable:
-        prefetch(readable)
+    if readable:
+        source.prefetch_headers(readable)
     headers: dict[str, Header] = {}
     progress("files", 0, len(readable))  # the total is the listing's: shown before the first header is read
     for done, name in enumerate(readable, 1):
@@ -94,7 +93,7 @@ def read_headers(source: Any, files: dict[str, int], progress: Callable[[str, in
     return headers
 
 
-def _listed_fault(source: Any, name: str, size: int) -> Finding | None:
+def _listed_fault(source: Source, name: str, size: int) -> Finding | None:
     if escapes(source, name):
         return error("path.escape", Location(file=name), "file resolves outside the checkpoint directory "
                      "(symlink or path)")
@@ -103,7 +102,7 @@ def _listed_fault(source: Any, name: str, size: int) -> Finding | None:
     return None
 
 
-def _checked_header(source: Any, name: str, listed: int) -> Header:
+def _checked_header(source: Source, name: str, listed: int) -> Header:
     """One header, refused when the file's size is not the size it was listed with (a file rewritten while it
     is read: its header and its bytes may belong to two versions)."""
     header: Header = source.read_header(name)
@@ -135,12 +134,12 @@ def shard_header(ckpt: Checkpoint, name: str) -> Header:
     return _checked_header(ckpt.source, name, ckpt.files[name])
 
 
-def source_header(source: Any, name: str) -> Header:
+def source_header(source: Source, name: str) -> Header:
     """One header of a source read without opening it as a checkpoint (a route pack's carried shards), under
     the same guards as `shard_header`."""
     files = listing(source)
     if name not in files:
-        raise CheckFailed(f"{name}: not in the listing of {getattr(source, 'description', 'the source')}",
+        raise CheckFailed(f"{name}: not in the listing of {source.description}",
                           code="file.missing")
     fault = _listed_fault(source, name, files[name])
     if fault is not None:
@@ -148,14 +147,14 @@ def source_header(source: Any, name: str) -> Header:
     return _checked_header(source, name, files[name])
 
 
-def raw_header(source: Any, name: str, listed: int) -> bytes:
+def raw_header(source: Source, name: str, listed: int) -> bytes:
     """The unparsed header bytes of a local file (length prefix checked), for a quick look that only counts
     names; CheckFailed (with its finding code) for everything `read_headers` would refuse before parsing."""
     fault = _listed_fault(source, name, listed)
     if fault is not None:
         raise CheckFailed(f"{name}: {fault.message}", code=fault.code)
     try:
-        with open_regular(source.resolve(name)) as f:
+        with open_regular(source.local_path(name)) as f:
             size = os.fstat(f.fileno()).st_size
             n = header_length(f.read(8), name, size)
             data = f.read(n)
@@ -183,7 +182,7 @@ class HeaderNames(NamedTuple):
     trellis: "CodeCounts"  # how many routed-expert I16 `trellis` tensors have a shape
 
 
-def header_names(source: Any, name: str, listed: int) -> HeaderNames:
+def header_names(source: Source, name: str, listed: int) -> HeaderNames:
     """The names of one local header, as the full parser would read them, without building an entry per tensor
     where the bytes prove it unnecessary: a header in safetensors' own layout (`canonical_header`) is counted in
     its bytes (every name a key that needs no decoding); any other is parsed in full. CheckFailed (with its
@@ -270,7 +269,7 @@ def index_name(files: dict[str, int]) -> str | None:
     return DEFAULT_INDEX if DEFAULT_INDEX in names else names[0]
 
 
-def read_index(source: Any, files: dict[str, int], findings: list[Finding]) -> tuple[str, dict[str, str],
+def read_index(source: Source, files: dict[str, int], findings: list[Finding]) -> tuple[str, dict[str, str],
                                                                                        dict[str, Any]] | None:
     """(index file, weight_map, metadata) of the checkpoint's index, or None (absent, or a finding)."""
     name = index_name(files)
@@ -288,7 +287,7 @@ def read_index(source: Any, files: dict[str, int], findings: list[Finding]) -> t
     return name, weight_map, metadata if isinstance(metadata, dict) else {}
 
 
-def read_json(source: Any, files: dict[str, int], name: str, findings: list[Finding],
+def read_json(source: Source, files: dict[str, int], name: str, findings: list[Finding],
               optional: bool = False) -> Any:
     """A JSON file or None; a bad one becomes a finding (a warning when the file is optional metadata)."""
     if name not in files:
@@ -301,7 +300,7 @@ def read_json(source: Any, files: dict[str, int], name: str, findings: list[Find
         return None
 
 
-def _read_index_json(source: Any, files: dict[str, int], name: str, findings: list[Finding]) -> Any:
+def _read_index_json(source: Source, files: dict[str, int], name: str, findings: list[Finding]) -> Any:
     from trellis_cli.sources import MAX_JSON_BYTES
 
     size = files.get(name, 0)

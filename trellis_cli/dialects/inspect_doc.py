@@ -43,14 +43,16 @@ def shard_document(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[st
 
 
 def describe_source(ckpt: Checkpoint) -> dict[str, Any]:
-    describe = getattr(ckpt.source, "describe", None)
-    info = describe() if describe else {"path": str(ckpt.source)}
-    info.setdefault("revision", getattr(ckpt.source, "revision", None))
+    info = ckpt.source.describe()
+    info.setdefault("revision", ckpt.source.revision)
     return info
 
 
 def _declared_keys(ckpt: Checkpoint) -> dict[str, Any]:
-    hybrid = ckpt.declared.get("hybrid_tr3_tail") or {}
+    # config.json's rank-sliced contract, where it has one (detection takes any config with one for TR3, so a
+    # shard dialect that has none shows none)
+    hybrid = ckpt.config.get("hybrid_tr3_tail")
+    hybrid = hybrid if isinstance(hybrid, dict) else {}
     keys = ("format", "bits", "k_values", "bits_per_expert", "codebook", "experts_per_layer", "moe_layers", "tp",
             "rotation_layout")
     out = {k: hybrid[k] for k in keys if k in hybrid}
@@ -60,7 +62,7 @@ def _declared_keys(ckpt: Checkpoint) -> dict[str, Any]:
         if q.get("scope") is not None:  # a scope (GLM-5.3's unsliced stream) declares its one K there
             out["scope"] = q["scope"]
             out.setdefault("bits", q.get("bits"))
-    sources = sorted(set((ckpt.declared.get("k_source") or {}).values()))
+    sources = sorted(set(ckpt.k_source.values()))
     if sources:
         out["k_source"] = sources
     return out
@@ -76,8 +78,9 @@ def layer_summary(ckpt: Checkpoint, layer: MoeLayer) -> dict[str, Any]:
     for projs in layer.experts.values():
         for by_rank in projs.values():
             ks = {lin.k for lin in by_rank.values()}
-            if len(ks) == 1 and None not in ks:
-                proj_k[ks.pop()] += 1
+            k = ks.pop() if len(ks) == 1 else None
+            if k is not None:
+                proj_k[k] += 1
             for rank, lin in by_rank.items():
                 for ref in (lin.trellis, lin.suh, lin.svh, lin.su, lin.sv, lin.mcg, lin.mul1, *lin.extra):
                     if ref is not None:

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
-from trellis_cli.checkpoint.model import Checkpoint, MoeLayer, VectorRef
+from trellis_cli.checkpoint.declared import Declared
+from trellis_cli.checkpoint.model import Checkpoint, Declarations, MoeLayer, VectorRef
 from trellis_cli.findings import Location, Report
 from trellis_cli.integrity import RecordedHash
 
@@ -39,16 +40,51 @@ class Probe:
     quant_config: dict[str, Any] | None
     read_json: Callable[[str], Any]
 
+    def embedded(self) -> dict[str, Any] | None:
+        """config.json's own `quantization_config`, when it is an object."""
+        embedded = (self.config or {}).get("quantization_config")
+        return embedded if isinstance(embedded, dict) else None
+
+    def quant_methods(self) -> list[Any]:
+        """The `quant_method` of the embedded quantization config, then of quantization_config.json."""
+        return [q.get("quant_method") for q in (self.embedded(), self.quant_config) if q is not None]
+
+    def quant_object(self, key: str) -> dict[str, Any] | None:
+        """The first quantization config (embedded, then external) whose `key` is an object: that object."""
+        for q in (self.embedded(), self.quant_config):
+            if q is not None and isinstance(q.get(key), dict):
+                found: dict[str, Any] = q[key]
+                return found
+        return None
+
+    def quant_codebook(self) -> str | None:
+        """The first quantization config's `codebook` that is a string."""
+        for q in (self.embedded(), self.quant_config):
+            if q is not None and isinstance(q.get("codebook"), str):
+                codebook: str = q["codebook"]
+                return codebook
+        return None
+
 
 @dataclass
 class DialectInfo:
-    """What detection found: the dialect's name and the declarations opening needs."""
+    """What detection found: the dialect's name and its declarations, typed by the dialect that read them (a
+    `Declarations` of its own package; the Checkpoint holds them as `declared`)."""
 
     dialect: str
     rotation_layout: str
     tp: int
     codebook: str | None
-    declared: dict[str, Any] = field(default_factory=dict)
+    declared: Declarations = field(default_factory=Declarations)
+
+
+def declared_tp(value: Any) -> int:
+    """A declared TP as the loaders that coerce with int() read it; 1 when it is not a positive count (the
+    shared-H version's refusal of a string is its own engine rule)."""
+    from trellis_cli.header import coerced_int
+
+    n = coerced_int(value)
+    return n if n is not None and n > 0 else 1
 
 
 @dataclass(frozen=True)
@@ -151,6 +187,10 @@ class Dialect:
     tp_from_rank_ids: bool = False
     # ... and whether its listing and JSON alone declare TP, layout and K per expert (a dry run's plan, no header).
     declared_opening: bool = False
+    # Whether `detect` decides from the listing and its own manifest before config.json is read, and opening then
+    # reads nothing more: its own verifier owns every file, config.json included (a damaged one is its finding,
+    # not a reason to stop). Such dialects are asked first, in registry order.
+    opens_from_listing: bool = False
     default_engine: str | None = None  # the profile validate enforces without --engine
     tensor_data: bool = True  # --deep reads its vectors (False: its values are covered by recorded hashes)
     records_hashes: bool = False  # its own metadata records each file's sha256
@@ -168,8 +208,9 @@ class Dialect:
     synth: str | None = None
 
     def detect(self, probe: Probe) -> DialectInfo | None:
-        """This dialect's DialectInfo when the metadata says so, None when it is not this dialect; raise
-        UnknownDialect when the metadata claims this dialect but cannot be read as it."""
+        """This dialect's DialectInfo (its declarations typed by its own package) when the metadata says so, None
+        when it is not this dialect; raise UnknownDialect when the metadata claims this dialect but cannot be
+        read as it. Where `opens_from_listing`, `probe.config` and `probe.quant_config` are None."""
         return None
 
     def fill(self, ckpt: Checkpoint, probe: Probe, info: DialectInfo) -> bool:
@@ -177,10 +218,11 @@ class Dialect:
         return False
 
     def declarations(self, ckpt: Checkpoint, info: DialectInfo, read_json: Callable[[str], Any],
-                     files: dict[str, int]) -> Any | None:
-        """Its per-layer declarations parsed from its own metadata, for the shared shard reader
-        (checkpoint/declared.py `Declared`: K per expert or per (expert, projection), and where each layer's came
-        from); it may add the MoE layers it declares to `ckpt.layers`. None: it declares none."""
+                     files: dict[str, int]) -> Declared | None:
+        """Its per-layer declarations parsed from its own metadata (`info.declared`, what its `detect` read), for
+        the shared shard reader (checkpoint/declared.py `Declared`: K per expert or per (expert, projection), and
+        where each layer's came from); it may add the MoE layers it declares to `ckpt.layers`. None: it declares
+        none."""
         return None
 
     def check(self, ckpt: Checkpoint, request: CheckRequest, report: Report) -> None:

@@ -15,13 +15,12 @@ import re
 from contextlib import contextmanager
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 from trellis_cli.checkpoint import declared as decl
 from trellis_cli.checkpoint import reader
 from trellis_cli.dialects import registry
-from trellis_cli.dialects.detect import CONFIG, QUANT_CONFIG, route_pack_info
-from trellis_cli.dialects.interface import DialectInfo, Probe
+from trellis_cli.dialects.interface import CONFIG, QUANT_CONFIG, DialectInfo, Probe
 from trellis_cli.checkpoint.model import (
     Checkpoint,
     LinearRef,
@@ -39,13 +38,14 @@ from trellis_cli.checkpoint.names import (
 )
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.findings import Finding, Location, error, warning
+from trellis_cli.sources import Source, SourceArg
 
 INDEX_SUFFIX = reader.INDEX_SUFFIX
 _FILE_OF = attrgetter("file")
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 
 
-def open_checkpoint(source: Any, *, progress: Callable[[str, int, int], None] | None = None) -> Checkpoint:
+def open_checkpoint(source: SourceArg, *, progress: Callable[[str, int, int], None] | None = None) -> Checkpoint:
     """Parse a checkpoint from a Source (or a local directory path) into the normalized model.
 
     `progress(stage, done, total)`: "files" per safetensors header read, then "model" per step of building it
@@ -72,23 +72,23 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def open_declared(source: Any) -> Checkpoint | None:
+def open_declared(source: SourceArg) -> Checkpoint | None:
     """The checkpoint as its listing and JSON declare it (dialect, geometry, declared K per expert), reading no
     safetensors header: what a dry run plans from. TR3 only (its TP and layout are declared); None for any
     other dialect, whose TP or layout is known from its headers."""
     return _open(_as_source(source), lambda _stage, _done, _total: None, headers=False)
 
 
-def _open(source: Any, progress: Callable[[str, int, int], None], headers: bool = True) -> Checkpoint | None:
+def _open(source: Source, progress: Callable[[str, int, int], None], headers: bool = True) -> Checkpoint | None:
     files = reader.listing(source)
     findings: list[Finding] = list(reader.listing_findings(source))
-    pack = route_pack_info(files, source.read_json)
-    if pack is not None:  # the route-pack verifier owns its own parsing, config.json included
+    own = registry.detect_from_listing(files, source.read_json)
+    if own is not None:  # its own verifier owns its parsing, config.json included (`Dialect.opens_from_listing`)
         if not headers:
             return None
-        return Checkpoint(source=source, dialect=pack.dialect, config={}, hidden=None, intermediate=None,
-                          num_experts=None, tp=pack.tp, codebook=pack.codebook, rotation_layout=pack.rotation_layout,
-                          declared=pack.declared, parse_findings=findings, files=dict(files))
+        return Checkpoint(source=source, dialect=own.dialect, config={}, hidden=None, intermediate=None,
+                          num_experts=None, tp=own.tp, codebook=own.codebook, rotation_layout=own.rotation_layout,
+                          declared=own.declared, parse_findings=findings, files=dict(files))
     config = _read_config(source, files)
     quant_config = reader.read_json(source, files, QUANT_CONFIG, findings, optional=True)
     if quant_config is not None and not isinstance(quant_config, dict):
@@ -119,22 +119,29 @@ def _open(source: Any, progress: Callable[[str, int, int], None], headers: bool 
     return ckpt
 
 
-def _as_source(source: Any) -> Any:
-    if isinstance(source, (str, Path)):
+def _as_source(source: SourceArg) -> Source:
+    checked = require_source(source)
+    if isinstance(checked, (str, Path)):
         from trellis_cli.sources import LocalSource
 
-        return LocalSource(Path(source))
+        return LocalSource(Path(checked))
+    return checked
+
+
+def require_source(source: object) -> SourceArg:
+    """`source` itself when it is a Source or a local path; else the library's own UsageError (an untyped
+    caller's argument, checked at the door rather than met as an AttributeError deep inside)."""
+    if isinstance(source, (str, Path)):
+        return source
     if not callable(getattr(source, "list_files", None)) or not callable(getattr(source, "read_header", None)):
-        # The library's callers get its own error, not an AttributeError from deep inside the opening.
         raise UsageError(f"a checkpoint source must be a Source (trellis_cli.open_source) or a local path, not "
                          f"{type(source).__name__}")
-    return source
+    return cast(Source, source)
 
 
-def _read_config(source: Any, files: dict[str, int]) -> dict[str, Any] | None:
-    special = getattr(source, "special", {})
-    if CONFIG in special:
-        raise CheckFailed(f"{CONFIG}: {special[CONFIG]}, not a regular file")
+def _read_config(source: Source, files: dict[str, int]) -> dict[str, Any] | None:
+    if CONFIG in source.special:
+        raise CheckFailed(f"{CONFIG}: {source.special[CONFIG]}, not a regular file")
     if CONFIG not in files:
         return None
     config = source.read_json(CONFIG)  # unreadable config.json stops parsing: nothing else can be trusted
@@ -143,15 +150,15 @@ def _read_config(source: Any, files: dict[str, int]) -> dict[str, Any] | None:
     return config
 
 
-def _read_headers(ckpt: Checkpoint, source: Any, files: dict[str, int],
+def _read_headers(ckpt: Checkpoint, source: Source, files: dict[str, int],
                   progress: Callable[[str, int, int], None]) -> None:
     ckpt.headers.update(reader.read_headers(source, files, progress, ckpt.parse_findings))
 
 
-def _read_index(ckpt: Checkpoint, source: Any, files: dict[str, int]) -> None:
+def _read_index(ckpt: Checkpoint, source: Source, files: dict[str, int]) -> None:
     found = reader.read_index(source, files, ckpt.parse_findings)
     if found is not None:
-        ckpt.index_file, ckpt.index, ckpt.declared["index_metadata"] = found
+        ckpt.index_file, ckpt.index, ckpt.index_metadata = found
 
 
 def _collect_tensors(ckpt: Checkpoint) -> None:
@@ -290,7 +297,7 @@ def _add_other_expert_tensor(ckpt: Checkpoint, name: str, ref: TensorRef) -> Non
         layer.unparsed.append(ref)
 
 
-def _apply_declarations(ckpt: Checkpoint, info: DialectInfo, source: Any, files: dict[str, int]) -> None:
+def _apply_declarations(ckpt: Checkpoint, info: DialectInfo, source: Source, files: dict[str, int]) -> None:
     """The dialect's own declarations (`Dialect.declarations`), applied to the model's layers."""
     d = registry.dialect_named(info.dialect).declarations(ckpt, info, source.read_json, files)
     if d is None:
@@ -301,7 +308,7 @@ def _apply_declarations(ckpt: Checkpoint, info: DialectInfo, source: Any, files:
     for li, pk in d.projection_k.items():
         ckpt.layers.setdefault(li, MoeLayer(li)).declared_projection_k = pk
     ckpt.layers = dict(sorted(ckpt.layers.items()))
-    ckpt.declared["k_source"] = d.k_source
+    ckpt.k_source = d.k_source
 
 
 def _fill_geometry(ckpt: Checkpoint, info: DialectInfo) -> None:
@@ -344,7 +351,7 @@ def _fill_geometry(ckpt: Checkpoint, info: DialectInfo) -> None:
         experts = _ids(ckpt, "expert")
         ckpt.num_experts = _plausible_max(ckpt, experts, "experts per layer", limit) + 1 if experts else None
         inferred.append("num_experts")
-    ckpt.declared["inferred"] = inferred
+    ckpt.inferred = inferred
 
 
 def _ids(ckpt: Checkpoint, kind: str) -> dict[int, str]:

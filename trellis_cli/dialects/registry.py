@@ -1,18 +1,20 @@
 """The one registry of dialects: detection in order, lookup by name, the conversion table.
 
-Adding a dialect is one package under dialects/ (a `Dialect` subclass, interface.py) and one line in
-DIALECTS. Order is detection order: the first dialect whose metadata claims the checkpoint wins.
+Adding a dialect is one package under dialects/ (a `Dialect` subclass, interface.py, whose `detect` reads its
+own metadata) and one line in DIALECTS. Order is detection order: the first dialect whose metadata claims the
+checkpoint wins (those that decide from their listing alone, `opens_from_listing`, are asked before config.json
+is read); anything else is an UnknownDialect naming what was found.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects import b12x_trellis, btx, exl3, exl3v1, glm53, r7, routepack, tr3
-from trellis_cli.dialects.detect import not_understood
 from trellis_cli.dialects.interface import Dialect, DialectInfo, Probe
+from trellis_cli.errors import UnknownDialect
 
 DIALECTS: tuple[Dialect, ...] = (
     routepack.DIALECT,  # manifest.json says so; needs no config.json
@@ -28,13 +30,41 @@ DIALECTS: tuple[Dialect, ...] = (
 _BY_NAME = {d.name: d for d in DIALECTS}
 
 
+def detect_from_listing(files: dict[str, int], read_json: Callable[[str], Any]) -> DialectInfo | None:
+    """The first dialect that decides from its listing alone (`opens_from_listing`) and claims the checkpoint,
+    asked before config.json is read; None when none does."""
+    probe = Probe(files, None, None, read_json)
+    for dialect in DIALECTS:
+        if dialect.opens_from_listing:
+            info = dialect.detect(probe)
+            if info is not None:
+                return info
+    return None
+
+
 def detect(probe: Probe) -> DialectInfo:
     """The first dialect that claims the checkpoint; UnknownDialect naming what was found when none does."""
     for dialect in DIALECTS:
         info = dialect.detect(probe)
         if info is not None:
             return info
-    raise not_understood(probe)
+    raise _not_understood(probe)
+
+
+def _not_understood(probe: Probe) -> UnknownDialect:
+    """The refusal when no dialect claims the checkpoint, naming what was found."""
+    if probe.config is None:
+        return UnknownDialect(_nothing_found(probe.files, "no config.json"))
+    methods = probe.quant_methods()
+    found = f"quant_method {methods[0]!r}" if methods else "no quantization_config"
+    return UnknownDialect(_nothing_found(probe.files, f"config.json has {found} and no hybrid_tr3_tail"))
+
+
+def _nothing_found(files: dict[str, int], what: str) -> str:
+    shown = ", ".join(list(files)[:6]) + (", ..." if len(files) > 6 else "")
+    return (f"not a checkpoint dialect trellis understands: {what} "
+            f"(found {len(files)} file(s): {shown or 'none'}); expected a TR3 hybrid_tr3_tail contract, "
+            "an exl3 quantization_config, R7 metadata, an exl3-v1 manifest or a route-pack manifest.json")
 
 
 def dialect_named(name: str) -> Dialect:

@@ -59,7 +59,7 @@ Key = tuple[Any, str, Any, str]
 
 def where(ck: Checkpoint) -> str:
     """How a refusal names the side: its source's description."""
-    return getattr(ck.source, "description", None) or "the checkpoint"
+    return ck.source.description or "the checkpoint"
 
 
 def span_of(ref: TensorRef) -> Span:

@@ -15,11 +15,12 @@ import bisect
 import errno
 import hashlib
 import os
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from trellis_cli.diff.units import Span
 from trellis_cli.errors import CheckFailed
 from trellis_cli.header import open_regular, os_reason
+from trellis_cli.sources import Source
 
 LFS = "lfs-sha256"
 SAME_FILE = "same-file"
@@ -31,23 +32,21 @@ PROGRESS_BYTES = 64 << 20  # progress is reported in pieces of this size (a call
 Progress = Callable[[int], None]
 
 
-def storage_identity(source: Any, file: str, cache: dict[str, tuple | None]) -> tuple | None:
+def storage_identity(source: Source, file: str, cache: dict[str, tuple | None]) -> tuple | None:
     """(method, what identifies the file's bytes), or None when the source cannot say without reading."""
     if file in cache:
         return cache[file]
     found: tuple | None = None
-    file_info = getattr(source, "file_info", None)
-    if file_info is not None:  # a Hub source: the listing carries each LFS file's sha256
-        sha = getattr(file_info(file), "lfs_sha256", None)
+    if source.root is None:  # a remote source: the listing carries each LFS file's sha256
+        info = source.file_info(file)
+        sha = info.lfs_sha256 if info is not None else None
         found = (LFS, sha) if sha else None
-    else:
-        resolve = getattr(source, "resolve", None)
-        if resolve is not None:
-            try:
-                st = os.stat(resolve(file))
-                found = (SAME_FILE, st.st_dev, st.st_ino)
-            except (OSError, CheckFailed):
-                found = None
+    else:  # a local one: the file itself, wherever its links lead
+        try:
+            st = os.stat(source.local_path(file))
+            found = (SAME_FILE, st.st_dev, st.st_ino)
+        except (OSError, CheckFailed):
+            found = None
     cache[file] = found
     return found
 
@@ -55,7 +54,7 @@ def storage_identity(source: Any, file: str, cache: dict[str, tuple | None]) -> 
 class Hasher:
     """sha256 of spans of one source's files; each file opened once and downloaded first when remote."""
 
-    def __init__(self, source: Any, progress: Progress | None = None,
+    def __init__(self, source: Source, progress: Progress | None = None,
                  download_progress: Progress | None = None) -> None:
         self.source = source
         self.progress = progress

@@ -268,9 +268,7 @@ def _declared(ck: Checkpoint, layer: int) -> dict[int, int] | None:
 
 
 def _side(ck: Checkpoint) -> dict[str, Any]:
-    describe = getattr(ck.source, "describe", None)
-    return {"description": getattr(ck.source, "description", None),
-            "source": describe() if describe is not None else str(ck.source), "dialect": ck.dialect, "tp": ck.tp
+    return {"description": ck.source.description, "source": ck.source.describe(), "dialect": ck.dialect, "tp": ck.tp
             if native_tp(ck) is not None else None, "codebook": ck.codebook, "rotation_layout": ck.rotation_layout}
 
 

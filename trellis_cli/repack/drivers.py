@@ -10,6 +10,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
+from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects import registry
 from trellis_cli.errors import UsageError
 from trellis_cli.repack.convert import route_pack_to_tr3, tr3_to_tr3
@@ -67,7 +68,7 @@ def plans_from_declarations(source_dialect: str, target: str) -> bool:
     return isinstance(factory, type) and issubclass(factory, Driver) and factory.plans_from_declarations
 
 
-def driver_for(source_dialect: str, source: Any, out: Path, options: Any, validator: Validator) -> Driver:
+def driver_for(source_dialect: str, source: Checkpoint | Path, out: Path, options: Any, validator: Validator) -> Driver:
     """The driver of the registry's row (source dialect, options.to), built for this source and OUT; a usage
     error naming the targets this source has when the table has no such row."""
     row = conversion_of(source_dialect, options.to)

@@ -19,6 +19,7 @@ from typing import Any, Iterable
 
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.header import plain_relative, safe_relative, text_escape
+from trellis_cli.sources import Source
 
 
 def output_name(name: Any, what: str) -> str:
@@ -36,26 +37,26 @@ def output_path(tree: Path, name: Any, what: str = "output file") -> Path:
     return tree / output_name(name, what)
 
 
-def source_paths(source: Any, names: Iterable[str] = ()) -> list[Path]:
+def source_paths(source: Source, names: Iterable[str] = ()) -> list[Path]:
     """Every path OUT must not equal, lie inside or contain: the source's directory, the real targets of `names`
     (its files, links followed), and for a Hub source its snapshot, the cache root, HF_HOME and HF_HUB_CACHE."""
+    from trellis_cli.sources import HubSource
+
     paths: list[Path] = []
-    root = getattr(source, "root", None)
+    root = source.root
     if root is not None:
-        paths.append(Path(root))
-        paths += [Path(os.path.realpath(Path(root) / n)) for n in names if safe_relative(n)]
-    repo_id = getattr(source, "repo_id", None)
-    if repo_id is not None:
+        paths.append(root)
+        paths += [Path(os.path.realpath(root / n)) for n in names if safe_relative(n)]
+    if isinstance(source, HubSource):
         from trellis_cli import hub_client
 
-        cache_dir = getattr(source, "cache_dir", None)
+        cache_dir = source.cache_dir
         paths.append(hub_client.cache_root(cache_dir))
-        folder = hub_client.repo_cache_folder(repo_id, cache_dir)
-        paths += [folder, folder / "snapshots" / str(getattr(source, "revision", ""))]
+        folder = hub_client.repo_cache_folder(source.repo_id, cache_dir)
+        paths += [folder, folder / "snapshots" / str(source.revision or "")]
         paths += _hub_homes(hub_client.hf_constants)
-        cached = getattr(source, "cached_path", None)
         for name in names:
-            found = cached(name) if cached is not None and safe_relative(name) else None
+            found = source.cached_path(name) if safe_relative(name) else None
             if found is not None:
                 paths.append(Path(os.path.realpath(found)))
     return paths

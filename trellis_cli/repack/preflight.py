@@ -26,6 +26,7 @@ from trellis_cli.repack.source_facts import CONFIG, NOT_COPIED, fingerprint, pro
 from trellis_cli.repack.staged_run import NOT_VALIDATED, OutputPlan, plan_document
 from trellis_cli.repack.staging import check_target, refuse_collisions, resumable_bytes
 from trellis_cli.routepack.plan import parse_selection, rank_pieces, resolve_target_tp, route_pack_layer_bytes
+from trellis_cli.sources import SourceArg
 from trellis_cli.stwriter import PlannedTensor
 
 FROM_DECLARATIONS = ("layer file sizes planned from the declarations (config.json, tier_bitmap.json) and the "
@@ -56,7 +57,7 @@ def route_pack_plan(out: Path, options: Any, ck: Checkpoint, layer_files: list[d
     return plan_document(plan, resumable)
 
 
-def quick_dry_run(source: Any, out: Path, options: Any,
+def quick_dry_run(source: SourceArg, out: Path, options: Any,
                   plans_from_declarations: Callable[[str], bool]) -> RepackResult | None:
     """The dry run of a local TR3 source without parsing its headers (see the module docstring); None where
     that is not possible (another dialect, a Hub source, a declaration it cannot plan from): the caller then
@@ -68,7 +69,7 @@ def quick_dry_run(source: Any, out: Path, options: Any,
         from trellis_cli.sources import LocalSource
 
         source = LocalSource(Path(source))
-    if getattr(source, "root", None) is None or getattr(source, "special", None):
+    if source.root is None or source.special:
         return None
     ck = open_declared(source)
     if ck is None or any(f.severity is Severity.ERROR for f in ck.parse_findings):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.reader import byte_faults
@@ -20,6 +20,7 @@ from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.repack.preflight import quick_dry_run
 from trellis_cli.repack.result import RepackResult, Validator, check_source
 from trellis_cli.repack.staged_run import Driver, dry_run, run_staged
+from trellis_cli.sources import SourceArg
 
 
 @dataclass
@@ -45,13 +46,13 @@ class RepackOptions:
                 setattr(self, name, parse_layer_ranges(value, option=f"--{name}") if value.strip() else None)
 
 
-def open_repack_source(source: Any, progress: Callable[[str, int, int], None] | None = None) -> Checkpoint:
+def open_repack_source(source: SourceArg, progress: Callable[[str, int, int], None] | None = None) -> Checkpoint:
     from trellis_cli.dialects.open import open_checkpoint
 
     return open_checkpoint(source, progress=progress)
 
 
-def run_repack(source: Any, out: str | Path, options: RepackOptions | None = None, *, validator: Validator,
+def run_repack(source: SourceArg | Checkpoint, out: str | Path, options: RepackOptions | None = None, *, validator: Validator,
                on_bytes: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
                log: Callable[[str], None] | None = None,
                on_stage: Callable[[str, int, int], None] | None = None) -> RepackResult:
@@ -134,13 +135,12 @@ def _planned(make: Callable[[], Driver], checkpoint: Checkpoint | None,
         raise
 
 
-def _local_root(source: Any) -> Path | None:
+def _local_root(source: SourceArg | Checkpoint) -> Path | None:
     if isinstance(source, (str, Path)):
         return Path(source) if Path(source).is_dir() else None
     if isinstance(source, Checkpoint):
         source = source.source
-    root = getattr(source, "root", None)
-    return Path(root) if isinstance(root, (str, Path)) else None
+    return source.root
 
 
 __all__ = ["RepackOptions", "run_repack"]

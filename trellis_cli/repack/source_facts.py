@@ -21,8 +21,7 @@ NOT_COPIED = (CHECKSUM_MANIFEST,)  # source-side hashes; the manifest replaces t
 
 
 def source_root(checkpoint: Checkpoint) -> Path | None:
-    root = getattr(checkpoint.source, "root", None)
-    return Path(root) if root is not None else None
+    return checkpoint.source.root
 
 
 def protected_paths(checkpoint: Checkpoint) -> list[Path]:
@@ -114,8 +113,8 @@ def recorded_hashes(checkpoint: Checkpoint) -> dict[str, list[tuple[str, str, st
 
 def _hub_hash(checkpoint: Checkpoint, name: str) -> list[tuple[str, str, str]]:
     """The sha256 the Hub lists for an LFS file (git blob ids of small files are not sha256: not compared)."""
-    info = getattr(checkpoint.source, "file_info", None)
-    known = getattr(info(name), "lfs_sha256", None) if info is not None else None
+    info = checkpoint.source.file_info(name)
+    known = info.lfs_sha256 if info is not None else None
     return [(known, "the Hub's LFS sha256", "checksum.mismatch")] if known else []
 
 

@@ -114,13 +114,12 @@ def _run_markers(ckpt: Checkpoint, selected: list[int], report: Report, deep: bo
 
 
 def _subject(ckpt: Checkpoint) -> str:
-    return getattr(ckpt.source, "description", None) or str(ckpt.source)
+    return ckpt.source.description or str(ckpt.source)
 
 
 def _context(ckpt: Checkpoint) -> dict[str, Any]:
-    describe = getattr(ckpt.source, "describe", None)
-    return {"source": describe() if describe else str(ckpt.source), "dialect": ckpt.dialect,
-            "rotation_layout": ckpt.rotation_layout, "tp": ckpt.tp, "revision": getattr(ckpt.source, "revision", None)}
+    return {"source": ckpt.source.describe(), "dialect": ckpt.dialect,
+            "rotation_layout": ckpt.rotation_layout, "tp": ckpt.tp, "revision": ckpt.source.revision}
 
 
 def _selected_layers(ckpt: Checkpoint, dialect: Dialect, layers: list[int] | None) -> list[int]:
@@ -156,7 +155,7 @@ SPARSE_SYNTH_NOTE = ("the data.zero-vector errors are expected here: `trellis sy
 def _sparse_synthetic(ckpt: Checkpoint, selected: list[int]) -> bool:
     """Written by `trellis synth` (its config says so) with files whose data was never written (holes)."""
     tail = ckpt.config.get("hybrid_tr3_tail") if isinstance(ckpt.config, dict) else None
-    root = getattr(ckpt.source, "root", None)
+    root = ckpt.source.root
     if not isinstance(tail, dict) or tail.get("producer_version") != "trellis synth" or root is None:
         return False
     import os

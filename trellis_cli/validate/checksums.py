@@ -12,11 +12,12 @@ Two kinds of record, one comparison (integrity.py):
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.interface import CheckRequest, Dialect
 from trellis_cli.findings import Finding, Location, Report, Severity
+from trellis_cli.sources import Source
 
 # Said when a dialect records hashes that this run did not compare.
 NOT_HASHED_NOTE = "recorded hashes not compared (the files are not local; --checksums hashes them)"
@@ -87,7 +88,7 @@ def compare_publisher(ckpt: Checkpoint, report: Report, progress: Callable[[int]
     return found
 
 
-def _has_publisher_hashes(source: Any) -> bool:
+def _has_publisher_hashes(source: Source) -> bool:
     """A Hub repo (LFS sha256 per file), or a local directory that carries a MANIFEST.sha256. A directory
     without one still has its format's recorded digests, so it is not an error there."""
     from trellis_cli.integrity import CHECKSUM_MANIFEST

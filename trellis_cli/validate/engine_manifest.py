@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.dialects.detect import EXL3V1_MANIFEST
+from trellis_cli.dialects.exl3v1.schema import MANIFEST_FILE as EXL3V1_MANIFEST
 from trellis_cli.dialects.interface import VLLM_MANIFEST
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import Location

@@ -95,7 +95,7 @@ def _protected(ckpt: Checkpoint, record_codebook: bool) -> Iterator[Refusal]:
         entry = _storage_entry(storage, prefix)
         m = _LAYER.search(prefix)
         if m is not None and int(m.group(1)) in moe:
-            expected = "mcg"
+            expected: str | None = "mcg"
         else:
             expected = _record_codebook(entry) if record_codebook else None
         has = [marker for marker in ("mcg", "mul1") if f"{prefix}.{marker}" in ckpt.tensors]

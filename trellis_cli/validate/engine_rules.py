@@ -12,7 +12,7 @@ from typing import Any, Iterator, NamedTuple
 
 from trellis_cli.checkpoint.declared import bits_map_overrides, layer_range, uniform_bits
 from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint
-from trellis_cli.dialects.detect import QUANT_CONFIG
+from trellis_cli.dialects.interface import QUANT_CONFIG
 from trellis_cli.dialects.interface import B12X, B12X_130, EXLLAMAV3, VLLM, ContainerRefusal
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.checkpoint.names import H_SIDE
@@ -145,7 +145,7 @@ def every_k_used(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
 
 def bitmap_field(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     """Shared-H version: the referenced field must be there; the tail_tr3-only MTP entry is not taken as all-K3."""
-    sources = ckpt.declared.get("k_source", {})
+    sources = ckpt.k_source
     for li in layers:
         source = sources.get(li, "")
         if source.endswith(":tail_tr3"):

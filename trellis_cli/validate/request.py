@@ -8,11 +8,13 @@ same report for the same request. The default engine is the dialect's (validate/
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import Callable
 
 from trellis_cli.errors import CheckFailed, UnknownDialect
 from trellis_cli.findings import Finding, Location, Report, Severity
 from trellis_cli.validate import engines, run_validation
+from trellis_cli.sources import SourceArg
 
 
 @dataclass(frozen=True)
@@ -42,20 +44,22 @@ class ValidateProgress:
     hash_total: Callable[[int | None], None] | None = None  # before hashing: every file's bytes, when known
 
 
-def validate_source(source: Any, request: ValidateRequest | None = None,
+def validate_source(source: SourceArg, request: ValidateRequest | None = None,
                     progress: ValidateProgress | None = None) -> Report:
     """Open `source` (a Source or a local path) and validate it as `request` says. Raises only for a usage
     error (an unknown engine, a layer the checkpoint lacks); everything wrong with the checkpoint is a finding."""
     from trellis_cli.dialects import open_checkpoint
+    from trellis_cli.dialects.open import require_source
     from trellis_cli.dialects.registry import dialect_of
     from trellis_cli.selection import require_present
 
+    source = require_source(source)
     request = request or ValidateRequest()
     progress = progress or ValidateProgress()
     if request.engine not in (None, engines.DEFAULT):
         engines.engine_named(request.engine)  # an unknown name is a usage error before anything is read
     if progress.log is not None:
-        progress.log(f"reading {getattr(source, 'description', source)} ...")
+        progress.log(f"reading {source if isinstance(source, (str, Path)) else source.description} ...")
     try:
         checkpoint = open_checkpoint(source, progress=progress.stage)
     except UnknownDialect as e:
@@ -74,11 +78,12 @@ def validate_source(source: Any, request: ValidateRequest | None = None,
     return report
 
 
-def unopened(source: Any, code: str, message: str, strict: bool = False) -> Report:
+def unopened(source: SourceArg, code: str, message: str, strict: bool = False) -> Report:
     """The report of a checkpoint that could not be opened: one error, and no engine loads it."""
-    describe = getattr(source, "describe", None)
-    report = Report(subject=getattr(source, "description", str(source)),
-                    context={"source": describe() if describe else str(source)}, strict=strict)
+    if isinstance(source, (str, Path)):
+        report = Report(subject=str(source), context={"source": str(source)}, strict=strict)
+    else:
+        report = Report(subject=source.description, context={"source": source.describe()}, strict=strict)
     report.findings.append(Finding(code, Severity.ERROR, Location(), message))
     report.engines = engines.unreadable_verdicts("not a checkpoint it reads" if code == "dialect.unknown"
                                                  else "unreadable")

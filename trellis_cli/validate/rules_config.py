@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from trellis_cli.dialects.detect import QUANT_CONFIG
+from trellis_cli.dialects.interface import QUANT_CONFIG
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, error_summary, warning
 from trellis_cli.header import is_int

@@ -48,7 +48,7 @@ def _check_index(ckpt: Checkpoint) -> Iterator[Finding]:
     index, index_file, headers = ckpt.index, ckpt.index_file, ckpt.headers
     bad_files: set[str] = set()
     for file in sorted(set(index.values())):
-        if not safe_relative(file) or (getattr(ckpt.source, "escapes", None) and ckpt.source.escapes(file)):
+        if not safe_relative(file) or ckpt.source.escapes(file):
             bad_files.add(file)
             yield error("path.escape", Location(file=index_file), "index entry points outside the checkpoint "
                         "directory", expected="a relative path inside the checkpoint", found=file)
@@ -77,7 +77,7 @@ def _check_index(ckpt: Checkpoint) -> Iterator[Finding]:
             yield error_summary("index.unindexed", Location(file=file), len(unindexed) - MAX_MISSING_SHOWN,
                                 "tensors of this shard are not in the index", expected="0 unindexed",
                                 found=f"{len(unindexed)} unindexed")
-    total = (ckpt.declared.get("index_metadata") or {}).get("total_size")
+    total = (ckpt.index_metadata or {}).get("total_size")
     if total is None or any(file not in headers for file in set(index.values())):
         return  # an unreadable shard is already reported; its bytes cannot be summed
     data = sum(sum(map(_END, h.tensors.values())) - sum(map(_BEGIN, h.tensors.values())) for h in headers.values())

@@ -17,14 +17,13 @@ from trellis_cli.header import safe_relative
 
 
 def check_names(ckpt: Checkpoint, dialect: Dialect) -> Iterator[Finding]:
-    escapes = getattr(ckpt.source, "escapes", None)
     reported = dialect.names_reported(ckpt)
     for name, size in ckpt.files.items():
         if name in reported:
             continue
         if not safe_relative(name):
             yield error("path.escape", Location(file=name), "file resolves outside the checkpoint directory")
-        elif escapes is not None and escapes(name):
+        elif ckpt.source.escapes(name):
             yield error("path.escape", Location(file=name), "file resolves outside the checkpoint directory "
                         "(symlink)")
         elif size < 0:

@@ -10,12 +10,15 @@ lookup K), which runs on sm_103 only and which the released wheels refuse. docs/
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
+from trellis_cli.checkpoint.model import Checkpoint, Declarations
 from trellis_cli.dialects.b12x_trellis import rules
 from trellis_cli.dialects.interface import (B12X, B12X_130, EXLLAMAV3, CheckRequest, ContainerRefusal, Dialect,
                                             DialectInfo, Probe)
 from trellis_cli.findings import Finding, Location, Report, Severity, error, warning
+from trellis_cli.header import TensorEntry
 
 DIALECT_B12X_TRELLIS = "b12x_trellis-v2"
 METADATA_FILE = "b12x-trellis.safetensors"
@@ -25,6 +28,25 @@ FAMILY_ERA = {B12X: rules.RELEASE_151, B12X_130: rules.RELEASE_130}
 ATOM_NOTE = ("the atom layout (trellis_atoms), which runs on sm_103 only and ships in no b12x release (its "
              "repository only); the b12x 1.5.1 and 1.3.0 wheels refuse these rates (planning."
              "_validate_trellis_runtime, trellis._local_rate_matrix / _symmetric_bits)")
+
+
+@dataclass
+class B12xTrellisDeclarations(Declarations):
+    """The quantization block and what opening reads for its rules: each release's parse of it, the metadata
+    file's header metadata and rate tensor entry, and the rate bytes once read."""
+
+    quant: dict[str, Any]  # the quantization config holding quant_method b12x_trellis
+    declared_in: str  # "config.json" or "quantization_config.json"
+    blocks: dict[str, rules.Block] = field(default_factory=dict)  # release -> its parser's reading
+    metadata: dict[str, Any] = field(default_factory=dict)  # b12x-trellis.safetensors' header metadata
+    rate: TensorEntry | None = None  # the rate tensor's header entry, when the metadata file holds one
+    rate_read: bool = False
+    rate_bytes: list[int] | None = None  # None: not on this machine, or larger than trellis reads
+
+
+def _declared(ckpt: Checkpoint) -> B12xTrellisDeclarations | None:
+    declared = ckpt.declared
+    return declared if isinstance(declared, B12xTrellisDeclarations) else None
 
 
 class B12xTrellisDialect(Dialect):
@@ -44,7 +66,7 @@ class B12xTrellisDialect(Dialect):
                 block = quant.get("b12x_trellis")
                 codebook = block.get("codebook") if isinstance(block, dict) else None
                 return DialectInfo(DIALECT_B12X_TRELLIS, "n/a", 1, codebook if isinstance(codebook, str) else None,
-                                   {"b12x_trellis_quant": quant, "b12x_trellis_from": where})
+                                   B12xTrellisDeclarations(quant, where))
         return None
 
     def fill(self, ckpt, probe: Probe, info: DialectInfo) -> bool:
@@ -52,15 +74,14 @@ class B12xTrellisDialect(Dialect):
         from trellis_cli.checkpoint import reader
         from trellis_cli.errors import CheckFailed
 
-        quant = info.declared["b12x_trellis_quant"]
-        blocks = {era.release: rules.parse(quant, era) for era in rules.ERAS}
+        state = info.declared
+        assert isinstance(state, B12xTrellisDeclarations)
+        state.blocks = {era.release: rules.parse(state.quant, era) for era in rules.ERAS}
         text = _text_config(ckpt.config)
         ckpt.hidden = _int(text.get("hidden_size"))
         ckpt.intermediate = _int(text.get("moe_intermediate_size"))
         ckpt.num_experts = _int(text.get("n_routed_experts", text.get("num_experts")))
         ckpt.codebook = info.codebook
-        state: dict[str, Any] = {"quant": quant, "from": info.declared["b12x_trellis_from"], "blocks": blocks,
-                                 "rate": None, "metadata": {}}
         if METADATA_FILE in probe.files:
             try:  # through the one reader: a link out, a dangling link, a FIFO or a changed file is named
                 header = reader.shard_header(ckpt, METADATA_FILE)
@@ -68,9 +89,8 @@ class B12xTrellisDialect(Dialect):
                 ckpt.parse_findings.append(error(e.code or "file.header", Location(file=METADATA_FILE), str(e)))
             else:
                 ckpt.headers[METADATA_FILE] = header
-                state["metadata"] = header.metadata if isinstance(header.metadata, dict) else {}
-                state["rate"] = header.tensors.get(RATE_TENSOR)
-        ckpt.declared["b12x_trellis"] = state
+                state.metadata = header.metadata if isinstance(header.metadata, dict) else {}
+                state.rate = header.tensors.get(RATE_TENSOR)
         return True
 
     def names_reported(self, ckpt) -> set[str]:
@@ -91,30 +111,33 @@ class B12xTrellisDialect(Dialect):
         """A release's parser refusing the block (the other era's names first), then its runtime refusing an
         atom layout."""
         release = FAMILY_ERA.get(family)
-        state = ckpt.declared.get("b12x_trellis")
+        state = _declared(ckpt)
         if release is None or state is None:
             return None
-        block = state["blocks"][release]
+        block = state.blocks[release]
         if block.problems:
             first = block.problems[0]
             return ContainerRefusal(f"{release} parser: {first.field.rsplit('.', 1)[-1]}",
                                     f"{release}'s TrellisConfig parser refuses it ({first.rule}): {first.message}"
                                     f"{_era_hint(state, release)}", _str(first.expected), _str(first.found),
-                                    code="engine.b12x-trellis", where=Location(file=state["from"], tensor=first.field))
+                                    code="engine.b12x-trellis",
+                                    where=Location(file=state.declared_in, tensor=first.field))
         why = rules.atom_reasons(block, _rates(ckpt))
         if why:
             return ContainerRefusal(f"atom layout (sm_103): {why[0]}", f"{release} refuses these rates: {why[0]} "
                                     f"selects {ATOM_NOTE}", "symmetric mcg K3/K4/K5 or one lookup K, no group_size",
                                     why[0], code="engine.b12x-trellis-atoms",
-                                    where=Location(file=state["from"], tensor="quantization_config.b12x_trellis.rate"))
+                                    where=Location(file=state.declared_in,
+                                                   tensor="quantization_config.b12x_trellis.rate"))
         return None
 
 
 def check_block(ckpt) -> list[Finding]:
     """Problems every release's parser has (format errors), the era, the rate tensor, where the rates run."""
-    state = ckpt.declared["b12x_trellis"]
-    where = state["from"]
-    blocks: dict[str, rules.Block] = state["blocks"]
+    state = _declared(ckpt)
+    assert state is not None  # its own check: the checkpoint is a b12x_trellis one
+    where = state.declared_in
+    blocks = state.blocks
     out: list[Finding] = []
     per_release = {release: {(p.rule, p.field) for p in b.problems} for release, b in blocks.items()}
     common = set.intersection(*per_release.values())
@@ -131,7 +154,7 @@ def check_block(ckpt) -> list[Finding]:
         out.append(Finding("b12x_trellis.era", Severity.INFO, Location(file=where,
                            tensor="quantization_config.b12x_trellis.codebook"),
                            f"the {_era_name(loads[0])} era: {loads[0]}'s parser reads this block; "
-                           f"{_other(blocks, loads[0])}'s refuses it", found=state["quant"].get("b12x_trellis", {})
+                           f"{_other(blocks, loads[0])}'s refuses it", found=state.quant.get("b12x_trellis", {})
                            .get("codebook")))
     block = blocks[loads[0]] if loads else blocks[rules.RELEASE_151]
     out.extend(_rate_findings(ckpt, state, block))
@@ -143,8 +166,8 @@ def check_block(ckpt) -> list[Finding]:
     return out
 
 
-def _rate_findings(ckpt, state: dict, block: rules.Block) -> list[Finding]:
-    ref = state["rate"]
+def _rate_findings(ckpt, state: B12xTrellisDeclarations, block: rules.Block) -> list[Finding]:
+    ref = state.rate
     if ref is None:
         return [warning("b12x_trellis.rate-missing", Location(file=METADATA_FILE, tensor=RATE_TENSOR),
                         "no rate tensor found (b12x's exporter writes it here): its shape and nibbles were not "
@@ -153,13 +176,13 @@ def _rate_findings(ckpt, state: dict, block: rules.Block) -> list[Finding]:
     if ref.dtype != "U8":
         return [error("b12x_trellis.rate-dtype", where, "the rate tensor is one byte per rate", "U8", ref.dtype)]
     layers = _layer_count(ckpt, state)
-    if None in (layers, ckpt.num_experts, ckpt.intermediate) or block.granularity is None:
+    if layers is None or ckpt.num_experts is None or ckpt.intermediate is None or block.granularity is None:
         return [warning("b12x_trellis.rate-shape-unknown", where, "the geometry (config.json num_hidden_layers, "
                         "first_k_dense_replace, n_routed_experts, moe_intermediate_size) or the granularity is not "
                         "readable: the rate tensor's shape was not checked")]
     want = rules.rate_shape(block, layers, ckpt.num_experts, ckpt.intermediate)
     if want is None:
-        return [error("b12x_trellis.group-size", Location(file=state["from"],
+        return [error("b12x_trellis.group-size", Location(file=state.declared_in,
                       tensor="quantization_config.b12x_trellis.rate.group_size"), "rate.group_size must divide "
                       "the intermediate size (TrellisRateConfig.tensor_shape, b12x 1.5.1 and 1.3.0)", f"divides {ckpt.intermediate}",
                       block.group_size)]
@@ -183,26 +206,26 @@ def _rate_findings(ckpt, state: dict, block: rules.Block) -> list[Finding]:
 
 def _rates(ckpt) -> list[int] | None:
     """The rate bytes, read once from a local file; None when absent, malformed or not local."""
-    state = ckpt.declared.get("b12x_trellis")
-    if state is None or state["rate"] is None:
+    state = _declared(ckpt)
+    if state is None or state.rate is None:
         return None
-    if "rate_bytes" not in state:
-        ref = state["rate"]
-        state["rate_bytes"] = None
-        if ref.dtype == "U8" and ref.end - ref.begin <= MAX_RATE_BYTES and getattr(ckpt.source, "root", None):
+    if not state.rate_read:
+        ref = state.rate
+        state.rate_read = True
+        if ref.dtype == "U8" and ref.end - ref.begin <= MAX_RATE_BYTES and ckpt.source.root is not None:
             from trellis_cli.checkpoint.model import TensorRef
             from trellis_cli.checkpoint.tensors import read_bytes
 
             header = ckpt.headers[METADATA_FILE]
             tref = TensorRef(RATE_TENSOR, METADATA_FILE, ref.dtype, ref.shape, ref.begin, ref.end, header.data_start)
-            state["rate_bytes"] = list(read_bytes(ckpt, tref, 0, ref.end - ref.begin))
-    return state["rate_bytes"]
+            state.rate_bytes = list(read_bytes(ckpt, tref, 0, ref.end - ref.begin))
+    return state.rate_bytes
 
 
-def _layer_count(ckpt, state: dict) -> int | None:
+def _layer_count(ckpt, state: B12xTrellisDeclarations) -> int | None:
     """MoE layers: the exporter's `moe_layer_indices` "a..b" (inclusive), else num_hidden_layers minus
     first_k_dense_replace (the exporter's range)."""
-    span = state["metadata"].get("moe_layer_indices")
+    span = state.metadata.get("moe_layer_indices")
     if isinstance(span, str) and ".." in span:
         a, _, b = span.partition("..")
         if a.isdigit() and b.isdigit() and int(b) >= int(a):
@@ -235,8 +258,8 @@ def _other(blocks: dict, release: str) -> str:
     return next(r for r in blocks if r != release)
 
 
-def _era_hint(state: dict, release: str) -> str:
-    others = [r for r, b in state["blocks"].items() if r != release and not b.problems]
+def _era_hint(state: B12xTrellisDeclarations, release: str) -> str:
+    others = [r for r, b in state.blocks.items() if r != release and not b.problems]
     return f"; the block is of the other era, which {others[0]} reads" if others else ""
 
 

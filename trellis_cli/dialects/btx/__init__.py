@@ -14,6 +14,7 @@ from __future__ import annotations
 from trellis_cli.checkpoint.model import DIALECT_EXL3V1
 from trellis_cli.dialects.btx import names
 from trellis_cli.dialects.exl3v1 import Exl3v1Dialect
+from trellis_cli.dialects.exl3v1.container import Exl3v1Declarations
 from trellis_cli.dialects.interface import (B12X, B12X_130, VLLM, VLLM_MANIFEST, CheckRequest, ContainerRefusal,
                                             DialectInfo, Probe)
 from trellis_cli.errors import UnknownDialect
@@ -45,15 +46,17 @@ class BtxDialect(Exl3v1Dialect):
             raise UnknownDialect(f"{names.MANIFEST_FILE}: kind {doc.get('kind')!r}, schema {doc.get('schema')!r}; "
                                  f"trellis reads kind {names.KIND!r} with schema {names.SCHEMA!r}")
         codebook = doc.get("codebook")
+        # Read as exl3-v1 through the renaming table; no manifest of it is a declaration document diff compares.
         return DialectInfo(DIALECT_BTX, "n/a", 1, codebook if isinstance(codebook, str) else None,
-                           {"btx_manifest": doc})
+                           Exl3v1Declarations(manifest_file=None, manifest_doc=doc))
 
     def fill(self, ckpt, probe: Probe, info: DialectInfo) -> bool:
         from trellis_cli.dialects.exl3v1.container import container, fill_checkpoint
 
-        doc = names.manifest_as_exl3v1(info.declared.pop("btx_manifest"))
+        assert isinstance(info.declared, Exl3v1Declarations)
+        info.declared.manifest_doc = names.manifest_as_exl3v1(info.declared.manifest_doc)
         before = len(ckpt.parse_findings)
-        fill_checkpoint(ckpt, ckpt.source, probe.files, names.MANIFEST_FILE, doc)
+        fill_checkpoint(ckpt, ckpt.source, probe.files, names.MANIFEST_FILE, info.declared)
         ckpt.parse_findings[before:] = [names.btx_finding(f) for f in ckpt.parse_findings[before:]]
         for layer in container(ckpt).layers.values():
             layer.tensors = {names.tensor_as_exl3v1(n): ref._replace(name=names.tensor_as_exl3v1(n))

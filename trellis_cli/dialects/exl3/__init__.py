@@ -4,10 +4,11 @@ exllamav3 and by the vLLM fork through tensor_storage; checked by the shared sha
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
+from trellis_cli.checkpoint.declared import Declared
 from trellis_cli.checkpoint.model import DIALECT_EXL3
-from trellis_cli.dialects.detect import exl3_info
+from trellis_cli.dialects.exl3.declared import detect_exl3
 from trellis_cli.dialects.interface import (EXLLAMAV3, VLLM, VLLM_R7, CheckRequest, Dialect, DialectInfo, Probe,
                                            ShardLayout)
 
@@ -22,13 +23,14 @@ class Exl3Dialect(Dialect):
     read_by = frozenset({VLLM, VLLM_R7, EXLLAMAV3})
 
     def detect(self, probe: Probe) -> DialectInfo | None:
-        return exl3_info(probe)
+        return detect_exl3(probe)
 
-    def declarations(self, ckpt, info: DialectInfo, read_json, files: dict[str, int]) -> Any | None:
+    def declarations(self, ckpt, info: DialectInfo, read_json: Callable[[str], Any],
+                     files: dict[str, int]) -> Declared | None:
         """Per-projection K from tensor_storage's bits_per_weight."""
-        from trellis_cli.checkpoint import declared as decl
+        from trellis_cli.dialects.exl3.declared import k_declared
 
-        return decl.exl3_declared(ckpt.quant_config)
+        return k_declared(ckpt.quant_config)
 
     def shard_layout(self, ckpt, layer) -> ShardLayout:
         return ShardLayout(k_declared_by="tensor_storage")

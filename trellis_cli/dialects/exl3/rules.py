@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.dialects.detect import QUANT_CONFIG
+from trellis_cli.dialects.interface import QUANT_CONFIG
 from trellis_cli.findings import Finding, Location, error, warning
 
 

@@ -18,7 +18,8 @@ from trellis_cli.checkpoint.model import (DIALECT_EXL3V1, DIALECT_TR3_PER_EXPERT
                                          VectorRef)
 from trellis_cli.findings import Location
 from trellis_cli.integrity import RecordedHash
-from trellis_cli.dialects.detect import exl3v1_info
+from trellis_cli.dialects.exl3v1.container import Exl3v1Declarations, declarations
+from trellis_cli.dialects.exl3v1.declared import detect_exl3v1
 from trellis_cli.dialects.interface import (B12X, VLLM, VLLM_MANIFEST, CheckRequest, Dialect, DialectInfo, LayerShare,
                                            Probe, read_json_or_none)
 
@@ -38,14 +39,13 @@ class Exl3v1Dialect(Dialect):
                      "btx-atoms-v1": "btx-to-exl3-v1"}  # BTX: a renaming (dialects/btx/)
 
     def detect(self, probe: Probe) -> DialectInfo | None:
-        return exl3v1_info(probe)
+        return detect_exl3v1(probe)
 
     def fill(self, ckpt, probe: Probe, info: DialectInfo) -> bool:
         from trellis_cli.dialects.exl3v1.container import fill_checkpoint
 
-        manifest = info.declared.pop("exl3v1_manifest")
-        fill_checkpoint(ckpt, ckpt.source, probe.files, info.declared["exl3v1_manifest_file"], manifest,
-                        config_manifest=info.declared.get("exl3v1_config_manifest"))
+        assert isinstance(info.declared, Exl3v1Declarations) and info.declared.manifest_file is not None
+        fill_checkpoint(ckpt, ckpt.source, probe.files, info.declared.manifest_file, info.declared)
         return True
 
     def check(self, ckpt, request: CheckRequest, report) -> None:
@@ -106,10 +106,12 @@ class Exl3v1Dialect(Dialect):
     def declaration_documents(self, ckpt) -> dict[str, Any]:
         """config.json and the quantization config, and its manifest (read again: the model keeps it parsed)."""
         docs = super().declaration_documents(ckpt)
-        name = ckpt.declared.get("exl3v1_manifest_file")
-        manifest = read_json_or_none(ckpt, name) if isinstance(name, str) else None
-        if manifest is not None:
-            docs[name] = manifest
+        declared = declarations(ckpt)
+        name = declared.manifest_file if declared is not None else None
+        if name is not None:
+            manifest = read_json_or_none(ckpt, name)
+            if manifest is not None:
+                docs[name] = manifest
         return docs
 
     def layer_files(self, ckpt) -> dict[str, int]:
@@ -181,13 +183,15 @@ class Exl3v1Dialect(Dialect):
     def hashes_by_default(self, ckpt) -> bool:
         """The manifest records each layer file's sha256: compared whenever the bytes are local, as a route
         pack's are (a digest of all zeros, recorded for no data as a sparse synth writes, only with --checksums)."""
-        return getattr(ckpt.source, "root", None) is not None
+        return ckpt.source.root is not None
 
     def rank_tp_degrees(self, ckpt) -> list[int] | None:
         from trellis_cli.dialects.exl3v1.container import container
         from trellis_cli.dialects.exl3v1.layout import tp_degrees
 
-        return list(tp_degrees(container(ckpt).manifest))
+        m = container(ckpt).manifest
+        assert m is not None  # an opened container that parsed (bench asks only of one)
+        return list(tp_degrees(m))
 
     def tp_partitions(self, ckpt, tp: int):
         """b12x's partition_extents and the fork's plan_exl3_extent at `tp` (partitions.py)."""

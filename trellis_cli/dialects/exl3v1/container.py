@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trellis_cli.checkpoint import reader
-from trellis_cli.checkpoint.model import Checkpoint, MoeLayer, TensorRef
+from trellis_cli.checkpoint.model import Checkpoint, Declarations, MoeLayer, TensorRef
 from trellis_cli.errors import CheckFailed
 from trellis_cli.dialects.exl3v1.layout import LayerRates, uniform_rates
 from trellis_cli.dialects.exl3v1.schema import SLOTS_PER_PAIR, Manifest, parse_manifest
 from trellis_cli.findings import Location, error, warning
+from trellis_cli.sources import Source
 
 CODES, ROTATIONS, RATES_FC1, RATES_FC2, SIGN_PATTERN = "codes", "rotations", "rates_fc1", "rates_fc2", "sign_pattern"
 HIDDEN_TABLES = ("gate_suh", "up_suh", "down_svh")  # matrix order: gate, up, down
@@ -45,8 +46,35 @@ class Exl3Container:
     rates: dict[int, LayerRates | None] = field(default_factory=dict)  # cache of layer_rates
 
 
+@dataclass
+class Exl3v1Declarations(Declarations):
+    """An exl3-v1 (or BTX) checkpoint's declarations: the manifest as detection read it (declared.py), until
+    opening turns it into the container in the model."""
+
+    manifest_file: str | None  # the manifest diff compares as a declaration document (None: none, as for BTX)
+    config_manifest: str | None = None  # another manifest name config.json gives (never read by b12x)
+    manifest_doc: Any = None  # the parsed manifest JSON, handed to `fill_checkpoint` and then dropped
+    container: Exl3Container | None = None  # the container in the model, once opened
+
+
+def declarations(ckpt: Checkpoint) -> Exl3v1Declarations | None:
+    """The checkpoint's exl3-v1 declarations (an exl3-v1 or BTX checkpoint's), else None."""
+    declared = ckpt.declared
+    return declared if isinstance(declared, Exl3v1Declarations) else None
+
+
 def container(ckpt: Checkpoint) -> Exl3Container:
-    return ckpt.declared["exl3v1"]
+    """The opened container of an exl3-v1 (or BTX) checkpoint."""
+    box = container_or_none(ckpt)
+    if box is None:
+        raise TypeError(f"{ckpt.dialect}: not an opened exl3-v1 container")
+    return box
+
+
+def container_or_none(ckpt: Checkpoint) -> Exl3Container | None:
+    """The opened container, or None when `ckpt` is not an exl3-v1 container or was not opened as one."""
+    declared = declarations(ckpt)
+    return declared.container if declared is not None else None
 
 
 def expected_metadata(m: Manifest, layer: int) -> dict[str, str]:
@@ -55,14 +83,16 @@ def expected_metadata(m: Manifest, layer: int) -> dict[str, str]:
             "hidden_size": str(m.hidden), "intermediate_size": str(m.intermediate), "slot_channels": "32"}
 
 
-def fill_checkpoint(ckpt: Checkpoint, source: Any, files: dict[str, int], manifest_file: str, doc: Any, *,
-                    config_manifest: str | None = None) -> None:
-    """`doc` None: the directory has no `manifest_file`, only the other manifest config.json names."""
-    ckpt.parse_findings.extend(_config_manifest_findings(manifest_file, config_manifest, doc is None))
+def fill_checkpoint(ckpt: Checkpoint, source: Source, files: dict[str, int], manifest_file: str,
+                    declared: Exl3v1Declarations) -> None:
+    """The container read from `declared.manifest_doc` (the parsed `manifest_file`) into `ckpt`, kept as
+    `declared.container`; the document itself is dropped. No document: the directory has no `manifest_file`,
+    only the other manifest config.json names."""
+    doc, declared.manifest_doc = declared.manifest_doc, None
+    ckpt.parse_findings.extend(_config_manifest_findings(manifest_file, declared.config_manifest, doc is None))
     manifest, findings = parse_manifest(doc, manifest_file) if doc is not None else (None, [])
     ckpt.parse_findings.extend(findings)
-    box = Exl3Container(manifest_file, manifest)
-    ckpt.declared["exl3v1"] = box
+    box = declared.container = Exl3Container(manifest_file, manifest)
     if manifest is None:
         return
     ckpt.hidden, ckpt.intermediate, ckpt.num_experts = manifest.hidden, manifest.intermediate, manifest.num_experts
@@ -90,10 +120,9 @@ def _config_manifest_findings(manifest_file: str, named: str | None, missing: bo
                     manifest_file, named)]
 
 
-def _read_layer_header(ckpt: Checkpoint, source: Any, files: dict[str, int], layer: Exl3Layer) -> None:
+def _read_layer_header(ckpt: Checkpoint, source: Source, files: dict[str, int], layer: Exl3Layer) -> None:
     where = Location(file=layer.file, layer=layer.index)
-    escapes = getattr(source, "escapes", None)
-    if escapes is not None and escapes(layer.file):
+    if source.escapes(layer.file):
         ckpt.parse_findings.append(error("path.escape", where, "the layer file resolves outside the checkpoint "
                                          "directory (symlink)"))
         return
@@ -112,8 +141,9 @@ def _read_layer_header(ckpt: Checkpoint, source: Any, files: dict[str, int], lay
     ckpt.headers[layer.file] = header
     layer.readable = True
     layer.metadata = header.metadata if isinstance(header.metadata, dict) else None
-    for name, e in header.tensors.items():
-        layer.tensors[name] = TensorRef(name, layer.file, e.dtype, e.shape, e.begin, e.end, header.data_start)
+    for name, entry in header.tensors.items():
+        layer.tensors[name] = TensorRef(name, layer.file, entry.dtype, entry.shape, entry.begin, entry.end,
+                                        header.data_start)
 
 
 def rate_table_shape(m: Manifest) -> tuple[int, int]:
@@ -127,6 +157,7 @@ def layer_rates(ckpt: Checkpoint, index: int) -> LayerRates | None:
     if m is None or index not in box.layers:
         return None
     if not m.pair_structure:
+        assert m.bits is not None  # the parser requires bits of uniform rates
         return uniform_rates(m.bits)
     if index not in box.rates:
         box.rates[index] = _read_rates(ckpt, m, box.layers[index])
@@ -148,17 +179,15 @@ def _read_rates(ckpt: Checkpoint, m: Manifest, layer: Exl3Layer) -> LayerRates |
     return LayerRates(None, tables[0], tables[1])
 
 
-def local_file(ckpt: Checkpoint, ref: TensorRef) -> bool:
-    """True when the file's bytes are on this machine (a local directory, or a Hub file already cached)."""
-    if getattr(ckpt.source, "root", None) is not None:
-        return True
-    cached = getattr(ckpt.source, "cached_path", None)
-    return cached is not None and cached(ref.file) is not None
+def local_file(ckpt: Checkpoint, ref: TensorRef | None) -> bool:
+    """True when the file's bytes are on this machine (a local directory, or a Hub file already cached); a
+    remote layer file with no tensor to name it is not."""
+    return ckpt.source.root is not None or (ref is not None and ckpt.source.cached_path(ref.file) is not None)
 
 
 def finding_where(layer: Exl3Layer, tensor: str | None = None) -> Location:
     return Location(file=layer.file, layer=layer.index, tensor=tensor)
 
 
-__all__ = ["CODES", "Exl3Container", "Exl3Layer", "HIDDEN_TABLES", "METADATA_KEYS", "ROTATIONS", "container",
-           "expected_metadata", "fill_checkpoint", "layer_rates"]
+__all__ = ["CODES", "Exl3Container", "Exl3Layer", "Exl3v1Declarations", "HIDDEN_TABLES", "METADATA_KEYS", "ROTATIONS",
+           "container", "container_or_none", "declarations", "expected_metadata", "fill_checkpoint", "layer_rates"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.dialects.exl3v1.container import CODES, container, layer_rates
+from trellis_cli.dialects.exl3v1.container import CODES, container, container_or_none, layer_rates
 from trellis_cli.dialects.exl3v1.layout import hidden_table_bytes, rank_bytes, row_payloads, tp_degrees
 from trellis_cli.dialects.exl3v1.schema import SLOT_CHANNELS
 from trellis_cli.id_ranges import compact_ranges
@@ -102,10 +102,10 @@ def codes_tables(ckpt: Checkpoint) -> dict[str, tuple[int, int]]:
     """Layer file -> (where its codes table starts, the routed weights it encodes: E * 3 * H * I). The table
     mixes K per expert, so `inspect --tensors` gives it a bpw (bytes over weights) and no K; BTX names it
     `atoms`: the model knows it as codes."""
-    box = ckpt.declared.get("exl3v1")
-    m = box.manifest if box is not None else None
-    if m is None:
+    box = container_or_none(ckpt)
+    if box is None or box.manifest is None:
         return {}
+    m = box.manifest
     weights = m.num_experts * 3 * m.hidden * m.intermediate
     if not weights:
         return {}

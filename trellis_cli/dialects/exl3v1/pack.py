@@ -59,6 +59,7 @@ def read_extent_pack(m: Manifest, layer: Exl3Layer, rates: LayerRates, reader: "
     first, count = rank_extent(m, tp, rank)
     width, h16 = count * SLOT_CHANNELS, m.hidden // 16
     codes_ref, rot_ref = layer.ref(CODES), layer.ref(ROTATIONS)
+    assert codes_ref is not None and rot_ref is not None  # a layer the container's checks passed
     stride = codes_ref.shape[1]
     tiers = expert_tiers(m, rates, layer.index)
     g2c = torch.full((m.num_experts,), -1, dtype=torch.int32)
@@ -74,13 +75,13 @@ def read_extent_pack(m: Manifest, layer: Exl3Layer, rates: LayerRates, reader: "
         reader.read_into(rows_ref(codes_ref, first + j, stride), row)
         offsets = expert_offsets(m, rates, first + j)
         for e in range(m.num_experts):
-            t, local = split_descriptor(int(descriptors[int(g2c[e])]))
-            out = slabs[t][local]
+            tier, local_id = split_descriptor(int(descriptors[int(g2c[e])]))
+            expert_tiles = slabs[tier][local_id]
             for matrix in range(3):
                 for plane, tile in enumerate(slot_tiles(m, j)):
                     start, length = plane_span(m, rates, first + j, e, matrix, plane, offsets[e])
                     words = row[start:start + length].view(torch.int16).view(h16, -1)
-                    _native(out[matrix], matrix, h16, width)[_index(matrix, tile)] = words
+                    _native(expert_tiles[matrix], matrix, h16, width)[_index(matrix, tile)] = words
     rotations = torch.empty((count, m.num_experts, 3, SLOT_CHANNELS), dtype=torch.float16)
     reader.read_into(rows_ref(rot_ref, first, rot_ref.nbytes // m.num_slots, count), rotations)
     channels = torch.tensor([c for j in range(count) for c in slot_channels(m, j)])
@@ -115,6 +116,7 @@ def _hidden_rows(reader, layer: Exl3Layer, name: str, order, m: Manifest) -> "to
     import torch
 
     ref = layer.ref(name)
+    assert ref is not None  # a layer the container's checks passed
     table = torch.empty(ref.shape, dtype=torch.float16)
     reader.read_into(ref, table)
     return table[order].contiguous() if m.per_expert_input_rotations else table.reshape(1, m.hidden)
@@ -137,7 +139,7 @@ def pack_rows(m: Manifest, rates: LayerRates, pack: LayerPack, stride: int):
                     start, length = plane_span(m, rates, first + j, e, matrix, plane, offsets[e])
                     words = _native(source[matrix], matrix, h16, pack.intermediate)[_index(matrix, tile)]
                     row[start:start + length] = words.contiguous().view(-1).view(torch.uint8)
-        yield memoryview(row.numpy())
+        yield row.numpy().data
 
 
 def pack_rotations(m: Manifest, pack: LayerPack, out: "torch.Tensor") -> None:
@@ -228,7 +230,9 @@ def default_tp(ck: Checkpoint) -> int:
     # Lenient (bench needs only a TP); a conversion refuses a bad note through conversion_note before using it.
     note = ck.config.get(NOTE_KEY) if isinstance(ck.config, dict) else None
     tp = note.get("tp") if isinstance(note, dict) else None
-    allowed = tp_degrees(container(ck).manifest)
+    m = container(ck).manifest
+    assert m is not None  # an opened container that parsed
+    allowed = tp_degrees(m)
     if type(tp) is int and tp in allowed:
         return tp
     return max((tp for tp in allowed if tp <= DEFAULT_MAX_TP), default=1)

@@ -217,7 +217,9 @@ def _first_nonzero(ckpt: Checkpoint, ref, offset: int, length: int) -> int | Non
 def _sign_pattern(ckpt: Checkpoint, layer: Exl3Layer) -> Iterator[Finding]:
     from trellis_cli.checkpoint.tensors import read_tensor
 
-    values = read_tensor(ckpt, layer.ref(SIGN_PATTERN)).tolist()
+    ref = layer.ref(SIGN_PATTERN)
+    assert ref is not None  # checked usable by the caller
+    values = read_tensor(ckpt, ref).tolist()
     bad = [(e, v) for e, v in enumerate(values) if v > 7]
     if bad:
         yield error("exl3v1.sign-pattern", finding_where(layer, SIGN_PATTERN), f"{len(bad)} value(s) above 7; "

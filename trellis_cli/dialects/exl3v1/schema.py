@@ -143,7 +143,7 @@ def parse_manifest(doc: Any, file: str = MANIFEST_FILE) -> tuple[Manifest | None
     rates = _rates(p, top.get("rates"), codebook) if "rates" in top else None
     hadamard = _hadamard(p, top.get("hadamard"), geometry) if "hadamard" in top else None
     layout = _layout(p, top.get("layout"), geometry, rates) if "layout" in top else None
-    if None in (codebook, geometry, rates, hadamard, layout):
+    if codebook is None or geometry is None or rates is None or hadamard is None or layout is None:
         return None, p.findings
     manifest = Manifest(codebook=codebook, codebook_seed=top.get("codebook_seed"), **geometry, **rates,
                         **hadamard, **layout)
@@ -173,7 +173,7 @@ def _geometry(p: _Parser, value: Any) -> dict | None:
     if g is None:
         return None
     names = ("num_experts", "hidden_size", "intermediate_size", "slot_channels", "num_slots")
-    ints = {name: p.positive(g.get(name), f"geometry.{name}") for name in names if name in g}
+    ints: dict[str, Any] = {name: p.positive(g.get(name), f"geometry.{name}") for name in names if name in g}
     layers = _layer_indices(p, g.get("moe_layer_indices")) if "moe_layer_indices" in g else None
     if len(ints) < len(names) or None in ints.values() or layers is None:
         return None
@@ -221,7 +221,7 @@ def _rates(p: _Parser, value: Any, codebook: str | None) -> dict | None:
     if r is None:
         return None
     structure = r.get("structure")
-    allowed = CODEBOOK_BITS.get(codebook, range(2, 7))
+    allowed = CODEBOOK_BITS.get(codebook or "", range(2, 7))
     if structure == UNIFORM:
         if "pair_kinds" in r or "bits" not in r:
             p.bad("exl3v1.rates", "rates", "uniform declares bits and no pair_kinds", "bits only", sorted(r))

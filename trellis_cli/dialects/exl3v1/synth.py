@@ -64,6 +64,7 @@ def manifest_for(spec: SynthSpec) -> Manifest:
 
 def layer_rates(m: Manifest, spec: SynthSpec, layer: int) -> LayerRates:
     if not m.pair_structure:
+        assert m.bits is not None  # uniform rates declare their bits
         return LayerRates((m.bits << 4) | m.bits)
     row = tuple(k * 17 for k in spec.expert_k(layer))  # 0xKK
     table = (row,) * m.pairs
@@ -93,7 +94,7 @@ def _rows(m: Manifest, spec: SynthSpec, layer: int, rates: LayerRates, stride: i
         gen = _generator(spec.seed, layer, "exl3v1-codes", slot)
         row = torch.zeros(stride, dtype=torch.uint8)
         row[:payload] = torch.randint(0, 256, (payload,), dtype=torch.uint8, generator=gen)
-        yield memoryview(row.numpy())
+        yield row.numpy().data
 
 
 def write_exl3v1_checkpoint(out_dir: str | Path, spec: SynthSpec, progress: Callable[[int], None] | None = None,

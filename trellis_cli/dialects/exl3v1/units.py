@@ -5,7 +5,7 @@ and the tensors of its other safetensors files (dialects/units.py says what a un
 from __future__ import annotations
 
 from trellis_cli.checkpoint.model import Checkpoint, TensorRef
-from trellis_cli.dialects.exl3v1.container import container, layer_rates
+from trellis_cli.dialects.exl3v1.container import container, container_or_none, layer_rates
 from trellis_cli.dialects.units import OTHER, Key, Unit, header_tensors, named_units, pack_units, tensor_unit, where
 from trellis_cli.errors import CheckFailed, UsageError
 
@@ -29,7 +29,7 @@ def layer_file_tensors(ck: Checkpoint, layer: int) -> dict[Key, Unit]:
     """A layer file's tensors by name (codes, rotations, tables): how two exl3-v1 sides compare when their
     layer files are the same bytes, or when one cannot be read as TR3 ranks (several bit widths per expert,
     the intermediate Hadamard, another codebook)."""
-    box = ck.declared.get("exl3v1")
+    box = container_or_none(ck)
     found = box.layers.get(layer) if box is not None else None
     if found is None or not found.readable:
         return {}
@@ -38,7 +38,7 @@ def layer_file_tensors(ck: Checkpoint, layer: int) -> dict[Key, Unit]:
 
 def layer_files(ck: Checkpoint) -> dict[str, int]:
     """Layer file -> the MoE layer it holds."""
-    box = ck.declared.get("exl3v1")
+    box = container_or_none(ck)
     return {layer.file: index for index, layer in box.layers.items()} if box is not None else {}
 
 

@@ -11,9 +11,20 @@ checkpoints), `write` (the stream written back from rank slices). Its loader ver
 
 from __future__ import annotations
 
-from trellis_cli.checkpoint.model import DIALECT_TR3_PER_EXPERT
+from dataclasses import dataclass
+from typing import Any
+
+from trellis_cli.checkpoint.model import DIALECT_TR3_PER_EXPERT, Declarations
 from trellis_cli.dialects.glm53.contract import DIALECT_GLM53, SCOPE, quant_block, text_config
 from trellis_cli.dialects.interface import VLLM, VLLM_R7, CheckRequest, Dialect, DialectInfo, Probe
+
+
+@dataclass
+class Glm53Declarations(Declarations):
+    """The quantization block that declares the scope, and the file it is in."""
+
+    quantization: dict[str, Any]
+    declared_in: str  # "config.json" (embedded, what the loader reads) or "quantization_config.json"
 
 
 class Glm53StreamDialect(Dialect):
@@ -31,11 +42,11 @@ class Glm53StreamDialect(Dialect):
 
     def detect(self, probe: Probe) -> DialectInfo | None:
         block, where = quant_block(probe.config, probe.quant_config)
-        if block is None:
+        if block is None or where is None:
             return None
         codebook = block.get("codebook")
         return DialectInfo(DIALECT_GLM53, "per_expert_v1", 1, codebook if isinstance(codebook, str) else None,
-                           {"glm53_quantization": block, "glm53_declared_in": where})
+                           Glm53Declarations(block, where))
 
     def fill(self, ckpt, probe: Probe, info: DialectInfo) -> bool:
         from trellis_cli.dialects.glm53.container import fill_checkpoint

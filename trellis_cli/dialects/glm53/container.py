@@ -27,7 +27,7 @@ def fill_checkpoint(ckpt: Checkpoint, files: dict[str, int]) -> None:
     ckpt.intermediate = _positive(text.get("moe_intermediate_size"))
     ckpt.num_experts = _positive(text.get("n_routed_experts"))
     ckpt.tp = 1
-    ckpt.declared["inferred"] = []
+    ckpt.inferred = []
 
 
 def _read_headers(ckpt: Checkpoint, files: dict[str, int]) -> None:
@@ -52,7 +52,7 @@ def _read_index(ckpt: Checkpoint, files: dict[str, int]) -> None:
         return
     ckpt.index_file, weight_map, metadata = found
     ckpt.index = dict(weight_map)
-    ckpt.declared["index_metadata"] = metadata
+    ckpt.index_metadata = metadata
 
 
 def _build_layers(ckpt: Checkpoint) -> None:

@@ -9,6 +9,7 @@ docs/engines.md cite them. Plain data, torch-free.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from trellis_cli.id_ranges import CANONICAL_ID
 
@@ -70,7 +71,7 @@ def moe_layers(text: dict) -> list[int] | None:
     ones); None when a field is not a non-negative integer."""
     first, count, mtp = (text.get(k) for k in ("first_k_dense_replace", "num_hidden_layers",
                                                "num_nextn_predict_layers"))
-    values = (first, count, mtp if mtp is not None else 0)
+    values: tuple[Any, ...] = (first, count, mtp if mtp is not None else 0)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
         return None
     return list(range(values[0], values[1] + values[2]))

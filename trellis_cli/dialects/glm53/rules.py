@@ -152,7 +152,7 @@ def _linears(moe, li: int, h: int | None, i: int | None, k: int | None) -> Itera
 
 def check_markers(ckpt: Checkpoint, layers: list[int]) -> Iterator[Finding]:
     """The mcg markers' int32 values (0xCBAC1FED): read from local files, a few bytes each."""
-    if getattr(ckpt.source, "root", None) is None:
+    if ckpt.source.root is None:
         yield Finding("marker.not-read", Severity.INFO, Location(), "codebook marker values were not read (a remote "
                       "source is not downloaded): the loader refuses a wrong one at load")
         return

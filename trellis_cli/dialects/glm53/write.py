@@ -140,10 +140,11 @@ class StreamOutput:
     def _uniform_k(self, li: int) -> int:
         ks = {lin.k for projs in self.ck.layers[li].experts.values() for by_rank in projs.values()
               for lin in by_rank.values()}
-        if len(ks) != 1 or None in ks:
+        k = next(iter(ks)) if len(ks) == 1 else None
+        if k is None:
             raise UsageError(f"--to glm53-stream: layer {li} holds K {sorted(ks, key=str)}; the stream declares one "
                              "K (bits) for every expert")
-        return next(iter(ks))
+        return k
 
     def metadata(self, shard: str) -> dict[str, str] | None:
         """The stream file's own __metadata__: the TR3 shard of its name kept it (safetensors' default else)."""
@@ -157,6 +158,7 @@ class StreamOutput:
 
     def plan(self, shard: str) -> list[PlannedTensor]:
         ck = self.ck
+        assert ck.hidden is not None and ck.intermediate is not None  # a TR3 source's geometry, declared or read from its tensors
         out = [PlannedTensor(r.name, r.dtype, r.shape) for r in self.carried.get(shard, [])]
         for li, expert, proj in self.members[shard]:
             shapes = linear_shapes(ck.hidden, ck.intermediate, proj, self.k[li])

@@ -6,10 +6,11 @@ every linear (docs/checkpoint-dialects.md).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
+from trellis_cli.checkpoint.declared import Declared
 from trellis_cli.checkpoint.model import DIALECT_R7
-from trellis_cli.dialects.detect import r7_info
+from trellis_cli.dialects.r7.declared import R7Declarations, detect_r7
 from trellis_cli.dialects.interface import (EXLLAMAV3, VLLM, VLLM_R7, CheckRequest, Dialect, DialectInfo, Probe,
                                            ShardLayout)
 
@@ -32,13 +33,15 @@ class R7Dialect(Dialect):
                                "and tensor_storage only)"}
 
     def detect(self, probe: Probe) -> DialectInfo | None:
-        return r7_info(probe)
+        return detect_r7(probe)
 
-    def declarations(self, ckpt, info: DialectInfo, read_json, files: dict[str, int]) -> Any | None:
+    def declarations(self, ckpt, info: DialectInfo, read_json: Callable[[str], Any],
+                     files: dict[str, int]) -> Declared | None:
         """Its per-layer bit maps (r7_routed_experts)."""
-        from trellis_cli.checkpoint import declared as decl
+        from trellis_cli.dialects.r7.declared import k_declared
 
-        return decl.r7_declared(info.declared["r7_routed_experts"], read_json, files)
+        assert isinstance(info.declared, R7Declarations)
+        return k_declared(info.declared.routed_experts, read_json, files)
 
     def shard_layout(self, ckpt, layer) -> ShardLayout:
         return ShardLayout(r7_shared=bool(layer.r7_shared), k_declared_by="the R7 bit map", k_map_note=R7_MAPS_UNREAD)

@@ -18,7 +18,7 @@ def check_r7_maps(ckpt: Checkpoint) -> Iterator[Finding]:
         pk = layer.declared_projection_k
         if pk is None:
             continue
-        where = Location(file=ckpt.declared.get("k_source", {}).get(li), layer=li)
+        where = Location(file=ckpt.k_source.get(li), layer=li)
         if ckpt.num_experts and len(pk) != 3 * ckpt.num_experts:
             yield error("bitmap.length", where, "R7 map needs one K per (expert, projection)",
                         expected=3 * ckpt.num_experts, found=len(pk))

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H
-from trellis_cli.dialects.detect import route_pack_info
+from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_ROUTE_PACK, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H
+from trellis_cli.dialects.routepack.declared import detect_route_pack, manifest_of
 from trellis_cli.dialects.interface import (CONFIG, QUANT_CONFIG, VLLM, CheckRequest, Dialect, DialectInfo, Probe,
                                            read_json_or_none)
 
@@ -29,18 +29,19 @@ NOTE = ("tensor values not checked: the sha256 of every file matches the manifes
 
 
 class RoutePackDialect(Dialect):
-    name = DIALECT_REPACKED
+    name = DIALECT_ROUTE_PACK
     target = "route-pack"
     described_as = "a trellis route pack"
     writer = "trellis_cli.dialects.routepack.write"
     tensor_data = False  # every file's sha256 is compared with the manifest instead (NOTE)
     records_hashes = True
+    opens_from_listing = True  # manifest.json decides; the verifier owns config.json (a hashed file of the pack)
     container_notes = {VLLM: "a route pack is trellis' own layout (repack --to tr3 rebuilds the served one)"}
     converts_from = {DIALECT_TR3_PER_EXPERT: "tr3-to-route-pack", DIALECT_TR3_SHARED_H: "tr3-to-route-pack",
                      DIALECT_EXL3V1: "exl3-v1-to-route-pack"}
 
     def detect(self, probe: Probe) -> DialectInfo | None:
-        return route_pack_info(probe.files, probe.read_json)
+        return detect_route_pack(probe)
 
     def compared_layers(self, ckpt) -> list[int]:
         from trellis_cli.dialects.routepack.units import manifest_layers
@@ -69,13 +70,13 @@ class RoutePackDialect(Dialect):
 
     def model_facts(self, ckpt) -> dict[str, Any]:
         """Its geometry and rotation layout from the manifest (the model leaves them to the verifier)."""
-        manifest = ckpt.declared.get("manifest")
-        if not isinstance(manifest, dict):
+        manifest = manifest_of(ckpt)
+        if manifest is None:
             return {}
-        geometry = manifest.get("geometry") if isinstance(manifest.get("geometry"), dict) else {}
+        geometry: Any = manifest.get("geometry") if isinstance(manifest.get("geometry"), dict) else {}
         return dict(hidden=geometry.get("hidden"), intermediate=geometry.get("intermediate"),
                     num_experts=geometry.get("num_experts"),
-                    rotation_layout=MANIFEST_ROTATIONS.get(manifest.get("rotation"), ckpt.rotation_layout))
+                    rotation_layout=MANIFEST_ROTATIONS.get(str(manifest.get("rotation")), ckpt.rotation_layout))
 
     def declaration_documents(self, ckpt) -> dict[str, Any]:
         """config.json (carried beside the layer files when the model did not read it) and manifest.json."""
@@ -85,8 +86,9 @@ class RoutePackDialect(Dialect):
             docs[CONFIG] = config
         if ckpt.quant_config:
             docs[QUANT_CONFIG] = ckpt.quant_config
-        if isinstance(ckpt.declared.get("manifest"), dict):
-            docs["manifest.json"] = ckpt.declared["manifest"]
+        manifest = manifest_of(ckpt)
+        if manifest is not None:
+            docs["manifest.json"] = manifest
         return docs
 
     def weights_refusal(self, ckpt) -> str | None:
@@ -101,12 +103,12 @@ class RoutePackDialect(Dialect):
     def declared_layers(self, ckpt) -> list[int]:
         from trellis_cli.routepack.manifest import declared_layers
 
-        return declared_layers(ckpt.declared.get("manifest"))
+        return declared_layers(manifest_of(ckpt))
 
     def names_reported(self, ckpt) -> set[str]:
         """Every file its manifest lists: the verification against the manifest checks each (verify.py)."""
-        manifest = ckpt.declared.get("manifest")
-        files = manifest.get("files") if isinstance(manifest, dict) else None
+        manifest = manifest_of(ckpt)
+        files = manifest.get("files") if manifest is not None else None
         return {name for name in files if isinstance(name, str)} if isinstance(files, dict) else set()
 
     def hashes_by_default(self, ckpt) -> bool:

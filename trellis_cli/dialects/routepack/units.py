@@ -10,6 +10,7 @@ from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, TensorRef
 from trellis_cli.checkpoint.reader import shard_header
 from trellis_cli.dialects.units import (CODES, HIDDEN, INTERMEDIATE, Key, Span, Unit, header_tensors, named_units,
                                         native_shape, where)
+from trellis_cli.dialects.routepack.declared import manifest_of
 from trellis_cli.errors import CheckFailed
 from trellis_cli.formats.route_pack import (MAX_TIER_EXPERTS, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE,
                                             ROT_UP_SUH, layer_file_name, tier_trellis_name)
@@ -22,7 +23,7 @@ EXTRA_DIR = "extra/"  # where a route pack carries the source's non-expert tenso
 
 def manifest_layers(ck: Checkpoint) -> list[int]:
     """The MoE layers the manifest lists (its layer keys that are numbers)."""
-    layers = ck.declared.get("manifest", {}).get("layers")
+    layers = (manifest_of(ck) or {}).get("layers")
     return sorted(int(k) for k in layers if str(k).isdigit()) if isinstance(layers, dict) else []
 
 
@@ -30,11 +31,12 @@ def layer_units(ck: Checkpoint, layer: int, tp: int) -> dict[Key, Unit]:
     if tp != ck.tp:
         raise CheckFailed(f"{where(ck)} is a route pack at TP {ck.tp}; its ranks cannot be compared at TP "
                           f"{tp} (convert one side with `trellis repack --to tr3 --tp {tp}`)")
-    doc = ck.declared.get("manifest", {})
-    geometry = doc.get("geometry") or {}
+    doc = manifest_of(ck) or {}
+    geometry: Any = doc.get("geometry") or {}
     hidden, width = geometry.get("hidden"), geometry.get("intermediate_rank")
-    layers = doc.get("layers") if isinstance(doc.get("layers"), dict) else {}
-    tiers = layers.get(str(layer)).get("tiers") if isinstance(layers.get(str(layer)), dict) else None
+    layers: Any = doc.get("layers") if isinstance(doc.get("layers"), dict) else {}
+    entry = layers.get(str(layer))
+    tiers = entry.get("tiers") if isinstance(entry, dict) else None
     if not _multiple_of_16(hidden) or not _multiple_of_16(width) or not isinstance(tiers, list):
         raise CheckFailed(f"{where(ck)}: manifest.json has no usable geometry or tiers for layer {layer} "
                           f"(run `trellis validate`)")

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from trellis_cli.checkpoint.model import MIN_COUNT_LIMIT
+from trellis_cli.checkpoint.model import MIN_COUNT_LIMIT, Checkpoint
 from trellis_cli.errors import CheckFailed, SourceUnavailable
 from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, Report, error, error_summary, missing_ids, summary_finding, warning
 from trellis_cli.header import HeaderError, read_local_header
@@ -31,7 +31,7 @@ from trellis_cli.formats.route_pack import (
     tier_trellis_name, tier_trellis_shape,
 )
 from trellis_cli.dialects.routepack.manifest_shape import CONFIG_NAME, manifest_findings
-from trellis_cli.sources import LocalSource, read_json_file
+from trellis_cli.sources import LocalSource, SourceArg, read_json_file
 from trellis_cli.formats.safetensors_layout import check_shard
 
 # layer_file_name's form; bounded like manifest layer keys (ranks only by tp), so int() stays cheap
@@ -40,16 +40,18 @@ TABLE_DTYPES = {GLOBAL_TO_COMBINED: "I32", DESCRIPTORS: "I32", TIER_K: "I32", TI
                 ROT_INTERMEDIATE: "F16", ROT_GATE_SUH: "F16", ROT_UP_SUH: "F16", ROT_DOWN_SVH: "F16"}
 
 
-def route_pack_root(source: Any) -> Path:
-    """A directory from a path, a LocalSource, or a Checkpoint opened on one."""
+def route_pack_root(source: SourceArg | Checkpoint) -> Path:
+    """A directory from a path, a local Source, or a Checkpoint opened on one."""
     if isinstance(source, (str, Path)):
         return Path(source)
-    if hasattr(source, "dialect") and hasattr(source, "source"):
+    if isinstance(source, Checkpoint):
         source = source.source
-    return Path(source.root)
+    if source.root is None:
+        raise CheckFailed(f"{source.description}: a route pack is read from a local directory only")
+    return source.root
 
 
-def verify_route_pack(source: Any, *, check_hashes: bool = True,
+def verify_route_pack(source: SourceArg | Checkpoint, *, check_hashes: bool = True,
                     progress: Callable[[int], None] | None = None) -> Report:
     """Check schema, file hashes and sizes against the manifest, and every layer file's consistency.
     `progress(n)` is called with the bytes hashed as they are read."""
@@ -147,7 +149,8 @@ def _check_listed_file(pack: LocalSource, name: str, entry: dict, report: Report
                                      entry.get("size"), size))
         return True
     if check_hashes:  # the one comparison of recorded hashes (integrity.check_recorded)
-        recorded = RecordedHash(name, entry.get("sha256"), where, "repack.hash-mismatch",
+        sha256: Any = entry.get("sha256")  # checked as a digest by the manifest's shape rules
+        recorded = RecordedHash(name, sha256, where, "repack.hash-mismatch",
                                 "sha256 differs from the manifest", size)
         check_recorded(pack, [recorded], report, progress)
     report.count("files")
@@ -341,7 +344,7 @@ class _LayerChecks:
             start += len(ids)
 
 
-def describe_route_pack(source: Any) -> dict[str, Any]:
+def describe_route_pack(source: SourceArg | Checkpoint) -> dict[str, Any]:
     """What `trellis inspect` shows for a route pack: source, geometry, TP, per-layer tiers, files, bytes."""
     root = route_pack_root(source)
     doc, problems = mf.read_manifest(root)

@@ -21,6 +21,7 @@ from trellis_cli.routepack import carry
 from trellis_cli.routepack import manifest as mf
 from trellis_cli.routepack.layer_file import sync_file
 from trellis_cli.routepack.source_bytes import TensorReader
+from trellis_cli.sources import Source
 
 CONFIG = "config.json"
 REPACK_NOTE_KEY = "trellis_repack"  # config.json's note that the routed experts are in a route pack
@@ -61,7 +62,7 @@ def write_config(staged: StagedOutput, config: dict[str, Any], tp: int, rotation
     return mf.file_entry(staged.path / CONFIG, role="config")
 
 
-def source_record(source: Any, dialect: str, rotation_layout: str, tp: int, vector_ndim: dict[str, int],
+def source_record(source: Source, dialect: str, rotation_layout: str, tp: int, vector_ndim: dict[str, int],
                   files: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The manifest's `source`: where the pack came from (a local path made absolute) and its files' hashes."""
     record = dict(source.describe())

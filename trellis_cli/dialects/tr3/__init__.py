@@ -5,10 +5,11 @@ check them; repack writes them from a route pack, an exl3-v1 or another TR3 (doc
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_REPACKED, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H
-from trellis_cli.dialects.detect import tr3_info
+from trellis_cli.checkpoint.declared import Declared, layer_range
+from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_ROUTE_PACK, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H
+from trellis_cli.dialects.tr3.declared import Tr3Declarations, contract_of, detect_tr3
 from trellis_cli.dialects.glm53.contract import DIALECT_GLM53
 from trellis_cli.dialects.interface import (EXLLAMAV3, VLLM, VLLM_R7, CheckRequest, ContainerRefusal, Dialect,
                                            DialectInfo, Probe, ShardLayout)
@@ -29,12 +30,12 @@ class Tr3Dialect(Dialect):
         self.name = name
         self.shared_h = shared_h
         self.described_as = f"a {name}"
-        self.converts_from = {DIALECT_REPACKED: "route-pack-to-tr3", DIALECT_EXL3V1: "exl3-v1-to-tr3",
+        self.converts_from = {DIALECT_ROUTE_PACK: "route-pack-to-tr3", DIALECT_EXL3V1: "exl3-v1-to-tr3",
                               DIALECT_TR3_PER_EXPERT: "tr3-to-tr3", DIALECT_TR3_SHARED_H: "tr3-to-tr3",
                               DIALECT_GLM53: "glm53-stream-to-tr3"}
 
     def detect(self, probe: Probe) -> DialectInfo | None:
-        info = tr3_info(probe)
+        info = detect_tr3(probe)
         return info if info is not None and info.dialect == self.name else None
 
     def shard_layout(self, ckpt, layer) -> ShardLayout:
@@ -49,24 +50,23 @@ class Tr3Dialect(Dialect):
         return ShardLayout(rank_sliced=True, shared_h=self.shared_h, k_map_note=note,
                            k_declared_by="trellis_bits_by_layer's" if note else ShardLayout.k_declared_by)
 
-    def declarations(self, ckpt, info: DialectInfo, read_json, files: dict[str, int]) -> Any | None:
+    def declarations(self, ckpt, info: DialectInfo, read_json: Callable[[str], Any],
+                     files: dict[str, int]) -> Declared | None:
         """The contract's K per expert (bits, trellis_bits_by_layer or the tier bitmaps it names); every layer
         of moe_layers is a MoE layer, present or not."""
-        from trellis_cli.checkpoint import declared as decl
         from trellis_cli.checkpoint.model import MoeLayer
+        from trellis_cli.dialects.tr3.declared import k_declared
 
-        hybrid = info.declared.get("hybrid_tr3_tail")
-        if hybrid is None:
-            return None
-        found = decl.tr3_declared(hybrid, read_json, files, ckpt.count_limit)
-        for layer in decl.layer_range(hybrid.get("moe_layers"), ckpt.count_limit):
+        assert isinstance(info.declared, Tr3Declarations)
+        hybrid = info.declared.hybrid
+        found = k_declared(hybrid, read_json, files, ckpt.count_limit)
+        for layer in layer_range(hybrid.get("moe_layers"), ckpt.count_limit):
             ckpt.layers.setdefault(layer, MoeLayer(layer))
         return found
 
     def rank_sliced_contract(self, ckpt) -> dict[str, Any] | None:
         """config.json's hybrid_tr3_tail (detection took the checkpoint for TR3 only when it is an object)."""
-        hybrid = ckpt.declared.get("hybrid_tr3_tail")
-        return hybrid if isinstance(hybrid, dict) else None
+        return contract_of(ckpt)
 
     def bit_map_problems(self, ckpt) -> list[tuple[str, Any, Any]]:
         from trellis_cli.dialects.tr3.rules import bits_map_problems

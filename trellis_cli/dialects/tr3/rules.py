@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from trellis_cli.checkpoint.declared import bits_map_overrides, layer_range, layer_span, uniform_bits
+from trellis_cli.dialects.tr3.declared import contract_of
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, TENSOR_SCHEMA
-from trellis_cli.dialects.detect import QUANT_CONFIG
+from trellis_cli.dialects.interface import QUANT_CONFIG
 from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, error_summary, warning
 from trellis_cli.header import coerced_int, is_int
 
@@ -29,7 +30,7 @@ def _where(key: str) -> Location:
 
 def check_hybrid_contract(ckpt: Checkpoint) -> Iterator[Finding]:
     """Every rule of the declared hybrid_tr3_tail (none when the config holds none: detection said TR3 for it)."""
-    hybrid = ckpt.declared.get("hybrid_tr3_tail")
+    hybrid = contract_of(ckpt)
     if hybrid is None:
         return
     yield from _check_tr3_contract(hybrid, ckpt.count_limit)
@@ -86,7 +87,7 @@ def _check_mixed(h: dict, bits: str) -> Iterator[Finding]:
     if not coerced or not all(k is not None and k in MIXED_K_RANGE for k in coerced):
         yield error("config.tr3-k-values", _where("k_values"), "mixed bits need a non-empty k_values list within "
                     "3..6", found=k_values)
-    elif not all(is_int(k) for k in k_values):
+    elif not all(is_int(k) for k in k_values or []):
         yield _int_spelling("k_values", k_values)
     if not isinstance(h.get("bits_per_expert"), str):
         yield error("config.tr3-bits-per-expert", _where("bits_per_expert"), "mixed bits need a 'file.json:field' "
@@ -153,7 +154,7 @@ def check_bitmaps(ckpt: Checkpoint, h: dict) -> Iterator[Finding]:
     """Rule 10-11: per layer a list of experts_per_layer values, each a declared bitrate, each bitrate used."""
     experts = h.get("experts_per_layer")
     k_values = h.get("k_values") if isinstance(h.get("k_values"), list) else None
-    sources = ckpt.declared.get("k_source", {})
+    sources = ckpt.k_source
     for li, layer in ckpt.layers.items():
         ks = layer.declared_k
         if ks is None:

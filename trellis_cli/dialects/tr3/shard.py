@@ -77,7 +77,9 @@ def tensor_from_pack(spec: Tr3Layer, pack: LayerPack, planned: PlannedTensor, or
 
     kind, _rank, expert, p = (*origin, None, None)[:4]
     if kind == "marker":
-        return torch.tensor(MARKERS[spec.codebook][1], dtype=torch.int32)
+        marker = MARKERS[spec.codebook]
+        assert marker is not None  # planned only for a codebook with a marker
+        return torch.tensor(marker[1], dtype=torch.int32)
     tables = (pack.gate_suh, pack.up_suh, pack.down_svh)
     if kind == "shared":
         return _shared_row(tables[p], spec.layer, PROJECTIONS[p], pack.rank).reshape(planned.shape)

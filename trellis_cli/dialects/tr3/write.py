@@ -20,17 +20,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from trellis_cli.checkpoint.declared import TR3_MIXED_K, TR3_UNIFORM_K, layer_range
+from trellis_cli.checkpoint.declared import layer_range
 from trellis_cli.checkpoint.model import TensorRef
 from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, shard_name
 from trellis_cli.dialects.interface import StagedOutput
 from trellis_cli.dialects.routepack.write import REPACK_NOTE_KEY
+from trellis_cli.dialects.tr3.declared import TR3_MIXED_K, TR3_UNIFORM_K
 from trellis_cli.dialects.tr3.shard import check_tr3_shard, write_tr3_shard
 from trellis_cli.errors import UsageError
 from trellis_cli.header import read_local_header
 from trellis_cli.integrity import CHECKSUM_MANIFEST, write_manifest
 from trellis_cli.routepack import carry
 from trellis_cli.routepack.source_bytes import TensorReader
+from trellis_cli.sources import Source
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG = "config.json"
@@ -53,7 +55,7 @@ class Tr3Output:
     packs: Callable[[int, int], Any]  # (layer, rank) -> LayerPack
     shards: dict[str, list[int]]  # output shard -> its MoE layers
     carried: dict[str, list[TensorRef]]  # output shard -> non-expert tensors written after its layers
-    carried_source: Any  # the Source the carried refs are read from
+    carried_source: Source  # the Source the carried refs are read from
     metadata: dict[str, dict[str, str]]  # shard -> the __metadata__ its source had
     copied: dict[str, Path]  # written unchanged
     config: dict[str, Any]
