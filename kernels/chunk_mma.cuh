@@ -17,13 +17,9 @@ namespace trellis {
 // Large tiles (merged fp16 weights) keep W as B against 16-row A blocks: acc[r][n] holds routes
 // 16r .. 16r + 15 and features 8n .. 8n + 7 of the n tile, and `live` counts m16 blocks.
 // a_addr: this lane's ldmatrix address for k tile 0 (a_lane_address).
-// N / 2 n tiles per warp from `ntl` on (large tiles only: fc1_warp_ntiles): each A fragment read by ldmatrix
-// serves all of them, acc[r][2j + n] holding n tile ntl + j.
-template <int K, int CB, int R, int KT = 8, int N = 2>
+template <int K, int CB, int R, int KT = 8>
 __device__ __forceinline__ void chunk_mma(const uint32_t* run, int ntl, const LaneWindow& win, uint32_t a_addr,
-                                          int live, float (&acc)[R][N][4]) {
-  constexpr int NT = N / 2;
-  static_assert(N % 2 == 0 && (NT == 1 || !small_tile(R)), "small tiles take one n tile per warp");
+                                          int live, float (&acc)[R][2][4]) {
   constexpr int kAStride = a_stride(R, KT);
   // The lane's words of k tile 0; k tile kt is a constant offset away (folds into the LDS).
   const uint32_t* w0 = run + ntl * 8 * K + win.w0;
@@ -55,26 +51,15 @@ __device__ __forceinline__ void chunk_mma(const uint32_t* run, int ntl, const La
       }
       continue;
     }
-    uint32_t b[NT][4];
-    decode_fragments<K, CB>(t, win, b[0]);
-#pragma unroll
-    for (int j = 1; j < NT; ++j) {
-      TileWords tj;
-      tj.u0 = w0[kt * 64 * K + j * 8 * K];
-      tj.u1 = w1[kt * 64 * K + j * 8 * K];
-      tj.u2 = K >= 5 ? w2[kt * 64 * K + j * 8 * K] : 0u;
-      decode_fragments<K, CB>(tj, win, b[j]);
-    }
+    uint32_t b[4];
+    decode_fragments<K, CB>(t, win, b);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (r < live) {
         uint32_t af[4];
         ldmatrix_x4(af, a_addr + 2 * (r * 16 * kAStride + kt * 16));
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          mma_16816(acc[r][2 * j], af, b[j][0], b[j][1]);
-          mma_16816(acc[r][2 * j + 1], af, b[j][2], b[j][3]);
-        }
+        mma_16816(acc[r][0], af, b[0], b[1]);
+        mma_16816(acc[r][1], af, b[2], b[3]);
       }
     }
   }
@@ -130,12 +115,12 @@ __device__ __forceinline__ void for_each_small_acc(const float (&acc)[R][2][4], 
       }
 }
 
-template <int R, int N = 2>
-__device__ __forceinline__ void zero_acc(float (&acc)[R][N][4]) {
+template <int R>
+__device__ __forceinline__ void zero_acc(float (&acc)[R][2][4]) {
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int n = 0; n < N; ++n)
+    for (int n = 0; n < 2; ++n)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[r][n][i] = 0.f;
 }

@@ -42,16 +42,14 @@ __device__ __forceinline__ void rotate_direct_row(const TrellisMoeArgs& a, const
 template <int CB, int R, int K, bool FAST>
 __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk, int kc0, int chunks, int plane,
                          unsigned char* smem) {
-  constexpr int kStages = fc1_stages(R);
+  constexpr int kStages = fc1_stages(R, FAST);
   // The ring stages KT k tiles at a time: kSub staged chunks per 128-column chunk of the piece.
   constexpr int KT = fc1_chunk_tiles(R, FAST), kSub = 8 / KT;
   constexpr int kWeightWords = fc1_stage_weight_words(R, FAST), kAHalves = fc1_stage_a_halves(R, FAST);
-  // Warps per projection: 8 of one n tile, or 4 of two (fc1_warp_ntiles).
-  constexpr int NT = fc1_warp_ntiles(R), kThreads = fc1_threads(R), kProjWarps = 8 / NT;
   uint32_t* s_w = reinterpret_cast<uint32_t*>(smem);
   __half* s_a = reinterpret_cast<__half*>(smem + kStages * kWeightWords * 4);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int proj = warp / kProjWarps, ntl = (warp % kProjWarps) * NT;
+  const int proj = warp >> 3, ntl = warp & 7;
   const int n_tiles = a.intermediate >> 4;
   const size_t kt_stride = size_t(n_tiles) * 8 * K;
   const LaneWindow win = lane_window<K>(lane);
@@ -67,11 +65,11 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
     for (int st = 0; st < kStages; ++st) zero_dead_rows<R, KT>(s_a + st * kAHalves, 2, w.rows);
   // Small tiles use the streams; large tiles the register-lean issue (the objects a kernel does not use
   // are compiled away).
-  WeightStream<K, 2, kThreads, small_tile(R), KT> weight_stream(gate_w + size_t(kc0) * 8 * kt_stride, kt_stride,
+  WeightStream<K, 2, kFc1Threads, small_tile(R), KT> weight_stream(gate_w + size_t(kc0) * 8 * kt_stride, kt_stride,
                                                     size_t(up_w - gate_w), uint32_t(KT * kt_stride));
-  RowStream<R, 2, kThreads, small_tile(R), KT> row_stream(xrot + kc0 * 128 * kX, size_t(kX) * a.hidden,
+  RowStream<R, 2, kFc1Threads, small_tile(R), KT> row_stream(xrot + kc0 * 128 * kX, size_t(kX) * a.hidden,
                                                              size_t(2) * kX * a.hidden, direct ? 0 : w.rows);
-  const WeightIssue<K, 2, kThreads, KT> weights(kt_stride, size_t(up_w - gate_w));
+  const WeightIssue<K, 2, kFc1Threads, KT> weights(kt_stride, size_t(up_w - gate_w));
   const uint32_t w_ring = shared_address(s_w), a_ring = shared_address(s_a);
   auto issue_w = [&](int c, int stage) {
     if (small_tile(R)) weight_stream.issue_next(w_ring + stage * kWeightWords * 4);
@@ -80,11 +78,11 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   auto issue_a = [&](int c, int stage) {  // c: the staged chunk, of 16 * KT columns
     const int kc = kc0 * kSub + c;
     if (small_tile(R)) row_stream.issue_next(a_ring + stage * kAHalves * 2);
-    else issue_a_rows<R, 2, kThreads, !FAST, KT>(s_a + stage * kAHalves, xrot + kc * (16 * KT) * kX,
+    else issue_a_rows<R, 2, kFc1Threads, !FAST, KT>(s_a + stage * kAHalves, xrot + kc * (16 * KT) * kX,
                                                    xrot + kX * a.hidden + kc * (16 * KT) * kX,
                                                    size_t(2) * kX * a.hidden, w.rows);
   };
-  float acc[R][2 * NT][4];
+  float acc[R][2][4];
   zero_acc<R>(acc);
   // Direct mode: lanes 0, 8, 16 and 24 (route 0 of each ldmatrix matrix) read the resident row of this
   // projection, the others the zero row.
@@ -115,7 +113,7 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
     for_each_small_acc<R>(acc, lane, w.rows, [&](int row, int f, float v) {
       part[size_t(w.start + row) * 2 * a.intermediate + proj * a.intermediate + nt * 16 + f] = v;
     });
-  } else {  // acc[r][n][e]: route 16r + g + 8 (e / 2), features 8n + 2q + e % 2 of the warp's 16 NT
+  } else {  // acc[r][n][e]: route 16r + g + 8 (e / 2), features 8n + 2q + e % 2
 #pragma unroll
     for (int r = 0; r < R; ++r) {
 #pragma unroll
@@ -124,7 +122,7 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
         if (row >= w.rows) continue;
         float* dst = part + size_t(w.start + row) * 2 * a.intermediate + proj * a.intermediate + nt * 16 + 2 * q;
 #pragma unroll
-        for (int n = 0; n < 2 * NT; ++n)
+        for (int n = 0; n < 2; ++n)
           *reinterpret_cast<float2*>(dst + n * 8) = make_float2(acc[r][n][2 * h], acc[r][n][2 * h + 1]);
       }
     }
@@ -132,7 +130,7 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
 }
 
 template <int CB, int R, bool FAST>
-__global__ void __launch_bounds__(fc1_threads(R), (small_tile(R) && FAST) ? 2 : 1)
+__global__ void __launch_bounds__(kFc1Threads, (small_tile(R) && FAST) ? 2 : 1)
     fc1_kernel(const TrellisMoeArgs a, const Fc1Pieces pieces) {
   extern __shared__ __align__(16) unsigned char gemm_smem[];
   const int nchunks = a.intermediate >> 7;
@@ -151,10 +149,10 @@ __global__ void __launch_bounds__(fc1_threads(R), (small_tile(R) && FAST) ? 2 : 
 
 // The ring; for 16-row tiles at least direct mode's resident rows in place of its A part.
 __host__ __device__ constexpr int fc1_smem_bytes(int r, bool fast) {
-  return fc1_stages(r) * fc1_stage_weight_words(r, fast) * 4 +
-         2 * (r == 1 && kDirectRowHalves > fc1_stages(r) * fc1_stage_a_halves(r, fast)
+  return fc1_stages(r, fast) * fc1_stage_weight_words(r, fast) * 4 +
+         2 * (r == 1 && kDirectRowHalves > fc1_stages(r, fast) * fc1_stage_a_halves(r, fast)
                   ? kDirectRowHalves
-                  : fc1_stages(r) * fc1_stage_a_halves(r, fast));
+                  : fc1_stages(r, fast) * fc1_stage_a_halves(r, fast));
 }
 
 }  // namespace trellis

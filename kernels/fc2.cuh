@@ -63,15 +63,9 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_b
   constexpr int KT = fc2_chunk_tiles(R, FAST), kSub = 8 / KT;
   static_assert(KT == 8 || !small_tile(R), "small tiles' spans walk whole 128-column chunks");
   constexpr int kWeightWords = fc2_stage_weight_words(R, FAST), kAHalves = fc2_stage_a_halves(R, FAST);
-  // NT n tiles per warp (fc2_warp_ntiles): warp `warp` computes n tiles ntl .. ntl + NT - 1 of output block
-  // first_block + src. A CTA of NT = 2 holds both blocks' weights in each stage, the second block's after
-  // the first's; where H / 128 is odd the last CTA's second block is the first again, never stored.
-  constexpr int NT = fc2_warp_ntiles(R), kBlockWarps = 8 / NT;
   uint32_t* s_w = reinterpret_cast<uint32_t*>(smem);
   __half* s_a = reinterpret_cast<__half*>(smem + kFc2Stages * kWeightWords * 4);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int src = NT == 1 ? 0 : warp / kBlockWarps, ntl = NT == 1 ? warp : (warp % kBlockWarps) * NT;
-  const int blocks_here = NT == 1 ? 1 : min(NT, (a.hidden >> 7) - first_block);
   const int n_tiles = a.hidden >> 4;
   const size_t kt_stride = size_t(n_tiles) * 8 * K;
   LaneWindow win = lane_window<K>(lane);
@@ -87,7 +81,7 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_b
   WeightStream<K, 1, kFc2Threads, small_tile(R)> weight_stream(
       wsrc, kt_stride, 0, uint32_t(8 * kt_stride), int32_t(8 * 8 * K) - int32_t((block_chunks - 1) * 8 * kt_stride));
   RowStream<R, 1, kFc2Threads, small_tile(R)> row_stream(act, 0, size_t(kX) * a.intermediate, w.rows, block_chunks);
-  const WeightIssue<K, NT, kFc2Threads, KT> weights(kt_stride, blocks_here > 1 ? size_t(8 * 8 * K) : 0);
+  const WeightIssue<K, 1, kFc2Threads, KT> weights(kt_stride, 0);
   const uint32_t w_ring = shared_address(s_w), a_ring = shared_address(s_a);
   // Spans exist only where I/128 is a power of two (fc2_span), so the test needs no division; otherwise the
   // mask is all ones and no chunk ends a block early.
@@ -105,14 +99,14 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_b
                                                  size_t(kX) * a.intermediate, w.rows);
     }
   };
-  float acc[R][2 * NT][4];
+  float acc[R][2][4];
   zero_acc<R>(acc);
   uint32_t ring_lane = a_lane_address<R>(a_ring, lane);
   opaque(ring_lane);
   auto compute = [&](int c, int st) {
     const uint32_t a_addr =
         small_tile(R) ? ring_lane + 2 * st * kAHalves : a_lane_address<R, KT>(a_ring + 2 * st * kAHalves, lane);
-    chunk_mma<K, CB, R, KT>(s_w + st * kWeightWords + src * KT * 64 * K, ntl, win, a_addr, live, acc);
+    chunk_mma<K, CB, R, KT>(s_w + st * kWeightWords, warp, win, a_addr, live, acc);
   };
   // Small tiles: each block's epilogue, staged in the A rows of the stage its last chunk used (the ring is
   // still loading the next block into the other stages); the CTA's last block, with no copy in flight, at
@@ -139,7 +133,7 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_b
     __syncthreads();
   };
   staged_blocks<kFc2Stages, small_tile(R)>(span, block_chunks, issue_w, issue_a, wait, compute, finish);
-  if constexpr (!small_tile(R) && NT == 1) {  // one block: the epilogue takes the whole ring
+  if constexpr (!small_tile(R)) {  // one block: the epilogue takes the whole ring
     __syncthreads();
     float* s_o = reinterpret_cast<float*>(smem);
     const int g = lane >> 2, q = lane & 3;
@@ -155,46 +149,16 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_b
     }
     __syncthreads();
     store_down_rows(a, w, first_block, s_o, 0, w.rows);
-  } else if constexpr (!small_tile(R)) {  // one block at a time, each taking the whole ring
-    float* s_o = reinterpret_cast<float*>(smem);
-    const int g = lane >> 2, q = lane & 3;
-#pragma unroll
-    for (int b = 0; b < NT; ++b) {
-      if (b >= blocks_here) break;
-      __syncthreads();
-      if (src == b) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          if (r >= live) continue;
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int n = 0; n < 2 * NT; ++n)
-              *reinterpret_cast<float2*>(s_o + (r * 16 + g + 8 * h) * kOStride + ntl * 16 + n * 8 + 2 * q) =
-                  make_float2(acc[r][n][2 * h], acc[r][n][2 * h + 1]);
-        }
-      }
-      __syncthreads();
-      store_down_rows(a, w, first_block + b, s_o, 0, w.rows);
-    }
   }
 }
 
 // Grid (tiles, groups): blockIdx.x is the tile, blockIdx.y its group of `span` = (H/128) / gridDim.y output
-// blocks (always 1 for large tiles: the host sizes the grid), or of the fc2_warp_ntiles blocks that a compact
-// 128-row CTA computes side by side.
+// blocks (always 1 for large tiles: the host sizes the grid).
 template <int CB, int R, bool FAST>
-__global__ void __launch_bounds__(kFc2Threads, FAST && fc2_warp_ntiles(R) == 1 ? (small_tile(R) ? 4 : 2) : 1)
-    fc2_kernel(const TrellisMoeArgs a) {
+__global__ void __launch_bounds__(kFc2Threads, FAST ? (small_tile(R) ? 4 : 2) : 1) fc2_kernel(const TrellisMoeArgs a) {
   extern __shared__ __align__(16) unsigned char gemm_smem[];
   WorkTile w;
   if (!load_work_tile(a, blockIdx.x, w)) return;
-  if constexpr (fc2_warp_ntiles(R) > 1) {
-    with_k<FAST>(w.k, [&](auto k) {
-      fc2_body<CB, R, decltype(k)::value, FAST>(a, w, blockIdx.y * fc2_warp_ntiles(R), 1, gemm_smem);
-    });
-    return;
-  }
   const int span = (a.hidden >> 7) / gridDim.y;
   with_k<FAST>(w.k, [&](auto k) { fc2_body<CB, R, decltype(k)::value, FAST>(a, w, blockIdx.y * span, span, gemm_smem); });
 }

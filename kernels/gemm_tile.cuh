@@ -43,51 +43,30 @@ __host__ __device__ constexpr int a_stride(int r, int kt = 8) { return 16 * kt *
 // 128-row FC1 stage 64 columns at a time (96.5, 66 and 88 KB), the all-K 128-row FC1 32 (57 KB) and its FC2
 // 64 (79 KB). A chunk of the plan (fc1_split.cuh, FC2's blocks) is still 128 columns: these kernels walk it
 // in pieces.
+// The compact 128-row kernels (builds without wgmma): k tiles per staged chunk and stages of the ring, of
+// FC1 and FC2, for the K3/K4 (FAST) and the all-K kernels.
+struct CompactStaging {
+  int fc1_kt, fc1_stages, fc2_kt, fc2_stages;
+};
+__host__ __device__ constexpr CompactStaging compact_staging(bool fast) {
+  return fast ? CompactStaging{4, 2, 8, 2} : CompactStaging{2, 2, 4, 3};  // K3/K4 : all K
+}
 __host__ __device__ constexpr int fc1_chunk_tiles(int r, bool fast) {
 #ifdef TRELLIS_WGMMA
   return (void)r, (void)fast, 8;
 #else
-  return r > 2 ? (fast ? 4 : 2) : (fast ? 8 : 4);
-#endif
-}
-// n tiles of 16 features per FC1 warp. The K3/K4 and all-K 128-row FC1 of a build without wgmma give each
-// warp two, so one ldmatrix of A rows serves 4 MMAs instead of 2: 8 warps (255 registers each, the
-// accumulators of 128 rows x 32 features) instead of 16, the same weights decoded once per CTA, half the
-// shared-memory reads of A per MMA, which bound the 16-warp kernel (ldmatrix of 128 rows per n tile).
-#ifndef TRELLIS_COMPACT_FC1_NTILES
-#define TRELLIS_COMPACT_FC1_NTILES 2
-#endif
-#ifndef TRELLIS_COMPACT_FC2_NTILES
-#define TRELLIS_COMPACT_FC2_NTILES 2
-#endif
-__host__ __device__ constexpr int fc1_warp_ntiles(int r) {
-#ifdef TRELLIS_WGMMA
-  return (void)r, 1;
-#else
-  return r > 2 ? TRELLIS_COMPACT_FC1_NTILES : 1;
-#endif
-}
-// n tiles per FC2 warp, as FC1's (fc1_warp_ntiles): the 128-row FC2 of a build without wgmma gives each of its
-// 8 warps two n tiles of two 128-column output blocks (warps 0-3 the first, 4-7 the second), where the others
-// give each warp one n tile of one block. Its chunks are 64 columns (32 for all K) of both blocks' weights.
-__host__ __device__ constexpr int fc2_warp_ntiles(int r) {
-#ifdef TRELLIS_WGMMA
-  return (void)r, 1;
-#else
-  return r > 2 ? TRELLIS_COMPACT_FC2_NTILES : 1;
+  return r > 2 ? compact_staging(fast).fc1_kt : (fast ? 8 : 4);
 #endif
 }
 __host__ __device__ constexpr int fc2_chunk_tiles(int r, bool fast) {
 #ifdef TRELLIS_WGMMA
   return (void)r, (void)fast, 8;
 #else
-  return r <= 2 ? 8 : fc2_warp_ntiles(r) == 2 ? (fast ? 4 : 2) : (fast ? 8 : 4);
+  return r > 2 ? compact_staging(fast).fc2_kt : 8;
 #endif
 }
 constexpr int kOStride = 132;  // floats per epilogue row
 constexpr int kFc1Threads = 512;
-// Threads of an FC1 CTA: 16 warps of one n tile each, or 8 of two (fc1_warp_ntiles).
-__host__ __device__ constexpr int fc1_threads(int r) { return kFc1Threads / fc1_warp_ntiles(r); }
 constexpr int kFc2Threads = 256;
 
 struct WorkTile {

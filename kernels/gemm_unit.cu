@@ -49,9 +49,8 @@ template <int CB, int R, bool FAST>
 GemmKernels mma_sync_kernels(const TrellisMoeArgs& a) {
   using namespace trellis;
   const int span = fc2_span<R, FAST>(a, fc2_kernel<CB, R, FAST>);
-  return {fc1_kernel<CB, R, FAST>, fc2_kernel<CB, R, FAST>, fc1_threads(R), fc1_smem_bytes(R, FAST),
-          dim3(a.tile_capacity, (a.hidden / 128 / span + fc2_warp_ntiles(R) - 1) / fc2_warp_ntiles(R)), kFc2Threads,
-          fc2_smem_bytes(R, FAST)};
+  return {fc1_kernel<CB, R, FAST>, fc2_kernel<CB, R, FAST>, kFc1Threads, fc1_smem_bytes(R, FAST),
+          dim3(a.tile_capacity, a.hidden / 128 / span), kFc2Threads, fc2_smem_bytes(R, FAST)};
 }
 
 #ifdef TRELLIS_WGMMA  // sm_90a build: large tiles run on wgmma (expert_wgmma.cuh)

@@ -119,10 +119,9 @@ def test_every_k_on_128_row_tiles_under_sm80_limits(monkeypatch, codebook):
 @pytest.mark.parametrize("hidden", [1024, 640])
 @pytest.mark.parametrize("kernels, tier_k", [("k3k4", (3, 4)), ("all", (3, 5))])
 def test_compact_kernels_compute_the_bits_of_the_full_ones(kernels, tier_k, hidden):
-    """The compact 128-row kernels walk each 128-column chunk in smaller pieces, their warps two n tiles each
-    (FC2: two output blocks per CTA), adding the same products in the same order: on a layer whose I is no
-    multiple of 256 the wgmma build's 128-row tiles run the full mma.sync kernels, and both builds give the
-    same bits on one plan. H = 640 leaves the last FC2 CTA one output block of its two."""
+    """The compact 128-row kernels walk each 128-column chunk in smaller pieces, adding the same products in the
+    same order: on a layer whose I is no multiple of 256 the wgmma build's 128-row tiles run the full mma.sync
+    kernels, and both builds give the same bits on one plan (H = 640: an odd count of 128-column blocks)."""
     from trellis_cli.kernel.abi import default_library
     from trellis_cli.kernel.launch import FusedMoe
     from trellis_cli.kernel.plan import make_plan

@@ -50,21 +50,9 @@ def fc1_chunk_tiles(r: int, fast: bool, compact: bool) -> int:
 
 
 def fc2_chunk_tiles(r: int, fast: bool, compact: bool) -> int:
-    """k tiles per staged FC2 chunk (gemm_tile.cuh fc2_chunk_tiles): the 128-row FC2 of a library without wgmma
-    stages 4 (K3/K4) or 2 (all K) k tiles of its two output blocks, the others 8."""
-    return (4 if fast else 2) if compact and r > 2 else 8
-
-
-def fc2_warp_ntiles(r: int, compact: bool) -> int:
-    """n tiles per FC2 warp (gemm_tile.cuh fc2_warp_ntiles): 2 for the 128-row FC2 of a library without wgmma
-    (a CTA computes two output blocks), else 1."""
-    return 2 if compact and r > 2 else 1
-
-
-def fc1_threads(r: int, compact: bool) -> int:
-    """Threads of an FC1 CTA (gemm_tile.cuh fc1_threads): 16 warps of one n tile, or for the 128-row FC1 of a
-    library without wgmma 8 warps of two."""
-    return FC1_THREADS // 2 if compact and r > 2 else FC1_THREADS
+    """k tiles per staged FC2 chunk (gemm_tile.cuh fc2_chunk_tiles): 4 for the all-K 128-row FC2 of a library
+    without wgmma, else 8."""
+    return 4 if compact and r > 2 and not fast else 8
 
 
 def fc1_smem_bytes(r: int, fast: bool, compact: bool = False) -> int:
@@ -77,9 +65,8 @@ def fc1_smem_bytes(r: int, fast: bool, compact: bool = False) -> int:
 
 
 def fc2_smem_bytes(r: int, fast: bool, compact: bool = False) -> int:
-    kt, nt = fc2_chunk_tiles(r, fast, compact), fc2_warp_ntiles(r, compact)
-    stages = 2 if fast and nt == 1 else 3
-    ring = stages * (nt * kt * 64 * _max_k(fast) * 4 + r * 16 * _a_stride(r, kt) * 2)
+    kt = fc2_chunk_tiles(r, fast, compact)
+    ring = (2 if fast else 3) * (kt * 64 * _max_k(fast) * 4 + r * 16 * _a_stride(r, kt) * 2)
     return max(ring, r * 16 * O_STRIDE * 4)
 
 
@@ -122,10 +109,9 @@ def gemm_kernels(codebook: str, family: str, fast: bool, narrow: bool = False,
         return wgmma("fc1"), wgmma("fc2")
     r = ROWS_PER_FAMILY[family]
     fc1 = KernelShape(f"fc1_kernel<{codebook}, {16 * r} rows, {kset}>", ("fc1_kernel", (cb, r, int(fast))),
-                      fc1_threads(r, compact), fc1_smem_bytes(r, fast, compact), 2 if r <= 2 and fast else 1)
+                      FC1_THREADS, fc1_smem_bytes(r, fast, compact), 2 if r <= 2 and fast else 1)
     fc2 = KernelShape(f"fc2_kernel<{codebook}, {16 * r} rows, {kset}>", ("fc2_kernel", (cb, r, int(fast))),
-                      FC2_THREADS, fc2_smem_bytes(r, fast, compact),
-                      (4 if r <= 2 else 2) if fast and fc2_warp_ntiles(r, compact) == 1 else 1)
+                      FC2_THREADS, fc2_smem_bytes(r, fast, compact), (4 if r <= 2 else 2) if fast else 1)
     return fc1, fc2
 
 
