@@ -234,12 +234,22 @@ __device__ __forceinline__ void issue_a_rows(__half* dst, const __half* src0, co
 }
 
 __host__ __device__ constexpr int max_k(bool fast) { return fast ? 4 : 8; }
-__host__ __device__ constexpr int fc1_stages(int r) { return r == 1 ? 3 : 2; }
+__host__ __device__ constexpr int fc1_stages(int r, bool fast) {
+#ifndef TRELLIS_WGMMA
+  if (r > 2) return compact_staging(fast).fc1_stages;
+#endif
+  return (void)fast, r == 1 ? 3 : 2;
+}
 // FC2 walks only I/128 chunks per output block (4 at I = 512). K3/K4 tiles keep 2 stages: large ones so
 // that two CTAs (16 warps) share an SM (one CTA of 8 warps per SM left the 128-row FC2 latency-bound),
 // 16-row ones so that an output block's 4 chunks start at stage 0 and a CTA can walk several blocks with
 // its stages known at compile time (fc2_body).
-__host__ __device__ constexpr int fc2_stages(int r, bool fast) { return fast ? 2 : 3; }
+__host__ __device__ constexpr int fc2_stages(int r, bool fast) {
+#ifndef TRELLIS_WGMMA
+  if (r > 2) return compact_staging(fast).fc2_stages;
+#endif
+  return (void)r, fast ? 2 : 3;
+}
 __host__ __device__ constexpr int fc1_stage_weight_words(int r, bool fast) {
   return 2 * fc1_chunk_tiles(r, fast) * 64 * max_k(fast);
 }

@@ -42,7 +42,7 @@ __device__ __forceinline__ void rotate_direct_row(const TrellisMoeArgs& a, const
 template <int CB, int R, int K, bool FAST>
 __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk, int kc0, int chunks, int plane,
                          unsigned char* smem) {
-  constexpr int kStages = fc1_stages(R);
+  constexpr int kStages = fc1_stages(R, FAST);
   // The ring stages KT k tiles at a time: kSub staged chunks per 128-column chunk of the piece.
   constexpr int KT = fc1_chunk_tiles(R, FAST), kSub = 8 / KT;
   constexpr int kWeightWords = fc1_stage_weight_words(R, FAST), kAHalves = fc1_stage_a_halves(R, FAST);
@@ -149,10 +149,10 @@ __global__ void __launch_bounds__(kFc1Threads, (small_tile(R) && FAST) ? 2 : 1)
 
 // The ring; for 16-row tiles at least direct mode's resident rows in place of its A part.
 __host__ __device__ constexpr int fc1_smem_bytes(int r, bool fast) {
-  return fc1_stages(r) * fc1_stage_weight_words(r, fast) * 4 +
-         2 * (r == 1 && kDirectRowHalves > fc1_stages(r) * fc1_stage_a_halves(r, fast)
+  return fc1_stages(r, fast) * fc1_stage_weight_words(r, fast) * 4 +
+         2 * (r == 1 && kDirectRowHalves > fc1_stages(r, fast) * fc1_stage_a_halves(r, fast)
                   ? kDirectRowHalves
-                  : fc1_stages(r) * fc1_stage_a_halves(r, fast));
+                  : fc1_stages(r, fast) * fc1_stage_a_halves(r, fast));
 }
 
 }  // namespace trellis

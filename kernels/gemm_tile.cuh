@@ -43,18 +43,26 @@ __host__ __device__ constexpr int a_stride(int r, int kt = 8) { return 16 * kt *
 // 128-row FC1 stage 64 columns at a time (96.5, 66 and 88 KB), the all-K 128-row FC1 32 (57 KB) and its FC2
 // 64 (79 KB). A chunk of the plan (fc1_split.cuh, FC2's blocks) is still 128 columns: these kernels walk it
 // in pieces.
+// The compact 128-row kernels (builds without wgmma): k tiles per staged chunk and stages of the ring, of
+// FC1 and FC2, for the K3/K4 (FAST) and the all-K kernels.
+struct CompactStaging {
+  int fc1_kt, fc1_stages, fc2_kt, fc2_stages;
+};
+__host__ __device__ constexpr CompactStaging compact_staging(bool fast) {
+  return fast ? CompactStaging{4, 2, 8, 2} : CompactStaging{2, 2, 4, 3};  // K3/K4 : all K
+}
 __host__ __device__ constexpr int fc1_chunk_tiles(int r, bool fast) {
 #ifdef TRELLIS_WGMMA
   return (void)r, (void)fast, 8;
 #else
-  return r > 2 ? (fast ? 4 : 2) : (fast ? 8 : 4);
+  return r > 2 ? compact_staging(fast).fc1_kt : (fast ? 8 : 4);
 #endif
 }
 __host__ __device__ constexpr int fc2_chunk_tiles(int r, bool fast) {
 #ifdef TRELLIS_WGMMA
   return (void)r, (void)fast, 8;
 #else
-  return r > 2 && !fast ? 4 : 8;
+  return r > 2 ? compact_staging(fast).fc2_kt : 8;
 #endif
 }
 constexpr int kOStride = 132;  // floats per epilogue row

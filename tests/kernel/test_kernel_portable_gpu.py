@@ -116,11 +116,12 @@ def test_every_k_on_128_row_tiles_under_sm80_limits(monkeypatch, codebook):
     check_call(moe, EVERY_K, 512)
 
 
+@pytest.mark.parametrize("hidden", [1024, 640])
 @pytest.mark.parametrize("kernels, tier_k", [("k3k4", (3, 4)), ("all", (3, 5))])
-def test_compact_kernels_compute_the_bits_of_the_full_ones(kernels, tier_k):
+def test_compact_kernels_compute_the_bits_of_the_full_ones(kernels, tier_k, hidden):
     """The compact 128-row kernels walk each 128-column chunk in smaller pieces, adding the same products in the
     same order: on a layer whose I is no multiple of 256 the wgmma build's 128-row tiles run the full mma.sync
-    kernels, and both builds give the same bits on one plan."""
+    kernels, and both builds give the same bits on one plan (H = 640: an odd count of 128-column blocks)."""
     from trellis_cli.kernel.abi import default_library
     from trellis_cli.kernel.launch import FusedMoe
     from trellis_cli.kernel.plan import make_plan
@@ -128,7 +129,7 @@ def test_compact_kernels_compute_the_bits_of_the_full_ones(kernels, tier_k):
     production = default_library("mcg", kernels=kernels)
     if not production.wgmma:
         pytest.skip("needs a GPU with wgmma (sm_90) for the full kernels beside the compact ones")
-    preset = Preset("odd-i", 1024, 384, 16, 8, "mcg", (12, 4), tier_k, 1)
+    preset = Preset("odd-i", hidden, 384, 16, 8, "mcg", (12, 4), tier_k, 1)
     pack = synthetic_pack(preset, device="cuda", seed=11)
     full, compact = FusedMoe(pack, production), FusedMoe(pack, portable_build("mcg", kernels))
     m = 512

@@ -109,6 +109,20 @@ def test_every_k_plans_on_the_archs_without_wgmma(arch: str):
             assert not refused and {16, 32} <= tiles, (arch, fast, codebook)
 
 
+@pytest.mark.parametrize("arch", sorted(ARCH_TABLE))
+def test_every_k_from_2_to_6_plans_on_every_arch(arch: str):
+    """A layer of K3 and each K from 2 to 6 takes the kernel set that serves it (K3/K4 or all K) and plans every
+    M up to 8192 on every arch, each kernel of the plan within the arch's limits, 128-row tiles at large M."""
+    from trellis_cli.kernel.build import kernels_for
+
+    ms = (1, 8, 64, 512, 1024, 3072, 8192)
+    for k in range(2, 7):
+        fast = kernels_for((3, k)) == "k3k4"
+        assert fast == (k in (3, 4))
+        tiles, refused = walk(arch, ms, fast, "mcg", GEOMETRIES[0])
+        assert not refused and 16 in tiles and 128 in tiles, (arch, k, tiles)
+
+
 def test_forced_tile_that_does_not_fit_is_refused_naming_arch_limit_and_kernel():
     with pytest.raises(KernelDoesNotFit) as err:  # a library with wgmma: the full 128-row FC1
         make_plan(3072, 8, 6144, 512, 256, m_tile=128, wgmma=True, limits=ARCH_TABLE["sm_120"])
