@@ -13,13 +13,13 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.dialects.exl3v1.schema import MANIFEST_FILE as EXL3V1_MANIFEST
 from trellis_cli.dialects.interface import VLLM_MANIFEST
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import Location
 from trellis_cli.validate.engine_rules import Refusal, container_refusal
 from trellis_cli.validate.engine_stamps import STAMP, embedded, text_config
 
+EXL3V1_MANIFEST = "exl3-manifest.json"  # the one container file name this loader opens (b12x's reader's)
 DENSE_FORMAT = "mxfp8"
 BF16_REQUIRED = ("g_proj", "f_a_proj", "f_b_proj", "b_proj", "kv_b_proj")  # kept in BF16, listed as ignored
 MXFP8_REQUIRED = ("q_proj", "k_proj", "v_proj")  # never in ignored_layers
