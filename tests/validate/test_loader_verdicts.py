@@ -421,8 +421,8 @@ CASES: dict[str, Case] = {
                           "bit_map_manifests; Exl3MoEMethod._prepare_r7_graph_weights and _r7_projection_tiers take "
                           "K from each trellis shape", "bitmap.length"),
     "r7/map-k-value": Case(R7_MAP_K7, "vllm-exl3-r7", 2, None,
-                           f"{VR7} Exl3MoEMethod._r7_projection_tiers checks the shapes' K against k_values, not "
-                           "the bit maps", "bitmap.k-value"),
+                           f"{VR7} Exl3MoEMethod._prepare_r7_graph_weights and _r7_projection_tiers check the "
+                           "shapes' K against k_values, not the bit maps", "bitmap.k-value"),
     "r7/map-not-json": Case(R7_MAP_NOT_JSON, "vllm-exl3-r7", 2, None,
                             f"{VR7} Exl3Config.maybe_update_config opens quantization_config.json and the "
                             "bits_per_expert file only", "bitmap.unreadable"),
