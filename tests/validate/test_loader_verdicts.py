@@ -205,6 +205,21 @@ def r7_map_disagrees(t: Path) -> Path:
     return root
 
 
+def r7_map_written(text: Callable[[list], str]) -> Callable[[Path], Path]:
+    """An R7 checkpoint whose layer-3 bit map is rewritten as `text(the map it had)`."""
+    def build(t: Path) -> Path:
+        root = to_r7_v2(tiny_checkpoint(t, tp=1))
+        manifest = root / "r7-experts-layer-003.json"
+        manifest.write_text(text(json.loads(manifest.read_text())))
+        return root
+    return build
+
+
+R7_MAP_TOO_LONG = r7_map_written(lambda ks: json.dumps(ks + [4]))
+R7_MAP_K7 = r7_map_written(lambda ks: json.dumps([7] + ks[1:]))
+R7_MAP_NOT_JSON = r7_map_written(lambda ks: json.dumps(ks)[:-1])
+
+
 # ---- the cases, by class of issue 47 ------------------------------------------------------------------------
 
 CASES: dict[str, Case] = {
@@ -400,6 +415,17 @@ CASES: dict[str, Case] = {
     "r7/map-disagrees": Case(r7_map_disagrees, "vllm-exl3-r7", 2, None,
                              f"{VR7} Exl3MoEMethod.process_weights_after_loading: K from each trellis shape; the "
                              "bit maps are not read", "tensor.k-mismatch"),
+    # issue 52: a malformed R7 bit map is no refusal either: no loader reads bit_map_manifests (a warning names it)
+    "r7/map-length": Case(R7_MAP_TOO_LONG, "vllm-exl3-r7", 2, None,
+                          f"{VR7} Exl3Config.from_config keeps r7_routed_experts as given, never opening "
+                          "bit_map_manifests; Exl3MoEMethod._prepare_r7_graph_weights and _r7_projection_tiers take "
+                          "K from each trellis shape", "bitmap.length"),
+    "r7/map-k-value": Case(R7_MAP_K7, "vllm-exl3-r7", 2, None,
+                           f"{VR7} Exl3MoEMethod._prepare_r7_graph_weights and _r7_projection_tiers check the "
+                           "shapes' K against k_values, not the bit maps", "bitmap.k-value"),
+    "r7/map-not-json": Case(R7_MAP_NOT_JSON, "vllm-exl3-r7", 2, None,
+                            f"{VR7} Exl3Config.maybe_update_config opens quantization_config.json and the "
+                            "bits_per_expert file only", "bitmap.unreadable"),
     "bits-map/shared-h-refuses": Case(tr3_hybrid({"trellis_bits_by_layer": {"3": 4, "4": 4}}),
                                       "vllm-exl3-shared-h", 2, "engine.bits-map",
                                       f"{VSHARED} _configure_rank_sliced: no trellis_bits_by_layer with bits mixed"),
@@ -498,6 +524,25 @@ def test_r7_without_bit_maps_loads_as_the_r7_loader_reads_k_from_shapes(tmp_path
     code, doc = _validate(root, Case(lambda t: t, "vllm-exl3-r7", 2, None, ""), capsys)
     warned = {f["code"] for f in doc["findings"] if f["severity"] == "warning"}
     assert code == 0 and "bitmap.reference" in warned
+
+
+@pytest.mark.parametrize("build, code, wrong", [(R7_MAP_TOO_LONG, "bitmap.length", "found 25"),
+                                                (R7_MAP_K7, "bitmap.k-value", "found ['7']"),
+                                                (R7_MAP_NOT_JSON, "bitmap.unreadable", "")])
+def test_a_malformed_r7_bit_map_loads_on_r7_and_the_warning_names_the_file(build, code, wrong, tmp_path, capsys):
+    """No loader reads the R7 bit maps: the verdict is "loads on R7", and the warning says which map is wrong."""
+    root = build(tmp_path)
+    code_, out, _ = run_cli(capsys, "validate", str(root), "--engine", "vllm-exl3-r7", "--tp", "2", "--json")
+    doc = json.loads(out)
+    verdict = next(v for v in doc["engines"] if v["name"] == "vllm-exl3-r7")
+    assert code_ == 0 and verdict["loads"] and not [f for f in doc["findings"] if f["severity"] == "error"]
+    warned = [f for f in doc["findings"] if f["code"] == code]
+    assert len(warned) == 1 and warned[0]["severity"] == "warning"
+    assert warned[0]["location"]["file"] == "r7-experts-layer-003.json"
+    assert "does not read" in warned[0]["message"] or "no loader reads" in warned[0]["message"]
+    code_, out, _ = run_cli(capsys, "validate", str(root), "--engine", "vllm-exl3-r7", "--tp", "2")
+    assert code_ == 0 and code in out and "r7-experts-layer-003.json" in out and wrong in out
+    assert "vllm-exl3 (R7 rules) ✓" in out.strip().splitlines()[-1]
 
 
 def _planned_extents(num_slots: int, alignment: int, layer_position: int, tp: int) -> list[tuple[int, int]]:

@@ -14,7 +14,7 @@ from trellis_cli.checkpoint.model import DIALECT_R7, Declarations
 from trellis_cli.checkpoint.names import PROJECTIONS_BY_INDEX
 from trellis_cli.dialects.interface import DialectInfo, Probe
 from trellis_cli.errors import CheckFailed, SourceUnavailable
-from trellis_cli.findings import Location, error, warning
+from trellis_cli.findings import Location, warning
 from trellis_cli.header import is_int
 from trellis_cli.id_ranges import parse_id
 
@@ -35,6 +35,10 @@ def detect_r7(probe: Probe) -> DialectInfo | None:
     return DialectInfo(DIALECT_R7, "r7_shared", 1, probe.quant_codebook(), R7Declarations(r7))
 
 
+# Every problem of an R7 bit map is a warning: no loader reads these files (the R7 loader takes each K from the
+# trellis shape), so a broken map leaves its layer without a declared K, not unloadable.
+UNREAD_NOTE = " (the R7 loader does not read it; its layer has no declared K)"
+
 _MANIFEST_LAYER = re.compile(r"layer-([0-9]+)")  # a file name: zero-padded, ASCII
 
 
@@ -54,19 +58,20 @@ def k_declared(r7: dict[str, Any], read_json: Callable[[str], Any], files: dict[
         m = _MANIFEST_LAYER.search(str(name))
         if name not in files or m is None:
             out.findings.append(warning("bitmap.missing", Location(file=str(name)), "R7 bit map manifest not "
-                                        "found (the R7 loader does not read it; its layer has no declared K)"))
+                                        "found" + UNREAD_NOTE))
             continue
         try:
             data = read_json(name)
         except (CheckFailed, SourceUnavailable) as e:
-            out.findings.append(error("bitmap.unreadable", Location(file=name), str(e).split(": ", 1)[-1]))
+            out.findings.append(warning("bitmap.unreadable", Location(file=name), str(e).split(": ", 1)[-1]
+                                        + UNREAD_NOTE))
             continue
         layer: Any = data.get("layer", m.group(1)) if isinstance(data, dict) else m.group(1)
         if isinstance(layer, str) and layer.isascii() and layer.isdecimal():
             layer = int(layer)  # a value (the file's own "layer"), not a key looked up: padding allowed
         if not is_int(layer) or layer < 0:  # the file's own "layer" wins over its name, so it must be a number
-            out.findings.append(error("bitmap.unreadable", Location(file=name), "\"layer\" is not a layer number",
-                                      "a decimal layer index", repr(layer)[:60]))
+            out.findings.append(warning("bitmap.unreadable", Location(file=name), "\"layer\" is not a layer "
+                                        "number" + UNREAD_NOTE, "a decimal layer index", repr(layer)[:60]))
             continue
         out.projection_k[layer] = _r7_map(data)
         out.k_source[layer] = name
