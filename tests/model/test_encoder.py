@@ -56,7 +56,11 @@ def check_encoder(golden, cb_id: int, k: int, tiles: int) -> None:
     assert torch.equal(decoded.view(torch.int16), mine.view(torch.int16))
 
 
-@pytest.mark.parametrize(("cb_id", "k"), ALL_CONFIGS)
+# About 2.5 s each: the unit loop keeps the production widths (K3, K4) of every codebook, the full suite walks all.
+VITERBI_CONFIGS = [pytest.param(cb, k, marks=() if k in (3, 4) else pytest.mark.slow) for cb, k in ALL_CONFIGS]
+
+
+@pytest.mark.parametrize(("cb_id", "k"), VITERBI_CONFIGS)
 def test_viterbi_matches_or_beats_exllamav3_on_four_tiles(golden, cb_id, k):
     check_encoder(golden, cb_id, k, tiles=4)
 
