@@ -37,6 +37,14 @@ class Exl3Layer:
     def ref(self, name: str) -> TensorRef | None:
         return self.tensors.get(name)
 
+    def required(self, name: str) -> TensorRef:
+        """The tensor `name` of this layer file, for code past the container's checks (which report a missing one);
+        CheckFailed naming the file and tensor if it is absent all the same."""
+        ref = self.tensors.get(name)
+        if ref is None:
+            raise CheckFailed(f"{self.file}: {name}: not in the layer file")
+        return ref
+
 
 @dataclass
 class Exl3Container:
