@@ -79,6 +79,15 @@ def container(ckpt: Checkpoint) -> Exl3Container:
     return box
 
 
+def parsed_manifest(ckpt: Checkpoint) -> Manifest:
+    """The manifest of an opened exl3-v1 (or BTX) container, for code past validation (which reports one that did
+    not parse); CheckFailed naming the file if it did not all the same."""
+    box = container(ckpt)
+    if box.manifest is None:
+        raise CheckFailed(f"{box.manifest_file}: the manifest cannot be read (trellis validate says why)")
+    return box.manifest
+
+
 def container_or_none(ckpt: Checkpoint) -> Exl3Container | None:
     """The opened container, or None when `ckpt` is not an exl3-v1 container or was not opened as one."""
     declared = declarations(ckpt)
