@@ -21,8 +21,16 @@ from trellis_cli.codebooks import BY_NAME, NAMES
 from trellis_cli.errors import CheckFailed
 
 CODEBOOKS = NAMES
-MCG_MULTIPLIER = BY_NAME["mcg"].multiplier
-MUL1_MULTIPLIER = BY_NAME["mul1"].multiplier
+
+
+def _multiplier(name: str) -> int:
+    value = BY_NAME[name].multiplier
+    assert value is not None  # a procedural codebook: it has a multiplier
+    return value
+
+
+MCG_MULTIPLIER = _multiplier("mcg")
+MUL1_MULTIPLIER = _multiplier("mul1")
 MAX_K = 8
 TILE = 16
 HADAMARD_BLOCK = 128

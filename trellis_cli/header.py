@@ -20,7 +20,7 @@ import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 # The Hub's own parser refuses headers above 25 MB; the safetensors reader above 100 MB. A production
 # MoE layer shard (12,288 tensors) has a header of about 1.5 MB.
@@ -377,7 +377,7 @@ def parse_header(file: str, header_bytes: bytes, header_len: int, file_size: int
     return Header(file=file, header_len=header_len, file_size=file_size, tensors=tensors, metadata=metadata)
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """A JSON integer: True for 3, False for 3.0 and for `true` (bool is an int subclass in Python)."""
     return type(value) is int
 

@@ -102,6 +102,7 @@ class SynthSpec:
             return (self.uniform_k,) * self.experts
         if self.bitmap is not None:
             return self.bitmap[layer]
+        assert self.partition is not None  # check_spec: exactly one of uniform_k, bitmap, partition
         low, high = self.k_values
         ids = list(range(self.experts))
         random.Random(f"partition:{self.seed}:{layer}").shuffle(ids)
@@ -114,6 +115,7 @@ class SynthSpec:
             return (self.uniform_k,)
         if self.partition is not None:
             return tuple(sorted({k for k, n in zip(self.k_values, self.partition) if n}))
+        assert self.bitmap is not None  # check_spec: exactly one of uniform_k, bitmap, partition
         return tuple(sorted({k for ks in self.bitmap.values() for k in ks}))
 
     @property
@@ -180,7 +182,7 @@ def _check_k_choice(spec: SynthSpec, bad: Callable[[str], UsageError]) -> None:
             if len(layer_ks) != spec.experts:
                 raise bad(f"bitmap layer {layer} has {len(layer_ks)} entries, expected experts {spec.experts}")
             ks |= set(layer_ks)
-    else:
+    elif spec.uniform_k is not None:  # the one left
         ks = {spec.uniform_k}
     if any(not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 8 for k in ks):
         raise bad(f"bitrates must be integers in 1..8, got {sorted(ks, key=str)}")
@@ -385,11 +387,12 @@ def _write_layer(path: Path, spec: SynthSpec, layer: int, source: TensorSource) 
     slots = list(_layer_slots(spec, layer))
     plan = [slot.tensor for slot in slots]
     marker = CODEBOOK_MARKERS[spec.codebook]
+    marker_value = 0 if marker is None else marker[1]  # read only where _layer_slots plans a marker
     with SafetensorsWriter(path, plan, {"format": "pt"}) as writer:
         if spec.sparse:  # holes for the data; the 4-byte codebook markers are real, as loaders read them
             for slot in slots:
                 if slot.origin[0] == "marker":
-                    writer.write(slot.tensor.name, torch.tensor(marker[1], dtype=torch.int32))
+                    writer.write(slot.tensor.name, torch.tensor(marker_value, dtype=torch.int32))
                 else:
                     writer.skip(slot.tensor.name)
             return plan, writer.data_bytes
@@ -403,7 +406,7 @@ def _write_layer(path: Path, spec: SynthSpec, layer: int, source: TensorSource) 
                     current, tensors = (expert, proj, rank), source.linear(layer, expert, proj, rank, k)
                 data = tensors[name]
             elif kind == "marker":
-                data = torch.tensor(marker[1], dtype=torch.int32)
+                data = torch.tensor(marker_value, dtype=torch.int32)
             else:
                 data = source.shared_h(layer, *where)
             _check_data(path.name, slot.tensor, data)

@@ -49,6 +49,7 @@ def load_bench_source(source: str | None, *, synthetic: str | None, partition: s
         pack = synthetic_pack(preset, parts, device=device, seed=seed)
         label = "/".join(str(p) for p in parts)
         return BenchSource(f"synthetic {preset.name} partition {label}", pack, "synthetic")
+    assert source is not None  # choose_source refuses neither SOURCE nor --synthetic
     path = Path(source)
     if path.is_dir() and _is_route_pack(path):
         return _route_pack(path, layer, rank, device)

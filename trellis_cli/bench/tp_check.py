@@ -11,6 +11,8 @@ Token counts: the single-GPU smoke's on a GPU, 1, 7 and 64 on CPU.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 
@@ -57,14 +59,17 @@ def check_m(plan: TpPlan, pack: LayerPack, runner, m: int, seed: int, device: to
         dist.all_reduce(slice_ref)  # the layer is its slices: their float64 sum is its reference
     if rank != 0:
         return []
-    whole = slice_ref if not plan.has_whole_layer else whole_layer_reference(plan, x, ids, weights)
-    worst = max(range(world), key=lambda r: slice_errors[r])
+    whole = whole_layer_reference(plan, x, ids, weights)
+    if whole is None:  # the layer is its rank slices
+        whole = slice_ref
+    errors = cast("list[float]", slice_errors)  # every rank sent its own
+    worst = max(range(world), key=lambda r: errors[r])
     value = rel_l2(reduced, whole)
     finite = bool(torch.isfinite(reduced).all())
     what = "the whole layer" if plan.has_whole_layer else "the sum of the rank slices"
     return [
-        Check("rank slice vs float64", f"M={m} worst rank {worst}", slice_errors[worst], limit,
-              slice_errors[worst] <= limit, f"per rank: {', '.join(f'{e:.2e}' for e in slice_errors)}"),
+        Check("rank slice vs float64", f"M={m} worst rank {worst}", errors[worst], limit,
+              errors[worst] <= limit, f"per rank: {', '.join(f'{e:.2e}' for e in errors)}"),
         Check(f"TP{world} all-reduce vs float64", f"M={m}", value, limit, finite and value <= limit,
               f"reference: {what}" + ("" if finite else "; non-finite output")),
     ]

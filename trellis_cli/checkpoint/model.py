@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from trellis_cli.codebooks import MCG_MARKER, MUL1_MARKER  # noqa: F401  (the marker values, re-exported)
+from trellis_cli.errors import CheckFailed
 from trellis_cli.header import TensorEntry
 
 if TYPE_CHECKING:
@@ -178,3 +179,10 @@ class Checkpoint:
     @property
     def intermediate_per_rank(self) -> int | None:
         return None if self.intermediate is None else self.intermediate // max(self.tp, 1)
+
+    def moe_sizes(self) -> tuple[int, int]:
+        """(hidden, intermediate) for code that reads expert data. The checks before it (validate, a repack's plan)
+        refuse a source that lacks either, so the refusal here is the last line of defence, not the first."""
+        if self.hidden is None or self.intermediate is None:
+            raise CheckFailed("the source declares no hidden or intermediate size")
+        return self.hidden, self.intermediate

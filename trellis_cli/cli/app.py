@@ -180,7 +180,7 @@ def hoist_global_flags(args: list[str]) -> list[str]:
     group = build_command()
     sub_index = next((i for i, a in enumerate(args) if not a.startswith("-")), None)
     command = getattr(group, "commands", {}).get(args[sub_index]) if sub_index is not None else None
-    if command is None:
+    if sub_index is None or command is None:
         return args
     # Duck-typed: typer may hand back click's classes or those of its vendored copy.
     takes_value = {name for param in command.params

@@ -20,8 +20,8 @@ from trellis_cli.diff.hashing import HEADER, SHA256, Hasher, storage_identity
 from trellis_cli.diff.result import (BYTES, DTYPE, ONLY_A, ONLY_B, SHAPE, DiffResult, LayerDiff, TensorDifference,
                                      TierChange)
 from trellis_cli.diff.structure import structure_changes
-from trellis_cli.diff.units import (CODES, OTHER, Key, Unit, layer_file_tensors, layer_units, moe_layers, native_tp,
-                                    other_units, read_tp)
+from trellis_cli.diff.units import (CODES, OTHER, Key, Span, Unit, layer_file_tensors, layer_units, moe_layers,
+                                    native_tp, other_units, read_tp)
 from trellis_cli.errors import CheckFailed, UsageError
 
 Progress = Callable[[int], None]
@@ -97,6 +97,13 @@ def _layer_file_pair(comparer: "_Comparer", layer: int, tp: int, raw_a: dict[Key
     return _layer_diff(a, b, layer, _unit_facts(units_a), _unit_facts(units_b), tally)
 
 
+def _stored(unit: Unit) -> Span:
+    """Where the bytes of a unit with no digest yet lie: only a unit rearranged in memory has no span, and it
+    carries its digest."""
+    assert unit.span is not None, "a unit without a span carries its digest"
+    return unit.span
+
+
 def compared_tp(a: Checkpoint, b: Checkpoint) -> int:
     ta, tb = native_tp(a), native_tp(b)
     if ta is not None and tb is not None:
@@ -138,11 +145,11 @@ class _Comparer:
                 else:
                     pending.append(key)
         if pending:
-            digests_a = self.hash_a.digests(units_a[k].span for k in pending if units_a[k].digest is None)
-            digests_b = self.hash_b.digests(units_b[k].span for k in pending if units_b[k].digest is None)
+            digests_a = self.hash_a.digests(_stored(units_a[k]) for k in pending if units_a[k].digest is None)
+            digests_b = self.hash_b.digests(_stored(units_b[k]) for k in pending if units_b[k].digest is None)
             for key in pending:
                 ua, ub = units_a[key], units_b[key]
-                da, db = ua.digest or digests_a[ua.span], ub.digest or digests_b[ub.span]
+                da, db = ua.digest or digests_a[_stored(ua)], ub.digest or digests_b[_stored(ub)]
                 if da == db:
                     self._identical(counts, SHA256)
                 else:

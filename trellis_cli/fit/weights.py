@@ -182,7 +182,7 @@ def _scan_tensors(ckpt: Checkpoint, arch: Arch, inv: Inventory,
             continue
         parsed = parse_expert_name(name)
         k, counted, owner = None, 0, None
-        if parsed is not None and parsed.kind == KIND_LINEAR:
+        if parsed is not None and parsed.kind == KIND_LINEAR and parsed.expert is not None:  # a linear names one
             key = (parsed.layer, parsed.expert)
             if key not in k_of:
                 moe = ckpt.layers.get(parsed.layer)

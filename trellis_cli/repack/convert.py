@@ -92,7 +92,7 @@ def tr3_to_tr3(checkpoint: Checkpoint, out: Path, options, validator=None) -> Tr
     if options.ranks is not None:
         raise UsageError("--ranks does not apply with --to tr3 (a TR3 shard holds every rank)")
     tp = resolve_target_tp(options.tp, checkpoint.tp)
-    inter = checkpoint.intermediate
+    hidden, inter = checkpoint.moe_sizes()
     rank_pieces(inter, checkpoint.tp, tp, 0)  # refuses an inexpressible --tp before anything is written
     layers = parse_selection(options.layers, [li for li, m in checkpoint.layers.items() if m.experts], "layers")
     shared = options.shared_h or checkpoint.rotation_layout == "shared_h_v1"
@@ -100,7 +100,7 @@ def tr3_to_tr3(checkpoint: Checkpoint, out: Path, options, validator=None) -> Tr
     codebook = next(lin.codebook for m in checkpoint.layers.values() for projs in m.experts.values()
                     for ranks in projs.values() for lin in ranks.values())
     specs = {layer: Tr3Layer(layer, {e: k for k, ids in layer_tiers(checkpoint, layer) for e in ids}, tp,
-                             checkpoint.hidden, inter // tp, codebook, shared, ndim["per_expert"], ndim["shared_h"])
+                             hidden, inter // tp, codebook, shared, ndim["per_expert"], ndim["shared_h"])
              for layer in layers}
     carried = carry.non_expert_refs(checkpoint)
     out_plan = Tr3Output(

@@ -19,7 +19,7 @@ from typing import Any
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.routepack import write as rp_write
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.dialects.exl3v1.container import container
+from trellis_cli.dialects.exl3v1.container import container, parsed_manifest
 from trellis_cli.dialects.exl3v1.pack import check_convertible, expert_tiers
 from trellis_cli.dialects.exl3v1.pack_readback import check_written
 from trellis_cli.repack.exl3v1_to_tr3 import tr3_form
@@ -57,7 +57,7 @@ class Exl3v1ToRoutePack(Driver):
     def plan(self) -> OutputPlan:
         ck, options = self.ck, self.opt
         box = container(ck)
-        self.m = m = box.manifest
+        self.m = m = parsed_manifest(ck)
         self.tp = options.tp if options.tp is not None else default_tp(ck)
         check_convertible(m, self.tp)
         self.layers = parse_selection(options.layers, list(box.layers), "layers")

@@ -17,7 +17,7 @@ from typing import Any
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import shard_name
 from trellis_cli.errors import UsageError
-from trellis_cli.dialects.exl3v1.container import container
+from trellis_cli.dialects.exl3v1.container import container, parsed_manifest
 from trellis_cli.dialects.exl3v1.pack import (NOTE_KEY, check_convertible, checked_rates, conversion_note,
                                               default_tp, expert_tiers, exl3v1_pack)
 from trellis_cli.routepack.plan import parse_selection
@@ -44,7 +44,7 @@ def tr3_form(ck: Checkpoint, layers: list[int], tiers, tp: int, copy_other: bool
     shapes), else one written from the manifest, with tier_bitmap.json for mixed K."""
     from trellis_cli.repack.exl3v1_carry import carried_files
 
-    m = container(ck).manifest
+    m = parsed_manifest(ck)
     note = conversion_note(ck)
     shared = not m.per_expert_input_rotations
     names = note.get("shard_names", {})
@@ -64,7 +64,7 @@ def exl3v1_to_tr3(ck: Checkpoint, out: Path, options, validator: Validator) -> T
     """The `--to tr3` driver of an exl3-v1 source (the staged run validates the source before writing)."""
     if options.ranks is not None or options.shared_h:
         raise UsageError("--ranks and --shared-h do not apply when converting exl3-v1 to TR3")
-    m = container(ck).manifest
+    m = parsed_manifest(ck)
     tp = options.tp if options.tp is not None else default_tp(ck)
     check_convertible(m, tp)
     layers = parse_selection(options.layers, list(container(ck).layers), "layers")

@@ -67,7 +67,8 @@ def stream_to_tr3(ck: Checkpoint, out: Path, options, validator: Validator) -> D
         raise UsageError(f"--to tr3: layers {layers} are not contiguous; TR3 declares its MoE layers as one span")
     config_text = ck.source.local_path(CONFIG).read_text(encoding="utf-8")
     quant_text = ck.source.local_path(QUANT_CONFIG).read_text(encoding="utf-8") if QUANT_CONFIG in ck.files else None
-    specs = {li: Tr3Layer(li, {e: k for e in sorted(ck.layers[li].experts)}, tp, ck.hidden, ck.intermediate // tp,
+    hidden, intermediate = ck.moe_sizes()
+    specs = {li: Tr3Layer(li, {e: k for e in sorted(ck.layers[li].experts)}, tp, hidden, intermediate // tp,
                           "mcg", False, 1, 1) for li in layers}
     mixed_files = {f: h for f, h in ck.headers.items() if any(map(is_routed_name, h.tensors))}
     carried = {f: carry.refs_of(h, [n for n in h.tensors if not is_routed_name(n)]) for f, h in mixed_files.items()}

@@ -124,8 +124,9 @@ def layer_rank_bytes(checkpoint: Checkpoint, layer: int, target_tp: int, shared_
     """Bytes of one output layer file's tensors (the header is a few KB more)."""
     moe = checkpoint.layers[layer]
     tiers = {k: len(ids) for k, ids in moe.partition().items()}
-    return route_pack_layer_bytes(checkpoint.hidden, checkpoint.intermediate // target_tp, checkpoint.num_experts,
-                                  len(moe.experts), tiers, shared_h)
+    hidden, intermediate = checkpoint.moe_sizes()
+    return route_pack_layer_bytes(hidden, intermediate // target_tp, checkpoint.num_experts, len(moe.experts), tiers,
+                                  shared_h)
 
 
 def route_pack_layer_bytes(hidden: int, inter: int, num_experts: int | None, served: int, tiers: dict[int, int],

@@ -27,7 +27,7 @@ def check_files(ckpt: Checkpoint) -> Iterator[Finding]:
         yield from check_shard(file, header)
     yield from _check_duplicates(ckpt)
     if ckpt.index is not None:
-        yield from _check_index(ckpt)
+        yield from _check_index(ckpt, ckpt.index)
 
 
 def _check_duplicates(ckpt: Checkpoint) -> Iterator[Finding]:
@@ -44,8 +44,8 @@ def _check_duplicates(ckpt: Checkpoint) -> Iterator[Finding]:
                             found=sorted({file, chosen}))
 
 
-def _check_index(ckpt: Checkpoint) -> Iterator[Finding]:
-    index, index_file, headers = ckpt.index, ckpt.index_file, ckpt.headers
+def _check_index(ckpt: Checkpoint, index: dict[str, str]) -> Iterator[Finding]:
+    index_file, headers = ckpt.index_file, ckpt.headers
     bad_files: set[str] = set()
     for file in sorted(set(index.values())):
         if not safe_relative(file) or ckpt.source.escapes(file):

@@ -309,7 +309,7 @@ def expected_tensor_count(ctx: LayerContext) -> int | None:
     """Per layer: E*3*tp*(3 + marker), with the H-side vectors moved to 3*tp shared rows under shared_h_v1."""
     if ctx.experts is None:
         return None
-    per_linear = 3 + (1 if MARKERS.get(ctx.codebook) is not None else 0)
+    per_linear = 3 + (1 if ctx.codebook is not None and MARKERS.get(ctx.codebook) is not None else 0)
     linears = ctx.experts * 3 * ctx.tp
     if ctx.shared:
         return linears * (per_linear - 1) + 3 * ctx.tp

@@ -37,6 +37,14 @@ class Exl3Layer:
     def ref(self, name: str) -> TensorRef | None:
         return self.tensors.get(name)
 
+    def required(self, name: str) -> TensorRef:
+        """The tensor `name` of this layer file, for code past the container's checks (which report a missing one);
+        CheckFailed naming the file and tensor if it is absent all the same."""
+        ref = self.tensors.get(name)
+        if ref is None:
+            raise CheckFailed(f"{self.file}: {name}: not in the layer file")
+        return ref
+
 
 @dataclass
 class Exl3Container:
@@ -69,6 +77,15 @@ def container(ckpt: Checkpoint) -> Exl3Container:
     if box is None:
         raise TypeError(f"{ckpt.dialect}: not an opened exl3-v1 container")
     return box
+
+
+def parsed_manifest(ckpt: Checkpoint) -> Manifest:
+    """The manifest of an opened exl3-v1 (or BTX) container, for code past validation (which reports one that did
+    not parse); CheckFailed naming the file if it did not all the same."""
+    box = container(ckpt)
+    if box.manifest is None:
+        raise CheckFailed(f"{box.manifest_file}: the manifest cannot be read (trellis validate says why)")
+    return box.manifest
 
 
 def container_or_none(ckpt: Checkpoint) -> Exl3Container | None:

@@ -36,15 +36,18 @@ def target_manifest(ck: Checkpoint, tiers: dict[int, list[tuple[int, list[int]]]
                  for lin in ranks.values()}
     if codebooks != {"mcg"}:
         raise UsageError(f"--to exl3-v1: the experts use codebook(s) {sorted(codebooks)}; exl3-v1 names mcg only")
-    per_rank = ck.intermediate // ck.tp
+    hidden, intermediate = ck.moe_sizes()
+    if ck.num_experts is None:  # inferred from the expert ids where undeclared: never None with experts present
+        raise CheckFailed("the source declares no experts per layer")
+    per_rank = intermediate // ck.tp
     mixed = len(ks) > 1
     if mixed and (per_rank % (SLOTS_PER_PAIR * SLOT_CHANNELS) or any(k not in PAIR_K for k in ks)):
         raise UsageError(f"--to exl3-v1: mixed K {ks} needs per_expert_pair rates: K2..K4 and whole 256-channel "
                          f"pairs per rank ({per_rank} intermediate channels per rank)")
     if not mixed and ks[0] not in range(2, 7):
         raise UsageError(f"--to exl3-v1: K{ks[0]} is outside the 2..6 that exl3-v1 rates allow")
-    return Manifest(codebook="mcg", num_experts=ck.num_experts, hidden=ck.hidden, intermediate=ck.intermediate,
-                    num_slots=ck.intermediate // SLOT_CHANNELS, layer_indices=tuple(tiers),
+    return Manifest(codebook="mcg", num_experts=ck.num_experts, hidden=hidden, intermediate=intermediate,
+                    num_slots=intermediate // SLOT_CHANNELS, layer_indices=tuple(tiers),
                     structure=PER_EXPERT_PAIR if mixed else UNIFORM, bits=None if mixed else ks[0],
                     pair_kinds=tuple(f"P{k}{k}" for k in ks) if mixed else (), intermediate_hadamard=False,
                     per_expert_input_rotations=ck.rotation_layout == "per_expert_v1", pre_block=None,
@@ -54,6 +57,7 @@ def target_manifest(ck: Checkpoint, tiers: dict[int, list[tuple[int, list[int]]]
 
 def rates_for(m: Manifest, tiers: list[tuple[int, list[int]]]) -> LayerRates:
     if not m.pair_structure:
+        assert m.bits is not None  # target_manifest declares the bits of uniform rates
         return LayerRates((m.bits << 4) | m.bits)
     k_of = {e: k for k, ids in tiers for e in ids}
     row = tuple(17 * k_of[e] for e in range(m.num_experts))
@@ -65,16 +69,17 @@ def check_hidden_side_equal(ck: Checkpoint, layers: list[int]) -> None:
     import torch
 
     shared = ck.rotation_layout == "shared_h_v1"
+    hidden, intermediate = ck.moe_sizes()
     with TensorReader(ck.source) as reader:
         for li in layers:
             moe = ck.layers[li]
             for e in ([0] if shared else sorted(moe.experts)):
                 for proj in PROJECTIONS:
-                    first = expected_hidden(reader, moe, e, proj, rank_pieces(ck.intermediate, ck.tp, ck.tp, 0),
-                                            ck.hidden, shared).view(torch.int16)
+                    first = expected_hidden(reader, moe, e, proj, rank_pieces(intermediate, ck.tp, ck.tp, 0),
+                                            hidden, shared).view(torch.int16)
                     for rank in range(1, ck.tp):
-                        pieces = rank_pieces(ck.intermediate, ck.tp, ck.tp, rank)
-                        other = expected_hidden(reader, moe, e, proj, pieces, ck.hidden, shared).view(torch.int16)
+                        pieces = rank_pieces(intermediate, ck.tp, ck.tp, rank)
+                        other = expected_hidden(reader, moe, e, proj, pieces, hidden, shared).view(torch.int16)
                         if not torch.equal(first, other):
                             at = int((first != other).nonzero()[0])
                             who = f"layer {li}" + ("" if shared else f" expert {e}")
@@ -91,7 +96,7 @@ def _small_tables(ck: Checkpoint, m: Manifest, li: int, tiers) -> dict[str, Any]
     import torch
 
     moe, shared = ck.layers[li], ck.rotation_layout == "shared_h_v1"
-    width = ck.intermediate // ck.tp
+    width = m.intermediate // ck.tp  # the source's intermediate size (target_manifest)
     count = width // SLOT_CHANNELS
     channels = torch.tensor([c for j in range(count) for c in slot_channels(m, j)])
     rotations = torch.empty((m.num_slots, m.num_experts, 3, SLOT_CHANNELS), dtype=torch.float16)
@@ -99,7 +104,7 @@ def _small_tables(ck: Checkpoint, m: Manifest, li: int, tiers) -> dict[str, Any]
     hidden = {name: torch.empty((rows, m.hidden), dtype=torch.float16) for name in HIDDEN_TABLES}
     with TensorReader(ck.source) as reader:
         for rank in range(ck.tp):
-            pieces = rank_pieces(ck.intermediate, ck.tp, ck.tp, rank)
+            pieces = rank_pieces(m.intermediate, ck.tp, ck.tp, rank)
             for e in range(m.num_experts):
                 for p, proj in enumerate(PROJECTIONS):
                     vec = expected_intermediate(reader, moe, e, proj, pieces, width, shared)

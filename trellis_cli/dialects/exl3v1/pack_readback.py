@@ -52,7 +52,7 @@ def check_written(path: Path, m: Manifest, layer: Exl3Layer, rates: LayerRates, 
     _check_rotations(written, m, layer, reader, first, count, fail)
     order = [e for _, ids in tiers for e in ids]
     for name, table in zip(HIDDEN_TABLES, (written.gate_suh, written.up_suh, written.down_svh)):
-        ref = layer.ref(name)
+        ref = layer.required(name)
         source = torch.empty(ref.shape, dtype=torch.float16)
         reader.read_into(ref, source)
         want = source[order] if m.per_expert_input_rotations else source.reshape(1, m.hidden)
@@ -65,7 +65,7 @@ def _check_codes(written: LayerPack, m: Manifest, layer: Exl3Layer, rates: Layer
     import numpy as np
     import torch
 
-    ref = layer.ref(CODES)
+    ref = layer.required(CODES)
     stride = ref.shape[1]
     row = torch.empty(stride, dtype=torch.uint8)
     for j, rebuilt in enumerate(pack_rows(m, rates, written, stride)):
@@ -87,7 +87,7 @@ def _check_rotations(written: LayerPack, m: Manifest, layer: Exl3Layer, reader, 
     shape = (m.num_slots, m.num_experts, 3, SLOT_CHANNELS)
     rebuilt = torch.empty(shape, dtype=torch.float16)
     pack_rotations(m, written, rebuilt)
-    ref = layer.ref(ROTATIONS)
+    ref = layer.required(ROTATIONS)
     want = torch.empty((count, *shape[1:]), dtype=torch.float16)
     reader.read_into(rows_ref(ref, first, ref.nbytes // m.num_slots, count), want)
     got = rebuilt[first:first + count]

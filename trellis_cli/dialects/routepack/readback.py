@@ -113,7 +113,7 @@ def check_layer_file(path: Path, checkpoint: Checkpoint, layer: int, rank: int, 
 def _compare(written: _WrittenFile, checkpoint: Checkpoint, layer: int, rank: int, tp: int, shared_h: bool,
              reader: TensorReader) -> None:
     moe = checkpoint.layers[layer]
-    hidden, inter = checkpoint.hidden, checkpoint.intermediate
+    hidden, inter = checkpoint.moe_sizes()
     pieces, source_width = rank_pieces(inter, checkpoint.tp, tp, rank), inter // checkpoint.tp
     source_shared = source_is_shared_h(checkpoint)
     tiers = layer_tiers(checkpoint, layer)
@@ -158,8 +158,10 @@ def _compare(written: _WrittenFile, checkpoint: Checkpoint, layer: int, rank: in
                 for proj in PROJECTIONS:
                     got = written.take(per_projection)
                     if identity:
-                        ref = linear_slice(moe, expert, proj, pieces[0].source_rank).trellis
-                        expected = reader.read_bytes(ref, scratch)
+                        lin = linear_slice(moe, expert, proj, pieces[0].source_rank)
+                        if lin.trellis is None:  # linear_slice refuses a missing one
+                            raise CheckFailed(f"{lin.prefix}.trellis: missing")
+                        expected = reader.read_bytes(lin.trellis, scratch)
                     else:
                         expected = bytes_of(expected_trellis(reader, moe, expert, proj, pieces, hidden, source_width))
                     if not equal_bytes(got, expected):
