@@ -344,18 +344,6 @@ def test_inspect_totals_are_the_whole_checkpoint_and_the_selection_is_separate(c
     assert "selected layers 4: routed experts per rank" in text and "totals (whole checkpoint): 2 MoE layers" in text
 
 
-@pytest.fixture
-def terminal(monkeypatch):
-    """stderr as a terminal, recorded: progress is drawn only there."""
-    import io
-
-    from rich.console import Console
-
-    buffer = io.StringIO()
-    monkeypatch.setattr(output, "stderr", Console(file=buffer, force_terminal=True, width=160, markup=False))
-    return buffer
-
-
 def test_inspect_shows_progress_on_a_terminal(capsys, source, terminal):
     code, out, _ = run_cli(capsys, "inspect", str(source))
     assert code == 0 and "totals (whole checkpoint)" in out

@@ -251,22 +251,6 @@ def test_top_level_help_lists_exit_130_and_offers_completion(capsys):
 
 # ---- 4: every long phase shows what it does and how far it is -----------------------------------------
 
-@pytest.fixture
-def terminal(monkeypatch):
-    """stderr as a terminal (progress is drawn only there), recorded."""
-    import io
-
-    from rich.console import Console
-
-    from trellis_cli.cli import output
-
-    buffer = io.StringIO()
-    console = Console(file=buffer, force_terminal=True, width=200, color_system=None, markup=False,
-                      emoji=False, highlight=False)
-    monkeypatch.setattr(output, "stderr", console)
-    return buffer
-
-
 @pytest.mark.parametrize("argv", [["inspect"], ["validate", "--deep"], ["repack"]])
 def test_long_phases_show_their_stage_and_count(capsys, many, tmp_path, terminal, argv):
     command, *rest = argv

@@ -3,23 +3,9 @@ done/total from the first frame, never an open-ended `0/?`."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
-from rich.console import Console
 
 from helpers import many_findings_checkpoint, run_cli
-from trellis_cli.cli import output
-
-
-@pytest.fixture
-def terminal(monkeypatch):
-    """stderr as a terminal (progress is drawn only there), recorded."""
-    buffer = io.StringIO()
-    console = Console(file=buffer, force_terminal=True, width=200, color_system=None, markup=False,
-                      emoji=False, highlight=False)
-    monkeypatch.setattr(output, "stderr", console)
-    return buffer
 
 
 @pytest.mark.parametrize("command", ["fit", "diff"])
