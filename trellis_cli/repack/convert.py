@@ -35,7 +35,7 @@ from trellis_cli.sources import LocalSource
 
 def route_pack_to_tr3(root: Path, out: Path, options, validator=None) -> Tr3Driver:
     """A route-pack directory -> the TR3 layout (config, bitmap and other files restored, shards rebuilt)."""
-    from trellis_cli.dialects.routepack.verify import verify_route_pack
+    from trellis_cli.dialects.routepack.verify import require_route_pack
 
     if options.to != "tr3":
         raise UsageError(f"{root} is already a route pack; pass --to tr3 to convert it back to TR3")
@@ -44,9 +44,7 @@ def route_pack_to_tr3(root: Path, out: Path, options, validator=None) -> Tr3Driv
     # Verification also checks every key and name of the manifest, so what follows can index it freely and
     # every name it joins onto OUT stays inside OUT. A real run hashes every file: the manifest's hashes hold
     # below (a dry run checks the structure and sizes only).
-    report = verify_route_pack(root, check_hashes=not options.dry_run)
-    if not report.ok:
-        raise CheckFailed(f"{root}: the route pack does not verify: {report.errors[0].line()}")
+    require_route_pack(root, "the route pack", check_hashes=not options.dry_run)
     doc, _ = mf.read_manifest(root)
     tp = doc["tp"]
     if len(doc["ranks"]) != tp:  # distinct ranks below tp (verified): all of them when there are tp

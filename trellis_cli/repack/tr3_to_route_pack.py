@@ -81,11 +81,9 @@ class Tr3ToRoutePack(Driver):
         result.manifest = self._finish(stage)
 
     def verify(self, tree: Path) -> None:
-        from trellis_cli.dialects.routepack.verify import verify_route_pack
+        from trellis_cli.dialects.routepack.verify import require_route_pack
 
-        report = verify_route_pack(tree, check_hashes=False)
-        if not report.ok:
-            raise CheckFailed(f"{tree}: the staged output does not verify: {report.errors[0].line()}")
+        require_route_pack(tree, "the staged output", check_hashes=False)
 
     def bytes_to_write(self) -> int:
         """Every byte the pack will hold: layer files, copied files, and the extra/ files of carried tensors."""

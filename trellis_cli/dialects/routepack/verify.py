@@ -51,6 +51,13 @@ def route_pack_root(source: SourceArg | Checkpoint) -> Path:
     return source.root
 
 
+def require_route_pack(root: Path, what: str, *, check_hashes: bool) -> None:
+    """`verify_route_pack`, its first error raised as CheckFailed ("ROOT: WHAT does not verify: ...")."""
+    report = verify_route_pack(root, check_hashes=check_hashes)
+    if not report.ok:
+        raise CheckFailed(f"{root}: {what} does not verify: {report.errors[0].line()}")
+
+
 def verify_route_pack(source: SourceArg | Checkpoint, *, check_hashes: bool = True,
                     progress: Callable[[int], None] | None = None) -> Report:
     """Check schema, file hashes and sizes against the manifest, and every layer file's consistency.
