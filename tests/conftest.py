@@ -1,7 +1,8 @@
-"""Shared test fixtures: a pinned environment, seeded RNGs, golden data, GPU skip markers."""
+"""Shared test fixtures: pinned environment, seeded RNGs, golden data, recorded terminal, GPU skip markers."""
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import shutil
@@ -28,6 +29,20 @@ def _pinned_environment(monkeypatch):
         torch.manual_seed(0)
     except ImportError:  # pragma: no cover
         pass
+
+
+@pytest.fixture
+def terminal(monkeypatch):
+    """stderr as a terminal (the CLI draws progress only there), recorded."""
+    from rich.console import Console
+
+    from trellis_cli.cli import output
+
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=200, color_system=None, markup=False,
+                      emoji=False, highlight=False)
+    monkeypatch.setattr(output, "stderr", console)
+    return buffer
 
 
 @pytest.fixture(scope="session")

@@ -298,3 +298,10 @@ def test_tests_run_the_cli_through_the_one_runner():
     assert not direct, direct
     loose = [p.name for p in tests.glob("test_*.py")]
     assert not loose, f"test files belong in a folder of the package they cover: {loose}"
+
+
+def test_the_tests_have_one_conftest():
+    """Test modules import shared helpers with `from conftest import ...`; a second conftest.py in a folder
+    without __init__.py takes that name first and breaks collection of every module that imports it."""
+    tests = Path(__file__).resolve().parents[1]
+    assert [str(p.relative_to(tests)) for p in sorted(tests.rglob("conftest.py"))] == ["conftest.py"]
