@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from corrupt import edit_json
 from trellis_cli.cli.app import main
-from trellis_cli.routepack.manifest import write_manifest
+from trellis_cli.dialects.routepack.manifest import write_manifest
 from trellis_cli.checkpoint.architecture import model_weights
 from trellis_cli.synth import TINY_GLM_MOE_DSA, preset, write_checkpoint
 

@@ -44,8 +44,8 @@ _EXPORTS = {
     "run_repack": "trellis_cli.workflows",
     "RepackOptions": "trellis_cli.repack.run",
     "RepackResult": "trellis_cli.repack.result",
-    "LayerPack": "trellis_cli.formats.route_pack",
-    "read_layer_pack": "trellis_cli.routepack.layer_file",
+    "LayerPack": "trellis_cli.formats.layer_pack",
+    "read_layer_pack": "trellis_cli.dialects",
     "run_diff": "trellis_cli.diff.run",
     "diff_sources": "trellis_cli.diff.run",
     "fit_source": "trellis_cli.fit.run",
@@ -73,10 +73,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from trellis_cli.findings import Finding, Report, Severity
     from trellis_cli.fit.gpus import choose_gpu
     from trellis_cli.fit.run import FitRequest, FitResult, fit_source
-    from trellis_cli.formats.route_pack import LayerPack
+    from trellis_cli.formats.layer_pack import LayerPack
     from trellis_cli.inspect_request import InspectDocument, InspectRequest, inspect_source
     from trellis_cli.kernel.launch import FusedMoe
-    from trellis_cli.routepack.layer_file import read_layer_pack
+    from trellis_cli.dialects import read_layer_pack
     from trellis_cli.repack.result import RepackResult
     from trellis_cli.repack.run import RepackOptions
     from trellis_cli.sources import Source, open_source

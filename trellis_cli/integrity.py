@@ -32,7 +32,7 @@ from trellis_cli.header import open_regular, os_reason, text_escape
 from trellis_cli.header import safe_relative
 from trellis_cli.sources import HubSource, LocalSource, Source
 
-# The checksum manifest of a checkpoint (a route pack's manifest.json is formats/route_pack.py MANIFEST_NAME).
+# The checksum manifest of a checkpoint (a route pack's manifest.json is formats/layer_pack.py MANIFEST_NAME).
 CHECKSUM_MANIFEST = "MANIFEST.sha256"
 READ_BYTES = 1 << 20
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024

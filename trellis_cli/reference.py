@@ -19,10 +19,10 @@ import torch.nn.functional as F
 
 from trellis_cli.codec import effective_weight
 from trellis_cli.errors import CheckFailed
-from trellis_cli.formats.route_pack import split_descriptor
+from trellis_cli.formats.layer_pack import split_descriptor
 
 if TYPE_CHECKING:
-    from trellis_cli.formats.route_pack import LayerPack
+    from trellis_cli.formats.layer_pack import LayerPack
 
 Projection = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (trellis, suh, svh)
 Expert = tuple[Projection, Projection, Projection]  # (gate, up, down)

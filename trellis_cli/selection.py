@@ -129,3 +129,46 @@ def parse_partition(text: str, tiers: int | None = 2, *, option: str = "--partit
     if tiers is not None and len(counts) != tiers:
         raise UsageError(f"{option} {text!r}: expected {tiers} non-negative counts separated by '/'")
     return counts
+
+
+def parse_selection(text: str | list[int] | None, available: list[int], what: str) -> list[int]:
+    """`--layers 3-5,40` (or the ids [3, 4, 5, 40], as options typed at the edge hold them) -> [3, 4, 5, 40];
+    None selects everything; ids not available are refused."""
+    if text is None or (isinstance(text, str) and text.strip() == ""):
+        return sorted(available)
+    have = set(available)
+    if not isinstance(text, str):
+        absent = sorted(i for i in set(text) if i not in have)
+        if absent:
+            raise UsageError(f"--{what}: {absent[:5]} not in the source (it has {_span(available)})")
+        return sorted(set(text))
+    chosen: set[int] = set()
+    missing: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            first, last = parse_range(part)
+        except ValueError as err:
+            raise UsageError(f"--{what}: {err}") from None
+        # Walk the available ids, never the range: 0-99999999999 must not be materialized.
+        inside = {i for i in have if first <= i <= last}
+        chosen |= inside
+        if len(inside) < last - first + 1:
+            missing += _first_missing(first, last, have, 5)
+    if missing:
+        raise UsageError(f"--{what}: {sorted(missing)[:5]} not in the source (it has {_span(available)})")
+    return sorted(chosen)
+
+
+def _first_missing(first: int, last: int, have: set[int], count: int) -> list[int]:
+    """Up to `count` ids of [first, last] not in `have`; at most len(have) + count steps."""
+    out: list[int] = []
+    i = first
+    while i <= last and len(out) < count:
+        if i not in have:
+            out.append(i)
+        i += 1
+    return out
+
+
+def _span(ids: list[int]) -> str:
+    return f"{min(ids)}-{max(ids)}" if ids else "none"

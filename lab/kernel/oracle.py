@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from trellis_cli.kernel.plan import BLOCK_ROWS
-from trellis_cli.formats.route_pack import LayerPack, split_descriptor
+from trellis_cli.formats.layer_pack import LayerPack, split_descriptor
 
 
 @dataclass

@@ -34,7 +34,7 @@ from trellis_cli.bench.synthetic import PRESETS, clone_weights, random_activatio
 from trellis_cli.bench.throughput import capture_graph, copies_needed, touched
 from lab.kernel import lab
 from trellis_cli.kernel.plan import make_plan
-from trellis_cli.formats.route_pack import split_descriptor
+from trellis_cli.formats.layer_pack import split_descriptor
 
 PHASES = lab.TIMELINE_PHASES
 

@@ -23,7 +23,7 @@ ROOT = "trellis_cli"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("errors", "findings", "codebooks", "id_ranges", "header", "stwriter", "disk_space", "formats")),
     ("sources", ("sources", "hub_client", "integrity", "selection", "sample")),
-    ("model", ("checkpoint", "routepack", "codec", "encoder", "reference", "synth")),
+    ("model", ("checkpoint", "codec", "encoder", "reference", "synth")),
     ("dialects", ("dialects",)),
     ("work", ("validate", "repack", "bench", "kernel", "inspect_report", "inspect_tensors", "inspect_tp", "diff",
               "fit")),
@@ -207,7 +207,7 @@ def _run(code: str) -> str:
     return done.stdout.strip()
 
 
-@pytest.mark.parametrize("module", ["trellis_cli.kernel.plan", "trellis_cli.formats.route_pack"])
+@pytest.mark.parametrize("module", ["trellis_cli.kernel.plan", "trellis_cli.formats.layer_pack"])
 def test_the_kernel_plan_loads_no_validate_repack_or_sources_module(module):
     code = (f"import sys; import {module}; "
             "print(sorted(m for m in sys.modules if m.startswith(('trellis_cli.validate', 'trellis_cli.repack', "

@@ -25,7 +25,7 @@ PRIMITIVES = {"header.py", "sources.py"}  # what the reader stands on: the parse
 READ_BACK = {
     "dialects/tr3/shard.py": HEADER_READS,  # a written TR3 shard, read back
     "dialects/tr3/write.py": HEADER_READS,  # the staged TR3 output's own index
-    "routepack/carry.py": HEADER_READS,  # a written extra/ file, read back
+    "dialects/carry.py": HEADER_READS,  # a written extra/ file, read back
     # Renaming and joining conversions: a written file read back, and a source layer file's header read again
     # while it is copied (the source was opened through the reader and validated before the conversion starts).
     "dialects/btx/write.py": HEADER_READS,
@@ -36,7 +36,7 @@ READ_BACK = {
     "integrity.py": LISTINGS | OPENS,  # sha256 of whole files (sources layer, below the reader)
     "selection.py": LISTINGS,  # which files to download (sources layer, below the reader)
     "validate/checksums.py": LISTINGS,  # whether a local MANIFEST.sha256 is there
-    "routepack/manifest.py": OPENS,  # sha256 of a file
+    "dialects/routepack/manifest.py": OPENS,  # sha256 of a file
     "diff/hashing.py": OPENS,  # sha256 of a unit's bytes (tensor data, not a header)
 }
 

@@ -26,7 +26,7 @@ from trellis_cli.dialects import open_checkpoint
 from trellis_cli.bench.run import peer_summary
 from trellis_cli.cli.bench_compare import compare_cells, compare_columns
 from trellis_cli.reference import layer_pack_forward, moe_forward
-from trellis_cli.routepack.pack import pack_layer
+from trellis_cli.dialects.shard_pack import pack_layer
 from trellis_cli.sample import sample_path
 
 SMALL = Preset("small", 256, 128, 16, 4, "mcg", (12, 4), (3, 4), 1)

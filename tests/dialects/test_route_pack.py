@@ -12,7 +12,7 @@ from lab.kernel.oracle import route_pack_reference
 from trellis_cli.kernel.plan import (
     BLOCK_ROWS, LARGE_TILE, MID_TILE, SMALL_TILE, make_plan, slot_capacity, tile_capacity,
 )
-from trellis_cli.formats.route_pack import LayerPack, descriptor
+from trellis_cli.formats.layer_pack import LayerPack, descriptor
 
 
 def tiny_pack(num_experts: int, tiers: list[int], unmapped: set[int] = frozenset(), skipped: set[int] = frozenset()):

@@ -15,7 +15,7 @@ from trellis_cli.errors import CheckFailed, GpuUnavailable
 from trellis_cli.kernel import abi
 from trellis_cli.kernel.build import kernel_source_dir, normalize_arch, source_hash
 from trellis_cli.kernel.plan import check_pack_layout
-from trellis_cli.formats.route_pack import split_descriptor
+from trellis_cli.formats.layer_pack import split_descriptor
 
 SMALL = Preset("small", 256, 128, 8, 2, "mcg", (6, 2), (3, 4), 1)
 

@@ -10,7 +10,7 @@ from conftest import requires_gpu
 from trellis_cli import reference
 from trellis_cli.codec import codebook_from_markers
 from trellis_cli.errors import CheckFailed
-from trellis_cli.formats.route_pack import LayerPack, descriptor
+from trellis_cli.formats.layer_pack import LayerPack, descriptor
 
 HIDDEN, INTER_RANK, EXPERTS = 256, 128, 8
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

@@ -55,7 +55,7 @@ def test_mixed_k_without_whole_pairs_per_rank_is_refused(capsys, tmp_path):
 def test_bench_source_pack_equals_the_converted_tr3_pack(exl3, tmp_path):
     from trellis_cli.bench.source import load_bench_source
     from trellis_cli.dialects import open_checkpoint
-    from trellis_cli.routepack.pack import pack_layer
+    from trellis_cli.dialects.shard_pack import pack_layer
     from trellis_cli.dialects.routepack.readback import same_bits
     from trellis_cli import RepackOptions, run_repack
 

@@ -102,7 +102,7 @@ def test_read_back_names_a_changed_byte(capsys, tmp_path):
     from trellis_cli.dialects.exl3v1.pack import expert_tiers
     from trellis_cli.dialects.exl3v1.pack_readback import check_written
     from trellis_cli.header import read_local_header
-    from trellis_cli.routepack.source_bytes import TensorReader
+    from trellis_cli.checkpoint.tensor_bytes import TensorReader
 
     source = write_exl3v1_checkpoint(tmp_path / "exl3", SPECS["pair-per-expert"])
     assert main_ok(capsys, "repack", str(source), str(tmp_path / "pack"), "--tp", "2")
@@ -140,7 +140,7 @@ def test_exl3v1_made_from_tr3_packs_and_goes_back_to_that_tr3(capsys, tmp_path):
 
 def test_a_tr3_shard_outside_the_pack_is_refused(capsys, tmp_path):
     """tr3_shard is a name `--to tr3` joins onto OUT: the manifest check vouches for it (hash re-signed here)."""
-    from trellis_cli.routepack import manifest as mf
+    from trellis_cli.dialects.routepack import manifest as mf
 
     source = write_exl3v1_checkpoint(tmp_path / "exl3", SPECS["uniform-shared"])
     assert main_ok(capsys, "repack", str(source), str(tmp_path / "pack"))

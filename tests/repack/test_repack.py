@@ -16,11 +16,12 @@ from helpers import Interrupted, all_tensors, assert_same_tensors, interrupt_aft
 from trellis_cli import synth
 from trellis_cli.dialects import open_checkpoint
 from trellis_cli.errors import CheckFailed
-from trellis_cli.routepack.layer_file import read_layer_pack, write_layer_pack
-from trellis_cli.routepack.pack import pack_layer
+from trellis_cli.dialects.routepack.layer_file import read_layer_pack, write_layer_pack
+from trellis_cli.dialects.shard_pack import pack_layer
 from trellis_cli.validate import run_validation
 from trellis_cli.id_ranges import compact_ranges, expand_ranges
-from trellis_cli.formats.route_pack import SCHEMA, split_descriptor
+from trellis_cli.dialects.routepack.layout import SCHEMA
+from trellis_cli.formats.layer_pack import split_descriptor
 from trellis_cli import RepackOptions, run_repack
 from trellis_cli.dialects.routepack.verify import describe_route_pack, verify_route_pack
 from trellis_cli.sample import sample_path

@@ -12,8 +12,8 @@ import torch
 from trellis_cli import synth
 from trellis_cli.dialects import open_checkpoint
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.routepack.pack import pack_layer
-from trellis_cli.formats.route_pack import split_descriptor
+from trellis_cli.dialects.shard_pack import pack_layer
+from trellis_cli.formats.layer_pack import split_descriptor
 from trellis_cli import RepackOptions, run_repack
 from trellis_cli.dialects.routepack.verify import verify_route_pack
 

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import Interrupted, edited_pack, interrupt_after, run_cli_merged
 from trellis_cli import synth
-from trellis_cli.routepack.manifest import write_manifest
+from trellis_cli.dialects.routepack.manifest import write_manifest
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_overlapping_tensor_offsets_in_a_layer_file_are_a_finding(capsys, pack, 
     """Same file size, but tier_k's header entry points at tier_size's bytes: safetensors refuses to open it."""
     import struct
 
-    from trellis_cli.routepack.manifest import file_entry
+    from trellis_cli.dialects.routepack.manifest import file_entry
 
     root = tmp_path / "p"
     shutil.copytree(pack, root)
@@ -188,7 +188,7 @@ def test_bad_tp_and_huge_selections_are_usage_errors(capsys, source, tmp_path, a
 
 def test_selection_names_the_missing_ids_without_expanding_the_range():
     from trellis_cli.errors import UsageError
-    from trellis_cli.routepack.plan import parse_selection
+    from trellis_cli.selection import parse_selection
 
     with pytest.raises(UsageError, match=r"--layers: \[5, 6, 7, 8, 9\] not in the source \(it has 3-4\)"):
         parse_selection("3-99999999999", [3, 4], "layers")
@@ -222,7 +222,7 @@ def test_many_errors_are_cut_short_with_a_pointer_to_validate(capsys, source, tm
 @pytest.mark.parametrize("content, named", [(None, "files['config.json']"), ("[1]", "config.json"),
                                             ("{bad", "config.json")], ids=["absent", "list", "not-json"])
 def test_a_missing_or_broken_pack_config_is_refused_by_to_tr3(capsys, pack, tmp_path, content, named):
-    from trellis_cli.routepack.manifest import file_entry
+    from trellis_cli.dialects.routepack.manifest import file_entry
 
     root = tmp_path / "p"
     shutil.copytree(pack, root)

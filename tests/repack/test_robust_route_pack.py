@@ -20,7 +20,7 @@ import pytest
 
 from helpers import edited_pack, run_cli, run_cli_merged
 from trellis_cli import synth
-from trellis_cli.routepack.manifest import file_entry, write_manifest
+from trellis_cli.dialects.routepack.manifest import file_entry, write_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 MEMORY_LIMIT = 512 << 20  # address space for the whole CLI process; the unbounded loop needed > 4 GB

@@ -23,7 +23,7 @@ from trellis_cli.bench.synthetic import (Preset, get_preset, parse_partition, ra
 from trellis_cli.bench.throughput import (TOP_K, WeightPool, capture_graph, copies_needed, device_facts,
                                           time_interleaved, touched)
 from trellis_cli.errors import UsageError
-from trellis_cli.formats.route_pack import LayerPack, split_descriptor
+from trellis_cli.formats.layer_pack import LayerPack, split_descriptor
 
 
 @dataclass(frozen=True)

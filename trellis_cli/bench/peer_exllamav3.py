@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from trellis_cli.codebooks import MARKERS
-from trellis_cli.formats.route_pack import LayerPack
+from trellis_cli.formats.layer_pack import LayerPack
 from trellis_cli.reference import Projection, pack_expert
 
 PEER = "exllamav3"

@@ -334,7 +334,7 @@ def tier_view(pack: Any, tier: int) -> Any:
     """The pack with every expert outside `tier` unmapped (served by nobody: contributes zero)."""
     import torch
 
-    from trellis_cli.formats.route_pack import split_descriptor
+    from trellis_cli.formats.layer_pack import split_descriptor
 
     g2c = pack.global_to_combined
     tiers = torch.where(g2c >= 0, split_descriptor(pack.descriptors[g2c.clamp(min=0).long()])[0], -1)

@@ -19,7 +19,7 @@ from trellis_cli.bench.synthetic import random_activations, random_routes
 from trellis_cli.kernel.abi import KernelLibrary
 from trellis_cli.kernel.launch import FusedMoe
 from trellis_cli.reference import layer_pack_forward
-from trellis_cli.formats.route_pack import LayerPack
+from trellis_cli.formats.layer_pack import LayerPack
 
 REFERENCE_LIMIT = 1e-3
 TWO_PASS_LIMIT = 1e-4

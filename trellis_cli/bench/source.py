@@ -11,7 +11,7 @@ from pathlib import Path
 
 from trellis_cli.bench.synthetic import Preset, get_preset, parse_partition, synthetic_pack
 from trellis_cli.errors import SourceUnavailable, UsageError
-from trellis_cli.formats.route_pack import MANIFEST_NAME, LayerPack
+from trellis_cli.formats.layer_pack import LayerPack
 
 
 @dataclass
@@ -57,17 +57,19 @@ def load_bench_source(source: str | None, *, synthetic: str | None, partition: s
 
 
 def _is_route_pack(path: Path) -> bool:
-    from trellis_cli.routepack.manifest import is_route_pack
+    from trellis_cli.dialects.registry import layer_pack_store
 
-    return is_route_pack(path)
+    return layer_pack_store(path) is not None
 
 
 def _route_pack(path: Path, layer: int | None, rank: int, device: str) -> BenchSource:
-    from trellis_cli.routepack.layer_file import read_layer_pack
+    from trellis_cli.dialects.registry import layer_pack_store
 
     if layer is None:
         layer = first_route_pack_layer(path)
-    pack = read_layer_pack(path, layer, rank, device=device)
+    store = layer_pack_store(path)
+    assert store is not None  # _is_route_pack chose this path
+    pack = store.read_layer_pack(path, layer, rank, device=device)
     return BenchSource(f"repacked {path} layer {layer} rank {rank}", pack, "repacked")
 
 
@@ -83,14 +85,10 @@ def chosen_layer(checkpoint, source: str, layer: int | None) -> int:
 
 
 def first_route_pack_layer(path: Path) -> int:
-    from trellis_cli.errors import CheckFailed
-    from trellis_cli.routepack.manifest import declared_layers, read_manifest
+    from trellis_cli.dialects.registry import layer_pack_store
 
-    try:  # the guarded reader: size, depth and Unicode limits, as for every checkpoint JSON
-        doc, _ = read_manifest(path)
-    except CheckFailed as err:
-        raise SourceUnavailable(f"{path}/{MANIFEST_NAME}: cannot read its layer list ({err})") from None
-    layers = declared_layers(doc)
+    store = layer_pack_store(path)
+    layers = store.stored_layer_packs(path) if store is not None else []
     if not layers:
         raise SourceUnavailable(f"{path}: the route pack lists no layers")
     return layers[0]

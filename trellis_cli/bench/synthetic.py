@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from trellis_cli.errors import UsageError
-from trellis_cli.formats.route_pack import LayerPack, descriptor
+from trellis_cli.formats.layer_pack import LayerPack, descriptor
 
 CODEBOOK_RMS = 1.24
 RANK_SEED_STRIDE = 1_000_003  # rank r's weights are drawn from seed + r * stride

@@ -20,7 +20,7 @@ import torch
 from trellis_cli.bench.synthetic import clone_weights, random_activations, random_routes
 from trellis_cli.kernel.abi import KernelLibrary
 from trellis_cli.kernel.launch import FusedMoe
-from trellis_cli.formats.route_pack import LayerPack, split_descriptor
+from trellis_cli.formats.layer_pack import LayerPack, split_descriptor
 
 WARMUP_REPLAYS = 10
 TOP_K = 8

@@ -20,7 +20,7 @@ from trellis_cli.bench.smoke import REFERENCE_LIMIT, SMOKE_MS, Check, rel_l2
 from trellis_cli.bench.synthetic import random_activations, random_routes
 from trellis_cli.bench.tp_source import TpPlan, whole_layer_reference
 from trellis_cli.reference import layer_pack_forward
-from trellis_cli.formats.route_pack import LayerPack
+from trellis_cli.formats.layer_pack import LayerPack
 
 CPU_LIMIT = 1e-5
 CPU_MS = (1, 7, 64)  # the CPU reference decodes every routed expert per M: keep the check to minutes at most

@@ -2,11 +2,11 @@
 
 `plan_tp_source` runs once, before any rank process starts, and refuses an N the source's slicing cannot give
 (UsageError, exit 2). It reads headers only, plus the hidden-side vectors of the layer when N merges source
-ranks (a merge is exact only when they are byte-equal, routepack/plan.py). The plan it returns is small and
+ranks (a merge is exact only when they are byte-equal, dialects/routepack/plan.py). The plan it returns is small and
 picklable; each rank process then calls `load_rank_pack` for its own slice and nothing else:
 
 - a TR3 (or plain EXL3) checkpoint: the route-pack builder for that rank, re-slicing when N differs from the
-  checkpoint's TP (routepack/pack.py);
+  checkpoint's TP (dialects/shard_pack.py);
 - a route pack: its layer-rank file (its TP is fixed when it is written);
 - exl3-v1: that rank's slot extents;
 - a synthetic preset: that rank's slice drawn at N ranks (bench/synthetic.py).
@@ -27,7 +27,7 @@ import torch
 from trellis_cli.bench.synthetic import Preset, get_preset, synthetic_pack
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.reference import layer_pack_forward, moe_forward
-from trellis_cli.formats.route_pack import LayerPack
+from trellis_cli.formats.layer_pack import LayerPack
 
 # "sliced": a container whose slot extents fix the TP degrees (each rank is one extent, the whole layer is
 # rank 0 of TP1); "checkpoint": per-linear shards re-sliced exactly.
@@ -58,16 +58,16 @@ def plan_tp_source(source: str | None, *, synthetic: str | None, partition: str 
     chosen = choose_source(source, synthetic, partition)
     if chosen is not None:
         return _plan_synthetic(*chosen, tp)
-    from trellis_cli.routepack.manifest import is_route_pack
+    from trellis_cli.dialects.registry import layer_pack_store
 
     path = Path(source)
-    if path.is_dir() and is_route_pack(path):
+    if path.is_dir() and layer_pack_store(path) is not None:
         return _plan_route_pack(path, first_route_pack_layer(path) if layer is None else layer, tp)
     return _plan_checkpoint(source, layer, tp, tp_given)
 
 
 def _plan_synthetic(preset: Preset, parts: tuple[int, ...], tp: int) -> TpPlan:
-    from trellis_cli.routepack.plan import rank_pieces
+    from trellis_cli.dialects.tp_reslice import rank_pieces
 
     rank_pieces(preset.intermediate * preset.tp, preset.tp, tp, 0)  # the same 128-block rule as a checkpoint
     label = "/".join(str(p) for p in parts)
@@ -75,15 +75,15 @@ def _plan_synthetic(preset: Preset, parts: tuple[int, ...], tp: int) -> TpPlan:
 
 
 def _plan_route_pack(path: Path, layer: int, tp: int) -> TpPlan:
-    from trellis_cli.formats.route_pack import layer_file_name
-    from trellis_cli.sources import read_json_file
+    from trellis_cli.dialects.registry import layer_pack_store
 
-    doc = read_json_file(path / "manifest.json", "manifest.json")
-    pack_tp = doc.get("tp") if isinstance(doc, dict) else None
+    store = layer_pack_store(path)
+    assert store is not None  # plan_tp chose this path
+    pack_tp = store.layer_pack_tp(path)
     if pack_tp != tp:
         raise UsageError(f"--tp {tp}: the route pack {path} was written for TP {pack_tp} (a route pack is "
                          f"not re-sliced; repack the checkpoint with --tp {tp})")
-    missing = [r for r in range(tp) if not (path / layer_file_name(layer, r)).is_file()]
+    missing = [r for r in range(tp) if not store.layer_pack_path(path, layer, r).is_file()]
     if missing:
         raise UsageError(f"--tp {tp}: the route pack {path} has no layer {layer} file for rank(s) {missing}")
     return TpPlan("repacked", str(path), layer, tp, description=f"repacked {path} layer {layer} at TP{tp}")
@@ -117,9 +117,9 @@ def _plan_checkpoint(source: str, layer: int | None, tp: int, tp_given: bool = T
 
 def _check_checkpoint_slicing(checkpoint, layer: int, tp: int, tp_given: bool = True) -> None:
     """UsageError unless every target rank is an exact re-slice of the source's ranks."""
-    from trellis_cli.routepack.pack import PROJECTIONS, expected_hidden, source_is_shared_h
-    from trellis_cli.routepack.plan import rank_pieces
-    from trellis_cli.routepack.source_bytes import TensorReader
+    from trellis_cli.dialects.shard_pack import PROJECTIONS, expected_hidden, source_is_shared_h
+    from trellis_cli.dialects.tp_reslice import rank_pieces
+    from trellis_cli.checkpoint.tensor_bytes import TensorReader
 
     if checkpoint.hidden is None or checkpoint.intermediate is None:
         raise UsageError("the source declares no hidden or intermediate size; it cannot be sliced")
@@ -149,9 +149,11 @@ def load_rank_pack(plan: TpPlan, rank: int, device: torch.device | str, seed: in
         at_tp = dataclasses.replace(preset, intermediate=preset.intermediate * preset.tp // plan.tp, tp=plan.tp)
         return synthetic_pack(at_tp, plan.partition, device=device, seed=seed, rank=rank)
     if plan.kind == "repacked":
-        from trellis_cli.routepack.layer_file import read_layer_pack
+        from trellis_cli.dialects.registry import layer_pack_store
 
-        return read_layer_pack(plan.source, plan.layer, rank, device=str(device))
+        store = layer_pack_store(Path(plan.source))
+        assert store is not None  # plan_tp chose this kind
+        return store.read_layer_pack(Path(plan.source), plan.layer, rank, device=str(device))
     from trellis_cli.dialects.registry import dialect_of
 
     checkpoint = _open(plan.source)
@@ -175,8 +177,8 @@ def whole_layer_reference(plan: TpPlan, x: torch.Tensor, ids: torch.Tensor, weig
 def _stored_slices_forward(checkpoint, layer: int, x: torch.Tensor, ids: torch.Tensor,
                            weights: torch.Tensor) -> torch.Tensor:
     """Σ over the checkpoint's own ranks of the reference forward of its stored slices (no route pack)."""
-    from trellis_cli.routepack.pack import PROJECTIONS, linear_slice, source_is_shared_h, vector_ref
-    from trellis_cli.routepack.source_bytes import TensorReader
+    from trellis_cli.dialects.shard_pack import PROJECTIONS, linear_slice, source_is_shared_h, vector_ref
+    from trellis_cli.checkpoint.tensor_bytes import TensorReader
 
     moe, shared = checkpoint.layers[layer], source_is_shared_h(checkpoint)
     routed = [e for e in torch.unique(ids).tolist() if e in moe.experts]

@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterator, Protocol
 
 from trellis_cli.checkpoint.declared import Declared
 from trellis_cli.checkpoint.model import Checkpoint, Declarations, MoeLayer, VectorRef
+from trellis_cli.errors import CheckFailed
+from trellis_cli.formats.layer_pack import LayerPack
 from trellis_cli.findings import Location, Report
 from trellis_cli.integrity import RecordedHash
 
@@ -311,13 +313,38 @@ class Dialect:
         that is the container's, not the checkpoint's, choice; None: the layout fixes it."""
         return None
 
-    def layer_pack(self, ckpt: Checkpoint, layer: int, rank: int, tp: int | None = None, device: str = "cpu") -> Any:
+    def layer_pack(self, ckpt: Checkpoint, layer: int, rank: int, tp: int | None = None,
+                   device: str = "cpu") -> LayerPack:
         """One (layer, rank) of target TP `tp` (None: the source's) as the LayerPack a repack would write."""
-        from trellis_cli.routepack.pack import pack_layer
+        from trellis_cli.dialects.shard_pack import pack_layer
 
         if tp is None:
             return pack_layer(ckpt, layer, rank, device=device)
         return pack_layer(ckpt, layer, rank, device=device, tp=tp)
+
+    # ---- a directory that stores each (layer, rank) as a LayerPack file, read as stored (no opening) ---------
+
+    def holds_layer_packs(self, directory: Path) -> bool:
+        """Whether local `directory` is a checkpoint of this dialect that stores each (layer, rank) as a LayerPack
+        file: bench times its files as they are, and repack converts it from its directory."""
+        return False
+
+    def stored_layer_packs(self, directory: Path) -> list[int]:
+        """The MoE layers such a directory stores, as its own metadata lists them (SourceUnavailable when that
+        cannot be read)."""
+        return []
+
+    def layer_pack_tp(self, directory: Path) -> Any:
+        """The TP such a directory was written for, as its metadata says it (None when it does not)."""
+        return None
+
+    def layer_pack_path(self, directory: Path, layer: int, rank: int) -> Path:
+        """The file of (layer, rank) in such a directory."""
+        raise CheckFailed(f"{directory}: {self.described_as} checkpoint stores no LayerPack files")
+
+    def read_layer_pack(self, directory: Path, layer: int, rank: int, device: str = "cpu") -> LayerPack:
+        """One (layer, rank) of such a directory (or the layer file `directory` itself), as stored."""
+        raise CheckFailed(f"{directory}: {self.described_as} checkpoint stores no LayerPack files")
 
     def rank_sliced_contract(self, ckpt: Checkpoint) -> dict[str, Any] | None:
         """The rank-sliced contract its config.json declares, as the fork's rank-sliced path reads it (a

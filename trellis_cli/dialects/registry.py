@@ -9,6 +9,7 @@ is read); anything else is an UnknownDialect naming what was found.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from trellis_cli.checkpoint.model import Checkpoint
@@ -73,6 +74,12 @@ def dialect_named(name: str) -> Dialect:
 
 def dialect_of(ckpt: Checkpoint) -> Dialect:
     return _BY_NAME[ckpt.dialect]
+
+
+def layer_pack_store(directory: Path) -> Dialect | None:
+    """The dialect whose checkpoint local `directory` is, when that dialect stores each (layer, rank) as a
+    LayerPack file read as stored (`Dialect.holds_layer_packs`: a route pack); None otherwise."""
+    return next((d for d in DIALECTS if d.holds_layer_packs(directory)), None)
 
 
 def synth_module(target: str) -> Any:

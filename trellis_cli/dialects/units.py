@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, LinearRef, TensorRef
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.formats.route_pack import split_descriptor
+from trellis_cli.formats.layer_pack import split_descriptor
 
 if TYPE_CHECKING:
-    from trellis_cli.formats.route_pack import LayerPack
+    from trellis_cli.formats.layer_pack import LayerPack
 
 CODES, INTERMEDIATE, HIDDEN, OTHER = "codes", "intermediate", "hidden", "tensor"
 INTERMEDIATE_FIELD = {"gate_proj": "svh", "up_proj": "svh", "down_proj": "suh"}
@@ -113,8 +113,8 @@ def _hidden_ref(shared_h: dict, lin: LinearRef, proj: str, rank: int) -> TensorR
 
 
 def _resliced_units(ck: Checkpoint, layer: int, tp: int) -> dict[Key, Unit]:
-    from trellis_cli.routepack.pack import pack_layer
-    from trellis_cli.routepack.source_bytes import TensorReader
+    from trellis_cli.dialects.shard_pack import pack_layer
+    from trellis_cli.checkpoint.tensor_bytes import TensorReader
 
     units: dict[Key, Unit] = {}
     with TensorReader(ck.source) as reader:
@@ -177,7 +177,7 @@ def header_tensors(ck: Checkpoint, skip: set[str]) -> list[TensorRef]:
 
 def pack_units(pack: "LayerPack") -> dict[Key, Unit]:
     """The units of one LayerPack, each with the sha256 of its bytes."""
-    from trellis_cli.routepack.source_bytes import byte_view
+    from trellis_cli.checkpoint.tensor_bytes import byte_view
 
     units: dict[Key, Unit] = {}
     g2c = pack.global_to_combined.tolist()

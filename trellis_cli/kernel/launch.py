@@ -18,7 +18,7 @@ from trellis_cli.kernel import abi
 from trellis_cli.kernel.arch_limits import ArchLimits, device_limits
 from trellis_cli.kernel.plan import LaunchPlan, check_pack_layout, kernel_set, make_plan, workspace_shapes
 from trellis_cli.kernel.resources import read_record, record_path
-from trellis_cli.formats.route_pack import CODEBOOK_IDS, LayerPack, split_descriptor
+from trellis_cli.formats.layer_pack import CODEBOOK_IDS, LayerPack, split_descriptor
 
 _X_DTYPES = {torch.float16: abi.DT_FP16, torch.bfloat16: abi.DT_BF16}
 _OUT_DTYPES = {torch.float32: abi.DT_FP32, torch.float16: abi.DT_FP16, torch.bfloat16: abi.DT_BF16}

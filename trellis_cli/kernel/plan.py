@@ -13,7 +13,7 @@ import torch
 
 from trellis_cli.codebooks import NAMES as CODEBOOK_NAMES
 from trellis_cli.errors import CheckFailed, GpuUnavailable
-from trellis_cli.formats.route_pack import MAX_TIER_EXPERTS, LayerPack
+from trellis_cli.formats.layer_pack import MAX_TIER_EXPERTS, LayerPack
 from trellis_cli.kernel.arch_limits import ArchLimits
 from trellis_cli.kernel.resources import KernelShape, Usage, gemm_kernels, misfit, pack_kernel
 
@@ -271,7 +271,7 @@ def workspace_shapes(plan: LaunchPlan, hidden: int, intermediate: int) -> dict[s
 
 
 def check_pack_layout(pack: LayerPack) -> None:
-    """Raise CheckFailed when the pack's tensors differ from what the kernel reads (formats/route_pack.py)."""
+    """Raise CheckFailed when the pack's tensors differ from what the kernel reads (formats/layer_pack.py)."""
     hidden, inter = pack.hidden, pack.intermediate
     if hidden % HADAMARD or inter % HADAMARD or hidden <= 0 or inter <= 0:
         raise CheckFailed(f"layer pack: hidden {hidden} and intermediate {inter} must be multiples of 128")

@@ -15,18 +15,19 @@ from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.formats.route_pack import layer_file_name
+from trellis_cli.dialects.routepack.layout import layer_file_name
 from trellis_cli.checkpoint.reader import source_header
 from trellis_cli.id_ranges import expand_ranges
-from trellis_cli.routepack import carry
-from trellis_cli.routepack.layer_file import read_layer_pack
-from trellis_cli.routepack.pack import layer_tiers, pack_layer
-from trellis_cli.routepack.plan import parse_selection, rank_pieces, resolve_target_tp
+from trellis_cli.dialects import carry
+from trellis_cli.dialects.routepack.layer_file import read_layer_pack
+from trellis_cli.dialects.shard_pack import layer_tiers, pack_layer
+from trellis_cli.selection import parse_selection
+from trellis_cli.dialects.tp_reslice import rank_pieces, resolve_target_tp
 from trellis_cli.repack.source_facts import CONFIG, NOT_COPIED, SourceHashes, has_experts, protected_paths, vector_ndim
 from trellis_cli.dialects.tr3.shard import Tr3Layer
 from trellis_cli.dialects.tr3.write import Tr3Output, assign_shards, restored_config
 from trellis_cli.repack.tr3_output import Tr3Driver, fingerprint_options
-from trellis_cli.routepack import manifest as mf
+from trellis_cli.dialects.routepack import manifest as mf
 from trellis_cli.repack.result import check_output
 from trellis_cli.sources import LocalSource
 

@@ -77,11 +77,4 @@ def driver_for(source_dialect: str, source: Checkpoint | Path, out: Path, option
     return DRIVERS[row.driver](source, out, options, validator)
 
 
-def route_pack_driver(root: Path, out: Path, options: Any, validator: Validator) -> Driver:
-    """The driver for a local route pack's directory (read by its driver, not opened as a checkpoint): the row
-    whose source is the dialect `--to route-pack` writes."""
-    route_pack = next(d for d in registry.DIALECTS if d.target == "route-pack")
-    return driver_for(route_pack.name, root, out, options, validator)
-
-
-__all__ = ["DRIVERS", "conversion_of", "driver_for", "plans_from_declarations", "route_pack_driver"]
+__all__ = ["DRIVERS", "conversion_of", "driver_for", "plans_from_declarations"]

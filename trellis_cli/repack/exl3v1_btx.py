@@ -21,7 +21,7 @@ from trellis_cli.repack.result import RepackResult, Validator
 from trellis_cli.repack.source_facts import SourceHashes, protected_paths
 from trellis_cli.repack.staged_run import NOT_VALIDATED, Driver, OutputPlan, Progress
 from trellis_cli.repack.staging import Stage, refuse_collisions
-from trellis_cli.routepack.plan import parse_selection
+from trellis_cli.selection import parse_selection
 
 class Rename(Driver):
     """BTX -> exl3-v1 (`to_btx` False) or exl3-v1 -> BTX (True): each layer file renamed, bytes copied."""

@@ -25,7 +25,7 @@ NOT_CARRIED = ("MANIFEST.sha256",)
 def carried_files(ck: Checkpoint, copy_other: bool, skip: frozenset[str] = frozenset()) -> dict[str, Path]:
     """Name -> local path of every file copied verbatim (nothing when `copy_other` is off)."""
     from trellis_cli.dialects.registry import dialect_of
-    from trellis_cli.routepack.carry import non_expert_refs
+    from trellis_cli.dialects.carry import non_expert_refs
 
     expert_files = {f for moe in ck.layers.values() for f in moe.files}
     if copy_other and dialect_of(ck).shard_rules:  # per-linear shards may mix; exl3-v1 layer files hold experts only

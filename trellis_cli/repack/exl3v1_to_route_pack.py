@@ -1,7 +1,7 @@
 """`trellis repack EXL3 PACK` (`--to route-pack`): an exl3-v1 checkpoint -> a verified route-pack directory.
 
 One (layer, rank) at a time, in order: the rank's slot extent is gathered into a LayerPack (pack.py, what
-bench runs), written by the route pack's own writer (routepack/layer_file.py), then read back
+bench runs), written by the route pack's own writer (dialects/routepack/layer_file.py), then read back
 (dialects/exl3v1/pack_readback.py) and compared with the source's bytes. Memory: one layer-rank. Any `--tp` the
 slot layout allows (default as for `--to tr3`); `--layers` and `--ranks` select. config.json, tier_bitmap.json
 and the carried files are the ones `--to tr3` writes (exl3v1_to_tr3.tr3_form) plus the route-pack note, and
@@ -24,14 +24,16 @@ from trellis_cli.dialects.exl3v1.pack import check_convertible, expert_tiers
 from trellis_cli.dialects.exl3v1.pack_readback import check_written
 from trellis_cli.repack.exl3v1_to_tr3 import tr3_form
 from trellis_cli.dialects.exl3v1.pack import checked_rates, default_tp, exl3v1_pack
-from trellis_cli.routepack import manifest as mf
-from trellis_cli.formats.route_pack import MANIFEST_NAME, layer_file_name, tier_trellis_shape
-from trellis_cli.routepack.layer_file import write_layer_pack
-from trellis_cli.routepack.plan import LayerRankJob, parse_selection
+from trellis_cli.dialects.routepack import manifest as mf
+from trellis_cli.dialects.routepack.layout import MANIFEST_NAME, layer_file_name
+from trellis_cli.formats.layer_pack import tier_trellis_shape
+from trellis_cli.dialects.routepack.layer_file import write_layer_pack
+from trellis_cli.dialects.routepack.plan import LayerRankJob
+from trellis_cli.selection import parse_selection
 from trellis_cli.repack.result import RepackResult, Validator
 from trellis_cli.repack.source_facts import SourceHashes, fingerprint, protected_paths
 from trellis_cli.repack.staged_run import NOT_VALIDATED, Driver, OutputPlan, Progress
-from trellis_cli.routepack.source_bytes import TensorReader
+from trellis_cli.checkpoint.tensor_bytes import TensorReader
 from trellis_cli.repack.staging import Stage, refuse_collisions
 
 CONFIG = "config.json"

@@ -20,7 +20,7 @@ from trellis_cli.errors import UsageError
 from trellis_cli.dialects.exl3v1.container import container, parsed_manifest
 from trellis_cli.dialects.exl3v1.pack import (NOTE_KEY, check_convertible, checked_rates, conversion_note,
                                               default_tp, expert_tiers, exl3v1_pack)
-from trellis_cli.routepack.plan import parse_selection
+from trellis_cli.selection import parse_selection
 from trellis_cli.repack.result import Validator, check_output
 from trellis_cli.repack.source_facts import SourceHashes, protected_paths
 from trellis_cli.dialects.tr3.shard import Tr3Layer

@@ -29,9 +29,9 @@ from trellis_cli.repack.source_facts import SourceHashes, protected_paths
 from trellis_cli.repack.staging import Stage, refuse_collisions
 from trellis_cli.repack.staged_run import NOT_VALIDATED, Driver, OutputPlan, Progress
 from trellis_cli.repack.tr3_output import Tr3Driver, fingerprint_options
-from trellis_cli.routepack import carry
-from trellis_cli.routepack.pack import pack_layer
-from trellis_cli.routepack.plan import parse_selection
+from trellis_cli.dialects import carry
+from trellis_cli.dialects.shard_pack import pack_layer
+from trellis_cli.selection import parse_selection
 
 INDEX = "model.safetensors.index.json"
 
@@ -125,7 +125,7 @@ class Tr3ToStream(Driver):
                           progress_total=total, selection={"layers": self.layers}, notes=self.notes)
 
     def write(self, stage: Stage, result: RepackResult, on_bytes: Progress) -> None:
-        from trellis_cli.routepack.manifest import file_entry
+        from trellis_cli.dialects.routepack.manifest import file_entry
 
         ck, output = self.ck, self.output
         for shard in output.shards:

@@ -20,12 +20,14 @@ from trellis_cli.dialects.routepack.write import EXTRA_DIR
 from trellis_cli.checkpoint import reader
 from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Severity
-from trellis_cli.formats.route_pack import MANIFEST_NAME, layer_file_name
+from trellis_cli.dialects.routepack.layout import MANIFEST_NAME, layer_file_name
 from trellis_cli.repack.result import RepackResult
 from trellis_cli.repack.source_facts import CONFIG, NOT_COPIED, fingerprint, protected_paths
 from trellis_cli.repack.staged_run import NOT_VALIDATED, OutputPlan, plan_document
 from trellis_cli.repack.staging import check_target, refuse_collisions, resumable_bytes
-from trellis_cli.routepack.plan import parse_selection, rank_pieces, resolve_target_tp, route_pack_layer_bytes
+from trellis_cli.selection import parse_selection
+from trellis_cli.dialects.tp_reslice import rank_pieces, resolve_target_tp
+from trellis_cli.dialects.routepack.plan import route_pack_layer_bytes
 from trellis_cli.sources import SourceArg
 from trellis_cli.stwriter import PlannedTensor
 
@@ -121,7 +123,7 @@ def _scan_shards(ck: Checkpoint) -> dict[str, _ShardScan] | None:
 
 def _plan_from_declarations(ck: Checkpoint, scans: dict[str, _ShardScan], out: Path,
                             options: Any) -> dict[str, Any] | None:
-    from trellis_cli.routepack import carry
+    from trellis_cli.dialects import carry
 
     hidden, inter, experts = ck.hidden, ck.intermediate, ck.num_experts
     if not hidden or not inter or not experts:

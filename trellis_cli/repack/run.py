@@ -64,16 +64,17 @@ def run_repack(source: SourceArg | Checkpoint, out: str | Path, options: RepackO
     options = options or RepackOptions()
     out = Path(out)
     from trellis_cli.dialects import registry
-    from trellis_cli.repack.drivers import driver_for, plans_from_declarations
+    from trellis_cli.repack.drivers import conversion_of, driver_for, plans_from_declarations
 
     if options.to not in registry.targets():
         raise UsageError(unknown_target(options.to))
     if options.jobs < 1:
         raise UsageError(f"--jobs {options.jobs}: must be at least 1")
-    from trellis_cli.routepack.manifest import is_route_pack
 
     root = _local_root(source)
-    if root is not None and not isinstance(source, Checkpoint) and not is_route_pack(root):
+    # A directory of LayerPack files (a route pack) is converted from its directory by its driver, not opened.
+    store = registry.layer_pack_store(root) if root is not None else None
+    if root is not None and not isinstance(source, Checkpoint) and store is None:
         # Planned from declarations, file sizes and names in the raw headers, seconds before the opening: the
         # dry run's answer, and a real run's refusal (no space, OUT, a name claimed twice) before the slow part.
         quick = quick_dry_run(source, out, options, lambda dialect: plans_from_declarations(dialect, options.to))
@@ -82,12 +83,11 @@ def run_repack(source: SourceArg | Checkpoint, out: str | Path, options: RepackO
         if quick is not None and quick.plan and quick.plan["refusals"]:
             raise CheckFailed(quick.plan["refusals"][0])
     checkpoint: Checkpoint | None = None
-    if root is not None and is_route_pack(root):
-        if options.to != "tr3":
+    if root is not None and store is not None:
+        if conversion_of(store.name, options.to) is None:
             raise UsageError(f"{root} is already a route pack; pass --to tr3 to convert it back to TR3")
-        from trellis_cli.repack.drivers import route_pack_driver
-
-        make: Callable[[], Driver] = lambda: route_pack_driver(root, out, options, validator)
+        packs = store.name
+        make: Callable[[], Driver] = lambda: driver_for(packs, root, out, options, validator)
     else:
         checkpoint = source if isinstance(source, Checkpoint) else open_repack_source(source, on_stage)
         opened = checkpoint

@@ -12,8 +12,7 @@ from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.checkpoint.names import is_expert_name
 from trellis_cli.errors import CheckFailed
-from trellis_cli.integrity import CHECKSUM_MANIFEST, read_manifest
-from trellis_cli.routepack import manifest as mf
+from trellis_cli.integrity import CHECKSUM_MANIFEST, read_manifest, sha256_file
 from trellis_cli.sources import LocalSource
 
 CONFIG = "config.json"
@@ -74,7 +73,7 @@ class SourceHashes:
             lock = self._locks.setdefault(name, threading.Lock())
         with lock:
             if name not in self.done:
-                digest = mf.sha256_file(self.ck.source.local_path(name))
+                digest = sha256_file(self.ck.source.local_path(name))
                 self._check(name, digest)
                 self.done[name] = digest
             return self.done[name]
@@ -91,7 +90,7 @@ class SourceHashes:
 
     def check_copy(self, name: str, copy: Path) -> None:
         """A carried copy must hash to what its (verified) source file hashed to."""
-        if mf.sha256_file(copy) != self.get(name):
+        if sha256_file(copy) != self.get(name):
             raise CheckFailed(f"{name}: the copy differs from the source file (did it change during the repack?)")
 
     def of(self, names) -> dict[str, str]:

@@ -23,7 +23,7 @@ from trellis_cli.disk_space import free_bytes, space_refusal
 from trellis_cli.errors import CheckFailed, TrellisError, UsageError
 from trellis_cli.repack.lock import StageLock
 from trellis_cli.repack.out_paths import check_overlap, output_name, output_path
-from trellis_cli.routepack.manifest import sha256_file
+from trellis_cli.integrity import sha256_file
 
 STATE_NAME = "state.json"  # in OUT.partial, beside the tree
 TREE_NAME = "tree"  # OUT.partial/tree becomes OUT

@@ -12,9 +12,9 @@ from trellis_cli.integrity import CHECKSUM_MANIFEST
 from trellis_cli.repack.result import RepackResult
 from trellis_cli.repack.staged_run import NOT_VALIDATED, Driver, OutputPlan, Progress
 from trellis_cli.repack.staging import Stage, refuse_collisions
-from trellis_cli.routepack import carry
-from trellis_cli.routepack import manifest as mf
-from trellis_cli.routepack.source_bytes import TensorReader
+from trellis_cli.dialects import carry
+from trellis_cli.dialects.routepack import manifest as mf
+from trellis_cli.checkpoint.tensor_bytes import TensorReader
 
 
 class Tr3Driver(Driver):

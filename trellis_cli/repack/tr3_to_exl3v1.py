@@ -22,9 +22,9 @@ from trellis_cli.repack.result import RepackResult, Validator
 from trellis_cli.repack.source_facts import SourceHashes, protected_paths, vector_ndim
 from trellis_cli.repack.staged_run import NOT_VALIDATED, Driver, OutputPlan, Progress
 from trellis_cli.repack.staging import Stage, refuse_collisions
-from trellis_cli.routepack.manifest import file_entry
-from trellis_cli.routepack.pack import layer_tiers
-from trellis_cli.routepack.plan import parse_selection
+from trellis_cli.dialects.routepack.manifest import file_entry
+from trellis_cli.dialects.shard_pack import layer_tiers
+from trellis_cli.selection import parse_selection
 
 
 class Tr3ToExl3v1(Driver):

@@ -16,7 +16,7 @@ from typing import Any
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.routepack import write as rp_write
 from trellis_cli.errors import CheckFailed
-from trellis_cli.formats.route_pack import MANIFEST_NAME
+from trellis_cli.dialects.routepack.layout import MANIFEST_NAME
 from trellis_cli.repack.preflight import EXTRA_DIR, refuse_pack_collisions
 from trellis_cli.dialects.routepack.readback import check_layer_file
 from trellis_cli.repack.result import RepackResult, Validator
@@ -24,12 +24,12 @@ from trellis_cli.repack.source_facts import (CONFIG, NOT_COPIED, SourceHashes, f
                                              protected_paths, used_source_files, vector_ndim)
 from trellis_cli.repack.staged_run import NOT_VALIDATED, Driver, OutputPlan, Progress
 from trellis_cli.repack.staging import Stage
-from trellis_cli.routepack import carry
-from trellis_cli.routepack import manifest as mf
-from trellis_cli.routepack.layer_file import write_layer_pack
-from trellis_cli.routepack.pack import Arena, layer_tiers, pack_layer
-from trellis_cli.routepack.plan import LayerRankJob, RepackPlan, make_plan
-from trellis_cli.routepack.source_bytes import TensorReader
+from trellis_cli.dialects import carry
+from trellis_cli.dialects.routepack import manifest as mf
+from trellis_cli.dialects.routepack.layer_file import write_layer_pack
+from trellis_cli.dialects.shard_pack import Arena, layer_tiers, pack_layer
+from trellis_cli.dialects.routepack.plan import LayerRankJob, RepackPlan, make_plan
+from trellis_cli.checkpoint.tensor_bytes import TensorReader
 
 
 class Tr3ToRoutePack(Driver):

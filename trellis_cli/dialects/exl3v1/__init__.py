@@ -203,7 +203,7 @@ class Exl3v1Dialect(Dialect):
 
     def layer_pack(self, ckpt, layer, rank, tp=None, device="cpu"):
         from trellis_cli.dialects.exl3v1.pack import default_tp, exl3v1_pack
-        from trellis_cli.routepack.pack import to_device
+        from trellis_cli.dialects.shard_pack import to_device
 
         return to_device(exl3v1_pack(ckpt, layer, rank, default_tp(ckpt) if tp is None else tp), device)
 

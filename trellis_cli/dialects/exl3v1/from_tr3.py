@@ -22,10 +22,10 @@ from trellis_cli.dialects.exl3v1.layout import LayerRates, slot_channels
 from trellis_cli.dialects.exl3v1.pack import pack_rows, read_extent_pack
 from trellis_cli.dialects.exl3v1.schema import PER_EXPERT_PAIR, SLOT_CHANNELS, SLOTS_PER_PAIR, UNIFORM, Manifest
 from trellis_cli.dialects.exl3v1.write import row_stride, write_layer
-from trellis_cli.routepack.pack import HIDDEN_SIDE, expected_hidden, expected_intermediate, pack_layer
-from trellis_cli.routepack.plan import rank_pieces
-from trellis_cli.routepack.compare import same_bits
-from trellis_cli.routepack.source_bytes import TensorReader
+from trellis_cli.dialects.shard_pack import HIDDEN_SIDE, expected_hidden, expected_intermediate, pack_layer
+from trellis_cli.dialects.tp_reslice import rank_pieces
+from trellis_cli.checkpoint.bit_compare import same_bits
+from trellis_cli.checkpoint.tensor_bytes import TensorReader
 
 PAIR_K = (2, 3, 4)
 

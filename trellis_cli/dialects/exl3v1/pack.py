@@ -1,6 +1,6 @@
 """One TP rank's extent of an exl3-v1 layer as a route-pack LayerPack, and back: LayerPack ranks -> codes rows.
 
-The LayerPack is the project's one in-memory form of (layer, rank) (formats/route_pack.py): TR3 shards are
+The LayerPack is the project's one in-memory form of (layer, rank) (formats/layer_pack.py): TR3 shards are
 written from it (dialects/tr3/shard.py), the route pack is it on disk, and bench runs it. Moving between it and
 exl3-v1 rearranges bytes only (dialects/exl3v1/layout.py says where each 16-channel tile goes); nothing is decoded.
 TR3 and the route pack hold one K per expert, so an expert whose records use several bit widths is refused.
@@ -17,8 +17,8 @@ from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.exl3v1.layout import (LayerRates, expert_offsets, plane_span, rank_extent, slot_channels,
                                        slot_tiles, tp_degrees, tp_problem)
 from trellis_cli.dialects.exl3v1.schema import SLOT_CHANNELS, Manifest
-from trellis_cli.formats.route_pack import MAX_TIER_EXPERTS, LayerPack, descriptor, split_descriptor, tier_trellis_shape
-from trellis_cli.routepack.source_bytes import TensorReader
+from trellis_cli.formats.layer_pack import MAX_TIER_EXPERTS, LayerPack, descriptor, split_descriptor, tier_trellis_shape
+from trellis_cli.checkpoint.tensor_bytes import TensorReader
 
 if TYPE_CHECKING:
     import torch

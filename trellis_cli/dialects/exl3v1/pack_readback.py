@@ -19,13 +19,13 @@ from trellis_cli.dialects.exl3v1.container import CODES, HIDDEN_TABLES, ROTATION
 from trellis_cli.dialects.exl3v1.layout import LayerRates, expert_offsets, rank_extent, row_payload
 from trellis_cli.dialects.exl3v1.pack import pack_rotations, pack_rows, rows_ref
 from trellis_cli.dialects.exl3v1.schema import SLOT_CHANNELS, Manifest
-from trellis_cli.formats.route_pack import ROT_INTERMEDIATE, LayerPack, tier_trellis_name
-from trellis_cli.routepack.layer_file import read_layer_pack
+from trellis_cli.formats.layer_pack import ROT_INTERMEDIATE, LayerPack, tier_trellis_name
+from trellis_cli.dialects.routepack.layer_file import read_layer_pack
 from trellis_cli.dialects.routepack.readback import _expected_tables
-from trellis_cli.routepack.compare import same_bits
+from trellis_cli.checkpoint.bit_compare import same_bits
 
 if TYPE_CHECKING:
-    from trellis_cli.routepack.source_bytes import TensorReader
+    from trellis_cli.checkpoint.tensor_bytes import TensorReader
 
 
 def check_written(path: Path, m: Manifest, layer: Exl3Layer, rates: LayerRates, reader: "TensorReader", rank: int,

@@ -12,7 +12,7 @@ from trellis_cli.errors import CheckFailed, UsageError
 
 def layer_units(ck: Checkpoint, layer: int, tp: int) -> dict[Key, Unit]:
     from trellis_cli.dialects.exl3v1.pack import exl3v1_pack
-    from trellis_cli.routepack.source_bytes import TensorReader
+    from trellis_cli.checkpoint.tensor_bytes import TensorReader
 
     units: dict[Key, Unit] = {}
     with TensorReader(ck.source) as reader:

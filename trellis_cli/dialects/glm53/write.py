@@ -27,8 +27,8 @@ from trellis_cli.dialects.interface import StagedOutput
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.header import is_int, plain_relative, read_local_header
 from trellis_cli.integrity import CHECKSUM_MANIFEST
-from trellis_cli.routepack import carry
-from trellis_cli.routepack.source_bytes import TensorReader
+from trellis_cli.dialects import carry
+from trellis_cli.checkpoint.tensor_bytes import TensorReader
 from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter
 
 NOTE_KEY = "glm53_stream_source"

@@ -1,6 +1,6 @@
 """trellis's own route pack (manifest.json, schema "trellis-route-pack"): what `trellis repack` writes.
 
-The layer layout (formats/route_pack.py) and the packer, layer files and manifest (routepack/) sit below the
+The layer layout (formats/layer_pack.py) and the packer, layer files and manifest (routepack/) sit below the
 dialects, where the kernel and bench read them; this package owns the rest: reading a route-pack directory as a
 checkpoint (detection, the manifest's shape in `manifest_shape.py`, the verification against its manifest in
 `verify.py`: every hash, every name, bounded by what the directory holds), its verdicts (no profiled loader
@@ -10,10 +10,13 @@ and the read-back of each written layer file against its source (`readback.py`).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_ROUTE_PACK, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H
 from trellis_cli.dialects.routepack.declared import detect_route_pack, manifest_of
+from trellis_cli.dialects.routepack.layout import MANIFEST_NAME, layer_file_name
+from trellis_cli.formats.layer_pack import LayerPack
 from trellis_cli.dialects.interface import (CONFIG, QUANT_CONFIG, VLLM, CheckRequest, Dialect, DialectInfo, Probe,
                                            read_json_or_none)
 
@@ -42,6 +45,35 @@ class RoutePackDialect(Dialect):
 
     def detect(self, probe: Probe) -> DialectInfo | None:
         return detect_route_pack(probe)
+
+    def holds_layer_packs(self, directory: Path) -> bool:
+        from trellis_cli.dialects.routepack.manifest import is_route_pack
+
+        return is_route_pack(directory)
+
+    def stored_layer_packs(self, directory: Path) -> list[int]:
+        from trellis_cli.dialects.routepack.manifest import declared_layers, read_manifest
+        from trellis_cli.errors import CheckFailed, SourceUnavailable
+
+        try:  # the guarded reader: size, depth and Unicode limits, as for every checkpoint JSON
+            doc, _ = read_manifest(directory)
+        except CheckFailed as err:
+            raise SourceUnavailable(f"{directory}/{MANIFEST_NAME}: cannot read its layer list ({err})") from None
+        return declared_layers(doc)
+
+    def layer_pack_tp(self, directory: Path) -> Any:
+        from trellis_cli.sources import read_json_file
+
+        doc = read_json_file(directory / MANIFEST_NAME, MANIFEST_NAME)
+        return doc.get("tp") if isinstance(doc, dict) else None
+
+    def layer_pack_path(self, directory: Path, layer: int, rank: int) -> Path:
+        return directory / layer_file_name(layer, rank)
+
+    def read_layer_pack(self, directory: Path, layer: int, rank: int, device: str = "cpu") -> LayerPack:
+        from trellis_cli.dialects.routepack.layer_file import read_layer_pack
+
+        return read_layer_pack(directory, layer, rank, device=device)
 
     def compared_layers(self, ckpt) -> list[int]:
         from trellis_cli.dialects.routepack.units import manifest_layers
@@ -101,7 +133,7 @@ class RoutePackDialect(Dialect):
         return {**route_pack_document(ckpt, layers), "purpose": PURPOSE}
 
     def declared_layers(self, ckpt) -> list[int]:
-        from trellis_cli.routepack.manifest import declared_layers
+        from trellis_cli.dialects.routepack.manifest import declared_layers
 
         return declared_layers(manifest_of(ckpt))
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from trellis_cli.checkpoint.model import DIALECT_ROUTE_PACK, Checkpoint, Declarations
 from trellis_cli.dialects.interface import DialectInfo, Probe, declared_tp
-from trellis_cli.formats.route_pack import MANIFEST_NAME
+from trellis_cli.dialects.routepack.layout import MANIFEST_NAME
 
 
 @dataclass

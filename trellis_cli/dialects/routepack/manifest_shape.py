@@ -16,8 +16,9 @@ from typing import Any
 from trellis_cli.findings import MAX_FINDINGS_PER_CODE, Location, error, error_summary
 from trellis_cli.header import is_int
 from trellis_cli.id_ranges import range_bounds
-from trellis_cli.routepack import manifest as mf
-from trellis_cli.formats.route_pack import CODEBOOK_IDS, MANIFEST_NAME, MAX_TIER_EXPERTS, ROTATIONS, layer_file_name
+from trellis_cli.dialects.routepack import manifest as mf
+from trellis_cli.formats.layer_pack import CODEBOOK_IDS, MAX_TIER_EXPERTS, ROTATIONS
+from trellis_cli.dialects.routepack.layout import MANIFEST_NAME, layer_file_name
 
 REQUIRED_KEYS = ("schema", "schema_version", "source", "geometry", "tp", "ranks", "codebook", "rotation", "layers",
                  "files")

@@ -17,16 +17,11 @@ from typing import TYPE_CHECKING
 from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint
 from trellis_cli.errors import CheckFailed
 from trellis_cli.header import HeaderError, header_length, parse_header
-from trellis_cli.formats.route_pack import (
-    DESCRIPTORS, GLOBAL_TO_COMBINED, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE, ROT_UP_SUH, TABLE_NAMES, TIER_K,
-    TIER_SIZE, descriptor, tier_trellis_name,
-)
-from trellis_cli.routepack.pack import (
-    expected_hidden, expected_intermediate, expected_trellis, layer_tiers, linear_slice, source_is_shared_h,
-)
-from trellis_cli.routepack.plan import is_identity, rank_pieces
-from trellis_cli.routepack.compare import bytes_of, equal_bytes, same_bits
-from trellis_cli.routepack.source_bytes import READ_CHUNK, ST_TO_TORCH, Scratch, TensorReader
+from trellis_cli.formats.layer_pack import DESCRIPTORS, GLOBAL_TO_COMBINED, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE, ROT_UP_SUH, TABLE_NAMES, TIER_K, TIER_SIZE, descriptor, tier_trellis_name
+from trellis_cli.dialects.shard_pack import expected_hidden, expected_intermediate, expected_trellis, layer_tiers, linear_slice, source_is_shared_h
+from trellis_cli.dialects.tp_reslice import is_identity, rank_pieces
+from trellis_cli.checkpoint.bit_compare import bytes_of, equal_bytes, same_bits
+from trellis_cli.checkpoint.tensor_bytes import READ_CHUNK, ST_TO_TORCH, Scratch, TensorReader
 
 if TYPE_CHECKING:
     import torch

@@ -12,8 +12,8 @@ from trellis_cli.dialects.units import (CODES, HIDDEN, INTERMEDIATE, Key, Span, 
                                         native_shape, where)
 from trellis_cli.dialects.routepack.declared import manifest_of
 from trellis_cli.errors import CheckFailed
-from trellis_cli.formats.route_pack import (MAX_TIER_EXPERTS, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE,
-                                            ROT_UP_SUH, layer_file_name, tier_trellis_name)
+from trellis_cli.formats.layer_pack import MAX_TIER_EXPERTS, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE, ROT_UP_SUH, tier_trellis_name
+from trellis_cli.dialects.routepack.layout import layer_file_name
 from trellis_cli.id_ranges import expand_ranges
 
 HIDDEN_TABLES = (ROT_GATE_SUH, ROT_UP_SUH, ROT_DOWN_SVH)  # in projection order

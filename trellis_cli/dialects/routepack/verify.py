@@ -24,12 +24,9 @@ from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, Report, e
 from trellis_cli.header import HeaderError, read_local_header
 from trellis_cli.id_ranges import expand_ranges
 from trellis_cli.integrity import RecordedHash, check_recorded
-from trellis_cli.routepack import manifest as mf
-from trellis_cli.formats.route_pack import (
-    DESCRIPTORS, GLOBAL_TO_COMBINED, MANIFEST_NAME, MAX_TIER_EXPERTS, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE,
-    ROT_UP_SUH, SCHEMA, SCHEMA_VERSION, TABLE_NAMES, TIER_K, TIER_SIZE, descriptor, layer_file_name,
-    tier_trellis_name, tier_trellis_shape,
-)
+from trellis_cli.dialects.routepack import manifest as mf
+from trellis_cli.formats.layer_pack import DESCRIPTORS, GLOBAL_TO_COMBINED, MAX_TIER_EXPERTS, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE, ROT_UP_SUH, TABLE_NAMES, TIER_K, TIER_SIZE, descriptor, tier_trellis_name, tier_trellis_shape
+from trellis_cli.dialects.routepack.layout import MANIFEST_NAME, SCHEMA, SCHEMA_VERSION, layer_file_name
 from trellis_cli.dialects.routepack.manifest_shape import CONFIG_NAME, manifest_findings
 from trellis_cli.sources import LocalSource, SourceArg, read_json_file
 from trellis_cli.formats.safetensors_layout import check_shard

@@ -1,4 +1,4 @@
-"""What a route-pack output holds besides its layer files (routepack/layer_file.py writes those): the
+"""What a route-pack output holds besides its layer files (dialects/routepack/layer_file.py writes those): the
 config.json with the repack note, the copied files and the extra/ files of carried non-expert tensors, each
 layer's manifest entry, and manifest.json written last. The writer of `repack` into a route pack, from TR3
 (repack/tr3_to_route_pack.py) or from exl3-v1 (repack/exl3v1_to_route_pack.py), handed the staged tree by repack.
@@ -15,12 +15,12 @@ from typing import Any, Callable
 from trellis_cli.checkpoint.model import TensorRef
 from trellis_cli.dialects.interface import StagedOutput
 from trellis_cli.errors import UsageError
-from trellis_cli.formats.route_pack import MANIFEST_NAME, SCHEMA, SCHEMA_VERSION
+from trellis_cli.dialects.routepack.layout import MANIFEST_NAME, SCHEMA, SCHEMA_VERSION
 from trellis_cli.id_ranges import compact_ranges
-from trellis_cli.routepack import carry
-from trellis_cli.routepack import manifest as mf
-from trellis_cli.routepack.layer_file import sync_file
-from trellis_cli.routepack.source_bytes import TensorReader
+from trellis_cli.dialects import carry
+from trellis_cli.dialects.routepack import manifest as mf
+from trellis_cli.dialects.routepack.layer_file import sync_file
+from trellis_cli.checkpoint.tensor_bytes import TensorReader
 from trellis_cli.sources import Source
 
 CONFIG = "config.json"

@@ -1,7 +1,7 @@
 """One TR3 shard written from route-pack LayerPacks, and its bit-for-bit read-back.
 
 A shard holds every rank of its layers; it is written rank by rank from one LayerPack at a time (the header is
-planned first), so memory stays at one layer-rank, and carried tensors are streamed (routepack/carry.py).
+planned first), so memory stays at one layer-rank, and carried tensors are streamed (dialects/carry.py).
 Tensor names follow the TR3 schema, vectors get back the shape the source stored ([n] or [1, n]), and codebook
 markers are rewritten from the codebook. write.py's `Tr3Output` writes every shard of an output with it, for
 every repack driver that writes TR3 (repack/convert.py, repack/exl3v1_to_tr3.py).
@@ -18,11 +18,11 @@ from trellis_cli.checkpoint.model import PROJECTIONS, TensorRef
 from trellis_cli.checkpoint.names import H_SIDE, I_SIDE, expert_key, shared_h_key
 from trellis_cli.codebooks import MARKERS
 from trellis_cli.errors import CheckFailed
-from trellis_cli.formats.route_pack import LayerPack, split_descriptor
+from trellis_cli.formats.layer_pack import LayerPack, split_descriptor
 from trellis_cli.header import HeaderError, read_local_header
-from trellis_cli.routepack import carry
-from trellis_cli.routepack.compare import same_bits
-from trellis_cli.routepack.source_bytes import TensorReader
+from trellis_cli.dialects import carry
+from trellis_cli.checkpoint.bit_compare import same_bits
+from trellis_cli.checkpoint.tensor_bytes import TensorReader
 from trellis_cli.sources import LocalSource
 from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter
 

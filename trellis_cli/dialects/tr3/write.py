@@ -30,8 +30,8 @@ from trellis_cli.dialects.tr3.shard import check_tr3_shard, write_tr3_shard
 from trellis_cli.errors import UsageError
 from trellis_cli.header import read_local_header
 from trellis_cli.integrity import CHECKSUM_MANIFEST, write_manifest
-from trellis_cli.routepack import carry
-from trellis_cli.routepack.source_bytes import TensorReader
+from trellis_cli.dialects import carry
+from trellis_cli.checkpoint.tensor_bytes import TensorReader
 from trellis_cli.sources import Source
 
 INDEX_NAME = "model.safetensors.index.json"

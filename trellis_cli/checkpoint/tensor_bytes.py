@@ -19,6 +19,8 @@ from trellis_cli.errors import CheckFailed
 if TYPE_CHECKING:
     import torch
 
+    from trellis_cli.sources import Source
+
 READ_CHUNK = 1 << 20  # large single reads and writes measured several times slower on Linux page cache
 ST_TO_TORCH = {"I16": "int16", "F16": "float16", "I32": "int32", "F32": "float32", "BF16": "bfloat16",
                "I64": "int64", "U8": "uint8", "I8": "int8", "F64": "float64"}
@@ -28,7 +30,7 @@ def byte_view(tensor: "torch.Tensor") -> memoryview:
     """A writable byte view of a contiguous CPU tensor (shares its memory)."""
     import torch
 
-    return memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B")
+    return tensor.view(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 class Scratch:
@@ -46,7 +48,7 @@ class Scratch:
 class TensorReader:
     """Reads tensors of one checkpoint source by header byte range. Close it (or use `with`) when done."""
 
-    def __init__(self, source) -> None:  # source: sources.Source
+    def __init__(self, source: Source) -> None:
         self.source = source
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -129,5 +131,5 @@ class TensorReader:
     def __enter__(self) -> "TensorReader":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -1,6 +1,6 @@
 """One route-pack layer file on disk: `write_layer_pack` and `read_layer_pack`.
 
-The file is a plain safetensors file (formats/route_pack.py lists its tensors and __metadata__); reading it needs no
+The file is a plain safetensors file (formats/layer_pack.py lists its tensors; `file_metadata` its __metadata__); reading it needs no
 transform, so `read_layer_pack(..., device="cuda")` hands the kernel its tensors as stored.
 """
 
@@ -11,14 +11,26 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trellis_cli.errors import CheckFailed, SourceUnavailable
-from trellis_cli.formats.route_pack import (
-    DESCRIPTORS, GLOBAL_TO_COMBINED, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE, ROT_UP_SUH, SCHEMA,
-    SCHEMA_VERSION, TIER_K, TIER_SIZE, LayerPack, layer_file_name, tier_trellis_name,
+from trellis_cli.checkpoint.tensor_bytes import byte_view
+from trellis_cli.dialects.routepack.layout import SCHEMA, SCHEMA_VERSION, layer_file_name
+from trellis_cli.formats.layer_pack import (
+    DESCRIPTORS, GLOBAL_TO_COMBINED, ROT_DOWN_SVH, ROT_GATE_SUH, ROT_INTERMEDIATE, ROT_UP_SUH, TIER_K, TIER_SIZE,
+    LayerPack, tier_trellis_name,
 )
-from trellis_cli.routepack.source_bytes import byte_view
 from trellis_cli.stwriter import encode_header, planned
 
 WRITE_CHUNK = 1 << 20
+
+
+def file_metadata(pack: LayerPack) -> dict[str, str]:
+    """The safetensors __metadata__ of the layer file (all values strings): schema, schema_version, layer,
+    rank, tp, hidden, intermediate_rank, codebook, rotation ("per_expert" | "shared_h"), num_experts."""
+    return {
+        "schema": SCHEMA, "schema_version": str(SCHEMA_VERSION), "layer": str(pack.layer),
+        "rank": str(pack.rank), "tp": str(pack.tp), "hidden": str(pack.hidden),
+        "intermediate_rank": str(pack.intermediate), "codebook": pack.codebook, "rotation": pack.rotation,
+        "num_experts": str(int(pack.global_to_combined.shape[0])),
+    }
 
 
 def write_layer_pack(path: str | Path, pack: LayerPack, *, on_bytes: Callable[[int], None] | None = None,
@@ -30,7 +42,7 @@ def write_layer_pack(path: str | Path, pack: LayerPack, *, on_bytes: Callable[[i
     """
     path = Path(path)
     tensors = pack.tensors()
-    header = encode_header([planned(n, t) for n, t in tensors.items()], pack.metadata())
+    header = encode_header([planned(n, t) for n, t in tensors.items()], file_metadata(pack))
     tmp = path.with_name(path.name + ".partial")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

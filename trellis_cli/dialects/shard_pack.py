@@ -1,9 +1,11 @@
-"""Gather one (layer, rank) of a TR3 checkpoint into the route-pack layout (`pack_layer`).
+"""Gather one (layer, rank) of a checkpoint stored as per-linear safetensors shards (TR3 and the other shard
+dialects) into the kernel's LayerPack (`pack_layer`): the `Dialect.layer_pack` default, and what a route pack's
+layer file holds.
 
 Tiers are the layer's distinct K values, ascending; combined ids are tier-ordered with ascending checkpoint
-id inside a tier (formats/route_pack.py). Trellis bytes are moved unchanged. Rotation vectors are gathered in combined
+id inside a tier (formats/layer_pack.py). Trellis bytes are moved unchanged. Rotation vectors are gathered in combined
 order; hidden-side rows collapse to one [1, H] row under shared-H. With a target TP different from the
-source's, each projection is re-sliced along the intermediate dimension (plan.rank_pieces), exactly or not
+source's, each projection is re-sliced along the intermediate dimension (tp_reslice.rank_pieces), exactly or not
 at all. The `expected_*` functions are also what verification compares the written file against.
 """
 
@@ -11,11 +13,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, LinearRef, MoeLayer
+from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, LinearRef, MoeLayer, TensorRef
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.formats.route_pack import MAX_TIER_EXPERTS, LayerPack, descriptor, tier_trellis_shape
-from trellis_cli.routepack.plan import Piece, is_identity, rank_pieces, resolve_target_tp
-from trellis_cli.routepack.source_bytes import TensorReader
+from trellis_cli.formats.layer_pack import MAX_TIER_EXPERTS, LayerPack, descriptor, tier_trellis_shape
+from trellis_cli.dialects.tp_reslice import Piece, is_identity, rank_pieces, resolve_target_tp
+from trellis_cli.checkpoint.tensor_bytes import TensorReader
 
 if TYPE_CHECKING:
     import torch
@@ -31,7 +33,7 @@ class Arena:
     A pack built in an arena is valid until the arena's next `reset`."""
 
     def __init__(self) -> None:
-        self.buffer = None
+        self.buffer: torch.Tensor | None = None
         self.used = 0
 
     def reset(self, nbytes: int) -> None:
@@ -47,6 +49,7 @@ class Arena:
         import torch
 
         nbytes = 2 * _prod(shape)
+        assert self.buffer is not None, "Arena.take before reset"
         view = self.buffer[self.used:self.used + nbytes]
         self.used += nbytes
         return view.view(torch.int16).view(shape)
@@ -96,7 +99,13 @@ def linear_slice(moe: MoeLayer, expert: int, proj: str, rank: int) -> LinearRef:
     return lin
 
 
-def vector_ref(moe: MoeLayer, lin: LinearRef, proj: str, rank: int, side: str, shared: bool):
+def _trellis(lin: LinearRef) -> TensorRef:
+    """The trellis of a linear `linear_slice` returned (it refuses one without)."""
+    assert lin.trellis is not None
+    return lin.trellis
+
+
+def vector_ref(moe: MoeLayer, lin: LinearRef, proj: str, rank: int, side: str, shared: bool) -> TensorRef:
     if shared and side == HIDDEN_SIDE[proj]:
         ref = moe.shared_h.get((proj, rank), {}).get(side)
         name = f"layer {moe.index} shared_h {proj} rank {rank} {side}"
@@ -110,7 +119,7 @@ def vector_ref(moe: MoeLayer, lin: LinearRef, proj: str, rank: int, side: str, s
     return ref
 
 
-def _read_vector(reader: TensorReader, ref, length: int) -> "torch.Tensor":
+def _read_vector(reader: TensorReader, ref: TensorRef, length: int) -> "torch.Tensor":
     vec = reader.read(ref).reshape(-1)
     if vec.numel() != length:
         raise CheckFailed(f"{ref.file}: {ref.name}: {vec.numel()} elements, expected {length}")
@@ -126,11 +135,12 @@ def expected_trellis(reader: TensorReader, moe: MoeLayer, expert: int, proj: str
     for piece in pieces:
         lin = linear_slice(moe, expert, proj, piece.source_rank)
         rows, cols = (hidden // 16, source_width // 16) if proj != "down_proj" else (source_width // 16, hidden // 16)
-        shape = tuple(lin.trellis.shape)
-        if lin.trellis.dtype != "I16" or len(shape) != 3 or shape[:2] != (rows, cols) or shape[2] % 16:
-            raise CheckFailed(f"{lin.prefix}.trellis: {lin.trellis.dtype} {list(shape)}, expected I16 "
+        trellis = _trellis(lin)
+        shape = tuple(trellis.shape)
+        if trellis.dtype != "I16" or len(shape) != 3 or shape[:2] != (rows, cols) or shape[2] % 16:
+            raise CheckFailed(f"{lin.prefix}.trellis: {trellis.dtype} {list(shape)}, expected I16 "
                               f"[{rows}, {cols}, 16*K]")
-        full = reader.read(lin.trellis)
+        full = reader.read(trellis)
         lo, hi = piece.lo // 16, piece.hi // 16
         parts.append(full[:, lo:hi] if proj != "down_proj" else full[lo:hi])
     dim = 1 if proj != "down_proj" else 0
@@ -158,7 +168,7 @@ def expected_hidden(reader: TensorReader, moe: MoeLayer, expert: int, proj: str,
     import torch
 
     side = HIDDEN_SIDE[proj]
-    first = None
+    first: torch.Tensor | None = None
     for piece in pieces:
         lin = linear_slice(moe, expert, proj, piece.source_rank)
         vec = _read_vector(reader, vector_ref(moe, lin, proj, piece.source_rank, side, shared), hidden)
@@ -170,6 +180,7 @@ def expected_hidden(reader: TensorReader, moe: MoeLayer, expert: int, proj: str,
                 f"and rank {piece.source_rank}: these rank slices were quantized separately, so merging them "
                 f"is not exact (refused)"
             )
+    assert first is not None  # rank_pieces gives every target rank at least one piece
     return first
 
 
@@ -195,7 +206,7 @@ def _pack(checkpoint: Checkpoint, layer: int, rank: int, target_tp: int, shared_
     import torch
 
     moe = _moe(checkpoint, layer)
-    hidden, inter = checkpoint.hidden, checkpoint.intermediate
+    hidden, inter = checkpoint.moe_sizes()
     if not 0 <= rank < target_tp:
         raise UsageError(f"rank {rank} is outside 0..{target_tp - 1}")
     source_width, width = inter // checkpoint.tp, inter // target_tp
@@ -250,16 +261,17 @@ def _fill_trellis(reader: TensorReader, moe: MoeLayer, expert: int, proj: str, p
     if is_identity(pieces, source_width):
         lin = linear_slice(moe, expert, proj, pieces[0].source_rank)
         expected = (hidden // 16, source_width // 16) if proj != "down_proj" else (source_width // 16, hidden // 16)
-        shape = tuple(lin.trellis.shape)
-        if lin.trellis.dtype != "I16" or shape != (*expected, out.shape[-1]):
-            raise CheckFailed(f"{lin.prefix}.trellis: {lin.trellis.dtype} {list(shape)}, expected I16 "
+        trellis = _trellis(lin)
+        shape = tuple(trellis.shape)
+        if trellis.dtype != "I16" or shape != (*expected, out.shape[-1]):
+            raise CheckFailed(f"{lin.prefix}.trellis: {trellis.dtype} {list(shape)}, expected I16 "
                               f"{[*expected, out.shape[-1]]}")
-        reader.read_into(lin.trellis, out)  # the fast path: bytes land in the slab directly
+        reader.read_into(trellis, out)  # the fast path: bytes land in the slab directly
         return
     out.copy_(expected_trellis(reader, moe, expert, proj, pieces, hidden, source_width))
 
 
-def _collapse(rows: "torch.Tensor", tiers, layer: int, proj: str, rank: int) -> "torch.Tensor":
+def _collapse(rows: "torch.Tensor", tiers: list[tuple[int, list[int]]], layer: int, proj: str, rank: int) -> "torch.Tensor":
     """[E_c, H] -> [1, H] when every row is byte-equal; else refuse, naming the first differing expert."""
     import torch
 
@@ -276,9 +288,11 @@ def _collapse(rows: "torch.Tensor", tiers, layer: int, proj: str, rank: int) -> 
     return rows[0:1].clone()
 
 
-def to_device(pack: LayerPack, device) -> LayerPack:
+def to_device(pack: LayerPack, device: "str | torch.device") -> LayerPack:
     """The same pack with every tensor on `device` (one copy per tensor, no layout change)."""
-    move = lambda t: t.to(device)  # noqa: E731
+    def move(t: "torch.Tensor") -> "torch.Tensor":
+        return t.to(device)
+
     return LayerPack(layer=pack.layer, rank=pack.rank, tp=pack.tp, hidden=pack.hidden,
                      intermediate=pack.intermediate, codebook=pack.codebook, tier_k=list(pack.tier_k),
                      tier_trellis=[move(t) for t in pack.tier_trellis],

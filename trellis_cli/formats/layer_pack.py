@@ -1,10 +1,11 @@
-"""The route-pack layout of one MoE layer on one tensor-parallel rank.
+"""The LayerPack: one MoE layer on one tensor-parallel rank as the fused kernel reads it.
 
-This is the contract between `trellis repack` (writer), the loader (reader) and the fused CUDA kernel:
-the kernel reads these tensors as they are, with no transform at load time. docs/format.md is the
-normative description; this module is its one Python mirror.
+This is the contract between every packer (a dialect's `layer_pack`, a route pack's layer file), the float64
+reference and the fused CUDA kernel: the kernel reads these tensors as they are, with no transform at load time.
+A route pack (dialects/routepack/) stores one LayerPack per file. docs/format.md is the normative description;
+this module is its one Python mirror.
 
-Per (layer, rank), tensors (names are the safetensors keys):
+Per (layer, rank), tensors (names are the safetensors keys of a route-pack layer file):
 
   tier{t}.trellis        int16 [E_t, 3, (H/16)*(I_r/16), 16*K_t]
         Experts of tier t in combined order. Projection p = 0 gate, 1 up, 2 down. Each projection is the
@@ -23,8 +24,7 @@ Per (layer, rank), tensors (names are the safetensors keys):
 Combined ids are tier-ordered: tier 0's experts first (ascending checkpoint id), then tier 1's, ...
 so combined id = sum(tier_size[:t]) + local id.
 
-File metadata (safetensors __metadata__, strings): schema, schema_version, layer, rank, tp, hidden,
-intermediate_rank, codebook, rotation ("per_expert" | "shared_h"), num_experts.
+A route-pack layer file's metadata is dialects/routepack/layer_file.py `file_metadata`.
 """
 
 from __future__ import annotations
@@ -37,12 +37,7 @@ from trellis_cli.codebooks import IDS as CODEBOOK_IDS  # noqa: F401  (the route 
 if TYPE_CHECKING:
     import torch
 
-SCHEMA = "trellis-route-pack"
-SCHEMA_VERSION = 1
 MAX_TIER_EXPERTS = 256
-
-
-MANIFEST_NAME = "manifest.json"
 ROTATIONS = ("per_expert", "shared_h")
 
 # Tensor names (safetensors keys) inside one layer file; slabs first, so each starts 8-byte aligned.
@@ -56,10 +51,6 @@ ROT_UP_SUH = "rot.up_suh"
 ROT_DOWN_SVH = "rot.down_svh"
 TABLE_NAMES = (GLOBAL_TO_COMBINED, DESCRIPTORS, TIER_K, TIER_SIZE, ROT_INTERMEDIATE, ROT_GATE_SUH, ROT_UP_SUH,
                ROT_DOWN_SVH)
-
-
-def layer_file_name(layer: int, rank: int) -> str:
-    return f"layer-{layer:03d}-rank-{rank}.safetensors"
 
 
 def tier_trellis_name(tier: int) -> str:
@@ -87,7 +78,7 @@ def descriptor(tier: int, local_id: int) -> int:
 
 @dataclass
 class LayerPack:
-    """One (layer, rank) in the route-pack layout; tensors may live on CPU or on a CUDA device."""
+    """One (layer, rank) in the kernel's layout; tensors may live on CPU or on a CUDA device."""
 
     layer: int
     rank: int
@@ -134,15 +125,6 @@ class LayerPack:
         out[ROT_UP_SUH] = self.up_suh
         out[ROT_DOWN_SVH] = self.down_svh
         return out
-
-    def metadata(self) -> dict[str, str]:
-        """The safetensors __metadata__ of the layer file (all values strings)."""
-        return {
-            "schema": SCHEMA, "schema_version": str(SCHEMA_VERSION), "layer": str(self.layer),
-            "rank": str(self.rank), "tp": str(self.tp), "hidden": str(self.hidden),
-            "intermediate_rank": str(self.intermediate), "codebook": self.codebook, "rotation": self.rotation,
-            "num_experts": str(int(self.global_to_combined.shape[0])),
-        }
 
     def served_experts(self, tier: int) -> list[int]:
         """Checkpoint expert ids of one tier, in local-id order (ascending)."""

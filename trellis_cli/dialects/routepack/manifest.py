@@ -16,7 +16,7 @@ from typing import Any
 from trellis_cli.errors import CheckFailed, SourceUnavailable
 from trellis_cli.header import JsonError, load_json, open_regular, os_reason, safe_relative
 from trellis_cli.integrity import sha256_file
-from trellis_cli.formats.route_pack import MANIFEST_NAME, SCHEMA, SCHEMA_VERSION
+from trellis_cli.dialects.routepack.layout import MANIFEST_NAME, SCHEMA, SCHEMA_VERSION
 from trellis_cli.sources import MAX_JSON_BYTES, read_json_file
 
 SELF_HASH_KEY = "manifest_sha256"
