@@ -5,7 +5,6 @@ resumable; or its dry run (the conversion's plan, nothing written)."""
 from __future__ import annotations
 
 import time
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -15,14 +14,6 @@ from trellis_cli.cli import output
 from trellis_cli.cli.options import (CacheDirOpt, EndpointOpt, OfflineOpt, RevisionOpt, TokenOpt, open_cli_source,
                                      parse_layers)
 from trellis_cli.errors import TrellisError, UsageError
-
-
-class Target(str, Enum):
-    route_pack = "route-pack"
-    tr3 = "tr3"
-    exl3_v1 = "exl3-v1"
-    btx = "btx"
-    glm53_stream = "glm53-stream"  # GLM-5.3-Flash's unsliced stream, from its TR3 form
 
 
 HELP = (
@@ -67,7 +58,10 @@ def repack_command(
     tp: Annotated[Optional[int], typer.Option(help="Target TP degree (exact re-slicing only).")] = None,
     shared_h: Annotated[bool, typer.Option("--shared-h", help="Collapse hidden-side rotations to one row "
                                                               "(refused unless byte-equal).")] = False,
-    to: Annotated[Target, typer.Option("--to", help="Output layout.")] = Target.route_pack,
+    # The targets are the dialect registry's (checked by the library, which names the word a `--to` spelled
+    # another way, `routepack`, meant).
+    to: Annotated[str, typer.Option("--to", help="Output layout: route-pack, tr3, exl3-v1, btx or "
+                                                 "glm53-stream.")] = "route-pack",
     jobs: Annotated[int, typer.Option("--jobs", "-j", help="Layer-ranks processed in parallel (each holds "
                                                              "one layer-rank, ~1 GB at GLM-5.2 TP4).")] = 4,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")] = False,
@@ -84,8 +78,8 @@ def repack_command(
     # --layers / --ranks typed once here: the syntax and id bound validate and inspect use (an empty text or
     # 0-99999999999 is a usage error before the source is opened)
     chosen_layers, chosen_ranks = parse_layers(layers), parse_layers(ranks, "--ranks")
-    check_arguments(source, out, tp, jobs, overwrite)
-    options = RepackOptions(layers=chosen_layers, ranks=chosen_ranks, tp=tp, shared_h=shared_h, to=to.value, jobs=jobs,
+    check_arguments(source, out, tp, jobs, overwrite, to)
+    options = RepackOptions(layers=chosen_layers, ranks=chosen_ranks, tp=tp, shared_h=shared_h, to=to, jobs=jobs,
                             overwrite=overwrite, copy_other=not experts_only,
                             dry_run=dry_run)
     opened = open_cli_source(source, revision, token, offline, endpoint, cache_dir)
@@ -100,8 +94,13 @@ def repack_command(
     _print_summary(result, options, source, time.perf_counter() - started, as_json)
 
 
-def check_arguments(source: str, out: Path, tp: int | None, jobs: int, overwrite: bool) -> None:
+def check_arguments(source: str, out: Path, tp: int | None, jobs: int, overwrite: bool, to: str = "route-pack") -> None:
     """Usage errors found before the source is opened (which can take a minute on a production checkpoint)."""
+    from trellis_cli.dialects import registry
+    from trellis_cli.repack.run import unknown_target
+
+    if to not in registry.targets():
+        raise UsageError(unknown_target(to))
     if tp is not None and tp < 1:
         raise UsageError(f"--tp {tp}: must be at least 1 (leave it out to keep the source's TP)")
     if jobs < 1:
