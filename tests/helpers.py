@@ -138,7 +138,7 @@ class Interrupted(RuntimeError):
 
 
 # The modules whose route-pack drivers write layer files (each imported write_layer_pack by name).
-LAYER_FILE_WRITERS = ("trellis_cli.repack.tr3_to_route_pack", "trellis_cli.repack.exl3v1_to_route_pack")
+LAYER_FILE_WRITERS = ("trellis_cli.dialects.routepack.tr3_to_route_pack", "trellis_cli.dialects.exl3v1.exl3v1_to_route_pack")
 
 
 def interrupt_after(monkeypatch, files: int, error: type[BaseException] = Interrupted) -> None:

@@ -43,7 +43,7 @@ _EXPORTS = {
     "Severity": "trellis_cli.findings",
     "run_repack": "trellis_cli.workflows",
     "RepackOptions": "trellis_cli.repack.run",
-    "RepackResult": "trellis_cli.repack.result",
+    "RepackResult": "trellis_cli.dialects.conversion",
     "LayerPack": "trellis_cli.formats.layer_pack",
     "read_layer_pack": "trellis_cli.dialects",
     "run_diff": "trellis_cli.diff.run",
@@ -77,7 +77,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from trellis_cli.inspect_request import InspectDocument, InspectRequest, inspect_source
     from trellis_cli.kernel.launch import FusedMoe
     from trellis_cli.dialects import read_layer_pack
-    from trellis_cli.repack.result import RepackResult
+    from trellis_cli.dialects.conversion import RepackResult
     from trellis_cli.repack.run import RepackOptions
     from trellis_cli.sources import Source, open_source
     from trellis_cli.validate import run_validation

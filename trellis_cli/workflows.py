@@ -13,7 +13,7 @@ from typing import Callable
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.findings import Report
-from trellis_cli.repack.result import RepackResult
+from trellis_cli.dialects.conversion import RepackResult
 from trellis_cli.repack.run import RepackOptions
 from trellis_cli.sources import SourceArg
 

@@ -14,15 +14,15 @@ Read from the source (AST), every module of the package outside dialects/ is che
   contract's identity value compared (DIALECT_IDENTITIES: the schema, kind, format or scope that says which
   dialect a checkpoint is): `dialects/open.py` asks the registry, and each dialect's package decides;
 - an import of one dialect's package or its modules (`trellis_cli.dialects.tr3`, `...exl3v1.container`, ...):
-  the shared modules of dialects/ (interface, registry, open, units, inspect_doc) are the way in.
+  the shared modules of dialects/ (interface, registry, open, units, inspect_doc, conversion, source_facts,
+  shard_pack, tp_reslice, carry) are the way in.
 
-The modules of repack/ that still do so are listed in ALLOWED, each with what it still reads; an entry that no
-longer offends fails too, so the list only shrinks.
+No module is excepted: a conversion's driver lives in its dialect's package (the registry's `drivers`), and a
+loader version's gate on one dialect's scope is a Dialect question (`scope_declared`, `scope_refusals`).
 
-And one home per format: outside dialects/ no module or package is named for one dialect (repack's drivers, named
-by their conversion, excepted), and the route
-pack is spelled one way in module and identifier names (`route_pack`, `RoutePack`; never `repacked`, `routepack`
-but as the packages' names).
+And one home per format: outside dialects/ no module or package is named for one dialect, and the route pack is
+spelled one way in module and identifier names (`route_pack`, `RoutePack`; never `repacked`, `routepack` but as
+the package's name).
 """
 
 from __future__ import annotations
@@ -42,30 +42,6 @@ DETECTION_NAMES = {"detect", "detect_from_listing", "Probe", "DialectInfo"}
 # quantization block's method or scope): compared only by the dialect that owns them.
 DIALECT_IDENTITIES = {"trellis-route-pack", "exl3-manifest", "btx-manifest", "btx-atoms-v1", "exl3-trellis",
                       "b12x_trellis", "glm53_routed_experts_only"}
-
-# Offenders left in repack/ (being restructured on its own: drivers, one staged-run skeleton); each entry says
-# what the module still reads. Remove an entry once the module asks its dialect instead.
-ALLOWED: dict[str, set[str]] = {
-    # the exl3-v1 drivers: the container, its packer, writer and read-backs; BTX's renaming writer; TR3's writer
-    "repack/tr3_to_exl3v1.py": {"dialect import"},
-    "repack/exl3v1_to_route_pack.py": {"dialect import"},
-    "repack/exl3v1_btx.py": {"dialect import"},
-    "repack/exl3v1_to_tr3.py": {"dialect import"},
-    # the TR3 -> route pack driver: the route pack's writer, verifier and layer-file read-back
-    "repack/tr3_to_route_pack.py": {"dialect import"},
-    "repack/preflight.py": {"dialect import"},
-    # --to tr3: TR3's writer and shard layout
-    "repack/tr3_output.py": {"dialect import"},
-    "repack/convert.py": {"dialect import"},
-    # the GLM-5.3 stream <-> TR3 drivers: the stream's contract, rules and writer, TR3's shard writer
-    "repack/glm53_stream.py": {"dialect import"},
-    # Outside repack/: the R7-era loader's GLM-5.3 scope gate (architecture fields, layers, experts) is the
-    # constant table the stream dialect's format rules read too; a Dialect question for it is still to come.
-    "validate/engine_r7.py": {"dialect import"},
-}
-
-
-
 
 def _dialect_module(name: str) -> bool:
     parts = name.split(".")
@@ -121,24 +97,12 @@ def _outside_dialects() -> dict[str, list[tuple[str, int, str]]]:
 def test_no_format_switch_outside_the_dialects():
     wrong = []
     for rel, found in _outside_dialects().items():
-        allowed = ALLOWED.get(rel, set())
-        wrong += [f"{rel}:{line}: {kind}: {what}" for kind, line, what in found if kind not in allowed]
+        wrong += [f"{rel}:{line}: {kind}: {what}" for kind, line, what in found]
     assert not wrong, "ask the checkpoint's dialect (dialects/interface.py) instead:\n" + "\n".join(wrong)
 
 
-def test_the_allowlist_only_names_what_still_offends():
-    modules = _outside_dialects()
-    stale = []
-    for rel, kinds in ALLOWED.items():
-        assert rel in modules, f"{rel}: no such module (remove its ALLOWED entry)"
-        still = {kind for kind, _, _ in modules[rel]}
-        stale += [f"{rel}: {kind}" for kind in sorted(kinds - still)]
-    assert not stale, "no longer offends, remove from ALLOWED:\n" + "\n".join(stale)
-
-
-# One home per format (docs/architecture.md): outside dialects/, no module or package is named for one dialect,
-# except repack's drivers (named by their conversion, `tr3_to_exl3v1.py`). What the kernel reads below the
-# dialects is the LayerPack (formats/layer_pack.py), which every packer makes, not the route pack.
+# One home per format (docs/architecture.md): outside dialects/, no module or package is named for one dialect.
+# What the kernel reads below the dialects is the LayerPack (formats/layer_pack.py), which every packer makes.
 # Spellings of the route pack other than `route_pack` / `RoutePack` / `route-pack` / `trellis-route-pack` (none
 # left: the dialect's name constant is `DIALECT_ROUTE_PACK`).
 OTHER_SPELLINGS = ("repacked", "routepack")
@@ -154,7 +118,7 @@ def test_one_home_per_format():
     found = []
     for path in sorted(PACKAGE.rglob("*")):
         rel = path.relative_to(PACKAGE)
-        if DIALECTS in path.parents or path == DIALECTS or rel.parts[0] == "repack" or "__pycache__" in rel.parts:
+        if DIALECTS in path.parents or path == DIALECTS or "__pycache__" in rel.parts:
             continue
         if (path.suffix == ".py" or (path / "__init__.py").is_file()) and _named_for_a_dialect(path.name):
             found.append(rel.as_posix())

@@ -68,7 +68,7 @@ def test_the_commands_named_by_the_issue_use_the_reader():
     dialects/units.py, a route pack's layer files in dialects/routepack/units.py), the quick plan, inspect
     --tensors and the opening import the reader."""
     for rel in ("fit/run.py", "dialects/units.py", "dialects/routepack/units.py", "diff/run.py",
-                "repack/preflight.py", "inspect_tensors.py", "inspect_request.py", "dialects/open.py"):
+                "dialects/routepack/preflight.py", "inspect_tensors.py", "inspect_request.py", "dialects/open.py"):
         source = (PACKAGE / rel).read_text()
         assert "checkpoint.reader" in source or "checkpoint import reader" in source, rel
 

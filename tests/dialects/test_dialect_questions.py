@@ -76,7 +76,7 @@ def _file_of(files: dict[str, int], layer: int) -> str:
 
 def test_exl3v1_source_digests_are_the_ones_repack_checks(exl3):
     """The source-hash plan asked of the dialect equals what repack's source facts read from the manifest."""
-    from trellis_cli.repack.source_facts import recorded_hashes
+    from trellis_cli.dialects.source_facts import recorded_hashes
 
     ck = open_checkpoint(exl3)
     from_manifest = {name: [entry for entry in found if entry[2] == "exl3v1.sha256-mismatch"]

@@ -153,30 +153,37 @@ def test_a_real_run_writes_by_the_plan_of_its_driver(sources, tmp_path):
 
 
 def test_every_row_of_the_conversion_table_has_a_driver_and_every_driver_a_row():
+    """Each row's driver is named by its target dialect's `drivers` and made by a factory that exists; no dialect
+    names a driver no row uses."""
     from trellis_cli.dialects import registry
-    from trellis_cli.repack.drivers import DRIVERS
+    from trellis_cli.repack.drivers import factory_of
 
-    assert {row.driver for row in registry.conversions()} == set(DRIVERS)
+    rows = registry.conversions()
+    assert all(row.factory for row in rows), [row.driver for row in rows if not row.factory]
+    assert all(callable(factory_of(row)) for row in rows)
+    named = {name for d in registry.DIALECTS for name in d.drivers}
+    assert named == {row.driver for row in rows}
 
 
 def test_the_quick_plan_is_asked_of_the_driver_and_no_driver_name_is_compared():
-    """Which conversions preflight plans from the declarations, before the opening, is said by the driver object
-    (`Driver.plans_from_declarations`): TR3 -> route pack alone. Outside the driver table no module of repack/
-    spells a driver's name."""
+    """Which conversions are planned from the declarations, before the opening, is said by the driver object
+    (`Driver.plans_from_declarations`): TR3 -> route pack alone. No module of repack/ spells a driver's name or
+    names a driver's module."""
     import trellis_cli.repack
     from trellis_cli.checkpoint.model import DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H
     from trellis_cli.dialects import registry
-    from trellis_cli.repack.drivers import DRIVERS, plans_from_declarations
-    from trellis_cli.repack.tr3_to_route_pack import Tr3ToRoutePack
+    from trellis_cli.repack.drivers import quick_planner
+    from trellis_cli.dialects.routepack.tr3_to_route_pack import Tr3ToRoutePack
 
     rows = registry.conversions()
-    quick = {(row.source, row.target) for row in rows if plans_from_declarations(row.source, row.target)}
+    quick = {(row.source, row.target) for row in rows if quick_planner(row.source, row.target) is not None}
     assert quick == {(DIALECT_TR3_PER_EXPERT, "route-pack"), (DIALECT_TR3_SHARED_H, "route-pack")}
-    assert DRIVERS[registry.conversion(DIALECT_TR3_PER_EXPERT, "route-pack") or ""] is Tr3ToRoutePack
-    assert not plans_from_declarations(DIALECT_TR3_PER_EXPERT, "no-such-target")
+    assert quick_planner(DIALECT_TR3_PER_EXPERT, "route-pack") is Tr3ToRoutePack
+    assert quick_planner(DIALECT_TR3_PER_EXPERT, "no-such-target") is None
     package = Path(trellis_cli.repack.__file__).parent
-    named = [f"{p.name}: {row.driver}" for p in sorted(package.glob("*.py")) if p.name != "drivers.py"
-             for row in rows if f'"{row.driver}"' in p.read_text(encoding="utf-8")]
+    named = [f"{p.name}: {row.driver}" for p in sorted(package.glob("*.py"))
+             for row in rows if f'"{row.driver}"' in p.read_text(encoding="utf-8")
+             or row.factory.partition(":")[0] in p.read_text(encoding="utf-8")]
     assert not named
 
 

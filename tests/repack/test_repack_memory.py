@@ -26,7 +26,7 @@ MARGIN = 128 << 20  # address space left above the process's own once everything
 LIMITED = """
 import resource, sys
 import numpy, safetensors, safetensors.torch, torch
-import trellis_cli.cli.app, trellis_cli.repack.convert, trellis_cli.repack.tr3_output, trellis_cli.dialects.routepack.verify
+import trellis_cli.cli.app, trellis_cli.dialects.tr3.convert, trellis_cli.dialects.tr3.driver, trellis_cli.dialects.routepack.verify
 import trellis_cli.workflows
 import trellis_cli.validate
 size = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024

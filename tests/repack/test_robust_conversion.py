@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import exl3v1_from_tr3, flip_tensor_byte, run_cli_merged, tree_snapshot
-from trellis_cli.repack.out_paths import output_name
+from trellis_cli.dialects.conversion import output_name
 from trellis_cli.errors import CheckFailed
 
 NOTE = "trellis_exl3v1"

@@ -95,8 +95,8 @@ class ContainerRefusal:
 
     reason: str  # a few words for the compatibility line
     message: str
-    expected: str | None = None
-    found: str | None = None  # None: the checkpoint's dialect name
+    expected: Any = None
+    found: Any = None  # a container refusal's None: the checkpoint's dialect name
     code: str = "engine.container"  # another code: a refusal of the checkpoint's declarations (loader_refusal)
     where: Location | None = None  # the field it is about, where one is
 
@@ -148,13 +148,23 @@ class CheckRequest:
 
 
 class StagedOutput(Protocol):
-    """What a dialect's writer is handed by repack: the staged tree that becomes OUT. Repack owns the staging
-    (OUT.partial, its lock, resume, the move into place); the writer only asks it where each file goes."""
+    """What a dialect's writer and a conversion's driver are handed by repack: the staged tree that becomes OUT.
+    Repack owns the staging (OUT.partial, its lock, resume, the move into place); the writer asks it where each
+    file goes, the driver also what an earlier run finished and what this one has."""
 
     path: Path  # the staged tree
+    done: dict[str, dict[str, Any]]  # every finished file -> its entry (sha256, size, ...) as `record` kept it
 
     def file(self, name: str, what: str = "output file") -> Path:
         """The path of `name` in the tree: a plain name under it (else a `path.escape` refusal), folder made."""
+        ...
+
+    def completed(self, name: str, sources: dict[str, str]) -> bool:
+        """Whether an earlier run finished `name` from source files of these sha256, and it still holds."""
+        ...
+
+    def record(self, name: str, entry: dict[str, Any], sources: dict[str, str]) -> None:
+        """`name` is finished and verified; `sources`: sha256 of every source file it was made from."""
         ...
 
 
@@ -202,6 +212,10 @@ class Dialect:
     container_notes: dict[str, str] = {}  # family -> why it does not, where that says more than the default
     # Conversions this dialect writes: source dialect name -> the repack driver that writes it.
     converts_from: dict[str, str] = {}
+    # Each driver `converts_from` names: driver name -> "module:factory", the factory (a `conversion.Driver`
+    # class, or a function making one) called with (source, OUT, options, validator). A driver lives in the
+    # package of its target or of its source; repack's staged run runs it (repack/drivers.py resolves it).
+    drivers: dict[str, str] = {}
     # The module of this package that lays out a conversion's output (which files, tensors and declarations it
     # holds), handed the staged tree by repack's driver; set wherever `converts_from` is.
     writer: str | None = None
@@ -303,6 +317,19 @@ class Dialect:
         """Why loader `family`, which reads this container, still refuses this checkpoint's own declarations (a
         release's parser or runtime; named by rule, version and field); None when it does not."""
         return None
+
+    def scope_declared(self, ckpt: Checkpoint) -> str | None:
+        """Where `ckpt` (of any dialect) declares this dialect's loader scope, a quantization block a loader version
+        gates exactly: "config.json" (its own quantization_config, what the loader reads) or the other file that
+        declares it; None when it declares none."""
+        return None
+
+    def scope_refusals(self, ckpt: Checkpoint, layers: list[int], part: str) -> list[ContainerRefusal]:
+        """What the loader version that reads this dialect's scope refuses of a checkpoint declaring it in
+        config.json, each named by code: `part` "metadata" (the scope's exact keys and the model's architecture),
+        "tensors" (the tensors of `layers` the scope fixes) or "external" (a scope only another file declares,
+        which that loader never sees). [] when there is nothing to refuse."""
+        return []
 
     def rank_tp_degrees(self, ckpt: Checkpoint) -> list[int] | None:
         """The TP degrees a rank slice can be cut at, when the container fixes them; None: any exact re-slice."""

@@ -76,6 +76,16 @@ def dialect_of(ckpt: Checkpoint) -> Dialect:
     return _BY_NAME[ckpt.dialect]
 
 
+def scope_of(ckpt: Checkpoint) -> tuple[Dialect, str] | None:
+    """The dialect whose loader scope `ckpt` declares (`Dialect.scope_declared`) and the file declaring it; None
+    when it declares none."""
+    for dialect in DIALECTS:
+        where = dialect.scope_declared(ckpt)
+        if where is not None:
+            return dialect, where
+    return None
+
+
 def layer_pack_store(directory: Path) -> Dialect | None:
     """The dialect whose checkpoint local `directory` is, when that dialect stores each (layer, rank) as a
     LayerPack file read as stored (`Dialect.holds_layer_packs`: a route pack); None otherwise."""
@@ -104,12 +114,13 @@ class Conversion:
     target: str
     driver: str
     writer: str
+    factory: str  # "module:factory" of the driver (`Dialect.drivers`): in the target's package or the source's
 
 
 def conversions() -> list[Conversion]:
     """The table keyed by (from, to), as the target dialects declare it."""
-    return [Conversion(source, d.target, driver, d.writer or "") for d in DIALECTS if d.target
-            for source, driver in d.converts_from.items()]
+    return [Conversion(source, d.target, driver, d.writer or "", d.drivers.get(driver, "")) for d in DIALECTS
+            if d.target for source, driver in d.converts_from.items()]
 
 
 def conversion(source: str, target: str) -> str | None:

@@ -1,72 +1,16 @@
-"""Where a repack may write: every output name checked as a plain name under OUT, and OUT kept apart from
-everything the source is made of.
-
-Output names are built by trellis, but some parts come from the checkpoint (a source file's name, the TR3
-shard a note in config.json names). `output_name` is the one check all of them pass before any work and
-again where the file is opened for writing: relative, `/`-separated, every part a plain name (not empty, not
-`.` or `..`), no backslash, drive letter, NUL or other control character. Anything else is refused by name.
-
-`source_paths` lists what OUT must never overlap: the source directory and the real files its names lead to
-(links included); for a Hub source also the repo's snapshot, the cache root and the Hub's home folders
-(HF_HOME, HF_HUB_CACHE), since `--overwrite` deletes OUT and a stage is deleted and rebuilt.
+"""OUT kept apart from everything the source is made of (the paths come from dialects/source_facts.py
+`source_paths`): OUT, its stage and the lock file never equal, lie inside or contain one of them, since
+`--overwrite` deletes OUT and a stage is deleted and rebuilt. Output names are checked by
+dialects/conversion.py `output_name`.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
-from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.header import plain_relative, safe_relative, text_escape
-from trellis_cli.sources import Source
-
-
-def output_name(name: Any, what: str) -> str:
-    """`name` when it is a plain relative name under OUT; else a named refusal (`path.escape`, exit 1)."""
-    if plain_relative(name):
-        return name
-    shown = text_escape(name) if isinstance(name, str) else f"{name!r} (a JSON {type(name).__name__})"
-    raise CheckFailed(f"[path.escape] {what}: output name {shown} is not a plain file name under OUT (absolute, "
-                      f"a `..` or empty part, a backslash or a control character); refusing before writing",
-                      code="path.escape")
-
-
-def output_path(tree: Path, name: Any, what: str = "output file") -> Path:
-    """tree/name for a checked name (the same check as before the run, made again where the file is written)."""
-    return tree / output_name(name, what)
-
-
-def source_paths(source: Source, names: Iterable[str] = ()) -> list[Path]:
-    """Every path OUT must not equal, lie inside or contain: the source's directory, the real targets of `names`
-    (its files, links followed), and for a Hub source its snapshot, the cache root, HF_HOME and HF_HUB_CACHE."""
-    from trellis_cli.sources import HubSource
-
-    paths: list[Path] = []
-    root = source.root
-    if root is not None:
-        paths.append(root)
-        paths += [Path(os.path.realpath(root / n)) for n in names if safe_relative(n)]
-    if isinstance(source, HubSource):
-        from trellis_cli import hub_client
-
-        cache_dir = source.cache_dir
-        paths.append(hub_client.cache_root(cache_dir))
-        folder = hub_client.repo_cache_folder(source.repo_id, cache_dir)
-        paths += [folder, folder / "snapshots" / str(source.revision or "")]
-        paths += _hub_homes(hub_client.hf_constants)
-        for name in names:
-            found = source.cached_path(name) if safe_relative(name) else None
-            if found is not None:
-                paths.append(Path(os.path.realpath(found)))
-    return paths
-
-
-def _hub_homes(constants) -> list[Path]:
-    """HF_HOME and HF_HUB_CACHE as the environment names them now and as the library read them at import."""
-    found = [os.environ.get("HF_HOME"), os.environ.get("HF_HUB_CACHE"), getattr(constants, "HF_HOME", None),
-             getattr(constants, "HF_HUB_CACHE", None)]
-    return [Path(p).expanduser() for p in found if p]
+from trellis_cli.errors import UsageError
 
 
 def check_overlap(out: Path, stage: Path, protected: Iterable[Path], lock: Path | None = None) -> None:

@@ -1,10 +1,10 @@
 """`run_repack`: any conversion of the dialect registry's table, as a driver (drivers.py) on the one staged run
 (staged_run.py), or its dry run.
 
-Order of work: a local TR3 source headed for a route pack is first planned from its declarations and raw headers
-(preflight.py: the dry run's answer, and a real run's refusals before the slow opening); otherwise the source is
-opened (a route pack's directory is read by its driver), the registry's row for (its dialect, `--to`) gives the
-driver, and `--dry-run` is that driver's plan with the staged run's checks of OUT and free space. A real run is
+Order of work: a local source whose driver plans from its declarations (`Driver.quick_plan`: TR3 headed for a
+route pack) is first planned from them and its raw headers (`quick_dry_run`: the dry run's answer, and a real run's
+refusals before the slow opening); otherwise the source is opened (a directory of LayerPack files, a route pack, is
+read by its driver), the registry's row for (its dialect, `--to`) gives the driver, and `--dry-run` is that driver's plan with the staged run's checks of OUT and free space. A real run is
 `staged_run.run_staged`: plan, OUT and free space, the source's validation, the lock, write, verify, move.
 """
 
@@ -17,9 +17,10 @@ from typing import Callable
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.reader import byte_faults
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.repack.preflight import quick_dry_run
-from trellis_cli.repack.result import RepackResult, Validator, check_source
-from trellis_cli.repack.staged_run import Driver, dry_run, run_staged
+from trellis_cli.dialects.conversion import Driver, RepackResult, Validator
+from trellis_cli.errors import ValidationFailed
+from trellis_cli.findings import Severity
+from trellis_cli.repack.staged_run import check_before_work, dry_run, run_staged
 from trellis_cli.sources import SourceArg
 
 
@@ -64,7 +65,7 @@ def run_repack(source: SourceArg | Checkpoint, out: str | Path, options: RepackO
     options = options or RepackOptions()
     out = Path(out)
     from trellis_cli.dialects import registry
-    from trellis_cli.repack.drivers import conversion_of, driver_for, plans_from_declarations
+    from trellis_cli.repack.drivers import conversion_of, driver_for
 
     if options.to not in registry.targets():
         raise UsageError(unknown_target(options.to))
@@ -77,7 +78,7 @@ def run_repack(source: SourceArg | Checkpoint, out: str | Path, options: RepackO
     if root is not None and not isinstance(source, Checkpoint) and store is None:
         # Planned from declarations, file sizes and names in the raw headers, seconds before the opening: the
         # dry run's answer, and a real run's refusal (no space, OUT, a name claimed twice) before the slow part.
-        quick = quick_dry_run(source, out, options, lambda dialect: plans_from_declarations(dialect, options.to))
+        quick = quick_dry_run(source, out, options)
         if quick is not None and options.dry_run:
             return quick
         if quick is not None and quick.plan and quick.plan["refusals"]:
@@ -100,6 +101,41 @@ def run_repack(source: SourceArg | Checkpoint, out: str | Path, options: RepackO
     driver = _planned(make, checkpoint, validate)
     return run_staged(driver, options.overwrite, check_source=validate, on_bytes=on_bytes, on_total=on_total,
                       log=log)
+
+
+def check_source(checkpoint: Checkpoint, validator: Validator) -> None:
+    """Refuse an invalid source before writing anything."""
+    report = validator(checkpoint)
+    if not report.ok:
+        raise ValidationFailed(report, list_errors=True)
+
+
+def quick_dry_run(source: SourceArg, out: Path, options: RepackOptions) -> RepackResult | None:
+    """The dry run of a local source opened from its declarations alone (`open_declared`: no header parsed),
+    where the driver of (its dialect, `options.to`) plans from them (`Driver.quick_plan`), answered like any
+    plan (OUT, the lock file, free space); None where that is not possible (another dialect, a Hub source, a
+    declaration it cannot plan from): the caller then opens the checkpoint in full."""
+    from trellis_cli.dialects.open import open_declared
+    from trellis_cli.repack.drivers import quick_planner
+
+    if isinstance(source, (str, Path)):
+        from trellis_cli.sources import LocalSource
+
+        source = LocalSource(Path(source))
+    if source.root is None or source.special:
+        return None
+    ck = open_declared(source)
+    if ck is None or any(f.severity is Severity.ERROR for f in ck.parse_findings):
+        return None
+    # no such conversion (the full path names those this source has), or one whose dry run is its driver's plan
+    # from the full opening
+    planner = quick_planner(ck.dialect, options.to)
+    plan = planner.quick_plan(ck, out, options) if planner is not None else None
+    if plan is None:
+        return None
+    result = RepackResult(out)
+    result.plan = check_before_work(plan, options.overwrite)
+    return result
 
 
 def unknown_target(to: str) -> str:

@@ -1,6 +1,7 @@
 """The one staged run every repack conversion goes through, and its dry run.
 
-A conversion is a `Driver` (drivers.py picks it from the dialect registry's conversion table): `plan()` says what
+A conversion is a `Driver` (dialects/conversion.py; drivers.py picks it from the dialect registry's conversion
+table, and it lives in its dialect's package): `plan()` says what
 it would write (every file, the bytes the output holds, the fingerprint a resumed stage must match) and raises
 every refusal known before work; `write(stage)` writes into the staged tree (OUT.partial) and reads each file
 back; `verify(tree)` checks the finished tree as a whole. This module alone owns what is around them: the target
@@ -16,71 +17,15 @@ write -> verify -> move into place.
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable
 
+from trellis_cli.dialects.conversion import Driver, OutputPlan, Progress, RepackResult
 from trellis_cli.disk_space import free_bytes, space_refusal
 from trellis_cli.errors import CheckFailed
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.repack.lock import StageLock
-from trellis_cli.repack.result import RepackResult
 from trellis_cli.repack.staging import (Stage, announce, check_target, refuse_overlap, resumable_bytes,
                                         stage_path)
-
-NOT_VALIDATED = "the source was not validated (dry run): a real run validates it first"
-
-
-@dataclass
-class OutputPlan:
-    """What a conversion would write, known before any work."""
-
-    conversion: str  # "tr3/per_expert_v1 -> route-pack"
-    out: Path
-    protected: list[Path]  # what OUT may not overlap: the source and the files it is made of
-    fingerprint: dict[str, Any]  # what a stage must have been made with to be resumed
-    files: list[dict[str, Any]]  # {"name", and "bytes" (exact) or "data_bytes" (tensor data; a header follows)}
-    bytes_needed: int  # every byte the output holds, as the free-space check counts it
-    progress_total: int  # what the progress bar counts (the bytes the driver reports through on_bytes)
-    selection: dict[str, Any] = field(default_factory=dict)  # layers, ranks, tp of the output, where it has them
-    notes: list[str] = field(default_factory=list)
-
-
-Progress = Callable[[int], None]
-
-
-class Driver(ABC):
-    """One conversion of the registry's table (`repack --to TARGET` from one source dialect)."""
-
-    _planned: OutputPlan | None = None
-    # True where a local source's dry run (and a real run's early refusals) can be planned from its declarations,
-    # file sizes and the names in its raw headers, before the opening (preflight.quick_dry_run), to the same plan
-    # as `plan()` makes from the opened checkpoint.
-    plans_from_declarations: ClassVar[bool] = False
-
-    @abstractmethod
-    def plan(self) -> OutputPlan:
-        """What would be written; raises what the real run would refuse before writing (reads headers and
-        declarations, never tensor data)."""
-
-    def planned(self) -> OutputPlan:
-        """`plan()`, made once: the dry run's plan is the one the real run writes by."""
-        if self._planned is None:
-            self._planned = self.plan()
-        return self._planned
-
-    def data_checks(self) -> None:
-        """Refusals that read tensor data (e.g. ranks whose vectors must be equal); run by the real run after the
-        source validation, and by the dry run."""
-
-    @abstractmethod
-    def write(self, stage: Stage, result: RepackResult, on_bytes: Progress) -> None:
-        """Write every planned file into `stage` (resuming what it holds), each read back against its source."""
-
-    @abstractmethod
-    def verify(self, tree: Path) -> None:
-        """Check the finished staged tree as a whole (CheckFailed when it does not hold); nothing reaches OUT."""
 
 
 def plan_document(plan: OutputPlan, resumable: int) -> dict[str, Any]:
@@ -146,4 +91,4 @@ def run_staged(driver: Driver, overwrite: bool, *, check_source: Callable[[], No
     return result
 
 
-__all__ = ["Driver", "NOT_VALIDATED", "OutputPlan", "check_before_work", "dry_run", "plan_document", "run_staged"]
+__all__ = ["check_before_work", "dry_run", "plan_document", "run_staged"]

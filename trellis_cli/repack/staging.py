@@ -22,7 +22,8 @@ from typing import Any, Iterable, Iterator
 from trellis_cli.disk_space import free_bytes, space_refusal
 from trellis_cli.errors import CheckFailed, TrellisError, UsageError
 from trellis_cli.repack.lock import StageLock
-from trellis_cli.repack.out_paths import check_overlap, output_name, output_path
+from trellis_cli.repack.out_paths import check_overlap
+from trellis_cli.dialects.conversion import output_path
 from trellis_cli.integrity import sha256_file
 
 STATE_NAME = "state.json"  # in OUT.partial, beside the tree
@@ -65,30 +66,6 @@ def refuse_overlap(out: Path, source_root: Path | Iterable[Path] | None) -> None
     protected = [] if source_root is None else [source_root] if isinstance(source_root, Path) else list(source_root)
     stage = stage_path(out)
     check_overlap(out, stage, protected, stage.with_name(stage.name + ".lock"))
-
-
-def refuse_collisions(claims: list[tuple[str, str]], temporary: list[str]) -> None:
-    """Refuse, before any work, two things that would be written under one name in OUT.
-
-    `claims`: (output name, what writes it), e.g. ("manifest.json", "the route pack's manifest") or
-    ("manifest.json", "source file manifest.json"). `temporary`: outputs written under `NAME.partial` first,
-    a name no other output may take either.
-    """
-    for name, who in claims:
-        output_name(name, who)
-    seen: dict[str, str] = {}
-    for name, who in [*claims, *((f"{t}.partial", f"the temporary name of {t}") for t in temporary)]:
-        if name in seen:
-            raise UsageError(f"{seen[name]} and {who} would both be written as OUT/{name}; refusing before any "
-                             f"work (rename or remove the source file)")
-        seen[name] = who
-    for name, who in seen.items():  # a file where another output needs a folder ("extra" and "extra/x")
-        parts = name.split("/")
-        for depth in range(1, len(parts)):
-            folder = "/".join(parts[:depth])
-            if folder in seen:
-                raise UsageError(f"{seen[folder]} is written as OUT/{folder}, where {who} needs a folder; "
-                                 f"refusing before any work (rename or remove the source file)")
 
 
 def check_free_space(out: Path, needed: int) -> None:
@@ -199,7 +176,8 @@ class Stage:
                 path.unlink()
 
     def file(self, name: str, what: str = "output file") -> Path:
-        """Where a dialect's writer puts `name`: a plain name under the staged tree (out_paths), its folder made.
+        """Where a dialect's writer puts `name`: a plain name under the staged tree (conversion.output_path), its
+        folder made.
         This is what a writer is handed (dialects.interface.StagedOutput); lock, resume and the move stay here."""
         path = output_path(self.path, name, what)
         path.parent.mkdir(parents=True, exist_ok=True)

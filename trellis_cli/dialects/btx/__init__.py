@@ -33,6 +33,7 @@ class BtxDialect(Exl3v1Dialect):
     read_by = frozenset({B12X_130})
     writer = "trellis_cli.dialects.btx.write"
     converts_from = {DIALECT_EXL3V1: "exl3-v1-to-btx"}
+    drivers = {"exl3-v1-to-btx": "trellis_cli.dialects.btx.exl3v1_btx:exl3v1_to_btx"}
 
     def detect(self, probe: Probe) -> DialectInfo | None:
         """BTX when btx-manifest.json carries kind btx-manifest and schema btx-atoms-v1 (one of the two: a

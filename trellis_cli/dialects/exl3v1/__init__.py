@@ -6,7 +6,7 @@ slot extent as a route-pack LayerPack, and back), `write` (layer files and manif
 exl3-v1 checkpoints), `schema` and `layout` (the manifest, parsed strictly, and the byte arithmetic of rows,
 bundles, planes and TP extents: torch-free), `from_tr3` (TR3 ranks -> one exl3-v1 layer file, read back) and
 `pack_readback` (a route-pack layer file made from it, read back against its rows). The repack drivers around
-them are repack's (repack/tr3_to_exl3v1.py, exl3v1_to_tr3.py, exl3v1_to_route_pack.py, exl3v1_btx.py).
+them are repack's (dialects/exl3v1/tr3_to_exl3v1.py, exl3v1_to_tr3.py, exl3v1_to_route_pack.py, exl3v1_btx.py).
 docs/checkpoint-dialects.md describes the container.
 """
 
@@ -37,6 +37,8 @@ class Exl3v1Dialect(Dialect):
     synth = "trellis_cli.dialects.exl3v1.synth"
     converts_from = {DIALECT_TR3_PER_EXPERT: "tr3-to-exl3-v1", DIALECT_TR3_SHARED_H: "tr3-to-exl3-v1",
                      "btx-atoms-v1": "btx-to-exl3-v1"}  # BTX: a renaming (dialects/btx/)
+    drivers = {"tr3-to-exl3-v1": "trellis_cli.dialects.exl3v1.tr3_to_exl3v1:Tr3ToExl3v1",
+               "btx-to-exl3-v1": "trellis_cli.dialects.btx.exl3v1_btx:btx_to_exl3v1"}
 
     def detect(self, probe: Probe) -> DialectInfo | None:
         return detect_exl3v1(probe)

@@ -7,7 +7,7 @@ that for every selected layer before anything is written. Uniform K -> `uniform`
 `per_expert_pair` with P{K}{K} in every pair of an expert, in record-major placement. Per layer: the
 intermediate vectors (small) first, then the codes rows one rank at a time from that rank's LayerPack (memory:
 one layer-rank), then the written file is read back and compared with the source rank by rank. The repack
-driver around it (plan, stage, carried files, manifest) is repack/tr3_to_exl3v1.py.
+driver around it (plan, stage, carried files, manifest) is dialects/exl3v1/tr3_to_exl3v1.py.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trellis_cli.checkpoint.model import DIALECT_TR3_PER_EXPERT, Declarations
+from trellis_cli.checkpoint.model import DIALECT_TR3_PER_EXPERT, Checkpoint, Declarations
 from trellis_cli.dialects.glm53.contract import DIALECT_GLM53, SCOPE, quant_block, text_config
-from trellis_cli.dialects.interface import VLLM, VLLM_R7, CheckRequest, Dialect, DialectInfo, Probe
+from trellis_cli.dialects.interface import VLLM, VLLM_R7, CheckRequest, ContainerRefusal, Dialect, DialectInfo, Probe
 
 
 @dataclass
@@ -39,6 +39,19 @@ class Glm53StreamDialect(Dialect):
                              "the release does not carry"}
     writer = "trellis_cli.dialects.glm53.write"
     converts_from = {DIALECT_TR3_PER_EXPERT: "tr3-to-glm53-stream"}
+    drivers = {"tr3-to-glm53-stream": "trellis_cli.dialects.glm53.stream:Tr3ToStream"}
+
+    def scope_declared(self, ckpt: Checkpoint) -> str | None:
+        from trellis_cli.dialects.glm53.gate import scope_declared
+
+        return scope_declared(ckpt)
+
+    def scope_refusals(self, ckpt: Checkpoint, layers: list[int], part: str) -> list[ContainerRefusal]:
+        from trellis_cli.dialects.glm53 import gate
+
+        walk = {"metadata": gate.metadata_refusals, "tensors": gate.tensor_refusals,
+                "external": gate.external_refusals}[part]
+        return list(walk(ckpt, layers))
 
     def detect(self, probe: Probe) -> DialectInfo | None:
         block, where = quant_block(probe.config, probe.quant_config)

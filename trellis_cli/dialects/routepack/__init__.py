@@ -42,6 +42,8 @@ class RoutePackDialect(Dialect):
     container_notes = {VLLM: "a route pack is trellis' own layout (repack --to tr3 rebuilds the served one)"}
     converts_from = {DIALECT_TR3_PER_EXPERT: "tr3-to-route-pack", DIALECT_TR3_SHARED_H: "tr3-to-route-pack",
                      DIALECT_EXL3V1: "exl3-v1-to-route-pack"}
+    drivers = {"tr3-to-route-pack": "trellis_cli.dialects.routepack.tr3_to_route_pack:Tr3ToRoutePack",
+               "exl3-v1-to-route-pack": "trellis_cli.dialects.exl3v1.exl3v1_to_route_pack:Exl3v1ToRoutePack"}
 
     def detect(self, probe: Probe) -> DialectInfo | None:
         return detect_route_pack(probe)

@@ -1,7 +1,7 @@
 """What a route-pack output holds besides its layer files (dialects/routepack/layer_file.py writes those): the
 config.json with the repack note, the copied files and the extra/ files of carried non-expert tensors, each
 layer's manifest entry, and manifest.json written last. The writer of `repack` into a route pack, from TR3
-(repack/tr3_to_route_pack.py) or from exl3-v1 (repack/exl3v1_to_route_pack.py), handed the staged tree by repack.
+(dialects/routepack/tr3_to_route_pack.py) or from exl3-v1 (dialects/exl3v1/exl3v1_to_route_pack.py), handed the staged tree by repack.
 """
 
 from __future__ import annotations

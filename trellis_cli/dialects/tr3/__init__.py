@@ -33,6 +33,10 @@ class Tr3Dialect(Dialect):
         self.converts_from = {DIALECT_ROUTE_PACK: "route-pack-to-tr3", DIALECT_EXL3V1: "exl3-v1-to-tr3",
                               DIALECT_TR3_PER_EXPERT: "tr3-to-tr3", DIALECT_TR3_SHARED_H: "tr3-to-tr3",
                               DIALECT_GLM53: "glm53-stream-to-tr3"}
+        self.drivers = {"route-pack-to-tr3": "trellis_cli.dialects.tr3.convert:route_pack_to_tr3",
+                        "exl3-v1-to-tr3": "trellis_cli.dialects.exl3v1.exl3v1_to_tr3:exl3v1_to_tr3",
+                        "tr3-to-tr3": "trellis_cli.dialects.tr3.convert:tr3_to_tr3",
+                        "glm53-stream-to-tr3": "trellis_cli.dialects.glm53.stream:stream_to_tr3"}
 
     def detect(self, probe: Probe) -> DialectInfo | None:
         info = detect_tr3(probe)

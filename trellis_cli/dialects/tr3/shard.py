@@ -4,7 +4,7 @@ A shard holds every rank of its layers; it is written rank by rank from one Laye
 planned first), so memory stays at one layer-rank, and carried tensors are streamed (dialects/carry.py).
 Tensor names follow the TR3 schema, vectors get back the shape the source stored ([n] or [1, n]), and codebook
 markers are rewritten from the codebook. write.py's `Tr3Output` writes every shard of an output with it, for
-every repack driver that writes TR3 (repack/convert.py, repack/exl3v1_to_tr3.py).
+every repack driver that writes TR3 (dialects/tr3/convert.py, dialects/exl3v1/exl3v1_to_tr3.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ MANIFEST.sha256 are written anew. When only some MoE layers are written (`--laye
 layers), the declarations are narrowed to exactly those: `hybrid_tr3_tail.moe_layers`, `trellis_bits_by_layer`
 and the bitmap file, so the result validates as the checkpoint it is.
 
-Where the files go is the StagedOutput repack hands in (repack/tr3_output.py: staging, lock, resume); which
+Where the files go is the StagedOutput repack hands in (dialects/tr3/driver.py: staging, lock, resume); which
 files, tensors and declarations they hold is decided here.
 """
 

@@ -9,9 +9,10 @@ from typing import Any
 
 from trellis_cli.dialects.tr3.write import CONFIG, DEFAULT_METADATA, INDEX_NAME, Tr3Output
 from trellis_cli.integrity import CHECKSUM_MANIFEST
-from trellis_cli.repack.result import RepackResult
-from trellis_cli.repack.staged_run import NOT_VALIDATED, Driver, OutputPlan, Progress
-from trellis_cli.repack.staging import Stage, refuse_collisions
+from trellis_cli.dialects.conversion import RepackResult
+from trellis_cli.dialects.conversion import NOT_VALIDATED, Driver, OutputPlan, Progress
+from trellis_cli.dialects.interface import StagedOutput
+from trellis_cli.dialects.conversion import refuse_collisions
 from trellis_cli.dialects import carry
 from trellis_cli.dialects.routepack import manifest as mf
 from trellis_cli.checkpoint.tensor_bytes import TensorReader
@@ -45,7 +46,7 @@ class Tr3Driver(Driver):
                           selection={"layers": sorted(output.specs), "tp": tps[0] if len(tps) == 1 else tps},
                           notes=self.notes)
 
-    def write(self, stage: Stage, result: RepackResult, on_bytes: Progress) -> None:
+    def write(self, stage: StagedOutput, result: RepackResult, on_bytes: Progress) -> None:
         output = self.output
         weight_map: dict[str, str] = {}
         with TensorReader(output.carried_source) as reader:

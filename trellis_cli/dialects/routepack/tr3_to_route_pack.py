@@ -17,13 +17,12 @@ from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.routepack import write as rp_write
 from trellis_cli.errors import CheckFailed
 from trellis_cli.dialects.routepack.layout import MANIFEST_NAME
-from trellis_cli.repack.preflight import EXTRA_DIR, refuse_pack_collisions
+from trellis_cli.dialects.routepack.preflight import EXTRA_DIR, quick_plan, refuse_pack_collisions
 from trellis_cli.dialects.routepack.readback import check_layer_file
-from trellis_cli.repack.result import RepackResult, Validator
-from trellis_cli.repack.source_facts import (CONFIG, NOT_COPIED, SourceHashes, fingerprint, has_experts,
-                                             protected_paths, used_source_files, vector_ndim)
-from trellis_cli.repack.staged_run import NOT_VALIDATED, Driver, OutputPlan, Progress
-from trellis_cli.repack.staging import Stage
+from trellis_cli.dialects.conversion import RepackResult, Validator
+from trellis_cli.dialects.source_facts import CONFIG, NOT_COPIED, SourceHashes, fingerprint, has_experts, protected_paths, used_source_files, vector_ndim
+from trellis_cli.dialects.conversion import NOT_VALIDATED, Driver, OutputPlan, Progress
+from trellis_cli.dialects.interface import StagedOutput
 from trellis_cli.dialects import carry
 from trellis_cli.dialects.routepack import manifest as mf
 from trellis_cli.dialects.routepack.layer_file import write_layer_pack
@@ -35,7 +34,11 @@ from trellis_cli.checkpoint.tensor_bytes import TensorReader
 class Tr3ToRoutePack(Driver):
     """A TR3 checkpoint (or another per-linear shard dialect of the table) -> a route pack."""
 
-    plans_from_declarations = True  # preflight.quick_dry_run, held to plan() by tests/repack/test_dry_run_plan.py
+    plans_from_declarations = True  # quick_plan, held to plan() by tests/repack/test_dry_run_plan.py
+
+    @classmethod
+    def quick_plan(cls, ck: Checkpoint, out: Path, options: Any) -> OutputPlan | None:
+        return quick_plan(ck, out, options)
 
     def __init__(self, checkpoint: Checkpoint, out: Path, options: Any, _validator: Validator | None = None) -> None:
         self.ck, self.out, self.opt = checkpoint, out, options
@@ -73,7 +76,7 @@ class Tr3ToRoutePack(Driver):
             selection={"layers": self.plan_.layers, "ranks": list(self.plan_.ranks), "tp": self.plan_.target_tp},
             notes=[NOT_VALIDATED])
 
-    def write(self, stage: Stage, result: RepackResult, on_bytes: Progress) -> None:
+    def write(self, stage: StagedOutput, result: RepackResult, on_bytes: Progress) -> None:
         import torch  # noqa: F401 - imported once here, not concurrently by the first workers
 
         self.result, self.on_bytes = result, on_bytes
@@ -92,7 +95,7 @@ class Tr3ToRoutePack(Driver):
                      for n, refs in self.carried.items())
         return self.plan_.total_bytes + copied + extras
 
-    def _run_jobs(self, stage: Stage) -> None:
+    def _run_jobs(self, stage: StagedOutput) -> None:
         with TensorReader(self.ck.source) as reader, ThreadPoolExecutor(self.opt.jobs) as pool:
             futures: list[Future[Any]] = []
             for name in self._hash_order()[0]:
@@ -131,7 +134,7 @@ class Tr3ToRoutePack(Driver):
         later = [li for li in self.plan_.layers if li > layer]
         return sorted(self.ck.layers[later[0]].files) if later else []
 
-    def _resume_or_redo(self, job: LayerRankJob, stage: Stage, reader: TensorReader) -> None:
+    def _resume_or_redo(self, job: LayerRankJob, stage: StagedOutput, reader: TensorReader) -> None:
         """A staged file is reused only when the source files it came from still hash to what it recorded."""
         if stage.completed(job.file, self.hashes.of(self.ck.layers[job.layer].files)):
             with self._counts:
@@ -140,7 +143,7 @@ class Tr3ToRoutePack(Driver):
             return
         self._layer_job(job, stage, reader)
 
-    def _layer_job(self, job: LayerRankJob, stage: Stage, reader: TensorReader) -> None:
+    def _layer_job(self, job: LayerRankJob, stage: StagedOutput, reader: TensorReader) -> None:
         for file in self._next_files(job.layer):  # overlap the next layer's disk reads with this one's work
             reader.prefetch(file)
         arena = getattr(self._local, "arena", None) or Arena()
@@ -159,7 +162,7 @@ class Tr3ToRoutePack(Driver):
             self.result.files_written += 1
             self.result.bytes_written += size
 
-    def _finish(self, stage: Stage) -> dict[str, Any]:
+    def _finish(self, stage: StagedOutput) -> dict[str, Any]:
         ck, plan = self.ck, self.plan_
         files = self._copy_other(stage)
         files[CONFIG] = rp_write.write_config(stage, ck.config, plan.target_tp,
@@ -186,7 +189,7 @@ class Tr3ToRoutePack(Driver):
                         return lin.codebook
         return self.ck.codebook or "mcg"
 
-    def _copy_other(self, stage: Stage) -> dict[str, dict[str, Any]]:
+    def _copy_other(self, stage: StagedOutput) -> dict[str, dict[str, Any]]:
         """Copied files verbatim (checked against the source's sha256); carried tensors into extra/<file>."""
         entries = rp_write.copy_files(stage, {n: self.ck.source.local_path(n) for n in self.copied}, self._check_copy)
         with TensorReader(self.ck.source) as reader:

@@ -23,19 +23,21 @@ from trellis_cli.dialects.routepack.layer_file import read_layer_pack
 from trellis_cli.dialects.shard_pack import layer_tiers, pack_layer
 from trellis_cli.selection import parse_selection
 from trellis_cli.dialects.tp_reslice import rank_pieces, resolve_target_tp
-from trellis_cli.repack.source_facts import CONFIG, NOT_COPIED, SourceHashes, has_experts, protected_paths, vector_ndim
+from trellis_cli.dialects.source_facts import CONFIG, NOT_COPIED, SourceHashes, has_experts, protected_paths, vector_ndim
 from trellis_cli.dialects.tr3.shard import Tr3Layer
 from trellis_cli.dialects.tr3.write import Tr3Output, assign_shards, restored_config
-from trellis_cli.repack.tr3_output import Tr3Driver, fingerprint_options
+from trellis_cli.dialects.tr3.driver import Tr3Driver, fingerprint_options
 from trellis_cli.dialects.routepack import manifest as mf
-from trellis_cli.repack.result import check_output
+from trellis_cli.dialects.conversion import check_output
 from trellis_cli.sources import LocalSource
 
 
 # ---- the two drivers ------------------------------------------------------------------------------------
 
-def route_pack_to_tr3(root: Path, out: Path, options, validator=None) -> Tr3Driver:
+def route_pack_to_tr3(root: Any, out: Path, options, validator=None) -> Tr3Driver:
     """A route-pack directory -> the TR3 layout (config, bitmap and other files restored, shards rebuilt)."""
+    if not isinstance(root, Path):
+        raise UsageError("a route pack converts back to TR3 from a local directory only")
     from trellis_cli.dialects.routepack.verify import require_route_pack
 
     if options.to != "tr3":

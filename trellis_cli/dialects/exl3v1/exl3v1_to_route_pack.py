@@ -22,7 +22,7 @@ from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.dialects.exl3v1.container import container, parsed_manifest
 from trellis_cli.dialects.exl3v1.pack import check_convertible, expert_tiers
 from trellis_cli.dialects.exl3v1.pack_readback import check_written
-from trellis_cli.repack.exl3v1_to_tr3 import tr3_form
+from trellis_cli.dialects.exl3v1.exl3v1_to_tr3 import tr3_form
 from trellis_cli.dialects.exl3v1.pack import checked_rates, default_tp, exl3v1_pack
 from trellis_cli.dialects.routepack import manifest as mf
 from trellis_cli.dialects.routepack.layout import MANIFEST_NAME, layer_file_name
@@ -30,11 +30,12 @@ from trellis_cli.formats.layer_pack import tier_trellis_shape
 from trellis_cli.dialects.routepack.layer_file import write_layer_pack
 from trellis_cli.dialects.routepack.plan import LayerRankJob
 from trellis_cli.selection import parse_selection
-from trellis_cli.repack.result import RepackResult, Validator
-from trellis_cli.repack.source_facts import SourceHashes, fingerprint, protected_paths
-from trellis_cli.repack.staged_run import NOT_VALIDATED, Driver, OutputPlan, Progress
+from trellis_cli.dialects.conversion import RepackResult, Validator
+from trellis_cli.dialects.source_facts import SourceHashes, fingerprint, protected_paths
+from trellis_cli.dialects.conversion import NOT_VALIDATED, Driver, OutputPlan, Progress
 from trellis_cli.checkpoint.tensor_bytes import TensorReader
-from trellis_cli.repack.staging import Stage, refuse_collisions
+from trellis_cli.dialects.interface import StagedOutput
+from trellis_cli.dialects.conversion import refuse_collisions
 
 CONFIG = "config.json"
 
@@ -85,7 +86,7 @@ class Exl3v1ToRoutePack(Driver):
                           selection={"layers": self.layers, "ranks": list(self.ranks), "tp": self.tp},
                           notes=[NOT_VALIDATED])
 
-    def write(self, stage: Stage, result: RepackResult, on_bytes: Progress) -> None:
+    def write(self, stage: StagedOutput, result: RepackResult, on_bytes: Progress) -> None:
         import torch  # noqa: F401 - imported once here, before the first layer-rank
 
         self.on_bytes = on_bytes
@@ -107,7 +108,7 @@ class Exl3v1ToRoutePack(Driver):
         box = container(self.ck)
         return self.hashes.of({box.manifest_file, box.layers[layer].file})
 
-    def _write_layer_files(self, stage: Stage, result) -> None:
+    def _write_layer_files(self, stage: StagedOutput, result) -> None:
         box = container(self.ck)
         with TensorReader(self.ck.source) as reader:
             for job in self.jobs:
@@ -127,7 +128,7 @@ class Exl3v1ToRoutePack(Driver):
                 result.files_written += 1
                 result.bytes_written += size
 
-    def _finish(self, stage: Stage) -> dict[str, Any]:
+    def _finish(self, stage: StagedOutput) -> dict[str, Any]:
         files = rp_write.copy_files(stage, self.form.copy_from, self.hashes.check_copy)
         files.update(rp_write.write_json_files(stage, self.form.extra_json))
         files[CONFIG] = rp_write.write_config(stage, self.form.config, self.tp, self.rotation)

@@ -16,7 +16,7 @@ from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.errors import UsageError
-from trellis_cli.repack.out_paths import output_path
+from trellis_cli.dialects.conversion import output_path
 
 CONFIG = "config.json"
 NOT_CARRIED = ("MANIFEST.sha256",)

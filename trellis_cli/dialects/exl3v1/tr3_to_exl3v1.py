@@ -17,11 +17,12 @@ from trellis_cli.dialects.exl3v1.pack import NOTE_KEY
 from trellis_cli.dialects.exl3v1.schema import MANIFEST_FILE, LayerEntry
 from trellis_cli.dialects.exl3v1.write import layer_file_name, write_manifest
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.repack.exl3v1_carry import carried_files, write_carried
-from trellis_cli.repack.result import RepackResult, Validator
-from trellis_cli.repack.source_facts import SourceHashes, protected_paths, vector_ndim
-from trellis_cli.repack.staged_run import NOT_VALIDATED, Driver, OutputPlan, Progress
-from trellis_cli.repack.staging import Stage, refuse_collisions
+from trellis_cli.dialects.exl3v1.carry import carried_files, write_carried
+from trellis_cli.dialects.conversion import RepackResult, Validator
+from trellis_cli.dialects.source_facts import SourceHashes, protected_paths, vector_ndim
+from trellis_cli.dialects.conversion import NOT_VALIDATED, Driver, OutputPlan, Progress
+from trellis_cli.dialects.interface import StagedOutput
+from trellis_cli.dialects.conversion import refuse_collisions
 from trellis_cli.dialects.routepack.manifest import file_entry
 from trellis_cli.dialects.shard_pack import layer_tiers
 from trellis_cli.selection import parse_selection
@@ -62,7 +63,7 @@ class Tr3ToExl3v1(Driver):
     def data_checks(self) -> None:
         check_hidden_side_equal(self.ck, self.layers)
 
-    def write(self, stage: Stage, result: RepackResult, on_bytes: Progress) -> None:
+    def write(self, stage: StagedOutput, result: RepackResult, on_bytes: Progress) -> None:
         ck, m = self.ck, self.m
         hashes = SourceHashes(ck)
         for li in self.layers:

@@ -21,11 +21,11 @@ from trellis_cli.dialects.exl3v1.container import container, parsed_manifest
 from trellis_cli.dialects.exl3v1.pack import (NOTE_KEY, check_convertible, checked_rates, conversion_note,
                                               default_tp, expert_tiers, exl3v1_pack)
 from trellis_cli.selection import parse_selection
-from trellis_cli.repack.result import Validator, check_output
-from trellis_cli.repack.source_facts import SourceHashes, protected_paths
+from trellis_cli.dialects.conversion import Validator, check_output
+from trellis_cli.dialects.source_facts import SourceHashes, protected_paths
 from trellis_cli.dialects.tr3.shard import Tr3Layer
 from trellis_cli.dialects.tr3.write import Tr3Output, assign_shards, restored_config
-from trellis_cli.repack.tr3_output import Tr3Driver, fingerprint_options
+from trellis_cli.dialects.tr3.driver import Tr3Driver, fingerprint_options
 
 @dataclass
 class Tr3Form:
@@ -42,7 +42,7 @@ class Tr3Form:
 def tr3_form(ck: Checkpoint, layers: list[int], tiers, tp: int, copy_other: bool) -> Tr3Form:
     """config.json: the carried one when the checkpoint came from TR3 (its note restores shard names and vector
     shapes), else one written from the manifest, with tier_bitmap.json for mixed K."""
-    from trellis_cli.repack.exl3v1_carry import carried_files
+    from trellis_cli.dialects.exl3v1.carry import carried_files
 
     m = parsed_manifest(ck)
     note = conversion_note(ck)

@@ -17,11 +17,20 @@ from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.btx.write import renamers, renamed_manifest, write_manifest, write_renamed_layer
 from trellis_cli.dialects.exl3v1.container import container
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.repack.result import RepackResult, Validator
-from trellis_cli.repack.source_facts import SourceHashes, protected_paths
-from trellis_cli.repack.staged_run import NOT_VALIDATED, Driver, OutputPlan, Progress
-from trellis_cli.repack.staging import Stage, refuse_collisions
+from trellis_cli.dialects.conversion import RepackResult, Validator
+from trellis_cli.dialects.source_facts import SourceHashes, protected_paths
+from trellis_cli.dialects.conversion import NOT_VALIDATED, Driver, OutputPlan, Progress
+from trellis_cli.dialects.interface import StagedOutput
+from trellis_cli.dialects.conversion import refuse_collisions
 from trellis_cli.selection import parse_selection
+
+def btx_to_exl3v1(ck: Checkpoint, out: Path, options: Any, validator: Validator) -> Driver:
+    return Rename(ck, out, options, validator, to_btx=False)
+
+
+def exl3v1_to_btx(ck: Checkpoint, out: Path, options: Any, validator: Validator) -> Driver:
+    return Rename(ck, out, options, validator, to_btx=True)
+
 
 class Rename(Driver):
     """BTX -> exl3-v1 (`to_btx` False) or exl3-v1 -> BTX (True): each layer file renamed, bytes copied."""
@@ -56,7 +65,7 @@ class Rename(Driver):
                           files=files, bytes_needed=total, progress_total=total, selection={"layers": layers},
                           notes=[NOT_VALIDATED])
 
-    def write(self, stage: Stage, result: RepackResult, on_bytes: Progress) -> None:
+    def write(self, stage: StagedOutput, result: RepackResult, on_bytes: Progress) -> None:
         ck, box = self.ck, self.box
         hashes = SourceHashes(ck)
         done: dict[int, tuple[str, str]] = {}

@@ -1,19 +1,25 @@
 """What a repack knows about its source, shared by every driver: which files it uses, their sha256 (each computed
 once), the fingerprint a resumed stage must match, and how the source stores rotation vectors.
+
+`source_paths` lists what OUT must never overlap: the source directory and the real files its names lead to
+(links included); for a Hub source also the repo's snapshot, the cache root and the Hub's home folders
+(HF_HOME, HF_HUB_CACHE), since `--overwrite` deletes OUT and a stage is deleted and rebuilt.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.checkpoint.names import is_expert_name
 from trellis_cli.errors import CheckFailed
+from trellis_cli.header import safe_relative
 from trellis_cli.integrity import CHECKSUM_MANIFEST, read_manifest, sha256_file
-from trellis_cli.sources import LocalSource
+from trellis_cli.sources import LocalSource, Source
 
 CONFIG = "config.json"
 NOT_COPIED = (CHECKSUM_MANIFEST,)  # source-side hashes; the manifest replaces them
@@ -25,8 +31,6 @@ def source_root(checkpoint: Checkpoint) -> Path | None:
 
 def protected_paths(checkpoint: Checkpoint) -> list[Path]:
     """What OUT may not overlap: the source directory, the real files its names lead to, a Hub cache."""
-    from trellis_cli.repack.out_paths import source_paths
-
     return source_paths(checkpoint.source, list(checkpoint.files))
 
 
@@ -141,3 +145,35 @@ def vector_ndim(checkpoint: Checkpoint) -> dict[str, int]:
 def has_experts(checkpoint: Checkpoint, file: str) -> bool:
     header = checkpoint.headers.get(file)
     return header is not None and any(map(is_expert_name, header.tensors))
+
+
+def source_paths(source: Source, names: Iterable[str] = ()) -> list[Path]:
+    """Every path OUT must not equal, lie inside or contain: the source's directory, the real targets of `names`
+    (its files, links followed), and for a Hub source its snapshot, the cache root, HF_HOME and HF_HUB_CACHE."""
+    from trellis_cli.sources import HubSource
+
+    paths: list[Path] = []
+    root = source.root
+    if root is not None:
+        paths.append(root)
+        paths += [Path(os.path.realpath(root / n)) for n in names if safe_relative(n)]
+    if isinstance(source, HubSource):
+        from trellis_cli import hub_client
+
+        cache_dir = source.cache_dir
+        paths.append(hub_client.cache_root(cache_dir))
+        folder = hub_client.repo_cache_folder(source.repo_id, cache_dir)
+        paths += [folder, folder / "snapshots" / str(source.revision or "")]
+        paths += _hub_homes(hub_client.hf_constants)
+        for name in names:
+            found = source.cached_path(name) if safe_relative(name) else None
+            if found is not None:
+                paths.append(Path(os.path.realpath(found)))
+    return paths
+
+
+def _hub_homes(constants) -> list[Path]:
+    """HF_HOME and HF_HUB_CACHE as the environment names them now and as the library read them at import."""
+    found = [os.environ.get("HF_HOME"), os.environ.get("HF_HUB_CACHE"), getattr(constants, "HF_HOME", None),
+             getattr(constants, "HF_HUB_CACHE", None)]
+    return [Path(p).expanduser() for p in found if p]

@@ -24,11 +24,12 @@ from trellis_cli.dialects.tr3.shard import Tr3Layer
 from trellis_cli.dialects.tr3.write import Tr3Output, assign_shards
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.integrity import CHECKSUM_MANIFEST
-from trellis_cli.repack.result import RepackResult, Validator, check_output
-from trellis_cli.repack.source_facts import SourceHashes, protected_paths
-from trellis_cli.repack.staging import Stage, refuse_collisions
-from trellis_cli.repack.staged_run import NOT_VALIDATED, Driver, OutputPlan, Progress
-from trellis_cli.repack.tr3_output import Tr3Driver, fingerprint_options
+from trellis_cli.dialects.conversion import RepackResult, Validator, check_output
+from trellis_cli.dialects.source_facts import SourceHashes, protected_paths
+from trellis_cli.dialects.interface import StagedOutput
+from trellis_cli.dialects.conversion import refuse_collisions
+from trellis_cli.dialects.conversion import NOT_VALIDATED, Driver, OutputPlan, Progress
+from trellis_cli.dialects.tr3.driver import Tr3Driver, fingerprint_options
 from trellis_cli.dialects import carry
 from trellis_cli.dialects.shard_pack import pack_layer
 from trellis_cli.selection import parse_selection
@@ -124,7 +125,7 @@ class Tr3ToStream(Driver):
                           files=[{"name": shard} for shard in self.output.shards], bytes_needed=total,
                           progress_total=total, selection={"layers": self.layers}, notes=self.notes)
 
-    def write(self, stage: Stage, result: RepackResult, on_bytes: Progress) -> None:
+    def write(self, stage: StagedOutput, result: RepackResult, on_bytes: Progress) -> None:
         from trellis_cli.dialects.routepack.manifest import file_entry
 
         ck, output = self.ck, self.output

@@ -1,5 +1,6 @@
 """What a route-pack repack would write and what would refuse it, known before any work: the name claims of a
-route pack, and the quick dry run of a local TR3 source (every other dry run is its driver's `plan()`).
+route pack, and the quick plan of a local TR3 source (`Tr3ToRoutePack.quick_plan`; every other dry run is its
+driver's `plan()`), which repack's staged run answers like any plan (OUT, the lock file, free space).
 
 The quick dry run plans from the declarations (config.json, tier_bitmap.json: geometry and K per expert),
 the listing (file sizes) and the raw header of each shard, in which it only counts names: which layers'
@@ -12,23 +13,19 @@ source before writing. A production TR3 (76 shards, ~930k tensors) is planned in
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.routepack import write as rp_write
 from trellis_cli.dialects.routepack.write import EXTRA_DIR
 from trellis_cli.checkpoint import reader
 from trellis_cli.errors import CheckFailed
-from trellis_cli.findings import Severity
 from trellis_cli.dialects.routepack.layout import MANIFEST_NAME, layer_file_name
-from trellis_cli.repack.result import RepackResult
-from trellis_cli.repack.source_facts import CONFIG, NOT_COPIED, fingerprint, protected_paths
-from trellis_cli.repack.staged_run import NOT_VALIDATED, OutputPlan, plan_document
-from trellis_cli.repack.staging import check_target, refuse_collisions, resumable_bytes
+from trellis_cli.dialects.conversion import NOT_VALIDATED, OutputPlan, refuse_collisions
+from trellis_cli.dialects.source_facts import CONFIG, NOT_COPIED, fingerprint, protected_paths
 from trellis_cli.selection import parse_selection
 from trellis_cli.dialects.tp_reslice import rank_pieces, resolve_target_tp
 from trellis_cli.dialects.routepack.plan import route_pack_layer_bytes
-from trellis_cli.sources import SourceArg
 from trellis_cli.stwriter import PlannedTensor
 
 FROM_DECLARATIONS = ("layer file sizes planned from the declarations (config.json, tier_bitmap.json) and the "
@@ -47,48 +44,25 @@ def refuse_pack_collisions(layer_files: list[tuple[str, int, int]], copied: list
 
 
 def route_pack_plan(out: Path, options: Any, ck: Checkpoint, layer_files: list[dict[str, Any]],
-                    other_files: list[dict[str, Any]], needed: int, resumable: int, *, layers: list[int],
-                    ranks: list[int], tp: int, used: list[str], notes: list[str]) -> dict[str, Any]:
-    """The dry-run document of a route-pack repack: the staged run's document (staged_run.plan_document), the
-    same keys as the full plan (tr3_to_route_pack.Tr3ToRoutePack.plan)."""
+                    other_files: list[dict[str, Any]], needed: int, *, layers: list[int], ranks: list[int], tp: int,
+                    used: list[str], notes: list[str]) -> OutputPlan:
+    """The plan of a route-pack repack from the declarations: the same fields as the full plan
+    (tr3_to_route_pack.Tr3ToRoutePack.plan)."""
     files = layer_files + other_files + [{"name": CONFIG}, {"name": MANIFEST_NAME}]  # the last two are small
-    plan = OutputPlan(conversion=f"{ck.dialect} -> route-pack", out=out, protected=protected_paths(ck),
+    return OutputPlan(conversion=f"{ck.dialect} -> route-pack", out=out, protected=protected_paths(ck),
                       fingerprint=fingerprint(ck, options, used), files=files, bytes_needed=needed,
                       progress_total=sum(f["data_bytes"] for f in layer_files),
                       selection={"layers": layers, "ranks": list(ranks), "tp": tp}, notes=notes)
-    return plan_document(plan, resumable)
 
 
-def quick_dry_run(source: SourceArg, out: Path, options: Any,
-                  plans_from_declarations: Callable[[str], bool]) -> RepackResult | None:
-    """The dry run of a local TR3 source without parsing its headers (see the module docstring); None where
-    that is not possible (another dialect, a Hub source, a declaration it cannot plan from): the caller then
-    opens the checkpoint in full. `plans_from_declarations(dialect)`: whether the driver of (that source dialect,
-    `options.to`) is planned this way (drivers.plans_from_declarations)."""
-    from trellis_cli.dialects.open import open_declared
-
-    if isinstance(source, (str, Path)):
-        from trellis_cli.sources import LocalSource
-
-        source = LocalSource(Path(source))
-    if source.root is None or source.special:
-        return None
-    ck = open_declared(source)
-    if ck is None or any(f.severity is Severity.ERROR for f in ck.parse_findings):
-        return None
-    if not plans_from_declarations(ck.dialect):
-        # no such conversion (the full path names those this source has), or one whose dry run is its driver's
-        # plan from the full opening
-        return None
+def quick_plan(ck: Checkpoint, out: Path, options: Any) -> OutputPlan | None:
+    """The plan of a TR3 checkpoint opened from its declarations (`open_declared`) without parsing its headers
+    (see the module docstring); None where that is not possible (a declaration it cannot plan from): the
+    caller then opens the checkpoint in full."""
     scan = _scan_shards(ck)
     if scan is None:
         return None
-    plan = _plan_from_declarations(ck, scan, out, options)
-    if plan is None:
-        return None
-    result = RepackResult(out)
-    result.plan = plan
-    return result
+    return _plan_from_declarations(ck, scan, out, options)
 
 
 class _ShardScan:
@@ -122,7 +96,7 @@ def _scan_shards(ck: Checkpoint) -> dict[str, _ShardScan] | None:
 
 
 def _plan_from_declarations(ck: Checkpoint, scans: dict[str, _ShardScan], out: Path,
-                            options: Any) -> dict[str, Any] | None:
+                            options: Any) -> OutputPlan | None:
     from trellis_cli.dialects import carry
 
     hidden, inter, experts = ck.hidden, ck.intermediate, ck.num_experts
@@ -159,14 +133,12 @@ def _plan_from_declarations(ck: Checkpoint, scans: dict[str, _ShardScan], out: P
     copied = [n for n in used if n not in (CONFIG, *NOT_COPIED) and n not in with_experts]
     carried = {n: s for n, s in scans.items() if s.others and options.copy_other}
     refuse_pack_collisions(jobs, copied, list(carried))
-    check_target(out, protected_paths(ck), options.overwrite)
     sizes = {n: max(ck.files.get(n, 0), 0) for n in copied}
     sizes.update({f"{EXTRA_DIR}/{n}": carry.file_bytes(s.others or [], s.metadata) for n, s in carried.items()})
     other_files: list[dict[str, Any]] = [{"name": n, "bytes": size} for n, size in sizes.items()]
     needed = size_total + sum(sizes.values())
-    resumable = resumable_bytes(out, fingerprint(ck, options, used))
-    return route_pack_plan(out, options, ck, layer_files, other_files, needed, resumable, layers=layers,
-                           ranks=ranks, tp=tp, used=used, notes=[NOT_VALIDATED, FROM_DECLARATIONS])
+    return route_pack_plan(out, options, ck, layer_files, other_files, needed, layers=layers, ranks=ranks, tp=tp,
+                           used=used, notes=[NOT_VALIDATED, FROM_DECLARATIONS])
 
 
 def _codes_as_declared(ck: Checkpoint, scans: dict[str, _ShardScan], shards: list[str], tiers: dict[int, int]) -> bool:
