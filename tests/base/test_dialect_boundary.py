@@ -190,3 +190,18 @@ def test_the_guard_sees_each_form():
     assert not _named_for_a_dialect("layer_pack.py")
     assert not _named_for_a_dialect("tr3x.py") and not _named_for_a_dialect("engine_r7.py")
     assert {"btx", "exl3v1", "routepack", "tr3"} <= DIALECT_PACKAGES and "units" not in DIALECT_PACKAGES
+
+
+def test_the_footprint_script_names_the_files_a_change_touched_outside_the_dialects():
+    """tools/dialect_footprint.py (docs/architecture.md, "Adding a dialect"): what a new dialect or conversion
+    touched outside trellis_cli/dialects/, tests/ and docs/, which should be nothing."""
+    import importlib.util
+
+    path = PACKAGE.parent / "tools" / "dialect_footprint.py"
+    spec = importlib.util.spec_from_file_location("dialect_footprint", path)
+    assert spec is not None and spec.loader is not None
+    footprint = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(footprint)
+    touched = ["trellis_cli/dialects/newfmt/__init__.py", "trellis_cli/dialects/registry.py", "tests/dialects/x.py",
+               "docs/checkpoint-dialects.md", "trellis_cli/repack/drivers.py", "trellis_cli/checkpoint/model.py"]
+    assert footprint.outside(touched) == ["trellis_cli/checkpoint/model.py", "trellis_cli/repack/drivers.py"]

@@ -1,11 +1,13 @@
 """trellis's own route pack (manifest.json, schema "trellis-route-pack"): what `trellis repack` writes.
 
-The layer layout (formats/layer_pack.py) and the packer, layer files and manifest (routepack/) sit below the
-dialects, where the kernel and bench read them; this package owns the rest: reading a route-pack directory as a
-checkpoint (detection, the manifest's shape in `manifest_shape.py`, the verification against its manifest in
-`verify.py`: every hash, every name, bounded by what the directory holds), its verdicts (no profiled loader
-reads it; `repack --to tr3` rebuilds the served layout), and, as a conversion target, its writer (`write.py`)
-and the read-back of each written layer file against its source (`readback.py`).
+Each layer file holds one LayerPack (formats/layer_pack.py, the kernel's layout, which every packer makes). This
+package owns everything else about the format: its names on disk (`layout.py`), one layer file written and read
+(`layer_file.py`), manifest.json written and read (`manifest.py`) and its shape (`manifest_shape.py`), reading a
+route-pack directory as a checkpoint (detection, the verification against its manifest in `verify.py`: every hash,
+every name, bounded by what the directory holds), its verdicts (no profiled loader reads it; `repack --to tr3`
+rebuilds the served layout), its layer files read as stored for bench (`holds_layer_packs`, `read_layer_pack`), and,
+as a conversion target, its plan (`plan.py`, `preflight.py`), its writer (`write.py`), the read-back of each
+written layer file against its source (`readback.py`) and the TR3 driver (`tr3_to_route_pack.py`).
 """
 
 from __future__ import annotations

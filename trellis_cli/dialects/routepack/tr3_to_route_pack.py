@@ -113,7 +113,8 @@ class Tr3ToRoutePack(Driver):
                 for future in futures:
                     future.cancel()
                 raise
-            for future in done:
+            # The first failed task in submission order (a set's order would pick one by memory address).
+            for future in (f for f in futures if f in done):
                 error = future.exception()
                 if error is not None:
                     for other in futures:
