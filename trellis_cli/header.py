@@ -305,6 +305,19 @@ def canonical_entries(raw: bytes) -> bytes | None:
     return raw[match.end("metadata"):] if match.group("metadata") is not None else raw
 
 
+_HEAD = re.compile(rb"\{(?:(" + _METADATA + rb"),)?")
+
+
+def canonical_head(head: bytes) -> bool:
+    """Whether `head` is what precedes the first entry of a header in safetensors' own layout (`{`, then the
+    `__metadata__` object and a comma, if any) and the strict parser accepts it (no metadata key twice)."""
+    match = _HEAD.fullmatch(head)
+    if match is None:
+        return False
+    meta_text = match.group(1)
+    return meta_text is None or len(json.loads(b"{" + meta_text + b"}")["__metadata__"]) == meta_text.count(b'":"')
+
+
 def canonical_header(raw: bytes) -> bool:
     return _canonical_match(raw) is not None
 

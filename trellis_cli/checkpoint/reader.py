@@ -19,6 +19,7 @@ import re
 from collections import Counter
 from typing import Any, Callable, Iterator, NamedTuple
 
+from trellis_cli.checkpoint.columns import LinearColumns, linear_columns, no_expert_tensors
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import is_expert_name, parse_expert_name
 from trellis_cli.errors import CheckFailed
@@ -169,6 +170,40 @@ def raw_header(source: Source, name: str, listed: int) -> bytes:
     return data
 
 
+class ShardColumns(NamedTuple):
+    """Every shard of a checkpoint as `fit` reads it without the per-tensor model: the rank-sliced linears of
+    each shard of experts as columns (`columns.linear_columns`), and the parsed headers of the shards that hold
+    no routed-expert tensor, in the listing's order."""
+
+    linears: dict[str, LinearColumns]
+    others: dict[str, Header]
+
+
+def shard_columns(source: Source, files: dict[str, int],
+                  progress: Callable[[str, int, int], None]) -> ShardColumns | None:
+    """`ShardColumns` of a local checkpoint, under the guards of `read_headers`; None where any shard is not one
+    of the two kinds, or anything the full opening would report about a shard (the caller then opens it in
+    full, which names it)."""
+    names = sorted(name for name in files if name.endswith(".safetensors"))
+    linears: dict[str, LinearColumns] = {}
+    others: dict[str, Header] = {}
+    progress("files", 0, len(names))
+    for done, name in enumerate(names, 1):
+        try:
+            raw = raw_header(source, name, files[name])
+            if no_expert_tensors(raw):
+                others[name] = parse_header(name, raw, len(raw), files[name])
+            else:
+                found = linear_columns(raw, files[name])
+                if found is None:
+                    return None
+                linears[name] = found
+        except (CheckFailed, HeaderError):
+            return None
+        progress("files", done, len(names))
+    return ShardColumns(linears, others)
+
+
 class HeaderNames(NamedTuple):
     """What a quick look needs of one header: the MoE layers of its routed-expert tensors, how many of its
     tensors are routed experts and how many there are, and (only when it holds both kinds) its other tensors
@@ -287,6 +322,72 @@ def read_index(source: Source, files: dict[str, int], findings: list[Finding]) -
     return name, weight_map, metadata if isinstance(metadata, dict) else {}
 
 
+def index_files(source: Source, files: dict[str, int]) -> set[str] | None:
+    """The files a large local index names, where its bytes prove that `read_index` reads it without a finding:
+    ASCII, `{"metadata": {...}, "weight_map": {"name": "file", ...}}` (whitespace between tokens allowed, no
+    escape), no name twice. An empty set without an index; None for anything else (a small index included, which
+    `read_index` reads at once): the caller then reads it in full, which words every finding. Proven in one regex
+    pass, without the ~935k-key dict a production index decodes into."""
+    name = index_name(files)
+    if name is None:
+        return set()
+    from trellis_cli.sources import MAX_JSON_BYTES
+
+    if not MAX_JSON_BYTES < files.get(name, 0) <= MAX_INDEX_BYTES:
+        return None
+    try:
+        with open_regular(source.local_path(name)) as f:
+            data = f.read(MAX_INDEX_BYTES + 1)
+    except (OSError, CheckFailed):
+        return None
+    if not data.isascii() or b"\\" in data or len(data.translate(None, _CONTROL)) != len(data):
+        return None  # an escape, or a control character other than whitespace: the full reader decides
+    # Without a backslash every `"` delimits a string: the pieces between are, after the head, name, `:`, file, `,`.
+    tokens = data.split(b'"')
+    try:
+        at = tokens.index(b"weight_map")
+    except ValueError:
+        return None
+    head = _INDEX_HEAD.fullmatch(b'"'.join(tokens[:at + 1]) + b'"' + tokens[at + 1])
+    body = tokens[at + 2:]
+    if head is None or len(body) < 4 or len(body) % 4:
+        return None
+    keys, colons, values, commas, tail = body[0::4], body[1::4], body[2::4], body[3:-1:4], body[-1]
+    separators = [(colons, _INDEX_COLON), (commas, _INDEX_COMMA)]
+    if not _INDEX_TAIL.fullmatch(tail) or \
+            not all(pattern.fullmatch(gap) for gaps, pattern in separators for gap in set(gaps)):
+        return None
+    # Whitespace only between tokens: as many line breaks and tabs in the separators as in the whole file.
+    between = _spaces(b'"'.join(tokens[:at + 2])) + _spaces(tail)
+    for gaps, _ in separators:
+        between += sum(gaps.count(gap) * _spaces(gap) for gap in set(gaps))
+    if between != _spaces(data):
+        return None
+    if head.group(1) is not None:  # the metadata: an object of plain values, no key twice
+        try:
+            metadata = load_json(head.group(1))
+        except JsonError:
+            return None
+        if not isinstance(metadata, dict):
+            return None
+    if len(set(keys)) != len(keys):
+        return None  # a name twice: the full reader refuses the index
+    return {file.decode() for file in set(values)}
+
+
+def _spaces(text: bytes) -> int:
+    """How many line breaks and tabs `text` holds."""
+    return len(text) - len(text.translate(None, b"\n\r\t"))
+
+
+_CONTROL = bytes(c for c in range(32) if c not in b"\n\r\t")
+_INDEX_HEAD = re.compile(rb'[ \t\n\r]*\{[ \t\n\r]*(?:"metadata"[ \t\n\r]*:[ \t\n\r]*(\{[^{}\[\]]*\})[ \t\n\r]*,'
+                         rb'[ \t\n\r]*)?"weight_map"[ \t\n\r]*:[ \t\n\r]*\{[ \t\n\r]*')
+_INDEX_COLON = re.compile(rb"[ \t\n\r]*:[ \t\n\r]*")
+_INDEX_COMMA = re.compile(rb"[ \t\n\r]*,[ \t\n\r]*")
+_INDEX_TAIL = re.compile(rb"[ \t\n\r]*\}[ \t\n\r]*\}[ \t\n\r]*")
+
+
 def read_json(source: Source, files: dict[str, int], name: str, findings: list[Finding],
               optional: bool = False) -> Any:
     """A JSON file or None; a bad one becomes a finding (a warning when the file is optional metadata)."""
@@ -362,5 +463,5 @@ def require_intact(ckpt: Checkpoint, what: str) -> None:
 
 
 __all__ = ["BYTE_FAULT_CODES", "HeaderNames", "byte_faults", "canonical_header", "escapes", "header_names", "listing",
-           "listing_findings", "raw_header", "read_headers", "read_index", "read_json", "require_intact",
-           "shard_header", "source_header"]
+           "index_files", "listing_findings", "raw_header", "read_headers", "read_index", "read_json", "require_intact",
+           "shard_columns", "shard_header", "source_header"]
