@@ -204,6 +204,35 @@ def shard_columns(source: Source, files: dict[str, int],
     return ShardColumns(linears, others)
 
 
+def same_bytes(a: Source, a_files: dict[str, int], b: Source) -> dict[str, int] | None:
+    """B's listing, where everything an opening reads of two local checkpoints is byte for byte the same: the
+    same names and sizes listed, no special file, unlistable directory or name leaving either directory, the same
+    header bytes in every safetensors file and the same bytes in every other file. Opening B would then build
+    A's model again (diff's other side is usually a copy). None otherwise, or when a file cannot be read."""
+    if a.root is None or b.root is None or a.special or a.unlistable:
+        return None
+    b_files = listing(b)
+    if b.special or b.unlistable or b_files != a_files or any(size < 0 for size in a_files.values()):
+        return None
+    try:
+        for name, size in a_files.items():
+            if escapes(a, name) or escapes(b, name):
+                return None
+            if name.endswith(".safetensors"):
+                if raw_header(a, name, size) != raw_header(b, name, size):
+                    return None
+            elif size > MAX_INDEX_BYTES or _whole(a, name) != _whole(b, name):
+                return None
+    except (CheckFailed, OSError):
+        return None
+    return b_files
+
+
+def _whole(source: Source, name: str) -> bytes:
+    with open_regular(source.local_path(name)) as f:
+        return f.read(MAX_INDEX_BYTES + 1)
+
+
 class HeaderNames(NamedTuple):
     """What a quick look needs of one header: the MoE layers of its routed-expert tensors, how many of its
     tensors are routed experts and how many there are, and (only when it holds both kinds) its other tensors
@@ -464,4 +493,4 @@ def require_intact(ckpt: Checkpoint, what: str) -> None:
 
 __all__ = ["BYTE_FAULT_CODES", "HeaderNames", "byte_faults", "canonical_header", "escapes", "header_names", "listing",
            "index_files", "listing_findings", "raw_header", "read_headers", "read_index", "read_json", "require_intact",
-           "shard_columns", "shard_header", "source_header"]
+           "same_bytes", "shard_columns", "shard_header", "source_header"]
