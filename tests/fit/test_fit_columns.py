@@ -89,8 +89,13 @@ def large_index(monkeypatch, root):
     monkeypatch.setattr(sources, "MAX_JSON_BYTES", (root / "model.safetensors.index.json").stat().st_size - 1)
 
 
-def test_a_large_index_is_proven_in_its_bytes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("piece", [8 << 20, 1000, 37])
+@pytest.mark.parametrize("indent", [None, 2])
+def test_a_large_index_is_proven_in_its_bytes(tmp_path, monkeypatch, piece, indent):
     root = tiny_checkpoint(tmp_path)
+    index = root / "model.safetensors.index.json"
+    index.write_text(json.dumps(json.loads(index.read_text()), indent=indent))
+    monkeypatch.setattr(reader, "_INDEX_PIECE", piece)  # split in pieces of whole entries, wherever they fall
     large_index(monkeypatch, root)
     source = LocalSource(root)
     assert reader.index_files(source, reader.listing(source)) == {p.name for p in root.glob("*.safetensors")}
@@ -100,6 +105,8 @@ def test_a_large_index_is_proven_in_its_bytes(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("edit", [
     lambda text: text.replace('"weight_map":{', '"weight_map":{"twice":"a.safetensors","twice":"a.safetensors",'),
+    lambda text: text.replace('"weight_map":{', '"weight_map":{"a\nb":"a.safetensors",'),
+    lambda text: text[:-2] + ",}}",
     lambda text: text.replace('"weight_map":{', '"weight_map":{"a\\u0041":"a.safetensors",'),
     lambda text: text.replace('"weight_map":{', '"weight_map":{"a":1,'),
     lambda text: text[:-2],

@@ -19,6 +19,8 @@ import re
 from collections import Counter
 from typing import Any, Callable, Iterator, NamedTuple
 
+import numpy as np
+
 from trellis_cli.checkpoint.columns import LinearColumns, linear_columns, no_expert_tensors
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import is_expert_name, parse_expert_name
@@ -371,26 +373,8 @@ def index_files(source: Source, files: dict[str, int]) -> set[str] | None:
         return None
     if not data.isascii() or b"\\" in data or len(data.translate(None, _CONTROL)) != len(data):
         return None  # an escape, or a control character other than whitespace: the full reader decides
-    # Without a backslash every `"` delimits a string: the pieces between are, after the head, name, `:`, file, `,`.
-    tokens = data.split(b'"')
-    try:
-        at = tokens.index(b"weight_map")
-    except ValueError:
-        return None
-    head = _INDEX_HEAD.fullmatch(b'"'.join(tokens[:at + 1]) + b'"' + tokens[at + 1])
-    body = tokens[at + 2:]
-    if head is None or len(body) < 4 or len(body) % 4:
-        return None
-    keys, colons, values, commas, tail = body[0::4], body[1::4], body[2::4], body[3:-1:4], body[-1]
-    separators = [(colons, _INDEX_COLON), (commas, _INDEX_COMMA)]
-    if not _INDEX_TAIL.fullmatch(tail) or \
-            not all(pattern.fullmatch(gap) for gaps, pattern in separators for gap in set(gaps)):
-        return None
-    # Whitespace only between tokens: as many line breaks and tabs in the separators as in the whole file.
-    between = _spaces(b'"'.join(tokens[:at + 2])) + _spaces(tail)
-    for gaps, _ in separators:
-        between += sum(gaps.count(gap) * _spaces(gap) for gap in set(gaps))
-    if between != _spaces(data):
+    head = _INDEX_HEAD.match(data)
+    if head is None:
         return None
     if head.group(1) is not None:  # the metadata: an object of plain values, no key twice
         try:
@@ -399,9 +383,51 @@ def index_files(source: Source, files: dict[str, int]) -> set[str] | None:
             return None
         if not isinstance(metadata, dict):
             return None
-    if len(set(keys)) != len(keys):
-        return None  # a name twice: the full reader refuses the index
-    return {file.decode() for file in set(values)}
+    named: set[bytes] = set()
+    hashes: list[np.ndarray] = []
+    spaces = _spaces(data[:head.end()])
+    # Without a backslash every `"` delimits a string: from the first name on, the pieces between are name, `:`,
+    # file, `,` (the last one the closing braces). Read in pieces of whole entries, so that no more than one
+    # piece's strings are held at a time.
+    at, end = head.end(), len(data)
+    while at < end:
+        cut = _entry_start(data, at, min(at + _INDEX_PIECE, end))
+        tokens = data[at:cut].split(b'"')
+        if tokens[0] or len(tokens) < 5 or (len(tokens) - 1) % 4:
+            return None
+        keys, colons, values, gaps = tokens[1::4], tokens[2::4], tokens[3::4], tokens[4::4]
+        last = cut == end
+        ends = [(gaps[:-1], _INDEX_COMMA), (gaps[-1:], _INDEX_TAIL if last else _INDEX_COMMA)]
+        if not all(_INDEX_COLON.fullmatch(gap) for gap in set(colons)) or \
+                not all(pattern.fullmatch(gap) for part, pattern in ends for gap in set(part)):
+            return None
+        for part in (colons, gaps):
+            spaces += sum(part.count(gap) * _spaces(gap) for gap in set(part))
+        named.update(values)
+        hashes.append(np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys)))
+        at = cut
+    if spaces != _spaces(data):
+        return None  # a line break or tab inside a string
+    every = np.concatenate(hashes)
+    if np.unique(every).size != every.size:
+        return None  # a name twice (or two names of one hash): the full reader decides
+    return {file.decode() for file in named}
+
+
+_INDEX_PIECE = 8 << 20  # bytes of the index split at a time
+
+
+def _entry_start(data: bytes, at: int, target: int) -> int:
+    """The first `"` at or after `target` that opens a name, where `at` opens one: every fourth `"` from `at` (a
+    name, its file: two strings of two quotes each); the end of `data` when none follows."""
+    quote = data.find(b'"', target)
+    if quote < 0:
+        return len(data)
+    for _ in range(-data.count(b'"', at, quote) % 4):
+        quote = data.find(b'"', quote + 1)
+        if quote < 0:
+            return len(data)
+    return quote
 
 
 def _spaces(text: bytes) -> int:
