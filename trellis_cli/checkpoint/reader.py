@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
-from trellis_cli.checkpoint.columns import LinearColumns, linear_columns, no_expert_tensors
+from trellis_cli.checkpoint.columns import LinearColumns, all_distinct, linear_columns, no_expert_tensors
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import is_expert_name, parse_expert_name
 from trellis_cli.errors import CheckFailed
@@ -408,8 +408,7 @@ def index_files(source: Source, files: dict[str, int]) -> set[str] | None:
         at = cut
     if spaces != _spaces(data):
         return None  # a line break or tab inside a string
-    every = np.concatenate(hashes)
-    if np.unique(every).size != every.size:
+    if not all_distinct(np.concatenate(hashes)):
         return None  # a name twice (or two names of one hash): the full reader decides
     return {file.decode() for file in named}
 
