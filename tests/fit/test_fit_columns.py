@@ -74,9 +74,11 @@ def test_a_shard_the_columns_do_not_prove_is_read_in_full(tmp_path, mutate):
         run.fit_source(str(root), r)
 
 
-def test_a_truncated_shard_is_refused_as_the_full_opening_refuses_it(tmp_path):
-    root = tiny_checkpoint(tmp_path)
-    shard = sorted(root.glob("model-layer-*.safetensors"))[0]
+@pytest.mark.parametrize("which", ["experts", "other weights"])
+def test_a_truncated_shard_is_refused_as_the_full_opening_refuses_it(tmp_path, which):
+    root = tiny_checkpoint(tmp_path, non_expert="bf16")
+    shards = sorted(root.glob("*.safetensors"))
+    shard = next(p for p in shards if (b".mlp.experts." in p.read_bytes()[:1 << 16]) == (which == "experts"))
     shard.write_bytes(shard.read_bytes()[:-1])
     r = request(**REQUESTS[0])
     assert run._from_columns(str(root), r, None) is None

@@ -194,7 +194,10 @@ def shard_columns(source: Source, files: dict[str, int],
         try:
             raw = raw_header(source, name, files[name])
             if no_expert_tensors(raw):
-                others[name] = parse_header(name, raw, len(raw), files[name])
+                header = parse_header(name, raw, len(raw), files[name])
+                if header.data_start + header.data_end > files[name]:
+                    return None  # tensors past the end of the file (`byte_faults` words it)
+                others[name] = header
             else:
                 found = linear_columns(raw, files[name])
                 if found is None:
