@@ -110,3 +110,13 @@ def test_a_link_leaving_the_copy_is_opened_in_full(tmp_path):
     shard.rename(outside)
     os.symlink(outside, shard)
     assert _alike(open_checkpoint(a), b) is None
+
+
+def test_a_container_that_reads_tensor_data_when_opened_is_opened_in_full(tmp_path):
+    from trellis_cli.dialects.exl3v1.synth import write_exl3v1_checkpoint
+
+    a = write_exl3v1_checkpoint(tmp_path / "a", preset("tiny"))
+    b = copy(a, tmp_path / "b")
+    assert _alike(open_checkpoint(a), b) is None
+    both, apart = documents(a, b)
+    assert both == apart

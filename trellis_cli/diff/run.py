@@ -52,10 +52,15 @@ def diff_sources(a: Any, b: Any, *, layers: list[int] | None = None, progress: P
 
 
 def _alike(a: Checkpoint, side: Any) -> Checkpoint | None:
-    """B opened as A's model over B's files, where every byte an opening reads is the same in both
-    (`reader.same_bytes`): the same model, without parsing the same headers twice. None: open B in full."""
+    """B opened as A's model over B's files, where A was opened by the shared opening (headers and JSON, no
+    tensor data) and every byte it reads is the same in both (`reader.same_bytes`): the same model, without
+    parsing the same headers twice. None: open B in full."""
+    from trellis_cli.dialects.interface import Dialect
     from trellis_cli.dialects.open import as_source
 
+    dialect = dialect_of(a)
+    if dialect.opens_from_listing or type(dialect).fill is not Dialect.fill:
+        return None  # a container read its own way: its model may keep what it read of tensor data (rate tables)
     source = as_source(side)
     files = same_bytes(a.source, a.files, source)
     if files is None:
