@@ -62,10 +62,6 @@ def linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
     where they would not be what the full opening reads (see the module docstring)."""
     if not raw.isascii():
         return None
-    found = _EXPERT_LAYER.search(raw)
-    if found is None:
-        return None
-    layer = int(found.group(1))
     # One pass: the entries' groups, and between them what separates them. The header is in safetensors' own
     # layout, every entry a linear's field, when the pieces between are `{` (and the metadata), commas, `}`.
     parts = _LINEAR_ENTRY.split(raw)
@@ -74,7 +70,12 @@ def linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
     if not 0 < tensors <= MAX_HEADER_TENSORS or gaps[1:-1].count(b",") != tensors - 1 or \
             not _TAIL.fullmatch(gaps[-1]) or not canonical_head(gaps[0]):
         return None
-    if raw.count(b'"model.layers.%d.mlp.experts.' % layer) != tensors:
+    entries = len(gaps[0])  # where the entries begin: the metadata before them may hold any string
+    found = _EXPERT_LAYER.search(raw, entries)
+    if found is None:
+        return None
+    layer = int(found.group(1))
+    if raw.count(b'"model.layers.%d.mlp.experts.' % layer, entries) != tensors:
         return None  # another layer's tensors in the same shard
     if not _DTYPES.issuperset(parts[5::_GROUPS + 1]):
         return None
