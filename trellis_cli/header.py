@@ -116,9 +116,21 @@ def _plain_json(data: bytes | str) -> tuple[Any] | None:
         value = json.loads(text)
     except (ValueError, RecursionError):
         return None
-    if _key_count(value) != _STRING_OR_KEY.findall(text).count(":"):
+    if _key_count(value) != _text_keys(text):
         return None
     return (value,)
+
+
+def _text_keys(text: str) -> int:
+    """At least as many as the keys written in a JSON text without a backslash, and exactly as many where no key
+    is followed by whitespace before its colon nor any string begins with a colon: each `":` then ends a key.
+    Where whitespace may stand before a colon, the keys counted string by string."""
+    if any(space in text for space in " \t\n\r") and _SPACED_COLON.search(text) is not None:
+        return _STRING_OR_KEY.findall(text).count(":")
+    return text.count('":')
+
+
+_SPACED_COLON = re.compile(r'"[ \t\n\r]+:')
 
 
 def _key_count(value: Any) -> int:
@@ -303,6 +315,19 @@ def canonical_entries(raw: bytes) -> bytes | None:
     if match is None:
         return None
     return raw[match.end("metadata"):] if match.group("metadata") is not None else raw
+
+
+_HEAD = re.compile(rb"\{(?:(" + _METADATA + rb"),)?")
+
+
+def canonical_head(head: bytes) -> bool:
+    """Whether `head` is what precedes the first entry of a header in safetensors' own layout (`{`, then the
+    `__metadata__` object and a comma, if any) and the strict parser accepts it (no metadata key twice)."""
+    match = _HEAD.fullmatch(head)
+    if match is None:
+        return False
+    meta_text = match.group(1)
+    return meta_text is None or len(json.loads(b"{" + meta_text + b"}")["__metadata__"]) == meta_text.count(b'":"')
 
 
 def canonical_header(raw: bytes) -> bool:

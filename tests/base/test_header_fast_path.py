@@ -93,3 +93,28 @@ def test_every_way_out_of_the_layout_gets_the_strict_answer(monkeypatch, mutatio
     raw = MUTATIONS[mutation](text(doc))
     fast, strict = both(raw, monkeypatch)
     assert fast == strict
+
+
+@pytest.mark.parametrize("text", ['{"a":1,"a":2}', '{"a":":x"}', '{"a" :1,"a":2}', '{"a":{"b":1,"b":2}}',
+                                  '{"x":":","x":1}', '[":", ":"]', '{"a": 1, "b": 2}', '{"a": ":b", "a": 1}',
+                                  '{"a"\n:1, "a"\t: 2}', '{":":1, ":":2}'])
+def test_plain_json_keys_counted_in_the_text_decide_as_the_checked_path(text):
+    from trellis_cli.header import JsonError, load_json
+
+    try:
+        checked = ("accepted", json.loads(text, object_pairs_hook=_no_twice))
+    except JsonError:
+        checked = ("refused", None)
+    try:
+        plain = ("accepted", load_json(text))
+    except JsonError:
+        plain = ("refused", None)
+    assert plain == checked
+
+
+def _no_twice(pairs):
+    from trellis_cli.header import JsonError
+
+    if len(dict(pairs)) != len(pairs):
+        raise JsonError("twice")
+    return dict(pairs)

@@ -19,6 +19,9 @@ import re
 from collections import Counter
 from typing import Any, Callable, Iterator, NamedTuple
 
+import numpy as np
+
+from trellis_cli.checkpoint.columns import LinearColumns, all_distinct, linear_columns, no_expert_tensors
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import is_expert_name, parse_expert_name
 from trellis_cli.errors import CheckFailed
@@ -169,6 +172,72 @@ def raw_header(source: Source, name: str, listed: int) -> bytes:
     return data
 
 
+class ShardColumns(NamedTuple):
+    """Every shard of a checkpoint as `fit` reads it without the per-tensor model: the rank-sliced linears of
+    each shard of experts as columns (`columns.linear_columns`), and the parsed headers of the shards that hold
+    no routed-expert tensor, in the listing's order."""
+
+    linears: dict[str, LinearColumns]
+    others: dict[str, Header]
+
+
+def shard_columns(source: Source, files: dict[str, int],
+                  progress: Callable[[str, int, int], None]) -> ShardColumns | None:
+    """`ShardColumns` of a local checkpoint, under the guards of `read_headers`; None where any shard is not one
+    of the two kinds, or anything the full opening would report about a shard (the caller then opens it in
+    full, which names it)."""
+    names = sorted(name for name in files if name.endswith(".safetensors"))
+    linears: dict[str, LinearColumns] = {}
+    others: dict[str, Header] = {}
+    progress("files", 0, len(names))
+    for done, name in enumerate(names, 1):
+        try:
+            raw = raw_header(source, name, files[name])
+            if no_expert_tensors(raw):
+                header = parse_header(name, raw, len(raw), files[name])
+                if header.data_start + header.data_end > files[name]:
+                    return None  # tensors past the end of the file (`byte_faults` words it)
+                others[name] = header
+            else:
+                found = linear_columns(raw, files[name])
+                if found is None:
+                    return None
+                linears[name] = found
+        except (CheckFailed, HeaderError):
+            return None
+        progress("files", done, len(names))
+    return ShardColumns(linears, others)
+
+
+def same_bytes(a: Source, a_files: dict[str, int], b: Source) -> dict[str, int] | None:
+    """B's listing, where everything an opening reads of two local checkpoints is byte for byte the same: the
+    same names and sizes listed, no special file, unlistable directory or name leaving either directory, the same
+    header bytes in every safetensors file and the same bytes in every other file. Opening B would then build
+    A's model again (diff's other side is usually a copy). None otherwise, or when a file cannot be read."""
+    if a.root is None or b.root is None or a.special or a.unlistable:
+        return None
+    b_files = listing(b)
+    if b.special or b.unlistable or b_files != a_files or any(size < 0 for size in a_files.values()):
+        return None
+    try:
+        for name, size in a_files.items():
+            if escapes(a, name) or escapes(b, name):
+                return None
+            if name.endswith(".safetensors"):
+                if raw_header(a, name, size) != raw_header(b, name, size):
+                    return None
+            elif size > MAX_INDEX_BYTES or _whole(a, name) != _whole(b, name):
+                return None
+    except (CheckFailed, OSError):
+        return None
+    return b_files
+
+
+def _whole(source: Source, name: str) -> bytes:
+    with open_regular(source.local_path(name)) as f:
+        return f.read(MAX_INDEX_BYTES + 1)
+
+
 class HeaderNames(NamedTuple):
     """What a quick look needs of one header: the MoE layers of its routed-expert tensors, how many of its
     tensors are routed experts and how many there are, and (only when it holds both kinds) its other tensors
@@ -287,6 +356,95 @@ def read_index(source: Source, files: dict[str, int], findings: list[Finding]) -
     return name, weight_map, metadata if isinstance(metadata, dict) else {}
 
 
+def index_files(source: Source, files: dict[str, int]) -> set[str] | None:
+    """The files a large local index names, where its bytes prove that `read_index` reads it without a finding:
+    ASCII, `{"metadata": {...}, "weight_map": {"name": "file", ...}}` (whitespace between tokens allowed, no
+    escape), no name twice. An empty set without an index; None for anything else (a small index included, which
+    `read_index` reads at once): the caller then reads it in full, which words every finding. Proven in one regex
+    pass, without the ~935k-key dict a production index decodes into."""
+    name = index_name(files)
+    if name is None:
+        return set()
+    from trellis_cli.sources import MAX_JSON_BYTES
+
+    if not MAX_JSON_BYTES < files.get(name, 0) <= MAX_INDEX_BYTES:
+        return None
+    try:
+        with open_regular(source.local_path(name)) as f:
+            data = f.read(MAX_INDEX_BYTES + 1)
+    except (OSError, CheckFailed):
+        return None
+    if not data.isascii() or b"\\" in data or len(data.translate(None, _CONTROL)) != len(data):
+        return None  # an escape, or a control character other than whitespace: the full reader decides
+    head = _INDEX_HEAD.match(data)
+    if head is None:
+        return None
+    if head.group(1) is not None:  # the metadata: an object of plain values, no key twice
+        try:
+            metadata = load_json(head.group(1))
+        except JsonError:
+            return None
+        if not isinstance(metadata, dict):
+            return None
+    named: set[bytes] = set()
+    hashes: list[np.ndarray] = []
+    spaces = _spaces(data[:head.end()])
+    # Without a backslash every `"` delimits a string: from the first name on, the pieces between are name, `:`,
+    # file, `,` (the last one the closing braces). Read in pieces of whole entries, so that no more than one
+    # piece's strings are held at a time.
+    at, end = head.end(), len(data)
+    while at < end:
+        cut = _entry_start(data, at, min(at + _INDEX_PIECE, end))
+        tokens = data[at:cut].split(b'"')
+        if tokens[0] or len(tokens) < 5 or (len(tokens) - 1) % 4:
+            return None
+        keys, colons, values, gaps = tokens[1::4], tokens[2::4], tokens[3::4], tokens[4::4]
+        last = cut == end
+        ends = [(gaps[:-1], _INDEX_COMMA), (gaps[-1:], _INDEX_TAIL if last else _INDEX_COMMA)]
+        if not all(_INDEX_COLON.fullmatch(gap) for gap in set(colons)) or \
+                not all(pattern.fullmatch(gap) for part, pattern in ends for gap in set(part)):
+            return None
+        for part in (colons, gaps):
+            spaces += sum(part.count(gap) * _spaces(gap) for gap in set(part))
+        named.update(values)
+        hashes.append(np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys)))
+        at = cut
+    if spaces != _spaces(data):
+        return None  # a line break or tab inside a string
+    if not all_distinct(np.concatenate(hashes)):
+        return None  # a name twice (or two names of one hash): the full reader decides
+    return {file.decode() for file in named}
+
+
+_INDEX_PIECE = 8 << 20  # bytes of the index split at a time
+
+
+def _entry_start(data: bytes, at: int, target: int) -> int:
+    """The first `"` at or after `target` that opens a name, where `at` opens one: every fourth `"` from `at` (a
+    name, its file: two strings of two quotes each); the end of `data` when none follows."""
+    quote = data.find(b'"', target)
+    if quote < 0:
+        return len(data)
+    for _ in range(-data.count(b'"', at, quote) % 4):
+        quote = data.find(b'"', quote + 1)
+        if quote < 0:
+            return len(data)
+    return quote
+
+
+def _spaces(text: bytes) -> int:
+    """How many line breaks and tabs `text` holds."""
+    return len(text) - len(text.translate(None, b"\n\r\t"))
+
+
+_CONTROL = bytes(c for c in range(32) if c not in b"\n\r\t")
+_INDEX_HEAD = re.compile(rb'[ \t\n\r]*\{[ \t\n\r]*(?:"metadata"[ \t\n\r]*:[ \t\n\r]*(\{[^{}\[\]]*\})[ \t\n\r]*,'
+                         rb'[ \t\n\r]*)?"weight_map"[ \t\n\r]*:[ \t\n\r]*\{[ \t\n\r]*')
+_INDEX_COLON = re.compile(rb"[ \t\n\r]*:[ \t\n\r]*")
+_INDEX_COMMA = re.compile(rb"[ \t\n\r]*,[ \t\n\r]*")
+_INDEX_TAIL = re.compile(rb"[ \t\n\r]*\}[ \t\n\r]*\}[ \t\n\r]*")
+
+
 def read_json(source: Source, files: dict[str, int], name: str, findings: list[Finding],
               optional: bool = False) -> Any:
     """A JSON file or None; a bad one becomes a finding (a warning when the file is optional metadata)."""
@@ -362,5 +520,5 @@ def require_intact(ckpt: Checkpoint, what: str) -> None:
 
 
 __all__ = ["BYTE_FAULT_CODES", "HeaderNames", "byte_faults", "canonical_header", "escapes", "header_names", "listing",
-           "listing_findings", "raw_header", "read_headers", "read_index", "read_json", "require_intact",
-           "shard_header", "source_header"]
+           "index_files", "listing_findings", "raw_header", "read_headers", "read_index", "read_json", "require_intact",
+           "same_bytes", "shard_columns", "shard_header", "source_header"]

@@ -51,7 +51,7 @@ def open_checkpoint(source: SourceArg, *, progress: Callable[[str, int, int], No
     `progress(stage, done, total)`: "files" per safetensors header read, then "model" per step of building it
     (a production checkpoint takes seconds for each)."""
     with paused_gc():
-        ckpt = _open(_as_source(source), progress or (lambda _stage, _done, _total: None))
+        ckpt = _open(as_source(source), progress or (lambda _stage, _done, _total: None))
     assert ckpt is not None  # None only without headers
     return ckpt
 
@@ -76,7 +76,7 @@ def open_declared(source: SourceArg) -> Checkpoint | None:
     """The checkpoint as its listing and JSON declare it (dialect, geometry, declared K per expert), reading no
     safetensors header: what a dry run plans from. TR3 only (its TP and layout are declared); None for any
     other dialect, whose TP or layout is known from its headers."""
-    return _open(_as_source(source), lambda _stage, _done, _total: None, headers=False)
+    return _open(as_source(source), lambda _stage, _done, _total: None, headers=False)
 
 
 def _open(source: Source, progress: Callable[[str, int, int], None], headers: bool = True) -> Checkpoint | None:
@@ -119,7 +119,7 @@ def _open(source: Source, progress: Callable[[str, int, int], None], headers: bo
     return ckpt
 
 
-def _as_source(source: SourceArg) -> Source:
+def as_source(source: SourceArg) -> Source:
     checked = require_source(source)
     if isinstance(checked, (str, Path)):
         from trellis_cli.sources import LocalSource

@@ -91,18 +91,24 @@ def shard_layer_units(ck: Checkpoint, layer: int, tp: int) -> dict[Key, Unit]:
 def _span_units(ck: Checkpoint, layer: int) -> dict[Key, Unit]:
     moe = ck.layers[layer]
     units: dict[Key, Unit] = {}
+    new, unit, span = tuple.__new__, Unit, Span  # records built in C: ~700k units at production size
     for expert, projections in moe.experts.items():
         for proj, ranks in projections.items():
+            inter_field, hidden_field = INTERMEDIATE_FIELD[proj], HIDDEN_FIELD[proj]
             for rank, lin in ranks.items():
-                if lin.trellis is not None:
-                    t = lin.trellis
-                    units[expert, proj, rank, CODES] = Unit(t.dtype, tuple(t.shape), t.nbytes, span_of(t))
-                inter = getattr(lin, INTERMEDIATE_FIELD[proj])
-                if inter is not None:
-                    units[expert, proj, rank, INTERMEDIATE] = _vector(inter)
-                hidden = _hidden_ref(moe.shared_h, lin, proj, rank)
-                if hidden is not None:
-                    units[expert, proj, rank, HIDDEN] = _vector(hidden)
+                t = lin.trellis
+                if t is not None:
+                    at = t.data_start
+                    units[expert, proj, rank, CODES] = new(unit, (t.dtype, tuple(t.shape), t.end - t.begin,
+                                                                  new(span, (t.file, at + t.begin, at + t.end)), None))
+                for part, ref in ((INTERMEDIATE, getattr(lin, inter_field)),
+                                  (HIDDEN, _hidden_ref(moe.shared_h, lin, proj, rank))):
+                    if ref is not None:
+                        at = ref.data_start
+                        units[expert, proj, rank, part] = new(unit, (ref.dtype, (math.prod(ref.shape),),
+                                                                     ref.end - ref.begin,
+                                                                     new(span, (ref.file, at + ref.begin, at + ref.end)),
+                                                                     None))
     return units
 
 

@@ -17,6 +17,8 @@ import hashlib
 import os
 from typing import Callable, Iterable
 
+import numpy as np
+
 from trellis_cli.diff.units import Span
 from trellis_cli.errors import CheckFailed
 from trellis_cli.header import open_regular, os_reason
@@ -69,6 +71,33 @@ class Hasher:
         for file in sorted(by_file):
             out.update(self._file_digests(file, sorted(by_file[file], key=lambda s: s.begin)))
         return out
+
+    def holes(self, file: str, begins: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
+        """Which spans [begin, end) of one file lie wholly in holes (read as zeros, hashed as `zero_digest`), from
+        its data extents; None when a span runs past the end of the file (`digests` refuses it by name)."""
+        try:
+            path = self.source.local_path(file, progress=self.download_progress)
+            with open_regular(path) as f:
+                size = os.fstat(f.fileno()).st_size
+                extents = data_extents(f.fileno(), size)
+        except OSError as e:
+            raise CheckFailed(f"{file}: cannot be read ({os_reason(e)})") from e
+        if ends.size and int(ends.max()) > size:
+            return None
+        if not extents:
+            return np.ones(begins.size, dtype=bool)
+        starts = np.array([begin for begin, _ in extents], dtype=np.int64)
+        stops = np.array([end for _, end in extents], dtype=np.int64)
+        # the last extent starting before a span's end decides: does it reach into the span?
+        last = np.searchsorted(starts, ends, side="left") - 1
+        reach = np.where(last >= 0, stops[np.maximum(last, 0)], 0)
+        hole: np.ndarray = (last < 0) | (reach <= begins)
+        return hole
+
+    def advance(self, nbytes: int) -> None:
+        """Report `nbytes` decided without reading them (holes on both sides), as `digests` reports what it hashes."""
+        if self.progress is not None and nbytes:
+            self.progress(nbytes)
 
     def _file_digests(self, file: str, spans: list[Span]) -> dict[Span, str]:
         try:

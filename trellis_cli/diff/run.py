@@ -11,10 +11,15 @@ behind `trellis diff`.
 
 from __future__ import annotations
 
+import dataclasses
+from itertools import compress
+from operator import attrgetter
 from typing import Any, Callable, NamedTuple
 
+import numpy as np
+
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.checkpoint.reader import require_intact
+from trellis_cli.checkpoint.reader import require_intact, same_bytes
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.diff.hashing import HEADER, SHA256, Hasher, storage_identity
 from trellis_cli.diff.result import (BYTES, DTYPE, ONLY_A, ONLY_B, SHAPE, DiffResult, LayerDiff, TensorDifference,
@@ -25,6 +30,7 @@ from trellis_cli.diff.units import (CODES, OTHER, Key, Span, Unit, layer_file_te
 from trellis_cli.errors import CheckFailed, UsageError
 
 Progress = Callable[[int], None]
+_FILE, _BEGIN, _END = attrgetter("file"), attrgetter("begin"), attrgetter("end")
 
 
 def diff_sources(a: Any, b: Any, *, layers: list[int] | None = None, progress: Progress | None = None,
@@ -35,13 +41,31 @@ def diff_sources(a: Any, b: Any, *, layers: list[int] | None = None, progress: P
     before each side is opened, `open_progress(stage, done, total)` while its headers are read."""
     from trellis_cli.dialects.open import open_checkpoint
 
-    checkpoints = []
+    checkpoints: list[Checkpoint] = []
     for side in (a, b):
         if on_open is not None:
             on_open(str(getattr(side, "description", side)))
-        checkpoints.append(open_checkpoint(side, progress=open_progress))
+        alike = _alike(checkpoints[0], side) if checkpoints else None
+        checkpoints.append(alike if alike is not None else open_checkpoint(side, progress=open_progress))
     return run_diff(*checkpoints, layers=layers, progress=progress, download_progress=download_progress,
                     on_layer=on_layer)
+
+
+def _alike(a: Checkpoint, side: Any) -> Checkpoint | None:
+    """B opened as A's model over B's files, where A was opened by the shared opening (headers and JSON, no
+    tensor data) and every byte it reads is the same in both (`reader.same_bytes`): the same model, without
+    parsing the same headers twice. None: open B in full."""
+    from trellis_cli.dialects.interface import Dialect
+    from trellis_cli.dialects.open import as_source
+
+    dialect = dialect_of(a)
+    if dialect.opens_from_listing or type(dialect).fill is not Dialect.fill:
+        return None  # a container read its own way: its model may keep what it read of tensor data (rate tables)
+    source = as_source(side)
+    files = same_bytes(a.source, a.files, source)
+    if files is None:
+        return None
+    return dataclasses.replace(a, source=source, files=files, parse_findings=list(a.parse_findings))
 
 
 def run_diff(a: Checkpoint, b: Checkpoint, *, layers: list[int] | None = None, progress: Progress | None = None,
@@ -66,18 +90,24 @@ def run_diff(a: Checkpoint, b: Checkpoint, *, layers: list[int] | None = None, p
                         structure=structure_changes(a, b), layers_only_a=sorted(layers_a - layers_b),
                         layers_only_b=sorted(layers_b - layers_a), other_tensors_compared=layers is None)
     comparer = _Comparer(a, b, result, progress, download_progress)
+    shared = a.layers is b.layers
     for done, layer in enumerate(both, 1):
         raw_a, raw_b = layer_file_tensors(a, layer), layer_file_tensors(b, layer)
         if raw_a is not None and raw_b is not None:  # both keep the layer whole in one file
             result.layers.append(_layer_file_pair(comparer, layer, tp, raw_a, raw_b))
         else:
-            units_a, units_b = layer_units(a, layer, tp), layer_units(b, layer, tp)
+            units_a = layer_units(a, layer, tp)
+            # one model over two sides' files (`_alike`): the units where the bytes lie are the same on both
+            units_b = units_a if shared and _in_place(units_a) else layer_units(b, layer, tp)
             tally = comparer.compare(units_a, units_b, layer)
-            result.layers.append(_layer_diff(a, b, layer, _unit_facts(units_a), _unit_facts(units_b), tally))
+            facts_a = _unit_facts(units_a)
+            facts_b = facts_a if units_b is units_a else _unit_facts(units_b)
+            result.layers.append(_layer_diff(a, b, layer, facts_a, facts_b, tally))
         if on_layer is not None:
             on_layer(done, len(both))
     if layers is None:
-        comparer.compare(other_units(a), other_units(b), None)
+        others_a = other_units(a)
+        comparer.compare(others_a, others_a if shared and _in_place(others_a) else other_units(b), None)
     return result
 
 
@@ -95,6 +125,11 @@ def _layer_file_pair(comparer: "_Comparer", layer: int, tp: int, raw_a: dict[Key
         return _layer_diff(a, b, layer, facts_a, facts_b, comparer.compare(raw_a, raw_b, layer))
     tally = comparer.compare(units_a, units_b, layer)
     return _layer_diff(a, b, layer, _unit_facts(units_a), _unit_facts(units_b), tally)
+
+
+def _in_place(units: dict[Key, Unit]) -> bool:
+    """Every unit read where it lies (none rearranged in memory from one side's bytes)."""
+    return all(unit.span is not None and unit.digest is None for unit in units.values())
 
 
 def _stored(unit: Unit) -> Span:
@@ -130,7 +165,10 @@ class _Comparer:
         self.methods = {}
         pending: list[Key] = []
         first_difference = len(self.result.differences)
-        for key in units_a.keys() | units_b.keys():  # in any order: only the differences are sorted, below
+        keys: Any = units_a.keys() | units_b.keys()
+        if units_a is units_b:  # one model's units on both sides: only their bytes can differ
+            pending, keys = self._in_holes(self._by_storage(units_a, counts), units_a, counts), ()
+        for key in keys:  # in any order: only the differences are sorted, below
             ua, ub = units_a.get(key), units_b.get(key)
             if ua is None or ub is None:
                 self._differ(counts, ONLY_A if ub is None else ONLY_B, HEADER, key, layer, ua, ub)
@@ -160,6 +198,49 @@ class _Comparer:
         for method, n in self.methods.items():
             self.result.methods[method] = self.result.methods.get(method, 0) + n
         return counts, self.methods
+
+    def _by_storage(self, units: dict[Key, Unit], counts: dict[str, int]) -> dict[str, list[Key]]:
+        """The same units on both sides (one model): those in files the sources say hold the same bytes are
+        identical (`same_storage`, asked once per file); the others by file, still to be decided."""
+        files = set(map(_FILE, map(_stored, units.values())))
+        if len(files) == 1:  # a layer in one shard: no grouping per unit
+            by_file = {files.pop(): list(units)}
+        else:
+            by_file = {}
+            for key, unit in units.items():
+                by_file.setdefault(_stored(unit).file, []).append(key)
+        undecided: dict[str, list[Key]] = {}
+        for file, keys in by_file.items():
+            method = self.same_storage(units[keys[0]], units[keys[0]])
+            if method is None:
+                undecided[file] = keys
+                continue
+            counts["identical"] += len(keys)
+            self.methods[method] = self.methods.get(method, 0) + len(keys)
+        return undecided
+
+    def _in_holes(self, by_file: dict[str, list[Key]], units: dict[Key, Unit], counts: dict[str, int]) -> list[Key]:
+        """Units in holes on both sides hash alike (zeros of one length): identical by sha256 without reading or
+        hashing them, as `Hasher` decides them one by one. The others, to hash."""
+        pending: list[Key] = []
+        for file, keys in by_file.items():
+            spans = list(map(_stored, map(units.__getitem__, keys)))
+            begins = np.fromiter(map(_BEGIN, spans), dtype=np.int64, count=len(spans))
+            ends = np.fromiter(map(_END, spans), dtype=np.int64, count=len(spans))
+            holes_a, holes_b = self.hash_a.holes(file, begins, ends), self.hash_b.holes(file, begins, ends)
+            if holes_a is None or holes_b is None:  # past the end of the file: `digests` refuses it by name
+                pending += keys
+                continue
+            both = holes_a & holes_b
+            alike = int(both.sum())
+            if alike:
+                counts["identical"] += alike
+                self.methods[SHA256] = self.methods.get(SHA256, 0) + alike
+                nbytes = int((ends - begins)[both].sum())
+                self.hash_a.advance(nbytes)
+                self.hash_b.advance(nbytes)
+            pending += compress(keys, (~both).tolist())
+        return pending
 
     def same_storage(self, ua: Unit, ub: Unit) -> str | None:
         if ua.span is None or ub.span is None or (ua.span.begin, ua.span.end) != (ub.span.begin, ub.span.end):

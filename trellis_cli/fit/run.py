@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from trellis_cli.checkpoint.model import Checkpoint
@@ -22,7 +23,7 @@ from trellis_cli.fit.kv import KvPerToken, kv_per_token
 from trellis_cli.fit.remedies import Remedy, find_remedies
 from trellis_cli.fit.reserve import CASES, Term, reserve_terms
 from trellis_cli.fit.sharding import ENGINE_SOURCES, ENGINES
-from trellis_cli.fit.weights import Weights, rank_weights, scan, styles_shown
+from trellis_cli.fit.weights import Inventory, Weights, rank_weights, scan, scan_columns, styles_shown
 from trellis_cli.fit.weights import to_json as weights_json
 
 FITS, MARGINAL, SHORT = "fits", "marginal", "does not fit"
@@ -192,9 +193,10 @@ def check_engine_loads(ckpt: Checkpoint, version: EngineVersion) -> None:
 class _Evaluator:
     """Budgets for a request and its variations, computing each TP's weights once."""
 
-    def __init__(self, ckpt: Checkpoint, arch: Arch, ctx: int, reserve_ctx: int) -> None:
+    def __init__(self, ckpt: Checkpoint, arch: Arch, ctx: int, reserve_ctx: int,
+                 inventory: Inventory | None = None) -> None:
         self.ckpt, self.arch, self.ctx, self.reserve_ctx = ckpt, arch, ctx, reserve_ctx
-        self.inventory = scan(ckpt, arch, ENGINES["vllm"])
+        self.inventory = inventory if inventory is not None else scan(ckpt, arch, ENGINES["vllm"])
         self.weights: dict[tuple[int, bool, bool], Weights] = {}
 
     def weights_for(self, r: FitRequest, reslice: bool = False) -> Weights:
@@ -234,10 +236,58 @@ def fit_source(source: Any, request: FitRequest,
     from trellis_cli.dialects.open import open_checkpoint
 
     check_request(request)
+    quick = _from_columns(source, request, progress)
+    if quick is not None:
+        return quick
     return fit(open_checkpoint(source, progress=progress), request)
 
 
-def fit(ckpt: Checkpoint, request: FitRequest) -> FitResult:
+def _from_columns(source: Any, request: FitRequest, progress: Callable[[str, int, int], None] | None) -> FitResult | None:
+    """`fit` of a local rank-sliced TR3 read without the per-tensor model: its declarations (`open_declared`),
+    each shard's linears summed from its raw header (`reader.shard_columns`), the index read and checked as the
+    full opening reads it. None wherever that is not proven to be the full opening's answer (anything unusual
+    in a shard, any fault of the bytes, a declaration the full opening reads otherwise): `fit_source` then
+    opens in full, which words every refusal."""
+    from trellis_cli.checkpoint import reader
+    from trellis_cli.checkpoint.model import MIN_COUNT_LIMIT
+    from trellis_cli.dialects.open import open_declared, paused_gc
+    from trellis_cli.findings import Severity
+    from trellis_cli.sources import LocalSource
+
+    if isinstance(source, (str, Path)):
+        source = LocalSource(Path(source))
+    if getattr(source, "root", None) is None:
+        return None  # a Hub source: its headers are fetched in parallel by the full opening
+    ckpt = open_declared(source)
+    if ckpt is None or source.special or source.unlistable or ckpt.tp > MIN_COUNT_LIMIT or \
+            any(f.severity is Severity.ERROR for f in ckpt.parse_findings):
+        return None  # (a TP above the limit is read otherwise once the tensors are counted)
+    try:
+        arch = read_arch(ckpt.config)
+    except (UsageError, CheckFailed):
+        return None
+    with paused_gc():
+        shards = reader.shard_columns(source, ckpt.files, progress or (lambda _stage, _done, _total: None))
+        if shards is None:
+            return None
+        named = reader.index_files(source, ckpt.files)
+        if named is None:  # read as the full opening reads it
+            found = reader.read_index(source, ckpt.files, ckpt.parse_findings)
+            if found is not None:
+                ckpt.index_file, ckpt.index, ckpt.index_metadata = found
+    if next(reader.byte_faults(ckpt), None) is not None:
+        return None
+    if named and any(reader.escapes(source, file) or file not in ckpt.files for file in named):
+        return None  # a fault of the index's (`byte_faults` words it)
+    inventory = scan_columns(ckpt, arch, ENGINES["vllm"], shards)
+    if inventory is None:
+        return None
+    return fit(ckpt, request, inventory)
+
+
+def fit(ckpt: Checkpoint, request: FitRequest, inventory: Inventory | None = None) -> FitResult:
+    """The fit of `request` on `ckpt`; `inventory`: its weights already scanned (`scan_columns`), where `ckpt`
+    holds only its declarations."""
     check_request(request)
     refusal = dialect_of(ckpt).weights_refusal(ckpt)
     if refusal is not None:
@@ -254,9 +304,12 @@ def fit(ckpt: Checkpoint, request: FitRequest) -> FitResult:
                             "the engine refuses a max_model_len past it (config/model.py: _get_and_verify_max_len)",
                             f"--ctx {arch.max_positions} or less, or --allow-long-context (VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, "
                             "at the model's own risk)")
-    sliced_tp = next((ckpt.tp for layer in ckpt.layers.values() if layer.rank_sliced), None)
+    if inventory is not None:
+        sliced_tp = inventory.sliced_tp
+    else:
+        sliced_tp = next((ckpt.tp for layer in ckpt.layers.values() if layer.rank_sliced), None)
     reslice = sliced_tp is not None and sliced_tp != request.tp
-    ev = _Evaluator(ckpt, arch, ctx, ctx)
+    ev = _Evaluator(ckpt, arch, ctx, ctx, inventory)
     weights, kv, reserve, band = ev.parts(request, reslice=reslice)
     if request.ctx_auto:  # the longest context the whole band holds (else its cheap end), as the engine estimates
         def longest(case: str) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.checkpoint.reader import ShardColumns
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.checkpoint.names import KIND_LINEAR, KIND_R7_SHARED, KIND_SHARED_H, parse_expert_name
 from trellis_cli.errors import UsageError
@@ -158,6 +159,35 @@ def _scan_rank_sliced(ckpt: Checkpoint, arch: Arch, rules: tuple[Rule, ...], sli
                     styles = inv.styles.setdefault(shown, set())
                     styles.add(RANK_SLICED)
                     inv.add((shown, PART_EXPERTS, is_mtp, k, rank, WHOLE, 0), nbytes, counted)
+    return inv
+
+
+def scan_columns(ckpt: Checkpoint, arch: Arch, rules: tuple[Rule, ...], shards: ShardColumns) -> Inventory | None:
+    """`scan` of a rank-sliced checkpoint read as columns (`reader.shard_columns`): each shard of experts one MoE
+    layer's canonical rank-sliced linears, the other shards no expert tensor. The same inventory as
+    `_scan_rank_sliced` builds from the model, without a record per tensor; None where that is not proven (a
+    layer in two shards, a name in two shards, a style the per-tensor order decides): the caller opens in full."""
+    if not shards.linears:
+        return None
+    layers = [found.layer for found in shards.linears.values()]
+    if len(set(layers)) != len(layers) or max(layers) >= 10 ** MAX_LAYER_DIGITS_FIT:
+        return None
+    others = [ref for header in shards.others.values() for ref in header.tensors.values()]
+    if len({ref.name for ref in others}) != len(others):
+        return None  # a name in two shards: the index or the file order picks one
+    inv = Inventory(ckpt.tp, rules)
+    _scan_tensors(ckpt, arch, inv, ((ref.name, ref.shape, ref.nbytes) for ref in others))
+    if any(EXPERT in styles for styles in inv.styles.values()):
+        return None
+    for found in shards.linears.values():
+        is_mtp = found.layer >= arch.layers
+        shown = PART_MTP if is_mtp else PART_EXPERTS
+        inv.present.add(PART_EXPERTS)
+        inv.styles.setdefault(shown, set()).add(RANK_SLICED)
+        for (expert, rank), (nbytes, gates) in found.ranks.items():
+            low, high = found.k_range[expert]
+            k = low if low == high and low >= 0 else None
+            inv.add((shown, PART_EXPERTS, is_mtp, k, rank, WHOLE, 0), nbytes, gates)
     return inv
 
 
@@ -345,4 +375,5 @@ def to_json(rw: RankWeights) -> dict[str, Any]:
             "absent": dict(rw.absent)}
 
 
-__all__ = ["Inventory", "RankWeights", "Tier", "Weights", "model_tensors", "rank_weights", "scan", "styles_shown"]
+__all__ = ["Inventory", "RankWeights", "Tier", "Weights", "model_tensors", "rank_weights", "scan", "scan_columns",
+           "styles_shown"]

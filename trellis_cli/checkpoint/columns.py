@@ -1,0 +1,146 @@
+"""A rank-sliced shard's linears as columns, read from its raw header bytes: what `fit` needs of a production
+TR3 (~935k tensors) without a record per tensor.
+
+A shard whose header is in safetensors' own layout (`header.canonical_entries`), ASCII, and whose every entry is
+a field of a canonically spelled rank-sliced linear of one MoE layer
+(`model.layers.L.mlp.experts.E.{gate,up,down}_proj.rankR.{field}`) is read by one regex pass into arrays
+(expert, projection, rank, field, begin, end) and summed per (expert, rank) with numpy. Anything else (another
+spelling, a name twice, a reversed offset pair, tensors past the end of the file, a shard mixing layers or other
+tensors) is `None`: the caller then opens the checkpoint in full, which words every finding.
+"""
+
+from __future__ import annotations
+
+import re
+from itertools import compress
+from typing import NamedTuple
+
+import numpy as np
+
+from trellis_cli.header import DTYPE_BYTES, MAX_HEADER_TENSORS, canonical_head
+
+# One entry of a linear's field, canonical ids only (as the names grammar reads them: checkpoint/names.py), in
+# safetensors' own layout (header.py: at most three dimensions of five digits, offsets below 10^18). The projection
+# and the field are captured by their first one and three characters (fixed widths, joined and read by numpy).
+_ID = rb"(0|[1-9][0-9]*)"
+_DIM = rb"(?:0|[1-9][0-9]{0,4})"
+_OFFSET = rb"(0|[1-9][0-9]{0,17})"
+_LINEAR_ENTRY = re.compile(
+    rb'"model\.layers\.(?:0|[1-9][0-9]*)\.mlp\.experts\.' + _ID + rb"\.(?=(.))(?:gate|up|down)_proj\.rank" + _ID +
+    rb'\.(?=(...))(?:trellis|suh|svh|su|sv|mcg|mul1)":\{"dtype":"([A-Z0-9_]+)","shape":\[(' + _DIM + rb"(?:," + _DIM +
+    rb'){0,2})?\],"data_offsets":\[' + _OFFSET + b"," + _OFFSET + rb"\]\}")
+_GROUPS = 8
+_TAIL = re.compile(rb"\} *")
+_EXPERT_LAYER = re.compile(rb'"model\.layers\.(0|[1-9][0-9]*)\.mlp\.experts\.')
+_DTYPES = frozenset(name.encode() for name in DTYPE_BYTES)
+_PROJECTION = np.full(256, -1, dtype=np.int64)
+_PROJECTION[[ord("g"), ord("u"), ord("d")]] = [0, 1, 2]  # gate_proj, up_proj, down_proj
+_FIELDS = sorted((name[:3] + b'"')[:3] for name in (b"trellis", b"suh", b"svh", b"su", b"sv", b"mcg", b"mul1"))
+_FIELD_CODES = np.array([int.from_bytes(name, "big") for name in _FIELDS], dtype=np.int64)
+_TRELLIS = _FIELDS.index(b"tre")
+# Offsets whose sums stay exact in the float64 of np.bincount (a file of 4 PB is not a shard).
+_EXACT = 1 << 52
+
+
+class LinearColumns(NamedTuple):
+    """One shard's rank-sliced linears, summed: its MoE layer; per expert the lowest and highest K of its linears
+    (-1 where a linear has no trellis, or one whose shape gives no K); per (expert, rank) the bytes of every field
+    and how many gate_proj trellis tensors it holds."""
+
+    layer: int
+    k_range: dict[int, tuple[int, int]]
+    ranks: dict[tuple[int, int], tuple[int, int]]  # (expert, rank) -> (bytes, gate_proj trellis tensors)
+
+
+def no_expert_tensors(raw: bytes) -> bool:
+    """Whether a header's bytes name no routed-expert tensor at all (ASCII, no `.mlp.experts.` anywhere)."""
+    return raw.isascii() and b".mlp.experts." not in raw
+
+
+def linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
+    """The columns of one raw header (the bytes after the length prefix) of a file of `file_size` bytes, or None
+    where they would not be what the full opening reads (see the module docstring)."""
+    if not raw.isascii():
+        return None
+    # One pass: the entries' groups, and between them what separates them. The header is in safetensors' own
+    # layout, every entry a linear's field, when the pieces between are `{` (and the metadata), commas, `}`.
+    parts = _LINEAR_ENTRY.split(raw)
+    gaps = parts[::_GROUPS + 1]
+    tensors = len(gaps) - 1
+    if not 0 < tensors <= MAX_HEADER_TENSORS or gaps[1:-1].count(b",") != tensors - 1 or \
+            not _TAIL.fullmatch(gaps[-1]) or not canonical_head(gaps[0]):
+        return None
+    entries = len(gaps[0])  # where the entries begin: the metadata before them may hold any string
+    found = _EXPERT_LAYER.search(raw, entries)
+    if found is None:
+        return None
+    layer = int(found.group(1))
+    if raw.count(b'"model.layers.%d.mlp.experts.' % layer, entries) != tensors:
+        return None  # another layer's tensors in the same shard
+    if not _DTYPES.issuperset(parts[5::_GROUPS + 1]):
+        return None
+    expert, rank = _ints(parts[1::_GROUPS + 1]), _ints(parts[3::_GROUPS + 1])
+    begin, end = _ints(parts[7::_GROUPS + 1]), _ints(parts[8::_GROUPS + 1])
+    if (begin > end).any() or int(end.max()) >= _EXACT or 8 + len(raw) + int(end.max()) > file_size:
+        return None  # the full parser refuses a reversed pair; a file too short is a byte fault
+    proj = _PROJECTION[np.frombuffer(b"".join(parts[2::_GROUPS + 1]), dtype=np.uint8)]
+    field_text = np.frombuffer(b"".join(parts[4::_GROUPS + 1]), dtype=np.uint8).reshape(-1, 3).astype(np.int64)
+    field = np.searchsorted(_FIELD_CODES, (field_text[:, 0] << 16) | (field_text[:, 1] << 8) | field_text[:, 2])
+    width = int(rank.max()) + 1
+    linear = (expert * 3 + proj) * width + rank
+    if not all_distinct(linear * len(_FIELDS) + field):
+        return None  # a name twice in one header: the full parser refuses it by name
+    per_rank = expert * width + rank
+    keys, slot = np.unique(per_rank, return_inverse=True)
+    nbytes = np.bincount(slot, weights=(end - begin).astype(np.float64))
+    is_trellis = field == _TRELLIS
+    gates = np.bincount(slot, weights=(is_trellis & (proj == 0)).astype(np.float64), minlength=keys.size)
+    ranks = {(key // width, key % width): (int(b), int(g)) for key, b, g in zip(keys.tolist(), nbytes, gates)}
+    shapes = list(compress(parts[6::_GROUPS + 1], is_trellis.tolist()))
+    return LinearColumns(layer, _k_ranges(expert, linear, is_trellis, shapes), ranks)
+
+
+def _k_ranges(expert: np.ndarray, linear: np.ndarray, is_trellis: np.ndarray,
+              shapes: list[bytes | None]) -> dict[int, tuple[int, int]]:
+    """Per expert, the lowest and highest K of its linears, as `MoeLayer.expert_k` reads each one: from a
+    three-dimensional trellis shape whose last dimension is a multiple of 16; -1 for any other linear."""
+    k_of = {shape: _k(shape) for shape in set(shapes)}
+    trellis_k = np.array([k_of[shape] for shape in shapes], dtype=np.int64)
+    trellis_expert = expert[is_trellis]
+    lows: dict[int, int] = {}
+    highs: dict[int, int] = {}
+    if trellis_expert.size:
+        order = np.lexsort((trellis_k, trellis_expert))
+        sorted_experts, sorted_k = trellis_expert[order], trellis_k[order]
+        first = np.unique(sorted_experts, return_index=True)[1]
+        last = np.r_[first[1:], sorted_experts.size] - 1
+        lows = dict(zip(sorted_experts[first].tolist(), sorted_k[first].tolist()))
+        highs = dict(zip(sorted_experts[last].tolist(), sorted_k[last].tolist()))
+    linear_experts = expert[np.unique(linear, return_index=True)[1]]
+    linears_of = dict(zip(*(a.tolist() for a in np.unique(linear_experts, return_counts=True))))
+    with_trellis = dict(zip(*(a.tolist() for a in np.unique(trellis_expert, return_counts=True))))
+    out: dict[int, tuple[int, int]] = {}
+    for e, count in linears_of.items():
+        low = lows.get(e, -1) if with_trellis.get(e, 0) == count else -1  # a linear without its trellis: no K
+        out[e] = (low, highs.get(e, -1))
+    return out
+
+
+def all_distinct(values: np.ndarray) -> bool:
+    """No value twice (sorted: numpy's hashed `unique` is many times slower on a million integers)."""
+    ordered = np.sort(values)
+    return not bool((ordered[1:] == ordered[:-1]).any())
+
+
+def _k(shape: bytes | None) -> int:
+    dims = shape.split(b",") if shape else []
+    if len(dims) != 3 or int(dims[2]) % 16:
+        return -1
+    return int(dims[2]) // 16
+
+
+def _ints(texts: list[bytes]) -> np.ndarray:
+    return np.fromstring(b" ".join(texts), dtype=np.int64, sep=" ")
+
+
+__all__ = ["LinearColumns", "all_distinct", "linear_columns", "no_expert_tensors"]
