@@ -111,7 +111,7 @@ class SafetensorsWriter:
         """Write one planned tensor's bytes at its offset."""
         offset, planned_tensor = self._claim(name)
         if not isinstance(data, (bytes, memoryview)):
-            data = memoryview(data.detach().cpu().contiguous().view(-1).view(__import__("torch").uint8).numpy())
+            data = data.detach().cpu().contiguous().view(-1).view(__import__("torch").uint8).numpy().data
         if len(data) != planned_tensor.nbytes:
             raise ValueError(f"{self.path.name}: {name}: {len(data)} bytes, planned {planned_tensor.nbytes}")
         self._seek(offset)

@@ -11,8 +11,10 @@ reference of --smoke: a tensor-mapping mistake cannot turn into a timing.
 
 from __future__ import annotations
 
+import operator
 import statistics
-from typing import Callable
+from functools import partial, reduce
+from typing import Callable, Sequence
 
 import torch
 
@@ -53,7 +55,7 @@ class PeerCompare:
         per_tier = []
         for t, (tier_ids, tier_weights) in enumerate(routes):
             self.log(f"compare: {PEER} M={m} tier {t} (K{layers[0][t].k}, {layers[0][t].experts} experts)")
-            calls = [lambda tier=layer[t], i=tier_ids, w=tier_weights: tier.forward(xh, i, w) for layer in layers]
+            calls = [partial(layer[t].forward, xh, tier_ids, tier_weights) for layer in layers]
             timing, graphs = self._time_tier(calls, m, layers[0][t], replays, device)
             per_tier.append({"tier": t, "k": layers[0][t].k, "experts": layers[0][t].experts,
                              "routes": int((tier_ids < layers[0][t].experts).sum()), **timing.as_dict(),
@@ -65,13 +67,13 @@ class PeerCompare:
     def _agreement(self, runner: FusedMoe, tiers: list[PeerTier], x, xh, ids, weights, routes
                    ) -> tuple[float, float]:
         ref = layer_pack_forward(runner.pack, x, ids, weights, dtype=torch.float64)
-        peer = sum(tier.forward(xh, *route).double() for tier, route in zip(tiers, routes))
+        peer = reduce(operator.add, [tier.forward(xh, *route).double() for tier, route in zip(tiers, routes)])
         ours = runner.forward(x, ids, weights)
         values = rel_l2(peer, ref), rel_l2(ours, ref)
         del ref, peer, ours
         return values
 
-    def _time_tier(self, calls: list[Callable[[], torch.Tensor]], m: int, tier: PeerTier, replays: int,
+    def _time_tier(self, calls: Sequence[Callable[[], object]], m: int, tier: PeerTier, replays: int,
                    device: torch.device) -> tuple[Timing, bool]:
         if capturable(self.api, tier, m, self.top_k):
             try:
@@ -95,7 +97,7 @@ def capturable(api: PeerApi, tier: PeerTier, m: int, top_k: int) -> bool:
     return getattr(module, "fused_mode_buffers", None) is not None and m * top_k <= int(module.fused_rows)
 
 
-def time_eager(calls: list[Callable[[], torch.Tensor]], replays: int, device: torch.device) -> Timing:
+def time_eager(calls: Sequence[Callable[[], object]], replays: int, device: torch.device) -> Timing:
     """Median of eager calls, each between two CUDA events, cycling through `calls` (one per weight copy)."""
     for i in range(WARMUP_REPLAYS):
         calls[i % len(calls)]()

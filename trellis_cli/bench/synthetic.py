@@ -76,7 +76,9 @@ def synthetic_pack(preset: Preset, partition: tuple[int, ...] | None = None, tie
     hidden, inter = preset.hidden, preset.intermediate
     tiles = (hidden // 16) * (inter // 16)
     g2c = torch.full((preset.experts,), -1, dtype=torch.int32)
-    descriptors, trellis, start = [], [], 0
+    descriptors: list[int] = []
+    trellis: list[torch.Tensor] = []
+    start = 0
     for tier, (count, k) in enumerate(kept):
         members = torch.sort(order[start:start + count]).values
         start += count

@@ -24,6 +24,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -167,7 +168,7 @@ def run_rank(job: TpJob, rank: int, local_rank: int, init_method: str) -> dict |
     """One rank's whole life: join the group, load its slice, check or time, leave. Rank 0 returns the report."""
     device = _rank_device(job.device, local_rank, job.plan.tp)
     backend = "gloo" if device.type == "cpu" else "nccl"
-    extra = {} if device.type == "cpu" else {"device_id": device}
+    extra: dict[str, Any] = {} if device.type == "cpu" else {"device_id": device}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=job.plan.tp,
                             timeout=GROUP_TIMEOUT, **extra)
     try:
