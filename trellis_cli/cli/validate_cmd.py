@@ -72,7 +72,7 @@ def validate_command(
         report = validate_source(opened, request, _progress(bars, as_json))
     report.context.setdefault("source", opened.describe())
     if as_json:
-        emit_report_json(report, source=opened.describe(), revision=getattr(opened, "revision", None),
+        emit_report_json(report, source=opened.describe(), revision=opened.revision,
                          strict=strict)
     else:
         render_report(report)

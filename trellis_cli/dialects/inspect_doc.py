@@ -43,8 +43,8 @@ def shard_document(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[st
 
 
 def describe_source(ckpt: Checkpoint) -> dict[str, Any]:
-    info = ckpt.source.describe()
-    info.setdefault("revision", ckpt.source.revision)
+    info = dict(ckpt.source.describe())  # a copy: the source's own answer stays as it was
+    info.setdefault("revision", ckpt.source.revision)  # a library's own Source may leave it out
     return info
 
 

@@ -23,11 +23,12 @@ from trellis_cli.diff.structure import structure_changes
 from trellis_cli.diff.units import (CODES, OTHER, Key, Span, Unit, layer_file_tensors, layer_units, moe_layers,
                                     native_tp, other_units, read_tp)
 from trellis_cli.errors import CheckFailed, UsageError
+from trellis_cli.sources import SourceArg
 
 Progress = Callable[[int], None]
 
 
-def diff_sources(a: Any, b: Any, *, layers: list[int] | None = None, progress: Progress | None = None,
+def diff_sources(a: SourceArg, b: SourceArg, *, layers: list[int] | None = None, progress: Progress | None = None,
                  download_progress: Progress | None = None, on_layer: Callable[[int, int], None] | None = None,
                  on_open: Callable[[str], None] | None = None,
                  open_progress: Callable[[str, int, int], None] | None = None) -> DiffResult:
