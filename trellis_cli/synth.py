@@ -19,9 +19,10 @@ import json
 import os
 import random
 import shutil
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, NamedTuple, Protocol
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol
 
 import torch
 
@@ -568,24 +569,54 @@ def _write_all(stage: Path, spec: SynthSpec, source: TensorSource, progress: Cal
         _write_manifest(stage)
 
 
-def summary(spec: SynthSpec, out: str | Path) -> dict:
-    """A JSON-ready description of a written checkpoint (geometry, partitions, sizes)."""
+@dataclass(frozen=True)
+class SynthSummary:
+    """What `trellis synth` wrote (geometry, partitions, sizes); its fields in the order of `synth --json`."""
+
+    path: str
+    hidden: int
+    intermediate: int
+    intermediate_per_rank: int
+    experts: int
+    tp: int
+    top_k: int
+    layers: list[int]
+    rotation_layout: str
+    codebook: str
+    bits: str | int  # "mixed", or the one K of a uniform checkpoint
+    mean_bpw: float
+    partitions: dict[str, dict[str, int]]  # layer -> "K<k>" -> experts
+    tensors_per_layer: int
+    tensor_bytes: int
+    files: list[str]
+    sparse: bool
+    seed: int
+    non_expert: str
+    non_expert_tensors: int
+    model_type: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def summary(spec: SynthSpec, out: str | Path) -> SynthSummary:
+    """A description of a written checkpoint (geometry, partitions, sizes)."""
     out = Path(out)
     index = json.loads((out / "model.safetensors.index.json").read_text(encoding="utf-8"))
     partitions = {}
     for layer in spec.layers:
         ks = spec.expert_k(layer)
         partitions[str(layer)] = {f"K{k}": ks.count(k) for k in sorted(set(ks))}
-    return {
-        "path": str(out),
-        "hidden": spec.hidden, "intermediate": spec.intermediate, "intermediate_per_rank": spec.intermediate_per_rank,
-        "experts": spec.experts, "tp": spec.tp, "top_k": spec.top_k, "layers": list(spec.layers),
-        "rotation_layout": spec.rotation_layout, "codebook": spec.codebook,
-        "bits": hybrid_tr3_tail(spec)["bits"], "mean_bpw": spec.mean_bpw(), "partitions": partitions,
-        "tensors_per_layer": len(layer_plan(spec, spec.layers[0])),
-        "tensor_bytes": index["metadata"]["total_size"],
-        "files": sorted(p.name for p in out.iterdir()),
-        "sparse": spec.sparse, "seed": spec.seed,
-        "non_expert": spec.non_expert, "non_expert_tensors": len(non_expert_plan(spec)),
-        "model_type": model_config(spec)["model_type"],
-    }
+    return SynthSummary(
+        path=str(out),
+        hidden=spec.hidden, intermediate=spec.intermediate, intermediate_per_rank=spec.intermediate_per_rank,
+        experts=spec.experts, tp=spec.tp, top_k=spec.top_k, layers=list(spec.layers),
+        rotation_layout=spec.rotation_layout, codebook=spec.codebook,
+        bits=hybrid_tr3_tail(spec)["bits"], mean_bpw=spec.mean_bpw(), partitions=partitions,
+        tensors_per_layer=len(layer_plan(spec, spec.layers[0])),
+        tensor_bytes=index["metadata"]["total_size"],
+        files=sorted(p.name for p in out.iterdir()),
+        sparse=spec.sparse, seed=spec.seed,
+        non_expert=spec.non_expert, non_expert_tensors=len(non_expert_plan(spec)),
+        model_type=model_config(spec)["model_type"],
+    )
