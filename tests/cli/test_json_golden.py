@@ -91,6 +91,8 @@ def build(ws: Workspace) -> None:
     ws.run("synth-tiny", "synth", p("tiny"), "--json")
     ws.run("synth-glm53-tiny", "synth", p("glm53"), "--preset", "glm53-tiny", "--json")
     ws.run("synth-exl3-ready", "synth", p("tr3u"), *EXL3_READY, "--json")
+    ws.run("synth-exl3-v1", "synth", p("x6"), "--format", "exl3-v1", "--hidden", "256", "--intermediate", "1024",
+           "--experts", "6", "--layers", "3,4", "--partition", "5/1", "--top-k", "2", "--json")
 
     conversions = [  # (name, source, out, --to, extra options)
         ("sample-to-route-pack", s, "rp", "route-pack", []),
