@@ -8,6 +8,7 @@ API call a repack), so repack never imports validate.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -29,6 +30,33 @@ class RepackResult:
     seconds: float = 0.0
     manifest: dict[str, Any] = field(default_factory=dict)
     plan: dict[str, Any] | None = None  # --dry-run: what a run would write, and its checks; nothing written
+
+    def summary(self, to: str, seconds: float, notes: list[str]) -> RepackSummary:
+        """What `trellis repack --json` prints of a finished run; `seconds`: the whole command's, opening included."""
+        return RepackSummary(
+            out=str(self.out), to=to, files_written=self.files_written, files_resumed=self.files_resumed,
+            bytes_written=self.bytes_written, bytes_needed=self.bytes_needed, seconds=round(seconds, 3),
+            write_seconds=round(self.seconds, 3),
+            throughput_mb_s=round(self.bytes_written / self.seconds / 1e6, 1) if self.seconds else None, notes=notes)
+
+
+@dataclass(frozen=True)
+class RepackSummary:
+    """A finished repack, in the key order of `trellis repack --json`."""
+
+    out: str
+    to: str  # the --to target
+    files_written: int
+    files_resumed: int  # verified files an interrupted run had staged
+    bytes_written: int
+    bytes_needed: int
+    seconds: float  # the whole run: opening, validating, planning and writing
+    write_seconds: float  # the staged write and its read-back
+    throughput_mb_s: float | None  # bytes written per write second; None when nothing was timed
+    notes: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 def check_source(checkpoint: Checkpoint, validator: Validator) -> None:
