@@ -17,8 +17,8 @@ from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.reader import require_intact
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.diff.hashing import HEADER, SHA256, Hasher, storage_identity
-from trellis_cli.diff.result import (BYTES, DTYPE, ONLY_A, ONLY_B, SHAPE, DiffResult, LayerDiff, TensorDifference,
-                                     TierChange)
+from trellis_cli.diff.result import (BYTES, DTYPE, ONLY_A, ONLY_B, SHAPE, DiffResult, DiffSide, LayerDiff,
+                                     TensorDifference, TierChange)
 from trellis_cli.diff.structure import structure_changes
 from trellis_cli.diff.units import (CODES, OTHER, Key, Span, Unit, layer_file_tensors, layer_units, moe_layers,
                                     native_tp, other_units, read_tp)
@@ -275,9 +275,10 @@ def _declared(ck: Checkpoint, layer: int) -> dict[int, int] | None:
     return dict(enumerate(moe.declared_k))
 
 
-def _side(ck: Checkpoint) -> dict[str, Any]:
-    return {"description": ck.source.description, "source": ck.source.describe(), "dialect": ck.dialect, "tp": ck.tp
-            if native_tp(ck) is not None else None, "codebook": ck.codebook, "rotation_layout": ck.rotation_layout}
+def _side(ck: Checkpoint) -> DiffSide:
+    return DiffSide(description=ck.source.description, source=dict(ck.source.describe()), dialect=ck.dialect,
+                    tp=ck.tp if native_tp(ck) is not None else None, codebook=ck.codebook,
+                    rotation_layout=ck.rotation_layout)
 
 
 def _span(layers: set[int]) -> str:
