@@ -11,9 +11,9 @@ CLI adds it to the document (engines.tp_verdicts).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable, TypedDict
+from typing import Callable, TypedDict
 
-from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, MoeLayer
+from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, LinearRef, MoeLayer
 from trellis_cli.checkpoint.names import H_SIDE
 from trellis_cli.findings import TpVerdict
 
@@ -52,7 +52,7 @@ def layer_bytes_at_tp(ckpt: Checkpoint, layer: MoeLayer, tp: int) -> int | None:
     return total + sum(ref.nbytes for ref in layer.r7_shared.values())
 
 
-def _linear_bytes(lin: Any, proj: str | None, tp: int) -> int:
+def _linear_bytes(lin: LinearRef, proj: str | None, tp: int) -> int:
     """One linear's bytes on one rank: with `proj` (unsliced storage) the trellis and the intermediate-side
     vector are split `tp` ways and the hidden-side one is whole; without, the stored slice as it is."""
     total = 0

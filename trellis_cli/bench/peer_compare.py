@@ -14,7 +14,7 @@ from __future__ import annotations
 import operator
 import statistics
 from functools import partial, reduce
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -40,7 +40,7 @@ class PeerCompare:
         return self.layers[id(runner)][1]
 
     def row(self, runners: list[FusedMoe], x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-            ours_us: float, replays: int) -> dict:
+            ours_us: float, replays: int) -> dict[str, Any]:
         """The `compare` entry of one M's throughput row."""
         m = int(x.shape[0])
         device = runners[0].device
@@ -64,7 +64,8 @@ class PeerCompare:
         return {**entry, "us": us, "ratio": us / ours_us, "per_tier_us": [p["median_us"] for p in per_tier],
                 "per_tier": per_tier, "graphs": all(p["graphs"] for p in per_tier)}
 
-    def _agreement(self, runner: FusedMoe, tiers: list[PeerTier], x, xh, ids, weights, routes
+    def _agreement(self, runner: FusedMoe, tiers: list[PeerTier], x: torch.Tensor, xh: torch.Tensor,
+                   ids: torch.Tensor, weights: torch.Tensor, routes: list[tuple[torch.Tensor, torch.Tensor]]
                    ) -> tuple[float, float]:
         ref = layer_pack_forward(runner.pack, x, ids, weights, dtype=torch.float64)
         peer = reduce(operator.add, [tier.forward(xh, *route).double() for tier, route in zip(tiers, routes)])
@@ -112,7 +113,7 @@ def time_eager(calls: Sequence[Callable[[], object]], replays: int, device: torc
     return Timing(statistics.median(times), min(times), max(times), replays)
 
 
-def disagreements(rows: list[dict]) -> list[str]:
+def disagreements(rows: list[dict[str, Any]]) -> list[str]:
     """Cases where the peer's output did not match the reference (their timings were withheld)."""
     return [f"M={r['m']}: rel L2 {r['compare']['rel_l2']:.3g} > {r['compare']['limit']:g}"
             for r in rows if "compare" in r and not r["compare"]["agrees"]]

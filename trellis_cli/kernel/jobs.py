@@ -37,7 +37,7 @@ class Job:
 @dataclass
 class _Running:
     job: Job
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     log: IO[bytes]  # the job's stdout and stderr
     started: float
     cpu_ticks: int = -1
