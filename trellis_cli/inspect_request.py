@@ -21,6 +21,7 @@ from trellis_cli.sources import SourceArg
 
 if TYPE_CHECKING:
     from trellis_cli.checkpoint.model import Checkpoint
+    from trellis_cli.inspect_tensors import TensorListing
     from trellis_cli.inspect_tp import ServeTpView
 
 FIT_NEEDS = "the fit section of inspect needs --tp N and --gpu NAME or --gpu-mem SIZE"
@@ -79,7 +80,7 @@ class InspectDocument:
     summary: dict[str, Any] | None = None
     serve_tp: ServeTpView | None = None
     fit: FitResult | None = None
-    tensors: dict[str, Any] | None = None
+    tensors: TensorListing | None = None
 
     @property
     def unreadable(self) -> list[dict[str, Any]]:
