@@ -17,7 +17,7 @@ from trellis_cli.cli.options import (CacheDirOpt, EndpointOpt, OfflineOpt, Revis
 from trellis_cli.errors import TrellisError, UsageError
 
 if TYPE_CHECKING:
-    from trellis_cli.repack.result import RepackResult
+    from trellis_cli.repack.result import DryRunPlan, RepackResult
     from trellis_cli.repack.run import RepackOptions
 
 
@@ -158,7 +158,7 @@ def _say_where_the_stage_is(out: Path) -> None:
                       f"to free the space)", err=True)
 
 
-def _print_plan(plan: dict, as_json: bool) -> None:
+def _print_plan(plan: DryRunPlan, as_json: bool) -> None:
     """--dry-run: what a run would write and whether it would be refused; exit 1 on a refusal."""
     from trellis_cli.errors import CheckFailed
 

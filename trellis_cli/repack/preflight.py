@@ -21,7 +21,7 @@ from trellis_cli.checkpoint import reader
 from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Severity
 from trellis_cli.formats.route_pack import MANIFEST_NAME, layer_file_name
-from trellis_cli.repack.result import RepackResult
+from trellis_cli.repack.result import DryRunPlan, RepackResult
 from trellis_cli.repack.source_facts import CONFIG, NOT_COPIED, fingerprint, protected_paths
 from trellis_cli.repack.staged_run import NOT_VALIDATED, OutputPlan, plan_document
 from trellis_cli.repack.staging import check_target, refuse_collisions, resumable_bytes
@@ -46,7 +46,7 @@ def refuse_pack_collisions(layer_files: list[tuple[str, int, int]], copied: list
 
 def route_pack_plan(out: Path, options: Any, ck: Checkpoint, layer_files: list[dict[str, Any]],
                     other_files: list[dict[str, Any]], needed: int, resumable: int, *, layers: list[int],
-                    ranks: list[int], tp: int, used: list[str], notes: list[str]) -> dict[str, Any]:
+                    ranks: list[int], tp: int, used: list[str], notes: list[str]) -> DryRunPlan:
     """The dry-run document of a route-pack repack: the staged run's document (staged_run.plan_document), the
     same keys as the full plan (tr3_to_route_pack.Tr3ToRoutePack.plan)."""
     files = layer_files + other_files + [{"name": CONFIG}, {"name": MANIFEST_NAME}]  # the last two are small
@@ -120,7 +120,7 @@ def _scan_shards(ck: Checkpoint) -> dict[str, _ShardScan] | None:
 
 
 def _plan_from_declarations(ck: Checkpoint, scans: dict[str, _ShardScan], out: Path,
-                            options: Any) -> dict[str, Any] | None:
+                            options: Any) -> DryRunPlan | None:
     from trellis_cli.routepack import carry
 
     hidden, inter, experts = ck.hidden, ck.intermediate, ck.num_experts

@@ -11,13 +11,36 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.errors import CheckFailed, ValidationFailed
 from trellis_cli.findings import Report
 
 Validator = Callable[[Checkpoint], Report]  # a checkpoint -> the findings that decide whether it may be used
+
+
+class _DryRunSelection(TypedDict, total=False):
+    # what of the source the output holds, where the conversion selects it (staged_run.OutputPlan.selection)
+    layers: str  # id ranges
+    ranks: list[int]
+    tp: int | list[int]
+
+
+class DryRunPlan(_DryRunSelection):
+    """`repack --dry-run`: what a run would write, OUT's free space, and the refusals a real run would make. The
+    wire shape of `repack --dry-run --json` (which adds `"dry_run": true` first): conversion, out, the
+    selection, then the keys below, in that order."""
+
+    conversion: str  # "tr3/per_expert_v1 -> route-pack"
+    out: str
+    files: list[dict[str, Any]]  # {"name", and "bytes" (exact) or "data_bytes" (tensor data; a header follows)}
+    bytes_needed: int
+    bytes_resumable: int  # of it, already verified in OUT.partial
+    free_bytes: int
+    space_ok: bool
+    refusals: list[str]
+    notes: list[str]
 
 
 @dataclass
@@ -29,7 +52,7 @@ class RepackResult:
     bytes_needed: int = 0  # every byte the output holds, as the free-space check counted it
     seconds: float = 0.0
     manifest: dict[str, Any] = field(default_factory=dict)
-    plan: dict[str, Any] | None = None  # --dry-run: what a run would write, and its checks; nothing written
+    plan: DryRunPlan | None = None  # --dry-run: what a run would write, and its checks; nothing written
 
     def summary(self, to: str, seconds: float, notes: list[str]) -> RepackSummary:
         """What `trellis repack --json` prints of a finished run; `seconds`: the whole command's, opening included."""
