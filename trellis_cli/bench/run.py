@@ -252,8 +252,8 @@ def _tp(request: BenchRequest, reporter: BenchReporter) -> BenchResult | None:
     if doc is None:  # a launched rank other than 0: rank 0 reports
         return None
     if request.smoke:
-        return SmokeResult([Check(**c) for c in doc["checks"]], doc, tp=doc["tp"])
-    return TimingResult("tp", doc["source"], doc)
+        return SmokeResult([Check(**c) for c in doc["checks"]], dict(doc), tp=doc["tp"])
+    return TimingResult("tp", doc["source"], dict(doc))
 
 
 # ---- one GPU: --mixed-gap, --smoke, the throughput run ---------------------------------------------------------
