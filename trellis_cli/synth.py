@@ -281,7 +281,7 @@ class _Slot(NamedTuple):
     """One tensor of a shard in header order, with what produces it."""
 
     tensor: PlannedTensor
-    origin: tuple  # ("linear", expert, proj, rank, k, field) | ("marker",) | ("shared_h", proj, rank)
+    origin: tuple[Any, ...]  # ("linear", expert, proj, rank, k, field) | ("marker",) | ("shared_h", proj, rank)
 
 
 def _layer_slots(spec: SynthSpec, layer: int) -> Iterator[_Slot]:
@@ -397,7 +397,7 @@ def _write_layer(path: Path, spec: SynthSpec, layer: int, source: TensorSource) 
                 else:
                     writer.skip(slot.tensor.name)
             return plan, writer.data_bytes
-        current: tuple | None = None
+        current: tuple[Any, ...] | None = None
         tensors: Mapping[str, torch.Tensor] = {}
         for slot in slots:
             kind, *where = slot.origin
@@ -426,10 +426,10 @@ def _check_data(file: str, planned: PlannedTensor, data: torch.Tensor) -> None:
 
 # ---- JSON files ----------------------------------------------------------------------------------------
 
-def hybrid_tr3_tail(spec: SynthSpec) -> dict:
+def hybrid_tr3_tail(spec: SynthSpec) -> dict[str, Any]:
     """The rank-sliced contract block of config.json."""
     first, last = spec.layers[0], spec.layers[-1]
-    block: dict = {"format": FORMAT}
+    block: dict[str, Any] = {"format": FORMAT}
     if spec.mixed:
         block |= {"bits": "mixed", "k_values": list(spec.declared_k_values()),
                   "bits_per_expert": f"tier_bitmap.json:{spec.bitmap_field}"}
@@ -450,7 +450,7 @@ def hybrid_tr3_tail(spec: SynthSpec) -> dict:
     return block
 
 
-def model_config(spec: SynthSpec) -> dict:
+def model_config(spec: SynthSpec) -> dict[str, Any]:
     """The architecture part of config.json: geometry from the spec, the rest from `spec.model`."""
     named = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa"} if spec.model else {
         "architectures": ["TrellisSynthMoeForCausalLM"], "model_type": "trellis_synth_moe"}
@@ -467,14 +467,14 @@ def model_config(spec: SynthSpec) -> dict:
     }
 
 
-def config_json(spec: SynthSpec) -> dict:
+def config_json(spec: SynthSpec) -> dict[str, Any]:
     return model_config(spec) | {
         "hybrid_tr3_tail": hybrid_tr3_tail(spec),
         "quantization_config": {"quant_method": "exl3", "bits": spec.mean_bpw(), "codebook": spec.codebook},
     }
 
 
-def tier_bitmap_json(spec: SynthSpec) -> dict:
+def tier_bitmap_json(spec: SynthSpec) -> dict[str, Any]:
     """Per layer: K per expert under the chosen field name, plus the hybrid lineage lists (all trellis)."""
     return {
         str(layer): {spec.bitmap_field: list(spec.expert_k(layer)),
@@ -483,7 +483,7 @@ def tier_bitmap_json(spec: SynthSpec) -> dict:
     }
 
 
-def _write_json(path: Path, document: dict) -> None:
+def _write_json(path: Path, document: dict[str, Any]) -> None:
     path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
 
 

@@ -24,7 +24,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypedDict, cast
+from typing import Any, Callable, Mapping, TypedDict, cast
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,7 @@ class LaunchedRank:
     local_rank: int
 
 
-def launched_rank(environ=os.environ) -> LaunchedRank | None:
+def launched_rank(environ: Mapping[str, str] = os.environ) -> LaunchedRank | None:
     """This process's place in a launcher-made group, or None when no launcher set one up."""
     if not all(environ.get(name) for name in LAUNCH_VARS):
         return None
@@ -215,7 +215,7 @@ def run_rank(job: TpJob, rank: int, local_rank: int, init_method: str) -> TpRepo
     return report
 
 
-def _log_for(job: TpJob, rank: int):
+def _log_for(job: TpJob, rank: int) -> Callable[[str], None]:
     def log(message: str) -> None:
         if rank == 0 and not job.quiet:
             print(message, file=sys.stderr, flush=True)
@@ -250,7 +250,7 @@ def _rank_timing(job: TpJob, rank: int, device: torch.device) -> _TimingBody:
     library = default_library(pack.codebook)
     rows = rank_timing(pack, library, list(job.ms), cold=job.cold, replays=job.replays, seed=job.seed + 1234,
                        log=_log_for(job, rank))
-    per_rank: list = [None] * dist.get_world_size()
+    per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, rows)
     return {"environment": environment(library, device) if rank == 0 else {}, "cold": job.cold,
             "out_dtype": str(OUT_DTYPE).removeprefix("torch."), "rows": combine_ranks(per_rank, pack.hidden)}
