@@ -140,6 +140,15 @@ def warning(code: str, where: Location, message: str, expected: Any = None, foun
     return Finding(code, Severity.WARNING, where, message, expected, found)
 
 
+class ReportCounts(TypedDict):
+    """`Report.counts()`: the true totals per severity (in Severity's order), then per code and severity."""
+
+    error: int
+    warning: int
+    info: int
+    by_code: dict[str, dict[str, int]]
+
+
 class EngineReason(TypedDict):
     """Why one loader profile refuses the checkpoint (a verdict's `reasons`)."""
 
@@ -212,7 +221,7 @@ class Report:
     def warnings(self) -> list[Finding]:
         return [f for f in self.findings if f.severity is Severity.WARNING]
 
-    def counts(self) -> dict[str, Any]:
+    def counts(self) -> ReportCounts:
         """The true totals per severity and per code (listed findings, summaries' counts and the omitted)."""
         by_code: dict[str, dict[str, int]] = {}
         totals = {s.value: 0 for s in Severity}
@@ -226,15 +235,16 @@ class Report:
             add(f.code, f.severity, f.count)
         for (code, severity), n in self.omitted.items():
             add(code, severity, n)
-        return {**totals, "by_code": dict(sorted(by_code.items()))}
+        return {"error": totals["error"], "warning": totals["warning"], "info": totals["info"],
+                "by_code": dict(sorted(by_code.items()))}
 
     @property
     def error_count(self) -> int:
-        return int(self.counts()["error"])
+        return self.counts()["error"]
 
     @property
     def warning_count(self) -> int:
-        return int(self.counts()["warning"])
+        return self.counts()["warning"]
 
     @property
     def ok(self) -> bool:
