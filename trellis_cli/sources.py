@@ -96,8 +96,8 @@ class Source(Protocol):
 
     def file_info(self, name: str) -> HubFile | None: ...  # what the host lists of a file (LFS sha256); None: local
 
-    # One of SourceDescription's shapes (LocalDescription, HubDescription), as a Mapping: the route-pack writer copies it
-    # into a plain dict.
+    # A SourceDescription (LocalDescription or HubDescription), typed as a Mapping: the route-pack writer
+    # copies it into a plain dict of its own.
     def describe(self) -> Mapping[str, Any]: ...
 
 

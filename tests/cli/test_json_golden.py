@@ -2,8 +2,10 @@
 
 One workspace is built through the CLI itself (synth presets, then every conversion of the table), and each
 command's document is compared with its golden file as text, so key order is pinned too. Only what truly
-varies from run to run is normalized: absolute paths (the temporary workspace's, in any string), wall-clock timings and the free space of the disk (`VARYING`), and the float results of the CPU smoke
-check (its sums depend on the thread count). Set TRELLIS_REGOLD=1 to rewrite the golden files after a change
+varies from run to run is normalized: absolute paths (the temporary workspace's, in any string), wall-clock
+timings and the free space of the disk (`VARYING`), a route pack's manifest hash in diff's declarations (the
+manifest records its source's absolute path), and the float results of the CPU smoke check (its sums depend on
+the thread count). Set TRELLIS_REGOLD=1 to rewrite the golden files after a change
 that is meant to change a document.
 """
 

@@ -111,7 +111,8 @@ def _scales(shape: tuple[int, int], scale: float, gen: torch.Generator, device: 
     return (sign * mag * scale).to(torch.float16)
 
 
-def random_routes(m: int, num_experts: int, top_k: int, *, device: torch.device | str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def random_routes(m: int, num_experts: int, top_k: int, *, device: torch.device | str,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Distinct top-k expert ids per token (int32) and softmax router weights (fp32)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     scores = torch.rand((m, num_experts), generator=gen, device=device)

@@ -205,7 +205,8 @@ def run_rank(job: TpJob, rank: int, local_rank: int, init_method: str) -> TpRepo
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=job.plan.tp,
                             timeout=GROUP_TIMEOUT, **extra)
     try:
-        body: _SmokeBody | _TimingBody = _rank_smoke(job, rank, device) if job.smoke else _rank_timing(job, rank, device)
+        body: _SmokeBody | _TimingBody
+        body = _rank_smoke(job, rank, device) if job.smoke else _rank_timing(job, rank, device)
     finally:
         dist.destroy_process_group()
     if rank != 0:

@@ -156,16 +156,17 @@ def assess(ckpt: Checkpoint, layers: list[int], report: Report, enforced: str | 
 def _verdict(engine: Engine, refused: list[r.Refusal], format_errors: list[Finding], enforced: str | None,
              ckpt: Checkpoint, tp: int | None) -> EngineVerdict:
     dialect = ckpt.dialect
-    reasons: list[EngineReason] = [{"code": x.code, "reason": x.reason, "message": x.message, "location": x.where.to_dict()}
-               for x in refused]
+    reasons: list[EngineReason] = [
+        {"code": x.code, "reason": x.reason, "message": x.message, "location": x.where.to_dict()} for x in refused]
     if format_errors:
         codes = sorted({f.code for f in format_errors})
         reasons.append({"code": "format", "reason": f"{len(format_errors)} format error(s): {', '.join(codes[:3])}",
                         "message": "errors of the format rules, which every loader refuses", "location": {}})
-    verdict: EngineVerdict = {"name": engine.name, "label": engine.label, "version": engine.version, "reads": engine.reads,
-               "enforced": engine.name == enforced, "default": engine.name == default_engine(dialect),
-               "loads": not reasons, "tp": tp, "tp_accepted": _tp_accepted(engine, ckpt, refused),
-               "reasons": reasons[:MAX_REASONS]}
+    verdict: EngineVerdict = {
+        "name": engine.name, "label": engine.label, "version": engine.version, "reads": engine.reads,
+        "enforced": engine.name == enforced, "default": engine.name == default_engine(dialect),
+        "loads": not reasons, "tp": tp, "tp_accepted": _tp_accepted(engine, ckpt, refused),
+        "reasons": reasons[:MAX_REASONS]}
     if len(reasons) > MAX_REASONS:
         verdict["more_reasons"] = len(reasons) - MAX_REASONS
     return verdict
