@@ -10,7 +10,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any, Iterable
+from typing import Any, Iterable, TypedDict
 
 
 class Severity(str, Enum):
@@ -140,6 +140,50 @@ def warning(code: str, where: Location, message: str, expected: Any = None, foun
     return Finding(code, Severity.WARNING, where, message, expected, found)
 
 
+class ReportCounts(TypedDict):
+    """`Report.counts()`: the true totals per severity (in Severity's order), then per code and severity."""
+
+    error: int
+    warning: int
+    info: int
+    by_code: dict[str, dict[str, int]]
+
+
+class EngineReason(TypedDict):
+    """Why one loader profile refuses the checkpoint (a verdict's `reasons`)."""
+
+    code: str
+    reason: str
+    message: str
+    location: dict[str, Any]  # Location.to_dict(); {} where no one place is meant
+
+
+class _EngineVerdictFields(TypedDict):
+    name: str
+    label: str
+    version: int
+    reads: str
+    enforced: bool  # the profile whose refusals are the report's errors
+    default: bool  # the dialect's own default profile
+    loads: bool
+    tp: int | None  # the TP asked for (--tp), None when not given
+    tp_accepted: list[int] | str | None  # the TP degrees it would take; "any"; None: it cannot read the container
+    reasons: list[EngineReason]  # at most MAX_REASONS (validate/engines.py)
+
+
+class EngineVerdict(_EngineVerdictFields, total=False):
+    """One loader profile's verdict in `Report.engines`, in the key order of the JSON report."""
+
+    more_reasons: int  # reasons beyond those listed
+
+
+class TpVerdict(TypedDict):
+    """One engine's answer to `inspect --tp N`: does its TP contract accept N, and why not."""
+
+    accepts: bool
+    reason: str | None
+
+
 @dataclass
 class Report:
     """All findings of one run, plus what was checked. Complete: every rule runs even after errors.
@@ -153,7 +197,7 @@ class Report:
     findings: list[Finding] = field(default_factory=list)
     checked: dict[str, int] = field(default_factory=dict)  # e.g. {"tensors": 12288, "files": 3}
     context: dict[str, Any] = field(default_factory=dict)  # source, revision, dialect, ...
-    engines: list[dict[str, Any]] = field(default_factory=list)  # per-engine verdicts (validate/engines.py)
+    engines: list[EngineVerdict] = field(default_factory=list)  # per-engine verdicts (validate/engines.py)
     omitted: dict[tuple[str, Severity], int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what was not checked, said beside the verdict
     strict: bool = False  # warnings fail too (`validate --strict`): `ok` is what the exit code says
@@ -177,7 +221,7 @@ class Report:
     def warnings(self) -> list[Finding]:
         return [f for f in self.findings if f.severity is Severity.WARNING]
 
-    def counts(self) -> dict[str, Any]:
+    def counts(self) -> ReportCounts:
         """The true totals per severity and per code (listed findings, summaries' counts and the omitted)."""
         by_code: dict[str, dict[str, int]] = {}
         totals = {s.value: 0 for s in Severity}
@@ -191,15 +235,16 @@ class Report:
             add(f.code, f.severity, f.count)
         for (code, severity), n in self.omitted.items():
             add(code, severity, n)
-        return {**totals, "by_code": dict(sorted(by_code.items()))}
+        return {"error": totals["error"], "warning": totals["warning"], "info": totals["info"],
+                "by_code": dict(sorted(by_code.items()))}
 
     @property
     def error_count(self) -> int:
-        return int(self.counts()["error"])
+        return self.counts()["error"]
 
     @property
     def warning_count(self) -> int:
-        return int(self.counts()["warning"])
+        return self.counts()["warning"]
 
     @property
     def ok(self) -> bool:

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from trellis_cli.errors import UsageError
 from trellis_cli.fit.gpus import Gpu
 from trellis_cli.fit.run import FitRequest, FitResult
 from trellis_cli.sources import SourceArg
+
+if TYPE_CHECKING:
+    from trellis_cli.checkpoint.model import Checkpoint
+    from trellis_cli.inspect_tensors import TensorListing
+    from trellis_cli.inspect_tp import ServeTpView
 
 FIT_NEEDS = "the fit section of inspect needs --tp N and --gpu NAME or --gpu-mem SIZE"
 
@@ -73,9 +78,9 @@ class InspectDocument:
     description: str  # the source, as the user named it
     dialect: str
     summary: dict[str, Any] | None = None
-    serve_tp: dict[str, Any] | None = None
+    serve_tp: ServeTpView | None = None
     fit: FitResult | None = None
-    tensors: dict[str, Any] | None = None
+    tensors: TensorListing | None = None
 
     @property
     def unreadable(self) -> list[dict[str, Any]]:
@@ -148,7 +153,7 @@ def inspect_source(source: SourceArg, request: InspectRequest | None = None,
     return document
 
 
-def serve_tp_view(checkpoint: Any, layers: list[int] | None, tp: int) -> dict[str, Any]:
+def serve_tp_view(checkpoint: Checkpoint, layers: list[int] | None, tp: int) -> ServeTpView:
     """The `serve_tp` section: the routed bytes one rank holds at TP `tp`, K per projection, and which
     engines' TP contracts accept `tp`."""
     from trellis_cli.dialects.registry import dialect_of
@@ -156,10 +161,11 @@ def serve_tp_view(checkpoint: Any, layers: list[int] | None, tp: int) -> dict[st
     from trellis_cli.validate.engines import tp_verdicts
 
     chosen = list(checkpoint.layers) if layers is None else layers
+    view: ServeTpView
     if not dialect_of(checkpoint).layer_files(checkpoint):  # every tensor name says its layer: what inspect_tp reads
         view = tp_view(checkpoint, chosen, tp)
     else:
         view = {"tp": tp, "layers": [], "routed_bytes_per_rank": None,
-                "note": "per-rank bytes of this container are in its own rows above"}
+                             "note": "per-rank bytes of this container are in its own rows above"}
     view["engines"] = tp_verdicts(checkpoint, tp)
     return view

@@ -11,7 +11,7 @@ Plain data out (`build_tensor_listing` -> dict); the renderings are pure functio
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator, Sequence, overload
+from typing import Any, Iterator, Mapping, Sequence, TypedDict, overload
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.reader import shard_header
@@ -22,7 +22,38 @@ _LAYER_IN_NAME = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.")
 TRELLIS_SUFFIX = ".trellis"
 
 
-def build_tensor_listing(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str, Any]:
+class TensorRow(TypedDict):
+    """One tensor of the listing, in its JSON key order."""
+
+    file: str
+    name: str
+    dtype: str
+    shape: list[int]
+    bytes: int
+    layer: int | None  # the MoE layer its name or its file says; None for a tensor of no layer
+    k: int | None  # bits per weight of EXL3 codes
+    bpw: float | None
+
+
+class TensorTotals(TypedDict):
+    tensors: int
+    bytes: int
+    files: int
+    by_dtype: dict[str, dict[str, int]]  # dtype -> {"tensors", "bytes"}
+
+
+class TensorListing(TypedDict):
+    """`inspect --tensors`: its rows streamed from the headers, per-layer and whole totals, in JSON key order."""
+
+    dialect: str
+    source: Mapping[str, Any]  # Source.describe()
+    tensors: TensorRows
+    layers: list[dict[str, Any]]  # per MoE layer: tensors, bytes, code bytes and bits per weight
+    totals: TensorTotals
+    unreadable: list[dict[str, str]]  # files whose header could not be read: {"file", "error"}
+
+
+def build_tensor_listing(ckpt: Checkpoint, layers: list[int] | None = None) -> TensorListing:
     """Every tensor (of the chosen MoE layers only, when `layers` is given), per-layer and whole totals. The
     rows (`tensors`) are a `TensorRows`: made from the headers each time they are read, never all held at once
     (a production checkpoint has ~935k; as dicts they took 2 GB)."""
@@ -44,12 +75,13 @@ def build_tensor_listing(ckpt: Checkpoint, layers: list[int] | None = None) -> d
         from trellis_cli.selection import require_present
 
         require_present(layers, sorted(rows.seen))
-    totals = {"tensors": count, "bytes": total, "files": len(files), "by_dtype": dict(sorted(by_dtype.items()))}
+    totals: TensorTotals = {"tensors": count, "bytes": total, "files": len(files),
+                            "by_dtype": dict(sorted(by_dtype.items()))}
     return {"dialect": ckpt.dialect, "source": ckpt.source.describe(), "tensors": rows,
             "layers": _finish_layers(layer_totals), "totals": totals, "unreadable": rows.unreadable}
 
 
-class TensorRows(Sequence[dict[str, Any]]):
+class TensorRows(Sequence[TensorRow]):
     """The listing's rows in file order, made from the checkpoint's headers each time they are iterated (one
     row dict alive at a time when streamed). A Sequence: len, index and iteration as a list's."""
 
@@ -64,7 +96,7 @@ class TensorRows(Sequence[dict[str, Any]]):
         self._files = sorted(name for name, size in ckpt.files.items()
                              if name.endswith(".safetensors") and size >= 0)
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[TensorRow]:
         first = self.length is None  # the first pass records the layers seen and the unreadable files
         for file in self._files:
             try:
@@ -93,10 +125,10 @@ class TensorRows(Sequence[dict[str, Any]]):
         return self.length
 
     @overload
-    def __getitem__(self, index: int) -> dict[str, Any]: ...
+    def __getitem__(self, index: int) -> TensorRow: ...
 
     @overload
-    def __getitem__(self, index: slice) -> list[dict[str, Any]]: ...
+    def __getitem__(self, index: slice) -> list[TensorRow]: ...
 
     def __getitem__(self, index: int | slice) -> Any:
         return list(self)[index]
@@ -107,7 +139,7 @@ class TensorRows(Sequence[dict[str, Any]]):
     __hash__ = None  # type: ignore[assignment]  # compared by content, as a list is
 
 
-def listing_json(listing: dict[str, Any]) -> dict[str, Any]:
+def listing_json(listing: TensorListing) -> dict[str, Any]:
     """The listing as one plain JSON-ready document (its rows in a list): for a caller that keeps it whole."""
     return {**listing, "tensors": list(listing["tensors"])}
 
@@ -135,7 +167,7 @@ def _k_and_bpw(name: str, dtype: str, shape: tuple[int, ...], nbytes: int,
     return None, None
 
 
-def _add_to_layer(by_layer: dict[int, dict[str, Any]], row: dict[str, Any]) -> None:
+def _add_to_layer(by_layer: dict[int, dict[str, Any]], row: TensorRow) -> None:
     if row["layer"] is None:
         return
     t = by_layer.setdefault(row["layer"], {"layer": row["layer"], "tensors": 0, "bytes": 0, "code_bytes": 0,

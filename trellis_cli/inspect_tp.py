@@ -11,10 +11,11 @@ CLI adds it to the document (engines.tp_verdicts).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Callable, TypedDict
 
-from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, MoeLayer
+from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, LinearRef, MoeLayer
 from trellis_cli.checkpoint.names import H_SIDE
+from trellis_cli.findings import TpVerdict
 
 
 def projection_k_map(layer: MoeLayer) -> dict[str, dict[str, int]]:
@@ -51,7 +52,7 @@ def layer_bytes_at_tp(ckpt: Checkpoint, layer: MoeLayer, tp: int) -> int | None:
     return total + sum(ref.nbytes for ref in layer.r7_shared.values())
 
 
-def _linear_bytes(lin: Any, proj: str | None, tp: int) -> int:
+def _linear_bytes(lin: LinearRef, proj: str | None, tp: int) -> int:
     """One linear's bytes on one rank: with `proj` (unsliced storage) the trellis and the intermediate-side
     vector are split `tp` ways and the hidden-side one is whole; without, the stored slice as it is."""
     total = 0
@@ -65,18 +66,37 @@ def _linear_bytes(lin: Any, proj: str | None, tp: int) -> int:
     return total + sum(ref.nbytes for ref in lin.extra)
 
 
-def tp_view(ckpt: Checkpoint, layers: list[int], tp: int) -> dict[str, Any]:
-    rows = []
+class TpLayerRow(TypedDict):
+    layer: int
+    projection_k: dict[str, dict[str, int]]  # projection -> K -> experts
+    bytes_per_rank: int | None  # None: rank slices stored for another TP
+
+
+class _ServeTpFields(TypedDict):
+    tp: int
+    layers: list[TpLayerRow]
+    routed_bytes_per_rank: int | None
+
+
+class ServeTpView(_ServeTpFields, total=False):
+    """`inspect --tp N`'s `serve_tp` section, in its JSON key order."""
+
+    note: str  # a container whose per-rank bytes are in its own rows: why `layers` is empty
+    engines: dict[str, TpVerdict]  # each engine's TP contract at N (validate's tp_verdicts, joined by the entry)
+
+
+def tp_view(ckpt: Checkpoint, layers: list[int], tp: int) -> ServeTpView:
+    rows: list[TpLayerRow] = []
     for li in layers:
         layer = ckpt.layers[li]
         rows.append({"layer": li, "projection_k": projection_k_map(layer),
                      "bytes_per_rank": layer_bytes_at_tp(ckpt, layer, tp)})
     sizes = [r["bytes_per_rank"] for r in rows]
-    return {"tp": tp, "layers": rows,
-            "routed_bytes_per_rank": None if any(s is None for s in sizes) else sum(sizes)}
+    known = [s for s in sizes if s is not None]
+    return {"tp": tp, "layers": rows, "routed_bytes_per_rank": sum(known) if len(known) == len(sizes) else None}
 
 
-def render_tp_view(view: dict[str, Any], human_bytes) -> list[str]:
+def render_tp_view(view: ServeTpView, human_bytes: Callable[[int], str]) -> list[str]:
     tp = view["tp"]
     total = view["routed_bytes_per_rank"]
     if view.get("note"):

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 Projection = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (trellis, suh, svh)
 Expert = tuple[Projection, Projection, Projection]  # (gate, up, down)
+ExpertCall = tuple[Projection, Projection, Projection, str]  # expert_forward's (gate, up, down, codebook)
 
 
 def _check_dtype(dtype: torch.dtype) -> None:
@@ -67,7 +68,7 @@ def _routed_forward(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     dtype: torch.dtype,
-    expert_for: Callable[[int], tuple | None],
+    expert_for: Callable[[int], ExpertCall | None],
 ) -> torch.Tensor:
     """Σ_k w[t,k]·expert(x[t]) with `expert_for(global id)` giving the expert or None (contributes zero)."""
     _check_dtype(dtype)
@@ -96,7 +97,7 @@ def moe_forward(
     Ids missing from `experts` (not served by this rank) contribute zero.
     """
 
-    def expert_for(expert_id: int):
+    def expert_for(expert_id: int) -> ExpertCall | None:
         expert = experts.get(expert_id)
         return None if expert is None else (*expert, codebook)
 
@@ -134,7 +135,7 @@ def layer_pack_forward(
     """
     num_experts = int(pack.global_to_combined.shape[0])
 
-    def expert_for(expert_id: int):
+    def expert_for(expert_id: int) -> ExpertCall | None:
         if not 0 <= expert_id < num_experts:
             raise CheckFailed(f"topk_ids: expert id {expert_id} outside 0..{num_experts - 1}")
         combined = int(pack.global_to_combined[expert_id])

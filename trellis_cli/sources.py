@@ -19,7 +19,7 @@ import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, Union
+from typing import Any, Callable, Literal, Mapping, Protocol, TypedDict, Union
 
 from trellis_cli.errors import CheckFailed, SourceUnavailable, UsageError
 from trellis_cli.header import (
@@ -38,6 +38,29 @@ from trellis_cli.header import (
 
 # config.json of a 256-expert model is a few KB; tier_bitmap.json for 76 layers is about 200 KB.
 MAX_JSON_BYTES = 64 * 1024 * 1024
+
+
+class LocalDescription(TypedDict):
+    """`describe()` of a local directory: what reports and manifests record of where the bytes came from."""
+
+    kind: Literal["local"]
+    path: str
+    revision: None
+
+
+class HubDescription(TypedDict):
+    """`describe()` of a Hub repository, its revision resolved once."""
+
+    kind: Literal["hub"]
+    repo_id: str
+    requested_revision: str
+    revision: str | None
+    endpoint: str
+    offline: bool
+    listing_complete: bool
+
+
+SourceDescription = Union[LocalDescription, HubDescription]
 
 
 class Source(Protocol):
@@ -73,7 +96,9 @@ class Source(Protocol):
 
     def file_info(self, name: str) -> HubFile | None: ...  # what the host lists of a file (LFS sha256); None: local
 
-    def describe(self) -> dict[str, Any]: ...
+    # A SourceDescription (LocalDescription or HubDescription), typed as a Mapping: the route-pack writer
+    # copies it into a plain dict of its own.
+    def describe(self) -> Mapping[str, Any]: ...
 
 
 # What the library's entry points accept as a checkpoint: a Source, or a local directory's path.
@@ -184,7 +209,7 @@ class LocalSource:
     def prefetch_headers(self, names: list[str]) -> None:
         """Nothing to do locally: reading a header is one short read."""
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> LocalDescription:
         return {"kind": "local", "path": str(self.root), "revision": None}
 
 
@@ -466,7 +491,7 @@ class HubSource:
     def _read_range(self, name: str, start: int, length: int) -> bytes:
         return self._hub.read_range(self.repo_id, name, self.revision, self.endpoint, self.token, start, length)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> HubDescription:
         return {
             "kind": "hub",
             "repo_id": self.repo_id,

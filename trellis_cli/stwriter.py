@@ -17,7 +17,8 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Iterable
 
 from trellis_cli.header import DTYPE_BYTES
 
@@ -61,7 +62,7 @@ def canonical_order(tensors: list[PlannedTensor]) -> list[PlannedTensor]:
 def encode_header(tensors: list[PlannedTensor], metadata: dict[str, str] | None = None) -> bytes:
     """The 8-byte length prefix plus the JSON header, padded with spaces to a multiple of 8 bytes; data
     offsets follow the order of `tensors` (SafetensorsWriter passes the canonical order)."""
-    header: dict = {}
+    header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     offset = 0
@@ -111,7 +112,7 @@ class SafetensorsWriter:
         """Write one planned tensor's bytes at its offset."""
         offset, planned_tensor = self._claim(name)
         if not isinstance(data, (bytes, memoryview)):
-            data = memoryview(data.detach().cpu().contiguous().view(-1).view(__import__("torch").uint8).numpy())
+            data = data.detach().cpu().contiguous().view(-1).view(__import__("torch").uint8).numpy().data
         if len(data) != planned_tensor.nbytes:
             raise ValueError(f"{self.path.name}: {name}: {len(data)} bytes, planned {planned_tensor.nbytes}")
         self._seek(offset)
@@ -157,7 +158,8 @@ class SafetensorsWriter:
     def __enter__(self) -> "SafetensorsWriter":
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         try:
             if exc_type is None:
                 self.finish()

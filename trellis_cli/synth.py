@@ -19,9 +19,10 @@ import json
 import os
 import random
 import shutil
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, NamedTuple, Protocol
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol
 
 import torch
 
@@ -280,7 +281,7 @@ class _Slot(NamedTuple):
     """One tensor of a shard in header order, with what produces it."""
 
     tensor: PlannedTensor
-    origin: tuple  # ("linear", expert, proj, rank, k, field) | ("marker",) | ("shared_h", proj, rank)
+    origin: tuple[Any, ...]  # ("linear", expert, proj, rank, k, field) | ("marker",) | ("shared_h", proj, rank)
 
 
 def _layer_slots(spec: SynthSpec, layer: int) -> Iterator[_Slot]:
@@ -396,7 +397,7 @@ def _write_layer(path: Path, spec: SynthSpec, layer: int, source: TensorSource) 
                 else:
                     writer.skip(slot.tensor.name)
             return plan, writer.data_bytes
-        current: tuple | None = None
+        current: tuple[Any, ...] | None = None
         tensors: Mapping[str, torch.Tensor] = {}
         for slot in slots:
             kind, *where = slot.origin
@@ -425,10 +426,10 @@ def _check_data(file: str, planned: PlannedTensor, data: torch.Tensor) -> None:
 
 # ---- JSON files ----------------------------------------------------------------------------------------
 
-def hybrid_tr3_tail(spec: SynthSpec) -> dict:
+def hybrid_tr3_tail(spec: SynthSpec) -> dict[str, Any]:
     """The rank-sliced contract block of config.json."""
     first, last = spec.layers[0], spec.layers[-1]
-    block: dict = {"format": FORMAT}
+    block: dict[str, Any] = {"format": FORMAT}
     if spec.mixed:
         block |= {"bits": "mixed", "k_values": list(spec.declared_k_values()),
                   "bits_per_expert": f"tier_bitmap.json:{spec.bitmap_field}"}
@@ -449,7 +450,7 @@ def hybrid_tr3_tail(spec: SynthSpec) -> dict:
     return block
 
 
-def model_config(spec: SynthSpec) -> dict:
+def model_config(spec: SynthSpec) -> dict[str, Any]:
     """The architecture part of config.json: geometry from the spec, the rest from `spec.model`."""
     named = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa"} if spec.model else {
         "architectures": ["TrellisSynthMoeForCausalLM"], "model_type": "trellis_synth_moe"}
@@ -466,14 +467,14 @@ def model_config(spec: SynthSpec) -> dict:
     }
 
 
-def config_json(spec: SynthSpec) -> dict:
+def config_json(spec: SynthSpec) -> dict[str, Any]:
     return model_config(spec) | {
         "hybrid_tr3_tail": hybrid_tr3_tail(spec),
         "quantization_config": {"quant_method": "exl3", "bits": spec.mean_bpw(), "codebook": spec.codebook},
     }
 
 
-def tier_bitmap_json(spec: SynthSpec) -> dict:
+def tier_bitmap_json(spec: SynthSpec) -> dict[str, Any]:
     """Per layer: K per expert under the chosen field name, plus the hybrid lineage lists (all trellis)."""
     return {
         str(layer): {spec.bitmap_field: list(spec.expert_k(layer)),
@@ -482,7 +483,7 @@ def tier_bitmap_json(spec: SynthSpec) -> dict:
     }
 
 
-def _write_json(path: Path, document: dict) -> None:
+def _write_json(path: Path, document: dict[str, Any]) -> None:
     path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
 
 
@@ -568,24 +569,54 @@ def _write_all(stage: Path, spec: SynthSpec, source: TensorSource, progress: Cal
         _write_manifest(stage)
 
 
-def summary(spec: SynthSpec, out: str | Path) -> dict:
-    """A JSON-ready description of a written checkpoint (geometry, partitions, sizes)."""
+@dataclass(frozen=True)
+class SynthSummary:
+    """What `trellis synth` wrote (geometry, partitions, sizes); its fields in the order of `synth --json`."""
+
+    path: str
+    hidden: int
+    intermediate: int
+    intermediate_per_rank: int
+    experts: int
+    tp: int
+    top_k: int
+    layers: list[int]
+    rotation_layout: str
+    codebook: str
+    bits: str | int  # "mixed", or the one K of a uniform checkpoint
+    mean_bpw: float
+    partitions: dict[str, dict[str, int]]  # layer -> "K<k>" -> experts
+    tensors_per_layer: int
+    tensor_bytes: int
+    files: list[str]
+    sparse: bool
+    seed: int
+    non_expert: str
+    non_expert_tensors: int
+    model_type: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def summary(spec: SynthSpec, out: str | Path) -> SynthSummary:
+    """A description of a written checkpoint (geometry, partitions, sizes)."""
     out = Path(out)
     index = json.loads((out / "model.safetensors.index.json").read_text(encoding="utf-8"))
     partitions = {}
     for layer in spec.layers:
         ks = spec.expert_k(layer)
         partitions[str(layer)] = {f"K{k}": ks.count(k) for k in sorted(set(ks))}
-    return {
-        "path": str(out),
-        "hidden": spec.hidden, "intermediate": spec.intermediate, "intermediate_per_rank": spec.intermediate_per_rank,
-        "experts": spec.experts, "tp": spec.tp, "top_k": spec.top_k, "layers": list(spec.layers),
-        "rotation_layout": spec.rotation_layout, "codebook": spec.codebook,
-        "bits": hybrid_tr3_tail(spec)["bits"], "mean_bpw": spec.mean_bpw(), "partitions": partitions,
-        "tensors_per_layer": len(layer_plan(spec, spec.layers[0])),
-        "tensor_bytes": index["metadata"]["total_size"],
-        "files": sorted(p.name for p in out.iterdir()),
-        "sparse": spec.sparse, "seed": spec.seed,
-        "non_expert": spec.non_expert, "non_expert_tensors": len(non_expert_plan(spec)),
-        "model_type": model_config(spec)["model_type"],
-    }
+    return SynthSummary(
+        path=str(out),
+        hidden=spec.hidden, intermediate=spec.intermediate, intermediate_per_rank=spec.intermediate_per_rank,
+        experts=spec.experts, tp=spec.tp, top_k=spec.top_k, layers=list(spec.layers),
+        rotation_layout=spec.rotation_layout, codebook=spec.codebook,
+        bits=hybrid_tr3_tail(spec)["bits"], mean_bpw=spec.mean_bpw(), partitions=partitions,
+        tensors_per_layer=len(layer_plan(spec, spec.layers[0])),
+        tensor_bytes=index["metadata"]["total_size"],
+        files=sorted(p.name for p in out.iterdir()),
+        sparse=spec.sparse, seed=spec.seed,
+        non_expert=spec.non_expert, non_expert_tensors=len(non_expert_plan(spec)),
+        model_type=model_config(spec)["model_type"],
+    )

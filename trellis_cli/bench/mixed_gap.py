@@ -14,6 +14,7 @@ row also carries the interpolation weighted by the tier split of the experts act
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -126,6 +127,7 @@ def tier_split(pack: LayerPack, topk_ids: torch.Tensor) -> list[int]:
     combined = torch.unique(g2c[ids])
     combined = combined[combined >= 0].long()
     tiers = split_descriptor(pack.descriptors.to(combined.device)[combined])[0]
+    assert isinstance(tiers, torch.Tensor)  # a tensor of descriptors in, a tensor of tiers out
     return torch.bincount(tiers, minlength=len(pack.tier_k)).tolist()
 
 
@@ -142,7 +144,7 @@ def measure_gap_m(pools: list[WeightPool], plan: GapPlan, m: int, *, cold: bool,
         work = touched(pool.runners[0].pack, ids)
         runners = pool.take(copies_needed(work["bytes"], l2_bytes, cold))
         outs = [torch.empty((m, mixed_pack.hidden), dtype=torch.float32, device=device) for _ in runners]
-        graph_sets.append([capture_graph(lambda r=r, o=o: r.forward(x, ids, weights, out=o), device)
+        graph_sets.append([capture_graph(partial(r.forward, x, ids, weights, out=o), device)
                            for r, o in zip(runners, outs)])
         works.append({"experts": work["experts"], "bytes": work["bytes"], "copies": len(runners)})
     timings = time_interleaved(graph_sets, replays, device)

@@ -11,8 +11,10 @@ reference of --smoke: a tensor-mapping mistake cannot turn into a timing.
 
 from __future__ import annotations
 
+import operator
 import statistics
-from typing import Callable
+from functools import partial, reduce
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -38,7 +40,7 @@ class PeerCompare:
         return self.layers[id(runner)][1]
 
     def row(self, runners: list[FusedMoe], x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-            ours_us: float, replays: int) -> dict:
+            ours_us: float, replays: int) -> dict[str, Any]:
         """The `compare` entry of one M's throughput row."""
         m = int(x.shape[0])
         device = runners[0].device
@@ -53,7 +55,7 @@ class PeerCompare:
         per_tier = []
         for t, (tier_ids, tier_weights) in enumerate(routes):
             self.log(f"compare: {PEER} M={m} tier {t} (K{layers[0][t].k}, {layers[0][t].experts} experts)")
-            calls = [lambda tier=layer[t], i=tier_ids, w=tier_weights: tier.forward(xh, i, w) for layer in layers]
+            calls = [partial(layer[t].forward, xh, tier_ids, tier_weights) for layer in layers]
             timing, graphs = self._time_tier(calls, m, layers[0][t], replays, device)
             per_tier.append({"tier": t, "k": layers[0][t].k, "experts": layers[0][t].experts,
                              "routes": int((tier_ids < layers[0][t].experts).sum()), **timing.as_dict(),
@@ -62,16 +64,17 @@ class PeerCompare:
         return {**entry, "us": us, "ratio": us / ours_us, "per_tier_us": [p["median_us"] for p in per_tier],
                 "per_tier": per_tier, "graphs": all(p["graphs"] for p in per_tier)}
 
-    def _agreement(self, runner: FusedMoe, tiers: list[PeerTier], x, xh, ids, weights, routes
+    def _agreement(self, runner: FusedMoe, tiers: list[PeerTier], x: torch.Tensor, xh: torch.Tensor,
+                   ids: torch.Tensor, weights: torch.Tensor, routes: list[tuple[torch.Tensor, torch.Tensor]]
                    ) -> tuple[float, float]:
         ref = layer_pack_forward(runner.pack, x, ids, weights, dtype=torch.float64)
-        peer = sum(tier.forward(xh, *route).double() for tier, route in zip(tiers, routes))
+        peer = reduce(operator.add, [tier.forward(xh, *route).double() for tier, route in zip(tiers, routes)])
         ours = runner.forward(x, ids, weights)
         values = rel_l2(peer, ref), rel_l2(ours, ref)
         del ref, peer, ours
         return values
 
-    def _time_tier(self, calls: list[Callable[[], torch.Tensor]], m: int, tier: PeerTier, replays: int,
+    def _time_tier(self, calls: Sequence[Callable[[], object]], m: int, tier: PeerTier, replays: int,
                    device: torch.device) -> tuple[Timing, bool]:
         if capturable(self.api, tier, m, self.top_k):
             try:
@@ -95,7 +98,7 @@ def capturable(api: PeerApi, tier: PeerTier, m: int, top_k: int) -> bool:
     return getattr(module, "fused_mode_buffers", None) is not None and m * top_k <= int(module.fused_rows)
 
 
-def time_eager(calls: list[Callable[[], torch.Tensor]], replays: int, device: torch.device) -> Timing:
+def time_eager(calls: Sequence[Callable[[], object]], replays: int, device: torch.device) -> Timing:
     """Median of eager calls, each between two CUDA events, cycling through `calls` (one per weight copy)."""
     for i in range(WARMUP_REPLAYS):
         calls[i % len(calls)]()
@@ -110,7 +113,7 @@ def time_eager(calls: list[Callable[[], torch.Tensor]], replays: int, device: to
     return Timing(statistics.median(times), min(times), max(times), replays)
 
 
-def disagreements(rows: list[dict]) -> list[str]:
+def disagreements(rows: list[dict[str, Any]]) -> list[str]:
     """Cases where the peer's output did not match the reference (their timings were withheld)."""
     return [f"M={r['m']}: rel L2 {r['compare']['rel_l2']:.3g} > {r['compare']['limit']:g}"
             for r in rows if "compare" in r and not r["compare"]["agrees"]]

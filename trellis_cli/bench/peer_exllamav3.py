@@ -102,7 +102,7 @@ def _import_moe(version: str, root: str) -> PeerApi:
     try:
         config = importlib.import_module(f"{PEER}.model.config")
         if not hasattr(sys.modules[f"{PEER}.model"], "Config"):
-            sys.modules[f"{PEER}.model"].Config = config.Config  # what `from ..model import Config` reads
+            setattr(sys.modules[f"{PEER}.model"], "Config", config.Config)  # what `from ..model import Config` reads
         bsm = importlib.import_module(f"{PEER}.modules.block_sparse_mlp")
         linear = importlib.import_module(f"{PEER}.modules.linear")
         exl3 = importlib.import_module(f"{PEER}.modules.quant.exl3")
@@ -149,7 +149,9 @@ class _RouteFeed:
         self.weights: torch.Tensor | None = None
 
     def broadcast(self, tensor: torch.Tensor, src_device=None) -> None:
-        tensor.copy_(self.ids if tensor.dtype == torch.long else self.weights)
+        routes = self.ids if tensor.dtype == torch.long else self.weights
+        assert routes is not None, "the routes are set before each call"
+        tensor.copy_(routes)
 
 
 class PeerTier:
@@ -159,7 +161,7 @@ class PeerTier:
         device = pack.tier_trellis[tier].device
         self.tier, self.k, self.experts = tier, pack.tier_k[tier], pack.tier_size[tier]
         marker = MARKERS[pack.codebook]
-        flags = {"mcg": None, "mul1": None}
+        flags: dict[str, torch.Tensor | None] = {"mcg": None, "mul1": None}
         if marker is not None:
             flags[marker[0]] = torch.tensor(marker[1], dtype=torch.int32)
         gates, ups, downs = [], [], []

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # torch and the kernel's modules load with the run that needs
     from trellis_cli.bench.smoke import Check
     from trellis_cli.kernel.arch_limits import ArchLimits
     from trellis_cli.kernel.build import BuildReport
+    from trellis_cli.kernel.plan import LaunchPlan
 
 
 def _quiet(_message: str) -> None:
@@ -44,7 +45,7 @@ class PlanResult:
     description: str
     limits: ArchLimits
     ptxas_registers: bool  # registers as ptxas gave them (a library built here), else the launch bounds
-    plans: list[Any]  # kernel.plan.LaunchPlan, one per M
+    plans: list[LaunchPlan]  # one per M
 
     def to_json(self) -> dict[str, Any]:
         return {"source": self.description, "limits": asdict(self.limits),
@@ -251,8 +252,8 @@ def _tp(request: BenchRequest, reporter: BenchReporter) -> BenchResult | None:
     if doc is None:  # a launched rank other than 0: rank 0 reports
         return None
     if request.smoke:
-        return SmokeResult([Check(**c) for c in doc["checks"]], doc, tp=doc["tp"])
-    return TimingResult("tp", doc["source"], doc)
+        return SmokeResult([Check(**c) for c in doc["checks"]], dict(doc), tp=doc["tp"])
+    return TimingResult("tp", doc["source"], dict(doc))
 
 
 # ---- one GPU: --mixed-gap, --smoke, the throughput run ---------------------------------------------------------

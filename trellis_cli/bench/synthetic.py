@@ -76,7 +76,9 @@ def synthetic_pack(preset: Preset, partition: tuple[int, ...] | None = None, tie
     hidden, inter = preset.hidden, preset.intermediate
     tiles = (hidden // 16) * (inter // 16)
     g2c = torch.full((preset.experts,), -1, dtype=torch.int32)
-    descriptors, trellis, start = [], [], 0
+    descriptors: list[int] = []
+    trellis: list[torch.Tensor] = []
+    start = 0
     for tier, (count, k) in enumerate(kept):
         members = torch.sort(order[start:start + count]).values
         start += count
@@ -102,14 +104,15 @@ def synthetic_pack(preset: Preset, partition: tuple[int, ...] | None = None, tie
     )
 
 
-def _scales(shape: tuple[int, int], scale: float, gen: torch.Generator, device) -> torch.Tensor:
+def _scales(shape: tuple[int, int], scale: float, gen: torch.Generator, device: torch.device | str) -> torch.Tensor:
     """Random signs times a magnitude in [0.875, 1.125]·scale, fp16 (how a quantizer's suh/svh look)."""
     sign = torch.randint(0, 2, shape, generator=gen, device=device).float() * 2 - 1
     mag = torch.rand(shape, generator=gen, device=device) * 0.25 + 0.875
     return (sign * mag * scale).to(torch.float16)
 
 
-def random_routes(m: int, num_experts: int, top_k: int, *, device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def random_routes(m: int, num_experts: int, top_k: int, *, device: torch.device | str,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Distinct top-k expert ids per token (int32) and softmax router weights (fp32)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     scores = torch.rand((m, num_experts), generator=gen, device=device)
@@ -118,7 +121,8 @@ def random_routes(m: int, num_experts: int, top_k: int, *, device, seed: int) ->
     return ids, torch.softmax(logits, dim=1).float().contiguous()
 
 
-def random_activations(m: int, hidden: int, *, device, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
+def random_activations(m: int, hidden: int, *, device: torch.device | str, seed: int,
+                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     gen = torch.Generator(device=device).manual_seed(seed)
     return torch.randn((m, hidden), generator=gen, device=device).to(dtype).contiguous()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -94,14 +95,14 @@ class CapturedCall:
     and faulted on replay with an illegal address.)
     """
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, call: Callable[[], None]) -> None:
+    def __init__(self, graph: torch.cuda.CUDAGraph, call: Callable[[], object]) -> None:
         self.graph, self.call = graph, call
 
     def replay(self) -> None:
         self.graph.replay()
 
 
-def capture_graph(fn: Callable[[], None], device: torch.device) -> CapturedCall:
+def capture_graph(fn: Callable[[], object], device: torch.device) -> CapturedCall:
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     graph = torch.cuda.CUDAGraph()
@@ -170,8 +171,8 @@ def bench_m(pool: WeightPool, m: int, *, cold: bool, replays: int, seed: int, l2
     work = touched(pack, ids)
     runners = pool.take(copies_needed(work["bytes"], l2_bytes, cold))
     outs = [torch.empty((m, pack.hidden), dtype=torch.float32, device=device) for _ in runners]
-    fused = [capture_graph(lambda r=r, o=o: r.forward(x, ids, weights, out=o), device) for r, o in zip(runners, outs)]
-    two = [capture_graph(lambda r=r, o=o: r.two_pass(x, ids, weights, out=o), device) for r, o in zip(runners, outs)]
+    fused = [capture_graph(partial(r.forward, x, ids, weights, out=o), device) for r, o in zip(runners, outs)]
+    two = [capture_graph(partial(r.two_pass, x, ids, weights, out=o), device) for r, o in zip(runners, outs)]
     fused_t = time_graphs(fused, replays, device)
     two_t = time_graphs(two, replays, device)
     plan = base.plan(m, int(ids.shape[1]))

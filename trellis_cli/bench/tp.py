@@ -24,6 +24,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, Callable, Mapping, TypedDict, cast
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,7 @@ class LaunchedRank:
     local_rank: int
 
 
-def launched_rank(environ=os.environ) -> LaunchedRank | None:
+def launched_rank(environ: Mapping[str, str] = os.environ) -> LaunchedRank | None:
     """This process's place in a launcher-made group, or None when no launcher set one up."""
     if not all(environ.get(name) for name in LAUNCH_VARS):
         return None
@@ -85,7 +86,40 @@ def require_gpus(count: int, local_rank: int | None = None) -> None:
         raise GpuUnavailable(f"{what}, {visible} visible (--device cpu checks the slicing without GPUs)")
 
 
-def run_tp(job: TpJob) -> dict | None:
+class _SmokeBody(TypedDict):
+    environment: dict[str, Any]  # rank 0's GPU and library; {} on the CPU
+    reference: str  # "whole layer" or "sum of rank slices"
+    checks: list[dict[str, Any]]  # smoke.Check, as plain data
+    passed: bool
+
+
+class _TimingBody(TypedDict):
+    environment: dict[str, Any]
+    cold: bool
+    out_dtype: str
+    rows: list[dict[str, Any]]  # per M: the slowest rank's kernel, all-reduce and layer times
+
+
+class _TpHead(TypedDict):
+    source: str
+    tp: int
+    backend: str  # gloo on the CPU, nccl on GPUs
+    device: str
+
+
+class TpReport(_TpHead, total=False):
+    """Rank 0's report of a `--tp` run, the `--json` document: the head, then a smoke's or a timing's keys."""
+
+    environment: dict[str, Any]
+    reference: str  # smoke
+    checks: list[dict[str, Any]]  # smoke
+    passed: bool  # smoke
+    cold: bool  # timing
+    out_dtype: str  # timing
+    rows: list[dict[str, Any]]  # timing
+
+
+def run_tp(job: TpJob) -> TpReport | None:
     """The report (rank 0 or the spawning parent) or None (another launched rank)."""
     launched = launched_rank()
     if launched is None and job.plan.tp == 1:  # a group of one needs no other process
@@ -103,7 +137,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _spawn(job: TpJob) -> dict:
+def _spawn(job: TpJob) -> TpReport:
     from torch.multiprocessing import spawn
     from torch.multiprocessing.spawn import ProcessException
 
@@ -117,7 +151,7 @@ def _spawn(job: TpJob) -> dict:
         result = Path(tmp) / RESULT_FILE
         if not result.is_file():
             raise CheckFailed("rank 0 ended without a report (interrupted?)")
-        return json.loads(result.read_text(encoding="utf-8"))
+        return cast(TpReport, json.loads(result.read_text(encoding="utf-8")))  # rank 0's run_rank, as JSON
 
 
 def _spawned_rank(index: int, job: TpJob, port: int, tmp: str) -> None:
@@ -163,23 +197,26 @@ def _rank_device(device: str, local_rank: int, world: int) -> torch.device:
     return gpu
 
 
-def run_rank(job: TpJob, rank: int, local_rank: int, init_method: str) -> dict | None:
+def run_rank(job: TpJob, rank: int, local_rank: int, init_method: str) -> TpReport | None:
     """One rank's whole life: join the group, load its slice, check or time, leave. Rank 0 returns the report."""
     device = _rank_device(job.device, local_rank, job.plan.tp)
     backend = "gloo" if device.type == "cpu" else "nccl"
-    extra = {} if device.type == "cpu" else {"device_id": device}
+    extra: dict[str, Any] = {} if device.type == "cpu" else {"device_id": device}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=job.plan.tp,
                             timeout=GROUP_TIMEOUT, **extra)
     try:
+        body: _SmokeBody | _TimingBody
         body = _rank_smoke(job, rank, device) if job.smoke else _rank_timing(job, rank, device)
     finally:
         dist.destroy_process_group()
     if rank != 0:
         return None
-    return {"source": job.plan.description, "tp": job.plan.tp, "backend": backend, "device": job.device, **body}
+    report: TpReport = {"source": job.plan.description, "tp": job.plan.tp, "backend": backend, "device": job.device,
+                        **body}
+    return report
 
 
-def _log_for(job: TpJob, rank: int):
+def _log_for(job: TpJob, rank: int) -> Callable[[str], None]:
     def log(message: str) -> None:
         if rank == 0 and not job.quiet:
             print(message, file=sys.stderr, flush=True)
@@ -187,7 +224,7 @@ def _log_for(job: TpJob, rank: int):
     return log
 
 
-def _rank_smoke(job: TpJob, rank: int, device: torch.device) -> dict:
+def _rank_smoke(job: TpJob, rank: int, device: torch.device) -> _SmokeBody:
     from trellis_cli.bench.tp_check import rank_smoke
 
     pack = load_rank_pack(job.plan, rank, device, seed=job.seed)
@@ -205,7 +242,7 @@ def _rank_smoke(job: TpJob, rank: int, device: torch.device) -> dict:
             "checks": [asdict(c) for c in checks], "passed": not failed}
 
 
-def _rank_timing(job: TpJob, rank: int, device: torch.device) -> dict:
+def _rank_timing(job: TpJob, rank: int, device: torch.device) -> _TimingBody:
     from trellis_cli.bench.environment import environment
     from trellis_cli.bench.tp_timing import OUT_DTYPE, combine_ranks, rank_timing
     from trellis_cli.kernel.abi import default_library
@@ -214,7 +251,7 @@ def _rank_timing(job: TpJob, rank: int, device: torch.device) -> dict:
     library = default_library(pack.codebook)
     rows = rank_timing(pack, library, list(job.ms), cold=job.cold, replays=job.replays, seed=job.seed + 1234,
                        log=_log_for(job, rank))
-    per_rank: list = [None] * dist.get_world_size()
+    per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, rows)
     return {"environment": environment(library, device) if rank == 0 else {}, "cold": job.cold,
             "out_dtype": str(OUT_DTYPE).removeprefix("torch."), "rows": combine_ranks(per_rank, pack.hidden)}

@@ -26,7 +26,7 @@ import torch
 
 from trellis_cli.bench.synthetic import Preset, get_preset, synthetic_pack
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.reference import layer_pack_forward, moe_forward
+from trellis_cli.reference import Expert, layer_pack_forward, moe_forward
 from trellis_cli.formats.layer_pack import LayerPack
 
 # "sliced": a container whose slot extents fix the TP degrees (each rank is one extent, the whole layer is
@@ -60,6 +60,7 @@ def plan_tp_source(source: str | None, *, synthetic: str | None, partition: str 
         return _plan_synthetic(*chosen, tp)
     from trellis_cli.dialects.registry import layer_pack_store
 
+    assert source is not None  # choose_source answers None only for a SOURCE
     path = Path(source)
     if path.is_dir() and layer_pack_store(path) is not None:
         return _plan_route_pack(path, first_route_pack_layer(path) if layer is None else layer, tp)
@@ -188,7 +189,8 @@ def _stored_slices_forward(checkpoint, layer: int, x: torch.Tensor, ids: torch.T
             return reader.read(ref).to(x.device)
 
         for rank in range(checkpoint.tp):
-            experts, codebook = {}, "mcg"
+            experts: dict[int, Expert] = {}
+            codebook = "mcg"
             for expert in routed:
                 triples = []
                 for proj in PROJECTIONS:
@@ -196,6 +198,7 @@ def _stored_slices_forward(checkpoint, layer: int, x: torch.Tensor, ids: torch.T
                     codebook = lin.codebook
                     triples.append((read(lin.trellis), read(vector_ref(moe, lin, proj, rank, "suh", shared)),
                                     read(vector_ref(moe, lin, proj, rank, "svh", shared))))
-                experts[expert] = tuple(triples)
+                gate, up, down = triples
+                experts[expert] = (gate, up, down)
             total += moe_forward(x, experts, ids, weights, codebook)
     return total

@@ -11,7 +11,8 @@ as the slowest rank saw them, and each rank's numbers.
 
 from __future__ import annotations
 
-from typing import Callable
+from functools import partial
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,11 +26,11 @@ OUT_DTYPE = torch.float32  # what the fused kernel writes and the all-reduce sum
 class _Eager:
     """A call timed like a graph replay, for when NCCL cannot be captured."""
 
-    def __init__(self, fn: Callable[[], None]) -> None:
+    def __init__(self, fn: Callable[[], object]) -> None:
         self.replay = fn
 
 
-def _graphs_everywhere(fns: list[Callable[[], None]], device: torch.device) -> tuple[list, bool]:
+def _graphs_everywhere(fns: Sequence[Callable[[], object]], device: torch.device) -> tuple[list, bool]:
     """Capture every call on every rank, or on none: ranks agree before any replay (collectives must pair)."""
     try:
         graphs, ok = [capture_graph(fn, device) for fn in fns], 1
@@ -42,7 +43,7 @@ def _graphs_everywhere(fns: list[Callable[[], None]], device: torch.device) -> t
     return [_Eager(fn) for fn in fns], False
 
 
-def _phase(fns: list[Callable[[], None]], replays: int, device: torch.device) -> tuple[dict, bool]:
+def _phase(fns: Sequence[Callable[[], object]], replays: int, device: torch.device) -> tuple[dict, bool]:
     timers, graphed = _graphs_everywhere(fns, device)
     dist.barrier()
     torch.cuda.synchronize(device)
@@ -63,10 +64,10 @@ def rank_times(pool: WeightPool, m: int, *, cold: bool, replays: int, seed: int,
         runner.forward(x, ids, weights, out=out)
         dist.all_reduce(out)
 
-    kernel_t, _ = _phase([lambda r=r, o=o: r.forward(x, ids, weights, out=o) for r, o in zip(runners, outs)],
+    kernel_t, _ = _phase([partial(r.forward, x, ids, weights, out=o) for r, o in zip(runners, outs)],
                          replays, device)
-    reduce_t, reduce_graphed = _phase([lambda: dist.all_reduce(reduce_only)], replays, device)
-    layer_t, layer_graphed = _phase([lambda r=r, o=o: layer(r, o) for r, o in zip(runners, outs)], replays, device)
+    reduce_t, reduce_graphed = _phase([partial(dist.all_reduce, reduce_only)], replays, device)
+    layer_t, layer_graphed = _phase([partial(layer, r, o) for r, o in zip(runners, outs)], replays, device)
     return {"m": m, "copies": len(runners), "experts": work["experts"], "bytes": work["bytes"],
             "kernel": kernel_t, "all_reduce": reduce_t, "layer": layer_t,
             "graphs": reduce_graphed and layer_graphed}

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from trellis_cli.cli import output
 from trellis_cli.cli.options import CacheDirOpt, EndpointOpt, OfflineOpt, TokenOpt, open_cli_source
 from trellis_cli.errors import EXIT_FINDINGS, UsageError
+
+if TYPE_CHECKING:
+    from trellis_cli.diff.result import DiffSide
 
 MAX_LISTED = 10  # per group in the human and Markdown views; --json lists everything
 
@@ -79,10 +82,10 @@ def diff_command(
 
 # ---- the human view: grouped, capped with counts ------------------------------------------------------------
 
-def _side_line(name: str, side: dict[str, Any]) -> str:
-    where = output.printable(side["description"])
-    tp = "TP any (slot layout)" if side["tp"] is None else f"TP {side['tp']}"
-    return f"{name}: {where} ({side['dialect']}, {tp}, codebook {side['codebook']})"
+def _side_line(name: str, side: DiffSide) -> str:
+    where = output.printable(side.description)
+    tp = "TP any (slot layout)" if side.tp is None else f"TP {side.tp}"
+    return f"{name}: {where} ({side.dialect}, {tp}, codebook {side.codebook})"
 
 
 def _value(value: Any, limit: int = 60) -> str:
@@ -179,8 +182,8 @@ def render_markdown(result) -> list[str]:
 
     lines = ["# trellis diff", "", row("", "source", "dialect", "TP", "codebook"), row("---", "---", "---", "---", "---")]
     for name, side in (("A", result.a), ("B", result.b)):
-        lines.append(row(name, output.printable(side["description"]), side["dialect"],
-                         side["tp"] if side["tp"] is not None else "any", side["codebook"]))
+        lines.append(row(name, output.printable(side.description), side.dialect,
+                         side.tp if side.tp is not None else "any", side.codebook))
     if result.structure:
         lines += ["", f"## Declarations ({len(result.structure)} differ)", "", row("file", "key", "A", "B"),
                   row("---", "---", "---", "---")]

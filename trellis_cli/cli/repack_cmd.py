@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -14,6 +14,10 @@ from trellis_cli.cli import output
 from trellis_cli.cli.options import (CacheDirOpt, EndpointOpt, OfflineOpt, RevisionOpt, TokenOpt, open_cli_source,
                                      parse_layers)
 from trellis_cli.errors import TrellisError, UsageError
+
+if TYPE_CHECKING:
+    from trellis_cli.dialects.conversion import DryRunPlan, RepackResult
+    from trellis_cli.repack.run import RepackOptions
 
 
 HELP = (
@@ -153,7 +157,7 @@ def _say_where_the_stage_is(out: Path) -> None:
                       f"to free the space)", err=True)
 
 
-def _print_plan(plan: dict, as_json: bool) -> None:
+def _print_plan(plan: DryRunPlan, as_json: bool) -> None:
     """--dry-run: what a run would write and whether it would be refused; exit 1 on a refusal."""
     from trellis_cli.errors import CheckFailed
 
@@ -174,22 +178,16 @@ def _print_plan(plan: dict, as_json: bool) -> None:
         raise CheckFailed("dry run: a real run would be refused: " + "; ".join(plan["refusals"]))
 
 
-def _print_summary(result, options, source: str, seconds: float, as_json: bool) -> None:
+def _print_summary(result: RepackResult, options: RepackOptions, source: str, seconds: float, as_json: bool) -> None:
     # Verified means every output byte equals its source byte; it says nothing of whether the values are sound.
     note = f"tensor values not checked (`trellis validate {source} --deep` checks them)"
-    summary = {
-        "out": str(result.out), "to": options.to, "files_written": result.files_written,
-        "files_resumed": result.files_resumed, "bytes_written": result.bytes_written,
-        "bytes_needed": result.bytes_needed, "seconds": round(seconds, 3), "write_seconds": round(result.seconds, 3),
-        "throughput_mb_s": round(result.bytes_written / result.seconds / 1e6, 1) if result.seconds else None,
-        "notes": [note],
-    }
+    summary = result.summary(options.to, seconds, [note])
     if as_json:
-        output.emit_json(summary)
+        output.emit_json(summary.to_json())
         return
     output.print_line(
-        f"wrote {summary['out']} ({options.to}): {result.files_written} file(s) written and verified against the "
-        f"source bit for bit, {result.files_resumed} resumed, {result.bytes_written:,} bytes in {summary['seconds']} s "
+        f"wrote {summary.out} ({options.to}): {result.files_written} file(s) written and verified against the "
+        f"source bit for bit, {result.files_resumed} resumed, {result.bytes_written:,} bytes in {summary.seconds} s "
         f"({round(seconds - result.seconds, 1)} s of it opening, validating and planning); {note}")
 
 

@@ -7,12 +7,15 @@ import json
 import re
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from trellis_cli.cli import output
 from trellis_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    from trellis_cli.synth import SynthSummary
 
 # Measured: writing one glm52-tp4 layer (12,288 tensors, 3.97 GB) peaks at about PEAK_RSS_MB of resident
 # memory (most of it the torch runtime), because data is generated one linear (<= 1.6 MB) at a time.
@@ -213,7 +216,7 @@ def synth_command(
         synth.write_checkpoint(out, spec, lambda _layer: advance(), overwrite=overwrite)
     doc = synth.summary(spec, out)
     if as_json:
-        output.emit_json(doc)
+        output.emit_json(doc.to_json())
         return
     _print_summary(doc)
 
@@ -236,13 +239,13 @@ def _write_glm53(out: Path, preset: str, refused: list[str], changes: dict, over
         synth_glm53.write_stream_checkpoint(out, spec, lambda _layer: advance(), overwrite=overwrite)
     doc = synth_glm53.summary(spec, out)
     if as_json:
-        output.emit_json(doc)
+        output.emit_json(doc.to_json())
         return
-    layers = doc["layers"]
-    output.print_line(f"wrote {doc['path']} (GLM-5.3 unsliced stream{', sparse' if doc['sparse'] else ''}): "
-                      f"MoE layers {layers[0]}-{layers[-1]} ({doc['mtp_layers']} MTP), H {doc['hidden']}, "
-                      f"I {doc['intermediate']}, {doc['experts']} experts, K{doc['bits']} mcg, "
-                      f"{doc['tensor_bytes']:,} bytes of tensor data")
+    layers = doc.layers
+    output.print_line(f"wrote {doc.path} (GLM-5.3 unsliced stream{', sparse' if doc.sparse else ''}): "
+                      f"MoE layers {layers[0]}-{layers[-1]} ({doc.mtp_layers} MTP), H {doc.hidden}, "
+                      f"I {doc.intermediate}, {doc.experts} experts, K{doc.bits} mcg, "
+                      f"{doc.tensor_bytes:,} bytes of tensor data")
 
 
 def _write_exl3v1(out: Path, spec, overwrite: bool, as_json: bool) -> None:
@@ -261,31 +264,31 @@ def _write_exl3v1(out: Path, spec, overwrite: bool, as_json: bool) -> None:
         synth_exl3v1.write_checkpoint(out, spec, lambda _layer: advance(), overwrite=overwrite)
     doc = synth_exl3v1.summary(spec, out)
     if as_json:
-        output.emit_json(doc)
+        output.emit_json(doc.to_json())
         return
-    rates = f"uniform K{doc['bits']}" if doc["structure"] == "uniform" else f"per_expert_pair {doc['pair_kinds']}"
-    output.print_line(f"wrote {doc['path']} (exl3-v1{', sparse' if doc['sparse'] else ''}): {len(doc['layers'])} "
-                      f"layers, H {doc['hidden']}, I {doc['intermediate']} ({doc['num_slots']} slots), "
-                      f"{doc['experts']} experts, {rates}, {doc['tensor_bytes']:,} bytes of tensor data")
+    rates = f"uniform K{doc.bits}" if doc.structure == "uniform" else f"per_expert_pair {doc.pair_kinds}"
+    output.print_line(f"wrote {doc.path} (exl3-v1{', sparse' if doc.sparse else ''}): {len(doc.layers)} "
+                      f"layers, H {doc.hidden}, I {doc.intermediate} ({doc.num_slots} slots), "
+                      f"{doc.experts} experts, {rates}, {doc.tensor_bytes:,} bytes of tensor data")
 
 
-def _print_summary(doc: dict) -> None:
+def _print_summary(doc: SynthSummary) -> None:
     from trellis_cli.findings import counted
     from trellis_cli.inspect_report import human_bytes
 
-    layers = doc["layers"]
+    layers = doc.layers
     span = f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) else ",".join(map(str, layers))
-    tiers = sorted({json.dumps(p, sort_keys=True) for p in doc["partitions"].values()})
+    tiers = sorted({json.dumps(p, sort_keys=True) for p in doc.partitions.values()})
     lines = [
-        f"wrote {doc['path']}{' (sparse)' if doc['sparse'] else ''}",
-        f"  geometry  H {doc['hidden']}, I {doc['intermediate']} ({doc['intermediate_per_rank']}/rank), "
-        f"{doc['experts']} experts, TP{doc['tp']}, top-{doc['top_k']}",
-        f"  layers    {span} ({counted(len(layers), 'shards')}, {doc['tensors_per_layer']} tensors each)",
-        f"  bits      {doc['bits']} (mean {doc['mean_bpw']} bpw), {doc['codebook']}, {doc['rotation_layout']}",
+        f"wrote {doc.path}{' (sparse)' if doc.sparse else ''}",
+        f"  geometry  H {doc.hidden}, I {doc.intermediate} ({doc.intermediate_per_rank}/rank), "
+        f"{doc.experts} experts, TP{doc.tp}, top-{doc.top_k}",
+        f"  layers    {span} ({counted(len(layers), 'shards')}, {doc.tensors_per_layer} tensors each)",
+        f"  bits      {doc.bits} (mean {doc.mean_bpw} bpw), {doc.codebook}, {doc.rotation_layout}",
         f"  tiers     {'; '.join(tiers)}",
-        f"  bytes     {doc['tensor_bytes']:,} tensor data ({human_bytes(doc['tensor_bytes'])})",
-        f"  model     {doc['model_type']}: " + (
-            f"{doc['non_expert_tensors']} weights besides the experts ({doc['non_expert']})" if doc["non_expert"] != "none"
+        f"  bytes     {doc.tensor_bytes:,} tensor data ({human_bytes(doc.tensor_bytes)})",
+        f"  model     {doc.model_type}: " + (
+            f"{doc.non_expert_tensors} weights besides the experts ({doc.non_expert})" if doc.non_expert != "none"
             else "routed experts only: no engine loads it (--non-expert bf16 writes every weight)"),
     ]
     for line in lines:

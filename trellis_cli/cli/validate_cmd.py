@@ -72,7 +72,7 @@ def validate_command(
         report = validate_source(opened, request, _progress(bars, as_json))
     report.context.setdefault("source", opened.describe())
     if as_json:
-        emit_report_json(report, source=opened.describe(), revision=getattr(opened, "revision", None),
+        emit_report_json(report, source=opened.describe(), revision=opened.revision,
                          strict=strict)
     else:
         render_report(report)
@@ -124,8 +124,8 @@ def render_report(report: Report) -> None:
     if context.get("dialect"):
         output.print_line(f"dialect: {context['dialect']}")
     if context.get("engine"):
-        enforced = next((v for v in report.engines if v["enforced"]), {})
-        how = "default" if enforced.get("default") else "--engine"
+        enforced = next((v for v in report.engines if v["enforced"]), None)
+        how = "default" if enforced is not None and enforced["default"] else "--engine"
         output.print_line(f"engine rules enforced: {context['engine']} ({how})")
     elif "engine" in context:
         output.print_line("engine rules enforced: none (no profiled loader reads this dialect; --engine NAME "

@@ -16,9 +16,10 @@ backslash, drive letter, NUL or other control character. Anything else is refuse
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, TypedDict
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.interface import StagedOutput
@@ -48,6 +49,29 @@ Progress = Callable[[int], None]
 Validator = Callable[[Checkpoint], Report]  # a checkpoint -> the findings that decide whether it may be used
 
 
+class _DryRunSelection(TypedDict, total=False):
+    # what of the source the output holds, where the conversion selects it (OutputPlan.selection)
+    layers: str  # id ranges
+    ranks: list[int]
+    tp: int | list[int]
+
+
+class DryRunPlan(_DryRunSelection):
+    """`repack --dry-run`: what a run would write, OUT's free space, and the refusals a real run would make. The
+    wire shape of `repack --dry-run --json` (which adds `"dry_run": true` first): conversion, out, the
+    selection, then the keys below, in that order."""
+
+    conversion: str  # "tr3/per_expert_v1 -> route-pack"
+    out: str
+    files: list[dict[str, Any]]  # {"name", and "bytes" (exact) or "data_bytes" (tensor data; a header follows)}
+    bytes_needed: int
+    bytes_resumable: int  # of it, already verified in OUT.partial
+    free_bytes: int
+    space_ok: bool
+    refusals: list[str]
+    notes: list[str]
+
+
 @dataclass
 class RepackResult:
     out: Path
@@ -57,7 +81,34 @@ class RepackResult:
     bytes_needed: int = 0  # every byte the output holds, as the free-space check counted it
     seconds: float = 0.0
     manifest: dict[str, Any] = field(default_factory=dict)
-    plan: dict[str, Any] | None = None  # --dry-run: what a run would write, and its checks; nothing written
+    plan: DryRunPlan | None = None  # --dry-run: what a run would write, and its checks; nothing written
+
+    def summary(self, to: str, seconds: float, notes: list[str]) -> RepackSummary:
+        """What `trellis repack --json` prints of a finished run; `seconds`: the whole command's, opening included."""
+        return RepackSummary(
+            out=str(self.out), to=to, files_written=self.files_written, files_resumed=self.files_resumed,
+            bytes_written=self.bytes_written, bytes_needed=self.bytes_needed, seconds=round(seconds, 3),
+            write_seconds=round(self.seconds, 3),
+            throughput_mb_s=round(self.bytes_written / self.seconds / 1e6, 1) if self.seconds else None, notes=notes)
+
+
+@dataclass(frozen=True)
+class RepackSummary:
+    """A finished repack, in the key order of `trellis repack --json`."""
+
+    out: str
+    to: str  # the --to target
+    files_written: int
+    files_resumed: int  # verified files an interrupted run had staged
+    bytes_written: int
+    bytes_needed: int
+    seconds: float  # the whole run: opening, validating, planning and writing
+    write_seconds: float  # the staged write and its read-back
+    throughput_mb_s: float | None  # bytes written per write second; None when nothing was timed
+    notes: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 class Driver(ABC):

@@ -9,10 +9,62 @@ Plain data out; inspect_report renders it.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, Mapping, Sequence, TypedDict
 
 from trellis_cli.checkpoint.model import Checkpoint, MoeLayer
 from trellis_cli.id_ranges import compact_ranges
+
+
+class Geometry(TypedDict):
+    """A document's `geometry`: what the model says of the checkpoint's shape."""
+
+    hidden: int | None
+    intermediate: int | None
+    intermediate_per_rank: int | None
+    experts: int | None
+    tp: int
+    codebook: str | None
+    rotation_layout: str
+
+
+class LayerRow(TypedDict):
+    """One MoE layer of per-linear shards (`layers` of the document), in its JSON key order."""
+
+    layer: int
+    partition: str  # experts per tier, "192/64"; "-" without one
+    k_values: list[int]
+    experts: int
+    bpw: float
+    tiers: dict[str, str]  # "K<k>" -> its experts as id ranges
+    projection_k: dict[str, int] | None  # (expert, projection) pairs per K where K varies within an expert
+    declared_projection_k: dict[str, int] | None  # the same, as R7 / tensor_storage maps declare it
+    bytes_per_rank: int
+    trellis_bytes_per_rank: int
+    ranks: int
+    rotation: str
+    shards: list[str]
+    tensors: int
+
+
+class Totals(TypedDict):
+    """The whole checkpoint's `totals`, whatever --layers shows (a dialect's document may add to them)."""
+
+    layers: int
+    routed_bytes_per_rank: int
+    mtp_routed_bytes_per_rank: int
+    routed_trellis_bytes_per_rank: int
+    checkpoint_bytes: int
+    tensor_bytes: int
+    non_routed_bytes: int
+    weights_per_rank_bytes: int  # an estimate: non-routed tensors split evenly over the TP ranks
+    tensors: int
+    files: int
+
+
+def geometry(ckpt: Checkpoint) -> Geometry:
+    return {"hidden": ckpt.hidden, "intermediate": ckpt.intermediate,
+            "intermediate_per_rank": ckpt.intermediate_per_rank, "experts": ckpt.num_experts, "tp": ckpt.tp,
+            "codebook": ckpt.codebook, "rotation_layout": ckpt.rotation_layout}
 
 
 def shard_document(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str, Any]:
@@ -23,12 +75,10 @@ def shard_document(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[st
     rows = [layer_summary(ckpt, ckpt.layers[li]) for li in chosen]
     # Totals describe the whole checkpoint, whatever --layers shows; the selection gets its own.
     every = rows if layers is None else [layer_summary(ckpt, moe) for moe in ckpt.layers.values()]
-    document = {
+    document: dict[str, Any] = {
         "dialect": ckpt.dialect,
         "source": describe_source(ckpt),
-        "geometry": {"hidden": ckpt.hidden, "intermediate": ckpt.intermediate,
-                     "intermediate_per_rank": ckpt.intermediate_per_rank, "experts": ckpt.num_experts, "tp": ckpt.tp,
-                     "codebook": ckpt.codebook, "rotation_layout": ckpt.rotation_layout},
+        "geometry": geometry(ckpt),
         "declared": _declared_keys(ckpt),
         "layers": rows,
         "runs": collapse_runs(rows),
@@ -43,8 +93,8 @@ def shard_document(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[st
 
 
 def describe_source(ckpt: Checkpoint) -> dict[str, Any]:
-    info = ckpt.source.describe()
-    info.setdefault("revision", ckpt.source.revision)
+    info = dict(ckpt.source.describe())  # a copy: the source's own answer stays as it was
+    info.setdefault("revision", ckpt.source.revision)  # a library's own Source may leave it out
     return info
 
 
@@ -68,7 +118,7 @@ def _declared_keys(ckpt: Checkpoint) -> dict[str, Any]:
     return out
 
 
-def layer_summary(ckpt: Checkpoint, layer: MoeLayer) -> dict[str, Any]:
+def layer_summary(ckpt: Checkpoint, layer: MoeLayer) -> LayerRow:
     tiers = layer.partition()
     n_experts = sum(len(ids) for ids in tiers.values())
     rank_bytes: Counter[int] = Counter()
@@ -124,7 +174,7 @@ _RUN_KEYS = ("partition", "k_values", "bpw", "bytes_per_rank", "trellis_bytes_pe
              "projection_k", "declared_projection_k")
 
 
-def collapse_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def collapse_runs(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Consecutive layers with the same partition, bpw, bytes, rotation and tensor count become one run."""
     runs: list[dict[str, Any]] = []
     for row in rows:
@@ -150,7 +200,7 @@ def _decoder_layers(ckpt: Checkpoint) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
-def totals(ckpt: Checkpoint, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def totals(ckpt: Checkpoint, rows: Sequence[Mapping[str, Any]]) -> Totals:
     # "Routed experts per rank", one definition with `trellis fit`: the decoder's MoE layers, the MTP layer apart.
     decoder = _decoder_layers(ckpt)
     mtp_rank = sum(r["bytes_per_rank"] for r in rows if decoder is not None and r["layer"] >= decoder)

@@ -67,10 +67,22 @@ class LayerDiff:
     methods: dict[str, int] = field(default_factory=dict)  # method -> units of this layer it decided
 
 
+@dataclass(frozen=True)
+class DiffSide:
+    """One side of a diff: where it came from and what it is, in the key order of `diff --json`'s `a` and `b`."""
+
+    description: str  # the source as reports name it
+    source: dict[str, Any]  # Source.describe()
+    dialect: str
+    tp: int | None  # the TP its ranks are stored at; None: cut when read (a slot layout)
+    codebook: str | None
+    rotation_layout: str | None
+
+
 @dataclass
 class DiffResult:
-    a: dict[str, Any]  # source description, dialect, tp, codebook, rotation layout
-    b: dict[str, Any]
+    a: DiffSide
+    b: DiffSide
     compared_tp: int | None
     layers_compared: list[int]
     structure: list[StructureChange] = field(default_factory=list)

@@ -22,18 +22,19 @@ from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.reader import require_intact, same_bytes
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.diff.hashing import HEADER, SHA256, Hasher, storage_identity
-from trellis_cli.diff.result import (BYTES, DTYPE, ONLY_A, ONLY_B, SHAPE, DiffResult, LayerDiff, TensorDifference,
-                                     TierChange)
+from trellis_cli.diff.result import (BYTES, DTYPE, ONLY_A, ONLY_B, SHAPE, DiffResult, DiffSide, LayerDiff,
+                                     TensorDifference, TierChange)
 from trellis_cli.diff.structure import structure_changes
 from trellis_cli.diff.units import (CODES, OTHER, Key, Span, Unit, layer_file_tensors, layer_units, moe_layers,
                                     native_tp, other_units, read_tp)
 from trellis_cli.errors import CheckFailed, UsageError
+from trellis_cli.sources import SourceArg
 
 Progress = Callable[[int], None]
 _FILE, _BEGIN, _END = attrgetter("file"), attrgetter("begin"), attrgetter("end")
 
 
-def diff_sources(a: Any, b: Any, *, layers: list[int] | None = None, progress: Progress | None = None,
+def diff_sources(a: SourceArg, b: SourceArg, *, layers: list[int] | None = None, progress: Progress | None = None,
                  download_progress: Progress | None = None, on_layer: Callable[[int, int], None] | None = None,
                  on_open: Callable[[str], None] | None = None,
                  open_progress: Callable[[str, int, int], None] | None = None) -> DiffResult:
@@ -355,9 +356,10 @@ def _declared(ck: Checkpoint, layer: int) -> dict[int, int] | None:
     return dict(enumerate(moe.declared_k))
 
 
-def _side(ck: Checkpoint) -> dict[str, Any]:
-    return {"description": ck.source.description, "source": ck.source.describe(), "dialect": ck.dialect, "tp": ck.tp
-            if native_tp(ck) is not None else None, "codebook": ck.codebook, "rotation_layout": ck.rotation_layout}
+def _side(ck: Checkpoint) -> DiffSide:
+    return DiffSide(description=ck.source.description, source=dict(ck.source.describe()), dialect=ck.dialect,
+                    tp=ck.tp if native_tp(ck) is not None else None, codebook=ck.codebook,
+                    rotation_layout=ck.rotation_layout)
 
 
 def _span(layers: set[int]) -> str:

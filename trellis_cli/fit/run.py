@@ -25,6 +25,7 @@ from trellis_cli.fit.reserve import CASES, Term, reserve_terms
 from trellis_cli.fit.sharding import ENGINE_SOURCES, ENGINES
 from trellis_cli.fit.weights import Inventory, Weights, rank_weights, scan, scan_columns, styles_shown
 from trellis_cli.fit.weights import to_json as weights_json
+from trellis_cli.sources import SourceArg
 
 FITS, MARGINAL, SHORT = "fits", "marginal", "does not fit"
 MAX_CTX = 1 << 40  # past any model's positions: a larger --ctx is a typo
@@ -229,7 +230,7 @@ class _Evaluator:
             return None
 
 
-def fit_source(source: Any, request: FitRequest,
+def fit_source(source: SourceArg, request: FitRequest,
                progress: Callable[[str, int, int], None] | None = None) -> FitResult:
     """Check `request` (a usage error before anything is read or downloaded), open `source` (a Source or a local
     path; `progress(stage, done, total)` while its headers are read) and fit it."""

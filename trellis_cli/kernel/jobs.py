@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import IO, Callable
 
 from trellis_cli.errors import GpuUnavailable
 
@@ -37,8 +37,8 @@ class Job:
 @dataclass
 class _Running:
     job: Job
-    proc: subprocess.Popen
-    log: object  # the job's stdout and stderr
+    proc: subprocess.Popen[bytes]
+    log: IO[bytes]  # the job's stdout and stderr
     started: float
     cpu_ticks: int = -1
     last_progress: float = field(default_factory=time.monotonic)
@@ -47,7 +47,7 @@ class _Running:
 def run_jobs(jobs: list[Job], *, parallel: int, stall_s: float,
              on_done: Callable[[Job, float], None] | None = None) -> None:
     """Run every job, `parallel` at a time, in list order; on_done(job, seconds) after each one."""
-    pending, running = deque(jobs), []
+    pending, running = deque(jobs), list[_Running]()
     try:
         while pending or running:
             while pending and len(running) < max(1, parallel):

@@ -17,9 +17,9 @@ write -> verify -> move into place.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Callable, cast
 
-from trellis_cli.dialects.conversion import Driver, OutputPlan, Progress, RepackResult
+from trellis_cli.dialects.conversion import Driver, DryRunPlan, OutputPlan, Progress, RepackResult
 from trellis_cli.disk_space import free_bytes, space_refusal
 from trellis_cli.errors import CheckFailed
 from trellis_cli.id_ranges import compact_ranges
@@ -28,7 +28,7 @@ from trellis_cli.repack.staging import (Stage, announce, check_target, refuse_ov
                                         stage_path)
 
 
-def plan_document(plan: OutputPlan, resumable: int) -> dict[str, Any]:
+def plan_document(plan: OutputPlan, resumable: int) -> DryRunPlan:
     """The dry run's answer: what would be written, the free space, and the refusals a real run would make."""
     out = plan.out
     free = free_bytes(out)
@@ -36,12 +36,14 @@ def plan_document(plan: OutputPlan, resumable: int) -> dict[str, Any]:
     selection = dict(plan.selection)
     if "layers" in selection:
         selection["layers"] = compact_ranges(selection["layers"])
-    return {"conversion": plan.conversion, "out": str(out), **selection, "files": plan.files,
-            "bytes_needed": plan.bytes_needed, "bytes_resumable": resumable, "free_bytes": free,
-            "space_ok": refusal is None, "refusals": [refusal] if refusal else [], "notes": plan.notes}
+    # cast: the selection's keys are the driver's (layers, ranks, tp), checked by DryRunPlan's readers, not here
+    return cast(DryRunPlan, {"conversion": plan.conversion, "out": str(out), **selection, "files": plan.files,
+                             "bytes_needed": plan.bytes_needed, "bytes_resumable": resumable, "free_bytes": free,
+                             "space_ok": refusal is None, "refusals": [refusal] if refusal else [],
+                             "notes": plan.notes})
 
 
-def check_before_work(plan: OutputPlan, overwrite: bool) -> dict[str, Any]:
+def check_before_work(plan: OutputPlan, overwrite: bool) -> DryRunPlan:
     """OUT, the lock file and free space as they stand now (refusals of OUT and the lock raise): the dry run's
     document, and the real run's refusal before the slow part."""
     check_target(plan.out, plan.protected, overwrite)  # the lock file's refusals included

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.registry import dialect_named
 from trellis_cli.errors import UsageError
-from trellis_cli.findings import Finding, Report, Severity
+from trellis_cli.findings import EngineReason, EngineVerdict, Finding, Report, Severity, TpVerdict
 from trellis_cli.id_ranges import compact_ranges
 from trellis_cli.validate import engine_manifest as m
 from trellis_cli.validate import engine_protected as pr
@@ -154,26 +154,27 @@ def assess(ckpt: Checkpoint, layers: list[int], report: Report, enforced: str | 
 
 
 def _verdict(engine: Engine, refused: list[r.Refusal], format_errors: list[Finding], enforced: str | None,
-             ckpt: Checkpoint, tp: int | None) -> dict:
+             ckpt: Checkpoint, tp: int | None) -> EngineVerdict:
     dialect = ckpt.dialect
-    reasons = [{"code": x.code, "reason": x.reason, "message": x.message, "location": x.where.to_dict()}
-               for x in refused]
+    reasons: list[EngineReason] = [
+        {"code": x.code, "reason": x.reason, "message": x.message, "location": x.where.to_dict()} for x in refused]
     if format_errors:
         codes = sorted({f.code for f in format_errors})
         reasons.append({"code": "format", "reason": f"{len(format_errors)} format error(s): {', '.join(codes[:3])}",
                         "message": "errors of the format rules, which every loader refuses", "location": {}})
-    verdict = {"name": engine.name, "label": engine.label, "version": engine.version, "reads": engine.reads,
-               "enforced": engine.name == enforced, "default": engine.name == default_engine(dialect),
-               "loads": not reasons, "tp": tp, "tp_accepted": _tp_accepted(engine, ckpt, refused),
-               "reasons": reasons[:MAX_REASONS]}
+    verdict: EngineVerdict = {
+        "name": engine.name, "label": engine.label, "version": engine.version, "reads": engine.reads,
+        "enforced": engine.name == enforced, "default": engine.name == default_engine(dialect),
+        "loads": not reasons, "tp": tp, "tp_accepted": _tp_accepted(engine, ckpt, refused),
+        "reasons": reasons[:MAX_REASONS]}
     if len(reasons) > MAX_REASONS:
         verdict["more_reasons"] = len(reasons) - MAX_REASONS
     return verdict
 
 
-def tp_verdicts(ckpt: Checkpoint, tp: int) -> dict[str, dict]:
+def tp_verdicts(ckpt: Checkpoint, tp: int) -> dict[str, TpVerdict]:
     """Each engine that reads this container: whether its TP contract accepts `tp`, and why not (inspect --tp)."""
-    out = {}
+    out: dict[str, TpVerdict] = {}
     for engine in ENGINES:
         if not engine.listed_for(ckpt) or any(x.code == CONTAINER for rule in engine.rules for x in rule(ckpt, list(ckpt.layers))):
             continue
@@ -190,7 +191,7 @@ def _tp_accepted(engine: Engine, ckpt: Checkpoint, refused: list[r.Refusal]) -> 
     return "any" if accepted is None else accepted
 
 
-def unreadable_verdicts(why: str) -> list[dict]:
+def unreadable_verdicts(why: str) -> list[EngineVerdict]:
     """Verdicts for a checkpoint that could not be opened: no engine loads it."""
     return [{"name": e.name, "label": e.label, "version": e.version, "reads": e.reads, "enforced": False,
              "default": False, "loads": False, "tp": None, "tp_accepted": None,
@@ -198,7 +199,7 @@ def unreadable_verdicts(why: str) -> list[dict]:
             if e.scope is None]
 
 
-def compatibility_line(verdicts: list[dict], markers_read: bool = True, tp: int | None = None) -> str:
+def compatibility_line(verdicts: list[EngineVerdict], markers_read: bool = True, tp: int | None = None) -> str:
     """`loads on: vllm-exl3 (shared-H rules) ✓ TP 4 · vllm-exl3 (#190 rules) ✗ shared_h_v1 unsupported · ...`
 
     With `tp` (--tp) the head says which TP was checked; without it each loading engine shows the TP degrees it
@@ -206,8 +207,9 @@ def compatibility_line(verdicts: list[dict], markers_read: bool = True, tp: int 
     parts = []
     for v in verdicts:
         text = f"{v['label']} ✓" if v["loads"] else f"{v['label']} ✗ {v['reasons'][0]['reason']}"
-        if v["loads"] and tp is None and isinstance(v.get("tp_accepted"), list):
-            text += f" TP {compact_ranges(v['tp_accepted'])}" if v["tp_accepted"] else " at no TP"
+        accepted = v["tp_accepted"]
+        if v["loads"] and tp is None and isinstance(accepted, list):
+            text += f" TP {compact_ranges(accepted)}" if accepted else " at no TP"
         more = len(v["reasons"]) - 1 + v.get("more_reasons", 0)
         if more > 0:
             text += f" (+{more} more)"

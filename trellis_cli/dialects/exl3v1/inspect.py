@@ -78,7 +78,7 @@ def exl3v1_rows(ckpt: Checkpoint, chosen: list[int]) -> list[dict[str, Any]]:
 def exl3v1_document(ckpt: Checkpoint, layers: list[int] | None) -> dict[str, Any]:
     """The inspect document: the shared rows, runs and totals, plus the slot layout section and the bytes one
     rank reads at each allowed TP per run."""
-    from trellis_cli.dialects.inspect_doc import collapse_runs, describe_source, totals
+    from trellis_cli.dialects.inspect_doc import Geometry, collapse_runs, describe_source, totals
     from trellis_cli.selection import require_present
 
     chosen = list(ckpt.layers) if layers is None else require_present(layers, ckpt.layers)
@@ -88,10 +88,11 @@ def exl3v1_document(ckpt: Checkpoint, layers: list[int] | None) -> dict[str, Any
     runs = collapse_runs(rows)
     for run in runs:  # bytes per rank at each TP degree: the same across a run (same stride)
         run["rank_bytes"] = next(r["rank_bytes"] for r in rows if r["layer"] == run["layers"][0])
-    return {"dialect": ckpt.dialect, "source": describe_source(ckpt),
-            "geometry": {"hidden": ckpt.hidden, "intermediate": ckpt.intermediate,
-                         "intermediate_per_rank": ckpt.intermediate, "experts": ckpt.num_experts, "tp": 1,
-                         "codebook": ckpt.codebook, "rotation_layout": ckpt.rotation_layout},
+    # unsliced: one rank holds the whole intermediate size (a TP cuts slot extents when read)
+    geometry: Geometry = {"hidden": ckpt.hidden, "intermediate": ckpt.intermediate,
+                          "intermediate_per_rank": ckpt.intermediate, "experts": ckpt.num_experts, "tp": 1,
+                          "codebook": ckpt.codebook, "rotation_layout": ckpt.rotation_layout}
+    return {"dialect": ckpt.dialect, "source": describe_source(ckpt), "geometry": geometry,
             "declared": {}, "exl3v1": exl3v1_section(ckpt), "layers": rows, "runs": runs,
             "totals": {**totals(ckpt, every), "tensors": sum(r["tensors"] for r in every),
                        "tensor_bytes": sum(e.nbytes for h in ckpt.headers.values() for e in h.tensors.values())},

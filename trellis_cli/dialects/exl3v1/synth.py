@@ -10,9 +10,11 @@ takes seconds; its manifest then records no real digests (all zeros: there is no
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -132,14 +134,42 @@ def checkpoint_bytes(spec: SynthSpec) -> int:
     return total + sum(t.nbytes for t in non_expert_plan(spec))
 
 
-def summary(spec: SynthSpec, out: str | Path) -> dict:
+@dataclass(frozen=True)
+class Exl3v1SynthSummary:
+    """What `trellis synth --preset ... --format exl3-v1` wrote; its fields in the order of `synth --json`."""
+
+    path: str
+    format: str
+    hidden: int
+    intermediate: int
+    experts: int
+    num_slots: int
+    layers: list[int]
+    structure: str  # "uniform" or "per_expert_pair"
+    bits: int | None  # uniform only
+    pair_kinds: list[str]  # per_expert_pair only
+    codebook: str
+    per_expert_input_rotations: bool
+    mean_bpw: float
+    partitions: dict[str, dict[str, int]]  # layer -> "K<k>" -> experts
+    tensor_bytes: int
+    sparse: bool
+    seed: int
+    files: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def summary(spec: SynthSpec, out: str | Path) -> Exl3v1SynthSummary:
     m = manifest_for(spec)
     partitions = {str(layer): {f"K{k}": spec.expert_k(layer).count(k) for k in sorted(set(spec.expert_k(layer)))}
                   for layer in spec.layers}
-    return {"path": str(out), "format": "exl3-v1", "hidden": spec.hidden, "intermediate": spec.intermediate,
-            "experts": spec.experts, "num_slots": m.num_slots, "layers": list(spec.layers), "structure": m.structure,
-            "bits": m.bits, "pair_kinds": list(m.pair_kinds), "codebook": m.codebook,
-            "per_expert_input_rotations": m.per_expert_input_rotations, "mean_bpw": spec.mean_bpw(),
-            "partitions": partitions, "tensor_bytes": checkpoint_bytes(spec), "sparse": spec.sparse,
-            "seed": spec.seed, "files": sorted(p.name for p in Path(out).iterdir())}
+    return Exl3v1SynthSummary(
+        path=str(out), format="exl3-v1", hidden=spec.hidden, intermediate=spec.intermediate,
+        experts=spec.experts, num_slots=m.num_slots, layers=list(spec.layers), structure=m.structure,
+        bits=m.bits, pair_kinds=list(m.pair_kinds), codebook=m.codebook,
+        per_expert_input_rotations=m.per_expert_input_rotations, mean_bpw=spec.mean_bpw(),
+        partitions=partitions, tensor_bytes=checkpoint_bytes(spec), sparse=spec.sparse,
+        seed=spec.seed, files=sorted(p.name for p in Path(out).iterdir()))
 write_checkpoint = write_exl3v1_checkpoint  # the name trellis synth calls (Dialect.synth)

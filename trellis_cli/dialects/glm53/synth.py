@@ -213,9 +213,35 @@ def _layer_data(spec: StreamSpec, layer: int) -> Iterator[tuple[str, torch.Tenso
                     yield name, None if data is None else data[f]
 
 
-def summary(spec: StreamSpec, out: str | Path) -> dict:
-    return {"path": str(out), "format": "glm53-stream", "scope": SCOPE, "hidden": spec.hidden,
-            "intermediate": spec.intermediate, "experts": spec.experts, "layers": spec.layers,
-            "mtp_layers": spec.mtp_layers, "bits": spec.bits, "codebook": "mcg", "top_k": spec.top_k,
-            "tensors_per_layer": spec.experts * 3 * len(FIELDS), "tensor_bytes": checkpoint_bytes(spec),
-            "sparse": spec.sparse, "seed": spec.seed, "files": sorted(p.name for p in Path(out).iterdir())}
+@dataclass(frozen=True)
+class StreamSynthSummary:
+    """What `trellis synth --preset glm53-*` wrote; its fields in the order of `synth --json`."""
+
+    path: str
+    format: str
+    scope: str
+    hidden: int
+    intermediate: int
+    experts: int
+    layers: list[int]
+    mtp_layers: int
+    bits: int
+    codebook: str
+    top_k: int
+    tensors_per_layer: int
+    tensor_bytes: int
+    sparse: bool
+    seed: int
+    files: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def summary(spec: StreamSpec, out: str | Path) -> StreamSynthSummary:
+    return StreamSynthSummary(
+        path=str(out), format="glm53-stream", scope=SCOPE, hidden=spec.hidden,
+        intermediate=spec.intermediate, experts=spec.experts, layers=spec.layers,
+        mtp_layers=spec.mtp_layers, bits=spec.bits, codebook="mcg", top_k=spec.top_k,
+        tensors_per_layer=spec.experts * 3 * len(FIELDS), tensor_bytes=checkpoint_bytes(spec),
+        sparse=spec.sparse, seed=spec.seed, files=sorted(p.name for p in Path(out).iterdir()))
