@@ -48,23 +48,8 @@ __host__ __device__ constexpr int a_stride(int r, int kt = 8) { return 16 * kt *
 struct CompactStaging {
   int fc1_kt, fc1_stages, fc2_kt, fc2_stages;
 };
-#ifndef TRELLIS_CS_FAST_FC1_KT  // lab variants only (lab/perf/staging_variants.py): the ring by build defines
-#define TRELLIS_CS_FAST_FC1_KT 4
-#define TRELLIS_CS_FAST_FC1_ST 2
-#define TRELLIS_CS_FAST_FC2_KT 8
-#define TRELLIS_CS_FAST_FC2_ST 2
-#endif
-#ifndef TRELLIS_CS_ALL_FC1_KT
-#define TRELLIS_CS_ALL_FC1_KT 2
-#define TRELLIS_CS_ALL_FC1_ST 2
-#define TRELLIS_CS_ALL_FC2_KT 4
-#define TRELLIS_CS_ALL_FC2_ST 3
-#endif
 __host__ __device__ constexpr CompactStaging compact_staging(bool fast) {
-  return fast ? CompactStaging{TRELLIS_CS_FAST_FC1_KT, TRELLIS_CS_FAST_FC1_ST, TRELLIS_CS_FAST_FC2_KT,
-                               TRELLIS_CS_FAST_FC2_ST}
-              : CompactStaging{TRELLIS_CS_ALL_FC1_KT, TRELLIS_CS_ALL_FC1_ST, TRELLIS_CS_ALL_FC2_KT,
-                               TRELLIS_CS_ALL_FC2_ST};
+  return fast ? CompactStaging{4, 2, 8, 2} : CompactStaging{2, 2, 4, 3};  // K3/K4 : all K
 }
 __host__ __device__ constexpr int fc1_chunk_tiles(int r, bool fast) {
 #ifdef TRELLIS_WGMMA
