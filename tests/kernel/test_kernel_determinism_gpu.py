@@ -6,6 +6,8 @@ on the next: the portable build under sm_120's limits failed `bench --smoke`'s r
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -76,7 +78,8 @@ def test_repeats_bit_identical_on_the_production_build(production_library, m):
 
 @pytest.mark.parametrize("m", [512, 1024, 3072])
 def test_repeats_bit_identical_under_sm120_limits(portable_library, monkeypatch, m):
-    """32-row tiles with the finer tail (forced: from 64 routes per expert the plan takes 128 rows)."""
+    """32-row tiles with the finer tail, both forced: from 40 routes per expert the plan takes 128 rows, and
+    sm_120's plans take whole H ranges (one 32-row FC1 CTA per SM in 100 KB); sm_100's keep the tail."""
     from trellis_cli.kernel.launch import FusedMoe
     from trellis_cli.kernel.plan import make_plan
 
@@ -86,7 +89,8 @@ def test_repeats_bit_identical_under_sm120_limits(portable_library, monkeypatch,
     p = FEW_EXPERTS
     plan = make_plan(m, p.top_k, p.hidden, p.intermediate, p.experts, m_tile=32, num_experts=p.experts,
                      limits=moe.limits, codebook=p.codebook, fast=True, usage=moe.usage)
-    assert_repeats_identical(moe, FEW_EXPERTS, m, plan)
+    assert plan.fc1_tail_split == 1
+    assert_repeats_identical(moe, FEW_EXPERTS, m, dataclasses.replace(plan, fc1_tail_split=4))
 
 
 @pytest.mark.parametrize("kernels", ["k3k4", "all"])

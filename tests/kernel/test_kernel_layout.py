@@ -191,3 +191,19 @@ def test_fc1_tail_follows_two_ctas_per_sm():
     assert workspace_shapes(plans[3], 6144, 512)["partial"][0][0] == 4
     assert workspace_shapes(plans[4], 6144, 512)["partial"][0][0] == 4
     assert workspace_shapes(plans[7], 6144, 512)["partial"][0][0] == 1
+
+
+def test_fc1_tail_only_where_the_arch_holds_two_ctas_per_sm():
+    # The small and mid FC1 hold 98-99 KB: two share an SM of sm_90 and sm_100 (228 KB), one fills an SM of
+    # the 100 KB archs and of sm_80 (164 KB), whose plans take whole H ranges.
+    from trellis_cli.kernel.arch_limits import limits_for_arch
+    from trellis_cli.kernel.plan import make_plan
+
+    glm = (6144, 512, 256)
+    for arch, tail in (("sm_90", 4), ("sm_100", 4), ("sm_80", 1), ("sm_86", 1), ("sm_120", 1), ("sm_121", 1)):
+        limits = limits_for_arch(arch)
+        for m in (64, 512):
+            assert make_plan(m, 8, *glm, limits=limits).fc1_tail_split == tail, (arch, m)
+    hopper = limits_for_arch("sm_90")
+    for m in (64, 512, 1024):  # the wgmma build's plans: as without limits
+        assert make_plan(m, 8, *glm, wgmma=True, limits=hopper) == make_plan(m, 8, *glm, wgmma=True)

@@ -15,7 +15,7 @@ from trellis_cli.codebooks import NAMES as CODEBOOK_NAMES
 from trellis_cli.errors import CheckFailed, GpuUnavailable
 from trellis_cli.formats.layer_pack import MAX_TIER_EXPERTS, LayerPack
 from trellis_cli.kernel.arch_limits import ArchLimits
-from trellis_cli.kernel.resources import KernelShape, Usage, gemm_kernels, misfit, pack_kernel
+from trellis_cli.kernel.resources import KernelShape, Usage, allocated_registers, gemm_kernels, misfit, pack_kernel
 
 BLOCK_ROWS = 16  # each expert's slot segment is padded to one MMA m16 block
 SMALL_TILE, MID_TILE, LARGE_TILE = 16, 32, 128
@@ -176,7 +176,9 @@ def make_plan(m: int, top_k: int, hidden: int, intermediate: int, num_combined: 
     split = k_split or choose_k_split(tile, expected, hidden, intermediate)
     if chunks % split:
         raise CheckFailed(f"k_split {split} must divide hidden/128 = {chunks}")
-    tail = choose_fc1_tail_split(tile, chunks // split, numel, num_experts, wgmma)
+    pair = limits is None or _two_per_sm(
+        plan_kernels(tile, numel, num_experts, wgmma, codebook, fast, compact)[0], limits, usage)
+    tail = choose_fc1_tail_split(tile, chunks // split, numel, num_experts, wgmma, pair)
     return LaunchPlan(m, top_k, tile, split, slot_capacity(numel, num_combined), tiles, fc1_tail_split=tail,
                       family=tile_family(tile, wgmma))
 
@@ -204,6 +206,17 @@ def _check_fits(kernel: KernelShape, limits: ArchLimits,
         raise KernelDoesNotFit(found.message(limits))
 
 
+def _two_per_sm(kernel: KernelShape, limits: ArchLimits,
+                usage: dict[tuple[str, tuple[int, ...]], Usage] | None) -> bool:
+    """Whether two CTAs of `kernel` fit one SM of `limits` (shared memory with the reserved bytes, registers
+    as allocated, threads)."""
+    found = (usage or {}).get(kernel.symbol)
+    registers = found.registers if found else kernel.register_budget
+    smem = kernel.dynamic_smem + (found.static_smem if found else 0) + limits.reserved_smem_per_block
+    return (2 * smem <= limits.smem_per_sm and 2 * kernel.threads <= limits.max_threads_per_sm
+            and 2 * allocated_registers(registers) * kernel.threads <= limits.registers_per_sm)
+
+
 def _check_fits_family(m_tile: int, numel: int, num_experts: int, wgmma: bool, limits: ArchLimits, codebook: str,
                        fast: bool, usage: dict[tuple[str, tuple[int, ...]], Usage] | None,
                        compact: bool = False) -> None:
@@ -226,14 +239,17 @@ def _fitting_tile(tile: int, forced: bool, numel: int, num_experts: int, wgmma: 
     raise KernelDoesNotFit(f"no launch plan fits {limits.arch}: {refusal}")
 
 
-def choose_fc1_tail_split(m_tile: int, range_chunks: int, numel: int, num_experts: int, wgmma: bool) -> int:
+def choose_fc1_tail_split(m_tile: int, range_chunks: int, numel: int, num_experts: int, wgmma: bool,
+                          pair_fits: bool = True) -> int:
     """How many times finer FC1 cuts the H ranges of its last half wave of items: where two of its CTAs
     share an SM (small and mid tiles; 128-row tiles on the narrow wgmma kernels, below
     FC1_TAIL_LARGE_BELOW_ROUTES) and the ranges hold at least FC1_TAIL_FROM_CHUNKS chunks, the largest of 4
     and 2 that leaves MIN_FC1_CHUNKS per piece, else 1. The kernel takes whole ranges where one CTA fills
-    an SM. (glm52-tp4 on H200: M = 16-256 -2 to -5 %, M = 512-768 -1.5 %.)"""
+    an SM, and so where the arch has room for one only (`pair_fits` false: the small and mid FC1 hold
+    98-99 KB, one per SM on the 100 KB archs). (glm52-tp4 on H200: M = 16-256 -2 to -5 %, M = 512-768
+    -1.5 %; under sm_120's limits on an H100, 32-row tiles at M=512: whole ranges 1095 us, tail x4 1123.)"""
     narrow = wgmma and routes_per_expert(numel, num_experts) < FC1_TAIL_LARGE_BELOW_ROUTES
-    two_per_sm = m_tile <= MID_TILE or narrow
+    two_per_sm = (m_tile <= MID_TILE or narrow) and pair_fits
     if not two_per_sm or range_chunks < FC1_TAIL_FROM_CHUNKS:
         return 1
     for split in (4, 2):
