@@ -101,7 +101,9 @@ def test_tp2_route_pack_is_checked_against_its_summed_slices(capsys, tp2, tmp_pa
     assert code == 0, err
     code, out, err = run(capsys, "bench", str(tmp_path / "rp"), "--tp", "2", "--device", "cpu", "--smoke", "--json")
     assert code == 0, err
-    assert_matches_whole_layer(json.loads(out), 2, reference="sum of rank slices")
+    doc = json.loads(out)
+    assert doc["source"].startswith(f"route-pack {tmp_path / 'rp'} layer ")  # the CLI's word for the source
+    assert_matches_whole_layer(doc, 2, reference="sum of rank slices")
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Route pack: pack_layer tables, layer files, bit-exact round trips, verification of a repacked directory."""
+"""Route pack: pack_layer tables, layer files, bit-exact round trips, verification of a route-pack directory."""
 
 from __future__ import annotations
 

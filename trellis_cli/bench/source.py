@@ -1,13 +1,14 @@
 """What `trellis bench` runs on: a synthetic preset, a route-pack directory, or a TR3 checkpoint.
 
 A route-pack directory (its manifest) is read layer file by layer file; a TR3 checkpoint is
-repacked in memory for the one (layer, rank) asked for. Without --layer the first MoE layer is used.
+built into a route pack in memory for the one (layer, rank) asked for. Without --layer the first MoE layer is used.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from trellis_cli.bench.synthetic import Preset, get_preset, parse_partition, synthetic_pack
 from trellis_cli.errors import SourceUnavailable, UsageError
@@ -18,7 +19,7 @@ from trellis_cli.formats.layer_pack import LayerPack
 class BenchSource:
     description: str
     pack: LayerPack
-    kind: str  # "synthetic" | "repacked" | "checkpoint"
+    kind: Literal["synthetic", "route-pack", "checkpoint"]
 
 
 def choose_source(source: str | None, synthetic: str | None,
@@ -70,7 +71,7 @@ def _route_pack(path: Path, layer: int | None, rank: int, device: str) -> BenchS
     store = layer_pack_store(path)
     assert store is not None  # _is_route_pack chose this path
     pack = store.read_layer_pack(path, layer, rank, device=device)
-    return BenchSource(f"repacked {path} layer {layer} rank {rank}", pack, "repacked")
+    return BenchSource(f"route-pack {path} layer {layer} rank {rank}", pack, "route-pack")
 
 
 def chosen_layer(checkpoint, source: str, layer: int | None) -> int:
@@ -107,4 +108,4 @@ def _checkpoint(source: str, layer: int | None, rank: int, device: str) -> Bench
     if degrees is not None:  # a container whose slot extents fix the slicing: one rank of them
         return BenchSource(f"{checkpoint.dialect} {source} layer {chosen} rank {rank} of tp {pack.tp}", pack,
                            "checkpoint")
-    return BenchSource(f"checkpoint {source} layer {chosen} rank {rank} (repacked in memory)", pack, "checkpoint")
+    return BenchSource(f"checkpoint {source} layer {chosen} rank {rank} (route pack built in memory)", pack, "checkpoint")

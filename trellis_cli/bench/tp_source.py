@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -31,12 +32,13 @@ from trellis_cli.formats.layer_pack import LayerPack
 
 # "sliced": a container whose slot extents fix the TP degrees (each rank is one extent, the whole layer is
 # rank 0 of TP1); "checkpoint": per-linear shards re-sliced exactly.
-KINDS = ("checkpoint", "sliced", "repacked", "synthetic")
+TpKind = Literal["checkpoint", "sliced", "route-pack", "synthetic"]
+KINDS: tuple[TpKind, ...] = ("checkpoint", "sliced", "route-pack", "synthetic")
 
 
 @dataclass(frozen=True)
 class TpPlan:
-    kind: str  # one of KINDS
+    kind: TpKind
     source: str  # path or Hub id; the preset name for "synthetic"
     layer: int
     tp: int
@@ -87,7 +89,7 @@ def _plan_route_pack(path: Path, layer: int, tp: int) -> TpPlan:
     missing = [r for r in range(tp) if not store.layer_pack_path(path, layer, r).is_file()]
     if missing:
         raise UsageError(f"--tp {tp}: the route pack {path} has no layer {layer} file for rank(s) {missing}")
-    return TpPlan("repacked", str(path), layer, tp, description=f"repacked {path} layer {layer} at TP{tp}")
+    return TpPlan("route-pack", str(path), layer, tp, description=f"route-pack {path} layer {layer} at TP{tp}")
 
 
 def _open(source: str):
@@ -149,7 +151,7 @@ def load_rank_pack(plan: TpPlan, rank: int, device: torch.device | str, seed: in
         preset = get_preset(plan.source)
         at_tp = dataclasses.replace(preset, intermediate=preset.intermediate * preset.tp // plan.tp, tp=plan.tp)
         return synthetic_pack(at_tp, plan.partition, device=device, seed=seed, rank=rank)
-    if plan.kind == "repacked":
+    if plan.kind == "route-pack":
         from trellis_cli.dialects.registry import layer_pack_store
 
         store = layer_pack_store(Path(plan.source))

@@ -20,7 +20,7 @@ HELP = "Benchmark the fused mixed-bitrate MoE kernel on this GPU (exit 4 without
 
 
 def bench_command(
-    source: Annotated[Optional[str], typer.Argument(help="Repacked directory or TR3 checkpoint (path or org/name).")] = None,
+    source: Annotated[Optional[str], typer.Argument(help="Route-pack directory or TR3 checkpoint (path or org/name).")] = None,
     synthetic: Annotated[Optional[str], typer.Option("--synthetic", help="Synthetic layer preset, e.g. glm52-tp4.")] = None,
     partition: Annotated[Optional[str], typer.Option("--partition", help="Experts per tier for --synthetic, e.g. 192/64.")] = None,
     layer: Annotated[Optional[int], typer.Option("--layer", help="MoE layer (default: the first).")] = None,

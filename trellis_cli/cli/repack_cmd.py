@@ -39,7 +39,7 @@ HELP = (
     "--tp N (any N whose intermediate slice is whole 128-channel blocks), and such a TR3 back with --to "
     "glm53-stream, bit for bit.\n\n"
     "Examples:\n\n"
-    "  trellis repack ./GLM-TR3 ./GLM-TR3-routepack --jobs 4   (for trellis bench)\n\n"
+    "  trellis repack ./GLM-TR3 ./GLM-TR3-route-pack --jobs 4   (for trellis bench)\n\n"
     "  trellis repack ./GLM-TR3 ./GLM-TR3-tp8 --to tr3 --tp 8   (the vLLM fork at TP 8)\n\n"
     "  trellis repack ./GLM-TR3 ./GLM-exl3v1 --to exl3-v1   (b12x)\n\n"
     "  trellis repack org/model@main ./packed --layers 3-5 --ranks 0\n\n"
