@@ -1,21 +1,21 @@
 """What `trellis inspect` reports: per MoE layer the K partition, bpw, bytes per rank, tier membership,
 rotation layout and shards; checkpoint totals; and runs of identical layers collapsed for reading.
 
-The document is the dialect's answer (`build_inspect` -> dict; the shared parts are dialects/inspect_doc.py);
+The document is the dialect's answer (`build_inspect` -> a dialect's `InspectSummary`; the shared parts are dialects/inspect_doc.py);
 the text and Markdown renderings here are pure functions of it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from trellis_cli.checkpoint.model import Checkpoint
-from trellis_cli.dialects.inspect_doc import collapse_runs, layer_summary
+from trellis_cli.dialects.inspect_doc import InspectSummary, collapse_runs, layer_summary
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import counted
 
 
-def build_inspect(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str, Any]:
+def build_inspect(ckpt: Checkpoint, layers: list[int] | None = None) -> InspectSummary:
     """The inspect document, as the checkpoint's dialect builds it (`Dialect.inspect_document`: the per-linear
     shard document of dialects/inspect_doc.py unless the dialect stores its layers another way)."""
     return dialect_of(ckpt).inspect_document(ckpt, layers)
@@ -39,7 +39,7 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def render_exl3v1(doc: dict[str, Any]) -> list[str]:
+def render_exl3v1(doc: Mapping[str, Any]) -> list[str]:
     """Lines added to the text rendering: the slot layout and the bytes one rank reads per allowed TP."""
     x = doc.get("exl3v1")
     if not x:
@@ -54,7 +54,7 @@ def render_exl3v1(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _run_label(run: dict[str, Any]) -> str:
+def _run_label(run: Mapping[str, Any]) -> str:
     n = len(run["layers"])
     return f"layer {run['layer_range']}" if n == 1 else f"layers {run['layer_range']} ({n})"
 
@@ -65,13 +65,13 @@ def _shards_text(shards: list[str]) -> str:
     return ", ".join(shards) or "-"
 
 
-def _tiers_text(run: dict[str, Any]) -> str:
+def _tiers_text(run: Mapping[str, Any]) -> str:
     if run["tiers"] is None:
         return "tier membership varies by layer (inspect --layers N or --json for ids)"
     return "; ".join(f"{k}: {ids}" for k, ids in run["tiers"].items())
 
 
-def render_text(doc: dict[str, Any]) -> list[str]:
+def render_text(doc: Mapping[str, Any]) -> list[str]:
     if "route_pack" in doc:
         return _render_route_pack(doc)
     g, src, t = doc["geometry"], doc["source"], doc["totals"]
@@ -110,7 +110,7 @@ def render_text(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render_markdown(doc: dict[str, Any]) -> list[str]:
+def render_markdown(doc: Mapping[str, Any]) -> list[str]:
     if "route_pack" in doc:
         return ["```", *_render_route_pack(doc), "```"]
     g, t = doc["geometry"], doc["totals"]
@@ -135,7 +135,7 @@ def _source_line(src: dict[str, Any]) -> str:
     return f"{where}@{src['revision']}" if src.get("revision") else str(where)
 
 
-def _render_route_pack(doc: dict[str, Any]) -> list[str]:
+def _render_route_pack(doc: Mapping[str, Any]) -> list[str]:
     pack, g = doc["route_pack"], doc["route_pack"]["geometry"]
     lines = [f"source: {_source_line(doc['source'])}", f"dialect: {doc['dialect']} v{pack.get('schema_version')} "
              f"(rotation {g['rotation_layout']}, codebook {g['codebook']}, tp {g['tp']})",

@@ -21,6 +21,7 @@ from trellis_cli.sources import SourceArg
 
 if TYPE_CHECKING:
     from trellis_cli.checkpoint.model import Checkpoint
+    from trellis_cli.dialects.inspect_doc import InspectSummary
     from trellis_cli.inspect_tensors import TensorListing
     from trellis_cli.inspect_tp import ServeTpView
 
@@ -77,7 +78,7 @@ class InspectDocument:
 
     description: str  # the source, as the user named it
     dialect: str
-    summary: dict[str, Any] | None = None
+    summary: InspectSummary | None = None
     serve_tp: ServeTpView | None = None
     fit: FitResult | None = None
     tensors: TensorListing | None = None
@@ -93,7 +94,7 @@ class InspectDocument:
             from trellis_cli.inspect_tensors import listing_json
 
             return listing_json(self.tensors)
-        document = dict(self.summary or {})
+        document: dict[str, Any] = dict(self.summary or {})
         if self.serve_tp is not None:
             document["serve_tp"] = self.serve_tp
         if self.fit is not None:

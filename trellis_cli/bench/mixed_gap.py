@@ -15,14 +15,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Callable, TypedDict
 
 import torch
 
 from trellis_cli.bench.synthetic import (Preset, get_preset, parse_partition, random_activations, random_routes,
                                          synthetic_pack)
 from trellis_cli.bench.throughput import (TOP_K, WeightPool, capture_graph, copies_needed, device_facts,
-                                          time_interleaved, touched)
+                                          TimingJson, time_interleaved, touched)
 from trellis_cli.errors import UsageError
 from trellis_cli.formats.layer_pack import LayerPack, split_descriptor
 
@@ -60,6 +60,59 @@ class GapPlan:
         return tuple(self.preset.experts if t == tier else 0 for t in range(len(self.partition)))
 
 
+class UniformTiming(TypedDict):
+    """One uniform layer (a kept tier's K for every expert) at one M."""
+
+    k: int
+    experts: int  # experts the routes touch
+    bytes: int
+    copies: int
+    fused: TimingJson
+
+
+class MixedTiming(TypedDict):
+    """The mixed layer at one M."""
+
+    experts: int
+    bytes: int
+    copies: int
+    tier_experts: list[int]  # touched experts per tier
+    fused: TimingJson
+
+
+class GapRow(TypedDict):
+    """One M of the --mixed-gap document (`rows`), in its JSON key order."""
+
+    m: int
+    uniform: list[UniformTiming]
+    mixed: MixedTiming
+    interpolated_us: float
+    gap_pct: float
+    touched_interpolated_us: float
+    touched_gap_pct: float
+
+
+class GapTier(TypedDict):
+    k: int
+    experts: int
+    weight: float  # its share of the experts: its weight on the bitrate line
+
+
+class GapReport(TypedDict):
+    """The --mixed-gap document, less source and environment (bench/run.py adds them)."""
+
+    mode: str
+    preset: str
+    partition: str
+    tiers: list[GapTier]
+    mixed_bpw: float
+    cold: bool
+    replays: int
+    copy_gbps: float
+    l2_bytes: int
+    rows: list[GapRow]
+
+
 def plan_mixed_gap(source: str | None, synthetic: str | None, partition: str | None) -> GapPlan:
     """Check the --mixed-gap arguments (no GPU needed; the options it does not combine with are refused by
     bench/request.py) and return what to build."""
@@ -92,7 +145,7 @@ def gap_pct(mixed_us: float, interpolated_us: float) -> float:
     return 100.0 * (mixed_us - interpolated_us) / interpolated_us
 
 
-def gap_row(m: int, uniform: list[dict], mixed: dict, weights: list[float]) -> dict:
+def gap_row(m: int, uniform: list[UniformTiming], mixed: MixedTiming, weights: list[float]) -> GapRow:
     """One M of the report. `uniform`: per kept tier {"k", "experts", "bytes", "fused"}; `mixed`: the same
     plus "tier_experts" (touched experts per tier); "fused" is a Timing.as_dict()."""
     uniform_us = [u["fused"]["median_us"] for u in uniform]
@@ -132,34 +185,38 @@ def tier_split(pack: LayerPack, topk_ids: torch.Tensor) -> list[int]:
 
 
 def measure_gap_m(pools: list[WeightPool], plan: GapPlan, m: int, *, cold: bool, replays: int, seed: int,
-                  l2_bytes: int) -> dict:
+                  l2_bytes: int) -> GapRow:
     """Time every layer of `pools` (uniform ones, then mixed) on one set of inputs and routes."""
     mixed_pack = pools[-1].runners[0].pack
     device = pools[-1].runners[0].device
     x = random_activations(m, mixed_pack.hidden, device=device, seed=seed)
     experts = int(mixed_pack.global_to_combined.shape[0])
     ids, weights = random_routes(m, experts, min(TOP_K, experts), device=device, seed=seed + 1)
-    works, graph_sets = [], []
+    works: list[tuple[int, int, int]] = []  # (touched experts, bytes, copies) per layer
+    graph_sets = []
     for pool in pools:
         work = touched(pool.runners[0].pack, ids)
         runners = pool.take(copies_needed(work["bytes"], l2_bytes, cold))
         outs = [torch.empty((m, mixed_pack.hidden), dtype=torch.float32, device=device) for _ in runners]
         graph_sets.append([capture_graph(partial(r.forward, x, ids, weights, out=o), device)
                            for r, o in zip(runners, outs)])
-        works.append({"experts": work["experts"], "bytes": work["bytes"], "copies": len(runners)})
+        works.append((work["experts"], work["bytes"], len(runners)))
     timings = time_interleaved(graph_sets, replays, device)
-    uniform = [{"k": k, **work, "fused": t.as_dict()}
-               for (_, k), work, t in zip(plan.kept, works[:-1], timings[:-1])]
-    mixed = {**works[-1], "tier_experts": tier_split(mixed_pack, ids), "fused": timings[-1].as_dict()}
+    uniform: list[UniformTiming] = [
+        {"k": k, "experts": experts, "bytes": nbytes, "copies": copies, "fused": t.as_dict()}
+        for (_, k), (experts, nbytes, copies), t in zip(plan.kept, works[:-1], timings[:-1])]
+    experts, nbytes, copies = works[-1]
+    mixed: MixedTiming = {"experts": experts, "bytes": nbytes, "copies": copies,
+                          "tier_experts": tier_split(mixed_pack, ids), "fused": timings[-1].as_dict()}
     return gap_row(m, uniform, mixed, plan.weights)
 
 
 def run_mixed_gap(plan: GapPlan, library, ms: list[int], *, cold: bool = True, replays: int = 100, seed: int = 0,
-                  log: Callable[[str], None] = lambda s: None) -> dict:
+                  log: Callable[[str], None] = lambda s: None) -> GapReport:
     layers = gap_layers(plan, device="cuda", seed=seed)
     pools = [WeightPool(pack, library) for _, pack in layers]
     l2_bytes, copy_gbps = device_facts(pools[-1].runners[0].device, log)
-    rows = []
+    rows: list[GapRow] = []
     for m in ms:
         log(f"mixed gap: M={m} ({'cold' if cold else 'warm'}), {', '.join(label for label, _ in layers)} interleaved")
         rows.append(measure_gap_m(pools, plan, m, cold=cold, replays=replays, seed=seed + 1234 + m,
@@ -168,8 +225,8 @@ def run_mixed_gap(plan: GapPlan, library, ms: list[int], *, cold: bool = True, r
     return gap_report(plan, rows, cold=cold, replays=replays, copy_gbps=copy_gbps, l2_bytes=l2_bytes)
 
 
-def gap_report(plan: GapPlan, rows: list[dict], *, cold: bool, replays: int, copy_gbps: float,
-               l2_bytes: int) -> dict:
+def gap_report(plan: GapPlan, rows: list[GapRow], *, cold: bool, replays: int, copy_gbps: float,
+               l2_bytes: int) -> GapReport:
     """The --mixed-gap document (less source and environment, which the CLI adds)."""
     return {
         "mode": "mixed-gap",

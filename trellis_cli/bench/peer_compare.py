@@ -14,7 +14,7 @@ from __future__ import annotations
 import operator
 import statistics
 from functools import partial, reduce
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -52,7 +52,7 @@ class PeerCompare:
                  "limit": PEER_LIMIT, "agrees": peer_rel <= PEER_LIMIT}
         if not entry["agrees"]:
             return {**entry, "us": None, "ratio": None, "per_tier_us": [], "per_tier": [], "graphs": None}
-        per_tier = []
+        per_tier: list[dict[str, Any]] = []
         for t, (tier_ids, tier_weights) in enumerate(routes):
             self.log(f"compare: {PEER} M={m} tier {t} (K{layers[0][t].k}, {layers[0][t].experts} experts)")
             calls = [partial(layer[t].forward, xh, tier_ids, tier_weights) for layer in layers]
@@ -113,7 +113,7 @@ def time_eager(calls: Sequence[Callable[[], object]], replays: int, device: torc
     return Timing(statistics.median(times), min(times), max(times), replays)
 
 
-def disagreements(rows: list[dict[str, Any]]) -> list[str]:
+def disagreements(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """Cases where the peer's output did not match the reference (their timings were withheld)."""
     return [f"M={r['m']}: rel L2 {r['compare']['rel_l2']:.3g} > {r['compare']['limit']:g}"
             for r in rows if "compare" in r and not r["compare"]["agrees"]]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
 
 from trellis_cli.bench.request import BenchRequest
 from trellis_cli.errors import GpuUnavailable, UsageError
@@ -398,7 +398,7 @@ def _skip_notice(peer: str, reason: str) -> str:
     return f"{peer} not importable: {reason}; skipping the comparison"
 
 
-def peer_summary(peer: str | None, comparer: Any, rows: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
+def peer_summary(peer: str | None, comparer: Any, rows: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], list[str]]:
     """The JSON's top-level `compare` (what ran, or why not) and the M's whose peer output was wrong."""
     if peer is None:
         return {}, []

@@ -14,7 +14,7 @@ import math
 import statistics
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Any, Callable, TypedDict
 
 import torch
 
@@ -29,6 +29,68 @@ MAX_COPIES = 16
 L2_PASSES = 3  # bytes streamed between two replays of one copy, in L2 sizes
 
 
+class TimingJson(TypedDict):
+    """A Timing as the JSON rows carry it."""
+
+    median_us: float
+    min_us: float
+    max_us: float
+    replays: int
+
+
+class Touched(TypedDict):
+    """What one M's routes touch in a layer (`touched`)."""
+
+    experts: int
+    routes: int
+    bytes: int
+    weights: int
+    flops: int
+
+
+class PlanShape(TypedDict):
+    """The launch plan a row was timed with."""
+
+    m_tile: int
+    k_split: int
+    direct: bool
+    family: str
+    fc1_tail_split: int
+
+
+class _RowFields(TypedDict):
+    m: int
+    copies: int  # weight copies cycled through so every replay reads from DRAM (cold)
+    plan: PlanShape
+    experts: int
+    routes: int
+    bytes: int
+    weights: int
+    flops: int
+    fused: TimingJson
+    two_pass: TimingJson
+    fused_over_two_pass: float
+    gbps: float
+    pct_copy_bw: float
+    tflops: float
+    g_weights_per_ms: float
+
+
+class ThroughputRow(_RowFields, total=False):
+    """One M of the throughput document (`rows`), in its JSON key order."""
+
+    compare: dict[str, Any]  # --compare: the peer's timing of the same M (peer_compare.PeerCompare.row)
+
+
+class ThroughputReport(TypedDict):
+    """The throughput document, less source, environment and the peer summary (bench/run.py adds them)."""
+
+    cold: bool
+    copy_gbps: float
+    l2_bytes: int
+    rows: list[ThroughputRow]
+
+
 @dataclass
 class Timing:
     median_us: float
@@ -36,7 +98,7 @@ class Timing:
     max_us: float
     replays: int
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> TimingJson:
         return {"median_us": self.median_us, "min_us": self.min_us, "max_us": self.max_us, "replays": self.replays}
 
 
@@ -56,7 +118,7 @@ def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30, reps: int =
     return 2 * nbytes / seconds / 1e9
 
 
-def touched(pack: LayerPack, topk_ids: torch.Tensor) -> dict:
+def touched(pack: LayerPack, topk_ids: torch.Tensor) -> Touched:
     """Experts served for these routes: their count, compressed bytes, weights and route FLOPs."""
     g2c = pack.global_to_combined.to(topk_ids.device)
     ids = topk_ids.long().reshape(-1)
@@ -162,7 +224,7 @@ class WeightPool:
 
 
 def bench_m(pool: WeightPool, m: int, *, cold: bool, replays: int, seed: int, l2_bytes: int,
-            copy_gbps: float, compare=None) -> dict:
+            copy_gbps: float, compare=None) -> ThroughputRow:
     base = pool.runners[0]
     pack, device = base.pack, base.device
     x = random_activations(m, pack.hidden, device=device, seed=seed)
@@ -179,13 +241,13 @@ def bench_m(pool: WeightPool, m: int, *, cold: bool, replays: int, seed: int, l2
     seconds = fused_t.median_us / 1e6
     gbps = work["bytes"] / seconds / 1e9
     del fused, two
-    extra = {} if compare is None else {"compare": compare.row(runners, x, ids, weights, fused_t.median_us, replays)}
-    return {
+    row: ThroughputRow = {
         "m": m,
         "copies": len(runners),
         "plan": {"m_tile": plan.m_tile, "k_split": plan.k_split, "direct": plan.direct, "family": plan.family,
                  "fc1_tail_split": plan.fc1_tail_split},
-        **work,
+        "experts": work["experts"], "routes": work["routes"], "bytes": work["bytes"], "weights": work["weights"],
+        "flops": work["flops"],
         "fused": fused_t.as_dict(),
         "two_pass": two_t.as_dict(),
         "fused_over_two_pass": fused_t.median_us / two_t.median_us,
@@ -193,8 +255,10 @@ def bench_m(pool: WeightPool, m: int, *, cold: bool, replays: int, seed: int, l2
         "pct_copy_bw": 100.0 * gbps / copy_gbps,
         "tflops": work["flops"] / seconds / 1e12,
         "g_weights_per_ms": work["weights"] / (seconds * 1e3) / 1e9,
-        **extra,
     }
+    if compare is not None:
+        row["compare"] = compare.row(runners, x, ids, weights, fused_t.median_us, replays)
+    return row
 
 
 def device_facts(device: torch.device, log: Callable[[str], None]) -> tuple[int, float]:
@@ -208,13 +272,13 @@ def device_facts(device: torch.device, log: Callable[[str], None]) -> tuple[int,
 
 def run_throughput(pack: LayerPack, library: KernelLibrary, ms: list[int], *, cold: bool = True,
                    replays: int = 100, seed: int = 1234, log: Callable[[str], None] = lambda s: None,
-                   compare=None) -> dict:
+                   compare=None) -> ThroughputReport:
     """`compare`, when given, is a peer_compare.PeerCompare: each row gains the peer's timing of the same
     M (same inputs, routes and weight copies)."""
     pool = WeightPool(pack, library)
     device = pool.runners[0].device
     l2_bytes, copy_gbps = device_facts(device, log)
-    rows = []
+    rows: list[ThroughputRow] = []
     for m in ms:
         plan = pool.runners[0].plan(m, min(TOP_K, int(pack.global_to_combined.shape[0])))
         log(f"throughput: M={m} ({'cold' if cold else 'warm'}), plan: {plan.describe()}")

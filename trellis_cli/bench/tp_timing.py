@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from trellis_cli.bench.throughput import WeightPool, capture_graph, copies_needed, time_graphs, touched
+from trellis_cli.bench.throughput import TimingJson, WeightPool, capture_graph, copies_needed, time_graphs, touched
 from trellis_cli.bench.tp_check import shared_inputs
 
 OUT_DTYPE = torch.float32  # what the fused kernel writes and the all-reduce sums
@@ -43,7 +43,7 @@ def _graphs_everywhere(fns: Sequence[Callable[[], object]], device: torch.device
     return [_Eager(fn) for fn in fns], False
 
 
-def _phase(fns: Sequence[Callable[[], object]], replays: int, device: torch.device) -> tuple[dict, bool]:
+def _phase(fns: Sequence[Callable[[], object]], replays: int, device: torch.device) -> tuple[TimingJson, bool]:
     timers, graphed = _graphs_everywhere(fns, device)
     dist.barrier()
     torch.cuda.synchronize(device)

@@ -61,13 +61,68 @@ class Totals(TypedDict):
     files: int
 
 
+class _RunFields(TypedDict):
+
+    layers: list[int]
+    shards: list[str]
+    partition: str
+    k_values: list[Any]  # K per tier; exl3-v1 adds "mixed" (several K in one expert)
+    bpw: float | None
+    bytes_per_rank: int
+    trellis_bytes_per_rank: int
+    rotation: str
+    tensors: int
+    projection_k: dict[str, int] | None
+    declared_projection_k: dict[str, int] | None
+    tiers: dict[str, str] | None  # None: tier membership varies across the run
+    layer_range: str
+
+
+class RunRow(_RunFields, total=False):
+    """Consecutive layers that read alike, collapsed (`runs` of the document), in its JSON key order."""
+
+    rank_bytes: dict[str, int]  # exl3-v1: bytes one rank reads at each TP its slots allow
+
+
+class Selection(TypedDict):
+    """`--layers`: what the chosen layers alone hold (totals stay the whole checkpoint's)."""
+
+    layers: str
+    routed_bytes_per_rank: int
+    routed_trellis_bytes_per_rank: int
+
+
+class InspectSummary(TypedDict):
+    """What every dialect's inspect document starts with; each dialect's document extends it (`ShardDocument`
+    here, `Exl3v1Document` and `RoutePackDocument` in their dialects' inspect.py)."""
+
+    dialect: str
+    source: dict[str, Any]  # Source.describe(), its revision filled in
+
+
+class _ShardFields(InspectSummary):
+
+    geometry: Geometry
+    declared: dict[str, Any]  # config.json's rank-sliced contract keys, where it has one
+    layers: list[LayerRow]
+    runs: list[RunRow]
+    totals: Totals
+    parse_findings: list[dict[str, Any]]
+
+
+class ShardDocument(_ShardFields, total=False):
+    """The per-linear shard inspect document (the `Dialect` default)."""
+
+    selection: Selection  # with --layers only
+
+
 def geometry(ckpt: Checkpoint) -> Geometry:
     return {"hidden": ckpt.hidden, "intermediate": ckpt.intermediate,
             "intermediate_per_rank": ckpt.intermediate_per_rank, "experts": ckpt.num_experts, "tp": ckpt.tp,
             "codebook": ckpt.codebook, "rotation_layout": ckpt.rotation_layout}
 
 
-def shard_document(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[str, Any]:
+def shard_document(ckpt: Checkpoint, layers: list[int] | None = None) -> ShardDocument:
     """The inspect document of per-linear shards: a summary row per chosen MoE layer, runs, totals."""
     from trellis_cli.selection import require_present
 
@@ -75,7 +130,7 @@ def shard_document(ckpt: Checkpoint, layers: list[int] | None = None) -> dict[st
     rows = [layer_summary(ckpt, ckpt.layers[li]) for li in chosen]
     # Totals describe the whole checkpoint, whatever --layers shows; the selection gets its own.
     every = rows if layers is None else [layer_summary(ckpt, moe) for moe in ckpt.layers.values()]
-    document: dict[str, Any] = {
+    document: ShardDocument = {
         "dialect": ckpt.dialect,
         "source": describe_source(ckpt),
         "geometry": geometry(ckpt),
@@ -174,24 +229,31 @@ _RUN_KEYS = ("partition", "k_values", "bpw", "bytes_per_rank", "trellis_bytes_pe
              "projection_k", "declared_projection_k")
 
 
-def collapse_runs(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def collapse_runs(rows: Sequence[Mapping[str, Any]]) -> list[RunRow]:
     """Consecutive layers with the same partition, bpw, bytes, rotation and tensor count become one run."""
-    runs: list[dict[str, Any]] = []
+    groups: list[tuple[tuple[str, ...], list[Mapping[str, Any]]]] = []  # (what must be equal, its rows)
     for row in rows:
         key = tuple(str(row[k]) for k in _RUN_KEYS)
-        if runs and runs[-1]["_key"] == key and runs[-1]["layers"][-1] == row["layer"] - 1:
-            runs[-1]["layers"].append(row["layer"])
-            runs[-1]["_tiers"].add(tuple(row["tiers"].items()))
-            runs[-1]["shards"].extend(s for s in row["shards"] if s not in runs[-1]["shards"])
-            continue
-        runs.append({"_key": key, "layers": [row["layer"]], "_tiers": {tuple(row["tiers"].items())},
-                     "shards": list(row["shards"]), **{k: row[k] for k in _RUN_KEYS}})
-    for run in runs:
-        run.pop("_key")
-        tier_sets = run.pop("_tiers")
-        run["tiers"] = dict(next(iter(tier_sets))) if len(tier_sets) == 1 else None  # None: membership varies
-        run["layer_range"] = compact_ranges(run["layers"])
-    return runs
+        if groups and groups[-1][0] == key and groups[-1][1][-1]["layer"] == row["layer"] - 1:
+            groups[-1][1].append(row)
+        else:
+            groups.append((key, [row]))
+    return [_run(members) for _, members in groups]
+
+
+def _run(members: list[Mapping[str, Any]]) -> RunRow:
+    first, layers = members[0], [row["layer"] for row in members]
+    shards: list[str] = []
+    for row in members:
+        shards.extend(s for s in row["shards"] if s not in shards)
+    tier_sets = {tuple(row["tiers"].items()) for row in members}
+    return {"layers": layers, "shards": shards, "partition": first["partition"], "k_values": first["k_values"],
+            "bpw": first["bpw"], "bytes_per_rank": first["bytes_per_rank"],
+            "trellis_bytes_per_rank": first["trellis_bytes_per_rank"], "rotation": first["rotation"],
+            "tensors": first["tensors"], "projection_k": first["projection_k"],
+            "declared_projection_k": first["declared_projection_k"],
+            "tiers": dict(next(iter(tier_sets))) if len(tier_sets) == 1 else None,  # None: membership varies
+            "layer_range": compact_ranges(layers)}
 
 
 def _decoder_layers(ckpt: Checkpoint) -> int | None:

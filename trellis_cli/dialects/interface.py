@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 from trellis_cli.checkpoint.declared import Declared
 from trellis_cli.checkpoint.model import Checkpoint, Declarations, MoeLayer, VectorRef
@@ -21,6 +21,9 @@ from trellis_cli.errors import CheckFailed
 from trellis_cli.formats.layer_pack import LayerPack
 from trellis_cli.findings import Location, Report
 from trellis_cli.integrity import RecordedHash
+
+if TYPE_CHECKING:
+    from trellis_cli.dialects.inspect_doc import InspectSummary
 
 CONFIG, QUANT_CONFIG = "config.json", "quantization_config.json"
 
@@ -467,9 +470,9 @@ class Dialect:
         who records it, the finding code of a mismatch)]. {}: none recorded."""
         return {}
 
-    def inspect_document(self, ckpt: Checkpoint, layers: list[int] | None) -> dict[str, Any]:
+    def inspect_document(self, ckpt: Checkpoint, layers: list[int] | None) -> InspectSummary:
         """What `trellis inspect` shows (the chosen MoE layers, or all); by default the per-linear shard
-        document (dialects/inspect_doc.py)."""
+        document (dialects/inspect_doc.py), a dialect's own extending its `InspectSummary`."""
         from trellis_cli.dialects.inspect_doc import shard_document
 
         return shard_document(ckpt, layers)

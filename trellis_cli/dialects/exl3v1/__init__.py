@@ -12,7 +12,7 @@ docs/checkpoint-dialects.md describes the container.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from trellis_cli.checkpoint.model import (DIALECT_EXL3V1, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H, PROJECTIONS,
                                          VectorRef)
@@ -22,6 +22,9 @@ from trellis_cli.dialects.exl3v1.container import Exl3v1Declarations, declaratio
 from trellis_cli.dialects.exl3v1.declared import detect_exl3v1
 from trellis_cli.dialects.interface import (B12X, VLLM, VLLM_MANIFEST, CheckRequest, Dialect, DialectInfo, LayerShare,
                                            Probe, read_json_or_none)
+
+if TYPE_CHECKING:
+    from trellis_cli.dialects.exl3v1.inspect import Exl3v1Document
 
 
 class Exl3v1Dialect(Dialect):
@@ -150,7 +153,7 @@ class Exl3v1Dialect(Dialect):
                      "exl3v1.sha256-mismatch"))
         return out
 
-    def inspect_document(self, ckpt, layers: list[int] | None) -> dict[str, Any]:
+    def inspect_document(self, ckpt, layers: list[int] | None) -> Exl3v1Document:
         from trellis_cli.dialects.exl3v1.inspect import exl3v1_document
 
         return exl3v1_document(ckpt, layers)

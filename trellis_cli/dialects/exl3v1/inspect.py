@@ -8,9 +8,10 @@ bit widths (P24, P43, or P33 in one pair and P44 in another) is counted under "m
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.dialects.inspect_doc import Geometry, InspectSummary, RunRow, Totals
 from trellis_cli.dialects.exl3v1.container import CODES, container, container_or_none, layer_rates
 from trellis_cli.dialects.exl3v1.layout import hidden_table_bytes, rank_bytes, row_payloads, tp_degrees
 from trellis_cli.dialects.exl3v1.schema import SLOT_CHANNELS
@@ -19,7 +20,59 @@ from trellis_cli.id_ranges import compact_ranges
 MIXED = "mixed"
 
 
-def exl3v1_section(ckpt: Checkpoint) -> dict[str, Any] | None:
+class Exl3v1Section(TypedDict):
+    """The document's `exl3v1`: the container's slot layout, from its manifest."""
+
+    manifest: str
+    structure: str
+    bits: int | None
+    pair_kinds: list[str]
+    num_slots: int
+    row_alignment: int
+    extent_alignment_slots: int
+    extent_barriers: list[int]
+    per_expert_input_rotations: bool
+    intermediate_hadamard: bool
+    tp_degrees: list[int]
+    hidden_table_bytes: int
+
+
+class Exl3v1LayerRow(TypedDict):
+    """One layer (`layers`): the shard rows' keys, then what a slot-major layer file adds."""
+
+    layer: int
+    partition: str
+    k_values: list[Any]  # K per tier, then MIXED for experts of several K
+    experts: int
+    bpw: float | None  # None: the layer has no rate table
+    tiers: dict[str, str]
+    projection_k: None
+    declared_projection_k: None
+    bytes_per_rank: int
+    trellis_bytes_per_rank: int
+    rank_bytes: dict[str, int]  # TP degree -> bytes one rank reads
+    row_stride: int
+    row_payload: int | None
+    bytes_per_slot: int
+    ranks: int
+    rotation: str
+    shards: list[str]
+    tensors: int
+
+
+class Exl3v1Document(InspectSummary):
+    """The exl3-v1 inspect document, in its JSON key order (`declared` is empty: the manifest declares)."""
+
+    geometry: Geometry
+    declared: dict[str, Any]
+    exl3v1: Exl3v1Section | None
+    layers: list[Exl3v1LayerRow]
+    runs: list[RunRow]
+    totals: Totals
+    parse_findings: list[dict[str, Any]]
+
+
+def exl3v1_section(ckpt: Checkpoint) -> Exl3v1Section | None:
     m = container(ckpt).manifest
     if m is None:
         return None
@@ -31,13 +84,13 @@ def exl3v1_section(ckpt: Checkpoint) -> dict[str, Any] | None:
             "hidden_table_bytes": hidden_table_bytes(m)}
 
 
-def exl3v1_rows(ckpt: Checkpoint, chosen: list[int]) -> list[dict[str, Any]]:
+def exl3v1_rows(ckpt: Checkpoint, chosen: list[int]) -> list[Exl3v1LayerRow]:
     box = container(ckpt)
     m = box.manifest
     if m is None:
         return []
     degrees = tp_degrees(m)
-    rows = []
+    rows: list[Exl3v1LayerRow] = []
     for index in chosen:
         layer = box.layers[index]
         codes = layer.ref(CODES)
@@ -75,10 +128,10 @@ def exl3v1_rows(ckpt: Checkpoint, chosen: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
-def exl3v1_document(ckpt: Checkpoint, layers: list[int] | None) -> dict[str, Any]:
+def exl3v1_document(ckpt: Checkpoint, layers: list[int] | None) -> Exl3v1Document:
     """The inspect document: the shared rows, runs and totals, plus the slot layout section and the bytes one
     rank reads at each allowed TP per run."""
-    from trellis_cli.dialects.inspect_doc import Geometry, collapse_runs, describe_source, totals
+    from trellis_cli.dialects.inspect_doc import collapse_runs, describe_source, totals
     from trellis_cli.selection import require_present
 
     chosen = list(ckpt.layers) if layers is None else require_present(layers, ckpt.layers)
@@ -92,11 +145,12 @@ def exl3v1_document(ckpt: Checkpoint, layers: list[int] | None) -> dict[str, Any
     geometry: Geometry = {"hidden": ckpt.hidden, "intermediate": ckpt.intermediate,
                           "intermediate_per_rank": ckpt.intermediate, "experts": ckpt.num_experts, "tp": 1,
                           "codebook": ckpt.codebook, "rotation_layout": ckpt.rotation_layout}
+    whole_totals = totals(ckpt, every)  # the container's own counts: its layer files' tensors and every header's
+    whole_totals["tensors"] = sum(r["tensors"] for r in every)
+    whole_totals["tensor_bytes"] = sum(e.nbytes for h in ckpt.headers.values() for e in h.tensors.values())
     return {"dialect": ckpt.dialect, "source": describe_source(ckpt), "geometry": geometry,
             "declared": {}, "exl3v1": exl3v1_section(ckpt), "layers": rows, "runs": runs,
-            "totals": {**totals(ckpt, every), "tensors": sum(r["tensors"] for r in every),
-                       "tensor_bytes": sum(e.nbytes for h in ckpt.headers.values() for e in h.tensors.values())},
-            "parse_findings": [f.to_dict() for f in ckpt.parse_findings]}
+            "totals": whole_totals, "parse_findings": [f.to_dict() for f in ckpt.parse_findings]}
 
 
 def codes_tables(ckpt: Checkpoint) -> dict[str, tuple[int, int]]:

@@ -13,7 +13,7 @@ written layer file against its source (`readback.py`) and the TR3 driver (`tr3_t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trellis_cli.checkpoint.model import DIALECT_EXL3V1, DIALECT_ROUTE_PACK, DIALECT_TR3_PER_EXPERT, DIALECT_TR3_SHARED_H
 from trellis_cli.dialects.routepack.declared import detect_route_pack, manifest_of
@@ -21,6 +21,9 @@ from trellis_cli.dialects.routepack.layout import MANIFEST_NAME, layer_file_name
 from trellis_cli.formats.layer_pack import LayerPack
 from trellis_cli.dialects.interface import (CONFIG, QUANT_CONFIG, VLLM, CheckRequest, Dialect, DialectInfo, Probe,
                                            read_json_or_none)
+
+if TYPE_CHECKING:
+    from trellis_cli.dialects.routepack.inspect import RoutePackDocument
 
 MANIFEST_ROTATIONS = {"per_expert": "per_expert_v1", "shared_h": "shared_h_v1"}  # the manifest's word -> the model's
 
@@ -131,10 +134,10 @@ class RoutePackDialect(Dialect):
         return ("a route pack is the kernel's layout of one checkpoint's experts only: run fit on the checkpoint it "
                 "was made from")
 
-    def inspect_document(self, ckpt, layers: list[int] | None) -> dict[str, Any]:
+    def inspect_document(self, ckpt, layers: list[int] | None) -> RoutePackDocument:
         from trellis_cli.dialects.routepack.inspect import route_pack_document
 
-        return {**route_pack_document(ckpt, layers), "purpose": PURPOSE}
+        return route_pack_document(ckpt, layers, PURPOSE)
 
     def declared_layers(self, ckpt) -> list[int]:
         from trellis_cli.dialects.routepack.manifest import declared_layers

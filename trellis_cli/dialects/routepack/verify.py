@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypedDict
 
 from trellis_cli.checkpoint.model import MIN_COUNT_LIMIT, Checkpoint
 from trellis_cli.errors import CheckFailed, SourceUnavailable
@@ -348,7 +348,34 @@ class _LayerChecks:
             start += len(ids)
 
 
-def describe_route_pack(source: SourceArg | Checkpoint) -> dict[str, Any]:
+class ManifestLayer(TypedDict):
+    """One layer as the manifest records it, with its mean bits per weight."""
+
+    layer: int
+    tiers: list[dict[str, Any]]  # the manifest's tiers: k, size, experts (id ranges)
+    bpw: float
+
+
+class RoutePackDescription(TypedDict):
+    """What a route pack's manifest says of it, in the manifest's own names (inspect renames them)."""
+
+    format: str
+    schema_version: int
+    path: str
+    source: dict[str, Any]  # the checkpoint it was made from, its file list left out
+    geometry: dict[str, Any]
+    tp: int
+    ranks: Any  # as the manifest records them
+    codebook: str
+    rotation: str
+    layers: list[ManifestLayer]
+    files: int
+    layer_file_bytes: int
+    total_bytes: int
+    manifest_problems: list[str]
+
+
+def describe_route_pack(source: SourceArg | Checkpoint) -> RoutePackDescription:
     """What `trellis inspect` shows for a route pack: source, geometry, TP, per-layer tiers, files, bytes."""
     root = route_pack_root(source)
     doc, problems = mf.read_manifest(root)
@@ -360,7 +387,7 @@ def describe_route_pack(source: SourceArg | Checkpoint) -> dict[str, Any]:
         raise CheckFailed(f"{root}: {structure[0].line()}{more}")
     files = doc["files"]
     layer_bytes = sum(e["size"] for e in files.values() if "layer" in e)
-    layers = []
+    layers: list[ManifestLayer] = []
     for layer, entry in sorted(doc["layers"].items(), key=lambda kv: int(kv[0])):
         tiers = entry["tiers"]
         total = sum(t["size"] for t in tiers)
