@@ -17,6 +17,7 @@ from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.reader import shard_header
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.errors import CheckFailed
+from trellis_cli.sources import SourceDescription
 
 _LAYER_IN_NAME = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.")
 TRELLIS_SUFFIX = ".trellis"
@@ -46,7 +47,7 @@ class TensorListing(TypedDict):
     """`inspect --tensors`: its rows streamed from the headers, per-layer and whole totals, in JSON key order."""
 
     dialect: str
-    source: Mapping[str, Any]  # Source.describe()
+    source: SourceDescription  # Source.describe()
     tensors: TensorRows
     layers: list[dict[str, Any]]  # per MoE layer: tensors, bytes, code bytes and bits per weight
     totals: TensorTotals

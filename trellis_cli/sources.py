@@ -19,7 +19,7 @@ import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Protocol, TypedDict, Union
+from typing import Any, Callable, Literal, Protocol, TypedDict, Union
 
 from trellis_cli.errors import CheckFailed, SourceUnavailable, UsageError
 from trellis_cli.header import (
@@ -96,9 +96,7 @@ class Source(Protocol):
 
     def file_info(self, name: str) -> HubFile | None: ...  # what the host lists of a file (LFS sha256); None: local
 
-    # A SourceDescription (LocalDescription or HubDescription), typed as a Mapping: the route-pack writer
-    # copies it into a plain dict of its own.
-    def describe(self) -> Mapping[str, Any]: ...
+    def describe(self) -> SourceDescription: ...  # where the bytes came from, as reports and manifests record it
 
 
 # What the library's entry points accept as a checkpoint: a Source, or a local directory's path.

@@ -65,7 +65,7 @@ def write_config(staged: StagedOutput, config: dict[str, Any], tp: int, rotation
 def source_record(source: Source, dialect: str, rotation_layout: str, tp: int, vector_ndim: dict[str, int],
                   files: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The manifest's `source`: where the pack came from (a local path made absolute) and its files' hashes."""
-    record = dict(source.describe())
+    record: dict[str, Any] = dict(source.describe())  # a copy, which the manifest's keys extend
     if record.get("kind") == "local" and record.get("path"):
         record["path"] = str(Path(record["path"]).resolve())
     record.update({"dialect": dialect, "rotation_layout": rotation_layout, "tp": tp, "vector_ndim": vector_ndim,
