@@ -17,6 +17,7 @@ quantize_linear.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 
@@ -223,7 +224,7 @@ def quantize_linear(
     codebook: str,
     generator: torch.Generator | None = None,
     candidates: int = 1,
-) -> dict:
+) -> dict[str, Any]:
     """Quantize W [in, out] without a Hessian: random signs, output/input channel scales, Hadamard
     rotations, Viterbi per tile (a light version of the converter's regularization, §7.3). One wrap
     candidate by default (3 Viterbi passes per tile): synthesis wants speed more than the last 0.1 %.

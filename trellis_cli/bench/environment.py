@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import subprocess
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ def nvidia_smi(index: int) -> dict[str, str]:
     return dict(zip(_SMI_FIELDS, values)) if result.returncode == 0 and len(values) == len(_SMI_FIELDS) else {}
 
 
-def environment(library: KernelLibrary, device: torch.device | None = None) -> dict:
+def environment(library: KernelLibrary, device: torch.device | None = None) -> dict[str, Any]:
     device = device or torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(device)
     return {

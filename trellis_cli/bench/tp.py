@@ -24,7 +24,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypedDict, cast
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypedDict, cast
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ import torch.distributed as dist
 from trellis_cli import errors
 from trellis_cli.bench.tp_source import TpPlan, load_rank_pack
 from trellis_cli.errors import CheckFailed, GpuUnavailable, TrellisError, UsageError
+
+if TYPE_CHECKING:  # the timing modules load the kernel's launcher, which a CPU check does not need
+    from trellis_cli.bench.tp_timing import TpTimingRow
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")  # all set: joined, not spawned
 GROUP_TIMEOUT = timedelta(minutes=15)  # a rank waits this long for the others (rank 0's reference is slow)
@@ -97,7 +100,7 @@ class _TimingBody(TypedDict):
     environment: dict[str, Any]
     cold: bool
     out_dtype: str
-    rows: list[dict[str, Any]]  # per M: the slowest rank's kernel, all-reduce and layer times
+    rows: list[TpTimingRow]  # per M: the slowest rank's kernel, all-reduce and layer times
 
 
 class _TpHead(TypedDict):
@@ -116,7 +119,7 @@ class TpReport(_TpHead, total=False):
     passed: bool  # smoke
     cold: bool  # timing
     out_dtype: str  # timing
-    rows: list[dict[str, Any]]  # timing
+    rows: list[TpTimingRow]  # timing
 
 
 def run_tp(job: TpJob) -> TpReport | None:

@@ -12,7 +12,7 @@ as the slowest rank saw them, and each rank's numbers.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,34 @@ def _phase(fns: Sequence[Callable[[], object]], replays: int, device: torch.devi
     return time_graphs(timers, replays, device).as_dict(), graphed
 
 
-def rank_times(pool: WeightPool, m: int, *, cold: bool, replays: int, seed: int, l2_bytes: int) -> dict:
+class RankTimes(TypedDict):
+    """One rank's timings of one M (gathered to rank 0, kept in the row's `per_rank`)."""
+
+    m: int
+    copies: int
+    experts: int
+    bytes: int
+    kernel: TimingJson
+    all_reduce: TimingJson
+    layer: TimingJson
+    graphs: bool  # the all-reduce and the layer ran as CUDA graphs (else eagerly, on every rank)
+
+
+class TpTimingRow(TypedDict):
+    """One M of a `--tp` timing's `rows`: the slowest rank's times, every rank's beside them."""
+
+    m: int
+    experts: int
+    all_reduce_bytes: int
+    kernel: dict[str, Any]  # min_us, max_us, per_rank_us
+    all_reduce: dict[str, Any]  # median_us (the slowest rank's), per_rank_us
+    layer: dict[str, Any]  # the same
+    layer_over_max_kernel: float
+    graphs: bool
+    per_rank: list[RankTimes]
+
+
+def rank_times(pool: WeightPool, m: int, *, cold: bool, replays: int, seed: int, l2_bytes: int) -> RankTimes:
     """This rank's kernel, all-reduce and layer timings for one M (collective: every rank calls it)."""
     base = pool.runners[0]
     pack, device = base.pack, base.device
@@ -74,12 +101,12 @@ def rank_times(pool: WeightPool, m: int, *, cold: bool, replays: int, seed: int,
 
 
 def rank_timing(pack, library, ms: list[int], *, cold: bool, replays: int, seed: int,
-                log: Callable[[str], None] = lambda s: None) -> list[dict]:
+                log: Callable[[str], None] = lambda s: None) -> list[RankTimes]:
     pool = WeightPool(pack, library)
     device = pool.runners[0].device
     props = torch.cuda.get_device_properties(device)
     l2_bytes = int(getattr(props, "L2_cache_size", 50 << 20))
-    rows = []
+    rows: list[RankTimes] = []
     for m in ms:
         log(f"throughput: TP{dist.get_world_size()} M={m} ({'cold' if cold else 'warm'})")
         rows.append(rank_times(pool, m, cold=cold, replays=replays, seed=seed + m, l2_bytes=l2_bytes))
@@ -87,9 +114,9 @@ def rank_timing(pack, library, ms: list[int], *, cold: bool, replays: int, seed:
     return rows
 
 
-def combine_ranks(per_rank: list[list[dict]], hidden: int) -> list[dict]:
+def combine_ranks(per_rank: list[list[RankTimes]], hidden: int) -> list[TpTimingRow]:
     """One report row per M from every rank's rows (rank order)."""
-    rows = []
+    rows: list[TpTimingRow] = []
     for index, first in enumerate(per_rank[0]):
         ranks = [rows_of_rank[index] for rows_of_rank in per_rank]
         kernel = [r["kernel"]["median_us"] for r in ranks]

@@ -24,6 +24,7 @@ from trellis_cli.integrity import RecordedHash
 
 if TYPE_CHECKING:
     from trellis_cli.dialects.inspect_doc import InspectSummary
+    from trellis_cli.dialects.units import Key, Unit
 
 CONFIG, QUANT_CONFIG = "config.json", "quantization_config.json"
 
@@ -405,20 +406,20 @@ class Dialect:
         """The MoE layers diff compares (what its bytes hold, declared or not)."""
         return sorted(ckpt.layers)
 
-    def layer_units(self, ckpt: Checkpoint, layer: int, tp: int) -> dict[Any, Any]:
+    def layer_units(self, ckpt: Checkpoint, layer: int, tp: int) -> dict[Key, Unit]:
         """Every logical unit of MoE layer `layer` at `tp` ranks (dialects/units.py: `Key` -> `Unit`), as diff
         compares them; a TP it cannot be read at is a CheckFailed naming why."""
         from trellis_cli.dialects.units import shard_layer_units
 
         return shard_layer_units(ckpt, layer, tp)
 
-    def other_units(self, ckpt: Checkpoint) -> dict[Any, Any]:
+    def other_units(self, ckpt: Checkpoint) -> dict[Key, Unit]:
         """Every tensor outside the MoE expert layout as a unit keyed by its name (the first file holding it)."""
         from trellis_cli.dialects.units import shard_other_units
 
         return shard_other_units(ckpt)
 
-    def layer_file_tensors(self, ckpt: Checkpoint, layer: int) -> dict[Any, Any] | None:
+    def layer_file_tensors(self, ckpt: Checkpoint, layer: int) -> dict[Key, Unit] | None:
         """A layer kept whole in one file, its tensors as units by name: how two checkpoints that both answer
         compare a layer (file to file first); None: its layers are not stored as such files."""
         return None

@@ -235,7 +235,7 @@ def _layer_count(ckpt, state: B12xTrellisDeclarations) -> int | None:
     return total - dense if total is not None and dense is not None and total > dense else None
 
 
-def _text_config(config: Any) -> dict:
+def _text_config(config: Any) -> dict[str, Any]:
     if not isinstance(config, dict):
         return {}
     text = config.get("text_config")

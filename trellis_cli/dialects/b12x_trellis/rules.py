@@ -73,7 +73,7 @@ class _Parser:
         self.block.problems.append(Problem(rule, where, message, expected, found))
 
     def obj(self, value: Any, where: str, required: set[str], optional: frozenset[str] | set[str] = frozenset()
-            ) -> dict | None:
+            ) -> dict[str, Any] | None:
         if not isinstance(value, dict):
             self.bad("type", where, "must be a JSON object", "object", type(value).__name__)
             return None

@@ -84,7 +84,7 @@ def _same_payload(source: Path, target: Path, tensor_name: Rename) -> None:
                               f"{source.name}")
 
 
-def renamed_manifest(doc: dict, to_btx: bool, layers: dict[int, tuple[str, str]]) -> dict:
+def renamed_manifest(doc: dict[str, Any], to_btx: bool, layers: dict[int, tuple[str, str]]) -> dict[str, Any]:
     """The source manifest under the target names, its layers (and moe_layer_indices) those of `layers`
     (index -> (file, sha256))."""
     _, _, manifest, _ = renamers(to_btx)

@@ -24,6 +24,7 @@ from trellis_cli.dialects.interface import (B12X, VLLM, VLLM_MANIFEST, CheckRequ
                                            Probe, read_json_or_none)
 
 if TYPE_CHECKING:
+    from trellis_cli.dialects.units import Key, Unit
     from trellis_cli.dialects.exl3v1.inspect import Exl3v1Document
 
 
@@ -85,17 +86,17 @@ class Exl3v1Dialect(Dialect):
 
         return read_tp(ckpt)
 
-    def layer_units(self, ckpt, layer: int, tp: int) -> dict:
+    def layer_units(self, ckpt, layer: int, tp: int) -> dict[Key, Unit]:
         from trellis_cli.dialects.exl3v1.units import layer_units
 
         return layer_units(ckpt, layer, tp)
 
-    def other_units(self, ckpt) -> dict:
+    def other_units(self, ckpt) -> dict[Key, Unit]:
         from trellis_cli.dialects.exl3v1.units import other_units
 
         return other_units(ckpt)
 
-    def layer_file_tensors(self, ckpt, layer: int) -> dict:
+    def layer_file_tensors(self, ckpt, layer: int) -> dict[Key, Unit]:
         from trellis_cli.dialects.exl3v1.units import layer_file_tensors
 
         return layer_file_tensors(ckpt, layer)

@@ -88,7 +88,7 @@ class Tr3ToExl3v1(Driver):
         _final_check(tree, self.validator)
 
 
-def _fingerprint(ck: Checkpoint, layers: list[int]) -> dict:
+def _fingerprint(ck: Checkpoint, layers: list[int]) -> dict[str, Any]:
     return {"source": ck.source.describe(), "to": "exl3-v1", "layers": layers}
 
 

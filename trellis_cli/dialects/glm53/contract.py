@@ -60,7 +60,7 @@ def quant_block(config: dict | None, quant_config: dict | None) -> tuple[dict | 
     return None, None
 
 
-def text_config(config: dict) -> dict:
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The text model's fields: `text_config` where config.json nests one (the multimodal wrapper), else itself."""
     nested = config.get("text_config")
     return nested if isinstance(nested, dict) else config

@@ -101,12 +101,12 @@ def preset(name: str, **changes: Any) -> StreamSpec:
     return dataclasses.replace(PRESETS[name], **given) if given else PRESETS[name]
 
 
-def quantization_block(spec: StreamSpec) -> dict:
+def quantization_block(spec: StreamSpec) -> dict[str, Any]:
     return {"bits": spec.bits, "codebook": "mcg", "head_bits": 16, "non_routed_dtype_policy": "official_source_native",
             "quant_method": "exl3", "scope": SCOPE, "serving_reader_qualified": False, "version": PRODUCER_VERSION}
 
 
-def config_json(spec: StreamSpec) -> dict:
+def config_json(spec: StreamSpec) -> dict[str, Any]:
     text = {"model_type": "glm5_next_text", "hidden_size": spec.hidden, "moe_intermediate_size": spec.intermediate,
             "n_routed_experts": spec.experts, "num_experts_per_tok": spec.top_k,
             "num_hidden_layers": spec.main_layers, "num_nextn_predict_layers": spec.mtp_layers,

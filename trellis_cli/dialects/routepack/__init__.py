@@ -23,6 +23,7 @@ from trellis_cli.dialects.interface import (CONFIG, QUANT_CONFIG, VLLM, CheckReq
                                            read_json_or_none)
 
 if TYPE_CHECKING:
+    from trellis_cli.dialects.units import Key, Unit
     from trellis_cli.dialects.routepack.inspect import RoutePackDocument
 
 MANIFEST_ROTATIONS = {"per_expert": "per_expert_v1", "shared_h": "shared_h_v1"}  # the manifest's word -> the model's
@@ -87,12 +88,12 @@ class RoutePackDialect(Dialect):
 
         return manifest_layers(ckpt)
 
-    def layer_units(self, ckpt, layer: int, tp: int) -> dict:
+    def layer_units(self, ckpt, layer: int, tp: int) -> dict[Key, Unit]:
         from trellis_cli.dialects.routepack.units import layer_units
 
         return layer_units(ckpt, layer, tp)
 
-    def other_units(self, ckpt) -> dict:
+    def other_units(self, ckpt) -> dict[Key, Unit]:
         from trellis_cli.dialects.routepack.units import other_units
 
         return other_units(ckpt)
