@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 ONLY_A, ONLY_B, DTYPE, SHAPE, BYTES = "only-a", "only-b", "dtype", "shape", "bytes"
 STATUSES = (ONLY_A, ONLY_B, DTYPE, SHAPE, BYTES)
+
+
+class _UnitFactsFields(TypedDict):
+    dtype: str
+    shape: list[int]
+    bytes: int
+
+
+class UnitFacts(_UnitFactsFields, total=False):
+    """One side of a TensorDifference: what its unit is, in its JSON key order."""
+
+    sha256: str  # when hashed
 
 
 @dataclass(frozen=True)
@@ -33,8 +45,8 @@ class TensorDifference:
     projection: str | None = None
     rank: int | None = None
     tensor: str | None = None
-    a: dict[str, Any] | None = None
-    b: dict[str, Any] | None = None
+    a: UnitFacts | None = None
+    b: UnitFacts | None = None
 
     def label(self) -> str:
         if self.tensor is not None:

@@ -23,7 +23,7 @@ from trellis_cli.checkpoint.reader import require_intact, same_bytes
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.diff.hashing import HEADER, SHA256, Hasher, storage_identity
 from trellis_cli.diff.result import (BYTES, DTYPE, ONLY_A, ONLY_B, SHAPE, DiffResult, DiffSide, LayerDiff,
-                                     TensorDifference, TierChange)
+                                     TensorDifference, TierChange, UnitFacts)
 from trellis_cli.diff.structure import structure_changes
 from trellis_cli.diff.units import (CODES, OTHER, Key, Span, Unit, layer_file_tensors, layer_units, moe_layers,
                                     native_tp, other_units, read_tp)
@@ -271,12 +271,13 @@ def _order(d: TensorDifference) -> tuple:
             d.part)
 
 
-def _facts(unit: Unit | None, digest: str | None) -> dict[str, Any] | None:
+def _facts(unit: Unit | None, digest: str | None) -> UnitFacts | None:
     if unit is None:
         return None
-    facts: dict[str, Any] = {"dtype": unit.dtype, "shape": list(unit.shape), "bytes": unit.nbytes}
-    if digest or unit.digest:
-        facts["sha256"] = digest or unit.digest
+    facts: UnitFacts = {"dtype": unit.dtype, "shape": list(unit.shape), "bytes": unit.nbytes}
+    sha256 = digest or unit.digest
+    if sha256:
+        facts["sha256"] = sha256
     return facts
 
 
