@@ -164,6 +164,7 @@ class Checkpoint:
     files: dict[str, int] = field(default_factory=dict)  # every file of the checkpoint with its size
     index: dict[str, str] | None = None  # model.safetensors.index.json weight_map, when present
     index_file: str | None = None
+    index_agrees: bool = False  # `index` maps every tensor to the file holding it, as the opening proved
     quant_config: dict[str, Any] | None = None  # quantization_config.json, when present
 
     @property

@@ -111,7 +111,7 @@ def _open(source: Source, progress: Callable[[str, int, int], None], headers: bo
     if dialect.fill(ckpt, probe, info):  # a container read its own way
         return ckpt
     _read_headers(ckpt, source, files, progress)
-    steps = (lambda: _read_index(ckpt, source, files), lambda: _collect_tensors(ckpt), lambda: _build_layers(ckpt),
+    steps = (lambda: _collect_tensors(ckpt), lambda: _read_index(ckpt, source, files), lambda: _build_layers(ckpt),
              lambda: _apply_declarations(ckpt, info, source, files), lambda: _fill_geometry(ckpt, info))
     for done, step in enumerate(steps, 1):
         step()
@@ -156,14 +156,26 @@ def _read_headers(ckpt: Checkpoint, source: Source, files: dict[str, int],
 
 
 def _read_index(ckpt: Checkpoint, source: Source, files: dict[str, int]) -> None:
+    """The index, after the tensors: a large one proven in its bytes to map every tensor to the file holding it
+    is that mapping itself, never decoded (`reader.index_of`); any other is read in full and compared."""
+    proven = reader.index_of(source, files, ckpt.tensors)
+    if proven is not None:
+        ckpt.index_file, ckpt.index_metadata = proven
+        ckpt.index, ckpt.index_agrees = _tensor_files(ckpt.tensors), True
+        return
     found = reader.read_index(source, files, ckpt.parse_findings)
     if found is not None:
         ckpt.index_file, ckpt.index, ckpt.index_metadata = found
+        _rekey_index(ckpt)
+
+
+def _tensor_files(tensors: dict[str, TensorRef]) -> dict[str, str]:
+    return dict(zip(tensors.keys(), map(_FILE_OF, tensors.values())))
 
 
 def _collect_tensors(ckpt: Checkpoint) -> None:
-    """Every tensor by name; a name in several files resolves to the index's file, else the first file. The
-    header's entries are the model's TensorRefs (the same records), merged file by file in C."""
+    """Every tensor by name; a name in several files resolves to the first file (the index's, once it is read:
+    `_rekey_index`). The header's entries are the model's TensorRefs (the same records), merged file by file in C."""
     tensors = ckpt.tensors
     for file, header in ckpt.headers.items():
         if header.file != file:  # a header parsed under another name: its entries placed in the listed file
@@ -177,13 +189,17 @@ def _collect_tensors(ckpt: Checkpoint) -> None:
             for name, ref in header.tensors.items():
                 if name not in tensors:
                     tensors[name] = ref
-    if not ckpt.index:
-        return
-    # Re-key the index on the header's own name strings: halves its memory at production size. An index that
-    # maps every tensor to the file it was found in is that mapping itself, built and compared in C.
-    found = dict(zip(tensors.keys(), map(_FILE_OF, tensors.values())))
+
+
+def _rekey_index(ckpt: Checkpoint) -> None:
+    """A name in several files resolves to the index's file. The index is re-keyed on the header's own name
+    strings: halves its memory at production size. An index that maps every tensor to the file it was found in
+    is that mapping itself, built and compared in C."""
+    tensors = ckpt.tensors
+    assert ckpt.index is not None
+    found = _tensor_files(tensors)
     if found == ckpt.index:
-        ckpt.index = found
+        ckpt.index, ckpt.index_agrees = found, True
         return
     compact: dict[str, str] = {}
     file_names = {file: file for file in ckpt.headers}

@@ -57,7 +57,9 @@ def _check_index(ckpt: Checkpoint, index: dict[str, str]) -> Iterator[Finding]:
             yield error("index.file-missing", Location(file=index_file), "index names a shard that does not exist",
                         found=file)
     # The common case, proven in C: the index maps exactly the headers' tensors, each to the file holding it.
-    agrees = index == dict(zip(ckpt.tensors.keys(), map(_FILE_OF, ckpt.tensors.values()))) and \
+    # (The opening proved it already where `index_agrees`.)
+    agrees = ((ckpt.index_agrees and index is ckpt.index)
+              or index == dict(zip(ckpt.tensors.keys(), map(_FILE_OF, ckpt.tensors.values())))) and \
         len(ckpt.tensors) == sum(len(header.tensors) for header in headers.values())
     for name, file in () if agrees else index.items():
         if file in bad_files or file not in headers:
