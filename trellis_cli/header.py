@@ -363,11 +363,15 @@ def _parse_canonical(file: str, header_bytes: bytes, header_len: int, file_size:
         return None  # a key twice in one object: Python kept the last one silently
     tensors = {}
     data_start, new, entry, dtypes = 8 + header_len, tuple.__new__, TensorEntry, _DTYPE_NAMES
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct shape (a shard has a few)
+    same_shape = shapes.setdefault
     for name, info in raw.items():  # the one Python step per tensor: keep it to a record built in C
         begin, end = info["data_offsets"]
         if begin > end:
             return None
-        tensors[name] = new(entry, (name, file, dtypes[info["dtype"]], tuple(info["shape"]), begin, end, data_start))
+        shape = tuple(info["shape"])
+        tensors[name] = new(entry, (name, file, dtypes[info["dtype"]], same_shape(shape, shape), begin, end,
+                                    data_start))
     return Header(file=file, header_len=header_len, file_size=file_size, tensors=tensors, metadata=metadata)
 
 
