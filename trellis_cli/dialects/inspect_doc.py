@@ -131,13 +131,14 @@ def layer_summary(ckpt: Checkpoint, layer: MoeLayer) -> LayerRow:
             k = ks.pop() if len(ks) == 1 else None
             if k is not None:
                 proj_k[k] += 1
-            for rank, lin in by_rank.items():
-                for ref in (lin.trellis, lin.suh, lin.svh, lin.su, lin.sv, lin.mcg, lin.mul1, *lin.extra):
-                    if ref is not None:
-                        rank_bytes[rank] += ref.nbytes
-                        tensors += 1
+            for rank, lin in by_rank.items():  # ~233k linears at production size: no call per tensor
+                refs = [ref for ref in lin[1:8] if ref is not None]  # trellis, suh, svh, su, sv, mcg, mul1
+                refs += lin.extra
+                if refs:
+                    rank_bytes[rank] += sum([ref.end - ref.begin for ref in refs])
+                    tensors += len(refs)
                 if lin.trellis is not None:
-                    trellis_bytes[rank] += lin.trellis.nbytes
+                    trellis_bytes[rank] += lin.trellis.end - lin.trellis.begin
     for (_, rank), fields in layer.shared_h.items():
         for ref in fields.values():
             rank_bytes[rank] += ref.nbytes

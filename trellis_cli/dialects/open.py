@@ -25,6 +25,7 @@ from trellis_cli.checkpoint.model import (
     Checkpoint,
     LinearRef,
     MoeLayer,
+    TensorFiles,
     TensorRef,
 )
 from trellis_cli.checkpoint.names import (
@@ -161,7 +162,7 @@ def _read_index(ckpt: Checkpoint, source: Source, files: dict[str, int]) -> None
     proven = reader.index_of(source, files, ckpt.tensors)
     if proven is not None:
         ckpt.index_file, ckpt.index_metadata = proven
-        ckpt.index, ckpt.index_agrees = _tensor_files(ckpt.tensors), True
+        ckpt.index, ckpt.index_agrees = TensorFiles(ckpt.tensors), True
         return
     found = reader.read_index(source, files, ckpt.parse_findings)
     if found is not None:
@@ -194,12 +195,11 @@ def _collect_tensors(ckpt: Checkpoint) -> None:
 def _rekey_index(ckpt: Checkpoint) -> None:
     """A name in several files resolves to the index's file. The index is re-keyed on the header's own name
     strings: halves its memory at production size. An index that maps every tensor to the file it was found in
-    is that mapping itself, built and compared in C."""
+    (compared in C) is that mapping itself, read from the tensors (`TensorFiles`)."""
     tensors = ckpt.tensors
     assert ckpt.index is not None
-    found = _tensor_files(tensors)
-    if found == ckpt.index:
-        ckpt.index, ckpt.index_agrees = found, True
+    if _tensor_files(tensors) == ckpt.index:
+        ckpt.index, ckpt.index_agrees = TensorFiles(tensors), True
         return
     compact: dict[str, str] = {}
     file_names = {file: file for file in ckpt.headers}
@@ -245,8 +245,12 @@ def _build_layers(ckpt: Checkpoint) -> None:
                 _linear_fields(linears, sliced, layer_s, expert_s, proj, rank_s)[fieldname] = ref
                 continue
         _add_other_expert_tensor(ckpt, name, ref)
+    del groups  # ~233k prefixes: freed before the linears are built (the opening's peak is here)
     new, linear = tuple.__new__, LinearRef
-    for (li, expert, proj, rank), fields in linears.items():
+    pop = linears.pop
+    for key in list(linears):  # each linear's fields freed as its record is made
+        li, expert, proj, rank = key
+        fields = pop(key)
         layer = layers.get(li)
         if layer is None:
             layer = layers[li] = MoeLayer(li)

@@ -10,7 +10,7 @@ All of it from headers and the file listing: no tensor data is read.
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import Iterator
+from typing import Iterator, Mapping
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, error_summary, warning
@@ -44,7 +44,7 @@ def _check_duplicates(ckpt: Checkpoint) -> Iterator[Finding]:
                             found=sorted({file, chosen}))
 
 
-def _check_index(ckpt: Checkpoint, index: dict[str, str]) -> Iterator[Finding]:
+def _check_index(ckpt: Checkpoint, index: Mapping[str, str]) -> Iterator[Finding]:
     index_file, headers = ckpt.index_file, ckpt.headers
     bad_files: set[str] = set()
     for file in sorted(set(index.values())):
