@@ -19,6 +19,7 @@ import re
 import stat
 import struct
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import PurePosixPath
 from typing import Any, NamedTuple, TypeGuard
 
@@ -260,6 +261,9 @@ class TensorEntry(NamedTuple):
         return self.data_start + self.begin, self.data_start + self.end
 
 
+_END = attrgetter("end")
+
+
 @dataclass(frozen=True)
 class Header:
     file: str  # path relative to the checkpoint root
@@ -274,7 +278,7 @@ class Header:
 
     @property
     def data_end(self) -> int:
-        return max((t.end for t in self.tensors.values()), default=0)
+        return max(map(_END, self.tensors.values()), default=0)  # in C: asked of every shard, 12k tensors each
 
 
 def header_length(prefix: bytes, file: str, file_size: int | None) -> int:
