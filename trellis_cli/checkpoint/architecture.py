@@ -21,7 +21,7 @@ as an EXL3 linear (`.trellis` `[in/16, out/16, 16K]`, padded to 128 at most); wh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 # model_type -> the model class that builds it (all from deepseek_v2.py)
 MODEL_CLASSES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
@@ -169,7 +169,7 @@ def exl3_fits(weight: Weight, trellis_shape: tuple[int, ...]) -> bool:
     return fits(trellis_shape[0], in_f) and fits(trellis_shape[1], out_f) and 1 <= trellis_shape[2] // 16 <= 8
 
 
-def mismatch(weight: Weight, stored: dict[str, tuple[str, tuple[int, ...]]], any_dtype: bool = False) -> str | None:
+def mismatch(weight: Weight, stored: Mapping[str, tuple[str, tuple[int, ...]]], any_dtype: bool = False) -> str | None:
     """None when `stored` (name -> (dtype, shape)) holds `weight` as the model class loads it; "missing" when
     nothing is there; else what the checkpoint holds instead, in words ("BF16 [64, 256]"). `any_dtype`: a
     loader with its own dense format (MXFP8) whose dtypes are not listed here: the shape alone is checked."""

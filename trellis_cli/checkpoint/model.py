@@ -11,6 +11,7 @@ linear (trellis + suh + svh + codebook marker). K = trellis.shape[-1] // 16 alwa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, ValuesView
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from trellis_cli.codebooks import MCG_MARKER, MUL1_MARKER  # noqa: F401  (the marker values, re-exported)
@@ -139,6 +140,33 @@ class Declarations:
         return f"<{type(self).__name__}>"
 
 
+class TensorFiles(Mapping[str, str]):
+    """name -> file of every tensor, read from the tensors themselves: the index of a checkpoint whose index maps
+    every tensor to the file holding it (`Checkpoint.index_agrees`), without a dict of its own (~935k entries)."""
+
+    def __init__(self, tensors: Mapping[str, TensorRef]) -> None:
+        self._tensors = tensors
+
+    def __getitem__(self, name: str) -> str:
+        return self._tensors[name].file
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def values(self) -> ValuesView[str]:
+        return _Files(self)
+
+
+class _Files(ValuesView[str]):
+    _mapping: TensorFiles
+
+    def __iter__(self) -> Iterator[str]:
+        return (ref.file for ref in self._mapping._tensors.values())
+
+
 @dataclass
 class Checkpoint:
     """A parsed checkpoint: declarations from JSON, facts from headers, nothing from tensor data."""
@@ -162,8 +190,9 @@ class Checkpoint:
     parse_findings: list[Any] = field(default_factory=list)
     tensors: dict[str, TensorRef] = field(default_factory=dict)  # every tensor by name (first file that has it)
     files: dict[str, int] = field(default_factory=dict)  # every file of the checkpoint with its size
-    index: dict[str, str] | None = None  # model.safetensors.index.json weight_map, when present
+    index: Mapping[str, str] | None = None  # model.safetensors.index.json weight_map, when present
     index_file: str | None = None
+    index_agrees: bool = False  # `index` maps every tensor to the file holding it, as the opening proved
     quant_config: dict[str, Any] | None = None  # quantization_config.json, when present
 
     @property

@@ -17,6 +17,7 @@ import json
 import os
 import re
 from collections import Counter
+from operator import attrgetter
 from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
@@ -362,9 +363,41 @@ def index_files(source: Source, files: dict[str, int]) -> set[str] | None:
     escape), no name twice. An empty set without an index; None for anything else (a small index included, which
     `read_index` reads at once): the caller then reads it in full, which words every finding. Proven in one regex
     pass, without the ~935k-key dict a production index decodes into."""
-    name = index_name(files)
-    if name is None:
+    if index_name(files) is None:
         return set()
+    proven = _proven_index(source, files, lambda _names, _files: True)
+    return None if proven is None else proven[2]
+
+
+def index_of(source: Source, files: dict[str, int], tensors: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """(index file, its metadata) where a large local index is proven in its bytes (as `index_files` proves it)
+    to map exactly the names of `tensors` (name -> TensorRef), each to the file holding it: what `read_index`
+    would decode, compared with the headers, without the ~935k fresh strings of that decode (~400 MB and three
+    seconds at production size). None otherwise: the caller reads it in full."""
+    seen = [0]
+
+    def agrees(names: list[bytes], named: list[bytes]) -> bool:
+        keys = b'"'.join(names).decode().split('"')  # ASCII without escapes: the names as JSON decodes them
+        try:
+            held = list(map(_FILE_OF, map(tensors.__getitem__, keys)))
+        except KeyError:
+            return False
+        seen[0] += len(keys)
+        return held == b'"'.join(named).decode().split('"')
+
+    proven = _proven_index(source, files, agrees)
+    if proven is None or seen[0] != len(tensors):
+        return None  # (no name twice, so as many names as tensors is every tensor once)
+    return proven[0], proven[1]
+
+
+def _proven_index(source: Source, files: dict[str, int], piece: Callable[[list[bytes], list[bytes]], bool]
+                  ) -> tuple[str, dict[str, Any], set[str]] | None:
+    """(index file, metadata, the files it names) of a large local index proven in its bytes, each piece of its
+    entries (names, files) also accepted by `piece`; None where anything is not proven."""
+    name = index_name(files)
+    if name is None or source.root is None:
+        return None
     from trellis_cli.sources import MAX_JSON_BYTES
 
     if not MAX_JSON_BYTES < files.get(name, 0) <= MAX_INDEX_BYTES:
@@ -374,11 +407,12 @@ def index_files(source: Source, files: dict[str, int]) -> set[str] | None:
             data = f.read(MAX_INDEX_BYTES + 1)
     except (OSError, CheckFailed):
         return None
-    if not data.isascii() or b"\\" in data or len(data.translate(None, _CONTROL)) != len(data):
+    if not data.isascii() or b"\\" in data or _controls(data):
         return None  # an escape, or a control character other than whitespace: the full reader decides
     head = _INDEX_HEAD.match(data)
     if head is None:
         return None
+    metadata: Any = {}
     if head.group(1) is not None:  # the metadata: an object of plain values, no key twice
         try:
             metadata = load_json(head.group(1))
@@ -406,6 +440,8 @@ def index_files(source: Source, files: dict[str, int]) -> set[str] | None:
             return None
         for part in (colons, gaps):
             spaces += sum(part.count(gap) * _spaces(gap) for gap in set(part))
+        if not piece(keys, values):
+            return None
         named.update(values)
         hashes.append(np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys)))
         at = cut
@@ -413,10 +449,11 @@ def index_files(source: Source, files: dict[str, int]) -> set[str] | None:
         return None  # a line break or tab inside a string
     if not all_distinct(np.concatenate(hashes)):
         return None  # a name twice (or two names of one hash): the full reader decides
-    return {file.decode() for file in named}
+    return name, metadata, {file.decode() for file in named}
 
 
 _INDEX_PIECE = 8 << 20  # bytes of the index split at a time
+_FILE_OF = attrgetter("file")
 
 
 def _entry_start(data: bytes, at: int, target: int) -> int:
@@ -433,8 +470,14 @@ def _entry_start(data: bytes, at: int, target: int) -> int:
 
 
 def _spaces(text: bytes) -> int:
-    """How many line breaks and tabs `text` holds."""
-    return len(text) - len(text.translate(None, b"\n\r\t"))
+    """How many line breaks and tabs `text` holds (counted, not copied: the index may be 80 MB)."""
+    return text.count(b"\n") + text.count(b"\r") + text.count(b"\t")
+
+
+def _controls(data: bytes) -> bool:
+    """Whether `data` holds a control character other than whitespace (in pieces: no copy of the whole index)."""
+    return any(len(piece) != len(piece.translate(None, _CONTROL))
+               for piece in (data[at:at + _INDEX_PIECE] for at in range(0, len(data), _INDEX_PIECE)))
 
 
 _CONTROL = bytes(c for c in range(32) if c not in b"\n\r\t")

@@ -9,9 +9,10 @@ Plain data out; inspect_report renders it.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Mapping, Sequence, TypedDict
+from operator import attrgetter
+from typing import Any, Collection, Mapping, Sequence, TypedDict
 
-from trellis_cli.checkpoint.model import Checkpoint, MoeLayer
+from trellis_cli.checkpoint.model import Checkpoint, MoeLayer, TensorRef
 from trellis_cli.id_ranges import compact_ranges
 
 
@@ -186,13 +187,14 @@ def layer_summary(ckpt: Checkpoint, layer: MoeLayer) -> LayerRow:
             k = ks.pop() if len(ks) == 1 else None
             if k is not None:
                 proj_k[k] += 1
-            for rank, lin in by_rank.items():
-                for ref in (lin.trellis, lin.suh, lin.svh, lin.su, lin.sv, lin.mcg, lin.mul1, *lin.extra):
-                    if ref is not None:
-                        rank_bytes[rank] += ref.nbytes
-                        tensors += 1
+            for rank, lin in by_rank.items():  # ~233k linears at production size: no call per tensor
+                refs = [ref for ref in lin[1:8] if ref is not None]  # trellis, suh, svh, su, sv, mcg, mul1
+                refs += lin.extra
+                if refs:
+                    rank_bytes[rank] += sum([ref.end - ref.begin for ref in refs])
+                    tensors += len(refs)
                 if lin.trellis is not None:
-                    trellis_bytes[rank] += lin.trellis.nbytes
+                    trellis_bytes[rank] += lin.trellis.end - lin.trellis.begin
     for (_, rank), fields in layer.shared_h.items():
         for ref in fields.values():
             rank_bytes[rank] += ref.nbytes
@@ -268,7 +270,7 @@ def totals(ckpt: Checkpoint, rows: Sequence[Mapping[str, Any]]) -> Totals:
     mtp_rank = sum(r["bytes_per_rank"] for r in rows if decoder is not None and r["layer"] >= decoder)
     routed_rank = sum(r["bytes_per_rank"] for r in rows) - mtp_rank
     expert_names = _expert_tensor_bytes(ckpt)
-    all_tensor_bytes = sum(ref.nbytes for ref in ckpt.tensors.values())
+    all_tensor_bytes = _bytes(ckpt.tensors.values())
     other = all_tensor_bytes - expert_names
     return {
         "layers": len(rows),
@@ -290,9 +292,18 @@ def _expert_tensor_bytes(ckpt: Checkpoint) -> int:
     for layer in ckpt.layers.values():
         for projs in layer.experts.values():
             for by_rank in projs.values():
-                for lin in by_rank.values():
-                    total += sum(ref.nbytes for ref in (lin.trellis, lin.suh, lin.svh, lin.su, lin.sv, lin.mcg,
-                                                        lin.mul1, *lin.extra) if ref is not None)
+                for lin in by_rank.values():  # trellis, suh, svh, su, sv, mcg, mul1, then the extra fields
+                    total += _bytes([ref for ref in lin[1:8] if ref is not None] + list(lin.extra))
         total += sum(ref.nbytes for f in layer.shared_h.values() for ref in f.values())
         total += sum(ref.nbytes for ref in layer.r7_shared.values()) + sum(ref.nbytes for ref in layer.unparsed)
     return total
+
+
+def _bytes(refs: Collection[TensorRef]) -> int:
+    """The bytes of `refs`, summed in C (inspect sums ~935k tensors twice)."""
+    ends: int = sum(map(_END, refs))
+    begins: int = sum(map(_BEGIN, refs))
+    return ends - begins
+
+
+_BEGIN, _END = attrgetter("begin"), attrgetter("end")

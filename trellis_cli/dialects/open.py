@@ -25,6 +25,7 @@ from trellis_cli.checkpoint.model import (
     Checkpoint,
     LinearRef,
     MoeLayer,
+    TensorFiles,
     TensorRef,
 )
 from trellis_cli.checkpoint.names import (
@@ -111,7 +112,7 @@ def _open(source: Source, progress: Callable[[str, int, int], None], headers: bo
     if dialect.fill(ckpt, probe, info):  # a container read its own way
         return ckpt
     _read_headers(ckpt, source, files, progress)
-    steps = (lambda: _read_index(ckpt, source, files), lambda: _collect_tensors(ckpt), lambda: _build_layers(ckpt),
+    steps = (lambda: _collect_tensors(ckpt), lambda: _read_index(ckpt, source, files), lambda: _build_layers(ckpt),
              lambda: _apply_declarations(ckpt, info, source, files), lambda: _fill_geometry(ckpt, info))
     for done, step in enumerate(steps, 1):
         step()
@@ -156,14 +157,26 @@ def _read_headers(ckpt: Checkpoint, source: Source, files: dict[str, int],
 
 
 def _read_index(ckpt: Checkpoint, source: Source, files: dict[str, int]) -> None:
+    """The index, after the tensors: a large one proven in its bytes to map every tensor to the file holding it
+    is that mapping itself, never decoded (`reader.index_of`); any other is read in full and compared."""
+    proven = reader.index_of(source, files, ckpt.tensors)
+    if proven is not None:
+        ckpt.index_file, ckpt.index_metadata = proven
+        ckpt.index, ckpt.index_agrees = TensorFiles(ckpt.tensors), True
+        return
     found = reader.read_index(source, files, ckpt.parse_findings)
     if found is not None:
         ckpt.index_file, ckpt.index, ckpt.index_metadata = found
+        _rekey_index(ckpt)
+
+
+def _tensor_files(tensors: dict[str, TensorRef]) -> dict[str, str]:
+    return dict(zip(tensors.keys(), map(_FILE_OF, tensors.values())))
 
 
 def _collect_tensors(ckpt: Checkpoint) -> None:
-    """Every tensor by name; a name in several files resolves to the index's file, else the first file. The
-    header's entries are the model's TensorRefs (the same records), merged file by file in C."""
+    """Every tensor by name; a name in several files resolves to the first file (the index's, once it is read:
+    `_rekey_index`). The header's entries are the model's TensorRefs (the same records), merged file by file in C."""
     tensors = ckpt.tensors
     for file, header in ckpt.headers.items():
         if header.file != file:  # a header parsed under another name: its entries placed in the listed file
@@ -177,13 +190,16 @@ def _collect_tensors(ckpt: Checkpoint) -> None:
             for name, ref in header.tensors.items():
                 if name not in tensors:
                     tensors[name] = ref
-    if not ckpt.index:
-        return
-    # Re-key the index on the header's own name strings: halves its memory at production size. An index that
-    # maps every tensor to the file it was found in is that mapping itself, built and compared in C.
-    found = dict(zip(tensors.keys(), map(_FILE_OF, tensors.values())))
-    if found == ckpt.index:
-        ckpt.index = found
+
+
+def _rekey_index(ckpt: Checkpoint) -> None:
+    """A name in several files resolves to the index's file. The index is re-keyed on the header's own name
+    strings: halves its memory at production size. An index that maps every tensor to the file it was found in
+    (compared in C) is that mapping itself, read from the tensors (`TensorFiles`)."""
+    tensors = ckpt.tensors
+    assert ckpt.index is not None
+    if _tensor_files(tensors) == ckpt.index:
+        ckpt.index, ckpt.index_agrees = TensorFiles(tensors), True
         return
     compact: dict[str, str] = {}
     file_names = {file: file for file in ckpt.headers}
@@ -229,8 +245,12 @@ def _build_layers(ckpt: Checkpoint) -> None:
                 _linear_fields(linears, sliced, layer_s, expert_s, proj, rank_s)[fieldname] = ref
                 continue
         _add_other_expert_tensor(ckpt, name, ref)
+    del groups  # ~233k prefixes: freed before the linears are built (the opening's peak is here)
     new, linear = tuple.__new__, LinearRef
-    for (li, expert, proj, rank), fields in linears.items():
+    pop = linears.pop
+    for key in list(linears):  # each linear's fields freed as its record is made
+        li, expert, proj, rank = key
+        fields = pop(key)
         layer = layers.get(li)
         if layer is None:
             layer = layers[li] = MoeLayer(li)

@@ -14,10 +14,10 @@ lack is a warning (`weights.mtp-missing`). An architecture this table does not l
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from typing import Iterator, Mapping
 
 from trellis_cli.checkpoint.architecture import ConfigProblem, ModelWeights, Weight, expected_form, mismatch, model_weights
-from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.checkpoint.model import Checkpoint, TensorRef
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import Finding, Location, Severity, warning
 from trellis_cli.id_ranges import compact_ranges
@@ -30,7 +30,32 @@ _LAYER = re.compile(r"^model\.layers\.([0-9]+)\.")
 _SYNTH_NOTE = ("this checkpoint was written by `trellis synth` without --non-expert: it holds the routed experts "
                "only, so no engine loads it; `trellis synth OUT --non-expert bf16` writes every weight")
 
-Stored = dict[str, tuple[str, tuple[int, ...]]]
+
+
+class Stored(Mapping[str, tuple[str, tuple[int, ...]]]):
+    """name -> (dtype, shape) of every tensor the checkpoint's files hold, read from the model's own records
+    (a production checkpoint has ~935k: a copy of each cost a second and 100 MB), then from the headers of the
+    files outside the model, which win for a name in both (as a dict updated file by file would)."""
+
+    def __init__(self, tensors: Mapping[str, TensorRef]) -> None:
+        self._tensors = tensors
+        self.outside: dict[str, tuple[str, tuple[int, ...]]] = {}
+
+    def __getitem__(self, name: str) -> tuple[str, tuple[int, ...]]:
+        found = self.outside.get(name)
+        if found is not None:
+            return found
+        ref = self._tensors[name]
+        return ref.dtype, tuple(ref.shape)
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._tensors
+        yield from (name for name in self.outside if name not in self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors) + sum(name not in self._tensors for name in self.outside)
+
+
 _memo: list = [None, None, None]  # (checkpoint, its stored tensors, its model weights): six profiles ask
 
 
@@ -40,7 +65,7 @@ def _facts(ckpt: Checkpoint) -> tuple[Stored, ModelWeights | None | ConfigProble
             expected: ModelWeights | None | ConfigProblem = model_weights(ckpt.config)
         except ConfigProblem as problem:
             expected = problem
-        _memo[:] = [ckpt, _stored(ckpt) if expected is not None else {}, expected]
+        _memo[:] = [ckpt, _stored(ckpt) if expected is not None else Stored({}), expected]
     return _memo[1], _memo[2]
 
 
@@ -50,7 +75,7 @@ def _stored(ckpt: Checkpoint) -> Stored:
     from trellis_cli.checkpoint import reader
     from trellis_cli.errors import CheckFailed
 
-    stored = {name: (ref.dtype, tuple(ref.shape)) for name, ref in ckpt.tensors.items()}
+    stored = Stored(ckpt.tensors)
     for name, size in sorted(ckpt.files.items()):
         if not name.endswith(".safetensors") or size < 0:
             continue
@@ -61,7 +86,7 @@ def _stored(ckpt: Checkpoint) -> Stored:
             header = reader.shard_header(ckpt, name)
         except CheckFailed:
             continue  # the file rules name a file that cannot be read (a link out, a bad header)
-        stored.update({t: (e.dtype, tuple(e.shape)) for t, e in header.tensors.items()})
+        stored.outside.update({t: (e.dtype, tuple(e.shape)) for t, e in header.tensors.items()})
     return stored
 
 

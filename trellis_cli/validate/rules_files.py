@@ -10,7 +10,7 @@ All of it from headers and the file listing: no tensor data is read.
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import Iterator
+from typing import Iterator, Mapping
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, error_summary, warning
@@ -44,7 +44,7 @@ def _check_duplicates(ckpt: Checkpoint) -> Iterator[Finding]:
                             found=sorted({file, chosen}))
 
 
-def _check_index(ckpt: Checkpoint, index: dict[str, str]) -> Iterator[Finding]:
+def _check_index(ckpt: Checkpoint, index: Mapping[str, str]) -> Iterator[Finding]:
     index_file, headers = ckpt.index_file, ckpt.headers
     bad_files: set[str] = set()
     for file in sorted(set(index.values())):
@@ -57,7 +57,9 @@ def _check_index(ckpt: Checkpoint, index: dict[str, str]) -> Iterator[Finding]:
             yield error("index.file-missing", Location(file=index_file), "index names a shard that does not exist",
                         found=file)
     # The common case, proven in C: the index maps exactly the headers' tensors, each to the file holding it.
-    agrees = index == dict(zip(ckpt.tensors.keys(), map(_FILE_OF, ckpt.tensors.values()))) and \
+    # (The opening proved it already where `index_agrees`.)
+    agrees = ((ckpt.index_agrees and index is ckpt.index)
+              or index == dict(zip(ckpt.tensors.keys(), map(_FILE_OF, ckpt.tensors.values())))) and \
         len(ckpt.tensors) == sum(len(header.tensors) for header in headers.values())
     for name, file in () if agrees else index.items():
         if file in bad_files or file not in headers:
