@@ -63,7 +63,7 @@ def smoke_normalized(doc: dict) -> dict:
 
 
 class Workspace:
-    """The documents, by golden name, of one CLI session over a temporary directory."""
+    """The documents, by golden name, of one run of the CLI commands over a temporary directory."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
