@@ -19,9 +19,12 @@ import re
 import stat
 import struct
 from dataclasses import dataclass, field
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, itemgetter
 from pathlib import PurePosixPath
 from typing import Any, NamedTuple, TypeGuard
+
+import numpy as np
 
 # The Hub's own parser refuses headers above 25 MB; the safetensors reader above 100 MB. A production
 # MoE layer shard (12,288 tensors) has a header of about 1.5 MB.
@@ -327,11 +330,19 @@ _HEAD = re.compile(rb"\{(?:(" + _METADATA + rb"),)?")
 def canonical_head(head: bytes) -> bool:
     """Whether `head` is what precedes the first entry of a header in safetensors' own layout (`{`, then the
     `__metadata__` object and a comma, if any) and the strict parser accepts it (no metadata key twice)."""
+    return _canonical_metadata(head) is not None
+
+
+def _canonical_metadata(head: bytes) -> dict[str, str] | None:
+    """The metadata of a canonical head (`canonical_head`), empty where it has none; None for any other head."""
     match = _HEAD.fullmatch(head)
     if match is None:
-        return False
+        return None
     meta_text = match.group(1)
-    return meta_text is None or len(json.loads(b"{" + meta_text + b"}")["__metadata__"]) == meta_text.count(b'":"')
+    if meta_text is None:
+        return {}
+    metadata: dict[str, str] = json.loads(b"{" + meta_text + b"}")["__metadata__"]
+    return metadata if len(metadata) == meta_text.count(b'":"') else None
 
 
 def canonical_header(raw: bytes) -> bool:
@@ -353,30 +364,51 @@ def _utf8(raw: bytes) -> bool:
 
 
 def _parse_canonical(file: str, header_bytes: bytes, header_len: int, file_size: int | None) -> Header | None:
-    """The header of a canonical layout, decoded by plain `json.loads` (no hook can fire: no float, constant,
-    -0, escape or non-string metadata value) and its entries built without re-checking what the match proved;
-    None where a name appears twice or an offset pair is reversed, which the strict path then names."""
-    match = _canonical_match(header_bytes)
-    if match is None:
+    """The header of a canonical layout, read without decoding its JSON: one split of the bytes by the entry's
+    pattern (`_ENTRY_PARTS`) both proves the layout (what lies between the entries is a comma, before them the
+    canonical head, after them the closing brace) and yields each entry's name, kind (dtype and shape) and
+    offsets, from which the records are built in C. None where a name appears twice or an offset pair is
+    reversed, which the strict path then names."""
+    if not (header_bytes.isascii() or _utf8(header_bytes)) or \
+            header_bytes.count(b'"data_offsets"') > MAX_HEADER_TENSORS:
         return None
-    raw = json.loads(header_bytes)
-    metadata = raw.pop("__metadata__", None) or {}
-    meta_text = match.group("metadata")
-    if len(raw) != header_bytes.count(b'"data_offsets"') or \
-            (meta_text is not None and len(metadata) != meta_text.count(b'":"')):
-        return None  # a key twice in one object: Python kept the last one silently
-    tensors = {}
-    data_start, new, entry, dtypes = 8 + header_len, tuple.__new__, TensorEntry, _DTYPE_NAMES
-    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct shape (a shard has a few)
-    same_shape = shapes.setdefault
-    for name, info in raw.items():  # the one Python step per tensor: keep it to a record built in C
-        begin, end = info["data_offsets"]
-        if begin > end:
-            return None
-        shape = tuple(info["shape"])
-        tensors[name] = new(entry, (name, file, dtypes[info["dtype"]], same_shape(shape, shape), begin, end,
-                                    data_start))
+    parts = _ENTRY_PARTS.split(header_bytes)
+    gaps = parts[::4]
+    count = len(gaps) - 1
+    if not count or gaps[1:-1].count(b",") != count - 1 or _TRAILER.fullmatch(gaps[-1]) is None:
+        return None
+    metadata = _canonical_metadata(gaps[0])
+    if metadata is None:
+        return None
+    names = b'"'.join(parts[1::4]).decode().split('"')  # no name holds a `"`: one decode for all of them
+    kinds = parts[2::4]
+    kind_of = {text: _entry_kind(text) for text in set(kinds)}  # a shard has a few (dtype, shape) kinds
+    offsets = np.fromstring(b",".join(parts[3::4]), dtype=np.int64, sep=",")  # below 10^18: exact in int64
+    begins, ends = offsets[0::2], offsets[1::2]
+    if len(offsets) != 2 * count or bool((begins > ends).any()):
+        return None
+    dtypes = map(_DTYPE_OF_KIND, map(kind_of.__getitem__, kinds))
+    shapes = map(_SHAPE_OF_KIND, map(kind_of.__getitem__, kinds))
+    entries = map(tuple.__new__, repeat(TensorEntry), zip(names, repeat(file), dtypes, shapes, begins.tolist(),
+                                                         ends.tolist(), repeat(8 + header_len)))
+    tensors = dict(zip(names, entries))
+    if len(tensors) != count:
+        return None  # a key twice in one object
     return Header(file=file, header_len=header_len, file_size=file_size, tensors=tensors, metadata=metadata)
+
+
+# One entry of the canonical layout (`_ENTRY`) split into its name, its kind (`DTYPE","shape":[DIMS`) and its
+# offsets (`BEGIN,END`): three groups, the fewest objects per tensor (a production header has 12k entries).
+_ENTRY_PARTS = re.compile(rb'"((?!__metadata__")[^"\\\x00-\x1f]*)":\{"dtype":"(' + _DTYPE + rb'","shape":\[(?:' + _DIM +
+                          rb"(?:," + _DIM + rb'){0,2})?)\],"data_offsets":\[(' + _OFFSET + b"," + _OFFSET + rb")\]\}")
+_TRAILER = re.compile(rb"\} *")
+_DTYPE_OF_KIND = itemgetter(0)
+_SHAPE_OF_KIND = itemgetter(1)
+
+
+def _entry_kind(text: bytes) -> tuple[str, tuple[int, ...]]:
+    dtype, dims = text.split(b'","shape":[')
+    return _DTYPE_NAMES[dtype.decode()], tuple(map(int, dims.split(b","))) if dims else ()
 
 
 def parse_header(file: str, header_bytes: bytes, header_len: int, file_size: int | None) -> Header:

@@ -53,6 +53,7 @@ def test_random_canonical_headers_parse_alike(monkeypatch, seed):
     assert canonical_header(raw)
     fast, strict = both(raw, monkeypatch)
     assert fast == strict and not isinstance(fast, tuple)
+    assert list(fast.tensors.items()) == list(strict.tensors.items())  # the stored order too
 
 
 def _duplicate_name(raw: bytes) -> bytes:
