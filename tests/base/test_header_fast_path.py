@@ -119,3 +119,17 @@ def _no_twice(pairs):
     if len(dict(pairs)) != len(pairs):
         raise JsonError("twice")
     return dict(pairs)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_names_in_any_script_parse_alike(monkeypatch, seed):
+    """Names outside ASCII (valid UTF-8, unescaped, as safetensors writes them) keep their text and order."""
+    rng = random.Random(3000 + seed)
+    doc = random_header(rng, 40)
+    renamed = {}
+    for i, (name, entry) in enumerate(doc.items()):
+        renamed[name if name == "__metadata__" else f"{rng.choice(['é', '中', 'ß', 'x'])}{i}.{name}"] = entry
+    raw = json.dumps(renamed, separators=(",", ":"), ensure_ascii=False).encode()
+    fast, strict = both(raw, monkeypatch)
+    assert not isinstance(fast, tuple) and fast == strict
+    assert list(fast.tensors.items()) == list(strict.tensors.items())
