@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, cast
 from trellis_cli.checkpoint import declared as decl
 from trellis_cli.checkpoint import reader
 from trellis_cli.dialects import registry
+from trellis_cli.dialects.bulk_layers import build_layers_in_bulk
 from trellis_cli.dialects.interface import CONFIG, QUANT_CONFIG, DialectInfo, Probe
 from trellis_cli.checkpoint.model import (
     Checkpoint,
@@ -218,6 +219,8 @@ def _rekey_index(ckpt: Checkpoint) -> None:
 
 
 def _build_layers(ckpt: Checkpoint) -> None:
+    if build_layers_in_bulk(ckpt, _add_other_expert_tensor):
+        return  # (canonically named linears, the common case: the same records, built without a step per tensor)
     # The ~935k per-expert tensors of a production checkpoint are grouped by their name less its field (one
     # string split and one dict lookup per tensor); the grammar is matched once per linear, not per tensor.
     # A field outside the EXL3 set takes the whole-name match, so every name is read as LINEAR_NAME reads it.

@@ -1,0 +1,156 @@
+"""The bulk layer build (dialects/bulk_layers.py) gives exactly what the per-tensor build gives: the same layers,
+experts, linears and records in the same order, the same shared rows and findings; on every dialect the synth
+and the helpers write, on every damaged checkpoint of the corpora, and on each way a name can leave the
+canonical form. Where it declines, the per-tensor build is the answer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from corrupt import CORPUS, READER_CORPUS, SHARD3, SHARD4, read_header, write_header
+from helpers import to_plain_exl3, to_r7, to_r7_v2, write_tensors
+from trellis_cli.dialects import bulk_layers, open as opening
+from trellis_cli.dialects.open import open_checkpoint
+from trellis_cli.errors import CheckFailed
+from trellis_cli.synth import preset, write_checkpoint
+
+
+def _state(root: Path) -> object:
+    """Everything the layer build decides, in order; or the refusal of the opening."""
+    try:
+        ck = open_checkpoint(root)
+    except CheckFailed as e:
+        return ("refused", str(e))
+    layers = []
+    for li, moe in ck.layers.items():
+        experts = [(e, [(p, list(ranks.items())) for p, ranks in projs.items()]) for e, projs in moe.experts.items()]
+        layers.append((li, experts, sorted(moe.files), moe.rank_sliced, list(moe.shared_h.items()),
+                       list(moe.r7_shared.items()), list(moe.unparsed), moe.declared_k, moe.declared_projection_k))
+    findings = [(f.code, f.severity, str(f.where), f.message) for f in ck.parse_findings]
+    return layers, findings
+
+
+def _both(root: Path, monkeypatch) -> tuple[object, object, bool]:
+    taken: list[bool] = []
+
+    def spy(*args):
+        taken.append(bulk_layers.build_layers_in_bulk(*args))
+        return taken[-1]
+
+    with monkeypatch.context() as m:
+        m.setattr(opening, "build_layers_in_bulk", spy)
+        bulk = _state(root)
+    with monkeypatch.context() as m:
+        m.setattr(opening, "build_layers_in_bulk", lambda *_a: False)
+        per_tensor = _state(root)
+    return bulk, per_tensor, any(taken)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("bulk") / "tiny", preset("tiny"))
+
+
+def _copy(pristine: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "ckpt"
+    shutil.copytree(pristine, root)
+    return root
+
+
+def _rename(root: Path, shard: str, rename) -> None:
+    """Every name of one shard's header through `rename`, in stored order (the header may grow)."""
+    _, doc = read_header(root / shard)
+    write_header(root / shard, {name if name == "__metadata__" else rename(name): entry for name, entry in doc.items()})
+
+
+def _tp1(tmp_path: Path) -> Path:
+    return write_checkpoint(tmp_path / "tp1", replace(preset("tiny"), tp=1))
+
+
+# Each builds a checkpoint from the pristine copy; True where the bulk build must take it.
+SHAPES = {
+    "tr3 per-expert": (lambda root, tmp: root, True),
+    "tr3 shared-H": (lambda root, tmp: write_checkpoint(tmp / "sh", replace(preset("tiny"), rotation_layout="shared_h_v1")),
+                     True),
+    "plain exl3 (no ranks)": (lambda root, tmp: to_plain_exl3(_tp1(tmp)), True),
+    "r7": (lambda root, tmp: to_r7(root), True),
+    "r7 v2": (lambda root, tmp: to_r7_v2(_tp1(tmp)), True),
+    "w1 alias": (lambda root, tmp: _rename(root, SHARD3, lambda n: n.replace(".gate_proj.", ".w1.", 1)) or root, False),
+    "one alias among canonical names": (
+        lambda root, tmp: _rename(root, SHARD3, lambda n: n.replace("experts.1.gate_proj.", "experts.1.w1.")) or root,
+        False),
+    "extra field": (lambda root, tmp: _rename(root, SHARD3, lambda n: n.replace("experts.2.up_proj.rank0.mcg",
+                                                                                  "experts.2.up_proj.rank0.bias")) or root,
+                    False),
+    "a rank-less name beside ranked ones": (
+        lambda root, tmp: _rename(root, SHARD3, lambda n: n.replace("experts.0.down_proj.rank1.", "experts.0.down_proj.")) or root,
+        False),
+    "zero-padded expert id": (lambda root, tmp: _rename(root, SHARD4, lambda n: n.replace("experts.3.", "experts.03.")) or root,
+                              True),
+    "a long expert id": (lambda root, tmp: _rename(root, SHARD4, lambda n: n.replace("experts.3.", "experts.3000000.")) or root,
+                         False),
+    "non-ASCII name": (lambda root, tmp: _rename(root, SHARD4, lambda n: n.replace("experts.3.", "experts.٣.")) or root,
+                       False),
+    "unparsed expert tensor": (lambda root, tmp: _rename(root, SHARD4, lambda n: n.replace("experts.3.gate_proj.rank0.suh",
+                                                                                         "experts.3.gate_suh")) or root,
+                               True),
+    "a linear split over two shards": (lambda root, tmp: _move_one(root), False),
+    "a name in two shards": (lambda root, tmp: _duplicate_one(root), False),
+}
+
+
+def _move_one(root: Path) -> Path:
+    """Layer 4's expert 0 gate_proj rank 0 trellis renamed into layer 3's numbering: a linear of layer 3 with
+    fields in both shards."""
+    _rename(root, SHARD4, lambda n: n.replace("layers.4.mlp.experts.0.gate_proj.rank0.trellis",
+                                              "layers.3.mlp.experts.0.gate_proj.rank0.trellis"))
+    _rename(root, SHARD3, lambda n: n.replace("layers.3.mlp.experts.0.gate_proj.rank0.trellis",
+                                              "layers.3.mlp.experts.0.gate_proj.rank0.trellis_moved"))
+    return root
+
+
+def _duplicate_one(root: Path) -> Path:
+    _, doc = read_header(root / SHARD3)
+    name = next(n for n in doc if n.endswith(".trellis"))
+    write_tensors(root / "model-extra.safetensors", {name: torch.zeros(doc[name]["shape"], dtype=torch.int16)})
+    return root
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_both_builds_give_the_same_layers(shape, pristine, tmp_path, monkeypatch):
+    make, takes = SHAPES[shape]
+    root = make(_copy(pristine, tmp_path), tmp_path)
+    bulk, per_tensor, taken = _both(root, monkeypatch)
+    assert bulk == per_tensor
+    assert taken == takes
+
+
+@pytest.mark.parametrize("case", sorted(CORPUS) + sorted(READER_CORPUS))
+def test_both_builds_agree_on_damaged_checkpoints(case, pristine, tmp_path, monkeypatch):
+    root = _copy(pristine, tmp_path)
+    damage = CORPUS[case][0] if case in CORPUS else READER_CORPUS[case]
+    damage(root)
+    bulk, per_tensor, _ = _both(root, monkeypatch)
+    assert bulk == per_tensor
+
+
+def test_other_tensors_between_linears_keep_their_places(pristine, tmp_path, monkeypatch):
+    """A shard holding non-expert tensors and shared rows between its linears' fields (stored order by offset)."""
+    root = _copy(pristine, tmp_path)
+    tensors = load_file(str(root / SHARD3))
+    for i, name in enumerate(list(tensors)[::7]):
+        tensors[f"model.layers.3.mlp.experts.shared_h.gate_proj.rank{i}.suh"] = torch.ones(4, dtype=torch.float16)
+        tensors[f"model.layers.3.self_attn.o{i}.weight"] = torch.ones(2, dtype=torch.float16)
+    write_tensors(root / SHARD3, tensors)
+    index = json.loads((root / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({name: SHARD3 for name in tensors})
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    bulk, per_tensor, taken = _both(root, monkeypatch)
+    assert bulk == per_tensor and taken
