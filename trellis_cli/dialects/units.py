@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, LinearRef, TensorRef
@@ -92,30 +93,36 @@ def _span_units(ck: Checkpoint, layer: int) -> dict[Key, Unit]:
     moe = ck.layers[layer]
     units: dict[Key, Unit] = {}
     new, unit, span = tuple.__new__, Unit, Span  # records built in C: ~700k units at production size
+    vector_shapes: dict[tuple[int, ...], tuple[int]] = {}  # a vector's shape -> its one dimension (a layer has few)
     for expert, projections in moe.experts.items():
         for proj, ranks in projections.items():
-            inter_field, hidden_field = INTERMEDIATE_FIELD[proj], HIDDEN_FIELD[proj]
+            intermediate_of, hidden_of = _INTERMEDIATE_OF[proj], _HIDDEN_OF[proj]
             for rank, lin in ranks.items():
                 t = lin.trellis
                 if t is not None:
                     at = t.data_start
                     units[expert, proj, rank, CODES] = new(unit, (t.dtype, tuple(t.shape), t.end - t.begin,
                                                                   new(span, (t.file, at + t.begin, at + t.end)), None))
-                for part, ref in ((INTERMEDIATE, getattr(lin, inter_field)),
-                                  (HIDDEN, _hidden_ref(moe.shared_h, lin, proj, rank))):
+                for part, ref in ((INTERMEDIATE, intermediate_of(lin)),
+                                  (HIDDEN, hidden_of(lin) or _shared_hidden(moe.shared_h, proj, rank))):
                     if ref is not None:
-                        at = ref.data_start
-                        units[expert, proj, rank, part] = new(unit, (ref.dtype, (math.prod(ref.shape),),
-                                                                     ref.end - ref.begin,
+                        at, shape = ref.data_start, tuple(ref.shape)
+                        flat = vector_shapes.get(shape)
+                        if flat is None:
+                            flat = vector_shapes[shape] = (math.prod(shape),)
+                        units[expert, proj, rank, part] = new(unit, (ref.dtype, flat, ref.end - ref.begin,
                                                                      new(span, (ref.file, at + ref.begin, at + ref.end)),
                                                                      None))
     return units
 
 
-def _hidden_ref(shared_h: dict, lin: LinearRef, proj: str, rank: int) -> TensorRef | None:
-    field = HIDDEN_FIELD[proj]
-    own = getattr(lin, field)
-    return own if own is not None else shared_h.get((proj, rank), {}).get(field)
+_INTERMEDIATE_OF = {proj: attrgetter(field) for proj, field in INTERMEDIATE_FIELD.items()}
+_HIDDEN_OF = {proj: attrgetter(field) for proj, field in HIDDEN_FIELD.items()}
+
+
+def _shared_hidden(shared_h: dict, proj: str, rank: int) -> TensorRef | None:
+    """Under shared-H, the one hidden-side row of (projection, rank) that stands for every expert."""
+    return shared_h.get((proj, rank), {}).get(HIDDEN_FIELD[proj]) if shared_h else None
 
 
 def _resliced_units(ck: Checkpoint, layer: int, tp: int) -> dict[Key, Unit]:

@@ -290,7 +290,25 @@ class _Facts(NamedTuple):
 
 
 def _unit_facts(units: dict[Key, Unit]) -> _Facts:
-    return _Facts(_expert_k(units), _bpw(units), _bytes_per_rank(units))
+    """A layer's K per expert from its codes' shapes (None where its projections or ranks disagree), bpw of its
+    codes and bytes per rank, in one pass over its units (~9k per layer)."""
+    seen: dict[int, set] = {}
+    per_rank: dict[int, int] = {}
+    bits = weights = 0
+    for (expert, _, rank, part), unit in units.items():
+        if part == OTHER:
+            continue
+        nbytes = unit.nbytes
+        per_rank[rank] = per_rank.get(rank, 0) + nbytes
+        if part == CODES:
+            shape = unit.shape
+            three = len(shape) == 3
+            seen.setdefault(expert, set()).add(shape[2] // 16 if three and shape[2] % 16 == 0 else None)
+            if three:
+                bits += nbytes * 8
+                weights += shape[0] * shape[1] * 256
+    return _Facts({e: (ks.pop() if len(ks) == 1 else None) for e, ks in seen.items()},
+                  round(bits / weights, 4) if weights else None, [per_rank[r] for r in sorted(per_rank)])
 
 
 def _rates_facts(ck: Checkpoint, layer: int) -> _Facts:
@@ -316,38 +334,12 @@ def _layer_diff(a: Checkpoint, b: Checkpoint, layer: int, fa: _Facts, fb: _Facts
                      declared_changes=declared, counts=tally[0], methods=tally[1])
 
 
-def _expert_k(units: dict[Key, Unit]) -> dict[int, int | None]:
-    """K per expert from its codes' shapes; None when its projections or ranks disagree."""
-    seen: dict[int, set] = {}
-    for (expert, _, _, part), unit in units.items():
-        if part == CODES:
-            seen.setdefault(expert, set()).add(unit.k)
-    return {e: (ks.pop() if len(ks) == 1 else None) for e, ks in seen.items()}
-
-
 def _partition(ks: dict[int, int | None]) -> dict[int, int]:
     out: dict[int, int] = {}
     for k in ks.values():
         if k is not None:
             out[k] = out.get(k, 0) + 1
     return dict(sorted(out.items()))
-
-
-def _bpw(units: dict[Key, Unit]) -> float | None:
-    bits = weights = 0
-    for (_, _, _, part), unit in units.items():
-        if part == CODES and len(unit.shape) == 3:
-            bits += unit.nbytes * 8
-            weights += unit.shape[0] * unit.shape[1] * 256
-    return round(bits / weights, 4) if weights else None
-
-
-def _bytes_per_rank(units: dict[Key, Unit]) -> list[int]:
-    out: dict[int, int] = {}
-    for (_, _, rank, part), unit in units.items():
-        if part != OTHER:
-            out[rank] = out.get(rank, 0) + unit.nbytes
-    return [out[r] for r in sorted(out)]
 
 
 def _declared(ck: Checkpoint, layer: int) -> dict[int, int] | None:
