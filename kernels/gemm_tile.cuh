@@ -51,6 +51,13 @@ struct CompactStaging {
 __host__ __device__ constexpr CompactStaging compact_staging(bool fast) {
   return fast ? CompactStaging{4, 2, 8, 2} : CompactStaging{2, 2, 4, 3};  // K3/K4 : all K
 }
+// Whether the 128-row kernels of builds without wgmma run on decoded tiles (decoded_mma.cuh) instead of
+// chunk_mma's warps of 16 features.
+#ifdef TRELLIS_WGMMA
+constexpr bool kDecodedTiles = false;
+#else
+constexpr bool kDecodedTiles = false;
+#endif
 __host__ __device__ constexpr int fc1_chunk_tiles(int r, bool fast) {
 #ifdef TRELLIS_WGMMA
   return (void)r, (void)fast, 8;
