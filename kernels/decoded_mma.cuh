@@ -1,6 +1,6 @@
 // Decoded tiles: the 128-row FC1 and FC2 of builds without wgmma, in the form where each staged chunk of weights
 // is decoded once per CTA into shared memory as fp16 and every warp multiplies a 64-row x 32-feature block of the
-// tile from it (expert_gemm.cuh). Built where kDecodedTiles (gemm_tile.cuh) says so.
+// tile from it (expert_gemm.cuh). Built where kDecodedFc1 and kDecodedFc2 (gemm_tile.cuh) say so.
 //
 // Against chunk_mma's warps of 128 rows x 16 features, whose B fragments stay in registers, each A fragment read
 // with ldmatrix feeds 4 MMAs instead of 2: 192 bytes of shared memory read per m16n8k16 instead of 256. The
@@ -25,6 +25,8 @@ struct DecodedChunk {
 // k tiles per staged chunk: FC1 (two projections' A rows per stage) 2, FC2 4.
 constexpr int kDecodedFc1Kt = 2, kDecodedFc2Kt = 4;
 constexpr int kDecodedWStages = 3, kDecodedAStages = 2;
+// The next chunk's decode spread over the k tiles of the current chunk's MMAs (else all before them).
+constexpr bool kDecodeInterleaved = true;
 
 __host__ __device__ constexpr int decoded_smem_bytes(int projections, int kt, bool fast) {
   return kDecodedWStages * projections * kt * 64 * max_k(fast) * 4 +
@@ -38,13 +40,16 @@ __host__ __device__ constexpr int decoded_fc2_smem_bytes(bool fast) {
 
 // The staged words of a chunk (P x KT runs of 8 n tiles, 64K words each: WeightIssue's layout) decoded into
 // `out`, tile t = (projection * KT + k tile) * 8 + n tile; the CTA's WARPS warps share the tiles.
-template <int K, int CB, int P, int KT, int WARPS>
+// PARTS > 1: only the warp's tiles of part `part` (of PARTS equal parts), so that a chunk's decode can be
+// spread over the k steps of the previous chunk's MMAs.
+template <int K, int CB, int P, int KT, int WARPS, int PARTS = 1>
 __device__ __forceinline__ void decode_chunk(const uint32_t* words, uint32_t* out, const LaneWindow& win, int warp,
-                                             int lane) {
-  constexpr int kTiles = DecodedChunk<P, KT>::kTiles;
-  static_assert(kTiles % WARPS == 0, "every warp decodes as many tiles");
+                                             int lane, int part = 0) {
+  constexpr int kTiles = DecodedChunk<P, KT>::kTiles, kPerWarp = kTiles / WARPS;
+  static_assert(kTiles % WARPS == 0 && kPerWarp % PARTS == 0, "every warp decodes as many tiles");
 #pragma unroll
-  for (int i = 0; i < kTiles / WARPS; ++i) {
+  for (int j = 0; j < kPerWarp / PARTS; ++j) {
+    const int i = part * (kPerWarp / PARTS) + j;
     const int t = warp + i * WARPS;
     const uint32_t* w = words + (t >> 3) * 64 * K + (t & 7) * 8 * K;
     TileWords tw;
@@ -61,12 +66,15 @@ __device__ __forceinline__ void decode_chunk(const uint32_t* words, uint32_t* ou
 // last, partly live blocks spread over both row halves) x features 32 wn .. 32 wn + 31. acc[i][n]: block
 // 2i + wm, features 32 wn + 8n .. + 7. `tiles`: the projection's decoded tiles of the chunk; a_addr: the lane's
 // ldmatrix address of the projection's block 0, k tile 0 (a_lane_address).
-template <int KT>
+// between(kt) runs before k tile kt's MMAs (INTERLEAVE: the next chunk's decode, a part per k tile, whose
+// integer work then issues while the previous k tile's MMAs are in flight).
+template <int KT, typename Between>
 __device__ __forceinline__ void decoded_mma(const uint32_t* tiles, uint32_t a_addr, int wm, int wn, int live,
-                                            int lane, float (&acc)[4][4][4]) {
+                                            int lane, float (&acc)[4][4][4], Between&& between) {
   constexpr int kAStride = a_stride(8, KT);
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt) {
+    between(kt);
     const uint4 b0 = *reinterpret_cast<const uint4*>(tiles + (kt * 8 + 2 * wn) * 128 + lane * 4);
     const uint4 b1 = *reinterpret_cast<const uint4*>(tiles + (kt * 8 + 2 * wn + 1) * 128 + lane * 4);
 #pragma unroll
@@ -117,8 +125,9 @@ __device__ __forceinline__ void decoded_chunks(int chunks, IssueW&& issue_w, Iss
     if (c + 1 < chunks) issue_a(c + 1, (c + 1) & 1);
     if (c + 2 < chunks) issue_w(c + 2, w_next);
     cp_async_commit();
-    if (c + 1 < chunks) decode(c + 1, w_next == 0 ? 2 : w_next - 1, (c + 1) & 1);
-    mma(c, c & 1, c & 1);
+    // the next chunk's decode: whole here, or (kDecodeInterleaved) a part before each k tile of mma
+    if (!kDecodeInterleaved && c + 1 < chunks) decode(c + 1, w_next == 0 ? 2 : w_next - 1, (c + 1) & 1);
+    mma(c, c & 1, c & 1, c + 1 < chunks ? (w_next == 0 ? 2 : w_next - 1) : -1);
     w_next = w_next == 2 ? 0 : w_next + 1;
   }
   cp_async_wait<0>();

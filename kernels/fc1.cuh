@@ -169,9 +169,13 @@ __device__ void fc1_decoded_body(const TrellisMoeArgs& a, const WorkTile& w, int
       [&](int, int w_stage, int buf) {
         decode_chunk<K, CB, 2, KT, kFc1Threads / 32>(s_w + w_stage * kWeightWords, s_d + buf * kDWords, win, warp, lane);
       },
-      [&](int, int a_stage, int buf) {
+      [&](int, int a_stage, int buf, int w_next) {
         decoded_mma<KT>(s_d + buf * kDWords + proj * KT * 8 * 128, a_lane + 2 * a_stage * kAHalves, wm, wn, live, lane,
-                        acc);
+                        acc, [&](int kt) {
+                          if (kDecodeInterleaved && w_next >= 0)
+                            decode_chunk<K, CB, 2, KT, kFc1Threads / 32, KT>(s_w + w_next * kWeightWords,
+                                                                           s_d + (buf ^ 1) * kDWords, win, warp, lane, kt);
+                        });
       });
 
   // acc[i][n][e]: route 16 (2i + wm) + g + 8 (e / 2), feature 32 wn + 8n + 2q + e % 2 of the item's 128
@@ -200,7 +204,7 @@ __global__ void __launch_bounds__(kFc1Threads, (small_tile(R) && FAST) ? 2 : 1)
   WorkTile w;
   if (!fc1_piece(a, pieces, piece) || !load_work_tile(a, piece.item / nchunks, w)) return;
   with_k<FAST>(w.k, [&](auto k) {
-    if constexpr (kDecodedTiles && !small_tile(R))
+    if constexpr (kDecodedFc1 && !small_tile(R))
       fc1_decoded_body<CB, decltype(k)::value, FAST>(a, w, piece.item % nchunks, piece.kc0, piece.chunks, piece.plane,
                                                      gemm_smem);
     else
@@ -215,7 +219,7 @@ __global__ void __launch_bounds__(kFc1Threads, (small_tile(R) && FAST) ? 2 : 1)
 
 // The ring; for 16-row tiles at least direct mode's resident rows in place of its A part.
 __host__ __device__ constexpr int fc1_smem_bytes(int r, bool fast) {
-  return kDecodedTiles && r > 2 ? decoded_fc1_smem_bytes(fast) :
+  return kDecodedFc1 && r > 2 ? decoded_fc1_smem_bytes(fast) :
          fc1_stages(r, fast) * fc1_stage_weight_words(r, fast) * 4 +
          2 * (r == 1 && kDirectRowHalves > fc1_stages(r, fast) * fc1_stage_a_halves(r, fast)
                   ? kDirectRowHalves

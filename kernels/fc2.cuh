@@ -188,8 +188,12 @@ __device__ void fc2_decoded_body(const TrellisMoeArgs& a, const WorkTile& w, int
       [&](int, int w_stage, int buf) {
         decode_chunk<K, CB, 1, KT, kFc2Threads / 32>(s_w + w_stage * kWeightWords, s_d + buf * kDWords, win, warp, lane);
       },
-      [&](int, int a_stage, int buf) {
-        decoded_mma<KT>(s_d + buf * kDWords, a_lane + 2 * a_stage * kAHalves, wm, wn, live, lane, acc);
+      [&](int, int a_stage, int buf, int w_next) {
+        decoded_mma<KT>(s_d + buf * kDWords, a_lane + 2 * a_stage * kAHalves, wm, wn, live, lane, acc, [&](int kt) {
+          if (kDecodeInterleaved && w_next >= 0)
+            decode_chunk<K, CB, 1, KT, kFc2Threads / 32, KT>(s_w + w_next * kWeightWords, s_d + (buf ^ 1) * kDWords,
+                                                             win, warp, lane, kt);
+        });
       });
 
   __syncthreads();  // the epilogue's rows take the whole ring
@@ -218,13 +222,13 @@ __global__ void __launch_bounds__(kFc2Threads, FAST ? (small_tile(R) ? 4 : 2) : 
   if (!load_work_tile(a, blockIdx.x, w)) return;
   const int span = (a.hidden >> 7) / gridDim.y;
   with_k<FAST>(w.k, [&](auto k) {
-    if constexpr (kDecodedTiles && !small_tile(R)) fc2_decoded_body<CB, decltype(k)::value, FAST>(a, w, blockIdx.y, gemm_smem);
+    if constexpr (kDecodedFc2 && !small_tile(R)) fc2_decoded_body<CB, decltype(k)::value, FAST>(a, w, blockIdx.y, gemm_smem);
     else fc2_body<CB, R, decltype(k)::value, FAST>(a, w, blockIdx.y * span, span, gemm_smem);
   });
 }
 
 __host__ __device__ constexpr int fc2_smem_bytes(int r, bool fast) {
-  return kDecodedTiles && r > 2 ? decoded_fc2_smem_bytes(fast) :
+  return kDecodedFc2 && r > 2 ? decoded_fc2_smem_bytes(fast) :
          (fc2_stages(r, fast) * (fc2_stage_weight_words(r, fast) * 4 + fc2_stage_a_halves(r, fast) * 2) >
           r * 16 * kOStride * 4)
              ? fc2_stages(r, fast) * (fc2_stage_weight_words(r, fast) * 4 + fc2_stage_a_halves(r, fast) * 2)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Decoded tiles (kernels/decoded_mma.cuh) on a Hopper GPU under sm_120's limits: a copy of this tree with
-# kDecodedTiles on (gemm_tile.cuh) beside this tree as it is (its mma.sync-only build: the compact 128-row
+# kDecodedFc1 and kDecodedFc2 on (gemm_tile.cuh) beside this tree as it is (its mma.sync-only build: the compact 128-row
 # kernels) and the wgmma build. Logs and JSON under $OUT (default ./decoded-out).
 #   lab/perf/decoded_check.sh [same] [time] [tiles] [tests] [smoke] [sweep] [wgmma]...   (default: all)
 # same: both mma.sync-only builds' outputs compared bit for bit (glm52-tp4, M = DIFF_MS). time: perf_variants of
@@ -25,11 +25,16 @@ steps=${*:-same time tiles tests smoke sweep wgmma}
 want() { [[ " $steps " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1
 failed=0
-# the copy with kDecodedTiles on in builds without wgmma (the line after #else)
+# the copy with the decoded tiles on in builds without wgmma (the two lines after #else)
 rm -rf "$DEC" && mkdir -p "$DEC"
 tar --exclude=./.kcache --exclude=./.decoded-tree --exclude=./.git -cf - . | tar -xf - -C "$DEC"
-sed -i '/^#else$/{n;s/constexpr bool kDecodedTiles = false;/constexpr bool kDecodedTiles = true;/}' "$DEC/kernels/gemm_tile.cuh"
-grep -c "kDecodedTiles = true" "$DEC/kernels/gemm_tile.cuh" | grep -q 1 || { echo "flag not set"; exit 2; }
+python3 - "$DEC/kernels/gemm_tile.cuh" <<'PY' || exit 2
+import sys
+from pathlib import Path
+p = Path(sys.argv[1]); off = "#else\nconstexpr bool kDecodedFc1 = false;\nconstexpr bool kDecodedFc2 = false;\n"
+assert off in p.read_text(), "the decoded-tile flags not found"
+p.write_text(p.read_text().replace(off, off.replace("false", "true")))
+PY
 base() { (cd "$ROOT" && PYTHONPATH=$ROOT TRELLIS_MMA_SYNC_ONLY=1 TRELLIS_PLAN_LIMITS=sm_120 TRELLIS_KERNEL_CACHE=$CACHE "$@"); }
 dec() { (cd "$DEC" && PYTHONPATH=$DEC TRELLIS_MMA_SYNC_ONLY=1 TRELLIS_PLAN_LIMITS=sm_120 TRELLIS_KERNEL_CACHE=$CACHE_DEC "$@"); }
 wg() { (cd "$ROOT" && unset TRELLIS_MMA_SYNC_ONLY TRELLIS_PLAN_LIMITS && PYTHONPATH=$ROOT TRELLIS_KERNEL_CACHE=$CACHE "$@"); }
@@ -67,7 +72,7 @@ if want tiles; then
   cat "$OUT/tiles.out"
 fi
 if want tests; then
-  run tests dec python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernel/test_kernel_portable_gpu.py \
+  run tests dec env -u TRELLIS_MMA_SYNC_ONLY -u TRELLIS_PLAN_LIMITS python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernel/test_kernel_portable_gpu.py \
     tests/kernel/test_kernel_determinism_gpu.py
   tail -n 3 "$OUT/tests.out"
 fi
@@ -98,4 +103,5 @@ for m in sorted(a):
 PY
   done
 fi
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" --exclude=logs.tar.gz . 2>/dev/null
 exit $failed
