@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Decoded tiles (kernels/decoded_mma.cuh) on a Hopper GPU under sm_120's limits: a copy of this tree with
-# kDecodedFc1 and kDecodedFc2 on (gemm_tile.cuh) beside this tree as it is (its mma.sync-only build: the compact 128-row
+# the decoded tiles on (DECODED: kDecodedFc1, kDecodedFc2 of gemm_tile.cuh, kDecodeInterleaved) beside this tree as it is (its mma.sync-only build: the compact 128-row
 # kernels) and the wgmma build. Logs and JSON under $OUT (default ./decoded-out).
 #   lab/perf/decoded_check.sh [same] [time] [tiles] [tests] [smoke] [sweep] [wgmma]...   (default: all)
 # same: both mma.sync-only builds' outputs compared bit for bit (glm52-tp4, M = DIFF_MS). time: perf_variants of
@@ -20,6 +20,7 @@ TIME_MS=${TIME_MS:-512,3072,8192}
 TILES=${TILES:-32,128}
 TILE_MS=${TILE_MS:-512,1024}
 PRESETS=${PRESETS:-glm52-tp4 glm52-tp4-k3k5}
+DECODED=${DECODED:-1,1,1}  # kDecodedFc1, kDecodedFc2, kDecodeInterleaved of the copy
 SMOKE_PRESETS=${SMOKE_PRESETS:-glm52-tp4 glm52-tp4-shared-h glm52-tp4-k3k5}
 steps=${*:-same time tiles tests smoke sweep wgmma}
 want() { [[ " $steps " == *" $1 "* ]]; }
@@ -28,12 +29,18 @@ failed=0
 # the copy with the decoded tiles on in builds without wgmma (the two lines after #else)
 rm -rf "$DEC" && mkdir -p "$DEC"
 tar --exclude=./.kcache --exclude=./.decoded-tree --exclude=./.git -cf - . | tar -xf - -C "$DEC"
-python3 - "$DEC/kernels/gemm_tile.cuh" <<'PY' || exit 2
+python3 - "$DEC/kernels" "$DECODED" <<'PY' || exit 2
 import sys
 from pathlib import Path
-p = Path(sys.argv[1]); off = "#else\nconstexpr bool kDecodedFc1 = false;\nconstexpr bool kDecodedFc2 = false;\n"
-assert off in p.read_text(), "the decoded-tile flags not found"
-p.write_text(p.read_text().replace(off, off.replace("false", "true")))
+tile, mma = Path(sys.argv[1], "gemm_tile.cuh"), Path(sys.argv[1], "decoded_mma.cuh")
+fc1, fc2, interleaved = (v == "1" for v in sys.argv[2].split(","))
+off = "#else\nconstexpr bool kDecodedFc1 = false;\nconstexpr bool kDecodedFc2 = false;\n"
+assert off in tile.read_text(), "the decoded-tile flags not found"
+on = f"#else\nconstexpr bool kDecodedFc1 = {str(fc1).lower()};\nconstexpr bool kDecodedFc2 = {str(fc2).lower()};\n"
+tile.write_text(tile.read_text().replace(off, on))
+old = "constexpr bool kDecodeInterleaved = true;"
+assert old in mma.read_text(), "kDecodeInterleaved not found"
+mma.write_text(mma.read_text().replace(old, f"constexpr bool kDecodeInterleaved = {str(interleaved).lower()};"))
 PY
 base() { (cd "$ROOT" && PYTHONPATH=$ROOT TRELLIS_MMA_SYNC_ONLY=1 TRELLIS_PLAN_LIMITS=sm_120 TRELLIS_KERNEL_CACHE=$CACHE "$@"); }
 dec() { (cd "$DEC" && PYTHONPATH=$DEC TRELLIS_MMA_SYNC_ONLY=1 TRELLIS_PLAN_LIMITS=sm_120 TRELLIS_KERNEL_CACHE=$CACHE_DEC "$@"); }
