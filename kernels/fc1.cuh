@@ -2,7 +2,6 @@
 #pragma once
 #include "chunk_mma.cuh"
 #include "copy_pipeline.cuh"
-#include "decoded_mma.cuh"
 #include "fc1_split.cuh"
 #include "handover.cuh"
 
@@ -130,71 +129,6 @@ __device__ void fc1_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk,
   }
 }
 
-// The 128-row FC1 on decoded tiles (decoded_mma.cuh): warp = projection (gate 0-7, up 8-15) x row half x a
-// quarter of the item's 128 features. Shared memory: the weight stages, the A stages, two decoded buffers.
-template <int CB, int K, bool FAST>
-__device__ void fc1_decoded_body(const TrellisMoeArgs& a, const WorkTile& w, int nchunk, int kc0, int chunks, int plane,
-                                 unsigned char* smem) {
-  constexpr int R = 8, KT = kDecodedFc1Kt, kSub = 8 / KT;
-  constexpr int kWeightWords = 2 * KT * 64 * max_k(FAST), kAHalves = 2 * R * 16 * a_stride(R, KT);
-  uint32_t* s_w = reinterpret_cast<uint32_t*>(smem);
-  __half* s_a = reinterpret_cast<__half*>(s_w + kDecodedWStages * kWeightWords);
-  uint32_t* s_d = reinterpret_cast<uint32_t*>(s_a + kDecodedAStages * kAHalves);
-  constexpr int kDWords = DecodedChunk<2, KT>::kWords;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int proj = warp >> 3, wm = (warp >> 2) & 1, wn = warp & 3;
-  const int n_tiles = a.intermediate >> 4;
-  const size_t kt_stride = size_t(n_tiles) * 8 * K;
-  const LaneWindow win = lane_window<K>(lane);
-  const int live = live_blocks<R>(w.rows);
-  const uint32_t* gate_w = projection_words<K>(a, w, 0) + size_t(nchunk) * 8 * 8 * K;
-  const uint32_t* up_w = projection_words<K>(a, w, 1) + size_t(nchunk) * 8 * 8 * K;
-  const __half* xrot = static_cast<const __half*>(a.xrot) + size_t(w.start) * 2 * a.hidden;
-
-  for (int st = 0; st < kDecodedAStages; ++st) zero_dead_rows<R, KT>(s_a + st * kAHalves, 2, w.rows);
-  const WeightIssue<K, 2, kFc1Threads, KT> weights(kt_stride, size_t(up_w - gate_w));
-  const uint32_t a_ring = shared_address(s_a);
-  const uint32_t a_lane = a_lane_address<R, KT>(a_ring + 2 * proj * R * 16 * a_stride(R, KT), lane);
-  float acc[4][4][4];
-  zero_acc4(acc);
-  decoded_chunks(
-      chunks * kSub,
-      [&](int c, int stage) { weights.issue(s_w + stage * kWeightWords, gate_w + size_t(kc0 * kSub + c) * KT * kt_stride); },
-      [&](int c, int stage) {
-        const int kc = kc0 * kSub + c;
-        issue_a_rows<R, 2, kFc1Threads, !FAST, KT>(s_a + stage * kAHalves, xrot + kc * (16 * KT),
-                                                   xrot + a.hidden + kc * (16 * KT), size_t(2) * a.hidden, w.rows);
-      },
-      [&] { after_predecessor(); },
-      [&](int, int w_stage, int buf) {
-        decode_chunk<K, CB, 2, KT, kFc1Threads / 32>(s_w + w_stage * kWeightWords, s_d + buf * kDWords, win, warp, lane);
-      },
-      [&](int, int a_stage, int buf, int w_next) {
-        decoded_mma<KT>(s_d + buf * kDWords + proj * KT * 8 * 128, a_lane + 2 * a_stage * kAHalves, wm, wn, live, lane,
-                        acc, [&](int kt) {
-                          if (kDecodeInterleaved && w_next >= 0)
-                            decode_chunk<K, CB, 2, KT, kFc1Threads / 32, KT>(s_w + w_next * kWeightWords,
-                                                                           s_d + (buf ^ 1) * kDWords, win, warp, lane, kt);
-                        });
-      });
-
-  // acc[i][n][e]: route 16 (2i + wm) + g + 8 (e / 2), feature 32 wn + 8n + 2q + e % 2 of the item's 128
-  float* part = static_cast<float*>(a.partial) + size_t(plane) * a.slot_capacity * 2 * a.intermediate;
-  const int g = lane >> 2, q = lane & 3;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = (2 * i + wm) * 16 + g + 8 * h;
-      if (row >= w.rows) continue;
-      float* dst = part + size_t(w.start + row) * 2 * a.intermediate + proj * a.intermediate + nchunk * 128 + wn * 32 + 2 * q;
-#pragma unroll
-      for (int n = 0; n < 4; ++n)
-        *reinterpret_cast<float2*>(dst + n * 8) = make_float2(acc[i][n][2 * h], acc[i][n][2 * h + 1]);
-    }
-  }
-}
-
 template <int CB, int R, bool FAST>
 __global__ void __launch_bounds__(kFc1Threads, (small_tile(R) && FAST) ? 2 : 1)
     fc1_kernel(const TrellisMoeArgs a, const Fc1Pieces pieces) {
@@ -204,12 +138,8 @@ __global__ void __launch_bounds__(kFc1Threads, (small_tile(R) && FAST) ? 2 : 1)
   WorkTile w;
   if (!fc1_piece(a, pieces, piece) || !load_work_tile(a, piece.item / nchunks, w)) return;
   with_k<FAST>(w.k, [&](auto k) {
-    if constexpr (kDecodedFc1 && !small_tile(R))
-      fc1_decoded_body<CB, decltype(k)::value, FAST>(a, w, piece.item % nchunks, piece.kc0, piece.chunks, piece.plane,
-                                                     gemm_smem);
-    else
-      fc1_body<CB, R, decltype(k)::value, FAST>(a, w, piece.item % nchunks, piece.kc0, piece.chunks, piece.plane,
-                                                gemm_smem);
+    fc1_body<CB, R, decltype(k)::value, FAST>(a, w, piece.item % nchunks, piece.kc0, piece.chunks, piece.plane,
+                                              gemm_smem);
   });
   if (small_tile(R) && tile_handover(a)) {  // the piece's partial sums are stored: count it for its tile
     __syncthreads();
@@ -219,8 +149,7 @@ __global__ void __launch_bounds__(kFc1Threads, (small_tile(R) && FAST) ? 2 : 1)
 
 // The ring; for 16-row tiles at least direct mode's resident rows in place of its A part.
 __host__ __device__ constexpr int fc1_smem_bytes(int r, bool fast) {
-  return kDecodedFc1 && r > 2 ? decoded_fc1_smem_bytes(fast) :
-         fc1_stages(r, fast) * fc1_stage_weight_words(r, fast) * 4 +
+  return fc1_stages(r, fast) * fc1_stage_weight_words(r, fast) * 4 +
          2 * (r == 1 && kDirectRowHalves > fc1_stages(r, fast) * fc1_stage_a_halves(r, fast)
                   ? kDirectRowHalves
                   : fc1_stages(r, fast) * fc1_stage_a_halves(r, fast));

@@ -2,7 +2,6 @@
 #pragma once
 #include "chunk_mma.cuh"
 #include "copy_pipeline.cuh"
-#include "decoded_mma.cuh"
 #include "handover.cuh"
 
 namespace trellis {
@@ -153,66 +152,6 @@ __device__ void fc2_body(const TrellisMoeArgs& a, const WorkTile& w, int first_b
   }
 }
 
-// The 128-row FC2 on decoded tiles (decoded_mma.cuh): warp = row half x a quarter of the output block's 128
-// features. Shared memory: the weight stages, the A stages, two decoded buffers; the epilogue takes all of it.
-template <int CB, int K, bool FAST>
-__device__ void fc2_decoded_body(const TrellisMoeArgs& a, const WorkTile& w, int block, unsigned char* smem) {
-  constexpr int R = 8, KT = kDecodedFc2Kt, kSub = 8 / KT;
-  constexpr int kWeightWords = KT * 64 * max_k(FAST), kAHalves = R * 16 * a_stride(R, KT);
-  uint32_t* s_w = reinterpret_cast<uint32_t*>(smem);
-  __half* s_a = reinterpret_cast<__half*>(s_w + kDecodedWStages * kWeightWords);
-  uint32_t* s_d = reinterpret_cast<uint32_t*>(s_a + kDecodedAStages * kAHalves);
-  constexpr int kDWords = DecodedChunk<1, KT>::kWords;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int wm = warp >> 2, wn = warp & 3;
-  const int n_tiles = a.hidden >> 4;
-  const size_t kt_stride = size_t(n_tiles) * 8 * K;
-  const LaneWindow win = lane_window<K>(lane);
-  const int live = live_blocks<R>(w.rows);
-  const uint32_t* wsrc = projection_words<K>(a, w, 2) + size_t(block) * 8 * 8 * K;
-  const __half* act = static_cast<const __half*>(a.act) + size_t(w.start) * a.intermediate;
-
-  for (int st = 0; st < kDecodedAStages; ++st) zero_dead_rows<R, KT>(s_a + st * kAHalves, 1, w.rows);
-  const WeightIssue<K, 1, kFc2Threads, KT> weights(kt_stride, 0);
-  const uint32_t a_lane = a_lane_address<R, KT>(shared_address(s_a), lane);
-  float acc[4][4][4];
-  zero_acc4(acc);
-  decoded_chunks(
-      (a.intermediate >> 7) * kSub,
-      [&](int c, int stage) { weights.issue(s_w + stage * kWeightWords, wsrc + size_t(c) * KT * kt_stride); },
-      [&](int c, int stage) {
-        issue_a_rows<R, 1, kFc2Threads, !FAST, KT>(s_a + stage * kAHalves, act + c * (16 * KT), nullptr,
-                                                   size_t(a.intermediate), w.rows);
-      },
-      [&] { after_predecessor(); },
-      [&](int, int w_stage, int buf) {
-        decode_chunk<K, CB, 1, KT, kFc2Threads / 32>(s_w + w_stage * kWeightWords, s_d + buf * kDWords, win, warp, lane);
-      },
-      [&](int, int a_stage, int buf, int w_next) {
-        decoded_mma<KT>(s_d + buf * kDWords, a_lane + 2 * a_stage * kAHalves, wm, wn, live, lane, acc, [&](int kt) {
-          if (kDecodeInterleaved && w_next >= 0)
-            decode_chunk<K, CB, 1, KT, kFc2Threads / 32, KT>(s_w + w_next * kWeightWords, s_d + (buf ^ 1) * kDWords,
-                                                             win, warp, lane, kt);
-        });
-      });
-
-  __syncthreads();  // the epilogue's rows take the whole ring
-  float* s_o = reinterpret_cast<float*>(smem);
-  const int g = lane >> 2, q = lane & 3;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (2 * i + wm >= live) continue;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int n = 0; n < 4; ++n)
-        *reinterpret_cast<float2*>(s_o + ((2 * i + wm) * 16 + g + 8 * h) * kOStride + wn * 32 + n * 8 + 2 * q) =
-            make_float2(acc[i][n][2 * h], acc[i][n][2 * h + 1]);
-  }
-  __syncthreads();
-  store_down_rows(a, w, block, s_o, 0, w.rows);
-}
-
 // Grid (tiles, groups): blockIdx.x is the tile, blockIdx.y its group of `span` = (H/128) / gridDim.y output
 // blocks (always 1 for large tiles: the host sizes the grid).
 template <int CB, int R, bool FAST>
@@ -221,15 +160,11 @@ __global__ void __launch_bounds__(kFc2Threads, FAST ? (small_tile(R) ? 4 : 2) : 
   WorkTile w;
   if (!load_work_tile(a, blockIdx.x, w)) return;
   const int span = (a.hidden >> 7) / gridDim.y;
-  with_k<FAST>(w.k, [&](auto k) {
-    if constexpr (kDecodedFc2 && !small_tile(R)) fc2_decoded_body<CB, decltype(k)::value, FAST>(a, w, blockIdx.y, gemm_smem);
-    else fc2_body<CB, R, decltype(k)::value, FAST>(a, w, blockIdx.y * span, span, gemm_smem);
-  });
+  with_k<FAST>(w.k, [&](auto k) { fc2_body<CB, R, decltype(k)::value, FAST>(a, w, blockIdx.y * span, span, gemm_smem); });
 }
 
 __host__ __device__ constexpr int fc2_smem_bytes(int r, bool fast) {
-  return kDecodedFc2 && r > 2 ? decoded_fc2_smem_bytes(fast) :
-         (fc2_stages(r, fast) * (fc2_stage_weight_words(r, fast) * 4 + fc2_stage_a_halves(r, fast) * 2) >
+  return (fc2_stages(r, fast) * (fc2_stage_weight_words(r, fast) * 4 + fc2_stage_a_halves(r, fast) * 2) >
           r * 16 * kOStride * 4)
              ? fc2_stages(r, fast) * (fc2_stage_weight_words(r, fast) * 4 + fc2_stage_a_halves(r, fast) * 2)
              : r * 16 * kOStride * 4;

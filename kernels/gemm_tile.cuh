@@ -51,15 +51,6 @@ struct CompactStaging {
 __host__ __device__ constexpr CompactStaging compact_staging(bool fast) {
   return fast ? CompactStaging{4, 2, 8, 2} : CompactStaging{2, 2, 4, 3};  // K3/K4 : all K
 }
-// Whether the 128-row FC1 and FC2 of builds without wgmma run on decoded tiles (decoded_mma.cuh) instead of
-// chunk_mma's warps of 16 features.
-#ifdef TRELLIS_WGMMA
-constexpr bool kDecodedFc1 = false;
-constexpr bool kDecodedFc2 = false;
-#else
-constexpr bool kDecodedFc1 = false;
-constexpr bool kDecodedFc2 = false;
-#endif
 __host__ __device__ constexpr int fc1_chunk_tiles(int r, bool fast) {
 #ifdef TRELLIS_WGMMA
   return (void)r, (void)fast, 8;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Decoded tiles (kernels/decoded_mma.cuh) on a Hopper GPU under sm_120's limits: a copy of this tree with
-# the decoded tiles on (DECODED: kDecodedFc1, kDecodedFc2 of gemm_tile.cuh, kDecodeInterleaved) beside this tree as it is (its mma.sync-only build: the compact 128-row
-# kernels) and the wgmma build. Logs and JSON under $OUT (default ./decoded-out).
+# Decoded tiles (lab/perf/decoded/) on a Hopper GPU under sm_120's limits: a copy of this tree with the decoded
+# tiles (DECODED: FC1, FC2, interleaved, 0 or 1 each; lab/perf/decoded_variants.py) beside this tree as it is (its
+# mma.sync-only build: the compact 128-row kernels) and the wgmma build. Logs and JSON under $OUT.
 #   lab/perf/decoded_check.sh [same] [time] [tiles] [tests] [smoke] [sweep] [wgmma]...   (default: all)
 # same: both mma.sync-only builds' outputs compared bit for bit (glm52-tp4, M = DIFF_MS). time: perf_variants of
 # both, alternating (TIME_MS, both presets). tiles: the decoded build's fused time by forced m_tile (TILES at
@@ -20,28 +20,16 @@ TIME_MS=${TIME_MS:-512,3072,8192}
 TILES=${TILES:-32,128}
 TILE_MS=${TILE_MS:-512,1024}
 PRESETS=${PRESETS:-glm52-tp4 glm52-tp4-k3k5}
-DECODED=${DECODED:-1,1,1}  # kDecodedFc1, kDecodedFc2, kDecodeInterleaved of the copy
+DECODED=${DECODED:-1,1,1}  # FC1, FC2 on decoded tiles, the decode interleaved (decoded_variants.py)
 SMOKE_PRESETS=${SMOKE_PRESETS:-glm52-tp4 glm52-tp4-shared-h glm52-tp4-k3k5}
 steps=${*:-same time tiles tests smoke sweep wgmma}
 want() { [[ " $steps " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1
 failed=0
-# the copy with the decoded tiles on in builds without wgmma (the two lines after #else)
+# the copy whose kernels/ has the decoded tiles (lab/perf/decoded_variants.py sources)
 rm -rf "$DEC" && mkdir -p "$DEC"
 tar --exclude=./.kcache --exclude=./.decoded-tree --exclude=./.git -cf - . | tar -xf - -C "$DEC"
-python3 - "$DEC/kernels" "$DECODED" <<'PY' || exit 2
-import sys
-from pathlib import Path
-tile, mma = Path(sys.argv[1], "gemm_tile.cuh"), Path(sys.argv[1], "decoded_mma.cuh")
-fc1, fc2, interleaved = (v == "1" for v in sys.argv[2].split(","))
-off = "#else\nconstexpr bool kDecodedFc1 = false;\nconstexpr bool kDecodedFc2 = false;\n"
-assert off in tile.read_text(), "the decoded-tile flags not found"
-on = f"#else\nconstexpr bool kDecodedFc1 = {str(fc1).lower()};\nconstexpr bool kDecodedFc2 = {str(fc2).lower()};\n"
-tile.write_text(tile.read_text().replace(off, on))
-old = "constexpr bool kDecodeInterleaved = true;"
-assert old in mma.read_text(), "kDecodeInterleaved not found"
-mma.write_text(mma.read_text().replace(old, f"constexpr bool kDecodeInterleaved = {str(interleaved).lower()};"))
-PY
+rm -rf "$DEC/kernels" && (cd "$ROOT" && PYTHONPATH=$ROOT python3 lab/perf/decoded_variants.py sources "$DEC/kernels" "$DECODED") || exit 2
 base() { (cd "$ROOT" && PYTHONPATH=$ROOT TRELLIS_MMA_SYNC_ONLY=1 TRELLIS_PLAN_LIMITS=sm_120 TRELLIS_KERNEL_CACHE=$CACHE "$@"); }
 dec() { (cd "$DEC" && PYTHONPATH=$DEC TRELLIS_MMA_SYNC_ONLY=1 TRELLIS_PLAN_LIMITS=sm_120 TRELLIS_KERNEL_CACHE=$CACHE_DEC "$@"); }
 wg() { (cd "$ROOT" && unset TRELLIS_MMA_SYNC_ONLY TRELLIS_PLAN_LIMITS && PYTHONPATH=$ROOT TRELLIS_KERNEL_CACHE=$CACHE "$@"); }

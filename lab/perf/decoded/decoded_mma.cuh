@@ -1,6 +1,7 @@
-// Decoded tiles: the 128-row FC1 and FC2 of builds without wgmma, in the form where each staged chunk of weights
-// is decoded once per CTA into shared memory as fp16 and every warp multiplies a 64-row x 32-feature block of the
-// tile from it (expert_gemm.cuh). Built where kDecodedFc1 and kDecodedFc2 (gemm_tile.cuh) say so.
+// Decoded tiles, a lab variant of the 128-row FC1 and FC2 of builds without wgmma (lab/perf/decoded_variants.py
+// copies kernels/, adds this header and fc1_decoded.inc / fc2_decoded.inc, and switches them on with
+// kDecodedFc1 / kDecodedFc2 in the copy's gemm_tile.cuh): each staged chunk of weights is decoded once per CTA
+// into shared memory as fp16, and every warp multiplies a 64-row x 32-feature block of the tile from it.
 //
 // Against chunk_mma's warps of 128 rows x 16 features, whose B fragments stay in registers, each A fragment read
 // with ldmatrix feeds 4 MMAs instead of 2: 192 bytes of shared memory read per m16n8k16 instead of 256. The
