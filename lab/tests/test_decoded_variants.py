@@ -1,0 +1,44 @@
+"""lab/perf/decoded_variants.py: the decoded tiles patch a copy of the current kernels/ (every edit found once),
+switched on only in builds without wgmma, and the patched kernels' shared memory fits sm_120's 99 KB."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lab.perf.decoded_variants import write_sources
+from trellis_cli.kernel import build
+
+
+def test_sources_patch_a_copy_of_kernels(tmp_path: Path):
+    on = write_sources(tmp_path / "on", fc1=True, fc2=False, interleaved=True)
+    tile = (on / "gemm_tile.cuh").read_text()
+    # the wgmma build keeps the compact kernels' dispatch whatever the variant says
+    assert "#ifdef TRELLIS_WGMMA\nconstexpr bool kDecodedFc1 = false, kDecodedFc2 = false;\n#else\n" \
+           "constexpr bool kDecodedFc1 = true, kDecodedFc2 = false;" in tile
+    assert "fc1_decoded_body" in (on / "fc1.cuh").read_text() and "fc2_decoded_body" in (on / "fc2.cuh").read_text()
+    assert "kDecodeInterleaved = true;" in (on / "decoded_mma.cuh").read_text()
+    off = write_sources(tmp_path / "off", fc1=False, fc2=False, interleaved=False)
+    assert "kDecodeInterleaved = false;" in (off / "decoded_mma.cuh").read_text()
+    # the product's sources are untouched, and hold none of it
+    assert not (build.kernel_source_dir() / "decoded_mma.cuh").exists()
+    assert "kDecoded" not in (build.kernel_source_dir() / "gemm_tile.cuh").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit)")
+def test_decoded_kernels_fit_99_kb(tmp_path: Path):
+    sources = write_sources(tmp_path / "kernels", fc1=True, fc2=True, interleaved=True)
+    check = tmp_path / "fits.cu"
+    check.write_text(
+        '#include "expert_gemm.cuh"\n'
+        "using namespace trellis;\n"
+        "static_assert(fc1_smem_bytes(8, true) == 86016 && fc1_smem_bytes(8, false) == 98304, \"FC1\");\n"
+        "static_assert(fc2_smem_bytes(8, true) == 81920 && fc2_smem_bytes(8, false) == 94208, \"FC2\");\n"
+        "static_assert(fc1_smem_bytes(8, false) <= 99 * 1024 && fc2_smem_bytes(8, false) <= 99 * 1024, \"99 KB\");\n")
+    done = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_120", "-I", str(sources), "-c", "-o",
+                           str(tmp_path / "fits.o"), str(check)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
