@@ -1,11 +1,11 @@
 """The rules' bulk proofs against their per-item walks, on damaged checkpoints.
 
-validate proves a clean layer's linears and markers with a few C passes over its columns
-(checkpoint/layer_columns.py) and walks one item at a time only where the proof fails. The proofs must never
+validate proves a clean layer's linears and markers, and inspect sums its layer rows, with a few C passes over the
+layer's columns (checkpoint/layer_columns.py), walking one item at a time only where the proof fails. The proofs must never
 change a finding: for every damage of the robustness corpus, and for damages aimed at what each proof reads
 (a field's dtype or shape in one linear, an extra field, a rank or projection missing, markers of two kinds or
 in two files, a K that differs within an expert), each rule gives the same findings with and without its proof,
-and the layer facts from the columns equal the model's own.
+inspect the same layer rows and totals, and the layer facts from the columns equal the model's own.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from corrupt import CORPUS, INDEX, SHARD3, SHARD4, edit_json, key, rebuild_shard, rewrite_header
 from trellis_cli.checkpoint import layer_columns
-from trellis_cli.dialects import open_checkpoint
+from trellis_cli.dialects import inspect_doc, open_checkpoint
 from trellis_cli.errors import CheckFailed, UnknownDialect
 from trellis_cli.synth import preset, write_checkpoint
 from trellis_cli.validate import rules_markers, rules_tensors
@@ -129,9 +129,18 @@ def _findings_both_ways(ckpt) -> None:
         assert {e: cols.expert_k(e) for e in layer.experts} == {e: layer.expert_k(e) for e in layer.experts}
         assert cols.linears == [lin for projs in layer.experts.values() for by_rank in projs.values()
                                 for lin in by_rank.values()]
+        assert cols.expert_ks() == {e: frozenset(lin.k for by_rank in projs.values() for lin in by_rank.values())
+                                    for e, projs in layer.experts.items()}
+        assert inspect_doc.layer_summary(ckpt, layer) == inspect_doc.layer_summary(ckpt, layer, bulk=False)
         assert rules_tensors.layer_tensor_count(layer) == sum(
             len(f) for f in layer.shared_h.values()) + len(layer.r7_shared) + len(layer.unparsed) + sum(
             7 - lin[1:8].count(None) + len(lin.extra) for lin in cols.linears)
+    assert inspect_doc._expert_tensor_bytes(ckpt) == sum(
+        ref.nbytes for layer in ckpt.layers.values() for lin in layer_columns.columns(layer).linears
+        for ref in [*lin[1:8], *lin.extra] if ref is not None) + sum(
+        ref.nbytes for layer in ckpt.layers.values() for refs in (
+            [r for f in layer.shared_h.values() for r in f.values()], layer.r7_shared.values(), layer.unparsed)
+        for ref in refs)
     counted: list[dict[str, int]] = [{}, {}]
     for bulk, seen in ((True, counted[0]), (False, counted[1])):
         found = list(rules_markers.check_marker_values(

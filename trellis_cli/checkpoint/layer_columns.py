@@ -16,6 +16,8 @@ from itertools import chain
 from operator import attrgetter, itemgetter
 from typing import Iterable, Iterator
 
+import numpy as np
+
 from trellis_cli.checkpoint.model import LinearRef, MoeLayer, TensorRef
 
 # LinearRef's fields by position: prefix, then the seven tensors, then the extra fields
@@ -64,6 +66,7 @@ class LayerColumns:
         self._expert_ks: dict[int, frozenset[int | None]] | None = None
         self._partition: dict[int, list[int]] | None = None
         self._layout: tuple[tuple[str, ...], tuple[int, ...]] | bool | None = None
+        self._rank_bytes: dict[int, list[int]] = {}
 
     def field(self, i: int) -> list:
         """Column `i` of every linear (TRELLIS ... MUL1: a TensorRef or None; EXTRA: a tuple)."""
@@ -79,14 +82,17 @@ class LayerColumns:
     def expert_ks(self) -> dict[int, frozenset[int | None]]:
         """expert -> the K of each of its linears, as a set (None for a linear whose trellis shape says none)."""
         if self._expert_ks is None:
-            trellis = self.field(TRELLIS)
             layout = self.layout()
-            if layout is not None and None not in trellis:  # each expert a run of `period` linears: one K per shape
-                shapes = list(map(_SHAPE, trellis))
-                k_of = {shape: _k(shape) for shape in set(shapes)}
-                ks = list(map(k_of.__getitem__, shapes))
+            if layout is not None:  # each expert a run of `period` linears: a row each, its K where min == max
                 period = len(layout[0]) * len(layout[1])
-                runs: Iterable[frozenset[int | None]] = (frozenset(ks[i:i + period]) for i in range(0, len(ks), period))
+                codes = np.array([_NO_K if k is None else k for k in self.linear_ks()], dtype=np.int64)
+                rows = codes.reshape(-1, period)
+                low, high = rows.min(axis=1).tolist(), rows.max(axis=1).tolist()
+                one = {k: frozenset((None if k == _NO_K else k,)) for k in set(low)}  # shared by its experts
+                mixed = rows.tolist() if low != high else []
+                runs: Iterable[frozenset[int | None]] = [
+                    one[lo] if lo == hi else frozenset(None if k == _NO_K else k for k in mixed[e])
+                    for e, (lo, hi) in enumerate(zip(low, high))]
             else:
                 runs = (frozenset(_k(None if t is None else t.shape) for by_rank in projs.values()
                                   for t in map(_GET[TRELLIS], by_rank.values()))
@@ -94,21 +100,43 @@ class LayerColumns:
             self._expert_ks = dict(zip(self.layer.experts, runs))
         return self._expert_ks
 
+    def linear_ks(self) -> list[int | None]:
+        """The K of each linear, in walk order (LinearRef.k)."""
+        shapes = [None if t is None else t.shape for t in self.field(TRELLIS)]
+        k_of = {shape: _k(shape) for shape in set(shapes)}
+        return list(map(k_of.__getitem__, shapes))
+
     def expert_k(self, expert: int) -> int | None:
         """MoeLayer.expert_k: the one K of all the expert's linears, else None."""
         ks = self.expert_ks().get(expert, frozenset())
         return next(iter(ks)) if len(ks) == 1 else None
 
+    def every_expert_one_k(self) -> bool:
+        """Whether `expert_k` is an int for every expert of the layer."""
+        return all(len(ks) == 1 and None not in ks for ks in self.expert_ks().values())
+
     def partition(self) -> dict[int, list[int]]:
         """MoeLayer.partition: K -> sorted expert ids (experts whose linears disagree are left out)."""
         if self._partition is None:
             tiers: dict[int, list[int]] = {}
-            for e in sorted(self.layer.experts):
-                k = self.expert_k(e)
-                if k is not None:
-                    tiers.setdefault(k, []).append(e)
+            for e, ks in sorted(self.expert_ks().items()):
+                if len(ks) == 1:
+                    k = next(iter(ks))
+                    if k is not None:
+                        tiers.setdefault(k, []).append(e)
             self._partition = dict(sorted(tiers.items()))
         return self._partition
+
+    def rank_bytes(self, i: int) -> list[int]:
+        """Field `i`'s bytes summed per rank, in `layout`'s rank order (needs `layout`): a rank's linears are
+        every len(ranks)-th of a column."""
+        found = self._rank_bytes.get(i)
+        if found is None:
+            layout = self.layout()
+            assert layout is not None
+            step, column = len(layout[1]), self.field(i)
+            found = self._rank_bytes[i] = [_bytes(list(filter(None, column[at::step]))) for at in range(step)]
+        return found
 
     def layout(self) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
         """(projections, ranks) when every expert holds the same projections in the same order and each of them
@@ -146,4 +174,11 @@ def kinds(refs: list[TensorRef | None]) -> list[TensorRef | None] | None:
 
 
 MAX_KINDS = 16
+_NO_K = -1  # a linear whose trellis shape says no K, in an array of Ks
 _DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
+_BEGIN, _END = attrgetter("begin"), attrgetter("end")
+
+
+def _bytes(refs: list[TensorRef]) -> int:
+    """The bytes of `refs`, summed in C."""
+    return sum(map(_END, refs)) - sum(map(_BEGIN, refs))
