@@ -9,17 +9,27 @@ from __future__ import annotations
 
 import math
 from operator import attrgetter, sub
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from trellis_cli.findings import Finding, Location, error
 from trellis_cli.header import DTYPE_BYTES
 
 
-def check_shard(file: str, header, sound: bool | None = None) -> Iterator[Finding]:
-    """Byte layout of one shard, from its header and its size (`sound`: `sound_in_stored_order(header)`, when the
-    caller has it already)."""
-    data_end = header.data_end
-    sound = sound_in_stored_order(header) if sound is None else sound
+class Layout(NamedTuple):
+    sound: bool  # the tensors tile the data buffer in stored order (`shard_layout`)
+    data_end: int  # the end of the last tensor's bytes
+
+
+def shard_layout(header) -> Layout:
+    """Whether the shard is sound in stored order, and its data end (the last end when it is: no second pass)."""
+    end = _sound_end(header)
+    return Layout(True, end) if end is not None else Layout(False, header.data_end)
+
+
+def check_shard(file: str, header, layout: Layout | None = None) -> Iterator[Finding]:
+    """Byte layout of one shard, from its header and its size (`layout`: `shard_layout(header)`, when the caller
+    has it already)."""
+    sound, data_end = layout if layout is not None else shard_layout(header)
     entries = [] if sound else sorted(header.tensors.values(), key=lambda e: (e.begin, e.end))
     if header.file_size is not None:
         expected_size = header.data_start + data_end
@@ -51,19 +61,20 @@ def check_shard(file: str, header, sound: bool | None = None) -> Iterator[Findin
 _BEGIN, _END, _DTYPE, _SHAPE = attrgetter("begin"), attrgetter("end"), attrgetter("dtype"), attrgetter("shape")
 
 
-def sound_in_stored_order(header) -> bool:
-    """True when the tensors, in the header's own order, tile the data buffer from 0 with no gap or overlap,
-    each of its dtype x shape and inside the file: then sorting changes nothing and the per-tensor checks find
-    nothing. Proven with list comparisons in C (a production shard has 12k tensors); False sends the shard to
+def _sound_end(header) -> int | None:
+    """The data end when the tensors, in the header's own order, tile the data buffer from 0 with no gap or
+    overlap, each of its dtype x shape and inside the file: then sorting changes nothing and the per-tensor checks
+    find nothing. Proven with list comparisons in C (a production shard has 12k tensors); None sends the shard to
     the per-tensor walk, which names what is wrong."""
     entries = list(header.tensors.values())
     if not entries:
-        return False
+        return None
     begins, ends = list(map(_BEGIN, entries)), list(map(_END, entries))
     if begins[0] != 0 or begins[1:] != ends[:-1]:
-        return False
+        return None
     if header.file_size is not None and header.data_start + ends[-1] > header.file_size:
-        return False
+        return None
     kinds = list(zip(map(_DTYPE, entries), map(_SHAPE, entries)))
     size_of = {kind: math.prod(kind[1]) * DTYPE_BYTES.get(kind[0], 0) for kind in set(kinds)}
-    return list(map(sub, ends, begins)) == list(map(size_of.__getitem__, kinds))
+    sound = list(map(sub, ends, begins)) == list(map(size_of.__getitem__, kinds))
+    return ends[-1] if sound else None
