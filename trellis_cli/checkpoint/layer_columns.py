@@ -67,6 +67,7 @@ class LayerColumns:
         self._partition: dict[int, list[int]] | None = None
         self._layout: tuple[tuple[str, ...], tuple[int, ...]] | bool | None = None
         self._rank_bytes: dict[int, list[int]] = {}
+        self._present: dict[int, int] = {}
 
     def field(self, i: int) -> list:
         """Column `i` of every linear (TRELLIS ... MUL1: a TensorRef or None; EXTRA: a tuple)."""
@@ -77,7 +78,10 @@ class LayerColumns:
 
     def present(self, i: int) -> int:
         """How many linears have field `i`."""
-        return len(self.linears) - self.field(i).count(None)
+        found = self._present.get(i)
+        if found is None:
+            found = self._present[i] = len(self.linears) - self.field(i).count(None)
+        return found
 
     def expert_ks(self) -> dict[int, frozenset[int | None]]:
         """expert -> the K of each of its linears, as a set (None for a linear whose trellis shape says none)."""
@@ -147,6 +151,10 @@ class LayerColumns:
             ranks = set(map(tuple, chain.from_iterable(map(dict.values, experts))))
             self._layout = (projs.pop(), ranks.pop()) if len(projs) == 1 and len(ranks) == 1 else False
         return self._layout if isinstance(self._layout, tuple) else None
+
+    def field_kinds(self, i: int, proj: str) -> list[TensorRef | None] | None:
+        """`kinds` of field `i` in one projection's linears (needs `layout`); a field no linear has is not split."""
+        return [None] if not self.present(i) else kinds(self.projection_field(i, proj))
 
     def projection_field(self, i: int, proj: str) -> list:
         """Column `i` of one projection's linears, every expert and rank (needs `layout`)."""

@@ -74,8 +74,9 @@ def check_layer(ckpt: Checkpoint, layer: MoeLayer, bulk: bool = True) -> Iterato
     cols = layer_columns.columns(layer)
     shown = missing = 0  # rank slices: the first MAX_MISSING_SHOWN of the layer, then one total
     if bulk and _linears_clean(ctx, cols, ranks):  # the walk would find nothing but what the K rule says
-        for expert, projs in layer.experts.items():
-            yield from _check_expert_k(ckpt, ctx, layer, expert, projs, cols)
+        if not _expert_ks_agree(ctx, layer, cols):
+            for expert, projs in layer.experts.items():
+                yield from _check_expert_k(ckpt, ctx, layer, expert, projs, cols)
     else:
         shown, missing = yield from _walk_linears(ckpt, ctx, layer, ranks, cols)
     if ctx.k_map_note is not None:
@@ -134,7 +135,7 @@ def _linears_clean(ctx: LayerContext, cols: layer_columns.LayerColumns, ranks: r
             or any(cols.field(layer_columns.EXTRA)):
         return False
     for proj in PROJECTIONS:
-        options = [layer_columns.kinds(cols.projection_field(i, proj)) for i in layer_columns.TENSOR_FIELDS]
+        options = [cols.field_kinds(i, proj) for i in layer_columns.TENSOR_FIELDS]
         tried = [o for o in options if o is not None]
         if len(tried) < len(options) or math.prod(map(len, tried)) > MAX_TEMPLATES:
             return False
@@ -143,6 +144,18 @@ def _linears_clean(ctx: LayerContext, cols: layer_columns.LayerColumns, ranks: r
             if next(check_linear(ctx, 0, proj, 0, stand_in), None) is not None:
                 return False
     return True
+
+
+def _expert_ks_agree(ctx: LayerContext, layer: MoeLayer, cols: layer_columns.LayerColumns) -> bool:
+    """True when `_check_expert_k` finds nothing in any expert of a rank-sliced layer: each expert's linears hold
+    one K, and it is the declared one wherever the declaration binds."""
+    if not ctx.tr3 or not cols.every_expert_one_k():
+        return False
+    declared = layer.declared_k
+    if ctx.k_map_note is not None or declared is None:
+        return True
+    ks = cols.expert_ks()
+    return all(declared[e] == next(iter(ks[e])) for e in layer.experts if e < len(declared))
 
 
 def _check_membership(ctx: LayerContext, layer: MoeLayer) -> Iterator[Finding]:
