@@ -74,7 +74,14 @@ def _sound_end(header) -> int | None:
         return None
     if header.file_size is not None and header.data_start + ends[-1] > header.file_size:
         return None
-    kinds = list(zip(map(_DTYPE, entries), map(_SHAPE, entries)))
-    size_of = {kind: math.prod(kind[1]) * DTYPE_BYTES.get(kind[0], 0) for kind in set(kinds)}
-    sound = list(map(sub, ends, begins)) == list(map(size_of.__getitem__, kinds))
-    return ends[-1] if sound else None
+    # each (dtype, shape) pair is made, looked up and dropped in one stream (no list of them, no set)
+    sizes = list(map(_Sizes().__getitem__, zip(map(_DTYPE, entries), map(_SHAPE, entries))))
+    return ends[-1] if list(map(sub, ends, begins)) == sizes else None
+
+
+class _Sizes(dict):
+    """(dtype, shape) -> the bytes dtype x shape holds, each computed the first time it is asked for."""
+
+    def __missing__(self, kind: tuple[str, tuple[int, ...]]) -> int:
+        size = self[kind] = math.prod(kind[1]) * DTYPE_BYTES.get(kind[0], 0)
+        return size
