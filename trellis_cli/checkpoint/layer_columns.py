@@ -138,8 +138,14 @@ class LayerColumns:
         if found is None:
             layout = self.layout()
             assert layout is not None
-            step, column = len(layout[1]), self.field(i)
-            found = self._rank_bytes[i] = [_bytes(list(filter(None, column[at::step]))) for at in range(step)]
+            step, column, present = len(layout[1]), self.field(i), self.present(i)
+            if not present:
+                found = [0] * step
+            elif present == len(column):  # no None to leave out
+                found = [_bytes(column[at::step]) for at in range(step)]
+            else:
+                found = [_bytes(list(filter(None, column[at::step]))) for at in range(step)]
+            self._rank_bytes[i] = found
         return found
 
     def layout(self) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
@@ -175,7 +181,7 @@ def kinds(refs: list[TensorRef | None]) -> list[TensorRef | None] | None:
     shapes = set(map(_SHAPE, present))
     if len(dtypes) * len(shapes) > MAX_KINDS:
         return None
-    out: list[TensorRef | None] = [TensorRef("", "", d, s, 0, 0, 0) for d in sorted(dtypes) for s in sorted(shapes)]
+    out: list[TensorRef | None] = [TensorRef("", "", d, s, 0, 0, 0) for d in dtypes for s in shapes]
     if len(present) < len(refs):
         out.append(None)
     return out
