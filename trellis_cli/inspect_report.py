@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from trellis_cli.checkpoint import heap, layer_columns
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.inspect_doc import InspectSummary, collapse_runs, layer_summary
 from trellis_cli.dialects.registry import dialect_of
@@ -18,7 +19,8 @@ from trellis_cli.findings import counted
 def build_inspect(ckpt: Checkpoint, layers: list[int] | None = None) -> InspectSummary:
     """The inspect document, as the checkpoint's dialect builds it (`Dialect.inspect_document`: the per-linear
     shard document of dialects/inspect_doc.py unless the dialect stores its layers another way)."""
-    return dialect_of(ckpt).inspect_document(ckpt, layers)
+    with heap.settled(), layer_columns.shared():  # the layer rows and totals read every linear
+        return dialect_of(ckpt).inspect_document(ckpt, layers)
 
 
 # ---- renderings ----------------------------------------------------------------------------------------

@@ -9,9 +9,11 @@ Plain data out; inspect_report renders it.
 from __future__ import annotations
 
 from collections import Counter
+from itertools import chain
 from operator import attrgetter
 from typing import Any, Collection, Mapping, Sequence, TypedDict
 
+from trellis_cli.checkpoint import layer_columns
 from trellis_cli.checkpoint.model import Checkpoint, MoeLayer, TensorRef
 from trellis_cli.id_ranges import compact_ranges
 
@@ -174,9 +176,44 @@ def _declared_keys(ckpt: Checkpoint) -> dict[str, Any]:
     return out
 
 
-def layer_summary(ckpt: Checkpoint, layer: MoeLayer) -> LayerRow:
-    tiers = layer.partition()
+def layer_summary(ckpt: Checkpoint, layer: MoeLayer, bulk: bool = True) -> LayerRow:
+    """One layer's row. `bulk`: its linears' counts from the layer's columns where they are regular
+    (`_column_counts`); False walks them one by one (the tests compare the two)."""
+    cols = layer_columns.columns(layer)
+    tiers = cols.partition()
     n_experts = sum(len(ids) for ids in tiers.values())
+    counts = _column_counts(cols) if bulk else None
+    rank_bytes, trellis_bytes, tensors, proj_k = counts if counts is not None else _walked_counts(layer)
+    for (_, rank), fields in layer.shared_h.items():
+        for ref in fields.values():
+            rank_bytes[rank] += ref.nbytes
+            tensors += 1
+    bpw = sum(k * n for k, n in proj_k.items()) / max(sum(proj_k.values()), 1)
+    per_projection = len({k for k in proj_k}) > len(tiers) or not cols.every_expert_one_k()
+    return {
+        "layer": layer.index,
+        "partition": "/".join(str(len(ids)) for ids in tiers.values()) if tiers else "-",
+        "k_values": list(tiers),
+        "experts": n_experts,
+        "bpw": round(bpw, 3),
+        "tiers": {f"K{k}": compact_ranges(ids) for k, ids in tiers.items()},
+        "projection_k": {f"K{k}": n for k, n in sorted(proj_k.items())} if per_projection else None,
+        "declared_projection_k": _declared_projection_counts(layer),
+        "bytes_per_rank": max(rank_bytes.values(), default=0),
+        "trellis_bytes_per_rank": max(trellis_bytes.values(), default=0),
+        "ranks": len(rank_bytes),
+        "rotation": "shared_h_v1" if layer.shared_h else ("r7_shared" if layer.r7_shared else "per_expert_v1"),
+        "shards": sorted(layer.files),
+        "tensors": tensors + len(layer.r7_shared) + len(layer.unparsed),
+    }
+
+
+_Counts = tuple[Counter[int], Counter[int], int, Counter[int]]  # bytes per rank, trellis bytes per rank, tensors, K
+
+
+def _walked_counts(layer: MoeLayer) -> _Counts:
+    """Per rank the bytes of every field and of the trellis, the tensors, and how many (expert, projection)
+    pairs hold each K (their ranks agreeing), walking every linear."""
     rank_bytes: Counter[int] = Counter()
     trellis_bytes: Counter[int] = Counter()
     tensors = 0
@@ -195,28 +232,37 @@ def layer_summary(ckpt: Checkpoint, layer: MoeLayer) -> LayerRow:
                     tensors += len(refs)
                 if lin.trellis is not None:
                     trellis_bytes[rank] += lin.trellis.end - lin.trellis.begin
-    for (_, rank), fields in layer.shared_h.items():
-        for ref in fields.values():
-            rank_bytes[rank] += ref.nbytes
-            tensors += 1
-    bpw = sum(k * n for k, n in proj_k.items()) / max(sum(proj_k.values()), 1)
-    per_projection = len({k for k in proj_k}) > len(tiers) or any(layer.expert_k(e) is None for e in layer.experts)
-    return {
-        "layer": layer.index,
-        "partition": "/".join(str(len(ids)) for ids in tiers.values()) if tiers else "-",
-        "k_values": list(tiers),
-        "experts": n_experts,
-        "bpw": round(bpw, 3),
-        "tiers": {f"K{k}": compact_ranges(ids) for k, ids in tiers.items()},
-        "projection_k": {f"K{k}": n for k, n in sorted(proj_k.items())} if per_projection else None,
-        "declared_projection_k": _declared_projection_counts(layer),
-        "bytes_per_rank": max(rank_bytes.values(), default=0),
-        "trellis_bytes_per_rank": max(trellis_bytes.values(), default=0),
-        "ranks": len(rank_bytes),
-        "rotation": "shared_h_v1" if layer.shared_h else ("r7_shared" if layer.r7_shared else "per_expert_v1"),
-        "shards": sorted(layer.files),
-        "tensors": tensors + len(layer.r7_shared) + len(layer.unparsed),
-    }
+    return rank_bytes, trellis_bytes, tensors, proj_k
+
+
+def _column_counts(cols: layer_columns.LayerColumns) -> _Counts | None:
+    """`_walked_counts` from the columns, in C: where every expert holds the same projections and ranks in the same
+    order (a rank's linears are then every len(ranks)-th of a column), each linear has a trellis and none an extra
+    field. None otherwise."""
+    layout = cols.layout()
+    n = len(cols.linears)
+    if layout is None or cols.present(layer_columns.TRELLIS) != n or any(cols.field(layer_columns.EXTRA)):
+        return None
+    projs, ranks = layout
+    per_field = [cols.rank_bytes(i) for i in layer_columns.TENSOR_FIELDS]
+    rank_bytes = Counter(dict(zip(ranks, map(sum, zip(*per_field)))))
+    trellis_bytes = Counter(dict(zip(ranks, cols.rank_bytes(layer_columns.TRELLIS))))
+    tensors = sum(map(cols.present, layer_columns.TENSOR_FIELDS))
+    proj_k: Counter[int] = Counter()
+    expert_ks = cols.expert_ks().values()
+    if all(len(ks) == 1 for ks in expert_ks):  # one K per expert: each of its projections holds it
+        for ks in expert_ks:
+            k = next(iter(ks))
+            if k is not None:
+                proj_k[k] += len(projs)
+        return rank_bytes, trellis_bytes, tensors, proj_k
+    lin_ks = cols.linear_ks()
+    for start in range(0, n, len(ranks)):  # an (expert, projection) is a run of len(ranks) linears
+        run = set(lin_ks[start:start + len(ranks)])
+        k = run.pop() if len(run) == 1 else None
+        if k is not None:
+            proj_k[k] += 1
+    return rank_bytes, trellis_bytes, tensors, proj_k
 
 
 def _declared_projection_counts(layer: MoeLayer) -> dict[str, int] | None:
@@ -290,10 +336,12 @@ def totals(ckpt: Checkpoint, rows: Sequence[Mapping[str, Any]]) -> Totals:
 def _expert_tensor_bytes(ckpt: Checkpoint) -> int:
     total = 0
     for layer in ckpt.layers.values():
-        for projs in layer.experts.values():
-            for by_rank in projs.values():
-                for lin in by_rank.values():  # trellis, suh, svh, su, sv, mcg, mul1, then the extra fields
-                    total += _bytes([ref for ref in lin[1:8] if ref is not None] + list(lin.extra))
+        cols = layer_columns.columns(layer)  # trellis, suh, svh, su, sv, mcg, mul1, then the extra fields
+        if cols.layout() is not None:  # the layer rows' sums per rank (the same bytes)
+            total += sum(sum(cols.rank_bytes(i)) for i in layer_columns.TENSOR_FIELDS)
+        else:
+            total += sum(_bytes(list(filter(None, cols.field(i)))) for i in layer_columns.TENSOR_FIELDS)
+        total += _bytes(list(chain.from_iterable(cols.field(layer_columns.EXTRA))))
         total += sum(ref.nbytes for f in layer.shared_h.values() for ref in f.values())
         total += sum(ref.nbytes for ref in layer.r7_shared.values()) + sum(ref.nbytes for ref in layer.unparsed)
     return total

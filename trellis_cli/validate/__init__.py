@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Callable
 
+from trellis_cli.checkpoint import heap, layer_columns
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.interface import CheckRequest, Dialect
 from trellis_cli.dialects.registry import dialect_of
@@ -44,10 +45,17 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
     the TP degrees its profile accepts.
     `progress(stage, done, total)` is called as layers complete; `checksum_progress(n)` with bytes hashed.
     """
-    from trellis_cli.dialects.open import paused_gc
     from trellis_cli.selection import require_count
 
     require_count(tp, "tp")
+    with heap.settled(), layer_columns.shared():  # the rules read every layer's linears several times
+        return _validate(checkpoint, deep, layers, checksums, engine, tp, progress, checksum_progress)
+
+
+def _validate(checkpoint: Checkpoint, deep: bool, layers: list[int] | None, checksums: bool, engine: str | None,
+              tp: int | None, progress: Progress, checksum_progress: Callable[[int], None] | None) -> Report:
+    from trellis_cli.dialects.open import paused_gc
+
     dialect = dialect_of(checkpoint)
     enforced = engines.enforced_name(engine, checkpoint.dialect)
     selected = _selected_layers(checkpoint, dialect, layers)  # a usage error before any rule runs
@@ -97,8 +105,7 @@ def _run_header_rules(checkpoint: Checkpoint, selected: list[int], report: Repor
             progress("headers", done, len(selected))
     report.extend(rules_runtime.check_runtime(checkpoint, selected))
     report.count("layers", len(selected))
-    report.count("linears", sum(len(r) for li in selected for p in checkpoint.layers[li].experts.values()
-                                for r in p.values()))
+    report.count("linears", sum(len(layer_columns.columns(checkpoint.layers[li]).linears) for li in selected))
 
 
 def _run_markers(ckpt: Checkpoint, selected: list[int], report: Report, deep: bool) -> None:

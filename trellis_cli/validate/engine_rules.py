@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Iterator, NamedTuple
 
 from trellis_cli.checkpoint.declared import bits_map_overrides, layer_range, uniform_bits
+from trellis_cli.checkpoint import layer_columns
 from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint
 from trellis_cli.dialects.interface import QUANT_CONFIG
 from trellis_cli.dialects.interface import B12X, B12X_130, EXLLAMAV3, VLLM, ContainerRefusal
@@ -23,6 +24,7 @@ ONE_GRID_TIERS = 2  # the mixed path takes exactly two bitrates per layer, with 
 UNIFORM_K_190 = range(3, 7)
 UNIFORM_K_SHARED_H = (3, 4, 5, 6, 8)
 MIXED_K_RANGE = range(3, 7)
+LEGACY_FIELDS = (layer_columns.SU, layer_columns.SV)
 
 
 class Refusal(NamedTuple):
@@ -209,8 +211,7 @@ def _stored_ks(ckpt: Checkpoint, li: int) -> list[int]:
     layer = ckpt.layers.get(li)
     if layer is None:
         return []
-    return sorted({lin.k for projs in layer.experts.values() for by_rank in projs.values()
-                   for lin in by_rank.values() if lin.k is not None})
+    return sorted(k for k in frozenset().union(*layer_columns.columns(layer).expert_ks().values()) if k is not None)
 
 
 def shared_h_unsupported(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
@@ -228,7 +229,7 @@ def tier_count(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     if rank_sliced_contract(ckpt) is None:
         return
     for li in layers:
-        tiers = ckpt.layers[li].partition() if li in ckpt.layers else {}
+        tiers = layer_columns.columns(ckpt.layers[li]).partition() if li in ckpt.layers else {}
         if len(tiers) > ONE_GRID_TIERS:
             yield Refusal("engine.tier-count", f"{len(tiers)} bitrates in one layer", Location(layer=li),
                           "the one-grid mixed path takes exactly two bitrates per layer and has no serial fallback",
@@ -243,6 +244,8 @@ def legacy_signs(ckpt: Checkpoint, layers: list[int]) -> Iterator[Refusal]:
     shared = dialect.shared_h
     for li in layers:
         first, count = None, 0
+        if li in ckpt.layers and not any(map(layer_columns.columns(ckpt.layers[li]).present, LEGACY_FIELDS)):
+            continue  # no su/sv in the layer (counted in C)
         for projs in ckpt.layers[li].experts.values() if li in ckpt.layers else ():
             for proj, by_rank in projs.items():
                 for lin in by_rank.values():

@@ -17,6 +17,7 @@ import re
 from typing import Iterator, Mapping
 
 from trellis_cli.checkpoint.architecture import ConfigProblem, ModelWeights, Weight, expected_form, mismatch, model_weights
+from trellis_cli.checkpoint import layer_columns
 from trellis_cli.checkpoint.model import Checkpoint, TensorRef
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.findings import Finding, Location, Severity, warning
@@ -195,7 +196,7 @@ def notes(ckpt: Checkpoint) -> Iterator[Finding]:
     if isinstance(expected, ConfigProblem):
         return
     for layer, weights in expected.mtp.items():
-        if next(_layer_names(stored, layer), None) is None:
+        if not _stores_layer(ckpt, stored, layer):
             continue  # no MTP layer stored at all: a draft model is not asked for
         missing, wrong = _compare(weights, stored)
         if missing or wrong:
@@ -204,6 +205,17 @@ def notes(ckpt: Checkpoint) -> Iterator[Finding]:
                           f"{len(missing):,} of its {len(weights):,} weights are missing"
                           + (f" ({describe(missing)})" if missing else "")
                           + (f", {len(wrong):,} of the wrong shape or dtype" if wrong else ""))
+
+
+def _stores_layer(ckpt: Checkpoint, stored: Stored, layer: int) -> bool:
+    """Whether any stored name lies under `model.layers.{layer}.`: one of the layer's own expert tensors says so
+    at once (the MTP layer of a TR3 checkpoint has them); else every name is looked at."""
+    moe = ckpt.layers.get(layer)
+    first = layer_columns.columns(moe).linears[:1] if moe is not None else []
+    names = [ref.name for ref in first[0][1:8] if ref is not None] if first else []
+    if names and names[0].startswith(f"model.layers.{layer}.") and names[0] in stored:
+        return True
+    return next(_layer_names(stored, layer), None) is not None
 
 
 def _layer_names(stored: Stored, layer: int) -> Iterator[str]:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from operator import add, attrgetter, sub
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from trellis_cli.checkpoint import layer_columns
 from trellis_cli.checkpoint.model import Checkpoint, TensorRef
 from trellis_cli.codebooks import MARKERS
 from trellis_cli.findings import Finding, Location, Severity, error
@@ -38,31 +40,79 @@ def layer_markers(ckpt: Checkpoint, layers: Iterable[int]) -> Iterator[tuple[Ten
                             yield ref, kind, (li, expert, proj, rank)
 
 
-def check_marker_values(ckpt: Checkpoint, layers: Iterable[int], count) -> Iterator[Finding]:
-    by_file: dict[str, list[tuple[TensorRef, str, tuple]]] = defaultdict(list)
-    for item in layer_markers(ckpt, layers):
-        by_file[item[0].file].append(item)
-    for file, items in sorted(by_file.items()):
-        refs = [ref for ref, _, _ in items]
+def check_marker_values(ckpt: Checkpoint, layers: Iterable[int], count, bulk: bool = True) -> Iterator[Finding]:
+    """The value of every well-formed marker of `layers`. `bulk`: take a clean layer's markers as its column
+    (`_markers_by_file`); False lists them one by one (the tests compare the two on damaged checkpoints)."""
+    layers = list(layers)
+    refs_of, kinds_of = _markers_by_file(ckpt, layers, bulk)
+    where: dict[int, tuple] | None = None  # id(marker) -> its (layer, expert, projection, rank), once one is wrong
+    for file in sorted(refs_of):
+        refs, kinds = refs_of[file], kinds_of[file]
         read = _read_marker_array(ckpt, file, refs)
         if read is None:  # offsets numpy cannot hold: the per-marker reader
             values, problem = _read_scalars(ckpt, file, refs)
             wrong: Iterable[tuple[int, int]] = ((i, values[ref.name]) for i, ref in enumerate(refs)
-                                                if ref.name in values and values[ref.name] != MARKER_VALUES[items[i][1]])
+                                                if ref.name in values and values[ref.name] != MARKER_VALUES[kinds[i]])
             nread = len(values)
         else:
             array, done, problem = read
-            expected = np.fromiter((MARKER_VALUES[kind] for _, kind, _ in items), dtype=np.int64, count=len(items))
+            expected = np.fromiter(map(MARKER_VALUES.__getitem__, kinds), dtype=np.int64, count=len(kinds))
             wrong = ((int(i), int(array[i])) for i in np.flatnonzero(done & (array != expected)))
             nread = int(done.sum())
         if problem is not None:
             yield problem
         count("markers read", nread)
         for i, value in wrong:  # only the markers that hold another value are looked at one by one
-            ref, kind, (li, expert, proj, rank) = items[i]
-            where = Location(layer=li, expert=expert, projection=proj, rank=rank, tensor=ref.name)
-            yield error("marker.value", where, f".{kind} marker holds the wrong value (the loaders refuse it)",
+            if where is None:
+                where = {id(ref): key for ref, _, key in layer_markers(ckpt, layers)}
+            ref, kind = refs[i], kinds[i]
+            li, expert, proj, rank = where[id(ref)]
+            at = Location(layer=li, expert=expert, projection=proj, rank=rank, tensor=ref.name)
+            yield error("marker.value", at, f".{kind} marker holds the wrong value (the loaders refuse it)",
                         expected=hex(MARKER_VALUES[kind] & 0xFFFFFFFF), found=hex(value & 0xFFFFFFFF))
+
+
+def _markers_by_file(ckpt: Checkpoint, layers: list[int],
+                     bulk: bool = True) -> tuple[dict[str, list[TensorRef]], dict[str, list[str]]]:
+    """Per file, the well-formed markers of `layers` in `layer_markers`' order, and the kind of each."""
+    refs_of: dict[str, list[TensorRef]] = defaultdict(list)
+    kinds_of: dict[str, list[str]] = defaultdict(list)
+    for li in layers:
+        column = _marker_column(ckpt, li) if bulk else None
+        if column is not None:
+            kind, refs = column
+            if refs:
+                refs_of[refs[0].file].extend(refs)
+                kinds_of[refs[0].file].extend([kind] * len(refs))
+            continue
+        for ref, kind, _ in layer_markers(ckpt, [li]):
+            refs_of[ref.file].append(ref)
+            kinds_of[ref.file].append(kind)
+    return refs_of, kinds_of
+
+
+def _marker_column(ckpt: Checkpoint, li: int) -> tuple[str, list[TensorRef]] | None:
+    """(kind, markers) of a layer whose markers are of one kind, all well-formed and in one file (the common
+    case), in `layer_markers`' order, proven in C; None for any other layer (`layer_markers` lists it)."""
+    cols = layer_columns.columns(ckpt.layers[li])
+    mcg, mul1 = cols.present(layer_columns.MCG), cols.present(layer_columns.MUL1)
+    if mcg and mul1:
+        return None
+    kind, field = ("mul1", layer_columns.MUL1) if mul1 else ("mcg", layer_columns.MCG)
+    refs = list(filter(None, cols.field(field)))
+    if len(set(map(_FILE, refs))) > 1 or not _well_formed(refs):
+        return None
+    return kind, refs
+
+
+def _well_formed(refs: list[TensorRef]) -> bool:
+    """Every marker of `refs` a 4-byte 0-dim int32, as `layer_markers` requires."""
+    return not refs or (set(map(_KIND, refs)) == {("I32", ())}
+                        and set(map(sub, map(_END, refs), map(_BEGIN, refs))) == {MARKER_BYTES})
+
+
+_FILE, _KIND = attrgetter("file"), attrgetter("dtype", "shape")
+_BEGIN, _END, _DATA_START = attrgetter("begin"), attrgetter("end"), attrgetter("data_start")
 
 
 def _read_marker_array(ckpt: Checkpoint, file: str, refs: list[TensorRef]) -> tuple[Any, Any, Finding | None] | None:
@@ -70,7 +120,8 @@ def _read_marker_array(ckpt: Checkpoint, file: str, refs: list[TensorRef]) -> tu
     the same order, each span's values gathered at once (a production shard has ~3k markers). None when an
     offset does not fit an int64 (a header only the per-marker reader may take)."""
     try:
-        offsets = np.fromiter((ref.data_start + ref.begin for ref in refs), dtype=np.int64, count=len(refs))
+        offsets = np.fromiter(map(add, map(_DATA_START, refs), map(_BEGIN, refs)), dtype=np.int64,
+                              count=len(refs))
     except OverflowError:
         return None
     if len(offsets) and int(offsets.max()) > 1 << 62:  # far past any file: no room for int64 arithmetic on it

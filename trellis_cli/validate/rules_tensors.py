@@ -7,9 +7,12 @@ may hold is a loader's rule (engines.py), not the format's: R7 layers hold three
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Generator, Iterator
 
+from trellis_cli.checkpoint import layer_columns
 from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, LinearRef, MoeLayer
 from trellis_cli.checkpoint.names import H_SIDE
 from trellis_cli.codebooks import MARKERS
@@ -19,6 +22,7 @@ from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, er
 
 MAX_TIER_EXPERTS = 256  # local expert ids are 8 bits in the mixed kernel
 HADAMARD_TILES = 8  # 128-wide Hadamard blocks = 8 tiles of 16
+MAX_TEMPLATES = 64  # pairings tried per projection by the proof of a clean layer; beyond it the walk decides
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,9 @@ def _context(ckpt: Checkpoint, layer: MoeLayer) -> LayerContext:
                         layout.k_map_note)
 
 
-def check_layer(ckpt: Checkpoint, layer: MoeLayer) -> Iterator[Finding]:
+def check_layer(ckpt: Checkpoint, layer: MoeLayer, bulk: bool = True) -> Iterator[Finding]:
+    """Every rule of one layer. `bulk`: prove a clean layer's linears in C (`_linears_clean`); False walks them one
+    by one whatever they hold (the tests compare the two on damaged checkpoints)."""
     ctx = _context(ckpt, layer)
     here = Location(layer=layer.index)
     if not layer.experts:
@@ -65,7 +71,31 @@ def check_layer(ckpt: Checkpoint, layer: MoeLayer) -> Iterator[Finding]:
                     "known schema")
     yield from _check_membership(ctx, layer)
     ranks = range(ctx.tp) if (ctx.tr3 or layer.rank_sliced) else range(1)
+    cols = layer_columns.columns(layer)
     shown = missing = 0  # rank slices: the first MAX_MISSING_SHOWN of the layer, then one total
+    if bulk and _linears_clean(ctx, cols, ranks):  # the walk would find nothing but what the K rule says
+        if not _expert_ks_agree(ctx, layer, cols):
+            for expert, projs in layer.experts.items():
+                yield from _check_expert_k(ckpt, ctx, layer, expert, projs, cols)
+    else:
+        shown, missing = yield from _walk_linears(ckpt, ctx, layer, ranks, cols)
+    if ctx.k_map_note is not None:
+        yield from _unbinding_k_map(ctx, layer)
+    if missing > shown:
+        yield error_summary("rank.missing", here, missing - shown, "missing rank slices in this layer",
+                            expected=f"ranks 0-{ctx.tp - 1}", found=f"{missing} missing")
+    if ctx.shared or layer.shared_h:
+        yield from _check_shared_h(ctx, layer)
+    yield from _check_tiers(ctx, layer)
+    if ctx.tr3:
+        yield from _check_tensor_count(ctx, layer)
+
+
+def _walk_linears(ckpt: Checkpoint, ctx: LayerContext, layer: MoeLayer, ranks: range,
+                  cols: layer_columns.LayerColumns) -> Generator[Finding, None, tuple[int, int]]:
+    """Every linear of the layer, one by one: what check_layer runs where `_linears_clean` cannot prove it clean.
+    Returns (rank slices listed, rank slices missing)."""
+    shown = missing = 0
     clean: dict[tuple, bool] = {}  # linear template -> check_linear finds nothing in it (see _template)
     for expert, projs in layer.experts.items():
         for proj in PROJECTIONS:
@@ -90,17 +120,42 @@ def check_layer(ckpt: Checkpoint, layer: MoeLayer) -> Iterator[Finding]:
                     yield from found
                 elif not passed:
                     yield from check_linear(ctx, expert, proj, rank, lin)
-        yield from _check_expert_k(ckpt, ctx, layer, expert, projs)
-    if ctx.k_map_note is not None:
-        yield from _unbinding_k_map(ctx, layer)
-    if missing > shown:
-        yield error_summary("rank.missing", here, missing - shown, "missing rank slices in this layer",
-                            expected=f"ranks 0-{ctx.tp - 1}", found=f"{missing} missing")
-    if ctx.shared or layer.shared_h:
-        yield from _check_shared_h(ctx, layer)
-    yield from _check_tiers(ctx, layer)
-    if ctx.tr3:
-        yield from _check_tensor_count(ctx, layer)
+        yield from _check_expert_k(ckpt, ctx, layer, expert, projs, cols)
+    return shown, missing
+
+
+def _linears_clean(ctx: LayerContext, cols: layer_columns.LayerColumns, ranks: range) -> bool:
+    """True when `_walk_linears` would yield nothing but the K rule's findings: every expert has the three
+    projections and each exactly `ranks`, no linear has an extra field, and `check_linear` finds nothing in any
+    pairing of the (dtype, shape) each field takes within a projection (`layer_columns.kinds`: a superset of the
+    linears' own templates, as `_template` reads them). False sends the layer to the walk, which names what is
+    wrong."""
+    layout = cols.layout()
+    if layout is None or set(layout[0]) != set(PROJECTIONS) or set(layout[1]) != set(ranks) \
+            or any(cols.field(layer_columns.EXTRA)):
+        return False
+    for proj in PROJECTIONS:
+        options = [cols.field_kinds(i, proj) for i in layer_columns.TENSOR_FIELDS]
+        tried = [o for o in options if o is not None]
+        if len(tried) < len(options) or math.prod(map(len, tried)) > MAX_TEMPLATES:
+            return False
+        for trellis, suh, svh, su, sv, mcg, mul1 in itertools.product(*tried):
+            stand_in = LinearRef("", trellis, suh, svh, su, sv, mcg, mul1)
+            if next(check_linear(ctx, 0, proj, 0, stand_in), None) is not None:
+                return False
+    return True
+
+
+def _expert_ks_agree(ctx: LayerContext, layer: MoeLayer, cols: layer_columns.LayerColumns) -> bool:
+    """True when `_check_expert_k` finds nothing in any expert of a rank-sliced layer: each expert's linears hold
+    one K, and it is the declared one wherever the declaration binds."""
+    if not ctx.tr3 or not cols.every_expert_one_k():
+        return False
+    declared = layer.declared_k
+    if ctx.k_map_note is not None or declared is None:
+        return True
+    ks = cols.expert_ks()
+    return all(declared[e] == next(iter(ks[e])) for e in layer.experts if e < len(declared))
 
 
 def _check_membership(ctx: LayerContext, layer: MoeLayer) -> Iterator[Finding]:
@@ -221,9 +276,10 @@ def _check_markers(ctx: LayerContext, lin: LinearRef, at) -> Iterator[Finding]:
                         expected=declared, found=lin.codebook)
 
 
-def _check_expert_k(ckpt: Checkpoint, ctx: LayerContext, layer: MoeLayer, expert: int, projs) -> Iterator[Finding]:
+def _check_expert_k(ckpt: Checkpoint, ctx: LayerContext, layer: MoeLayer, expert: int, projs,
+                    cols: layer_columns.LayerColumns) -> Iterator[Finding]:
     if ctx.tr3:
-        ks = {lin.k for by_rank in projs.values() for lin in by_rank.values() if lin.k is not None}
+        ks = {k for k in cols.expert_ks()[expert] if k is not None}
         if len(ks) > 1:
             yield error("expert.k-inconsistent", Location(layer=layer.index, expert=expert), "projections or ranks "
                         "of one expert have different K (one K per expert in this dialect)", found=sorted(ks))
@@ -298,7 +354,7 @@ def _check_shared_h(ctx: LayerContext, layer: MoeLayer) -> Iterator[Finding]:
 
 
 def _check_tiers(ctx: LayerContext, layer: MoeLayer) -> Iterator[Finding]:
-    tiers = layer.partition()
+    tiers = layer_columns.columns(layer).partition()
     for k, ids in tiers.items():
         if len(ids) > MAX_TIER_EXPERTS:
             yield error("tier.too-large", Location(layer=layer.index), f"tier K{k} holds more experts than local ids "
@@ -325,9 +381,6 @@ def _check_tensor_count(ctx: LayerContext, layer: MoeLayer) -> Iterator[Finding]
 
 
 def layer_tensor_count(layer: MoeLayer) -> int:
-    n = sum(len(f) for f in layer.shared_h.values()) + len(layer.r7_shared) + len(layer.unparsed)
-    for projs in layer.experts.values():
-        for by_rank in projs.values():
-            for lin in by_rank.values():  # the seven fields after the prefix, less those absent, plus extras
-                n += 7 - lin[1:8].count(None) + len(lin.extra)
-    return n
+    cols = layer_columns.columns(layer)  # the seven fields of each linear, less those absent, plus extras
+    n = sum(map(cols.present, layer_columns.TENSOR_FIELDS)) + sum(map(len, cols.field(layer_columns.EXTRA)))
+    return n + sum(len(f) for f in layer.shared_h.values()) + len(layer.r7_shared) + len(layer.unparsed)
