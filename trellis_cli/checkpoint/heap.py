@@ -24,3 +24,12 @@ def settled() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+def retire_young() -> None:
+    """Hand every object now tracked to the oldest generation without scanning it: what a paused build leaves
+    young (millions of records) would otherwise be rescanned by the first collections after it, to be found
+    alive. Left alone where someone froze the heap (`gc.freeze`): their frozen set stays theirs."""
+    if not gc.get_freeze_count():
+        gc.freeze()  # (also resets the young generation's count)
+        gc.unfreeze()  # the frozen objects go to the oldest generation

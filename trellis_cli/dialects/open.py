@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, cast
 
 from trellis_cli.checkpoint import declared as decl
+from trellis_cli.checkpoint import heap
 from trellis_cli.checkpoint import reader
 from trellis_cli.dialects import registry
 from trellis_cli.dialects.bulk_layers import build_layers_in_bulk
@@ -71,6 +72,7 @@ def paused_gc() -> Iterator[None]:
         yield
     finally:
         if was_enabled:
+            heap.retire_young()  # what was built is long-lived: no young-generation pass rescans it
             gc.enable()
 
 
