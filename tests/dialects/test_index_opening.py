@@ -46,7 +46,7 @@ def first(weight_map):
     return next(iter(weight_map))
 
 
-@pytest.mark.parametrize("piece", [8 << 20, 37])
+@pytest.mark.parametrize("piece", [8 << 20, 1, 5, 37, 101])
 def test_an_index_that_agrees_is_proven_in_its_bytes(tmp_path, monkeypatch, piece):
     root = tiny_checkpoint(tmp_path, non_expert="bf16")
     monkeypatch.setattr(reader, "_INDEX_PIECE", piece)

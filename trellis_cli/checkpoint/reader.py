@@ -404,14 +404,27 @@ def _proven_index(source: Source, files: dict[str, int], piece: Callable[[list[b
         return None
     try:
         with open_regular(source.local_path(name)) as f:
-            data = f.read(MAX_INDEX_BYTES + 1)
+            proven = _proven_stream(f, piece)
     except (OSError, CheckFailed):
         return None
-    if not data.isascii() or b"\\" in data or _controls(data):
-        return None  # an escape, or a control character other than whitespace: the full reader decides
-    head = _INDEX_HEAD.match(data)
-    if head is None:
-        return None
+    return None if proven is None else (name, *proven)
+
+
+def _proven_stream(f: Any, piece: Callable[[list[bytes], list[bytes]], bool]) -> tuple[dict[str, Any], set[str]] | None:
+    """`_proven_index` of an open index file, read in pieces of `_INDEX_PIECE` bytes: at most about two pieces and
+    one piece's strings are held at a time (a production index is ~80 MB)."""
+    buffer = b""
+    while True:  # the head: read until it is whole (its last whitespace may run on into the next piece)
+        more = f.read(_INDEX_PIECE)
+        if not _plain(more):
+            return None
+        buffer += more
+        head = _INDEX_HEAD.match(buffer)
+        if head is not None and head.end() < len(buffer):
+            break
+        if not more or len(buffer) > _INDEX_HEAD_BYTES:
+            return None  # no entry after it, or metadata of a size no writer gives: the full reader decides
+    read, spaces_read = len(buffer), _spaces(buffer)
     metadata: Any = {}
     if head.group(1) is not None:  # the metadata: an object of plain values, no key twice
         try:
@@ -422,18 +435,27 @@ def _proven_index(source: Source, files: dict[str, int], piece: Callable[[list[b
             return None
     named: set[bytes] = set()
     hashes: list[np.ndarray] = []
-    spaces = _spaces(data[:head.end()])
+    spaces = _spaces(buffer[:head.end()])
+    buffer = buffer[head.end():]
     # Without a backslash every `"` delimits a string: from the first name on, the pieces between are name, `:`,
-    # file, `,` (the last one the closing braces). Read in pieces of whole entries, so that no more than one
-    # piece's strings are held at a time.
-    at, end = head.end(), len(data)
-    while at < end:
-        cut = _entry_start(data, at, min(at + _INDEX_PIECE, end))
-        tokens = data[at:cut].split(b'"')
+    # file, `,` (the last one the closing braces). Taken in pieces of whole entries, each cut where a name opens.
+    last = False
+    while not last:
+        more = f.read(_INDEX_PIECE)
+        read += len(more)
+        if read > MAX_INDEX_BYTES or not _plain(more):
+            return None  # (grown past the limit since it was listed: the full reader words it)
+        spaces_read += _spaces(more)
+        buffer += more
+        last = not more
+        cut = len(buffer) if last else _last_entry_start(buffer)
+        if not cut:
+            continue  # not one whole entry yet
+        tokens = buffer[:cut].split(b'"')
+        buffer = buffer[cut:]
         if tokens[0] or len(tokens) < 5 or (len(tokens) - 1) % 4:
             return None
         keys, colons, values, gaps = tokens[1::4], tokens[2::4], tokens[3::4], tokens[4::4]
-        last = cut == end
         ends = [(gaps[:-1], _INDEX_COMMA), (gaps[-1:], _INDEX_TAIL if last else _INDEX_COMMA)]
         if not all(_INDEX_COLON.fullmatch(gap) for gap in set(colons)) or \
                 not all(pattern.fullmatch(gap) for part, pattern in ends for gap in set(part)):
@@ -444,40 +466,39 @@ def _proven_index(source: Source, files: dict[str, int], piece: Callable[[list[b
             return None
         named.update(values)
         hashes.append(np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys)))
-        at = cut
-    if spaces != _spaces(data):
+    if spaces != spaces_read:
         return None  # a line break or tab inside a string
     if not all_distinct(np.concatenate(hashes)):
         return None  # a name twice (or two names of one hash): the full reader decides
-    return name, metadata, {file.decode() for file in named}
+    return metadata, {file.decode() for file in named}
 
 
-_INDEX_PIECE = 8 << 20  # bytes of the index split at a time
+def _plain(data: bytes) -> bool:
+    """ASCII with no escape and no control character other than whitespace: every `"` delimits a string."""
+    return data.isascii() and b"\\" not in data and len(data) == len(data.translate(None, _CONTROL))
+
+
+def _last_entry_start(buffer: bytes) -> int:
+    """Where the last name opens in `buffer`, which starts where one opens: its every fourth `"` opens a name (a
+    name, its file: two strings of two quotes each). 0 while `buffer` holds no whole entry before it."""
+    quotes = buffer.count(b'"')
+    whole = (quotes - 1) // 4  # entries before the last name's quote
+    if quotes < 5 or not whole:
+        return 0
+    at = len(buffer)
+    for _ in range(quotes - 4 * whole):  # back over the quotes from the last name's on
+        at = buffer.rfind(b'"', 0, at)
+    return at
+
+
+_INDEX_PIECE = 2 << 20  # bytes of the index read and split at a time
+_INDEX_HEAD_BYTES = 1 << 20  # the most read before the first entry (the metadata object)
 _FILE_OF = attrgetter("file")
-
-
-def _entry_start(data: bytes, at: int, target: int) -> int:
-    """The first `"` at or after `target` that opens a name, where `at` opens one: every fourth `"` from `at` (a
-    name, its file: two strings of two quotes each); the end of `data` when none follows."""
-    quote = data.find(b'"', target)
-    if quote < 0:
-        return len(data)
-    for _ in range(-data.count(b'"', at, quote) % 4):
-        quote = data.find(b'"', quote + 1)
-        if quote < 0:
-            return len(data)
-    return quote
 
 
 def _spaces(text: bytes) -> int:
     """How many line breaks and tabs `text` holds (counted, not copied: the index may be 80 MB)."""
     return text.count(b"\n") + text.count(b"\r") + text.count(b"\t")
-
-
-def _controls(data: bytes) -> bool:
-    """Whether `data` holds a control character other than whitespace (in pieces: no copy of the whole index)."""
-    return any(len(piece) != len(piece.translate(None, _CONTROL))
-               for piece in (data[at:at + _INDEX_PIECE] for at in range(0, len(data), _INDEX_PIECE)))
 
 
 _CONTROL = bytes(c for c in range(32) if c not in b"\n\r\t")
