@@ -417,7 +417,8 @@ class Dialect:
         """Every tensor outside the MoE expert layout as a unit keyed by its name (the first file holding it)."""
         from trellis_cli.dialects.units import shard_other_units
 
-        return shard_other_units(ckpt)
+        # (layers the shared opening built from the tensors, not this dialect's own `fill`: counted, not named)
+        return shard_other_units(ckpt, from_tensors=not self.opens_from_listing and type(self).fill is Dialect.fill)
 
     def layer_file_tensors(self, ckpt: Checkpoint, layer: int) -> dict[Key, Unit] | None:
         """A layer kept whole in one file, its tensors as units by name: how two checkpoints that both answer

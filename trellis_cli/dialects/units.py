@@ -156,25 +156,17 @@ def expert_tensor_names(ck: Checkpoint) -> set[str]:
     return names
 
 
-def shard_other_units(ck: Checkpoint) -> dict[Key, Unit]:
-    """Every tensor of the shards the MoE layers do not account for, by name (the first file holding it wins)."""
-    # The shared opening's layers hold tensors of ck.tensors under `.mlp.experts.`, each once: where they hold as
-    # many as there are such names, they hold all of them, and the others are the rest (no set of ~935k names).
-    if _shared_opening(ck):
+def shard_other_units(ck: Checkpoint, from_tensors: bool = False) -> dict[Key, Unit]:
+    """Every tensor of the shards the MoE layers do not account for, by name (the first file holding it wins).
+    `from_tensors`: the layers were built by the shared opening from `ck.tensors`."""
+    # Such layers hold tensors of ck.tensors under `.mlp.experts.`, each once: where they hold as many as there are
+    # such names, they hold all of them, and the others are the rest (no set of ~935k names).
+    if from_tensors:
         others = [ref for name, ref in ck.tensors.items() if ".mlp.experts." not in name]
         if _held(ck) == len(ck.tensors) - len(others):
             return named_units(others)
     consumed = expert_tensor_names(ck)
     return named_units(ref for name, ref in ck.tensors.items() if name not in consumed)
-
-
-def _shared_opening(ck: Checkpoint) -> bool:
-    """Whether `ck`'s layers were built by the shared opening from its tensors (not by a dialect's own `fill`)."""
-    from trellis_cli.dialects.interface import Dialect
-    from trellis_cli.dialects.registry import dialect_of
-
-    dialect = dialect_of(ck)
-    return not dialect.opens_from_listing and type(dialect).fill is Dialect.fill
 
 
 def _held(ck: Checkpoint) -> int:
