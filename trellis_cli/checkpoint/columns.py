@@ -24,15 +24,16 @@ from trellis_cli.header import DTYPE_BYTES, MAX_HEADER_TENSORS, canonical_head
 # and the field are captured by their first one and three characters (fixed widths, joined and read by numpy).
 _ID = rb"(0|[1-9][0-9]*)"
 _DIM = rb"(?:0|[1-9][0-9]{0,4})"
-_OFFSET = rb"(0|[1-9][0-9]{0,17})"
+_OFFSET = rb"(?:0|[1-9][0-9]{0,17})"
+_DTYPE = b"(?:" + b"|".join(name.encode() for name in DTYPE_BYTES) + b")"
+# (the dtype matched among the known names, not captured; the offsets captured as one `begin,end` group)
 _LINEAR_ENTRY = re.compile(
     rb'"model\.layers\.(?:0|[1-9][0-9]*)\.mlp\.experts\.' + _ID + rb"\.(?=(.))(?:gate|up|down)_proj\.rank" + _ID +
-    rb'\.(?=(...))(?:trellis|suh|svh|su|sv|mcg|mul1)":\{"dtype":"([A-Z0-9_]+)","shape":\[(' + _DIM + rb"(?:," + _DIM +
-    rb'){0,2})?\],"data_offsets":\[' + _OFFSET + b"," + _OFFSET + rb"\]\}")
-_GROUPS = 8
+    rb'\.(?=(...))(?:trellis|suh|svh|su|sv|mcg|mul1)":\{"dtype":"' + _DTYPE + rb'","shape":\[(' + _DIM + rb"(?:," +
+    _DIM + rb'){0,2})?\],"data_offsets":\[(' + _OFFSET + b"," + _OFFSET + rb")\]\}")
+_GROUPS = 6
 _TAIL = re.compile(rb"\} *")
 _EXPERT_LAYER = re.compile(rb'"model\.layers\.(0|[1-9][0-9]*)\.mlp\.experts\.')
-_DTYPES = frozenset(name.encode() for name in DTYPE_BYTES)
 _PROJECTION = np.full(256, -1, dtype=np.int64)
 _PROJECTION[[ord("g"), ord("u"), ord("d")]] = [0, 1, 2]  # gate_proj, up_proj, down_proj
 _FIELDS = sorted((name[:3] + b'"')[:3] for name in (b"trellis", b"suh", b"svh", b"su", b"sv", b"mcg", b"mul1"))
@@ -77,11 +78,10 @@ def linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
     layer = int(found.group(1))
     if raw.count(b'"model.layers.%d.mlp.experts.' % layer, entries) != tensors:
         return None  # another layer's tensors in the same shard
-    if not _DTYPES.issuperset(parts[5::_GROUPS + 1]):
-        return None
     expert, rank = _ints(parts[1::_GROUPS + 1]), _ints(parts[3::_GROUPS + 1])
-    begin, end = _ints(parts[7::_GROUPS + 1]), _ints(parts[8::_GROUPS + 1])
-    if (begin > end).any() or int(end.max()) >= _EXACT or 8 + len(raw) + int(end.max()) > file_size:
+    offsets = np.fromstring(b",".join(parts[6::_GROUPS + 1]), dtype=np.int64, sep=",")
+    begin, end = offsets[0::2], offsets[1::2]
+    if len(offsets) != 2 * tensors or (begin > end).any() or int(end.max()) >= _EXACT or 8 + len(raw) + int(end.max()) > file_size:
         return None  # the full parser refuses a reversed pair; a file too short is a byte fault
     proj = _PROJECTION[np.frombuffer(b"".join(parts[2::_GROUPS + 1]), dtype=np.uint8)]
     field_text = np.frombuffer(b"".join(parts[4::_GROUPS + 1]), dtype=np.uint8).reshape(-1, 3).astype(np.int64)
@@ -96,7 +96,7 @@ def linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
     is_trellis = field == _TRELLIS
     gates = np.bincount(slot, weights=(is_trellis & (proj == 0)).astype(np.float64), minlength=keys.size)
     ranks = {(key // width, key % width): (int(b), int(g)) for key, b, g in zip(keys.tolist(), nbytes, gates)}
-    shapes = list(compress(parts[6::_GROUPS + 1], is_trellis.tolist()))
+    shapes = list(compress(parts[5::_GROUPS + 1], is_trellis.tolist()))
     return LinearColumns(layer, _k_ranges(expert, linear, is_trellis, shapes), ranks)
 
 
