@@ -63,6 +63,11 @@ def reverse_offsets(header):
     header[name]["data_offsets"] = header[name]["data_offsets"][::-1]
 
 
+def unknown_dtype(header):
+    name = next(n for n in header if n.endswith(".suh"))
+    header[name]["dtype"] = "F17"
+
+
 def metadata_naming(header):
     """Two layers in one shard, and metadata that names the first layer's prefix as often as the second has tensors."""
     assert next(iter(header)) == "__metadata__"  # first, as safetensors writes it
@@ -75,13 +80,14 @@ def metadata_naming(header):
 
 
 @pytest.mark.parametrize("mutate", [metadata_naming, rename(".rank0.", "."), rename("experts.0.", "experts.00."),
-                                    rename("gate_proj", "w1"), rename(".suh", ".bias"), reverse_offsets])
+                                    rename("gate_proj", "w1"), rename(".suh", ".bias"), reverse_offsets,
+                                    unknown_dtype])
 def test_a_shard_the_columns_do_not_prove_is_read_in_full(tmp_path, mutate):
     root = tiny_checkpoint(tmp_path)
     hostile_shard(root, mutate)
     r = request(**REQUESTS[0])
     assert run._from_columns(str(root), r, None) is None
-    with pytest.raises((UsageError, CheckFailed)) if mutate is reverse_offsets else _nothing():
+    with pytest.raises((UsageError, CheckFailed)) if mutate in (reverse_offsets, unknown_dtype) else _nothing():
         run.fit_source(str(root), r)
 
 
