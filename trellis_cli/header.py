@@ -303,12 +303,15 @@ def header_length(prefix: bytes, file: str, file_size: int | None) -> int:
 # the metadata a flat map of strings, at most three dimensions of at most five digits (no shape overflows a
 # 64-bit size), offsets below 10^18. In that layout a name followed by `":{"dtype"` is a tensor's key, never a
 # metadata value. One match of the whole header proves it (a fifth of the time of decoding it).
-_DTYPE = b"(?:" + b"|".join(d.encode() for d in DTYPE_BYTES) + b")"
-_DIM = rb"(?:0|[1-9][0-9]{0,4})"
-_OFFSET = rb"(?:0|[1-9][0-9]{0,17})"
+DTYPE_PATTERN = b"(?:" + b"|".join(d.encode() for d in DTYPE_BYTES) + b")"
+DIM_PATTERN = rb"(?:0|[1-9][0-9]{0,4})"
+OFFSET_PATTERN = rb"(?:0|[1-9][0-9]{0,17})"
 _STRING = rb'"[^"\\\x00-\x1f]*"'
-_ENTRY = (rb'"(?!__metadata__")[^"\\\x00-\x1f]*":\{"dtype":"' + _DTYPE + rb'","shape":\[(?:' + _DIM + rb"(?:," +
-          _DIM + rb"){0,2})?\]," + rb'"data_offsets":\[' + _OFFSET + rb"," + _OFFSET + rb"\]\}")
+# An entry's three parts: its name, its kind (`DTYPE","shape":[DIMS`) and its offsets (`BEGIN,END`).
+_NAME = rb'(?!__metadata__")[^"\\\x00-\x1f]*'
+_KIND = DTYPE_PATTERN + rb'","shape":\[(?:' + DIM_PATTERN + rb"(?:," + DIM_PATTERN + rb"){0,2})?"
+_PAIR = OFFSET_PATTERN + b"," + OFFSET_PATTERN
+_ENTRY = rb'"' + _NAME + rb'":\{"dtype":"' + _KIND + rb'\],"data_offsets":\[' + _PAIR + rb"\]\}"
 _METADATA = rb'"__metadata__":\{(?:' + _STRING + b":" + _STRING + rb"(?:," + _STRING + b":" + _STRING + rb")*)?\}"
 _CANONICAL = re.compile(rb"\{(?P<metadata>" + _METADATA + rb",)?" + _ENTRY + rb"(?:," + _ENTRY + rb")*\} *")
 
@@ -327,14 +330,30 @@ def canonical_entries(raw: bytes) -> bytes | None:
 _HEAD = re.compile(rb"\{(?:(" + _METADATA + rb"),)?")
 
 
-def canonical_head(head: bytes) -> bool:
-    """Whether `head` is what precedes the first entry of a header in safetensors' own layout (`{`, then the
-    `__metadata__` object and a comma, if any) and the strict parser accepts it (no metadata key twice)."""
-    return _canonical_metadata(head) is not None
+def split_layout(gaps: list[bytes]) -> dict[str, str] | None:
+    """The metadata of a header split by a pattern of its entries (`re.split`; `gaps` the pieces between the
+    entries), where those pieces prove safetensors' own layout: before the first entry the canonical head (`{`,
+    then the `__metadata__` object and a comma, if any, no metadata key twice), a comma between two entries, the
+    closing brace and its pad after the last; at least one entry. None otherwise."""
+    entries = len(gaps) - 1
+    if not entries or gaps[1:-1].count(b",") != entries - 1 or _TRAILER.fullmatch(gaps[-1]) is None:
+        return None
+    return _canonical_metadata(gaps[0])
+
+
+def offset_pairs(texts: list[bytes]) -> tuple[np.ndarray, np.ndarray] | None:
+    """(begins, ends) of entries' `data_offsets` written `BEGIN,END` (each matched by OFFSET_PATTERN: below
+    10^18, exact in int64); None where a pair is reversed, which the strict parser names."""
+    offsets = np.fromstring(b",".join(texts), dtype=np.int64, sep=",")
+    begins, ends = offsets[0::2], offsets[1::2]
+    if len(offsets) != 2 * len(texts) or bool((begins > ends).any()):
+        return None
+    return begins, ends
 
 
 def _canonical_metadata(head: bytes) -> dict[str, str] | None:
-    """The metadata of a canonical head (`canonical_head`), empty where it has none; None for any other head."""
+    """The metadata of the head of a header in safetensors' own layout (`{`, then the `__metadata__` object and a
+    comma, if any, no metadata key twice), empty where it has none; None for any other head."""
     match = _HEAD.fullmatch(head)
     if match is None:
         return None
@@ -373,20 +392,14 @@ def _parse_canonical(file: str, header_bytes: bytes, header_len: int, file_size:
             header_bytes.count(b'"data_offsets"') > MAX_HEADER_TENSORS:
         return None
     parts = _ENTRY_PARTS.split(header_bytes)
-    gaps = parts[::4]
-    count = len(gaps) - 1
-    if not count or gaps[1:-1].count(b",") != count - 1 or _TRAILER.fullmatch(gaps[-1]) is None:
+    metadata = split_layout(parts[::4])
+    pairs = None if metadata is None else offset_pairs(parts[3::4])
+    if metadata is None or pairs is None:
         return None
-    metadata = _canonical_metadata(gaps[0])
-    if metadata is None:
-        return None
+    count, (begins, ends) = len(parts) // 4, pairs
     names = b'"'.join(parts[1::4]).decode().split('"')  # no name holds a `"`: one decode for all of them
     kinds = parts[2::4]
     kind_of = {text: _entry_kind(text) for text in set(kinds)}  # a shard has a few (dtype, shape) kinds
-    offsets = np.fromstring(b",".join(parts[3::4]), dtype=np.int64, sep=",")  # below 10^18: exact in int64
-    begins, ends = offsets[0::2], offsets[1::2]
-    if len(offsets) != 2 * count or bool((begins > ends).any()):
-        return None
     dtypes = map(_DTYPE_OF_KIND, map(kind_of.__getitem__, kinds))
     shapes = map(_SHAPE_OF_KIND, map(kind_of.__getitem__, kinds))
     entries = map(tuple.__new__, repeat(TensorEntry), zip(names, repeat(file), dtypes, shapes, begins.tolist(),
@@ -397,10 +410,9 @@ def _parse_canonical(file: str, header_bytes: bytes, header_len: int, file_size:
     return Header(file=file, header_len=header_len, file_size=file_size, tensors=tensors, metadata=metadata)
 
 
-# One entry of the canonical layout (`_ENTRY`) split into its name, its kind (`DTYPE","shape":[DIMS`) and its
-# offsets (`BEGIN,END`): three groups, the fewest objects per tensor (a production header has 12k entries).
-_ENTRY_PARTS = re.compile(rb'"((?!__metadata__")[^"\\\x00-\x1f]*)":\{"dtype":"(' + _DTYPE + rb'","shape":\[(?:' + _DIM +
-                          rb"(?:," + _DIM + rb'){0,2})?)\],"data_offsets":\[(' + _OFFSET + b"," + _OFFSET + rb")\]\}")
+# One entry of the canonical layout (`_ENTRY`) with its three parts as groups: the fewest objects per tensor (a
+# production header has 12k entries).
+_ENTRY_PARTS = re.compile(rb'"(' + _NAME + rb')":\{"dtype":"(' + _KIND + rb')\],"data_offsets":\[(' + _PAIR + rb")\]\}")
 _TRAILER = re.compile(rb"\} *")
 _DTYPE_OF_KIND = itemgetter(0)
 _SHAPE_OF_KIND = itemgetter(1)

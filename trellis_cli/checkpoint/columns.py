@@ -17,22 +17,19 @@ from typing import NamedTuple
 
 import numpy as np
 
-from trellis_cli.header import DTYPE_BYTES, MAX_HEADER_TENSORS, canonical_head
+from trellis_cli.header import (DIM_PATTERN, DTYPE_PATTERN, MAX_HEADER_TENSORS, OFFSET_PATTERN, offset_pairs,
+                                split_layout)
 
 # One entry of a linear's field, canonical ids only (as the names grammar reads them: checkpoint/names.py), in
 # safetensors' own layout (header.py: at most three dimensions of five digits, offsets below 10^18). The projection
 # and the field are captured by their first one and three characters (fixed widths, joined and read by numpy).
 _ID = rb"(0|[1-9][0-9]*)"
-_DIM = rb"(?:0|[1-9][0-9]{0,4})"
-_OFFSET = rb"(?:0|[1-9][0-9]{0,17})"
-_DTYPE = b"(?:" + b"|".join(name.encode() for name in DTYPE_BYTES) + b")"
 # (the dtype matched among the known names, not captured; the offsets captured as one `begin,end` group)
 _LINEAR_ENTRY = re.compile(
     rb'"model\.layers\.(?:0|[1-9][0-9]*)\.mlp\.experts\.' + _ID + rb"\.(?=(.))(?:gate|up|down)_proj\.rank" + _ID +
-    rb'\.(?=(...))(?:trellis|suh|svh|su|sv|mcg|mul1)":\{"dtype":"' + _DTYPE + rb'","shape":\[(' + _DIM + rb"(?:," +
-    _DIM + rb'){0,2})?\],"data_offsets":\[(' + _OFFSET + b"," + _OFFSET + rb")\]\}")
+    rb'\.(?=(...))(?:trellis|suh|svh|su|sv|mcg|mul1)":\{"dtype":"' + DTYPE_PATTERN + rb'","shape":\[(' + DIM_PATTERN +
+    rb"(?:," + DIM_PATTERN + rb'){0,2})?\],"data_offsets":\[(' + OFFSET_PATTERN + b"," + OFFSET_PATTERN + rb")\]\}")
 _GROUPS = 6
-_TAIL = re.compile(rb"\} *")
 _EXPERT_LAYER = re.compile(rb'"model\.layers\.(0|[1-9][0-9]*)\.mlp\.experts\.')
 _PROJECTION = np.full(256, -1, dtype=np.int64)
 _PROJECTION[[ord("g"), ord("u"), ord("d")]] = [0, 1, 2]  # gate_proj, up_proj, down_proj
@@ -68,8 +65,7 @@ def linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
     parts = _LINEAR_ENTRY.split(raw)
     gaps = parts[::_GROUPS + 1]
     tensors = len(gaps) - 1
-    if not 0 < tensors <= MAX_HEADER_TENSORS or gaps[1:-1].count(b",") != tensors - 1 or \
-            not _TAIL.fullmatch(gaps[-1]) or not canonical_head(gaps[0]):
+    if tensors > MAX_HEADER_TENSORS or split_layout(gaps) is None:
         return None
     entries = len(gaps[0])  # where the entries begin: the metadata before them may hold any string
     found = _EXPERT_LAYER.search(raw, entries)
@@ -79,10 +75,12 @@ def linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
     if raw.count(b'"model.layers.%d.mlp.experts.' % layer, entries) != tensors:
         return None  # another layer's tensors in the same shard
     expert, rank = _ints(parts[1::_GROUPS + 1]), _ints(parts[3::_GROUPS + 1])
-    offsets = np.fromstring(b",".join(parts[6::_GROUPS + 1]), dtype=np.int64, sep=",")
-    begin, end = offsets[0::2], offsets[1::2]
-    if len(offsets) != 2 * tensors or (begin > end).any() or int(end.max()) >= _EXACT or 8 + len(raw) + int(end.max()) > file_size:
-        return None  # the full parser refuses a reversed pair; a file too short is a byte fault
+    pairs = offset_pairs(parts[6::_GROUPS + 1])
+    if pairs is None:
+        return None  # the full parser refuses a reversed pair
+    begin, end = pairs
+    if int(end.max()) >= _EXACT or 8 + len(raw) + int(end.max()) > file_size:
+        return None  # a file too short is a byte fault
     proj = _PROJECTION[np.frombuffer(b"".join(parts[2::_GROUPS + 1]), dtype=np.uint8)]
     field_text = np.frombuffer(b"".join(parts[4::_GROUPS + 1]), dtype=np.uint8).reshape(-1, 3).astype(np.int64)
     field = np.searchsorted(_FIELD_CODES, (field_text[:, 0] << 16) | (field_text[:, 1] << 8) | field_text[:, 2])

@@ -36,6 +36,8 @@ _R7_SHARED = re.compile(rf"^r7_shared\.(?:rank{_ID}\.)?([A-Za-z0-9_]+)$")
 LINEAR_NAME = re.compile(
     rf"^model\.layers\.{_ID}\.mlp\.experts\.{_ID}\.(gate_proj|up_proj|down_proj|w1|w2|w3)(?:\.rank{_ID})?"
     r"\.([A-Za-z0-9_]+)$")
+# The same less its field: a linear's name prefix (`model.layers.L.mlp.experts.E.proj[.rankR]`), matched whole.
+LINEAR_PREFIX = re.compile(LINEAR_NAME.pattern.removeprefix("^").removesuffix(r"\.([A-Za-z0-9_]+)$"))
 # What a routed-expert name looks like to a reader: any prefix, any script's digits (\w is Unicode here).
 _LOOKS_LIKE_EXPERT = re.compile(r"^(.*?)layers\.(\w+)\.mlp\.experts\.(.*)$", re.DOTALL)
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from trellis_cli.checkpoint.columns import all_distinct
 from trellis_cli.checkpoint.model import Checkpoint, LinearRef, MoeLayer, TensorRef
-from trellis_cli.checkpoint.names import LINEAR_FIELDS, LINEAR_NAME
+from trellis_cli.checkpoint.names import LINEAR_FIELDS, LINEAR_NAME, LINEAR_PREFIX
 
 # Ids of at most 5 (layer), 6 (expert) and 4 (rank) digits keep a linear's key inside int64; a longer id is
 # left to the per-tensor path.
@@ -34,7 +34,6 @@ _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _PROJECTION_CODE = {"gate": 0, "up": 1, "down": 2}
 _FIELDS = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1")  # LinearRef's order
 _FIELD_CODE = {name: code for code, name in enumerate(_FIELDS)}
-_LINEAR_PREFIX = re.compile(LINEAR_NAME.pattern.removeprefix("^").removesuffix(r"\.([A-Za-z0-9_]+)$"))
 assert set(_FIELDS) == LINEAR_FIELDS
 
 
@@ -138,7 +137,7 @@ def _joins_a_linear(name: str) -> bool:
     """Whether the per-tensor build reads `name` as a field of a linear (`open._build_layers`)."""
     prefix, _, field = name.rpartition(".")
     if field in LINEAR_FIELDS:
-        return _LINEAR_PREFIX.fullmatch(prefix) is not None
+        return LINEAR_PREFIX.fullmatch(prefix) is not None
     return LINEAR_NAME.match(name) is not None
 
 

@@ -11,7 +11,6 @@ file-name patterns.
 from __future__ import annotations
 
 import gc
-import re
 from contextlib import contextmanager
 from operator import attrgetter
 from pathlib import Path
@@ -35,6 +34,7 @@ from trellis_cli.checkpoint.names import (
     KIND_SHARED_H,
     LINEAR_FIELDS,
     LINEAR_NAME,
+    LINEAR_PREFIX,
     PROJECTION_ALIASES,
     noncanonical_reason,
     parse_expert_name,
@@ -230,7 +230,7 @@ def _build_layers(ckpt: Checkpoint) -> None:
     linears: dict[tuple[int, int, str, int], dict[str, TensorRef]] = {}
     layers = ckpt.layers
     sliced: set[int] = set()
-    match_linear, match_prefix = LINEAR_NAME.match, _LINEAR_PREFIX.fullmatch
+    match_linear, match_prefix = LINEAR_NAME.match, LINEAR_PREFIX.fullmatch
     for name, ref in ckpt.tensors.items():
         if ".mlp.experts." not in name and name.isascii():
             continue  # (a non-ASCII name may read as an expert tensor once normalized: the slow path sees it)
@@ -279,7 +279,6 @@ def _build_layers(ckpt: Checkpoint) -> None:
 
 
 _UNSEEN: Any = object()
-_LINEAR_PREFIX = re.compile(LINEAR_NAME.pattern.removeprefix("^").removesuffix(r"\.([A-Za-z0-9_]+)$"))
 
 
 def _linear_fields(linears: dict[tuple[int, int, str, int], dict[str, TensorRef]], sliced: set[int], layer_s: str,

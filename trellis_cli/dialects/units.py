@@ -22,7 +22,8 @@ import math
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, LinearRef, TensorRef
+from trellis_cli.checkpoint import layer_columns
+from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, TensorRef
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.formats.layer_pack import split_descriptor
 
@@ -173,10 +174,8 @@ def _held(ck: Checkpoint) -> int:
     """How many tensors the MoE layers hold (codes, vectors, markers, extra fields, shared rows, unparsed)."""
     held = 0
     for moe in ck.layers.values():
-        for projections in moe.experts.values():
-            for ranks in projections.values():
-                for lin in ranks.values():
-                    held += 7 - lin[1:8].count(None) + len(lin.extra)
+        cols = layer_columns.columns(moe)
+        held += sum(map(cols.present, layer_columns.TENSOR_FIELDS)) + sum(map(len, cols.field(layer_columns.EXTRA)))
         held += sum(map(len, moe.shared_h.values())) + len(moe.r7_shared) + len(moe.unparsed)
     return held
 
