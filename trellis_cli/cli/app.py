@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import sys
 from functools import partial
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Callable, NoReturn, Optional
 
 import click
 import typer
@@ -109,8 +110,27 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout, sys.stderr = output.PipeGuard(sys.stdout), output.PipeGuard(sys.stderr)
     try:
         _run(args)
+    except SystemExit as done:
+        if argv is not None:  # called in-process (tests, a host program): exit as Python does
+            raise
+        sys.stdout, sys.stderr = streams
+        _exit_now(done.code)
     finally:
         sys.stdout, sys.stderr = streams
+
+
+def _exit_now(code: object) -> NoReturn:
+    """End the process once the command has said everything. A command that opened a production checkpoint
+    leaves about a million objects that the interpreter's shutdown would free one by one (half a second, a
+    tenth of `validate`); the system frees them at once. Nothing of ours waits on exit handlers: the package
+    removes what it creates before its commands return."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that left, or a closed stream: the exit code is already decided
+            pass
+    os._exit(code if isinstance(code, int) else 0 if code is None else EXIT_FINDINGS)
 
 
 def _run(args: list[str]) -> None:
