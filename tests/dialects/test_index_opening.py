@@ -46,16 +46,20 @@ def first(weight_map):
     return next(iter(weight_map))
 
 
+@pytest.mark.parametrize("rebuilt", [True, False])  # (False: the streamed proof alone, for any index)
 @pytest.mark.parametrize("piece", [8 << 20, 1, 5, 37, 101])
-def test_an_index_that_agrees_is_proven_in_its_bytes(tmp_path, monkeypatch, piece):
+def test_an_index_that_agrees_is_proven_in_its_bytes(tmp_path, monkeypatch, piece, rebuilt):
     root = tiny_checkpoint(tmp_path, non_expert="bf16")
     monkeypatch.setattr(reader, "_INDEX_PIECE", piece)
+    if not rebuilt:
+        monkeypatch.setattr(reader, "_rebuilt_index", lambda *_args: None)
     source = LocalSource(root)
-    tensors = open_checkpoint(root).tensors
+    ckpt = open_checkpoint(root)
     with monkeypatch.context() as m:
         m.setattr(sources, "MAX_JSON_BYTES", (root / INDEX).stat().st_size - 1)
-        assert reader.index_of(source, reader.listing(source), tensors) == (INDEX, {"total_size": pytest.approx(
-            json.loads((root / INDEX).read_text())["metadata"]["total_size"])})
+        total = json.loads((root / INDEX).read_text())["metadata"]["total_size"]
+        proven = reader.index_of(source, reader.listing(source), ckpt.tensors, ckpt.headers)
+        assert proven == (INDEX, {"total_size": total})
     large, small = both(root, monkeypatch)
     assert large == small and not large[0][4]
 
@@ -71,10 +75,10 @@ def test_an_index_that_disagrees_is_read_in_full(tmp_path, monkeypatch, edit):
     root = tiny_checkpoint(tmp_path, non_expert="bf16")
     rewrite(root, edit)
     source = LocalSource(root)
-    tensors = open_checkpoint(root).tensors
+    ckpt = open_checkpoint(root)
     with monkeypatch.context() as m:
         m.setattr(sources, "MAX_JSON_BYTES", (root / INDEX).stat().st_size - 1)
-        assert reader.index_of(source, reader.listing(source), tensors) is None
+        assert reader.index_of(source, reader.listing(source), ckpt.tensors, ckpt.headers) is None
     large, small = both(root, monkeypatch)
     assert large == small
 

@@ -18,7 +18,7 @@ import os
 import re
 from collections import Counter
 from operator import attrgetter
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import numpy as np
 
@@ -378,11 +378,17 @@ def index_files(source: Source, files: dict[str, int]) -> set[str] | None:
     return None if proven is None else proven[2]
 
 
-def index_of(source: Source, files: dict[str, int], tensors: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+def index_of(source: Source, files: dict[str, int], tensors: dict[str, Any],
+             headers: Mapping[str, Header]) -> tuple[str, dict[str, Any]] | None:
     """(index file, its metadata) where a large local index is proven in its bytes (as `index_files` proves it)
     to map exactly the names of `tensors` (name -> TensorRef), each to the file holding it: what `read_index`
     would decode, compared with the headers, without the ~935k fresh strings of that decode (~400 MB and three
-    seconds at production size). None otherwise: the caller reads it in full."""
+    seconds at production size). An index written as writers write one is proven by writing it again from
+    `headers` (file -> its parsed header, whose tensors `tensors` merges: `_rebuilt_index`); any other by the
+    streamed proof. None otherwise: the caller reads it in full."""
+    rebuilt = _rebuilt_index(source, files, tensors, headers)
+    if rebuilt is not None:
+        return rebuilt
     seen = [0]
 
     def agrees(names: list[bytes], named: list[bytes]) -> bool:
@@ -422,30 +428,15 @@ def _proven_index(source: Source, files: dict[str, int], piece: Callable[[list[b
 def _proven_stream(f: Any, piece: Callable[[list[bytes], list[bytes]], bool]) -> tuple[dict[str, Any], set[str]] | None:
     """`_proven_index` of an open index file, read in pieces of `_INDEX_PIECE` bytes: at most about two pieces and
     one piece's strings are held at a time (a production index is ~80 MB)."""
+    head = _index_head(f)
+    if head is None:
+        return None
+    metadata, read = head
+    f.seek(read)
     buffer = b""
-    while True:  # the head: read until it is whole (its last whitespace may run on into the next piece)
-        more = f.read(_INDEX_PIECE)
-        if not _plain(more):
-            return None
-        buffer += more
-        head = _INDEX_HEAD.match(buffer)
-        if head is not None and head.end() < len(buffer):
-            break
-        if not more or len(buffer) > _INDEX_HEAD_BYTES:
-            return None  # no entry after it, or metadata of a size no writer gives: the full reader decides
-    read, spaces_read = len(buffer), _spaces(buffer)
-    metadata: Any = {}
-    if head.group(1) is not None:  # the metadata: an object of plain values, no key twice
-        try:
-            metadata = load_json(head.group(1))
-        except JsonError:
-            return None
-        if not isinstance(metadata, dict):
-            return None
+    spaces = spaces_read = 0
     named: set[bytes] = set()
     hashes: list[np.ndarray] = []
-    spaces = _spaces(buffer[:head.end()])
-    buffer = buffer[head.end():]
     # Without a backslash every `"` delimits a string: from the first name on, the pieces between are name, `:`,
     # file, `,` (the last one the closing braces). Taken in pieces of whole entries, each cut where a name opens.
     last = False
@@ -482,6 +473,173 @@ def _proven_stream(f: Any, piece: Callable[[list[bytes], list[bytes]], bool]) ->
     return metadata, {file.decode() for file in named}
 
 
+def _index_head(f: Any) -> tuple[dict[str, Any], int] | None:
+    """The metadata of an open index file and where its first entry starts, where its head is
+    `{"metadata": {...}, "weight_map": {` (or without the metadata) in plain bytes: ASCII, no escape."""
+    buffer = b""
+    while True:  # read until it is whole (its last whitespace may run on into the next piece)
+        more = f.read(_INDEX_PIECE)
+        if not _plain(more):
+            return None
+        buffer += more
+        head = _INDEX_HEAD.match(buffer)
+        if head is not None and head.end() < len(buffer):
+            break
+        if not more or len(buffer) > _INDEX_HEAD_BYTES:
+            return None  # no entry after it, or metadata of a size no writer gives: the full reader decides
+    metadata: Any = {}
+    if head.group(1) is not None:  # the metadata: an object of plain values, no key twice
+        try:
+            metadata = load_json(head.group(1))
+        except JsonError:
+            return None
+        if not isinstance(metadata, dict):
+            return None
+    return metadata, head.end()
+
+
+def _rebuilt_index(source: Source, files: dict[str, int], tensors: dict[str, Any],
+                   headers: Mapping[str, Header]) -> tuple[str, dict[str, Any]] | None:
+    """`index_of` of a large local index written as writers write one, with the separators of its first entry:
+    shard after shard, `"name": "file"` for every tensor of its header in one order of the header's names
+    (`_by_shard`), or every tensor sorted by name (`_by_name`, as `json.dumps(sort_keys=True)` writes it).
+
+    Why it is a proof: those entries are written again from the headers (C joins of names that JSON writes without
+    an escape: ASCII, no quote, backslash or control character) and compared byte for byte with the file's; bytes
+    equal to that text decode to exactly {name: its shard} for every tensor, each once, which is what `read_index`
+    would decode and the opening compare. None wherever a byte differs (an index written otherwise, or one that
+    disagrees): the streamed proof decides."""
+    name = index_name(files)
+    if name is None or source.root is None or not tensors or \
+            sum(len(header.tensors) for header in headers.values()) != len(tensors):
+        return None  # (a name in several shards would be written twice)
+    from trellis_cli.sources import MAX_JSON_BYTES
+
+    if not MAX_JSON_BYTES < files.get(name, 0) <= MAX_INDEX_BYTES:
+        return None
+    try:
+        with open_regular(source.local_path(name)) as f:
+            metadata = _rebuilt_stream(f, tensors, headers)
+    except (OSError, CheckFailed, UnicodeDecodeError):
+        return None
+    return None if metadata is None else (name, metadata)
+
+
+def _rebuilt_stream(f: Any, tensors: dict[str, Any], headers: Mapping[str, Header]) -> dict[str, Any] | None:
+    """`_rebuilt_index` of an open index file: its metadata where its bytes are the rebuilt text, else None."""
+    head = _index_head(f)
+    if head is None:
+        return None
+    metadata, start = head
+    f.seek(start)
+    first = f.read(_INDEX_PEEK).split(b'"', 5)  # '', name, colon, file, comma, the rest
+    if len(first) < 6 or first[0] or not _INDEX_COLON.fullmatch(first[2]) or not _INDEX_COMMA.fullmatch(first[4]):
+        return None
+    gaps = _Gaps(first[2].decode(), first[4].decode())
+    end = _by_shard(f, start, headers, gaps)
+    if end is None and first[1] == min(tensors).encode():
+        end = _by_name(f, start, tensors, gaps)
+    if end is None:
+        return None
+    f.seek(end)
+    tail = f.read(_INDEX_TAIL_BYTES + 1)
+    if len(tail) > _INDEX_TAIL_BYTES or end + len(tail) > MAX_INDEX_BYTES or not _INDEX_TAIL.fullmatch(tail):
+        return None
+    return metadata
+
+
+class _Gaps(NamedTuple):
+    """The index's separators: between a name and its file (`:`), between two entries (`,`)."""
+
+    colon: str
+    comma: str
+
+    def after(self, file: str) -> str:
+        """What follows a name up to the next one: its file, quoted, and the next name's opening quote."""
+        return f'"{self.colon}"{file}"{self.comma}"'
+
+    def written(self, found: bytes, entries: int, last: bool) -> bool:
+        """Whether `entries` entries rebuilt as `found` are plain JSON: nothing inside a name or a file that JSON
+        escapes, every quote and line break a separator's (`last`: no comma after the last entry)."""
+        escaped = 4 * entries + entries * _spaces(self.colon.encode()) + \
+            (entries - last) * _spaces(self.comma.encode())
+        return found.isascii() and len(found) - len(found.translate(None, _ESCAPED)) == escaped
+
+
+def _by_shard(f: Any, at: int, headers: Mapping[str, Header], gaps: _Gaps) -> int | None:
+    """Where the entries from `at` on end, where they are shard after shard (in any order of the shards) every name
+    of each header in one order: as the header lists them, as the shard before it was written (a writer writes
+    each shard in its own order), or else as the index says (read as names, once per shard written otherwise).
+    One shard's entries (~1 MB at production size) are held at a time."""
+    left = sum(len(header.tensors) for header in headers.values())
+    order: list[int] | None = None  # the last shard's order (positions in its header's names; None: as listed)
+    written: set[str] = set()
+    while left:
+        f.seek(at)
+        entry = f.read(_INDEX_PEEK).split(b'"', 4)  # '', name, colon, file (the shard these entries are of), ...
+        file = entry[3].decode("ascii") if len(entry) == 5 and not entry[0] else None
+        header = headers.get(file) if file is not None and file not in written else None
+        if file is None or header is None or not header.tensors:
+            return None  # (a shard's entries not all in one run: the streamed proof decides)
+        written.add(file)
+        names = list(header.tensors)
+        left -= len(names)
+        after = gaps.after(file)
+        end = after[:-1] if left else after[:-1 - len(gaps.comma)]  # the index's last entry: no comma after it
+        text = _shard_text(names, order, after, end)
+        f.seek(at)
+        found = f.read(len(text))
+        at += len(text)
+        if text != found:
+            order = _entries_order(found, names)
+            if order is None or _shard_text(names, order, after, end) != found:
+                return None
+        if at > MAX_INDEX_BYTES or not gaps.written(found, len(names), not left):
+            return None
+    return at
+
+
+def _shard_text(names: list[str], order: list[int] | None, after: str, end: str) -> bytes:
+    """One shard's entries: `names` in `order` (positions; None, or one of another shard's length: as listed),
+    each quoted and followed by `after` (`end` after the last)."""
+    ordered = names if order is None or len(order) != len(names) else map(names.__getitem__, order)
+    return ('"' + after.join(ordered) + end).encode()
+
+
+def _entries_order(found: bytes, names: list[str]) -> list[int] | None:
+    """The order (positions in `names`) in which the entries `found` name each of `names` once; None where they
+    do not (a name missing, twice or unknown), or are not plain entries."""
+    tokens = found.split(b'"')
+    if len(tokens) != 4 * len(names) + 1 or not found.isascii():
+        return None
+    position = dict(zip(names, range(len(names))))
+    try:
+        order = list(map(position.__getitem__, b'"'.join(tokens[1::4]).decode().split('"')))
+    except KeyError:
+        return None
+    return order if len(set(order)) == len(order) else None
+
+
+def _by_name(f: Any, at: int, tensors: dict[str, Any], gaps: _Gaps) -> int | None:
+    """Where the entries from `at` on end, where they are every tensor's sorted by name, each with its file.
+    Written and compared `_INDEX_NAMES` entries at a time."""
+    ordered = sorted(tensors)
+    after = {file: gaps.after(file) for file in set(map(_FILE_OF, tensors.values()))}
+    f.seek(at)
+    for done in range(0, len(ordered), _INDEX_NAMES):
+        names = ordered[done:done + _INDEX_NAMES]
+        last = done + len(names) == len(ordered)
+        parts = [""] * (2 * len(names))
+        parts[::2] = names
+        parts[1::2] = map(after.__getitem__, map(_FILE_OF, map(tensors.__getitem__, names)))
+        text = ('"' + "".join(parts)).encode()
+        text = text[:-1 - len(gaps.comma)] if last else text[:-1]  # (the last entry: no comma after it)
+        at += len(text)
+        if at > MAX_INDEX_BYTES or f.read(len(text)) != text or not gaps.written(text, len(names), last):
+            return None
+    return at
+
+
 def _plain(data: bytes) -> bool:
     """ASCII with no escape and no control character other than whitespace: every `"` delimits a string."""
     return data.isascii() and b"\\" not in data and len(data) == len(data.translate(None, _CONTROL))
@@ -502,6 +660,9 @@ def _last_entry_start(buffer: bytes) -> int:
 
 _INDEX_PIECE = 2 << 20  # bytes of the index read and split at a time
 _INDEX_HEAD_BYTES = 1 << 20  # the most read before the first entry (the metadata object)
+_INDEX_NAMES = 1 << 14  # entries of an index sorted by name rebuilt and compared at a time
+_INDEX_PEEK = 1 << 16  # bytes read of an entry to see its separators or its file (a longer name: not proven)
+_INDEX_TAIL_BYTES = 1 << 12  # the most read after the last entry (the closing braces)
 _FILE_OF = attrgetter("file")
 
 
@@ -511,6 +672,7 @@ def _spaces(text: bytes) -> int:
 
 
 _CONTROL = bytes(c for c in range(32) if c not in b"\n\r\t")
+_ESCAPED = b'"\\' + bytes(range(32))  # what JSON writes escaped inside a string (a quote ends it)
 _INDEX_HEAD = re.compile(rb'[ \t\n\r]*\{[ \t\n\r]*(?:"metadata"[ \t\n\r]*:[ \t\n\r]*(\{[^{}\[\]]*\})[ \t\n\r]*,'
                          rb'[ \t\n\r]*)?"weight_map"[ \t\n\r]*:[ \t\n\r]*\{[ \t\n\r]*')
 _INDEX_COLON = re.compile(rb"[ \t\n\r]*:[ \t\n\r]*")

@@ -162,7 +162,7 @@ def _read_headers(ckpt: Checkpoint, source: Source, files: dict[str, int],
 def _read_index(ckpt: Checkpoint, source: Source, files: dict[str, int]) -> None:
     """The index, after the tensors: a large one proven in its bytes to map every tensor to the file holding it
     is that mapping itself, never decoded (`reader.index_of`); any other is read in full and compared."""
-    proven = reader.index_of(source, files, ckpt.tensors)
+    proven = reader.index_of(source, files, ckpt.tensors, ckpt.headers)
     if proven is not None:
         ckpt.index_file, ckpt.index_metadata = proven
         ckpt.index, ckpt.index_agrees = TensorFiles(ckpt.tensors), True
