@@ -62,14 +62,19 @@ class Hasher:
         self.progress = progress
         self.download_progress = download_progress
         self._zero: dict[int, str] = {}
+        self._last: dict[Span, str] = {}
 
     def digests(self, spans: Iterable[Span]) -> dict[Span, str]:
+        """sha256 of each span. The last call's are kept and not read again: a diff that hashed a layer's spans
+        in bulk and then goes unit by unit to name what differs asks for them twice."""
+        wanted = set(spans)
+        out = {span: self._last[span] for span in wanted & self._last.keys()}
         by_file: dict[str, list[Span]] = {}
-        for span in set(spans):
+        for span in wanted - out.keys():
             by_file.setdefault(span.file, []).append(span)
-        out: dict[Span, str] = {}
         for file in sorted(by_file):
             out.update(self._file_digests(file, sorted(by_file[file], key=lambda s: s.begin)))
+        self._last = out
         return out
 
     def holes(self, file: str, begins: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
