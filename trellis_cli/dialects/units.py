@@ -148,8 +148,8 @@ def shard_bulk_units(ck: Checkpoint, layer: int, tp: int) -> BulkUnits | None:
     Equal by construction: `_span_units` makes, for each linear, a codes unit of its trellis, an intermediate unit
     of its INTERMEDIATE_FIELD vector and a hidden unit of its HIDDEN_FIELD vector or else its shared-H row, each
     where present, with its span and end - begin bytes. Here the same refs are taken per (projection, rank) slice
-    of the columns (a regular layout: linear `(e * P + p) * R + r`), a missing hidden vector standing in for its
-    shared row once per linear, as the records repeat it."""
+    of the columns (a regular layout: linear `(e * P + p) * R + r`), the shared row standing in once for each
+    linear without a hidden vector, as the records repeat it."""
     if tp != max(ck.tp, 1):
         return None
     moe = ck.layers[layer]
@@ -185,10 +185,10 @@ def shard_bulk_units(ck: Checkpoint, layer: int, tp: int) -> BulkUnits | None:
     for (rank, _), run in zip(runs, (total[bounds[1:]] - total[bounds[:-1]]).tolist()):
         rank_bytes[rank] += run
     shapes = list(map(_SHAPE, trellis))
-    kinds = dict.fromkeys(shapes)
-    of_kind = np.fromiter(map(list(kinds).index, shapes), dtype=np.int64, count=len(shapes)) if len(kinds) > 1 else None
+    kinds = {shape: i for i, shape in enumerate(dict.fromkeys(shapes))}
+    of_kind = np.fromiter(map(kinds.__getitem__, shapes), dtype=np.int64, count=len(shapes)) if len(kinds) > 1 else None
     bits = weights = 0
-    for i, shape in enumerate(kinds):
+    for shape, i in kinds.items():
         if len(shape) == 3:
             mine = codes if of_kind is None else codes[of_kind == i]
             bits += 8 * int(mine.sum())
@@ -207,9 +207,9 @@ def _by_file(refs: list[TensorRef], begins: np.ndarray, ends: np.ndarray) -> dic
     files = list(map(_FILE, refs))
     if files.count(files[0]) == len(files):  # a layer in one shard
         return {files[0]: (begins, ends)}
-    order = list(dict.fromkeys(files))
-    of_file = np.fromiter(map(order.index, files), dtype=np.int64, count=len(files))
-    return {file: (begins[of_file == i], ends[of_file == i]) for i, file in enumerate(order)}
+    order = {file: i for i, file in enumerate(dict.fromkeys(files))}
+    of_file = np.fromiter(map(order.__getitem__, files), dtype=np.int64, count=len(files))
+    return {file: (begins[of_file == i], ends[of_file == i]) for file, i in order.items()}
 
 
 _FIELD_INDEX = {"suh": layer_columns.SUH, "svh": layer_columns.SVH}
