@@ -75,7 +75,10 @@ def run_diff(a: Checkpoint, b: Checkpoint, *, layers: list[int] | None = None, p
     """Compare `a` and `b`. `layers` restricts the MoE layers (non-expert tensors are then not compared);
     `progress(n)` receives bytes hashed, `download_progress(n)` bytes downloaded, `on_layer(done, total)`
     each finished layer."""
-    for side in (a, b):  # an unreadable file would read as absent layers or tensors: refused by name instead
+    # An unreadable file would read as absent layers or tensors: refused by name instead. One model over both
+    # sides' files (`_alike`) has B's listing, headers and findings the same as A's, so B's faults are A's.
+    shared = a.layers is b.layers
+    for side in (a,) if shared else (a, b):
         require_intact(side, "diff")
     tp = compared_tp(a, b)
     layers_a, layers_b = set(moe_layers(a)), set(moe_layers(b))
@@ -91,7 +94,6 @@ def run_diff(a: Checkpoint, b: Checkpoint, *, layers: list[int] | None = None, p
                         structure=structure_changes(a, b), layers_only_a=sorted(layers_a - layers_b),
                         layers_only_b=sorted(layers_b - layers_a), other_tensors_compared=layers is None)
     comparer = _Comparer(a, b, result, progress, download_progress)
-    shared = a.layers is b.layers
     for done, layer in enumerate(both, 1):
         raw_a, raw_b = layer_file_tensors(a, layer), layer_file_tensors(b, layer)
         if raw_a is not None and raw_b is not None:  # both keep the layer whole in one file
