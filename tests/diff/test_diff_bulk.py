@@ -174,8 +174,8 @@ def test_a_copy_is_decided_in_bulk_with_the_per_unit_answer(tmp_path, source, sp
 
 
 @pytest.mark.parametrize("sparse", [False, True])
-@pytest.mark.parametrize("source", ["tr3 per_expert_v1", "tr3 shared_h_v1", "plain exl3", "r7 v2 (layer-shared vectors)",
-                                    "a layer over two files"])
+@pytest.mark.parametrize("source", ["tr3 per_expert_v1", "tr3 shared_h_v1", "plain exl3",
+                                    "r7 v2 (layer-shared vectors)", "a layer over two files"])
 def test_a_changed_shard_goes_unit_by_unit_the_others_in_bulk(tmp_path, source, sparse):
     a = SOURCES[source][0](tmp_path, sparse)
     b = copy(a, tmp_path / "b")

@@ -132,7 +132,7 @@ class Hasher:
             raise CheckFailed(f"{file}: cannot be read ({os_reason(e)})") from e
 
     def _path(self, file: str) -> Path:
-        """The file's local path, resolved (or downloaded) once per file: a layer asks for its holes, then its digests."""
+        """The file's local path, resolved (or downloaded) once: a layer asks for its holes, then its digests."""
         found = self._paths.get(file)
         if found is None:
             found = self._paths[file] = self.source.local_path(file, progress=self.download_progress)

@@ -220,7 +220,8 @@ class _Comparer:
         self.result.differences[first_difference:] = sorted(self.result.differences[first_difference:], key=_order)
         return self._record(counts)
 
-    def decide_files(self, spans: dict[str, tuple[np.ndarray, np.ndarray]]) -> tuple[dict[str, int], dict[str, int]] | None:
+    def decide_files(self, spans: dict[str, tuple[np.ndarray, np.ndarray]]
+                     ) -> tuple[dict[str, int], dict[str, int]] | None:
         """One model's units on both sides, given as their spans per file (begins, ends), decided as `compare`
         decides them when every one is identical: by its file's storage identity, else in holes on both sides,
         else by sha256 of each side's bytes. (units per status, units per method), recorded; None, with nothing
