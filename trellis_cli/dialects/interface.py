@@ -24,7 +24,7 @@ from trellis_cli.integrity import RecordedHash
 
 if TYPE_CHECKING:
     from trellis_cli.dialects.inspect_doc import InspectSummary
-    from trellis_cli.dialects.units import Key, Unit
+    from trellis_cli.dialects.units import BulkUnits, Key, Unit
 
 CONFIG, QUANT_CONFIG = "config.json", "quantization_config.json"
 
@@ -412,6 +412,15 @@ class Dialect:
         from trellis_cli.dialects.units import shard_layer_units
 
         return shard_layer_units(ckpt, layer, tp)
+
+    def bulk_units(self, ckpt: Checkpoint, layer: int, tp: int) -> BulkUnits | None:
+        """`layer_units` of `layer` at `tp` without a record per unit: their count, spans and summary facts
+        (dialects/units.py `BulkUnits`); None where only the records can say."""
+        from trellis_cli.dialects.units import shard_bulk_units
+
+        if type(self).layer_units is not Dialect.layer_units:  # the columns describe the default's units only
+            return None
+        return shard_bulk_units(ckpt, layer, tp)
 
     def other_units(self, ckpt: Checkpoint) -> dict[Key, Unit]:
         """Every tensor outside the MoE expert layout as a unit keyed by its name (the first file holding it)."""

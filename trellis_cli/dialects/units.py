@@ -22,6 +22,8 @@ import math
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
+
 from trellis_cli.checkpoint import layer_columns
 from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, TensorRef
 from trellis_cli.errors import CheckFailed, UsageError
@@ -124,6 +126,95 @@ _HIDDEN_OF = {proj: attrgetter(field) for proj, field in HIDDEN_FIELD.items()}
 def _shared_hidden(shared_h: dict, proj: str, rank: int) -> TensorRef | None:
     """Under shared-H, the one hidden-side row of (projection, rank) that stands for every expert."""
     return shared_h.get((proj, rank), {}).get(HIDDEN_FIELD[proj]) if shared_h else None
+
+
+class BulkUnits(NamedTuple):
+    """A per-linear shard layer's units without a record each: as many as `_span_units` builds, where their bytes
+    lie, and the facts a diff summary reads from them (diff/run.py `_unit_facts`: the same sums, taken by column)."""
+
+    total: int  # units
+    spans: dict[str, tuple[np.ndarray, np.ndarray]]  # file -> absolute begins, ends of its units (one per unit)
+    expert_ks: dict[int, frozenset[int | None]]  # expert -> the K its codes' shapes give (None: the shape gives none)
+    bits: int  # 8 x the bytes of the 3-D codes
+    weights: int  # 256 x shape[0] x shape[1] of the same codes
+    rank_bytes: dict[int, int]  # rank -> the bytes of its units
+
+
+def shard_bulk_units(ck: Checkpoint, layer: int, tp: int) -> BulkUnits | None:
+    """`shard_layer_units`' units of `layer` as columns (LayerColumns), for a layer read where it lies; None where
+    the columns alone cannot give the same units (read at another TP, linears laid out unevenly, a linear without
+    its trellis): then only the records say.
+
+    Equal by construction: `_span_units` makes, for each linear, a codes unit of its trellis, an intermediate unit
+    of its INTERMEDIATE_FIELD vector and a hidden unit of its HIDDEN_FIELD vector or else its shared-H row, each
+    where present, with its span and end - begin bytes. Here the same refs are taken per (projection, rank) slice
+    of the columns (a regular layout: linear `(e * P + p) * R + r`), the shared row standing in once for each
+    linear without a hidden vector, as the records repeat it."""
+    if tp != max(ck.tp, 1):
+        return None
+    moe = ck.layers[layer]
+    cols = layer_columns.columns(moe)
+    layout = cols.layout()
+    trellis = cols.field(layer_columns.TRELLIS)
+    if (layout is None or not trellis or cols.present(layer_columns.TRELLIS) != len(trellis)
+            or not set(layout[0]) <= INTERMEDIATE_FIELD.keys()):
+        return None
+    projs, ranks = layout
+    period = len(projs) * len(ranks)
+    refs: list[TensorRef] = list(trellis)
+    runs: list[tuple[int, int]] = []  # (rank, how many) of each (projection, rank)'s vectors, as they follow in refs
+    for p, proj in enumerate(projs):
+        intermediate = cols.field(_FIELD_INDEX[INTERMEDIATE_FIELD[proj]])
+        hidden = cols.field(_FIELD_INDEX[HIDDEN_FIELD[proj]])
+        for r, rank in enumerate(ranks):
+            at = p * len(ranks) + r  # this (projection, rank)'s linears: every period-th from here
+            held = [*filter(None, intermediate[at::period]), *filter(None, hidden[at::period])]
+            missing = hidden[at::period].count(None)
+            row = _shared_hidden(moe.shared_h, proj, rank) if missing else None
+            if row is not None:
+                held += [row] * missing
+            refs += held
+            runs.append((rank, len(held)))
+    begins, ends = _column(_BEGIN, refs), _column(_END, refs)
+    nbytes = ends - begins
+    codes = nbytes[:len(trellis)]
+    # codes by rank (a linear's rank is its index mod len(ranks)), then each run of vectors to its rank
+    rank_bytes = dict(zip(ranks, codes.reshape(-1, len(ranks)).sum(axis=0).tolist()))
+    bounds = np.cumsum([len(trellis)] + [n for _, n in runs])
+    total = np.concatenate(([0], np.cumsum(nbytes)))
+    for (rank, _), run in zip(runs, (total[bounds[1:]] - total[bounds[:-1]]).tolist()):
+        rank_bytes[rank] += run
+    shapes = list(map(_SHAPE, trellis))
+    kinds = {shape: i for i, shape in enumerate(dict.fromkeys(shapes))}
+    of_kind = np.fromiter(map(kinds.__getitem__, shapes), dtype=np.int64, count=len(shapes)) if len(kinds) > 1 else None
+    bits = weights = 0
+    for shape, i in kinds.items():
+        if len(shape) == 3:
+            mine = codes if of_kind is None else codes[of_kind == i]
+            bits += 8 * int(mine.sum())
+            weights += shape[0] * shape[1] * 256 * len(mine)
+    starts = _column(_DATA_START, refs)
+    return BulkUnits(len(refs), _by_file(refs, starts + begins, starts + ends), cols.expert_ks(), bits, weights,
+                     rank_bytes)
+
+
+def _column(field: Any, refs: list[TensorRef]) -> np.ndarray:
+    return np.fromiter(map(field, refs), dtype=np.int64, count=len(refs))
+
+
+def _by_file(refs: list[TensorRef], begins: np.ndarray, ends: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """file -> the begins and ends of `refs` there, files in the order `refs` first name them."""
+    files = list(map(_FILE, refs))
+    if files.count(files[0]) == len(files):  # a layer in one shard
+        return {files[0]: (begins, ends)}
+    order = {file: i for i, file in enumerate(dict.fromkeys(files))}
+    of_file = np.fromiter(map(order.__getitem__, files), dtype=np.int64, count=len(files))
+    return {file: (begins[of_file == i], ends[of_file == i]) for file, i in order.items()}
+
+
+_FIELD_INDEX = {"suh": layer_columns.SUH, "svh": layer_columns.SVH}
+_FILE, _SHAPE, _DATA_START = attrgetter("file"), attrgetter("shape"), attrgetter("data_start")
+_BEGIN, _END = attrgetter("begin"), attrgetter("end")
 
 
 def _resliced_units(ck: Checkpoint, layer: int, tp: int) -> dict[Key, Unit]:

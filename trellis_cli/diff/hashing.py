@@ -15,6 +15,7 @@ import bisect
 import errno
 import hashlib
 import os
+from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
@@ -62,22 +63,27 @@ class Hasher:
         self.progress = progress
         self.download_progress = download_progress
         self._zero: dict[int, str] = {}
+        self._last: dict[Span, str] = {}
+        self._paths: dict[str, Path] = {}
 
     def digests(self, spans: Iterable[Span]) -> dict[Span, str]:
+        """sha256 of each span. The last call's are kept and not read again: a diff that hashed a layer's spans
+        in bulk and then goes unit by unit to name what differs asks for them twice."""
+        wanted = set(spans)
+        out = {span: self._last[span] for span in wanted & self._last.keys()}
         by_file: dict[str, list[Span]] = {}
-        for span in set(spans):
+        for span in wanted - out.keys():
             by_file.setdefault(span.file, []).append(span)
-        out: dict[Span, str] = {}
         for file in sorted(by_file):
             out.update(self._file_digests(file, sorted(by_file[file], key=lambda s: s.begin)))
+        self._last = out
         return out
 
     def holes(self, file: str, begins: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
         """Which spans [begin, end) of one file lie wholly in holes (read as zeros, hashed as `zero_digest`), from
         its data extents; None when a span runs past the end of the file (`digests` refuses it by name)."""
         try:
-            path = self.source.local_path(file, progress=self.download_progress)
-            with open_regular(path) as f:
+            with open_regular(self._path(file)) as f:
                 size = os.fstat(f.fileno()).st_size
                 extents = data_extents(f.fileno(), size)
         except OSError as e:
@@ -101,8 +107,7 @@ class Hasher:
 
     def _file_digests(self, file: str, spans: list[Span]) -> dict[Span, str]:
         try:
-            path = self.source.local_path(file, progress=self.download_progress)
-            with open_regular(path) as f:
+            with open_regular(self._path(file)) as f:
                 fd = f.fileno()
                 size = os.fstat(fd).st_size
                 extents = data_extents(fd, size)
@@ -125,6 +130,13 @@ class Hasher:
                 return out
         except OSError as e:
             raise CheckFailed(f"{file}: cannot be read ({os_reason(e)})") from e
+
+    def _path(self, file: str) -> Path:
+        """The file's local path, resolved (or downloaded) once: a layer asks for its holes, then its digests."""
+        found = self._paths.get(file)
+        if found is None:
+            found = self._paths[file] = self.source.local_path(file, progress=self.download_progress)
+        return found
 
     def _digest(self, fd: int, file: str, span: Span) -> str:
         h = hashlib.sha256()

@@ -12,9 +12,9 @@ behind `trellis diff`.
 from __future__ import annotations
 
 import dataclasses
-from itertools import compress
+from itertools import compress, repeat
 from operator import attrgetter
-from typing import Any, Callable, NamedTuple
+from typing import AbstractSet, Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
@@ -25,8 +25,8 @@ from trellis_cli.diff.hashing import HEADER, SHA256, Hasher, storage_identity
 from trellis_cli.diff.result import (BYTES, DTYPE, ONLY_A, ONLY_B, SHAPE, DiffResult, DiffSide, LayerDiff,
                                      TensorDifference, TierChange, UnitFacts)
 from trellis_cli.diff.structure import structure_changes
-from trellis_cli.diff.units import (CODES, OTHER, Key, Span, Unit, layer_file_tensors, layer_units, moe_layers,
-                                    native_tp, other_units, read_tp)
+from trellis_cli.diff.units import (CODES, OTHER, Key, Span, Unit, bulk_units, layer_file_tensors, layer_units,
+                                    moe_layers, native_tp, other_units, read_tp)
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.sources import SourceArg
 
@@ -75,7 +75,10 @@ def run_diff(a: Checkpoint, b: Checkpoint, *, layers: list[int] | None = None, p
     """Compare `a` and `b`. `layers` restricts the MoE layers (non-expert tensors are then not compared);
     `progress(n)` receives bytes hashed, `download_progress(n)` bytes downloaded, `on_layer(done, total)`
     each finished layer."""
-    for side in (a, b):  # an unreadable file would read as absent layers or tensors: refused by name instead
+    # An unreadable file would read as absent layers or tensors: refused by name instead. One model over both
+    # sides' files (`_alike`) has B's listing, headers and findings the same as A's, so B's faults are A's.
+    shared = a.layers is b.layers
+    for side in (a,) if shared else (a, b):
         require_intact(side, "diff")
     tp = compared_tp(a, b)
     layers_a, layers_b = set(moe_layers(a)), set(moe_layers(b))
@@ -91,11 +94,12 @@ def run_diff(a: Checkpoint, b: Checkpoint, *, layers: list[int] | None = None, p
                         structure=structure_changes(a, b), layers_only_a=sorted(layers_a - layers_b),
                         layers_only_b=sorted(layers_b - layers_a), other_tensors_compared=layers is None)
     comparer = _Comparer(a, b, result, progress, download_progress)
-    shared = a.layers is b.layers
     for done, layer in enumerate(both, 1):
         raw_a, raw_b = layer_file_tensors(a, layer), layer_file_tensors(b, layer)
         if raw_a is not None and raw_b is not None:  # both keep the layer whole in one file
             result.layers.append(_layer_file_pair(comparer, layer, tp, raw_a, raw_b))
+        elif shared and (decided := _decided_by_files(comparer, layer, tp)) is not None:
+            result.layers.append(decided)
         else:
             units_a = layer_units(a, layer, tp)
             # one model over two sides' files (`_alike`): the units where the bytes lie are the same on both
@@ -126,6 +130,26 @@ def _layer_file_pair(comparer: "_Comparer", layer: int, tp: int, raw_a: dict[Key
         return _layer_diff(a, b, layer, facts_a, facts_b, comparer.compare(raw_a, raw_b, layer))
     tally = comparer.compare(units_a, units_b, layer)
     return _layer_diff(a, b, layer, _unit_facts(units_a), _unit_facts(units_b), tally)
+
+
+def _decided_by_files(comparer: "_Comparer", layer: int, tp: int) -> LayerDiff | None:
+    """One model over both sides' files (`_alike`): the layer decided file by file from its units in bulk, without a
+    record per unit, where every unit is identical (by its file's storage, in holes on both sides, or by sha256);
+    None, with nothing recorded: some unit is not, and the layer goes unit by unit to name it.
+
+    The same answer as `compare` over `layer_units`: with one model, those units are `_in_place` (the bulk comes
+    only for a layer read where it lies), so `compare` decides them by `_by_storage` (a file's units all alike, by
+    the file's storage identity) and `_in_holes` (each by whether its span lies in holes on both sides), and hashes
+    the rest; here the same spans are asked the same questions, and a layer where any answer is not "identical"
+    goes that way. The summary's facts are the same sums over the same units (`BulkUnits`)."""
+    bulk = bulk_units(comparer.a, layer, tp)
+    if bulk is None:
+        return None
+    tally = comparer.decide_files(bulk.spans)
+    if tally is None:
+        return None
+    facts = _layer_facts(bulk.expert_ks, bulk.bits, bulk.weights, bulk.rank_bytes)
+    return _layer_diff(comparer.a, comparer.b, layer, facts, facts, tally)
 
 
 def _in_place(units: dict[Key, Unit]) -> bool:
@@ -194,6 +218,45 @@ class _Comparer:
                 else:
                     self._differ(counts, BYTES, SHA256, key, layer, ua, ub, da, db)
         self.result.differences[first_difference:] = sorted(self.result.differences[first_difference:], key=_order)
+        return self._record(counts)
+
+    def decide_files(self, spans: dict[str, tuple[np.ndarray, np.ndarray]]
+                     ) -> tuple[dict[str, int], dict[str, int]] | None:
+        """One model's units on both sides, given as their spans per file (begins, ends), decided as `compare`
+        decides them when every one is identical: by its file's storage identity, else in holes on both sides,
+        else by sha256 of each side's bytes. (units per status, units per method), recorded; None, with nothing
+        recorded, where a unit differs or cannot be read (what is hashed then is not read again: `Hasher`)."""
+        by_storage = {file: self._same_files(file, file) for file in spans}
+        in_holes: list[int] = []  # the bytes of each file's units in holes on both sides
+        to_hash: list[Span] = []
+        for file, (begins, ends) in spans.items():
+            if by_storage[file] is None:
+                holes_a, holes_b = self.hash_a.holes(file, begins, ends), self.hash_b.holes(file, begins, ends)
+                if holes_a is None or holes_b is None:  # past the end of the file: refused by name unit by unit
+                    return None
+                both = holes_a & holes_b
+                in_holes.append(int((ends - begins)[both].sum()))
+                to_hash += map(Span, repeat(file), begins[~both].tolist(), ends[~both].tolist())
+        if to_hash:
+            digests_a, digests_b = self.hash_a.digests(to_hash), self.hash_b.digests(to_hash)
+            if any(digests_a[span] != digests_b[span] for span in to_hash):
+                return None
+        self.methods = {}
+        for file, method in by_storage.items():
+            if method is not None:
+                self.methods[method] = self.methods.get(method, 0) + len(spans[file][0])
+        hashed = sum(len(spans[file][0]) for file, method in by_storage.items() if method is None)
+        if hashed:
+            self.methods[SHA256] = hashed
+        for nbytes in in_holes:
+            self.hash_a.advance(nbytes)
+            self.hash_b.advance(nbytes)
+        counts = dict.fromkeys(("identical", ONLY_A, ONLY_B, DTYPE, SHAPE, BYTES), 0)
+        counts["identical"] = sum(len(begins) for begins, _ in spans.values())
+        return self._record(counts)
+
+    def _record(self, counts: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+        """Add one comparison's counts and methods to the result's; (counts, methods) of it."""
         for status, n in counts.items():
             self.result.counts[status] += n
         for method, n in self.methods.items():
@@ -246,8 +309,12 @@ class _Comparer:
     def same_storage(self, ua: Unit, ub: Unit) -> str | None:
         if ua.span is None or ub.span is None or (ua.span.begin, ua.span.end) != (ub.span.begin, ub.span.end):
             return None
-        ia = storage_identity(self.a.source, ua.span.file, self.ids_a)
-        ib = storage_identity(self.b.source, ub.span.file, self.ids_b)
+        return self._same_files(ua.span.file, ub.span.file)
+
+    def _same_files(self, file_a: str, file_b: str) -> str | None:
+        """The method by which A's `file_a` and B's `file_b` are the same bytes without reading them, or None."""
+        ia = storage_identity(self.a.source, file_a, self.ids_a)
+        ib = storage_identity(self.b.source, file_b, self.ids_b)
         return ia[0] if ia is not None and ia == ib else None
 
     def _identical(self, counts: dict[str, int], method: str) -> None:
@@ -292,7 +359,7 @@ class _Facts(NamedTuple):
 def _unit_facts(units: dict[Key, Unit]) -> _Facts:
     """A layer's K per expert from its codes' shapes (None where its projections or ranks disagree), bpw of its
     codes and bytes per rank, in one pass over its units (~9k per layer)."""
-    seen: dict[int, set] = {}
+    seen: dict[int, set[int | None]] = {}
     per_rank: dict[int, int] = {}
     bits = weights = 0
     for (expert, _, rank, part), unit in units.items():
@@ -307,8 +374,15 @@ def _unit_facts(units: dict[Key, Unit]) -> _Facts:
             if three:
                 bits += nbytes * 8
                 weights += shape[0] * shape[1] * 256
-    return _Facts({e: (ks.pop() if len(ks) == 1 else None) for e, ks in seen.items()},
-                  round(bits / weights, 4) if weights else None, [per_rank[r] for r in sorted(per_rank)])
+    return _layer_facts(seen, bits, weights, per_rank)
+
+
+def _layer_facts(expert_ks: Mapping[int, AbstractSet[int | None]], bits: int, weights: int,
+                 rank_bytes: dict[int, int]) -> _Facts:
+    """The facts of a layer whose experts' codes give `expert_ks`, whose 3-D codes hold `bits` over `weights`
+    weights, and whose units hold `rank_bytes` per rank."""
+    return _Facts({e: (next(iter(ks)) if len(ks) == 1 else None) for e, ks in expert_ks.items()},
+                  round(bits / weights, 4) if weights else None, [rank_bytes[r] for r in sorted(rank_bytes)])
 
 
 def _rates_facts(ck: Checkpoint, layer: int) -> _Facts:

@@ -1,7 +1,8 @@
 """One side of a diff as logical units, the same for every dialect.
 
 What a unit is, and the per-linear shards' answer, is dialects/units.py; each dialect answers for its own bytes
-(`Dialect.layer_units`, `other_units`, `compared_layers`, `stored_tp`, `layer_file_tensors`), so nothing here
+(`Dialect.layer_units` and its `bulk_units`, `other_units`, `compared_layers`, `stored_tp`,
+`layer_file_tensors`), so nothing here
 asks which dialect a side is.
 """
 
@@ -9,10 +10,10 @@ from __future__ import annotations
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.registry import dialect_of
-from trellis_cli.dialects.units import CODES, HIDDEN, INTERMEDIATE, OTHER, Key, Span, Unit
+from trellis_cli.dialects.units import CODES, HIDDEN, INTERMEDIATE, OTHER, BulkUnits, Key, Span, Unit
 
-__all__ = ["CODES", "HIDDEN", "INTERMEDIATE", "OTHER", "Key", "Span", "Unit", "layer_file_tensors", "layer_units",
-           "moe_layers", "native_tp", "other_units", "read_tp"]
+__all__ = ["CODES", "HIDDEN", "INTERMEDIATE", "OTHER", "BulkUnits", "Key", "Span", "Unit", "bulk_units",
+           "layer_file_tensors", "layer_units", "moe_layers", "native_tp", "other_units", "read_tp"]
 
 
 def native_tp(ck: Checkpoint) -> int | None:
@@ -30,6 +31,11 @@ def layer_units(ck: Checkpoint, layer: int, tp: int) -> dict[Key, Unit]:
     if layer not in moe_layers(ck):
         return {}
     return dialect_of(ck).layer_units(ck, layer, tp)
+
+
+def bulk_units(ck: Checkpoint, layer: int, tp: int) -> BulkUnits | None:
+    """`layer_units` of a layer both sides hold, in bulk (no record per unit); None where only the records say."""
+    return dialect_of(ck).bulk_units(ck, layer, tp)
 
 
 def moe_layers(ck: Checkpoint) -> list[int]:
