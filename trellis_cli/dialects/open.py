@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 from contextlib import contextmanager
+from dataclasses import replace
 from operator import attrgetter
 from pathlib import Path
 from typing import Any, Callable, Iterator, cast
@@ -40,6 +41,7 @@ from trellis_cli.checkpoint.names import (
     parse_expert_name,
 )
 from trellis_cli.errors import CheckFailed, UsageError
+from trellis_cli.header import Entries
 from trellis_cli.findings import Finding, Location, error, warning
 from trellis_cli.sources import Source, SourceArg
 
@@ -183,10 +185,11 @@ def _collect_tensors(ckpt: Checkpoint) -> None:
     tensors = ckpt.tensors
     for file, header in ckpt.headers.items():
         if header.file != file:  # a header parsed under another name: its entries placed in the listed file
-            header.tensors.update({name: ref._replace(file=file) for name, ref in header.tensors.items()})
+            ckpt.headers[file] = replace(header, tensors=Entries([ref._replace(file=file)
+                                                                  for ref in header.tensors.values()]))
     headers = [ckpt.headers[file] for file in sorted(ckpt.headers)]
     for header in headers:
-        tensors.update(header.tensors)
+        tensors.update(zip(header.tensors, header.tensors.values()))
     if len(tensors) != sum(len(header.tensors) for header in headers):  # a name in several files: the first wins
         tensors.clear()
         for header in headers:
