@@ -118,7 +118,6 @@ def _header_linears(file: str, names: list[str], refs: list[TensorRef], text: st
     position = np.empty_like(order)
     position[order] = np.arange(order.size)
     linear_of = position[inverse]
-    first_at = at[first[order]]
     with_none = refs + [None]
     columns = []
     for code in range(len(_FIELDS)):
@@ -126,8 +125,7 @@ def _header_linears(file: str, names: list[str], refs: list[TensorRef], text: st
         column = np.full(order.size, -1, dtype=np.int64)
         column[linear_of[chosen]] = at[chosen]
         columns.append(list(map(with_none.__getitem__, column.tolist())))
-    prefixes = [names[i].rpartition(".")[0] for i in first_at.tolist()]
-    records = list(map(tuple.__new__, repeat(LinearRef), zip(prefixes, *columns, repeat(()))))
+    records = list(map(tuple.__new__, repeat(LinearRef), zip(*columns, repeat(()))))
     ordered = unique[order]
     return _HeaderLinears(file, ordered, layer[first[order]].tolist(), expert[first[order]].tolist(),
                           projection[first[order]].tolist(), rank[first[order]].tolist(), not rankless, records)

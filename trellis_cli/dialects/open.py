@@ -267,8 +267,8 @@ def _build_layers(ckpt: Checkpoint) -> None:
         get = fields.get
         extra = () if fields.keys() <= LINEAR_FIELDS else tuple(ref for f, ref in fields.items()
                                                                   if f not in LINEAR_FIELDS)
-        lin = new(linear, (any_ref.name.rsplit(".", 1)[0], get("trellis"), get("suh"), get("svh"), get("su"),
-                           get("sv"), get("mcg"), get("mul1"), extra))
+        lin = new(linear, (get("trellis"), get("suh"), get("svh"), get("su"), get("sv"), get("mcg"), get("mul1"),
+                           extra))
         by_expert = layer.experts.get(expert)
         if by_expert is None:
             by_expert = layer.experts[expert] = {}

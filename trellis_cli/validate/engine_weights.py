@@ -231,7 +231,7 @@ def _stores_layer(ckpt: Checkpoint, stored: Stored, layer: int) -> bool:
     at once (the MTP layer of a TR3 checkpoint has them); else every name is looked at."""
     moe = ckpt.layers.get(layer)
     first = layer_columns.columns(moe).linears[:1] if moe is not None else []
-    names = [ref.name for ref in first[0][1:8] if ref is not None] if first else []
+    names = [ref.name for ref in first[0][:7] if ref is not None] if first else []
     if names and names[0].startswith(f"model.layers.{layer}.") and names[0] in stored:
         return True
     return next(_layer_names(stored, layer), None) is not None
