@@ -56,6 +56,27 @@ def test_random_canonical_headers_parse_alike(monkeypatch, seed):
     assert list(fast.tensors.items()) == list(strict.tensors.items())  # the stored order too
 
 
+@pytest.mark.parametrize("gap", [0, 16])
+def test_entries_read_as_a_mapping_in_stored_order(monkeypatch, gap):
+    """A header's entries (a list, its dict by name built on the first lookup) answer as the dict did; stored back
+    to back, each entry's begin is the object of the end before it, and with gaps between them each its own."""
+    doc = random_header(random.Random(7), 40)
+    names = [name for name in doc if name != "__metadata__"]
+    for i, name in enumerate(names):
+        doc[name]["data_offsets"] = [x + gap * i for x in doc[name]["data_offsets"]]
+    fast, strict = both(text(doc), monkeypatch)
+    assert fast == strict and list(fast.tensors) == names and len(fast.tensors) == len(names)
+    entries = list(fast.tensors.values())
+    assert [e.name for e in entries] == names and list(fast.tensors.items()) == list(zip(names, entries))
+    assert fast.tensors[names[3]] is entries[3] and names[5] in fast.tensors and "absent" not in fast.tensors
+    assert fast.tensors.get("absent") is None and dict(fast.tensors) == dict(zip(names, entries))
+    shared = [later.begin is earlier.end for earlier, later in zip(entries, entries[1:]) if earlier.end > 256]
+    if gap:
+        assert not any(shared)
+    else:
+        assert shared and all(shared)  # (ints up to 256 are one object anyway)
+
+
 def _duplicate_name(raw: bytes) -> bytes:
     """The second entry written once more, before the first: a name twice in the top object."""
     first = raw.index(b',"model.') + 1

@@ -134,10 +134,10 @@ def _findings_both_ways(ckpt) -> None:
         assert inspect_doc.layer_summary(ckpt, layer) == inspect_doc.layer_summary(ckpt, layer, bulk=False)
         assert rules_tensors.layer_tensor_count(layer) == sum(
             len(f) for f in layer.shared_h.values()) + len(layer.r7_shared) + len(layer.unparsed) + sum(
-            7 - lin[1:8].count(None) + len(lin.extra) for lin in cols.linears)
+            7 - lin[:7].count(None) + len(lin.extra) for lin in cols.linears)
     assert inspect_doc._expert_tensor_bytes(ckpt) == sum(
         ref.nbytes for layer in ckpt.layers.values() for lin in layer_columns.columns(layer).linears
-        for ref in [*lin[1:8], *lin.extra] if ref is not None) + sum(
+        for ref in [*lin[:7], *lin.extra] if ref is not None) + sum(
         ref.nbytes for layer in ckpt.layers.values() for refs in (
             [r for f in layer.shared_h.values() for r in f.values()], layer.r7_shared.values(), layer.unparsed)
         for ref in refs)

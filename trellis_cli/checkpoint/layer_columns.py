@@ -20,10 +20,10 @@ import numpy as np
 
 from trellis_cli.checkpoint.model import LinearRef, MoeLayer, TensorRef
 
-# LinearRef's fields by position: prefix, then the seven tensors, then the extra fields
-TRELLIS, SUH, SVH, SU, SV, MCG, MUL1, EXTRA = range(1, 9)
+# LinearRef's fields by position: the seven tensors, then the extra fields
+TRELLIS, SUH, SVH, SU, SV, MCG, MUL1, EXTRA = range(8)
 TENSOR_FIELDS = range(TRELLIS, EXTRA)
-_GET = {i: itemgetter(i) for i in range(1, 9)}
+_GET = {i: itemgetter(i) for i in range(8)}
 
 _MEMO: ContextVar[dict[int, LayerColumns] | None] = ContextVar("layer_columns", default=None)
 

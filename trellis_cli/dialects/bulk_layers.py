@@ -38,15 +38,11 @@ assert set(_FIELDS) == LINEAR_FIELDS
 
 
 class _HeaderLinears(NamedTuple):
-    """One header's linears in the order their first field is stored: (layer, expert, projection code, rank)
-    each, the file, the records' columns, and whether the names carry ranks."""
+    """One header's linears in the order their first field is stored: the key of each (its layer, expert,
+    projection code and rank: `_ids`), the file, the records, and whether the names carry ranks."""
 
     file: str
-    keys: np.ndarray  # int64 key per linear (`_key`)
-    layers: list[int]
-    experts: list[int]
-    projections: list[int]
-    ranks: list[int]
+    keys: np.ndarray  # int64 key per linear
     sliced: bool
     records: list[LinearRef]
 
@@ -100,7 +96,7 @@ def _header_linears(file: str, names: list[str], refs: list[TensorRef], text: st
                     return None
                 others.append((name, refs[i]))
     if not matched:
-        return _HeaderLinears(file, np.zeros(0, dtype=np.int64), [], [], [], [], False, [])
+        return _HeaderLinears(file, np.zeros(0, dtype=np.int64), False, [])
     ranks_text = parts[4::_GROUPS + 1]
     rankless = ranks_text.count(None)
     if rankless not in (0, matched):
@@ -110,7 +106,7 @@ def _header_linears(file: str, names: list[str], refs: list[TensorRef], text: st
     rank = np.zeros(matched, dtype=np.int64) if rankless else _ints(ranks_text)
     projection = np.fromiter(map(_PROJECTION_CODE.__getitem__, parts[3::_GROUPS + 1]), dtype=np.int64, count=matched)
     field = np.fromiter(map(_FIELD_CODE.__getitem__, parts[5::_GROUPS + 1]), dtype=np.int64, count=matched)
-    key = ((layer * 1_000_000 + expert) * 3 + projection) * 10_000 + rank
+    key = ((layer * _EXPERTS + expert) * 3 + projection) * _RANKS + rank
     if not all_distinct(key * len(_FIELDS) + field):
         return None
     unique, first, inverse = np.unique(key, return_index=True, return_inverse=True)
@@ -118,7 +114,6 @@ def _header_linears(file: str, names: list[str], refs: list[TensorRef], text: st
     position = np.empty_like(order)
     position[order] = np.arange(order.size)
     linear_of = position[inverse]
-    first_at = at[first[order]]
     with_none = refs + [None]
     columns = []
     for code in range(len(_FIELDS)):
@@ -126,11 +121,20 @@ def _header_linears(file: str, names: list[str], refs: list[TensorRef], text: st
         column = np.full(order.size, -1, dtype=np.int64)
         column[linear_of[chosen]] = at[chosen]
         columns.append(list(map(with_none.__getitem__, column.tolist())))
-    prefixes = [names[i].rpartition(".")[0] for i in first_at.tolist()]
-    records = list(map(tuple.__new__, repeat(LinearRef), zip(prefixes, *columns, repeat(()))))
-    ordered = unique[order]
-    return _HeaderLinears(file, ordered, layer[first[order]].tolist(), expert[first[order]].tolist(),
-                          projection[first[order]].tolist(), rank[first[order]].tolist(), not rankless, records)
+    records = list(map(tuple.__new__, repeat(LinearRef), zip(*columns, repeat(()))))
+    return _HeaderLinears(file, unique[order], not rankless, records)
+
+
+_EXPERTS, _RANKS = 1_000_000, 10_000  # a linear's key: ((layer * _EXPERTS + expert) * 3 + projection) * _RANKS + rank
+
+
+def _ids(keys: np.ndarray) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(layers, experts, projection codes, ranks) of linears' keys: read from the keys when the linears are placed,
+    not held beside them while every header is read (~7 MB at production size)."""
+    rest, rank = np.divmod(keys, _RANKS)
+    rest, projection = np.divmod(rest, 3)
+    layer, expert = np.divmod(rest, _EXPERTS)
+    return layer.tolist(), expert.tolist(), projection.tolist(), rank.tolist()
 
 
 def _joins_a_linear(name: str) -> bool:
@@ -144,7 +148,7 @@ def _joins_a_linear(name: str) -> bool:
 def _place(layers: dict[int, MoeLayer], b: _HeaderLinears) -> None:
     """The header's linears into their layers' experts, in order (as the per-tensor build inserts them)."""
     seen: set[int] = set()
-    for li, expert, proj, rank, record in zip(b.layers, b.experts, b.projections, b.ranks, b.records):
+    for li, expert, proj, rank, record in zip(*_ids(b.keys), b.records):
         layer = layers.get(li)
         if layer is None:
             layer = layers[li] = MoeLayer(li)

@@ -225,7 +225,7 @@ def _walked_counts(layer: MoeLayer) -> _Counts:
             if k is not None:
                 proj_k[k] += 1
             for rank, lin in by_rank.items():  # ~233k linears at production size: no call per tensor
-                refs = [ref for ref in lin[1:8] if ref is not None]  # trellis, suh, svh, su, sv, mcg, mul1
+                refs = [ref for ref in lin[:7] if ref is not None]  # trellis, suh, svh, su, sv, mcg, mul1
                 refs += lin.extra
                 if refs:
                     rank_bytes[rank] += sum([ref.end - ref.begin for ref in refs])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 from contextlib import contextmanager
+from dataclasses import replace
 from operator import attrgetter
 from pathlib import Path
 from typing import Any, Callable, Iterator, cast
@@ -40,6 +41,7 @@ from trellis_cli.checkpoint.names import (
     parse_expert_name,
 )
 from trellis_cli.errors import CheckFailed, UsageError
+from trellis_cli.header import Entries
 from trellis_cli.findings import Finding, Location, error, warning
 from trellis_cli.sources import Source, SourceArg
 
@@ -183,10 +185,11 @@ def _collect_tensors(ckpt: Checkpoint) -> None:
     tensors = ckpt.tensors
     for file, header in ckpt.headers.items():
         if header.file != file:  # a header parsed under another name: its entries placed in the listed file
-            header.tensors.update({name: ref._replace(file=file) for name, ref in header.tensors.items()})
+            ckpt.headers[file] = replace(header, tensors=Entries([ref._replace(file=file)
+                                                                  for ref in header.tensors.values()]))
     headers = [ckpt.headers[file] for file in sorted(ckpt.headers)]
     for header in headers:
-        tensors.update(header.tensors)
+        tensors.update(zip(header.tensors, header.tensors.values()))
     if len(tensors) != sum(len(header.tensors) for header in headers):  # a name in several files: the first wins
         tensors.clear()
         for header in headers:
@@ -264,8 +267,8 @@ def _build_layers(ckpt: Checkpoint) -> None:
         get = fields.get
         extra = () if fields.keys() <= LINEAR_FIELDS else tuple(ref for f, ref in fields.items()
                                                                   if f not in LINEAR_FIELDS)
-        lin = new(linear, (any_ref.name.rsplit(".", 1)[0], get("trellis"), get("suh"), get("svh"), get("su"),
-                           get("sv"), get("mcg"), get("mul1"), extra))
+        lin = new(linear, (get("trellis"), get("suh"), get("svh"), get("su"), get("sv"), get("mcg"), get("mul1"),
+                           extra))
         by_expert = layer.experts.get(expert)
         if by_expert is None:
             by_expert = layer.experts[expert] = {}

@@ -135,7 +135,7 @@ def _scan_rank_sliced(ckpt: Checkpoint, arch: Arch, rules: tuple[Rule, ...], sli
         for projs in layer.experts.values():
             for by_rank in projs.values():
                 for lin in by_rank.values():
-                    linears += 7 - lin[1:8].count(None) + len(lin.extra)
+                    linears += 7 - lin[:7].count(None) + len(lin.extra)
     if linears != len(ckpt.tensors) - len(others):
         return None
     inv = Inventory(sliced_tp, rules)
@@ -149,7 +149,7 @@ def _scan_rank_sliced(ckpt: Checkpoint, arch: Arch, rules: tuple[Rule, ...], sli
             k = layer.expert_k(expert)
             for proj, by_rank in projs.items():
                 for rank, lin in by_rank.items():
-                    refs = [ref for ref in lin[1:8] if ref is not None] + list(lin.extra)
+                    refs = [ref for ref in lin[:7] if ref is not None] + list(lin.extra)
                     if lin.prefix != f"model.layers.{layer.index}.mlp.experts.{expert}.{proj}.rank{rank}" or \
                             (rank == 0 and not all(".rank0." in ref.name for ref in refs)):
                         return None  # another spelling, or a name without its rank segment: placed otherwise

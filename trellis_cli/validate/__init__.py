@@ -48,7 +48,8 @@ def run_validation(checkpoint: Checkpoint, *, deep: bool = False, layers: list[i
     from trellis_cli.selection import require_count
 
     require_count(tp, "tp")
-    with heap.settled(), layer_columns.shared():  # the rules read every layer's linears several times
+    # the rules read every layer's linears, and the engine profiles the model weights, several times
+    with heap.settled(), layer_columns.shared(), engine_weights.shared():
         return _validate(checkpoint, deep, layers, checksums, engine, tp, progress, checksum_progress)
 
 

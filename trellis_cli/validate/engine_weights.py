@@ -14,6 +14,8 @@ lack is a warning (`weights.mtp-missing`). An architecture this table does not l
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Iterator, Mapping
 
 from trellis_cli.checkpoint.architecture import ConfigProblem, ModelWeights, Weight, expected_form, mismatch, model_weights
@@ -57,17 +59,34 @@ class Stored(Mapping[str, tuple[str, tuple[int, ...]]]):
         return len(self._tensors) + sum(name not in self._tensors for name in self.outside)
 
 
-_memo: list = [None, None, None]  # (checkpoint, its stored tensors, its model weights): six profiles ask
+# (checkpoint, its stored tensors, its model weights), read once for the six profiles that ask within one
+# validation (`shared()`) and kept no longer: a module-level memo held the last checkpoint validated (~400 MB at
+# production size) until the next validation or the interpreter's exit.
+_MEMO: ContextVar[list | None] = ContextVar("engine_weights", default=None)
+
+
+@contextmanager
+def shared() -> Iterator[None]:
+    """Within this block the facts of a checkpoint are read once (it is read, not changed, meanwhile)."""
+    token = _MEMO.set([None, None, None])
+    try:
+        yield
+    finally:
+        _MEMO.reset(token)
 
 
 def _facts(ckpt: Checkpoint) -> tuple[Stored, ModelWeights | None | ConfigProblem]:
-    if _memo[0] is not ckpt:
-        try:
-            expected: ModelWeights | None | ConfigProblem = model_weights(ckpt.config)
-        except ConfigProblem as problem:
-            expected = problem
-        _memo[:] = [ckpt, _stored(ckpt) if expected is not None else Stored({}), expected]
-    return _memo[1], _memo[2]
+    memo = _MEMO.get()
+    if memo is not None and memo[0] is ckpt:
+        return memo[1], memo[2]
+    try:
+        expected: ModelWeights | None | ConfigProblem = model_weights(ckpt.config)
+    except ConfigProblem as problem:
+        expected = problem
+    stored = _stored(ckpt) if expected is not None else Stored({})
+    if memo is not None:
+        memo[:] = [ckpt, stored, expected]
+    return stored, expected
 
 
 def _stored(ckpt: Checkpoint) -> Stored:
@@ -212,7 +231,7 @@ def _stores_layer(ckpt: Checkpoint, stored: Stored, layer: int) -> bool:
     at once (the MTP layer of a TR3 checkpoint has them); else every name is looked at."""
     moe = ckpt.layers.get(layer)
     first = layer_columns.columns(moe).linears[:1] if moe is not None else []
-    names = [ref.name for ref in first[0][1:8] if ref is not None] if first else []
+    names = [ref.name for ref in first[0][:7] if ref is not None] if first else []
     if names and names[0].startswith(f"model.layers.{layer}.") and names[0] in stored:
         return True
     return next(_layer_names(stored, layer), None) is not None

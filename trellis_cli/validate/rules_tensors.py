@@ -140,7 +140,7 @@ def _linears_clean(ctx: LayerContext, cols: layer_columns.LayerColumns, ranks: r
         if len(tried) < len(options) or math.prod(map(len, tried)) > MAX_TEMPLATES:
             return False
         for trellis, suh, svh, su, sv, mcg, mul1 in itertools.product(*tried):
-            stand_in = LinearRef("", trellis, suh, svh, su, sv, mcg, mul1)
+            stand_in = LinearRef(trellis, suh, svh, su, sv, mcg, mul1)
             if next(check_linear(ctx, 0, proj, 0, stand_in), None) is not None:
                 return False
     return True
@@ -233,7 +233,7 @@ def _template(proj: str, lin: LinearRef) -> tuple:
     extra fields gets None in its second place and is always checked."""
     if lin.extra:
         return (proj, None)
-    t, suh, svh, su, sv, mcg, mul1 = lin[1:8]
+    t, suh, svh, su, sv, mcg, mul1 = lin[:7]
     return (proj, t and (t.dtype, t.shape), suh and (suh.dtype, suh.shape), svh and (svh.dtype, svh.shape),
             su and (su.dtype, su.shape), sv and (sv.dtype, sv.shape), mcg and (mcg.dtype, mcg.shape),
             mul1 and (mul1.dtype, mul1.shape))

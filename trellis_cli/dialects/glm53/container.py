@@ -84,8 +84,8 @@ def _build_layers(ckpt: Checkpoint) -> None:
         moe.files.add(any_ref.file)
         extra = tuple(ref for f, ref in fields.items() if f not in FIELDS and f != "mul1")
         moe.experts.setdefault(expert, {})[proj] = {0: LinearRef(
-            any_ref.name.rsplit(".", 1)[0], fields.get("trellis"), fields.get("suh"), fields.get("svh"),
-            None, None, fields.get("mcg"), fields.get("mul1"), extra)}
+            fields.get("trellis"), fields.get("suh"), fields.get("svh"), None, None, fields.get("mcg"),
+            fields.get("mul1"), extra)}
     ckpt.layers = dict(sorted(ckpt.layers.items()))
 
 
