@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Decoded tiles (lab/perf/decoded/) on a Hopper GPU under sm_120's limits: a copy of this tree with the decoded
-# tiles (DECODED: FC1, FC2, interleaved, 0 or 1 each; lab/perf/decoded_variants.py) beside this tree as it is (its
-# mma.sync-only build: the compact 128-row kernels) and the wgmma build. Logs and JSON under $OUT.
+# tiles (DECODED: FC1, FC2, interleaved, 0 or 1 each, then optionally decoder warps; lab/perf/decoded_variants.py)
+# beside this tree as it is (its mma.sync-only build: the compact 128-row kernels) and the wgmma build. Logs and
+# JSON under $OUT.
 #   lab/perf/decoded_check.sh [same] [time] [tiles] [tests] [smoke] [sweep] [wgmma]...   (default: all)
 # same: both mma.sync-only builds' outputs compared bit for bit (glm52-tp4, M = DIFF_MS). time: perf_variants of
 # both, alternating (TIME_MS, both presets). tiles: the decoded build's fused time by forced m_tile (TILES at
@@ -20,7 +21,7 @@ TIME_MS=${TIME_MS:-512,3072,8192}
 TILES=${TILES:-32,128}
 TILE_MS=${TILE_MS:-512,1024}
 PRESETS=${PRESETS:-glm52-tp4 glm52-tp4-k3k5}
-DECODED=${DECODED:-1,1,1}  # FC1, FC2 on decoded tiles, the decode interleaved (decoded_variants.py)
+DECODED=${DECODED:-1,1,1}  # FC1, FC2 on decoded tiles, the decode interleaved[, decoder warps] (decoded_variants.py)
 SMOKE_PRESETS=${SMOKE_PRESETS:-glm52-tp4 glm52-tp4-shared-h glm52-tp4-k3k5}
 steps=${*:-same time tiles tests smoke sweep wgmma}
 want() { [[ " $steps " == *" $1 "* ]]; }
