@@ -55,7 +55,7 @@ def every_way(root, monkeypatch):
         m.setattr(sources, "MAX_JSON_BYTES", (root / INDEX).stat().st_size - 1)
         source = LocalSource(root)
         ckpt = open_checkpoint(root)
-        proven = reader._rebuilt_index(source, reader.listing(source), ckpt.tensors, ckpt.headers)
+        proven = reader._rebuilt_index(source, reader.listing(source), reader.shard_names(ckpt.headers))
         rebuilt = opened(root)
         m.setattr(reader, "_rebuilt_index", lambda *_args: None)
         streamed = opened(root)

@@ -160,3 +160,126 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+# ---- the index proven by writing it again from the shards' names (`reader._rebuilt_index`) ---------------------
+
+INDEX = "model.safetensors.index.json"
+
+
+def rewritten_index(root, edit=lambda _wm: None, **dumps):
+    """The index's weight_map edited in place, written again by `json.dumps(**dumps)`."""
+    doc = json.loads((root / INDEX).read_text())
+    edit(doc["weight_map"])
+    (root / INDEX).write_text(json.dumps(doc, **dumps))
+
+
+def shuffled(weight_map):
+    import random
+
+    items = list(weight_map.items())
+    random.Random(7).shuffle(items)
+    weight_map.clear()
+    weight_map.update(items)
+
+
+def shard_names(root):
+    source = LocalSource(root)
+    shards = reader.shard_columns(source, reader.listing(source), lambda *_args: None)
+    assert shards is not None
+    return shards.names()
+
+
+def rebuilt(root):
+    source = LocalSource(root)
+    return reader._rebuilt_index(source, reader.listing(source), shard_names(root))
+
+
+@pytest.mark.parametrize("changes", [{}, {"non_expert": "bf16"}, {"tp": 1}])
+def test_the_columns_name_every_tensor_as_the_parsed_headers_do(tmp_path, changes):
+    """Each shard's names as the columns read them from the raw bytes: the parsed header's, in its order."""
+    root = tiny_checkpoint(tmp_path, **changes)
+    names = shard_names(root)
+    headers = open_checkpoint(root).headers
+    assert names is not None and set(names) == {file for file, header in headers.items() if header.tensors}
+    for file, shard in names.items():
+        assert list(shard.listed()) == list(headers[file].tensors) and shard.tensors == len(headers[file].tensors)
+
+
+INDEX_FORMS = {  # (how the index is written again, whether the rebuild proves it)
+    "as written": (None, {}, True),
+    "compact": (None, dict(separators=(",", ":")), True),
+    "indent=2": (None, dict(indent=2), True),
+    "sorted": (None, dict(sort_keys=True), True),
+    "sorted, indent=2": (None, dict(sort_keys=True, indent=2), True),
+    "shuffled": (shuffled, {}, False),
+    "shuffled, indent=2": (shuffled, dict(indent=2), False),
+}
+
+
+@pytest.mark.parametrize("form", INDEX_FORMS)
+@pytest.mark.parametrize("changes", [{}, {"non_expert": "bf16"}])
+def test_a_large_index_rebuilt_from_the_names_gives_the_same_fit(tmp_path, monkeypatch, form, changes):
+    """Proven by the rebuild where it is written as writers write one, by the streamed proof where not (shuffled):
+    the same files named either way, and the full opening's document."""
+    root = tiny_checkpoint(tmp_path, **changes)
+    edit, dumps, proves = INDEX_FORMS[form]
+    rewritten_index(root, edit or (lambda _wm: None), **dumps)
+    large_index(monkeypatch, root)
+    assert (rebuilt(root) is not None) == proves
+    source = LocalSource(root)
+    files = reader.listing(source)
+    named = reader.index_files(source, files, shard_names(root))
+    assert named == reader.index_files(source, files) == {p.name for p in root.glob("*.safetensors")}
+    quick, full = answers(root, request(**REQUESTS[0]))
+    assert quick is not None and quick == full and not quick.startswith("refused")
+
+
+INDEX_DAMAGE = {
+    "a name dropped": lambda wm: wm.pop(next(iter(wm))),
+    "an extra name": lambda wm: wm.update({"model.layers.3.mlp.experts.0.up_proj.extra": next(iter(wm.values()))}),
+    "a name moved to another shard": lambda wm: wm.update({next(iter(wm)): sorted(set(wm.values()))[-1]}),
+    "a missing shard": lambda wm: wm.update({next(iter(wm)): "absent.safetensors"}),
+    "a path leaving the checkpoint": lambda wm: wm.update({next(iter(wm)): "../outside.safetensors"}),
+}
+
+
+@pytest.mark.parametrize("edit", INDEX_DAMAGE)
+@pytest.mark.parametrize("dumps", [dict(separators=(",", ":")), dict(sort_keys=True, indent=2)])
+def test_an_index_that_disagrees_with_the_names_is_not_rebuilt_and_fits_the_same(tmp_path, monkeypatch, edit, dumps):
+    root = tiny_checkpoint(tmp_path)
+    rewritten_index(root, INDEX_DAMAGE[edit], **dumps)
+    large_index(monkeypatch, root)
+    assert rebuilt(root) is None
+    quick, full = answers(root, request(**REQUESTS[0]))
+    assert quick == full or (quick is None and full.startswith("refused: "))
+    if edit in ("a missing shard", "a path leaving the checkpoint"):
+        assert quick is None and full.startswith("refused: ")
+
+
+def test_shards_of_one_layer_give_no_names_to_rebuild_from(tmp_path):
+    """Two shards of one MoE layer (here each name in both): the index is left to the streamed proof."""
+    root = tiny_checkpoint(tmp_path)
+    first, second = sorted(root.glob("model-layer-*.safetensors"))[:2]
+    layer, other = (int(p.stem.rsplit("-", 1)[1]) for p in (first, second))
+    assert len(str(layer)) == len(str(other))  # (the header keeps its length)
+
+    def same_layer(header):
+        for name in [n for n in header if n != "__metadata__"]:
+            header[name.replace(f"model.layers.{other}.", f"model.layers.{layer}.")] = header.pop(name)
+
+    rewrite_header(second, same_layer)
+    source = LocalSource(root)
+    found = reader.shard_columns(source, reader.listing(source), lambda *_args: None)
+    assert found is not None and found.names() is None
+
+
+@pytest.mark.parametrize("dumps", [dict(separators=(",", ":")), dict(indent=2), dict(sort_keys=True)])
+def test_the_cli_refuses_an_index_naming_a_missing_shard_by_name(tmp_path, monkeypatch, capsys, dumps):
+    from helpers import run_cli
+
+    root = tiny_checkpoint(tmp_path)
+    rewritten_index(root, lambda wm: wm.update({"model.norm.weight": "absent.safetensors"}), **dumps)
+    large_index(monkeypatch, root)
+    code, out, err = run_cli(capsys, "fit", str(root), "--tp", "2", "--gpu", "h100", "--ctx", "2048")
+    assert code == 1 and "index.file-missing" in out + err and "absent.safetensors" in out + err

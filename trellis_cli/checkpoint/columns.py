@@ -24,12 +24,13 @@ from trellis_cli.header import (DIM_PATTERN, DTYPE_PATTERN, MAX_HEADER_TENSORS, 
 # safetensors' own layout (header.py: at most three dimensions of five digits, offsets below 10^18). The projection
 # and the field are captured by their first one and three characters (fixed widths, joined and read by numpy).
 _ID = rb"(0|[1-9][0-9]*)"
-# (the dtype matched among the known names, not captured; the offsets captured as one `begin,end` group)
+# (the whole name captured first, for the index's proof; the dtype matched among the known names, not captured; the
+# offsets captured as one `begin,end` group)
 _LINEAR_ENTRY = re.compile(
-    rb'"model\.layers\.(?:0|[1-9][0-9]*)\.mlp\.experts\.' + _ID + rb"\.(?=(.))(?:gate|up|down)_proj\.rank" + _ID +
-    rb'\.(?=(...))(?:trellis|suh|svh|su|sv|mcg|mul1)":\{"dtype":"' + DTYPE_PATTERN + rb'","shape":\[(' + DIM_PATTERN +
+    rb'"(model\.layers\.(?:0|[1-9][0-9]*)\.mlp\.experts\.' + _ID + rb"\.(?=(.))(?:gate|up|down)_proj\.rank" + _ID +
+    rb'\.(?=(...))(?:trellis|suh|svh|su|sv|mcg|mul1))":\{"dtype":"' + DTYPE_PATTERN + rb'","shape":\[(' + DIM_PATTERN +
     rb"(?:," + DIM_PATTERN + rb'){0,2})?\],"data_offsets":\[(' + OFFSET_PATTERN + b"," + OFFSET_PATTERN + rb")\]\}")
-_GROUPS = 6
+_GROUPS = 7
 _EXPERT_LAYER = re.compile(rb'"model\.layers\.(0|[1-9][0-9]*)\.mlp\.experts\.')
 _PROJECTION = np.full(256, -1, dtype=np.int64)
 _PROJECTION[[ord("g"), ord("u"), ord("d")]] = [0, 1, 2]  # gate_proj, up_proj, down_proj
@@ -43,11 +44,12 @@ _EXACT = 1 << 52
 class LinearColumns(NamedTuple):
     """One shard's rank-sliced linears, summed: its MoE layer; per expert the lowest and highest K of its linears
     (-1 where a linear has no trellis, or one whose shape gives no K); per (expert, rank) the bytes of every field
-    and how many gate_proj trellis tensors it holds."""
+    and how many gate_proj trellis tensors it holds; its names, for the index's rebuilt proof."""
 
     layer: int
     k_range: dict[int, tuple[int, int]]
     ranks: dict[tuple[int, int], tuple[int, int]]  # (expert, rank) -> (bytes, gate_proj trellis tensors)
+    names: bytes  # every tensor's name in header order, joined by `"` (as JSON decodes them: ASCII, no escape)
 
 
 def no_expert_tensors(raw: bytes) -> bool:
@@ -74,15 +76,15 @@ def linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
     layer = int(found.group(1))
     if raw.count(b'"model.layers.%d.mlp.experts.' % layer, entries) != tensors:
         return None  # another layer's tensors in the same shard
-    expert, rank = _ints(parts[1::_GROUPS + 1]), _ints(parts[3::_GROUPS + 1])
-    pairs = offset_pairs(parts[6::_GROUPS + 1])
+    expert, rank = _ints(parts[2::_GROUPS + 1]), _ints(parts[4::_GROUPS + 1])
+    pairs = offset_pairs(parts[7::_GROUPS + 1])
     if pairs is None:
         return None  # the full parser refuses a reversed pair
     begin, end = pairs
     if int(end.max()) >= _EXACT or 8 + len(raw) + int(end.max()) > file_size:
         return None  # a file too short is a byte fault
-    proj = _PROJECTION[np.frombuffer(b"".join(parts[2::_GROUPS + 1]), dtype=np.uint8)]
-    field_text = np.frombuffer(b"".join(parts[4::_GROUPS + 1]), dtype=np.uint8).reshape(-1, 3).astype(np.int64)
+    proj = _PROJECTION[np.frombuffer(b"".join(parts[3::_GROUPS + 1]), dtype=np.uint8)]
+    field_text = np.frombuffer(b"".join(parts[5::_GROUPS + 1]), dtype=np.uint8).reshape(-1, 3).astype(np.int64)
     field = np.searchsorted(_FIELD_CODES, (field_text[:, 0] << 16) | (field_text[:, 1] << 8) | field_text[:, 2])
     width = int(rank.max()) + 1
     linear = (expert * 3 + proj) * width + rank
@@ -94,8 +96,8 @@ def linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
     is_trellis = field == _TRELLIS
     gates = np.bincount(slot, weights=(is_trellis & (proj == 0)).astype(np.float64), minlength=keys.size)
     ranks = {(key // width, key % width): (int(b), int(g)) for key, b, g in zip(keys.tolist(), nbytes, gates)}
-    shapes = list(compress(parts[5::_GROUPS + 1], is_trellis.tolist()))
-    return LinearColumns(layer, _k_ranges(expert, linear, is_trellis, shapes), ranks)
+    shapes = list(compress(parts[6::_GROUPS + 1], is_trellis.tolist()))
+    return LinearColumns(layer, _k_ranges(expert, linear, is_trellis, shapes), ranks, b'"'.join(parts[1::_GROUPS + 1]))
 
 
 def _k_ranges(expert: np.ndarray, linear: np.ndarray, is_trellis: np.ndarray,

@@ -18,7 +18,7 @@ import os
 import re
 from collections import Counter
 from operator import attrgetter
-from typing import Any, Callable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Collection, Iterator, Mapping, NamedTuple
 
 import numpy as np
 
@@ -180,6 +180,19 @@ class ShardColumns(NamedTuple):
 
     linears: dict[str, LinearColumns]
     others: dict[str, Header]
+
+    def names(self) -> dict[str, ShardNames] | None:
+        """Every shard's names in header order, for the index's rebuilt proof (`index_files`), where no name can
+        be in two shards: each shard of experts a MoE layer of its own (every name of it names that layer), and
+        the other shards' names distinct, none naming a routed expert. None otherwise."""
+        layers = [found.layer for found in self.linears.values()]
+        others = [name for header in self.others.values() for name in header.tensors]
+        if len(set(layers)) != len(layers) or len(set(others)) != len(others) or \
+                any(".mlp.experts." in name for name in others):
+            return None
+        names = {file: ShardNames.joined(found.names) for file, found in self.linears.items()}
+        names.update(shard_names(self.others))
+        return names
 
 
 def shard_columns(source: Source, files: dict[str, int],
@@ -366,16 +379,75 @@ def read_index(source: Source, files: dict[str, int], findings: list[Finding]) -
     return name, weight_map, metadata if isinstance(metadata, dict) else {}
 
 
-def index_files(source: Source, files: dict[str, int]) -> set[str] | None:
+def index_files(source: Source, files: dict[str, int], names: Mapping[str, "ShardNames"] | None = None
+                ) -> set[str] | None:
     """The files a large local index names, where its bytes prove that `read_index` reads it without a finding:
     ASCII, `{"metadata": {...}, "weight_map": {"name": "file", ...}}` (whitespace between tokens allowed, no
     escape), no name twice. An empty set without an index; None for anything else (a small index included, which
-    `read_index` reads at once): the caller then reads it in full, which words every finding. Proven in one regex
-    pass, without the ~935k-key dict a production index decodes into."""
+    `read_index` reads at once): the caller then reads it in full, which words every finding. With `names` (each
+    shard's names in header order, no name in two shards) an index written as writers write one is proven by
+    writing it again (`_rebuilt_index`: then it names exactly the shards that hold a tensor); any other by the
+    streamed proof, in one regex pass, without the ~935k-key dict a production index decodes into."""
     if index_name(files) is None:
         return set()
+    if names is not None and _rebuilt_index(source, files, names) is not None:
+        return {file for file, shard in names.items() if shard.tensors}
     proven = _proven_index(source, files, lambda _names, _files: True)
     return None if proven is None else proven[2]
+
+
+class ShardNames(NamedTuple):
+    """Every tensor name of one shard in its header's order, for the rebuilt proof of the index: a parsed header's
+    names as they are, or a raw header's joined by `"` (`joined`: one string per shard rather than one per name,
+    ~935k at production size, as `columns.linear_columns` reads them: ASCII, no escape, no quote)."""
+
+    tensors: int
+    names: Collection[str] | bytes  # (a header's dict of tensors: its keys, listed only where an order needs it)
+
+    @classmethod
+    def of(cls, names: Collection[str]) -> "ShardNames":
+        return cls(len(names), names)
+
+    @classmethod
+    def joined(cls, joined: bytes) -> "ShardNames":
+        return cls(joined.count(b'"') + 1, joined)
+
+    def text(self, order: list[int] | None, after: bytes, end: bytes) -> bytes:
+        """The shard's entries: its names in `order` (positions; None, or one of another shard's length: as
+        listed), each quoted and followed by `after` (`end` after the last)."""
+        names = self.names
+        in_order = order is not None and len(order) == self.tensors
+        if isinstance(names, bytes):
+            if not in_order:
+                return b'"' + names.replace(b'"', after) + end  # (each quote of the join is between two names)
+            return b'"' + after.join(map(names.split(b'"').__getitem__, order or ())) + end
+        ordered = map(list(names).__getitem__, order or ()) if in_order else names
+        return ('"' + after.decode().join(ordered) + end.decode()).encode()
+
+    def order_of(self, keys: list[bytes]) -> list[int] | None:
+        """The positions in the shard's names of `keys` (plain names, as written), each once; None otherwise."""
+        if len(keys) != self.tensors:
+            return None
+        names = self.names
+        if isinstance(names, bytes):
+            position: dict[Any, int] = dict(zip(names.split(b'"'), range(self.tensors)))
+            found: list[Any] = keys
+        else:
+            position = dict(zip(names, range(self.tensors)))
+            found = b'"'.join(keys).decode().split('"')  # ASCII without escapes: the names as JSON decodes them
+        try:
+            order = list(map(position.__getitem__, found))
+        except KeyError:
+            return None
+        return order if len(set(order)) == len(order) else None
+
+    def listed(self) -> Collection[str]:
+        return self.names.decode().split('"') if isinstance(self.names, bytes) else self.names
+
+
+def shard_names(headers: Mapping[str, Header]) -> dict[str, ShardNames]:
+    """The names of every parsed header that holds a tensor, in its order, for `_rebuilt_index`."""
+    return {file: ShardNames.of(header.tensors) for file, header in headers.items() if header.tensors}
 
 
 def index_of(source: Source, files: dict[str, int], tensors: dict[str, Any],
@@ -386,9 +458,11 @@ def index_of(source: Source, files: dict[str, int], tensors: dict[str, Any],
     seconds at production size). An index written as writers write one is proven by writing it again from
     `headers` (file -> its parsed header, whose tensors `tensors` merges: `_rebuilt_index`); any other by the
     streamed proof. None otherwise: the caller reads it in full."""
-    rebuilt = _rebuilt_index(source, files, tensors, headers)
-    if rebuilt is not None:
-        return rebuilt
+    if tensors and sum(len(header.tensors) for header in headers.values()) == len(tensors):
+        # (a name in several shards would be written twice)
+        rebuilt = _rebuilt_index(source, files, shard_names(headers))
+        if rebuilt is not None:
+            return rebuilt
     seen = [0]
 
     def agrees(names: list[bytes], named: list[bytes]) -> bool:
@@ -498,34 +572,34 @@ def _index_head(f: Any) -> tuple[dict[str, Any], int] | None:
     return metadata, head.end()
 
 
-def _rebuilt_index(source: Source, files: dict[str, int], tensors: dict[str, Any],
-                   headers: Mapping[str, Header]) -> tuple[str, dict[str, Any]] | None:
-    """`index_of` of a large local index written as writers write one, with the separators of its first entry:
-    shard after shard, `"name": "file"` for every tensor of its header in one order of the header's names
-    (`_by_shard`), or every tensor sorted by name (`_by_name`, as `json.dumps(sort_keys=True)` writes it).
+def _rebuilt_index(source: Source, files: dict[str, int], names: Mapping[str, ShardNames]
+                   ) -> tuple[str, dict[str, Any]] | None:
+    """(index file, its metadata) of a large local index written as writers write one, with the separators of its
+    first entry: shard after shard, `"name": "file"` for every name of its shard (`names`: file -> its names in
+    header order, no name in two files) in one order of them (`_by_shard`), or every name sorted (`_by_name`, as
+    `json.dumps(sort_keys=True)` writes it).
 
-    Why it is a proof: those entries are written again from the headers (C joins of names that JSON writes without
-    an escape: ASCII, no quote, backslash or control character) and compared byte for byte with the file's; bytes
-    equal to that text decode to exactly {name: its shard} for every tensor, each once, which is what `read_index`
-    would decode and the opening compare. None wherever a byte differs (an index written otherwise, or one that
-    disagrees): the streamed proof decides."""
+    Why it is a proof: those entries are written again from the headers' names (C joins of names that JSON writes
+    without an escape: ASCII, no quote, backslash or control character) and compared byte for byte with the
+    file's; bytes equal to that text decode to exactly {name: its shard} for every tensor, each once, which is what
+    `read_index` would decode and the opening compare. None wherever a byte differs (an index written otherwise,
+    or one that disagrees): the streamed proof decides."""
     name = index_name(files)
-    if name is None or source.root is None or not tensors or \
-            sum(len(header.tensors) for header in headers.values()) != len(tensors):
-        return None  # (a name in several shards would be written twice)
+    if name is None or source.root is None or not any(shard.tensors for shard in names.values()):
+        return None
     from trellis_cli.sources import MAX_JSON_BYTES
 
     if not MAX_JSON_BYTES < files.get(name, 0) <= MAX_INDEX_BYTES:
         return None
     try:
         with open_regular(source.local_path(name)) as f:
-            metadata = _rebuilt_stream(f, tensors, headers)
-    except (OSError, CheckFailed, UnicodeDecodeError):
+            metadata = _rebuilt_stream(f, names)
+    except (OSError, CheckFailed, UnicodeError):
         return None
     return None if metadata is None else (name, metadata)
 
 
-def _rebuilt_stream(f: Any, tensors: dict[str, Any], headers: Mapping[str, Header]) -> dict[str, Any] | None:
+def _rebuilt_stream(f: Any, names: Mapping[str, ShardNames]) -> dict[str, Any] | None:
     """`_rebuilt_index` of an open index file: its metadata where its bytes are the rebuilt text, else None."""
     head = _index_head(f)
     if head is None:
@@ -535,10 +609,10 @@ def _rebuilt_stream(f: Any, tensors: dict[str, Any], headers: Mapping[str, Heade
     first = f.read(_INDEX_PEEK).split(b'"', 5)  # '', name, colon, file, comma, the rest
     if len(first) < 6 or first[0] or not _INDEX_COLON.fullmatch(first[2]) or not _INDEX_COMMA.fullmatch(first[4]):
         return None
-    gaps = _Gaps(first[2].decode(), first[4].decode())
-    end = _by_shard(f, start, headers, gaps)
-    if end is None and first[1] == min(tensors).encode():
-        end = _by_name(f, start, tensors, gaps)
+    gaps = _Gaps(first[2], first[4])
+    end = _by_shard(f, start, names, gaps)
+    if end is None and first[1].decode() == min(min(shard.listed()) for shard in names.values() if shard.tensors):
+        end = _by_name(f, start, names, gaps)
     if end is None:
         return None
     f.seek(end)
@@ -551,91 +625,81 @@ def _rebuilt_stream(f: Any, tensors: dict[str, Any], headers: Mapping[str, Heade
 class _Gaps(NamedTuple):
     """The index's separators: between a name and its file (`:`), between two entries (`,`)."""
 
-    colon: str
-    comma: str
+    colon: bytes
+    comma: bytes
 
-    def after(self, file: str) -> str:
+    def after(self, file: str) -> bytes:
         """What follows a name up to the next one: its file, quoted, and the next name's opening quote."""
-        return f'"{self.colon}"{file}"{self.comma}"'
+        return b'"' + self.colon + b'"' + file.encode() + b'"' + self.comma + b'"'
 
     def written(self, found: bytes, entries: int, last: bool) -> bool:
         """Whether `entries` entries rebuilt as `found` are plain JSON: nothing inside a name or a file that JSON
         escapes, every quote and line break a separator's (`last`: no comma after the last entry)."""
-        escaped = 4 * entries + entries * _spaces(self.colon.encode()) + \
-            (entries - last) * _spaces(self.comma.encode())
+        escaped = 4 * entries + entries * _spaces(self.colon) + (entries - last) * _spaces(self.comma)
         return found.isascii() and len(found) - len(found.translate(None, _ESCAPED)) == escaped
 
 
-def _by_shard(f: Any, at: int, headers: Mapping[str, Header], gaps: _Gaps) -> int | None:
+def _by_shard(f: Any, at: int, names: Mapping[str, ShardNames], gaps: _Gaps) -> int | None:
     """Where the entries from `at` on end, where they are shard after shard (in any order of the shards) every name
-    of each header in one order: as the header lists them, as the shard before it was written (a writer writes
+    of each shard in one order: as its header lists them, as the shard before it was written (a writer writes
     each shard in its own order), or else as the index says (read as names, once per shard written otherwise).
     One shard's entries (~1 MB at production size) are held at a time."""
-    left = sum(len(header.tensors) for header in headers.values())
+    left = sum(shard.tensors for shard in names.values())
     order: list[int] | None = None  # the last shard's order (positions in its header's names; None: as listed)
     written: set[str] = set()
     while left:
         f.seek(at)
         entry = f.read(_INDEX_PEEK).split(b'"', 4)  # '', name, colon, file (the shard these entries are of), ...
         file = entry[3].decode("ascii") if len(entry) == 5 and not entry[0] else None
-        header = headers.get(file) if file is not None and file not in written else None
-        if file is None or header is None or not header.tensors:
+        shard = names.get(file) if file is not None and file not in written else None
+        if file is None or shard is None or not shard.tensors:
             return None  # (a shard's entries not all in one run: the streamed proof decides)
         written.add(file)
-        names = list(header.tensors)
-        left -= len(names)
+        left -= shard.tensors
         after = gaps.after(file)
         end = after[:-1] if left else after[:-1 - len(gaps.comma)]  # the index's last entry: no comma after it
-        text = _shard_text(names, order, after, end)
+        text = shard.text(order, after, end)
         f.seek(at)
         found = f.read(len(text))
         at += len(text)
         if text != found:
-            order = _entries_order(found, names)
-            if order is None or _shard_text(names, order, after, end) != found:
+            order = _entries_order(found, shard)
+            if order is None or shard.text(order, after, end) != found:
                 return None
-        if at > MAX_INDEX_BYTES or not gaps.written(found, len(names), not left):
+        if at > MAX_INDEX_BYTES or not gaps.written(found, shard.tensors, not left):
             return None
     return at
 
 
-def _shard_text(names: list[str], order: list[int] | None, after: str, end: str) -> bytes:
-    """One shard's entries: `names` in `order` (positions; None, or one of another shard's length: as listed),
-    each quoted and followed by `after` (`end` after the last)."""
-    ordered = names if order is None or len(order) != len(names) else map(names.__getitem__, order)
-    return ('"' + after.join(ordered) + end).encode()
-
-
-def _entries_order(found: bytes, names: list[str]) -> list[int] | None:
-    """The order (positions in `names`) in which the entries `found` name each of `names` once; None where they
-    do not (a name missing, twice or unknown), or are not plain entries."""
+def _entries_order(found: bytes, shard: ShardNames) -> list[int] | None:
+    """The order (positions in the shard's names) in which the entries `found` name each of them once; None where
+    they do not (a name missing, twice or unknown), or are not plain entries."""
     tokens = found.split(b'"')
-    if len(tokens) != 4 * len(names) + 1 or not found.isascii():
+    if len(tokens) != 4 * shard.tensors + 1 or not found.isascii():
         return None
-    position = dict(zip(names, range(len(names))))
-    try:
-        order = list(map(position.__getitem__, b'"'.join(tokens[1::4]).decode().split('"')))
-    except KeyError:
-        return None
-    return order if len(set(order)) == len(order) else None
+    return shard.order_of(tokens[1::4])
 
 
-def _by_name(f: Any, at: int, tensors: dict[str, Any], gaps: _Gaps) -> int | None:
-    """Where the entries from `at` on end, where they are every tensor's sorted by name, each with its file.
-    Written and compared `_INDEX_NAMES` entries at a time."""
-    ordered = sorted(tensors)
-    after = {file: gaps.after(file) for file in set(map(_FILE_OF, tensors.values()))}
+def _by_name(f: Any, at: int, names: Mapping[str, ShardNames], gaps: _Gaps) -> int | None:
+    """Where the entries from `at` on end, where they are every name sorted, each with its file. Written and
+    compared `_INDEX_NAMES` entries at a time."""
+    after: dict[str, str] = {}  # name -> what follows it: its file
+    for file, shard in names.items():
+        after.update(dict.fromkeys(shard.listed() if shard.tensors else (), gaps.after(file).decode()))
+    if len(after) != sum(shard.tensors for shard in names.values()):
+        return None  # a name twice
+    ordered = sorted(after)
     f.seek(at)
     for done in range(0, len(ordered), _INDEX_NAMES):
-        names = ordered[done:done + _INDEX_NAMES]
-        last = done + len(names) == len(ordered)
-        parts = [""] * (2 * len(names))
-        parts[::2] = names
-        parts[1::2] = map(after.__getitem__, map(_FILE_OF, map(tensors.__getitem__, names)))
+        chunk = ordered[done:done + _INDEX_NAMES]
+        last = done + len(chunk) == len(ordered)
+        parts = [""] * (2 * len(chunk))
+        parts[::2] = chunk
+        parts[1::2] = map(after.__getitem__, chunk)
         text = ('"' + "".join(parts)).encode()
         text = text[:-1 - len(gaps.comma)] if last else text[:-1]  # (the last entry: no comma after it)
         at += len(text)
-        if at > MAX_INDEX_BYTES or f.read(len(text)) != text or not gaps.written(text, len(names), last):
+        if at > MAX_INDEX_BYTES or f.read(len(text)) != text or not gaps.written(text, len(chunk), last):
             return None
     return at
 
@@ -756,4 +820,4 @@ def require_intact(ckpt: Checkpoint, what: str) -> None:
 
 __all__ = ["BYTE_FAULT_CODES", "HeaderNames", "byte_faults", "canonical_header", "escapes", "header_names", "listing",
            "index_files", "listing_findings", "raw_header", "read_headers", "read_index", "read_json", "require_intact",
-           "same_bytes", "shard_columns", "shard_header", "source_header"]
+           "same_bytes", "ShardNames", "shard_columns", "shard_names", "shard_header", "source_header"]

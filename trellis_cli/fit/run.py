@@ -245,10 +245,10 @@ def fit_source(source: SourceArg, request: FitRequest,
 
 def _from_columns(source: Any, request: FitRequest, progress: Callable[[str, int, int], None] | None) -> FitResult | None:
     """`fit` of a local rank-sliced TR3 read without the per-tensor model: its declarations (`open_declared`),
-    each shard's linears summed from its raw header (`reader.shard_columns`), the index read and checked as the
-    full opening reads it. None wherever that is not proven to be the full opening's answer (anything unusual
-    in a shard, any fault of the bytes, a declaration the full opening reads otherwise): `fit_source` then
-    opens in full, which words every refusal."""
+    each shard's linears summed from its raw header (`reader.shard_columns`), the index proven from the shards'
+    names or read and checked as the full opening reads it. None wherever that is not proven to be the full
+    opening's answer (anything unusual in a shard, any fault of the bytes, a declaration the full opening reads
+    otherwise): `fit_source` then opens in full, which words every refusal."""
     from trellis_cli.checkpoint import reader
     from trellis_cli.checkpoint.model import MIN_COUNT_LIMIT
     from trellis_cli.dialects.open import open_declared, paused_gc
@@ -271,7 +271,7 @@ def _from_columns(source: Any, request: FitRequest, progress: Callable[[str, int
         shards = reader.shard_columns(source, ckpt.files, progress or (lambda _stage, _done, _total: None))
         if shards is None:
             return None
-        named = reader.index_files(source, ckpt.files)
+        named = reader.index_files(source, ckpt.files, shards.names())
         if named is None:  # read as the full opening reads it
             found = reader.read_index(source, ckpt.files, ckpt.parse_findings)
             if found is not None:
