@@ -120,10 +120,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _exit_now(code: object) -> NoReturn:
-    """End the process once the command has said everything. A command that opened a production checkpoint
-    leaves about a million objects that the interpreter's shutdown would free one by one (half a second, a
-    tenth of `validate`); the system frees them at once. Nothing of ours waits on exit handlers: the package
-    removes what it creates before its commands return."""
+    """End the process once the command has said everything: what it leaves alive (at production size up to a
+    million records of an opened checkpoint) the interpreter's shutdown would free one by one, the system frees at
+    once. Nothing of ours waits on exit handlers: the package removes what it creates before its commands return."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
