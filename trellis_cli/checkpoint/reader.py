@@ -18,7 +18,7 @@ import os
 import re
 from collections import Counter
 from operator import attrgetter
-from typing import Any, Callable, Collection, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Collection, Iterator, Mapping, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -40,6 +40,8 @@ MAX_INDEX_BYTES = 512 * 1024 * 1024
 # that answers from the bytes refuses on any of them (`require_intact`).
 BYTE_FAULT_PREFIXES = ("file.", "path.")
 BYTE_FAULT_CODES = frozenset({"index.format", "index.file-missing", "exl3v1.layer-file-missing"})
+
+_Read = TypeVar("_Read")
 
 
 # ---- the listing -------------------------------------------------------------------------------------------
@@ -484,6 +486,15 @@ def _proven_index(source: Source, files: dict[str, int], piece: Callable[[list[b
                   ) -> tuple[str, dict[str, Any], set[str]] | None:
     """(index file, metadata, the files it names) of a large local index proven in its bytes, each piece of its
     entries (names, files) also accepted by `piece`; None where anything is not proven."""
+    found = _read_large_index(source, files, lambda f: _proven_stream(f, piece))
+    return None if found is None else (found[0], *found[1])
+
+
+def _read_large_index(source: Source, files: dict[str, int], read: Callable[[Any], _Read | None]
+                      ) -> tuple[str, _Read] | None:
+    """(index file, what `read` finds in it, open) for a local index above the general JSON limit and within
+    MAX_INDEX_BYTES, the one kind its bytes are proven in; None without one, where it cannot be opened or read,
+    or where `read` finds nothing (the full reader then decides, and words every finding)."""
     name = index_name(files)
     if name is None or source.root is None:
         return None
@@ -493,10 +504,10 @@ def _proven_index(source: Source, files: dict[str, int], piece: Callable[[list[b
         return None
     try:
         with open_regular(source.local_path(name)) as f:
-            proven = _proven_stream(f, piece)
-    except (OSError, CheckFailed):
+            found = read(f)
+    except (OSError, CheckFailed, UnicodeError):
         return None
-    return None if proven is None else (name, *proven)
+    return None if found is None else (name, found)
 
 
 def _proven_stream(f: Any, piece: Callable[[list[bytes], list[bytes]], bool]) -> tuple[dict[str, Any], set[str]] | None:
@@ -584,19 +595,9 @@ def _rebuilt_index(source: Source, files: dict[str, int], names: Mapping[str, Sh
     file's; bytes equal to that text decode to exactly {name: its shard} for every tensor, each once, which is what
     `read_index` would decode and the opening compare. None wherever a byte differs (an index written otherwise,
     or one that disagrees): the streamed proof decides."""
-    name = index_name(files)
-    if name is None or source.root is None or not any(shard.tensors for shard in names.values()):
+    if not any(shard.tensors for shard in names.values()):
         return None
-    from trellis_cli.sources import MAX_JSON_BYTES
-
-    if not MAX_JSON_BYTES < files.get(name, 0) <= MAX_INDEX_BYTES:
-        return None
-    try:
-        with open_regular(source.local_path(name)) as f:
-            metadata = _rebuilt_stream(f, names)
-    except (OSError, CheckFailed, UnicodeError):
-        return None
-    return None if metadata is None else (name, metadata)
+    return _read_large_index(source, files, lambda f: _rebuilt_stream(f, names))
 
 
 def _rebuilt_stream(f: Any, names: Mapping[str, ShardNames]) -> dict[str, Any] | None:
