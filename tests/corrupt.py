@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import struct
 from pathlib import Path
 from typing import Callable
@@ -72,10 +73,24 @@ def read_total(path: Path) -> int:
     return sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
 
 
-def edit_json(path: Path, mutate: Callable[[dict], None]) -> None:
+def edit_json(path: Path, mutate: Callable[[dict], None], **dumps) -> None:
+    """The JSON file edited in place and written again by `json.dumps(**dumps)`."""
     doc = json.loads(path.read_text())
     mutate(doc)
-    path.write_text(json.dumps(doc))
+    path.write_text(json.dumps(doc, **dumps))
+
+
+def rewrite_index(root: Path, edit: Callable[[dict], None] = lambda _wm: None, **dumps) -> None:
+    """The index's weight_map edited in place (keys keep their places), written again by `json.dumps(**dumps)`."""
+    edit_json(root / INDEX, lambda doc: edit(doc["weight_map"]), **dumps)
+
+
+def shuffled(weight_map: dict) -> None:
+    """The weight_map's entries in an order no writer gives (a fixed shuffle)."""
+    items = list(weight_map.items())
+    random.Random(7).shuffle(items)
+    weight_map.clear()
+    weight_map.update(items)
 
 
 # ---- one corruptor per class -------------------------------------------------------------------------

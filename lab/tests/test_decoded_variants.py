@@ -32,15 +32,19 @@ def test_sources_patch_a_copy_of_kernels(tmp_path: Path):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit)")
 def test_decoded_kernels_fit_99_kb(tmp_path: Path):
     sources = write_sources(tmp_path / "kernels", fc1=True, fc2=True, interleaved=True)
-    check = tmp_path / "fits.cu"
-    check.write_text(
-        '#include "expert_gemm.cuh"\n'
-        "using namespace trellis;\n"
-        "static_assert(fc1_smem_bytes(8, true) == 86016 && fc1_smem_bytes(8, false) == 98304, \"FC1\");\n"
-        "static_assert(fc2_smem_bytes(8, true) == 81920 && fc2_smem_bytes(8, false) == 94208, \"FC2\");\n"
-        "static_assert(fc1_smem_bytes(8, false) <= 99 * 1024 && fc2_smem_bytes(8, false) <= 99 * 1024, \"99 KB\");\n")
+    assert_compiles(sources, tmp_path / "fits",
+                    "static_assert(fc1_smem_bytes(8, true) == 86016 && fc1_smem_bytes(8, false) == 98304, \"FC1\");\n"
+                    "static_assert(fc2_smem_bytes(8, true) == 81920 && fc2_smem_bytes(8, false) == 94208, \"FC2\");\n"
+                    "static_assert(fc1_smem_bytes(8, false) <= 99 * 1024 && fc2_smem_bytes(8, false) <= 99 * 1024, "
+                    "\"99 KB\");\n")
+
+
+def assert_compiles(sources: Path, stem: Path, asserts: str) -> None:
+    """nvcc (sm_120) compiles `asserts` (static_asserts over the kernels' constexpr sizes) against `sources`."""
+    check = stem.with_suffix(".cu")
+    check.write_text('#include "expert_gemm.cuh"\nusing namespace trellis;\n' + asserts)
     done = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_120", "-I", str(sources), "-c", "-o",
-                           str(tmp_path / "fits.o"), str(check)], capture_output=True, text=True, timeout=300)
+                           str(stem.with_suffix(".o")), str(check)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
 
 
@@ -65,12 +69,8 @@ def test_bad_flags_are_refused(flags: str):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit)")
 def test_warp_specialized_fc1_launch_shape(tmp_path: Path):
     sources = write_sources(tmp_path / "kernels", fc1=True, fc2=False, interleaved=False, decoders=4)
-    check = tmp_path / "shape.cu"
-    check.write_text(
-        '#include "expert_gemm.cuh"\n'
-        "using namespace trellis;\n"
-        "static_assert(fc1_threads(8) == 640 && fc1_threads(1) == 512 && fc1_threads(2) == 512, \"threads\");\n"
-        "static_assert(fc1_smem_bytes(8, true) == 86016 && fc1_smem_bytes(8, false) <= 99 * 1024, \"99 KB\");\n")
-    done = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_120", "-I", str(sources), "-c", "-o",
-                           str(tmp_path / "shape.o"), str(check)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    assert_compiles(sources, tmp_path / "shape",
+                    "static_assert(fc1_threads(8) == 640 && fc1_threads(1) == 512 && fc1_threads(2) == 512, "
+                    "\"threads\");\n"
+                    "static_assert(fc1_smem_bytes(8, true) == 86016 && fc1_smem_bytes(8, false) <= 99 * 1024, "
+                    "\"99 KB\");\n")

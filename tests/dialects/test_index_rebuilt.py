@@ -7,10 +7,10 @@ read decides, with the same findings."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
+from corrupt import INDEX, rewrite_index, shuffled
 from helpers import run_cli, tiny_checkpoint, to_plain_exl3, to_r7, to_r7_v2
 from trellis_cli import sources
 from trellis_cli.checkpoint import reader
@@ -18,7 +18,6 @@ from trellis_cli.dialects import open_checkpoint
 from trellis_cli.sources import LocalSource
 from trellis_cli.validate.request import validate_source
 
-INDEX = "model.safetensors.index.json"
 
 
 def glm53(tmp_path):
@@ -72,22 +71,8 @@ def same_every_way(root, monkeypatch):
     return proven
 
 
-def rewrite(root, edit=lambda _wm: None, **dumps):
-    """The index's weight_map edited in place (keys keep their places), written again by `json.dumps(**dumps)`."""
-    doc = json.loads((root / INDEX).read_text())
-    edit(doc["weight_map"])
-    (root / INDEX).write_text(json.dumps(doc, **dumps))
-
-
 def reordered(weight_map, key):
     items = sorted(weight_map.items(), key=key)
-    weight_map.clear()
-    weight_map.update(items)
-
-
-def shuffled(weight_map):
-    items = list(weight_map.items())
-    random.Random(7).shuffle(items)
     weight_map.clear()
     weight_map.update(items)
 
@@ -118,7 +103,7 @@ def test_every_dialect_in_every_writer_form_is_proven_the_same(tmp_path, monkeyp
     root = DIALECTS[dialect](tmp_path)
     dumps, proves = FORMS[form]
     if dumps:
-        rewrite(root, **dumps)
+        rewrite_index(root, **dumps)
     assert (same_every_way(root, monkeypatch) is not None) == proves
 
 
@@ -131,7 +116,7 @@ def test_every_dialect_in_every_writer_form_is_proven_the_same(tmp_path, monkeyp
 @pytest.mark.parametrize("indent", [None, 2])
 def test_orders_other_than_a_writers_are_left_to_the_streamed_proof(tmp_path, monkeypatch, order, proves, indent):
     root = tiny_checkpoint(tmp_path)
-    rewrite(root, order, indent=indent)
+    rewrite_index(root, order, indent=indent)
     assert (same_every_way(root, monkeypatch) is not None) == proves
 
 
@@ -161,7 +146,7 @@ MAP_EDITS = {
 @pytest.mark.parametrize("form", ["compact", "sorted, indent=2"])
 def test_an_index_that_disagrees_is_not_proven_and_reads_the_same(tmp_path, monkeypatch, edit, form):
     root = tiny_checkpoint(tmp_path)
-    rewrite(root, MAP_EDITS[edit], **FORMS[form][0])
+    rewrite_index(root, MAP_EDITS[edit], **FORMS[form][0])
     assert same_every_way(root, monkeypatch) is None
 
 
@@ -205,7 +190,7 @@ TEXT_EDITS = {  # on the compact index as the writer writes it
 @pytest.mark.parametrize("edit", TEXT_EDITS)
 def test_a_damaged_index_reads_the_same_every_way(tmp_path, monkeypatch, edit):
     root = tiny_checkpoint(tmp_path)
-    rewrite(root, separators=(",", ":"))
+    rewrite_index(root, separators=(",", ":"))
     (root / INDEX).write_text(TEXT_EDITS[edit](text_of(root)))
     proven = same_every_way(root, monkeypatch)
     assert (proven is not None) == (edit in {"a line break at the end", "spaces around the braces", "no metadata",
@@ -222,7 +207,7 @@ def test_a_name_in_two_shards_is_not_proven_and_reads_the_same(tmp_path, monkeyp
     name = sorted(a)[0]
     save_file({**b, name: a[name]}, shards[-1])
     for owner in (shards[0].name, shards[-1].name):
-        rewrite(root, lambda wm: wm.update({name: owner}))
+        rewrite_index(root, lambda wm: wm.update({name: owner}))
         assert same_every_way(root, monkeypatch) is None
 
 
@@ -235,7 +220,7 @@ def test_a_shard_written_in_two_runs_is_not_proven(tmp_path, monkeypatch):
         weight_map.clear()
         weight_map.update(items[:len(items) // 2] + [moved] + items[len(items) // 2:])
 
-    rewrite(root, split_first_shard)
+    rewrite_index(root, split_first_shard)
     assert same_every_way(root, monkeypatch) is None
 
 

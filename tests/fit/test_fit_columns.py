@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from corrupt import rewrite_header
+from corrupt import rewrite_header, rewrite_index, shuffled
 from helpers import tiny_checkpoint
 from trellis_cli import sources
 from trellis_cli.checkpoint import reader
@@ -164,25 +164,6 @@ class _nothing:
 
 # ---- the index proven by writing it again from the shards' names (`reader._rebuilt_index`) ---------------------
 
-INDEX = "model.safetensors.index.json"
-
-
-def rewritten_index(root, edit=lambda _wm: None, **dumps):
-    """The index's weight_map edited in place, written again by `json.dumps(**dumps)`."""
-    doc = json.loads((root / INDEX).read_text())
-    edit(doc["weight_map"])
-    (root / INDEX).write_text(json.dumps(doc, **dumps))
-
-
-def shuffled(weight_map):
-    import random
-
-    items = list(weight_map.items())
-    random.Random(7).shuffle(items)
-    weight_map.clear()
-    weight_map.update(items)
-
-
 def shard_names(root):
     source = LocalSource(root)
     shards = reader.shard_columns(source, reader.listing(source), lambda *_args: None)
@@ -224,7 +205,7 @@ def test_a_large_index_rebuilt_from_the_names_gives_the_same_fit(tmp_path, monke
     the same files named either way, and the full opening's document."""
     root = tiny_checkpoint(tmp_path, **changes)
     edit, dumps, proves = INDEX_FORMS[form]
-    rewritten_index(root, edit or (lambda _wm: None), **dumps)
+    rewrite_index(root, edit or (lambda _wm: None), **dumps)
     large_index(monkeypatch, root)
     assert (rebuilt(root) is not None) == proves
     source = LocalSource(root)
@@ -248,7 +229,7 @@ INDEX_DAMAGE = {
 @pytest.mark.parametrize("dumps", [dict(separators=(",", ":")), dict(sort_keys=True, indent=2)])
 def test_an_index_that_disagrees_with_the_names_is_not_rebuilt_and_fits_the_same(tmp_path, monkeypatch, edit, dumps):
     root = tiny_checkpoint(tmp_path)
-    rewritten_index(root, INDEX_DAMAGE[edit], **dumps)
+    rewrite_index(root, INDEX_DAMAGE[edit], **dumps)
     large_index(monkeypatch, root)
     assert rebuilt(root) is None
     quick, full = answers(root, request(**REQUESTS[0]))
@@ -279,7 +260,7 @@ def test_the_cli_refuses_an_index_naming_a_missing_shard_by_name(tmp_path, monke
     from helpers import run_cli
 
     root = tiny_checkpoint(tmp_path)
-    rewritten_index(root, lambda wm: wm.update({"model.norm.weight": "absent.safetensors"}), **dumps)
+    rewrite_index(root, lambda wm: wm.update({"model.norm.weight": "absent.safetensors"}), **dumps)
     large_index(monkeypatch, root)
     code, out, err = run_cli(capsys, "fit", str(root), "--tp", "2", "--gpu", "h100", "--ctx", "2048")
     assert code == 1 and "index.file-missing" in out + err and "absent.safetensors" in out + err
