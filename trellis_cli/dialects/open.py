@@ -189,7 +189,7 @@ def _collect_tensors(ckpt: Checkpoint) -> None:
                                                                   for ref in header.tensors.values()]))
     headers = [ckpt.headers[file] for file in sorted(ckpt.headers)]
     for header in headers:
-        tensors.update(zip(header.tensors, header.tensors.values()))
+        tensors.update(header.tensors.items())
     if len(tensors) != sum(len(header.tensors) for header in headers):  # a name in several files: the first wins
         tensors.clear()
         for header in headers:

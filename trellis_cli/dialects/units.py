@@ -75,10 +75,6 @@ def tensor_unit(ref: TensorRef) -> Unit:
     return Unit(ref.dtype, tuple(ref.shape), ref.nbytes, span_of(ref))
 
 
-def _vector(ref: TensorRef) -> Unit:
-    return Unit(ref.dtype, (math.prod(ref.shape),), ref.nbytes, span_of(ref))
-
-
 def native_shape(proj: str, hidden: int, width: int, k: int) -> tuple[int, int, int]:
     return (hidden // 16, width // 16, 16 * k) if proj != "down_proj" else (width // 16, hidden // 16, 16 * k)
 
