@@ -89,8 +89,10 @@ def build_command():
         for param in [*sub.params, sub.get_help_option(context)]:
             if getattr(param, "param_type_name", "") == "option" and getattr(param, "is_flag", False):
                 param.metavar = ""
-                if param.default is None:  # typer's own flags (help, completion): absent reads False as None
-                    param.default = False  # did, and typer converts no bool flag's value (no pydantic for them)
+                # typer's own help and completion flags default to None. False reads the same to their callbacks,
+                # and typer converts no bool flag's value: help is then rendered without importing pydantic.
+                if param.default is None:
+                    param.default = False
             elif getattr(param, "param_type_name", "") == "argument" and param.name:
                 if param.metavar is None:
                     param.metavar = param.name.upper()
