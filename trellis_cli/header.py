@@ -18,6 +18,8 @@ import os
 import re
 import stat
 import struct
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter, itemgetter
@@ -467,10 +469,45 @@ def _parse_canonical(file: str, header_bytes: bytes, header_len: int, file_size:
 def _offset_objects(begins: np.ndarray, ends: np.ndarray) -> tuple[list[int], list[int]]:
     """The offsets as Python ints. Where the entries are stored back to back (safetensors' own writers), each
     begins where the one before it ends: one int object for both (two per tensor cost ~50 MB at production size)."""
-    end_list = ends.tolist()
+    end_list = _shared_ends(ends)
     if bool((begins[1:] == ends[:-1]).all()):
         return begins[:1].tolist() + end_list[:-1], end_list
     return begins.tolist(), end_list
+
+
+# Within `shared_offsets()`: [the ends of the last header read, their int objects].
+_LAST_ENDS: ContextVar[list | None] = ContextVar("last_ends", default=None)
+
+
+@contextmanager
+def shared_offsets() -> Iterator[None]:
+    """Within this block each header read takes the int objects of the header read before it for the leading run of
+    its offsets that the two share: shards laid out alike (the same tensors of the same sizes in the same order, as
+    the layer shards of a checkpoint whose layers share one layout) then hold one object per offset between them,
+    not one per tensor each (23 MB of validate's peak over the 76 layer shards of a production-shape synthetic
+    checkpoint). Shards laid out otherwise share what they share from their first tensor on, or nothing."""
+    token = _LAST_ENDS.set([])
+    try:
+        yield
+    finally:
+        _LAST_ENDS.reset(token)
+
+
+def _shared_ends(ends: np.ndarray) -> list[int]:
+    """`ends` as Python ints: within `shared_offsets()`, those equal to the last header's ends from the first on
+    are its objects (the values are the same; only fewer objects hold them)."""
+    last = _LAST_ENDS.get()
+    if not last:  # outside the block, or its first header
+        out = ends.tolist()
+    else:
+        before, objects = last
+        n = min(len(before), len(ends))
+        differ = np.flatnonzero(before[:n] != ends[:n])
+        same = int(differ[0]) if differ.size else n
+        out = objects[:same] + ends[same:].tolist()
+    if last is not None:
+        last[:] = [ends, out]
+    return out
 
 
 # One entry of the canonical layout (`_ENTRY`) with its three parts as groups: the fewest objects per tensor (a

@@ -155,3 +155,27 @@ def test_names_in_any_script_parse_alike(monkeypatch, seed):
     fast, strict = both(raw, monkeypatch)
     assert not isinstance(fast, tuple) and fast == strict
     assert list(fast.tensors.items()) == list(strict.tensors.items())
+
+
+def test_headers_laid_out_alike_share_their_offsets():
+    """Within `shared_offsets()` a header takes the int objects of the header read before it for the leading run
+    of offsets the two share (fewer objects, the same values); what follows a tensor of another size is its own.
+    Each header parses to what it parses to alone."""
+    def shard(sizes: list[int]) -> bytes:
+        doc, cursor = {}, 0
+        for i, n in enumerate(sizes):
+            doc[f"model.layers.3.mlp.experts.{i}.gate_proj.trellis"] = {
+                "dtype": "I16", "shape": [n], "data_offsets": [cursor, cursor + 2 * n]}
+            cursor += 2 * n
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    first, second = shard([300] * 40), shard([300] * 25 + [301] + [300] * 14)
+    with header.shared_offsets():
+        a, b = (parse_header(f"{n}.safetensors", raw, len(raw), None) for n, raw in (("a", first), ("b", second)))
+    alone = parse_header("b.safetensors", second, len(second), None)
+    assert b == alone and list(b.tensors.items()) == list(alone.tensors.items())
+    ends_a, ends_b = [e.end for e in a.tensors.values()], [e.end for e in b.tensors.values()]
+    assert all(x is y for x, y in zip(ends_a[:25], ends_b[:25]))  # the shared leading run
+    assert not any(x is y for x, y in zip(ends_a[25:], ends_b[25:]))  # past the grown tensor: every value differs
+    assert [e.begin for e in b.tensors.values()][1:] == ends_b[:-1]
+    assert not any(x is y for x, y in zip(ends_a, (e.end for e in alone.tensors.values())))  # outside: its own

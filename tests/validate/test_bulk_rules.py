@@ -173,3 +173,17 @@ def test_a_clean_layer_is_proven_in_bulk(pristine):
         ctx = rules_tensors._context(ckpt, layer)
         assert rules_tensors._linears_clean(ctx, layer_columns.columns(layer), range(ctx.tp)), layer.index
         assert rules_markers._marker_column(ckpt, layer.index) is not None
+
+
+def test_shared_columns_hold_the_fields_of_one_layer(pristine):
+    """Within `shared()` a layer's facts are built once, its field columns only while it is the layer read: reading
+    another drops them, and reading it again builds the same columns."""
+    ckpt = open_checkpoint(pristine)
+    first, second = list(ckpt.layers.values())[:2]
+    with layer_columns.shared():
+        cols = layer_columns.columns(first)
+        trellis, partition = cols.field(layer_columns.TRELLIS), cols.partition()
+        assert layer_columns.columns(second).field(layer_columns.TRELLIS)
+        assert not cols._fields and layer_columns.columns(first) is cols  # dropped; the facts kept
+        assert cols.partition() is partition and cols.field(layer_columns.TRELLIS) == trellis
+        assert cols.field(layer_columns.TRELLIS) == layer_columns.LayerColumns(first).field(layer_columns.TRELLIS)

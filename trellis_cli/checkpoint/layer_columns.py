@@ -25,13 +25,33 @@ TRELLIS, SUH, SVH, SU, SV, MCG, MUL1, EXTRA = range(8)
 TENSOR_FIELDS = range(TRELLIS, EXTRA)
 _GET = {i: itemgetter(i) for i in range(8)}
 
-_MEMO: ContextVar[dict[int, LayerColumns] | None] = ContextVar("layer_columns", default=None)
+_MEMO: ContextVar[_Shared | None] = ContextVar("layer_columns", default=None)
+
+
+class _Shared:
+    """The columns of the layers asked for within one `shared()` block. Each layer's facts (its K per expert,
+    layout, bytes per rank) are kept for the whole block; its field columns only while it is the layer being read:
+    the rules read one layer at a time, and every layer's columns held at once were ~18 MB at production size."""
+
+    def __init__(self) -> None:
+        self.built: dict[int, LayerColumns] = {}
+        self.current: LayerColumns | None = None
+
+    def columns(self, layer: MoeLayer) -> LayerColumns:
+        found = self.built.get(id(layer))
+        if found is None or found.layer is not layer:
+            found = self.built[id(layer)] = LayerColumns(layer)
+        if self.current is not found:
+            if self.current is not None:
+                self.current.drop_fields()
+            self.current = found
+        return found
 
 
 @contextmanager
 def shared() -> Iterator[None]:
-    """Within this block each layer's columns are built once (the layers are read, not changed, meanwhile)."""
-    token = _MEMO.set({})
+    """Within this block each layer's facts are computed once (the layers are read, not changed, meanwhile)."""
+    token = _MEMO.set(_Shared())
     try:
         yield
     finally:
@@ -41,12 +61,7 @@ def shared() -> Iterator[None]:
 def columns(layer: MoeLayer) -> LayerColumns:
     """The layer's columns: the shared build inside `shared()`, else a new one."""
     memo = _MEMO.get()
-    if memo is None:
-        return LayerColumns(layer)
-    found = memo.get(id(layer))
-    if found is None or found.layer is not layer:
-        found = memo[id(layer)] = LayerColumns(layer)
-    return found
+    return LayerColumns(layer) if memo is None else memo.columns(layer)
 
 
 def _k(shape: tuple[int, ...] | None) -> int | None:
@@ -75,6 +90,10 @@ class LayerColumns:
         if found is None:
             found = self._fields[i] = list(map(_GET[i], self.linears))
         return found
+
+    def drop_fields(self) -> None:
+        """Free the field columns (built again when asked); the facts computed from them are kept."""
+        self._fields.clear()
 
     def present(self, i: int) -> int:
         """How many linears have field `i`."""

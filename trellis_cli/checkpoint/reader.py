@@ -28,7 +28,7 @@ from trellis_cli.checkpoint.names import is_expert_name, parse_expert_name
 from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Finding, Location, Severity, error, warning
 from trellis_cli.header import (Header, HeaderError, JsonError, canonical_entries, header_length, load_json,
-                                open_regular, os_reason, parse_header, safe_relative)
+                                open_regular, os_reason, parse_header, safe_relative, shared_offsets)
 from trellis_cli.integrity import CHECKSUM_MANIFEST
 from trellis_cli.sources import Source
 
@@ -90,12 +90,13 @@ def read_headers(source: Source, files: dict[str, int], progress: Callable[[str,
         source.prefetch_headers(readable)
     headers: dict[str, Header] = {}
     progress("files", 0, len(readable))  # the total is the listing's: shown before the first header is read
-    for done, name in enumerate(readable, 1):
-        try:
-            headers[name] = _checked_header(source, name, files[name])
-        except CheckFailed as e:
-            findings.append(_header_finding(name, e))
-        progress("files", done, len(readable))
+    with shared_offsets():  # shards laid out alike share their offsets' objects
+        for done, name in enumerate(readable, 1):
+            try:
+                headers[name] = _checked_header(source, name, files[name])
+            except CheckFailed as e:
+                findings.append(_header_finding(name, e))
+            progress("files", done, len(readable))
     return headers
 
 

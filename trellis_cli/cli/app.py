@@ -7,9 +7,8 @@ import logging
 import os
 import sys
 from functools import partial
-from typing import Annotated, Callable, NoReturn, Optional
+from typing import Annotated, Any, Callable, NoReturn
 
-import click
 import typer
 
 from trellis_cli import __version__
@@ -44,10 +43,11 @@ def _version_callback(value: bool) -> None:
 
 @app.callback()
 def _global_options(
+    # A plain bool (not Optional): typer converts no bool flag's value (`build_command`).
     version: Annotated[
-        Optional[bool],
+        bool,
         typer.Option("--version", callback=_version_callback, is_eager=True, help="Print the version and exit."),
-    ] = None,
+    ] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors (also TRELLIS_DEBUG=1).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only errors and data; no logs or progress.")] = False,
 ) -> None:
@@ -89,6 +89,10 @@ def build_command():
         for param in [*sub.params, sub.get_help_option(context)]:
             if getattr(param, "param_type_name", "") == "option" and getattr(param, "is_flag", False):
                 param.metavar = ""
+                # typer's own help and completion flags default to None. False reads the same to their callbacks,
+                # and typer converts no bool flag's value: help is then rendered without importing pydantic.
+                if param.default is None:
+                    param.default = False
             elif getattr(param, "param_type_name", "") == "argument" and param.name:
                 if param.metavar is None:
                     param.metavar = param.name.upper()
@@ -105,11 +109,12 @@ def _usage_pieces(argument, _ctx) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: runs the app and maps failures to one line and an exit code."""
-    args = hoist_global_flags(list(sys.argv[1:] if argv is None else argv))
+    command = build_command()  # (once: building it reads every command's signature)
+    args = hoist_global_flags(list(sys.argv[1:] if argv is None else argv), command)
     streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = output.PipeGuard(sys.stdout), output.PipeGuard(sys.stderr)
     try:
-        _run(args)
+        _run(args, command)
     except SystemExit as done:
         if argv is not None:  # called in-process (tests, a host program): exit as Python does
             raise
@@ -132,10 +137,10 @@ def _exit_now(code: object) -> NoReturn:
     os._exit(code if isinstance(code, int) else 0 if code is None else EXIT_FINDINGS)
 
 
-def _run(args: list[str]) -> None:
+def _run(args: list[str], command: Any) -> None:
     try:
         # standalone_mode=False: the parser's errors come back to us (one line, not a boxed panel).
-        code = build_command()(args=args, prog_name="trellis", standalone_mode=False)
+        code = command(args=args, prog_name="trellis", standalone_mode=False)
     except _PARSER_ERRORS as err:
         if err.format_message():  # type: ignore[attr-defined]  # empty when bare `trellis` printed the help
             _report_error(_usage_message(err))
@@ -172,12 +177,12 @@ def _report_interrupted() -> None:
 
 
 def _click_exceptions() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
-    """The parser's error and abort classes: click's, and those of the click copy newer typer vendors (found
-    through typer's public BadParameter, never a private module)."""
-    errors: list[type[BaseException]] = [click.exceptions.ClickException]
-    errors += [k for k in typer.BadParameter.__mro__ if k.__name__ == "ClickException" and k not in errors]
-    aborts = [click.exceptions.Abort, getattr(typer, "Abort", None)]
-    return tuple(errors), tuple(a for a in aborts if isinstance(a, type) and issubclass(a, BaseException))
+    """The parser's error and abort classes, those of the click typer runs on: click's own, or the copy newer typer
+    vendors. Found through typer's public BadParameter and Abort, never a private module, and without importing
+    click (which newer typer never imports)."""
+    errors = tuple(k for k in typer.BadParameter.__mro__ if k.__name__ == "ClickException")
+    aborts = [getattr(typer, "Abort", None)]
+    return errors, tuple(a for a in aborts if isinstance(a, type) and issubclass(a, BaseException))
 
 
 _PARSER_ERRORS, _ABORTS = _click_exceptions()
@@ -190,13 +195,13 @@ def _usage_message(err) -> str:
     return f"{command}: {err.format_message()} (see `{command} --help`)"
 
 
-def hoist_global_flags(args: list[str]) -> list[str]:
+def hoist_global_flags(args: list[str], group: Any = None) -> list[str]:
     """Move `-q`/`--quiet`/`--debug` given after the subcommand to the front, where the app reads them.
 
-    Walks the subcommand's own options so that an option's value (`--token -q`) is never taken for a flag,
-    and stops at `--`.
+    Walks the subcommand's own options (of `group`, the app's command: built here when not given) so that an
+    option's value (`--token -q`) is never taken for a flag, and stops at `--`.
     """
-    group = build_command()
+    group = build_command() if group is None else group
     sub_index = next((i for i, a in enumerate(args) if not a.startswith("-")), None)
     command = getattr(group, "commands", {}).get(args[sub_index]) if sub_index is not None else None
     if sub_index is None or command is None:

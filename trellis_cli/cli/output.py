@@ -8,21 +8,13 @@ import re
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, cast
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 from rich.text import Text
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 
 @dataclass
@@ -152,35 +144,33 @@ def progress_enabled(as_json: bool = False) -> bool:
     return not (state.quiet or as_json) and stderr.is_terminal
 
 
-def make_progress(*, bytes_mode: bool = False, enabled: bool = True) -> Progress:
-    """A rich progress bar on stderr; disabled when quiet, in JSON mode or not on a terminal."""
-    columns: list = [SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn()]
-    if bytes_mode:  # "1.2/3.4 GB" (a total once known), then the rate; "3/76" for a task added with items=True
-        columns += [AmountColumn(default_bytes=True), ByteRateColumn()]
-    else:  # counts, or bytes for a task added with bytes=True (hashing within a run of rules)
-        columns += [AmountColumn()]
-    columns += [TimeElapsedColumn(), TimeRemainingColumn()]
-    return Progress(*columns, console=stderr, transient=True, disable=not enabled)
+def make_progress(*, bytes_mode: bool = False, enabled: bool = True) -> Progress | Unshown:
+    """A rich progress bar on stderr (cli/progress.py); where it would be disabled (quiet, JSON mode, not a terminal)
+    a stand-in that shows nothing, so that a command drawing no bar never imports rich.progress."""
+    if not enabled:
+        return Unshown()
+    from trellis_cli.cli.progress import bars
+
+    return bars(stderr, bytes_mode)
 
 
-class ByteRateColumn(TransferSpeedColumn):
-    """The byte rate, left blank for a task that counts items."""
+class Unshown:
+    """A progress that is not shown: the calls the commands make of rich's Progress, each doing nothing."""
 
-    def render(self, task):
-        return Text("") if task.fields.get("items") else super().render(task)
+    def __enter__(self) -> Unshown:
+        return self
 
+    def __exit__(self, *exc: object) -> None:
+        return None
 
-class AmountColumn(MofNCompleteColumn):
-    """"3/76" for a task counting items; "1.2/3.4 GB" for one added with the field bytes=True."""
+    def add_task(self, description: str, total: float | None = None, **fields: Any) -> TaskID:
+        return cast("TaskID", 0)
 
-    def __init__(self, default_bytes: bool = False) -> None:
-        super().__init__()
-        self._bytes = DownloadColumn()
-        self._default_bytes = default_bytes
+    def update(self, task: TaskID, **fields: Any) -> None:
+        return None
 
-    def render(self, task):
-        as_bytes = task.fields.get("bytes", self._default_bytes and not task.fields.get("items"))
-        return self._bytes.render(task) if as_bytes else super().render(task)
+    def advance(self, task: TaskID, advance: float = 1) -> None:
+        return None
 
 
 @contextmanager
@@ -196,7 +186,7 @@ STAGE_NAMES = {"files": "reading headers (files)", "model": "building the checkp
                "headers": "header rules (layers)", "data": "data rules (layers)"}
 
 
-def stage_advancer(progress: Progress) -> Callable[[str, int, int], None]:
+def stage_advancer(progress: Progress | Unshown) -> Callable[[str, int, int], None]:
     """`advance(stage, done, total)` on `progress`: one bar per stage, each with its total (files, layers,
     steps), counted as items even in a progress whose other tasks count bytes."""
     tasks: dict[str, Any] = {}
