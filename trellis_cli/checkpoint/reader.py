@@ -294,7 +294,7 @@ def header_names(source: Source, name: str, listed: int) -> HeaderNames:
             stored = sorted(((n, e) for n, e in doc.items() if not is_expert_name(n)),
                             key=lambda item: item[1]["data_offsets"][0])
             others = [(n, e["dtype"], tuple(e["shape"])) for n, e in stored]
-        return HeaderNames(layers, experts, tensors, others, metadata, CodeCounts(entries=entries))
+        return HeaderNames(layers, experts, tensors, others, metadata, CodeCounts.in_entries(entries))
     try:
         header = parse_header(name, raw, len(raw), listed)
     except HeaderError as e:
@@ -310,30 +310,29 @@ def header_names(source: Source, name: str, listed: int) -> HeaderNames:
     if experts and experts != len(header.tensors):
         kept = sorted((t for t in header.tensors.values() if not is_expert_name(t.name)), key=lambda t: t.begin)
         return HeaderNames(layers, experts, len(header.tensors), [(t.name, t.dtype, t.shape) for t in kept],
-                           dict(header.metadata), CodeCounts(counts=dict(trellis)))
-    return HeaderNames(layers, experts, len(header.tensors), None, None, CodeCounts(counts=dict(trellis)))
+                           dict(header.metadata), CodeCounts(dict(trellis), trellis.total()))
+    return HeaderNames(layers, experts, len(header.tensors), None, None, CodeCounts(dict(trellis), trellis.total()))
 
 
-class CodeCounts:
-    """How many routed-expert `trellis` tensors (I16) of one header have a given shape, and how many there are:
-    counted in the bytes of a canonical header's entries (one C-speed count per shape asked; any `.trellis` key
-    counts in the total, so a stray one defers rather than passes), or from the parsed entries."""
+class CodeCounts(NamedTuple):
+    """How many routed-expert `trellis` tensors (I16) of one header have a given shape, and how many `trellis`
+    tensors it holds: counted in the bytes of a canonical header's entries (`in_entries`; any `.trellis` key counts
+    in the total, so a stray one defers rather than passes), or from the parsed entries. Plain counts: a shard
+    scanned in a worker process sends back these, not its entries."""
 
-    def __init__(self, *, entries: bytes | None = None, counts: dict[tuple[int, ...], int] | None = None) -> None:
-        self._entries, self._counts = entries, counts
+    counts: dict[tuple[int, ...], int]
+    total: int
+
+    @classmethod
+    def in_entries(cls, entries: bytes) -> "CodeCounts":
+        # One pass over the entries: in that layout every shape is written canonically (header.DIM_PATTERN), so
+        # its text and its tuple of integers name each other.
+        found = Counter(_TRELLIS_SHAPE.findall(entries))
+        counts = {tuple(map(int, text.split(b","))) if text else (): n for text, n in found.items()}
+        return cls(counts, entries.count(b'.trellis":{'))
 
     def of(self, shape: tuple[int, ...]) -> int:
-        if self._counts is not None:
-            return self._counts.get(shape, 0)
-        assert self._entries is not None
-        return self._entries.count(b'.trellis":{"dtype":"I16","shape":[' + ",".join(map(str, shape)).encode() + b"]")
-
-    @property
-    def total(self) -> int:
-        if self._counts is not None:
-            return sum(self._counts.values())
-        assert self._entries is not None
-        return self._entries.count(b'.trellis":{')
+        return self.counts.get(shape, 0)
 
 
 def _expert_layers(entries: bytes) -> set[int]:
@@ -352,6 +351,7 @@ def _expert_layers(entries: bytes) -> set[int]:
 
 _TRELLIS_NAME = re.compile(r'experts\.(?:0|[1-9][0-9]*)\.(?:gate|up|down)_proj\.(?:rank(?:0|[1-9][0-9]*)\.)?trellis$')
 _EXPERT_LAYER = re.compile(rb'"model\.layers\.(0|[1-9][0-9]*)\.mlp\.experts\.')
+_TRELLIS_SHAPE = re.compile(rb'\.trellis":\{"dtype":"I16","shape":\[([0-9,]*)\]')
 
 
 # ---- the index -----------------------------------------------------------------------------------------------
