@@ -10,6 +10,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,8 @@ def forked(monkeypatch):
     """The scans forked from here on; skipped where no fork is safe (one usable core, another thread running)."""
     monkeypatch.setattr(reader, "PARALLEL_SHARDS", FORKED)
     if reader._scan_workers(FORKED) == 1:
-        pytest.skip("no worker process here: one usable core, or another thread runs")
+        threads = [thread.name for thread in threading.enumerate()]
+        pytest.skip(f"no worker process here: one usable core, or another thread runs ({threads})")
 
 
 def each_way(monkeypatch, compute):
