@@ -10,6 +10,8 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -98,6 +100,22 @@ def test_a_lost_worker_leaves_the_rest_to_this_process(forked):
     progress = []
     assert reader.scan_shards(NAMES, scan, progress.append) == NAMES and progress == list(range(1, 41))
     assert multiprocessing.active_children() == []
+
+
+def test_a_worker_writes_nothing_and_leaves_ctrl_c_to_this_process(forked, capfd):
+    """Whatever a worker would print goes nowhere; a Ctrl-C it receives (the terminal sends it to every process of
+    the group) is ignored there: this process alone answers it."""
+    parent = os.getpid()
+
+    def scan(name):
+        if os.getpid() != parent:
+            print(f"{name} from a worker")
+            print(f"{name} from a worker", file=sys.stderr)
+            os.kill(os.getpid(), signal.SIGINT)
+        return name
+
+    assert reader.scan_shards(NAMES, scan, lambda _done: None) == NAMES
+    assert capfd.readouterr() == ("", "")
 
 
 # ---- a real checkpoint ---------------------------------------------------------------------------------------

@@ -222,7 +222,12 @@ def _scan_forked(names: list[str], scan: Callable[[str], _Read | None], workers:
             # handles a fork itself); no other Python thread runs here (`_scan_workers`), and a worker runs only
             # `scan`. The workers are forked here, before the pool starts its own thread.
             warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
-            results = pool.map(_run_scan, names, chunksize=max(1, len(names) // (4 * workers)))
+            # Ctrl-C held back while they are forked (then delivered here): a worker ignores it from its start
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                results = pool.map(_run_scan, names, chunksize=max(1, len(names) // (4 * workers)))
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
         return _take(results, found, progress)
     finally:
         pool.shutdown(cancel_futures=True)  # (waits for the workers to exit; after a None, for the chunks begun)
@@ -256,6 +261,7 @@ def _start_worker(scan: Callable[[str], Any]) -> None:
     shuts the pool down."""
     global _worker_scan
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     sys.stdout = sys.stderr = open(os.devnull, "w")
     _worker_scan = scan
 
