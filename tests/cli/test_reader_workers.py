@@ -13,6 +13,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -30,8 +31,13 @@ FORKED, HERE = 2, 10**9  # reader.PARALLEL_SHARDS: every scan of two shards or m
 def forked(monkeypatch):
     """The scans forked from here on; skipped where no fork is safe (one usable core, another thread running)."""
     monkeypatch.setattr(reader, "PARALLEL_SHARDS", FORKED)
+    deadline = time.monotonic() + 1
+    for thread in threading.enumerate():  # an earlier test's thread on its way out (a progress display's, not joined)
+        if thread is not threading.current_thread():
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
     if reader._scan_workers(FORKED) == 1:
-        threads = [thread.name for thread in threading.enumerate()]
+        threads = [f"{thread.name} ({type(thread).__module__}.{type(thread).__qualname__})"
+                   for thread in threading.enumerate()]
         pytest.skip(f"no worker process here: one usable core, or another thread runs ({threads})")
 
 
@@ -75,7 +81,7 @@ def test_the_first_shard_without_a_result_decides(forked):
     assert progress == list(range(1, 8)) and multiprocessing.active_children() == []
 
 
-def test_an_exception_comes_back_with_its_code(monkeypatch):
+def test_an_exception_comes_back_with_its_code(monkeypatch, forked):
     def scan(name):
         if name == "shard-11":
             raise CheckFailed(f"{name}: refused", code="file.header")
