@@ -28,6 +28,7 @@ import hashlib
 import json
 import re
 import shutil
+import socket
 import struct
 import tempfile
 import threading
@@ -163,6 +164,7 @@ class HubServer:
         self.honour_ranges = True
         self._stopping = threading.Event()
         self._files = tempfile.TemporaryDirectory(prefix="hub-server-")  # commit copies, corrupted blobs
+        self.connections: dict[threading.Thread, socket.socket] = {}  # each open connection's handler thread
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -178,6 +180,17 @@ class HubServer:
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
+        # The client keeps its connections open (a pool), each with a handler thread waiting on it: closed here, so
+        # that no thread outlives the server (a command scans its shards in forked workers only where none runs).
+        with self.lock:
+            handlers = dict(self.connections)
+        for connection in handlers.values():
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in handlers:
+            thread.join(timeout=5)
         self._files.cleanup()
 
     @property
@@ -280,6 +293,18 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, *args) -> None:  # keep pytest output clean
         pass
+
+    def setup(self) -> None:
+        super().setup()
+        with self.hub.lock:
+            self.hub.connections[threading.current_thread()] = self.connection
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            with self.hub.lock:
+                self.hub.connections.pop(threading.current_thread(), None)
 
     # -- plumbing ----------------------------------------------------------------------------------------
 

@@ -14,11 +14,19 @@ files that could be read. `tests/base/test_one_reader.py` forbids reading a head
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
+import signal
+import sys
+import threading
+import warnings
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from functools import partial
 from operator import attrgetter
-from typing import Any, Callable, Collection, Iterator, Mapping, NamedTuple, TypeVar
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -176,6 +184,94 @@ def raw_header(source: Source, name: str, listed: int) -> bytes:
     return data
 
 
+# ---- scans of many local shards ----------------------------------------------------------------------------
+
+# The quick commands scan every raw header of a local checkpoint: at production size (~76 shards, ~935k tensors)
+# about a second of regex work in one process, on hosts of 16-128 cores. Fewer shards than PARALLEL_SHARDS are
+# scanned in this process (starting workers would cost more than it saves); more by up to MAX_SCAN_WORKERS.
+PARALLEL_SHARDS = 8
+MAX_SCAN_WORKERS = 8
+_worker_scan: Callable[[str], Any] | None = None  # a forked worker's scan (`_start_worker`)
+
+
+def scan_shards(names: list[str], scan: Callable[[str], _Read | None],
+                progress: Callable[[int], None]) -> list[_Read] | None:
+    """`scan(name)` of each local shard of `names`, in that order; None at the first scan that gives None (the
+    shards after it count for nothing, as a loop would never have read them). `scan` reads its shard itself and
+    gives None for every refusal it expects; `progress(done)` is called after each shard, in order, here.
+
+    Where a fork is safe and pays (`_scan_workers`), forked processes read and scan the shards (`scan` is inherited,
+    never pickled) and send back only each shard's result; none outlives this call. Where no process can be had,
+    or one is lost (killed), the shards not yet taken are scanned here."""
+    found: list[_Read] = []
+    workers = _scan_workers(len(names))
+    if workers > 1:
+        try:
+            return found if _scan_forked(names, scan, workers, found, progress) else None
+        except (OSError, BrokenProcessPool):
+            pass
+    return found if _take(map(scan, names[len(found):]), found, progress) else None
+
+
+def _scan_forked(names: list[str], scan: Callable[[str], _Read | None], workers: int, found: list[_Read],
+                 progress: Callable[[int], None]) -> bool:
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("fork"), initializer=_start_worker,
+                               initargs=(scan,))
+    try:
+        with warnings.catch_warnings():
+            # Python >= 3.12 warns at a fork of any other thread, native ones included (a BLAS's pool, which
+            # handles a fork itself); no other Python thread runs here (`_scan_workers`), and a worker runs only
+            # `scan`. The workers are forked here, before the pool starts its own thread.
+            warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
+            # Ctrl-C held back while they are forked (then delivered here): a worker ignores it from its start
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                results = pool.map(_run_scan, names, chunksize=max(1, len(names) // (4 * workers)))
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        return _take(results, found, progress)
+    finally:
+        pool.shutdown(cancel_futures=True)  # (waits for the workers to exit; after a None, for the chunks begun)
+
+
+def _take(results: Iterable[_Read | None], found: list[_Read], progress: Callable[[int], None]) -> bool:
+    """Append `results` to `found` in order, up to the first None (then False)."""
+    for result in results:
+        if result is None:
+            return False
+        found.append(result)
+        progress(len(found))
+    return True
+
+
+def _scan_workers(shards: int) -> int:
+    """How many processes scan `shards` local shards: this one alone unless there are PARALLEL_SHARDS or more, more
+    than one core is usable (its affinity, where the platform has one) and a fork is available and safe: POSIX but
+    not macOS (whose system libraries are not fork-safe), no other Python thread (a fork copies only the calling
+    thread: a lock another one holds would never be released in the child), and not itself a daemonic worker (which
+    may not start processes)."""
+    if shards < PARALLEL_SHARDS or sys.platform == "darwin" or "fork" not in multiprocessing.get_all_start_methods() \
+            or threading.active_count() != 1 or multiprocessing.current_process().daemon:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, MAX_SCAN_WORKERS, shards)
+
+
+def _start_worker(scan: Callable[[str], Any]) -> None:
+    """A forked worker writes nothing (its standard streams go nowhere) and leaves Ctrl-C to the parent, which then
+    shuts the pool down."""
+    global _worker_scan
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    sys.stdout = sys.stderr = open(os.devnull, "w")
+    _worker_scan = scan
+
+
+def _run_scan(name: str) -> Any:
+    assert _worker_scan is not None
+    return _worker_scan(name)
+
+
 class ShardColumns(NamedTuple):
     """Every shard of a checkpoint as `fit` reads it without the per-tensor model: the rank-sliced linears of
     each shard of experts as columns (`columns.linear_columns`), and the parsed headers of the shards that hold
@@ -202,28 +298,29 @@ def shard_columns(source: Source, files: dict[str, int],
                   progress: Callable[[str, int, int], None]) -> ShardColumns | None:
     """`ShardColumns` of a local checkpoint, under the guards of `read_headers`; None where any shard is not one
     of the two kinds, or anything the full opening would report about a shard (the caller then opens it in
-    full, which names it)."""
+    full, which names it). The shards are read and scanned in worker processes where that pays (`scan_shards`)."""
     names = sorted(name for name in files if name.endswith(".safetensors"))
-    linears: dict[str, LinearColumns] = {}
-    others: dict[str, Header] = {}
     progress("files", 0, len(names))
-    for done, name in enumerate(names, 1):
-        try:
-            raw = raw_header(source, name, files[name])
-            if no_expert_tensors(raw):
-                header = parse_header(name, raw, len(raw), files[name])
-                if header.data_start + header.data_end > files[name]:
-                    return None  # tensors past the end of the file (`byte_faults` words it)
-                others[name] = header
-            else:
-                found = linear_columns(raw, files[name])
-                if found is None:
-                    return None
-                linears[name] = found
-        except (CheckFailed, HeaderError):
-            return None
-        progress("files", done, len(names))
-    return ShardColumns(linears, others)
+    found = scan_shards(names, partial(_columns_of, source, files), lambda done: progress("files", done, len(names)))
+    if found is None:
+        return None
+    return ShardColumns({name: f for name, f in zip(names, found) if isinstance(f, LinearColumns)},
+                        {name: f for name, f in zip(names, found) if isinstance(f, Header)})
+
+
+def _columns_of(source: Source, files: dict[str, int], name: str) -> LinearColumns | Header | None:
+    """One shard as `shard_columns` reads it: its linears as columns, or its parsed header where it names no routed
+    expert; None where it is neither, or the full opening would report anything about it."""
+    try:
+        raw = raw_header(source, name, files[name])
+        if not no_expert_tensors(raw):
+            return linear_columns(raw, files[name])
+        header = parse_header(name, raw, len(raw), files[name])
+    except (CheckFailed, HeaderError):
+        return None
+    if header.data_start + header.data_end > files[name]:
+        return None  # tensors past the end of the file (`byte_faults` words it)
+    return header
 
 
 def same_bytes(a: Source, a_files: dict[str, int], b: Source) -> dict[str, int] | None:
@@ -295,7 +392,7 @@ def header_names(source: Source, name: str, listed: int) -> HeaderNames:
             stored = sorted(((n, e) for n, e in doc.items() if not is_expert_name(n)),
                             key=lambda item: item[1]["data_offsets"][0])
             others = [(n, e["dtype"], tuple(e["shape"])) for n, e in stored]
-        return HeaderNames(layers, experts, tensors, others, metadata, CodeCounts(entries=entries))
+        return HeaderNames(layers, experts, tensors, others, metadata, CodeCounts.in_entries(entries))
     try:
         header = parse_header(name, raw, len(raw), listed)
     except HeaderError as e:
@@ -311,30 +408,44 @@ def header_names(source: Source, name: str, listed: int) -> HeaderNames:
     if experts and experts != len(header.tensors):
         kept = sorted((t for t in header.tensors.values() if not is_expert_name(t.name)), key=lambda t: t.begin)
         return HeaderNames(layers, experts, len(header.tensors), [(t.name, t.dtype, t.shape) for t in kept],
-                           dict(header.metadata), CodeCounts(counts=dict(trellis)))
-    return HeaderNames(layers, experts, len(header.tensors), None, None, CodeCounts(counts=dict(trellis)))
+                           dict(header.metadata), CodeCounts(dict(trellis), trellis.total()))
+    return HeaderNames(layers, experts, len(header.tensors), None, None, CodeCounts(dict(trellis), trellis.total()))
 
 
-class CodeCounts:
-    """How many routed-expert `trellis` tensors (I16) of one header have a given shape, and how many there are:
-    counted in the bytes of a canonical header's entries (one C-speed count per shape asked; any `.trellis` key
-    counts in the total, so a stray one defers rather than passes), or from the parsed entries."""
+def every_header_names(source: Source, files: dict[str, int]) -> dict[str, HeaderNames] | None:
+    """`header_names` of every local safetensors file in sorted order, in worker processes where that pays
+    (`scan_shards`); None at the first one it refuses (the full opening names it)."""
+    names = sorted(name for name in files if name.endswith(".safetensors"))
+    found = scan_shards(names, partial(_names_of, source, files), lambda _done: None)
+    return None if found is None else dict(zip(names, found))
 
-    def __init__(self, *, entries: bytes | None = None, counts: dict[tuple[int, ...], int] | None = None) -> None:
-        self._entries, self._counts = entries, counts
+
+def _names_of(source: Source, files: dict[str, int], name: str) -> HeaderNames | None:
+    try:
+        return header_names(source, name, files[name])
+    except CheckFailed:
+        return None
+
+
+class CodeCounts(NamedTuple):
+    """How many routed-expert `trellis` tensors (I16) of one header have a given shape, and how many `trellis`
+    tensors it holds: counted in the bytes of a canonical header's entries (`in_entries`; any `.trellis` key counts
+    in the total, so a stray one defers rather than passes), or from the parsed entries. Plain counts: a shard
+    scanned in a worker process sends back these, not its entries."""
+
+    counts: dict[tuple[int, ...], int]
+    total: int
+
+    @classmethod
+    def in_entries(cls, entries: bytes) -> "CodeCounts":
+        # One pass over the entries: in that layout every shape is written canonically (header.DIM_PATTERN), so
+        # its text and its tuple of integers name each other.
+        found = Counter(_TRELLIS_SHAPE.findall(entries))
+        counts = {tuple(map(int, text.split(b","))) if text else (): n for text, n in found.items()}
+        return cls(counts, entries.count(b'.trellis":{'))
 
     def of(self, shape: tuple[int, ...]) -> int:
-        if self._counts is not None:
-            return self._counts.get(shape, 0)
-        assert self._entries is not None
-        return self._entries.count(b'.trellis":{"dtype":"I16","shape":[' + ",".join(map(str, shape)).encode() + b"]")
-
-    @property
-    def total(self) -> int:
-        if self._counts is not None:
-            return sum(self._counts.values())
-        assert self._entries is not None
-        return self._entries.count(b'.trellis":{')
+        return self.counts.get(shape, 0)
 
 
 def _expert_layers(entries: bytes) -> set[int]:
@@ -353,6 +464,7 @@ def _expert_layers(entries: bytes) -> set[int]:
 
 _TRELLIS_NAME = re.compile(r'experts\.(?:0|[1-9][0-9]*)\.(?:gate|up|down)_proj\.(?:rank(?:0|[1-9][0-9]*)\.)?trellis$')
 _EXPERT_LAYER = re.compile(rb'"model\.layers\.(0|[1-9][0-9]*)\.mlp\.experts\.')
+_TRELLIS_SHAPE = re.compile(rb'\.trellis":\{"dtype":"I16","shape":\[([0-9,]*)\]')
 
 
 # ---- the index -----------------------------------------------------------------------------------------------
@@ -820,6 +932,7 @@ def require_intact(ckpt: Checkpoint, what: str) -> None:
                       f"(run `trellis validate` for every finding)", code=first.code)
 
 
-__all__ = ["BYTE_FAULT_CODES", "HeaderNames", "byte_faults", "canonical_header", "escapes", "header_names", "listing",
-           "index_files", "listing_findings", "raw_header", "read_headers", "read_index", "read_json", "require_intact",
-           "same_bytes", "ShardNames", "shard_columns", "shard_names", "shard_header", "source_header"]
+__all__ = ["BYTE_FAULT_CODES", "HeaderNames", "byte_faults", "canonical_header", "escapes", "every_header_names",
+           "header_names", "listing", "index_files", "listing_findings", "raw_header", "read_headers", "read_index",
+           "read_json", "require_intact", "same_bytes", "scan_shards", "ShardNames", "shard_columns", "shard_names",
+           "shard_header", "source_header"]

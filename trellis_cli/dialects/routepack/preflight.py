@@ -19,7 +19,6 @@ from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.dialects.routepack import write as rp_write
 from trellis_cli.dialects.routepack.write import EXTRA_DIR
 from trellis_cli.checkpoint import reader
-from trellis_cli.errors import CheckFailed
 from trellis_cli.dialects.routepack.layout import MANIFEST_NAME, layer_file_name
 from trellis_cli.dialects.conversion import NOT_VALIDATED, OutputPlan, refuse_collisions
 from trellis_cli.dialects.source_facts import CONFIG, NOT_COPIED, fingerprint, protected_paths
@@ -81,14 +80,11 @@ class _ShardScan:
 
 
 def _scan_shards(ck: Checkpoint) -> dict[str, _ShardScan] | None:
-    scans = {}
-    for name in sorted(ck.files):
-        if not name.endswith(".safetensors"):
-            continue
-        try:  # the reader's guards and the full parser's refusals, as the full opening meets them
-            scans[name] = _ShardScan(reader.header_names(ck.source, name, ck.files[name]))
-        except CheckFailed:
-            return None  # the full opening reports it by name
+    # the reader's guards and the full parser's refusals, as the full opening meets them
+    names = reader.every_header_names(ck.source, ck.files)
+    if names is None:
+        return None  # the full opening reports it by name
+    scans = {name: _ShardScan(found) for name, found in names.items()}
     found = {layer for scan in scans.values() for layer in scan.layers}
     if any(layer not in found for layer, moe in ck.layers.items() if moe.declared_k is not None):
         return None  # a declared layer no shard holds (a shard missing, or unreadable): the full opening says which
