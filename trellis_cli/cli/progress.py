@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -26,7 +28,33 @@ def bars(console: Console, bytes_mode: bool) -> Progress:
     else:  # counts, or bytes for a task added with bytes=True (hashing within a run of rules)
         columns += [AmountColumn()]
     columns += [TimeElapsedColumn(), TimeRemainingColumn()]
-    return Progress(*columns, console=console, transient=True)
+    return Bars(*columns, console=console, transient=True)
+
+
+class Bars(Progress):
+    """A Progress redrawn by its updates (at most REDRAWS_PER_SECOND), not by a thread of its own: while it is
+    shown the command stays one thread, so the reader may fork its shard scans (`reader.scan_shards` forks only
+    a process of one thread: a fork copies no other thread, and a lock one of them held would never be freed)."""
+
+    REDRAWS_PER_SECOND = 10
+
+    def __init__(self, *columns, **options) -> None:
+        super().__init__(*columns, auto_refresh=False, **options)
+        self._drawn = 0.0
+
+    def update(self, task_id, **fields) -> None:
+        super().update(task_id, **fields)
+        self._redraw()
+
+    def advance(self, task_id, advance: float = 1) -> None:
+        super().advance(task_id, advance)
+        self._redraw()
+
+    def _redraw(self) -> None:
+        now = time.monotonic()
+        if now - self._drawn >= 1 / self.REDRAWS_PER_SECOND:
+            self._drawn = now
+            self.refresh()
 
 
 class ByteRateColumn(TransferSpeedColumn):
