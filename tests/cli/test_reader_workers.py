@@ -208,20 +208,23 @@ def test_a_damaged_middle_shard_is_refused_the_same_either_way(monkeypatch, caps
 
 def opened(root: Path):
     """What the opening of `root` built, as plain values: every header (its records in stored order), the tensors
-    in their order, the findings in theirs, the progress reported, and how many distinct objects hold the offsets
-    (shards laid out alike share them: `header.shared_offsets`)."""
+    in their order, the MoE layers (their linears' records, the names split in the workers), the findings in their
+    order, the progress reported, and how many distinct objects hold the offsets (shards laid out alike share them:
+    `header.shared_offsets`)."""
     progress = []
     ckpt = open_checkpoint(root, progress=lambda *args: progress.append(args))
     headers = [(file, h.header_len, h.file_size, h.metadata, list(h.tensors.items()))
                for file, h in ckpt.headers.items()]
+    layers = [(li, [(e, [(p, list(ranks.items())) for p, ranks in projs.items()]) for e, projs in moe.experts.items()],
+               sorted(moe.files), moe.rank_sliced, list(moe.unparsed)) for li, moe in ckpt.layers.items()]
     offsets = {id(offset) for h in ckpt.headers.values() for t in h.tensors.values() for offset in (t.begin, t.end)}
-    return headers, list(ckpt.tensors.items()), ckpt.parse_findings, progress, len(offsets)
+    return headers, list(ckpt.tensors.items()), layers, ckpt.parse_findings, progress, len(offsets)
 
 
 def test_the_opening_is_the_same_either_way(monkeypatch, forked, good):
     forked_opening, here = each_way(monkeypatch, lambda: opened(good))
-    assert forked_opening == here and len(here[0]) == 5 and not here[2]
-    assert [args for args in here[3] if args[0] == "files"] == [("files", done, 5) for done in range(6)]
+    assert forked_opening == here and len(here[0]) == 5 and len(here[2]) == 4 and not here[3]
+    assert [args for args in here[4] if args[0] == "files"] == [("files", done, 5) for done in range(6)]
 
 
 def edit_raw_header(path: Path, edit) -> None:
@@ -265,7 +268,7 @@ def not_utf8_name(root: Path) -> str:
     return "file.header"
 
 
-OPENING_DAMAGE = {**READER_CORPUS, "name-twice": name_twice, "reversed-pair": reversed_pair,
+OPENING_DAMAGE = {**DAMAGE, "name-twice": name_twice, "reversed-pair": reversed_pair,
                   "other-layout": other_layout, "name-not-utf8": not_utf8_name}
 
 

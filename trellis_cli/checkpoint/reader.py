@@ -32,6 +32,7 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Named
 import numpy as np
 
 from trellis_cli.checkpoint.columns import LinearColumns, all_distinct, linear_columns, no_expert_tensors
+from trellis_cli.checkpoint.linear_names import NameLinears, name_linears
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import is_expert_name, parse_expert_name
 from trellis_cli.errors import CheckFailed
@@ -82,11 +83,13 @@ def escapes(source: Source, name: str) -> bool:
 # ---- headers -------------------------------------------------------------------------------------------------
 
 def read_headers(source: Source, files: dict[str, int], progress: Callable[[str, int, int], None],
-                 findings: list[Finding]) -> dict[str, Header]:
+                 findings: list[Finding], linears: dict[str, NameLinears | None] | None = None) -> dict[str, Header]:
     """Every safetensors header of the listing; each file that cannot be read is a finding instead.
 
     A remote source reads its headers concurrently first (one ranged request per file); errors resurface per
-    file here. SourceUnavailable (network, auth) propagates: exit 3, not a finding."""
+    file here. SourceUnavailable (network, auth) propagates: exit 3, not a finding. A local one's shards are read
+    and split by a scan, in worker processes where that pays (`_header_columns`); `linears`, where given, takes
+    each such header's `linear_names.name_linears`, split there too."""
     readable = []
     for name, size in files.items():
         if not name.endswith(".safetensors"):
@@ -101,11 +104,15 @@ def read_headers(source: Source, files: dict[str, int], progress: Callable[[str,
     headers: dict[str, Header] = {}
     progress("files", 0, len(readable))  # the total is the listing's: shown before the first header is read
 
-    def read(name: str, columns: HeaderColumns | None = None) -> bool:
+    def read(name: str, scanned: _Scanned | None = None) -> bool:
         """One header into `headers` (from its columns where a scan gave them), or its refusal into `findings`."""
         try:
-            headers[name] = header_of_columns(name, columns, files[name]) if columns is not None else \
-                _checked_header(source, name, files[name])
+            if scanned is None:
+                headers[name] = _checked_header(source, name, files[name])
+            else:
+                headers[name] = header_of_columns(name, scanned[0], files[name])
+                if linears is not None:
+                    linears[name] = scanned[1]
         except CheckFailed as e:
             findings.append(_header_finding(name, e))
         progress("files", next(done), len(readable))
@@ -117,19 +124,26 @@ def read_headers(source: Source, files: dict[str, int], progress: Callable[[str,
             for name in readable:
                 read(name)
         else:  # a local one: each shard's bytes read and split by a scan (forked where that pays)
-            each_scanned(readable, partial(_header_columns, source, files),
-                         lambda name, columns: read(name, columns))
+            each_scanned(readable, partial(_header_columns, source, files), read, _OPENING_CHUNK)
     return headers
 
 
-def _header_columns(source: Source, files: dict[str, int], name: str) -> HeaderColumns | None:
-    """A local shard's header as columns (`header.canonical_columns`) where it is read without a fault; None where
-    the reader's checks refuse it or it is not in safetensors' own layout: it is then read again, as a remote one
-    is, and parsed strictly (which words every refusal)."""
+_Scanned = tuple[HeaderColumns, "NameLinears | None"]
+_OPENING_CHUNK = 4  # shards a worker scans at a time for the opening: each result is ~1 MB at production size
+
+
+def _header_columns(source: Source, files: dict[str, int], name: str) -> _Scanned | None:
+    """A local shard's header as columns (`header.canonical_columns`), with its names' linears
+    (`linear_names.name_linears`), where it is read without a fault; None where the reader's checks refuse it or it
+    is not in safetensors' own layout: it is then read again, as a remote one is, and parsed strictly (which words
+    every refusal)."""
     try:
-        return canonical_columns(raw_header(source, name, files[name]))
+        columns = canonical_columns(raw_header(source, name, files[name]))
     except CheckFailed:
         return None
+    if columns is None:
+        return None
+    return columns, name_linears(columns.names.replace('"', "\n"), len(columns.kind_index))
 
 
 def _listed_fault(source: Source, name: str, size: int) -> Finding | None:
@@ -236,9 +250,12 @@ def scan_shards(names: list[str], scan: Callable[[str], _Read | None],
     return found if each_scanned(names, scan, take) else None
 
 
-def each_scanned(names: list[str], scan: Callable[[str], _Read], take: Callable[[str, _Read], bool]) -> bool:
+def each_scanned(names: list[str], scan: Callable[[str], _Read], take: Callable[[str, _Read], bool],
+                 chunk: int = sys.maxsize) -> bool:
     """`take(name, scan(name))` of each local shard of `names`, in that order, here, up to the first that gives False
-    (then False). `scan` reads its shard itself and expects no exception.
+    (then False). `scan` reads its shard itself and expects no exception. A worker is given about a quarter of its
+    share of the shards at a time, at most `chunk` (all of a chunk's results are held here, pickled, then unpickled,
+    while the first of them is taken: large results want short chunks).
 
     Where a fork is safe and pays (`_scan_workers`), forked processes read and scan the shards (`scan` is inherited,
     never pickled) and send back only each shard's result; none outlives this call. Where no process can be had,
@@ -254,15 +271,15 @@ def each_scanned(names: list[str], scan: Callable[[str], _Read], take: Callable[
     workers = _scan_workers(len(names))
     if workers > 1:
         try:
-            return _scan_forked(names, scan, workers, counted)
+            return _scan_forked(names, scan, workers, counted, min(chunk, len(names) // (4 * workers)))
         except (OSError, BrokenProcessPool):
             pass
     rest = names[taken[0]:]
     return all(map(counted, rest, map(scan, rest)))
 
 
-def _scan_forked(names: list[str], scan: Callable[[str], _Read], workers: int,
-                 take: Callable[[str, _Read], bool]) -> bool:
+def _scan_forked(names: list[str], scan: Callable[[str], _Read], workers: int, take: Callable[[str, _Read], bool],
+                 chunk: int) -> bool:
     pool = ProcessPoolExecutor(workers, multiprocessing.get_context("fork"), initializer=_start_worker,
                                initargs=(scan,))
     try:
@@ -274,7 +291,7 @@ def _scan_forked(names: list[str], scan: Callable[[str], _Read], workers: int,
             # Ctrl-C held back while they are forked (then delivered here): a worker ignores it from its start
             held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
-                results = pool.map(_run_scan, names, chunksize=max(1, len(names) // (4 * workers)))
+                results = pool.map(_run_scan, names, chunksize=max(1, chunk))
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, held)
         return all(map(take, names, results))
