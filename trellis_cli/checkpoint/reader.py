@@ -129,7 +129,7 @@ def read_headers(source: Source, files: dict[str, int], progress: Callable[[str,
 
 
 _Scanned = tuple[HeaderColumns, "NameLinears | None"]
-_OPENING_CHUNK = 4  # shards a worker scans at a time for the opening: each result is ~1 MB at production size
+_OPENING_CHUNK = 1  # a shard at a time to a worker for the opening: each result is ~1 MB at production size
 
 
 def _header_columns(source: Source, files: dict[str, int], name: str) -> _Scanned | None:
