@@ -103,9 +103,11 @@ def read_headers(source: Source, files: dict[str, int], progress: Callable[[str,
         source.prefetch_headers(readable)
     headers: dict[str, Header] = {}
     progress("files", 0, len(readable))  # the total is the listing's: shown before the first header is read
+    done = count(1)
 
     def read(name: str, scanned: _Scanned | None = None) -> bool:
-        """One header into `headers` (from its columns where a scan gave them), or its refusal into `findings`."""
+        """One header into `headers`, or its refusal into `findings`: built from its columns where a scan gave them,
+        else read (again) and parsed strictly, which words every refusal. Always True: the opening reads on."""
         try:
             if scanned is None:
                 headers[name] = _checked_header(source, name, files[name])
@@ -118,7 +120,6 @@ def read_headers(source: Source, files: dict[str, int], progress: Callable[[str,
         progress("files", next(done), len(readable))
         return True
 
-    done = count(1)
     with shared_offsets():  # shards laid out alike share their offsets' objects
         if source.root is None:  # a remote source: its headers were fetched above
             for name in readable:
@@ -128,7 +129,7 @@ def read_headers(source: Source, files: dict[str, int], progress: Callable[[str,
     return headers
 
 
-_Scanned = tuple[HeaderColumns, "NameLinears | None"]
+_Scanned = tuple[HeaderColumns, NameLinears | None]
 _OPENING_CHUNK = 1  # a shard at a time to a worker for the opening: each result is ~1 MB at production size
 
 
@@ -253,9 +254,9 @@ def scan_shards(names: list[str], scan: Callable[[str], _Read | None],
 def each_scanned(names: list[str], scan: Callable[[str], _Read], take: Callable[[str, _Read], bool],
                  chunk: int = sys.maxsize) -> bool:
     """`take(name, scan(name))` of each local shard of `names`, in that order, here, up to the first that gives False
-    (then False). `scan` reads its shard itself and expects no exception. A worker is given about a quarter of its
-    share of the shards at a time, at most `chunk` (all of a chunk's results are held here, pickled, then unpickled,
-    while the first of them is taken: large results want short chunks).
+    (then False). `scan` reads its shard itself; an exception it raises is raised here. A worker is given about a
+    quarter of its share of the shards at a time, at most `chunk` (all of a chunk's results are held here, pickled,
+    then unpickled, while the first of them is taken: large results want short chunks).
 
     Where a fork is safe and pays (`_scan_workers`), forked processes read and scan the shards (`scan` is inherited,
     never pickled) and send back only each shard's result; none outlives this call. Where no process can be had,

@@ -5,11 +5,12 @@ checkpoint has ~935k).
 One regex split of a header's names (`checkpoint/linear_names.py`, done by a scan worker where the opening's
 headers were read in workers) reads every name of the form `model.layers.L.mlp.experts.E.{gate,up,down}_proj
 [.rankR].{field}` (ids canonical and short, field one of the EXL3 linear fields) into columns; numpy groups them
-into linears in the order their first field is stored, and the records are made here by `map` over those columns. Every other name under `.mlp.experts.` is the
-per-tensor path's own (`open._add_other_expert_tensor`), called in stored order, unless it would join a linear
-(an alias, a rank-less spelling beside a ranked one, an extra field): then the bulk build declines, as it does
-for a linear split over two shards, a name twice, or a non-ASCII name, and the per-tensor path builds
-everything. Tests hold both builds equal, records and order, on good and damaged checkpoints.
+into linears in the order their first field is stored, and the records are made here by `map` over those
+columns. Every other name under `.mlp.experts.` is the per-tensor path's own (`open._add_other_expert_tensor`),
+called in stored order, unless it would join a linear (an alias, a rank-less spelling beside a ranked one, an
+extra field): then the bulk build declines, as it does for a linear split over two shards, a name twice, or a
+non-ASCII name, and the per-tensor path builds everything. Tests hold both builds equal, records and order,
+on good and damaged checkpoints.
 """
 
 from __future__ import annotations
