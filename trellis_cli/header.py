@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from pathlib import PurePosixPath
 from collections.abc import ItemsView, Iterator, Mapping, ValuesView
 from typing import Any, NamedTuple, TypeGuard
@@ -439,12 +439,25 @@ def _utf8(raw: bytes) -> bool:
     return True
 
 
-def _parse_canonical(file: str, header_bytes: bytes, header_len: int, file_size: int | None) -> Header | None:
-    """The header of a canonical layout, read without decoding its JSON: one split of the bytes by the entry's
-    pattern (`_ENTRY_PARTS`) both proves the layout (what lies between the entries is a comma, before them the
-    canonical head, after them the closing brace) and yields each entry's name, kind (dtype and shape) and
-    offsets, from which the records are built in C. None where a name appears twice or an offset pair is
-    reversed, which the strict path then names."""
+class HeaderColumns(NamedTuple):
+    """A canonical header's entries as a handful of columns (`canonical_columns`): small to send from a worker
+    process, which reads and splits the bytes, to the one that builds the records (`header_of_columns`)."""
+
+    length: int  # the header's bytes (N)
+    names: str  # every name in stored order, joined by `"` (no name holds one)
+    kinds: list[bytes]  # the distinct kinds (`DTYPE","shape":[DIMS`), in order of first use
+    kind_index: np.ndarray  # each entry's kind: a position in `kinds`
+    begins: np.ndarray  # int64 `data_offsets`, each begin <= its end
+    ends: np.ndarray
+    metadata: dict[str, str]
+
+
+def canonical_columns(header_bytes: bytes) -> HeaderColumns | None:
+    """The columns of a header in safetensors' own layout, read without decoding its JSON: one split of the bytes by
+    the entry's pattern (`_ENTRY_PARTS`) both proves the layout (what lies between the entries is a comma, before
+    them the canonical head, after them the closing brace) and yields each entry's name, kind (dtype and shape) and
+    offsets. None where it is not that layout, a name appears twice or an offset pair is reversed, which the strict
+    path then names. A pure function of the bytes: a worker process may compute it."""
     if not (header_bytes.isascii() or _utf8(header_bytes)) or \
             header_bytes.count(b'"data_offsets"') > MAX_HEADER_TENSORS:
         return None
@@ -453,17 +466,34 @@ def _parse_canonical(file: str, header_bytes: bytes, header_len: int, file_size:
     pairs = None if metadata is None else offset_pairs(parts[3::4])
     if metadata is None or pairs is None:
         return None
-    count, (begins, ends) = len(parts) // 4, pairs
-    names = b'"'.join(parts[1::4]).decode().split('"')  # no name holds a `"`: one decode for all of them
+    if len(set(parts[1::4])) != len(parts) // 4:
+        return None  # a key twice in one object (two names of equal bytes: equal texts, UTF-8 being one-to-one)
+    names = b'"'.join(parts[1::4]).decode()  # no name holds a `"`: one decode for all of them
     kinds = parts[2::4]
-    kind_of = {text: _entry_kind(text) for text in set(kinds)}  # a shard has a few (dtype, shape) kinds
-    dtypes = map(_DTYPE_OF_KIND, map(kind_of.__getitem__, kinds))
-    shapes = map(_SHAPE_OF_KIND, map(kind_of.__getitem__, kinds))
-    if len(set(names)) != count:
-        return None  # a key twice in one object
-    entries = list(map(tuple.__new__, repeat(TensorEntry), zip(names, repeat(file), dtypes, shapes,
-                                                               *_offset_objects(begins, ends), repeat(8 + header_len))))
-    return Header(file=file, header_len=header_len, file_size=file_size, tensors=Entries(entries), metadata=metadata)
+    position = {text: at for at, text in enumerate(dict.fromkeys(kinds))}  # a shard has a few (dtype, shape) kinds
+    kind_index = np.fromiter(map(position.__getitem__, kinds), dtype=np.int32, count=len(kinds))
+    return HeaderColumns(len(header_bytes), names, list(position), kind_index, *pairs, metadata)
+
+
+def header_of_columns(file: str, columns: HeaderColumns, file_size: int | None) -> Header:
+    """The header whose columns are `columns` (`canonical_columns`), its records built in C."""
+    kind_of = [_entry_kind(text) for text in columns.kinds]
+    dtypes = [dtype for dtype, _ in kind_of]
+    shapes = [shape for _, shape in kind_of]
+    index = columns.kind_index.tolist()
+    entries = list(map(tuple.__new__, repeat(TensorEntry),
+                       zip(columns.names.split('"'), repeat(file), map(dtypes.__getitem__, index),
+                           map(shapes.__getitem__, index), *_offset_objects(columns.begins, columns.ends),
+                           repeat(8 + columns.length))))
+    return Header(file=file, header_len=columns.length, file_size=file_size, tensors=Entries(entries),
+                  metadata=columns.metadata)
+
+
+def _parse_canonical(file: str, header_bytes: bytes, header_len: int, file_size: int | None) -> Header | None:
+    """The header of a canonical layout (`canonical_columns`, then `header_of_columns`); None where the strict
+    path decides. (`header_len` is the length of `header_bytes`, which `parse_header` checked.)"""
+    columns = canonical_columns(header_bytes)
+    return None if columns is None else header_of_columns(file, columns, file_size)
 
 
 def _offset_objects(begins: np.ndarray, ends: np.ndarray) -> tuple[list[int], list[int]]:
@@ -514,8 +544,6 @@ def _shared_ends(ends: np.ndarray) -> list[int]:
 # production header has 12k entries).
 _ENTRY_PARTS = re.compile(rb'"(' + _NAME + rb')":\{"dtype":"(' + _KIND + rb')\],"data_offsets":\[(' + _PAIR + rb")\]\}")
 _TRAILER = re.compile(rb"\} *")
-_DTYPE_OF_KIND = itemgetter(0)
-_SHAPE_OF_KIND = itemgetter(1)
 
 
 def _entry_kind(text: bytes) -> tuple[str, tuple[int, ...]]:

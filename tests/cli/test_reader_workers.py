@@ -1,7 +1,8 @@
 """The per-shard header scans of a local checkpoint (`reader.scan_shards`: fit's columns, the route-pack dry run's
-names) run in forked worker processes on a large checkpoint: the same results, in the same order, with the same
-progress, and through the CLI the same answer or the same refusal of a damaged shard as in one process. Each way is
-forced on a small real checkpoint through `reader.PARALLEL_SHARDS`.
+names; `reader.each_scanned`: the full opening's header columns) run in forked worker processes on a large
+checkpoint: the same results, in the same order, with the same progress, and through the CLI the same answer or the
+same refusal of a damaged shard as in one process. Each way is forced on a small real checkpoint through
+`reader.PARALLEL_SHARDS`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import struct
 import sys
 import threading
 import time
@@ -21,6 +23,7 @@ import pytest
 from corrupt import READER_CORPUS, rewrite_header
 from helpers import run_cli, tiny_checkpoint
 from trellis_cli.checkpoint import reader
+from trellis_cli.dialects.open import open_checkpoint
 from trellis_cli.errors import CheckFailed
 from trellis_cli.sources import LocalSource
 
@@ -199,3 +202,85 @@ def test_a_damaged_middle_shard_is_refused_the_same_either_way(monkeypatch, caps
     if finding:
         assert fit[0] == 1 and f"[{finding}]" in fit[2] and "Traceback" not in fit[2] + dry_run[2]
     assert not (tmp_path / "pack").exists()
+
+
+# ---- the full opening ----------------------------------------------------------------------------------------
+
+def opened(root: Path):
+    """What the opening of `root` built, as plain values: every header (its records in stored order), the tensors
+    in their order, the MoE layers (their linears' records, the names split in the workers), the findings in their
+    order, the progress reported, and how many distinct objects hold the offsets (shards laid out alike share them:
+    `header.shared_offsets`)."""
+    progress = []
+    ckpt = open_checkpoint(root, progress=lambda *args: progress.append(args))
+    headers = [(file, h.header_len, h.file_size, h.metadata, list(h.tensors.items()))
+               for file, h in ckpt.headers.items()]
+    layers = [(li, [(e, [(p, list(ranks.items())) for p, ranks in projs.items()]) for e, projs in moe.experts.items()],
+               sorted(moe.files), moe.rank_sliced, list(moe.unparsed)) for li, moe in ckpt.layers.items()]
+    offsets = {id(offset) for h in ckpt.headers.values() for t in h.tensors.values() for offset in (t.begin, t.end)}
+    return headers, list(ckpt.tensors.items()), layers, ckpt.parse_findings, progress, len(offsets)
+
+
+def test_the_opening_is_the_same_either_way(monkeypatch, forked, good):
+    forked_opening, here = each_way(monkeypatch, lambda: opened(good))
+    assert forked_opening == here and len(here[0]) == 5 and len(here[2]) == 4 and not here[3]
+    assert [args for args in here[4] if args[0] == "files"] == [("files", done, 5) for done in range(6)]
+
+
+def edit_raw_header(path: Path, edit) -> None:
+    """Edit a shard's header bytes in place, keeping its length (space padding)."""
+    with open(path, "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        body = edit(f.read(n).rstrip(b" "))
+        assert len(body) <= n
+        f.seek(8)
+        f.write(body + b" " * (n - len(body)))
+
+
+def name_twice(root: Path) -> str:
+    """Two entries of one name (expert 2's key spelled as expert 1's): the strict parser's refusal."""
+    def edit(raw):
+        name = next(n for n in json.loads(raw) if ".experts.1." in n).encode()
+        return raw.replace(b'"%s":' % name.replace(b".experts.1.", b".experts.2."), b'"%s":' % name, 1)
+    edit_raw_header(root / "model-layer-004.safetensors", edit)
+    return "file.header"
+
+
+def reversed_pair(root: Path) -> str:
+    def reverse(header):
+        name = next(n for n, e in header.items() if n != "__metadata__" and e["data_offsets"][0] < e["data_offsets"][1])
+        header[name]["data_offsets"].reverse()
+    rewrite_header(root / "model-layer-005.safetensors", reverse)
+    return "file.header"
+
+
+def other_layout(root: Path) -> str:
+    """A valid header in another layout than safetensors' own (one entry's fields in another order): parsed in full."""
+    def reorder(header):
+        name = next(n for n in header if n != "__metadata__")
+        header[name] = {"shape": header[name]["shape"], **header[name]}
+    rewrite_header(root / "model-layer-004.safetensors", reorder)
+    return ""
+
+
+def not_utf8_name(root: Path) -> str:
+    edit_raw_header(root / "model-layer-005.safetensors", lambda raw: raw.replace(b".experts.1.", b".experts.\xff.", 1))
+    return "file.header"
+
+
+OPENING_DAMAGE = {**DAMAGE, "name-twice": name_twice, "reversed-pair": reversed_pair,
+                  "other-layout": other_layout, "name-not-utf8": not_utf8_name}
+
+
+@pytest.mark.parametrize("case", list(OPENING_DAMAGE))
+def test_a_damaged_middle_shard_opens_the_same_either_way(monkeypatch, capsys, forked, good, tmp_path, case):
+    """The opening goes on past a shard the workers refuse: that shard is read again and parsed strictly here, so the
+    checkpoint, its findings (their words, codes and order) and validate's document are the same as in one process."""
+    root = Path(shutil.copytree(good, tmp_path / case, symlinks=True))
+    finding = OPENING_DAMAGE[case](root)
+    forked_opening, here = each_way(monkeypatch, lambda: opened(root))
+    assert forked_opening == here
+    forked_validate, validate = each_way(monkeypatch, lambda: run_cli(capsys, "validate", str(root), "--json"))
+    assert forked_validate == validate and "Traceback" not in validate[2]
+    if finding:
+        assert validate[0] == 1 and f'"{finding}"' in validate[1]

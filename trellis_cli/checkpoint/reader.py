@@ -25,18 +25,21 @@ from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from functools import partial
+from itertools import count
 from operator import attrgetter
 from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, NamedTuple, TypeVar
 
 import numpy as np
 
 from trellis_cli.checkpoint.columns import LinearColumns, all_distinct, linear_columns, no_expert_tensors
+from trellis_cli.checkpoint.linear_names import NameLinears, name_linears
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import is_expert_name, parse_expert_name
 from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Finding, Location, Severity, error, warning
-from trellis_cli.header import (Header, HeaderError, JsonError, canonical_entries, header_length, load_json,
-                                open_regular, os_reason, parse_header, safe_relative, shared_offsets)
+from trellis_cli.header import (Header, HeaderColumns, HeaderError, JsonError, canonical_columns, canonical_entries,
+                                header_length, header_of_columns, load_json, open_regular, os_reason, parse_header,
+                                safe_relative, shared_offsets)
 from trellis_cli.integrity import CHECKSUM_MANIFEST
 from trellis_cli.sources import Source
 
@@ -80,11 +83,13 @@ def escapes(source: Source, name: str) -> bool:
 # ---- headers -------------------------------------------------------------------------------------------------
 
 def read_headers(source: Source, files: dict[str, int], progress: Callable[[str, int, int], None],
-                 findings: list[Finding]) -> dict[str, Header]:
+                 findings: list[Finding], linears: dict[str, NameLinears | None] | None = None) -> dict[str, Header]:
     """Every safetensors header of the listing; each file that cannot be read is a finding instead.
 
     A remote source reads its headers concurrently first (one ranged request per file); errors resurface per
-    file here. SourceUnavailable (network, auth) propagates: exit 3, not a finding."""
+    file here. SourceUnavailable (network, auth) propagates: exit 3, not a finding. A local one's shards are read
+    and split by a scan, in worker processes where that pays (`_header_columns`); `linears`, where given, takes
+    each such header's `linear_names.name_linears`, split there too."""
     readable = []
     for name, size in files.items():
         if not name.endswith(".safetensors"):
@@ -98,14 +103,48 @@ def read_headers(source: Source, files: dict[str, int], progress: Callable[[str,
         source.prefetch_headers(readable)
     headers: dict[str, Header] = {}
     progress("files", 0, len(readable))  # the total is the listing's: shown before the first header is read
-    with shared_offsets():  # shards laid out alike share their offsets' objects
-        for done, name in enumerate(readable, 1):
-            try:
+    done = count(1)
+
+    def read(name: str, scanned: _Scanned | None = None) -> bool:
+        """One header into `headers`, or its refusal into `findings`: built from its columns where a scan gave them,
+        else read (again) and parsed strictly, which words every refusal. Always True: the opening reads on."""
+        try:
+            if scanned is None:
                 headers[name] = _checked_header(source, name, files[name])
-            except CheckFailed as e:
-                findings.append(_header_finding(name, e))
-            progress("files", done, len(readable))
+            else:
+                headers[name] = header_of_columns(name, scanned[0], files[name])
+                if linears is not None:
+                    linears[name] = scanned[1]
+        except CheckFailed as e:
+            findings.append(_header_finding(name, e))
+        progress("files", next(done), len(readable))
+        return True
+
+    with shared_offsets():  # shards laid out alike share their offsets' objects
+        if source.root is None:  # a remote source: its headers were fetched above
+            for name in readable:
+                read(name)
+        else:  # a local one: each shard's bytes read and split by a scan (forked where that pays)
+            each_scanned(readable, partial(_header_columns, source, files), read, _OPENING_CHUNK)
     return headers
+
+
+_Scanned = tuple[HeaderColumns, NameLinears | None]
+_OPENING_CHUNK = 1  # a shard at a time to a worker for the opening: each result is ~1 MB at production size
+
+
+def _header_columns(source: Source, files: dict[str, int], name: str) -> _Scanned | None:
+    """A local shard's header as columns (`header.canonical_columns`), with its names' linears
+    (`linear_names.name_linears`), where it is read without a fault; None where the reader's checks refuse it or it
+    is not in safetensors' own layout: it is then read again, as a remote one is, and parsed strictly (which words
+    every refusal)."""
+    try:
+        columns = canonical_columns(raw_header(source, name, files[name]))
+    except CheckFailed:
+        return None
+    if columns is None:
+        return None
+    return columns, name_linears(columns.names.replace('"', "\n"), len(columns.kind_index))
 
 
 def _listed_fault(source: Source, name: str, size: int) -> Finding | None:
@@ -199,22 +238,49 @@ def scan_shards(names: list[str], scan: Callable[[str], _Read | None],
     """`scan(name)` of each local shard of `names`, in that order; None at the first scan that gives None (the
     shards after it count for nothing, as a loop would never have read them). `scan` reads its shard itself and
     gives None for every refusal it expects; `progress(done)` is called after each shard, in order, here.
+    Forked where that pays (`each_scanned`)."""
+    found: list[_Read] = []
+
+    def take(_name: str, result: _Read | None) -> bool:
+        if result is None:
+            return False
+        found.append(result)
+        progress(len(found))
+        return True
+
+    return found if each_scanned(names, scan, take) else None
+
+
+def each_scanned(names: list[str], scan: Callable[[str], _Read], take: Callable[[str, _Read], bool],
+                 chunk: int = sys.maxsize) -> bool:
+    """`take(name, scan(name))` of each local shard of `names`, in that order, here, up to the first that gives False
+    (then False). `scan` reads its shard itself; an exception it raises is raised here. A worker is given about a
+    quarter of its share of the shards at a time, at most `chunk` (all of a chunk's results are held here, pickled,
+    then unpickled, while the first of them is taken: large results want short chunks).
 
     Where a fork is safe and pays (`_scan_workers`), forked processes read and scan the shards (`scan` is inherited,
     never pickled) and send back only each shard's result; none outlives this call. Where no process can be had,
     or one is lost (killed), the shards not yet taken are scanned here."""
-    found: list[_Read] = []
+    taken = [0]
+
+    def counted(name: str, result: _Read) -> bool:
+        if not take(name, result):
+            return False
+        taken[0] += 1
+        return True
+
     workers = _scan_workers(len(names))
     if workers > 1:
         try:
-            return found if _scan_forked(names, scan, workers, found, progress) else None
+            return _scan_forked(names, scan, workers, counted, min(chunk, len(names) // (4 * workers)))
         except (OSError, BrokenProcessPool):
             pass
-    return found if _take(map(scan, names[len(found):]), found, progress) else None
+    rest = names[taken[0]:]
+    return all(map(counted, rest, map(scan, rest)))
 
 
-def _scan_forked(names: list[str], scan: Callable[[str], _Read | None], workers: int, found: list[_Read],
-                 progress: Callable[[int], None]) -> bool:
+def _scan_forked(names: list[str], scan: Callable[[str], _Read], workers: int, take: Callable[[str, _Read], bool],
+                 chunk: int) -> bool:
     pool = ProcessPoolExecutor(workers, multiprocessing.get_context("fork"), initializer=_start_worker,
                                initargs=(scan,))
     try:
@@ -226,22 +292,12 @@ def _scan_forked(names: list[str], scan: Callable[[str], _Read | None], workers:
             # Ctrl-C held back while they are forked (then delivered here): a worker ignores it from its start
             held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
-                results = pool.map(_run_scan, names, chunksize=max(1, len(names) // (4 * workers)))
+                results = pool.map(_run_scan, names, chunksize=max(1, chunk))
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        return _take(results, found, progress)
+        return all(map(take, names, results))
     finally:
-        pool.shutdown(cancel_futures=True)  # (waits for the workers to exit; after a None, for the chunks begun)
-
-
-def _take(results: Iterable[_Read | None], found: list[_Read], progress: Callable[[int], None]) -> bool:
-    """Append `results` to `found` in order, up to the first None (then False)."""
-    for result in results:
-        if result is None:
-            return False
-        found.append(result)
-        progress(len(found))
-    return True
+        pool.shutdown(cancel_futures=True)  # (waits for the workers to exit; after a False, for the chunks begun)
 
 
 def _scan_workers(shards: int) -> int:
@@ -932,7 +988,8 @@ def require_intact(ckpt: Checkpoint, what: str) -> None:
                       f"(run `trellis validate` for every finding)", code=first.code)
 
 
-__all__ = ["BYTE_FAULT_CODES", "HeaderNames", "byte_faults", "canonical_header", "escapes", "every_header_names",
+__all__ = ["BYTE_FAULT_CODES", "HeaderNames", "byte_faults", "canonical_header", "each_scanned", "escapes",
+           "every_header_names",
            "header_names", "listing", "index_files", "listing_findings", "raw_header", "read_headers", "read_index",
            "read_json", "require_intact", "same_bytes", "scan_shards", "ShardNames", "shard_columns", "shard_names",
            "shard_header", "source_header"]

@@ -23,6 +23,7 @@ from trellis_cli.checkpoint import reader
 from trellis_cli.dialects import registry
 from trellis_cli.dialects.bulk_layers import build_layers_in_bulk
 from trellis_cli.dialects.interface import CONFIG, QUANT_CONFIG, DialectInfo, Probe
+from trellis_cli.checkpoint.linear_names import NameLinears
 from trellis_cli.checkpoint.model import (
     Checkpoint,
     LinearRef,
@@ -116,8 +117,10 @@ def _open(source: Source, progress: Callable[[str, int, int], None], headers: bo
         return ckpt
     if dialect.fill(ckpt, probe, info):  # a container read its own way
         return ckpt
-    _read_headers(ckpt, source, files, progress)
-    steps = (lambda: _collect_tensors(ckpt), lambda: _read_index(ckpt, source, files), lambda: _build_layers(ckpt),
+    linears: dict[str, NameLinears | None] = {}  # each header's names split by a scan worker, where one read it
+    ckpt.headers.update(reader.read_headers(source, files, progress, ckpt.parse_findings, linears))
+    steps = (lambda: _collect_tensors(ckpt), lambda: _read_index(ckpt, source, files),
+             lambda: _build_layers(ckpt, linears),
              lambda: _apply_declarations(ckpt, info, source, files), lambda: _fill_geometry(ckpt, info))
     for done, step in enumerate(steps, 1):
         step()
@@ -154,11 +157,6 @@ def _read_config(source: Source, files: dict[str, int]) -> dict[str, Any] | None
     if not isinstance(config, dict):
         raise CheckFailed(f"{CONFIG}: a JSON {type(config).__name__}, expected an object")
     return config
-
-
-def _read_headers(ckpt: Checkpoint, source: Source, files: dict[str, int],
-                  progress: Callable[[str, int, int], None]) -> None:
-    ckpt.headers.update(reader.read_headers(source, files, progress, ckpt.parse_findings))
 
 
 def _read_index(ckpt: Checkpoint, source: Source, files: dict[str, int]) -> None:
@@ -223,8 +221,10 @@ def _rekey_index(ckpt: Checkpoint) -> None:
     ckpt.index = compact
 
 
-def _build_layers(ckpt: Checkpoint) -> None:
-    if build_layers_in_bulk(ckpt, _add_other_expert_tensor):
+def _build_layers(ckpt: Checkpoint, split: dict[str, NameLinears | None]) -> None:
+    bulk = build_layers_in_bulk(ckpt, _add_other_expert_tensor, split)
+    split.clear()  # (not held once the layers are built)
+    if bulk:
         return  # (canonically named linears, the common case: the same records, built without a step per tensor)
     # The ~935k per-expert tensors of a production checkpoint are grouped by their name less its field (one
     # string split and one dict lookup per tensor); the grammar is matched once per linear, not per tensor.
