@@ -276,11 +276,14 @@ class Entries(Mapping[str, TensorEntry]):
     opening reads each header's entries in order only, to merge them into the model's own dict by name
     (`Checkpoint.tensors`): a dict per header beside that one cost ~30 MB at production size (~935k tensors)."""
 
-    __slots__ = ("_entries", "_by_name")
+    __slots__ = ("_entries", "_by_name", "tiled_end")
 
-    def __init__(self, entries: list[TensorEntry]) -> None:
+    def __init__(self, entries: list[TensorEntry], tiled_end: int | None = None) -> None:
         self._entries = entries  # (taken, not copied: its names are distinct, as a header's keys are)
         self._by_name: dict[str, TensorEntry] | None = None
+        # The data end where the entries were proven, as their columns were read, to tile the data buffer from 0
+        # in stored order, each of its dtype x shape (`header_of_columns`); None where not proven.
+        self.tiled_end = tiled_end
 
     def _lookup(self) -> dict[str, TensorEntry]:
         if self._by_name is None:
@@ -485,8 +488,21 @@ def header_of_columns(file: str, columns: HeaderColumns, file_size: int | None) 
                        zip(columns.names.split('"'), repeat(file), map(dtypes.__getitem__, index),
                            map(shapes.__getitem__, index), *_offset_objects(columns.begins, columns.ends),
                            repeat(8 + columns.length))))
-    return Header(file=file, header_len=columns.length, file_size=file_size, tensors=Entries(entries),
-                  metadata=columns.metadata)
+    return Header(file=file, header_len=columns.length, file_size=file_size,
+                  tensors=Entries(entries, _tiled_end(columns, kind_of)), metadata=columns.metadata)
+
+
+def _tiled_end(columns: HeaderColumns, kind_of: list[tuple[str, tuple[int, ...]]]) -> int | None:
+    """The last end where the entries tile the data buffer from 0 in stored order, each of its dtype x shape:
+    proven on the columns in numpy (what `safetensors_layout` would otherwise prove per tensor); else None."""
+    begins, ends = columns.begins, columns.ends
+    sizes = [math.prod(shape) * DTYPE_BYTES.get(dtype, 0) for dtype, shape in kind_of]
+    if not len(begins) or max(sizes) >= 1 << 62:  # (a shape within DIM_PATTERN stays far below)
+        return None
+    if begins[0] != 0 or not bool((begins[1:] == ends[:-1]).all()):
+        return None
+    expected = np.asarray(sizes, dtype=np.int64)[columns.kind_index]
+    return int(ends[-1]) if bool((ends - begins == expected).all()) else None
 
 
 def _parse_canonical(file: str, header_bytes: bytes, header_len: int, file_size: int | None) -> Header | None:

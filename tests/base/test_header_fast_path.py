@@ -179,3 +179,46 @@ def test_headers_laid_out_alike_share_their_offsets():
     assert not any(x is y for x, y in zip(ends_a[25:], ends_b[25:]))  # past the grown tensor: every value differs
     assert [e.begin for e in b.tensors.values()][1:] == ends_b[:-1]
     assert not any(x is y for x, y in zip(ends_a, (e.end for e in alone.tensors.values())))  # outside: its own
+
+
+def _strip_proof(h: header.Header) -> header.Header:
+    from dataclasses import replace
+
+    return replace(h, tensors=header.Entries(list(h.tensors.values())))
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("fault", ["none", "hole", "overlap", "size", "start", "past-file", "empty-file"])
+def test_the_tiling_proven_from_columns_is_the_per_tensor_walks(seed, fault):
+    from trellis_cli.formats.safetensors_layout import _sound_end
+
+    rng = random.Random(5000 + seed)
+    doc = random_header(rng, rng.randrange(2, 60))
+    names = [n for n in doc if n != "__metadata__"]
+    victim = doc[names[rng.randrange(1, len(names))]]
+    begin, end = victim["data_offsets"]
+    if fault == "hole":
+        victim["data_offsets"] = [begin + 2, end + 2]
+    elif fault == "overlap" and begin >= 2:
+        victim["data_offsets"] = [begin - 2, end - 2]
+    elif fault == "size":
+        victim["dtype"] = "I8" if victim["dtype"] != "I8" else "I16"
+    elif fault == "start":
+        for n in names:
+            doc[n]["data_offsets"] = [o + 4 for o in doc[n]["data_offsets"]]
+    raw = text(doc)
+    last = max(doc[n]["data_offsets"][1] for n in names)
+    file_size = 8 + len(raw) + last - (1 if fault == "past-file" else 0) if fault != "empty-file" else None
+    parsed = parse_header("x.safetensors", raw, len(raw), file_size)
+    proven = parsed.tensors.tiled_end
+    assert (proven is not None) == (fault in ("none", "past-file", "empty-file") or (fault == "overlap" and begin < 2)
+                                    or (fault == "size" and _same_size(victim)))
+    assert _sound_end(parsed) == _sound_end(_strip_proof(parsed))
+
+
+def _same_size(entry: dict) -> bool:
+    begin, end = entry["data_offsets"]
+    size = DTYPE_BYTES[entry["dtype"]]
+    for d in entry["shape"]:
+        size *= d
+    return end - begin == size
