@@ -989,7 +989,6 @@ def require_intact(ckpt: Checkpoint, what: str) -> None:
 
 
 __all__ = ["BYTE_FAULT_CODES", "HeaderNames", "byte_faults", "canonical_header", "each_scanned", "escapes",
-           "every_header_names",
-           "header_names", "listing", "index_files", "listing_findings", "raw_header", "read_headers", "read_index",
-           "read_json", "require_intact", "same_bytes", "scan_shards", "ShardNames", "shard_columns", "shard_names",
-           "shard_header", "source_header"]
+           "every_header_names", "header_names", "listing", "index_files", "listing_findings", "raw_header",
+           "read_headers", "read_index", "read_json", "require_intact", "same_bytes", "scan_shards", "ShardNames",
+           "shard_columns", "shard_names", "shard_header", "source_header"]
