@@ -35,7 +35,7 @@ def forked(monkeypatch):
     """The scans forked from here on; skipped where no fork is safe (one usable core, another thread running)."""
     monkeypatch.setattr(reader, "PARALLEL_SHARDS", FORKED)
     deadline = time.monotonic() + 1
-    for thread in threading.enumerate():  # an earlier test's thread on its way out (a progress display's, not joined)
+    for thread in threading.enumerate():  # an earlier test's thread on its way out (a loopback server's handler)
         if thread is not threading.current_thread():
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
     if reader._scan_workers(FORKED) == 1:
