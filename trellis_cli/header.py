@@ -241,6 +241,11 @@ def os_reason(e: OSError) -> str:
     return e.strerror or str(e)
 
 
+def nbytes_of(dtype: str, shape: tuple[int, ...]) -> int:
+    """The bytes `dtype` x `shape` holds (0 for a dtype safetensors does not know)."""
+    return math.prod(shape) * DTYPE_BYTES.get(dtype, 0)
+
+
 class TensorEntry(NamedTuple):
     """One header entry, placed in its file: the checkpoint model's `TensorRef` is this same record, so a header's
     entries are the model's tensors without a second object per tensor (a production checkpoint has ~935k). A
@@ -260,7 +265,7 @@ class TensorEntry(NamedTuple):
 
     @property
     def expected_nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_BYTES.get(self.dtype, 0)
+        return nbytes_of(self.dtype, self.shape)
 
     @property
     def absolute_range(self) -> tuple[int, int]:
@@ -496,7 +501,7 @@ def _tiled_end(columns: HeaderColumns, kind_of: list[tuple[str, tuple[int, ...]]
     """The last end where the entries tile the data buffer from 0 in stored order, each of its dtype x shape:
     proven on the columns in numpy (what `safetensors_layout` would otherwise prove per tensor); else None."""
     begins, ends = columns.begins, columns.ends
-    sizes = [math.prod(shape) * DTYPE_BYTES.get(dtype, 0) for dtype, shape in kind_of]
+    sizes = [nbytes_of(dtype, shape) for dtype, shape in kind_of]
     if not len(begins) or max(sizes) >= 1 << 62:  # (a shape within DIM_PATTERN stays far below)
         return None
     if begins[0] != 0 or not bool((begins[1:] == ends[:-1]).all()):
