@@ -225,8 +225,8 @@ def raw_header(source: Source, name: str, listed: int) -> bytes:
 
 # ---- scans of many local shards ----------------------------------------------------------------------------
 
-# The quick commands scan every raw header of a local checkpoint: at production size (~76 shards, ~935k tensors)
-# about a second of regex work in one process, on hosts of 16-128 cores. Fewer shards than PARALLEL_SHARDS are
+# fit, the dry run and the full opening scan every raw header of a local checkpoint: at production size (~76 shards,
+# ~935k tensors) one to two seconds of regex work in one process, on hosts of 16-128 cores. Fewer shards than PARALLEL_SHARDS are
 # scanned in this process (starting workers would cost more than it saves); more by up to MAX_SCAN_WORKERS.
 PARALLEL_SHARDS = 8
 MAX_SCAN_WORKERS = 8
