@@ -83,13 +83,16 @@ def escapes(source: Source, name: str) -> bool:
 # ---- headers -------------------------------------------------------------------------------------------------
 
 def read_headers(source: Source, files: dict[str, int], progress: Callable[[str, int, int], None],
-                 findings: list[Finding], linears: dict[str, NameLinears | None] | None = None) -> dict[str, Header]:
+                 findings: list[Finding], linears: dict[str, NameLinears | None] | None = None,
+                 taken: Callable[[str, Header], None] | None = None) -> dict[str, Header]:
     """Every safetensors header of the listing; each file that cannot be read is a finding instead.
 
     A remote source reads its headers concurrently first (one ranged request per file); errors resurface per
     file here. SourceUnavailable (network, auth) propagates: exit 3, not a finding. A local one's shards are read
     and split by a scan, in worker processes where that pays (`_header_columns`); `linears`, where given, takes
-    each such header's `linear_names.name_linears`, split there too."""
+    each such header's `linear_names.name_linears`, split there too. `taken(name, header)`, where given, is called
+    with each header read, in the listing's order, as soon as it is built: what the caller does with it then
+    runs while the workers read the next shards."""
     readable = []
     for name, size in files.items():
         if not name.endswith(".safetensors"):
@@ -117,6 +120,9 @@ def read_headers(source: Source, files: dict[str, int], progress: Callable[[str,
                     linears[name] = scanned[1]
         except CheckFailed as e:
             findings.append(_header_finding(name, e))
+        else:
+            if taken is not None:
+                taken(name, headers[name])
         progress("files", next(done), len(readable))
         return True
 
