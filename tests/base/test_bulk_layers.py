@@ -1,7 +1,9 @@
 """The bulk layer build (dialects/bulk_layers.py) gives exactly what the per-tensor build gives: the same layers,
 experts, linears and records in the same order, the same shared rows and findings; on every dialect the synth
 and the helpers write, on every damaged checkpoint of the corpora, and on each way a name can leave the
-canonical form. Where it declines, the per-tensor build is the answer."""
+canonical form. Where it declines, the per-tensor build is the answer. The same holds of the bulk build done
+header by header as the headers are read (`LayersAsRead`), and of the model's tensors merged as they are read
+(`open._BuiltAsRead`): each gives what the build after the reading gives, or steps aside."""
 
 from __future__ import annotations
 
@@ -34,23 +36,36 @@ def _state(root: Path) -> object:
         layers.append((li, experts, sorted(moe.files), moe.rank_sliced, list(moe.shared_h.items()),
                        list(moe.r7_shared.items()), list(moe.unparsed), moe.declared_k, moe.declared_projection_k))
     findings = [(f.code, f.severity, str(f.where), f.message) for f in ck.parse_findings]
-    return layers, findings
+    return layers, findings, list(ck.tensors.items())
 
 
 def _both(root: Path, monkeypatch) -> tuple[object, object, bool]:
+    """(the layers built as the headers are read, the per-tensor build's, whether a bulk build took them); the
+    bulk build after the reading is held equal to the first on the way."""
     taken: list[bool] = []
+    as_read_finish, bulk_after = bulk_layers.LayersAsRead.finish, bulk_layers.build_layers_in_bulk
 
-    def spy(*args):
-        taken.append(bulk_layers.build_layers_in_bulk(*args))
-        return taken[-1]
+    def spy(build):
+        def spied(*args):
+            taken.append(build(*args))
+            return taken[-1]
+        return spied
 
     with monkeypatch.context() as m:
-        m.setattr(opening, "build_layers_in_bulk", spy)
+        m.setattr(bulk_layers.LayersAsRead, "finish", spy(as_read_finish))
+        m.setattr(opening, "build_layers_in_bulk", spy(bulk_after))
+        as_read = _state(root)
+    with monkeypatch.context() as m:  # neither merged nor built as read: both after the reading
+        m.setattr(bulk_layers.LayersAsRead, "finish", lambda _self, _ckpt: False)
+        m.setattr(opening._BuiltAsRead, "merged", lambda _self, _headers: False)
+        m.setattr(opening, "build_layers_in_bulk", spy(bulk_after))
         bulk = _state(root)
     with monkeypatch.context() as m:
+        m.setattr(bulk_layers.LayersAsRead, "finish", lambda _self, _ckpt: False)
         m.setattr(opening, "build_layers_in_bulk", lambda *_a: False)
         per_tensor = _state(root)
-    return bulk, per_tensor, any(taken)
+    assert as_read == bulk
+    return as_read, per_tensor, any(taken)
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +169,37 @@ def test_other_tensors_between_linears_keep_their_places(pristine, tmp_path, mon
     (root / "model.safetensors.index.json").write_text(json.dumps(index))
     bulk, per_tensor, taken = _both(root, monkeypatch)
     assert bulk == per_tensor and taken
+
+
+
+def _answers(monkeypatch) -> dict[str, list[bool]]:
+    """What the tensors' merge (`merged`) and the layers' build (`finish`) read ahead answer, call by call."""
+    answers: dict[str, list[bool]] = {"merged": [], "finish": []}
+    for owner, method in ((opening._BuiltAsRead, "merged"), (bulk_layers.LayersAsRead, "finish")):
+        def recorded(self, arg, _original=getattr(owner, method), _into=answers[method]):
+            _into.append(_original(self, arg))
+            return _into[-1]
+        monkeypatch.setattr(owner, method, recorded)
+    return answers
+
+
+def test_a_canonical_checkpoint_is_built_as_its_headers_are_read(pristine, monkeypatch):
+    """The common case takes the path read ahead: tensors merged and layers placed header by header."""
+    answers = _answers(monkeypatch)
+    open_checkpoint(pristine)
+    assert answers == {"merged": [True], "finish": [True]}
+
+
+def _unparsed_expert_tensor(root: Path) -> Path:
+    _rename(root, SHARD4, lambda n: n.replace("experts.3.gate_proj.rank0.suh", "experts.3.gate_suh"))
+    return root
+
+
+@pytest.mark.parametrize("make, merged", [(_duplicate_one, False), (_unparsed_expert_tensor, True)])
+def test_the_builds_read_ahead_step_aside_where_they_cannot_prove_the_answer(make, merged, pristine, tmp_path,
+                                                                            monkeypatch):
+    """A name in two shards sends both back to after the reading; another expert tensor in a shard (its path runs
+    before any linear is placed) sends the layers back."""
+    answers = _answers(monkeypatch)
+    open_checkpoint(make(_copy(pristine, tmp_path)))
+    assert answers == {"merged": [merged], "finish": [False]}

@@ -23,6 +23,7 @@ import numpy as np
 from trellis_cli.checkpoint.columns import all_distinct
 from trellis_cli.checkpoint.linear_names import EXPERTS, FIELDS, RANKS, NameLinears, name_linears
 from trellis_cli.checkpoint.model import Checkpoint, LinearRef, MoeLayer, TensorRef
+from trellis_cli.header import Header
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -50,7 +51,7 @@ def build_layers_in_bulk(ckpt: Checkpoint, other_expert_tensor: Callable[[Checkp
     others: list[tuple[str, TensorRef]] = []
     for file in files:
         header = ckpt.headers[file]  # (its entries placed in the listed file by `open._collect_tensors`)
-        found = split[file] if file in split else name_linears("\n".join(header.tensors), len(header.tensors))
+        found = _split(split, file, header)
         if found is None:
             return False
         if not found.keys.size and not found.others.size:
@@ -67,6 +68,47 @@ def build_layers_in_bulk(ckpt: Checkpoint, other_expert_tensor: Callable[[Checkp
         _place(layers, b)
     ckpt.layers = dict(sorted(layers.items()))
     return True
+
+
+class LayersAsRead:
+    """The bulk build header by header, as the opening reads them (`add`, while the scan workers read the next
+    shards), then `finish`: the same layers as `build_layers_in_bulk`, where every header came in sorted file order,
+    under its own name, with no name in two files and no other expert tensor (whose path runs before any linear is
+    placed); else `finish` gives False and the opening builds them after the reading, as without it."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, MoeLayer] = {}
+        self.files: list[str] = []
+        self.keys: list[np.ndarray] = []
+        self.whole = True  # every header so far added in the bulk build's form
+
+    def add(self, file: str, header: Header, split: Mapping[str, NameLinears | None]) -> None:
+        if not self.whole:
+            return
+        found = _split(split, file, header)
+        if found is None or found.others.size or header.file != file:
+            self.whole, self.layers, self.keys = False, {}, []
+            return
+        self.files.append(file)
+        if found.keys.size:
+            self.keys.append(found.keys)
+            _place(self.layers, _header_linears(file, list(header.tensors.values()), found))
+
+    def finish(self, ckpt: Checkpoint) -> bool:
+        """Fill `ckpt.layers` from what was added, and True, where that is `build_layers_in_bulk`'s answer."""
+        files = sorted(ckpt.headers)
+        if not self.whole or self.files != files or \
+                len(ckpt.tensors) != sum(len(ckpt.headers[file].tensors) for file in files):
+            return False
+        if self.keys and not all_distinct(np.concatenate(self.keys)):
+            return False  # a linear with fields in two shards
+        ckpt.layers = dict(sorted(self.layers.items()))
+        return True
+
+
+def _split(split: Mapping[str, NameLinears | None], file: str, header: Header) -> NameLinears | None:
+    """The header's names split into linears: by a scan worker, where one read it, else here."""
+    return split[file] if file in split else name_linears("\n".join(header.tensors), len(header.tensors))
 
 
 def _header_linears(file: str, refs: list[TensorRef], found: NameLinears) -> _HeaderLinears:
@@ -110,4 +152,4 @@ def _place(layers: dict[int, MoeLayer], b: _HeaderLinears) -> None:
         by_proj[rank] = record
 
 
-__all__ = ["build_layers_in_bulk"]
+__all__ = ["LayersAsRead", "build_layers_in_bulk"]

@@ -21,7 +21,7 @@ from trellis_cli.checkpoint import declared as decl
 from trellis_cli.checkpoint import heap
 from trellis_cli.checkpoint import reader
 from trellis_cli.dialects import registry
-from trellis_cli.dialects.bulk_layers import build_layers_in_bulk
+from trellis_cli.dialects.bulk_layers import LayersAsRead, build_layers_in_bulk
 from trellis_cli.dialects.interface import CONFIG, QUANT_CONFIG, DialectInfo, Probe
 from trellis_cli.checkpoint.linear_names import NameLinears
 from trellis_cli.checkpoint.model import (
@@ -42,7 +42,7 @@ from trellis_cli.checkpoint.names import (
     parse_expert_name,
 )
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.header import Entries
+from trellis_cli.header import Entries, Header
 from trellis_cli.findings import Finding, Location, error, warning
 from trellis_cli.sources import Source, SourceArg
 
@@ -118,9 +118,10 @@ def _open(source: Source, progress: Callable[[str, int, int], None], headers: bo
     if dialect.fill(ckpt, probe, info):  # a container read its own way
         return ckpt
     linears: dict[str, NameLinears | None] = {}  # each header's names split by a scan worker, where one read it
-    ckpt.headers.update(reader.read_headers(source, files, progress, ckpt.parse_findings, linears))
-    steps = (lambda: _collect_tensors(ckpt), lambda: _read_index(ckpt, source, files),
-             lambda: _build_layers(ckpt, linears),
+    read = _BuiltAsRead(ckpt.tensors, linears)
+    ckpt.headers.update(reader.read_headers(source, files, progress, ckpt.parse_findings, linears, read.take))
+    steps = (lambda: _collect_tensors(ckpt, read), lambda: _read_index(ckpt, source, files),
+             lambda: _build_layers(ckpt, linears, read.layers),
              lambda: _apply_declarations(ckpt, info, source, files), lambda: _fill_geometry(ckpt, info))
     for done, step in enumerate(steps, 1):
         step()
@@ -177,10 +178,43 @@ def _tensor_files(tensors: dict[str, TensorRef]) -> dict[str, str]:
     return dict(zip(tensors.keys(), map(_FILE_OF, tensors.values())))
 
 
-def _collect_tensors(ckpt: Checkpoint) -> None:
+class _BuiltAsRead:
+    """The model's tensors and layers built from each header as `reader.read_headers` hands it over, while the scan
+    workers read the next shards (about 0.5 s at production size that would otherwise follow the reading). They
+    stand where the headers came in sorted file order, each under its own name, with no name in two files (and for
+    the layers, `LayersAsRead`'s conditions); `_collect_tensors` and `_build_layers` otherwise build them again from
+    the headers, as they do without it."""
+
+    def __init__(self, tensors: dict[str, TensorRef], split: dict[str, NameLinears | None]) -> None:
+        self.tensors = tensors  # the model's own dict, merged into header by header
+        self.split = split
+        self.files: list[str] = []
+        self.count = 0  # entries merged
+        self.whole = True  # every header so far under its own name
+        self.layers = LayersAsRead()
+
+    def take(self, file: str, header: Header) -> None:
+        if self.whole and header.file == file:
+            self.tensors.update(header.tensors.items())
+            self.files.append(file)
+            self.count += len(header.tensors)
+        else:
+            self.whole = False
+        self.layers.add(file, header, self.split)
+
+    def merged(self, headers: dict[str, Header]) -> bool:
+        """Whether the merge is `_collect_tensors`' own answer for these headers."""
+        return self.whole and self.files == sorted(headers) and len(self.tensors) == self.count
+
+
+def _collect_tensors(ckpt: Checkpoint, read: _BuiltAsRead | None = None) -> None:
     """Every tensor by name; a name in several files resolves to the first file (the index's, once it is read:
-    `_rekey_index`). The header's entries are the model's TensorRefs (the same records), merged file by file in C."""
+    `_rekey_index`). The header's entries are the model's TensorRefs (the same records), merged file by file in C,
+    as each header was read (`_BuiltAsRead`) or here."""
     tensors = ckpt.tensors
+    if read is not None and read.merged(ckpt.headers):
+        return
+    tensors.clear()
     for file, header in ckpt.headers.items():
         if header.file != file:  # a header parsed under another name: its entries placed in the listed file
             ckpt.headers[file] = replace(header, tensors=Entries([ref._replace(file=file)
@@ -221,8 +255,8 @@ def _rekey_index(ckpt: Checkpoint) -> None:
     ckpt.index = compact
 
 
-def _build_layers(ckpt: Checkpoint, split: dict[str, NameLinears | None]) -> None:
-    bulk = build_layers_in_bulk(ckpt, _add_other_expert_tensor, split)
+def _build_layers(ckpt: Checkpoint, split: dict[str, NameLinears | None], read: LayersAsRead | None = None) -> None:
+    bulk = (read is not None and read.finish(ckpt)) or build_layers_in_bulk(ckpt, _add_other_expert_tensor, split)
     split.clear()  # (not held once the layers are built)
     if bulk:
         return  # (canonically named linears, the common case: the same records, built without a step per tensor)
