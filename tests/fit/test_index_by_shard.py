@@ -155,3 +155,25 @@ def test_fit_and_validate_write_the_same_documents_without_it(case, capsys, monk
     assert with_it == run()
     assert with_it[0][0] == 0 or with_it[0][2].startswith("error: ")  # (a refusal, named)
     json.loads(with_it[1][1])  # (validate's document, whatever its verdict)
+
+
+def test_the_proof_answers_only_for_the_shards_it_took(good, monkeypatch):
+    """Asked about other shards than it took (one left out, or one more), or having taken one twice, it answers
+    nothing; the rebuild after the scan is then asked."""
+    monkeypatch.setattr(sources, "MAX_JSON_BYTES", (good / INDEX).stat().st_size - 1)
+    source = LocalSource(good)
+    files = reader.listing(source)
+    headers = reader.read_headers(source, files, lambda *_args: None, [])
+    names = reader.shard_names(headers)
+    last = list(names)[-1]
+
+    def proven(taken, asked):
+        with reader.IndexProof(source, files) as proof:
+            for file in taken:
+                proof.take_header(file, headers[file])
+            return proof.proven({file: names[file] for file in asked})
+
+    assert proven(names, names) == reader._rebuilt_index(source, files, names) is not None
+    assert proven(names, [file for file in names if file != last]) is None
+    assert proven([file for file in names if file != last], names) is None
+    assert proven([*names, last], names) is None

@@ -890,10 +890,12 @@ class IndexProof:
 
     def finish(self) -> None:
         """Every shard taken: the last one's entries compared as the index's last, then its closing braces."""
-        if self._file is not None and self._next is not None and self._compare(last=True) and \
-                _rebuilt_tail(self._file, self._at):
-            assert self._name is not None
-            self._proven = self._name, self._metadata
+        if self._file is not None and self._next is not None and self._compare(last=True):
+            try:
+                if _rebuilt_tail(self._file, self._at) and self._name is not None:
+                    self._proven = self._name, self._metadata
+            except _UNREAD:
+                pass
         self._stop()
 
     def proven(self, names: Mapping[str, ShardNames]) -> tuple[str, dict[str, Any]] | None:
@@ -901,9 +903,8 @@ class IndexProof:
         exactly those of `names` that hold a tensor (as many each) and every one was proven as it arrived; else None
         (the caller proves the index whole)."""
         self.finish()
-        if self._proven is None or self._taken != {file: shard.tensors for file, shard in names.items() if shard.tensors}:
-            return None
-        return self._proven
+        held = {file: shard.tensors for file, shard in names.items() if shard.tensors}
+        return self._proven if self._taken == held else None
 
     def _compare(self, last: bool) -> bool:
         """Whether the shard taken last, if any, is the next one in the index and its entries are proven there."""
