@@ -2,7 +2,9 @@
 as its writer wrote it, sorted by name, indented, with an order of its own per shard, shuffled and damaged, the
 opening builds the same model and validate writes the same document as with the streamed proof alone and as with
 the index read in full. Where the bytes are not the rebuilt text it declines, and the streamed proof or the full
-read decides, with the same findings."""
+read decides, with the same findings. The opening proves it shard by shard as the headers are read
+(`reader.IndexProof`) where the index lists the shards in that order: the same answer as the rebuild after the scan
+gives, or none (and then that rebuild decides), with the same model and document either way."""
 
 from __future__ import annotations
 
@@ -48,26 +50,38 @@ def opened(root):
 
 
 def every_way(root, monkeypatch):
-    """(what the rebuild proves, the opening with it, with the streamed proof alone, with the index read in full):
-    the first three with the index above the JSON limit, as a production one is."""
+    """(what the rebuild proves, what it proves shard by shard as the headers are read (`reader.IndexProof`), the
+    opening with both, with the rebuild after the scan alone, with the streamed proof alone, with the index read in
+    full): all but the last with the index above the JSON limit, as a production one is."""
     with monkeypatch.context() as m:
         m.setattr(sources, "MAX_JSON_BYTES", (root / INDEX).stat().st_size - 1)
         source = LocalSource(root)
+        files = reader.listing(source)
         ckpt = open_checkpoint(root)
-        proven = reader._rebuilt_index(source, reader.listing(source), reader.shard_names(ckpt.headers))
+        names = reader.shard_names(ckpt.headers)
+        proven = reader._rebuilt_index(source, files, names)
+        with reader.IndexProof(source, files) as proof:
+            reader.read_headers(source, files, lambda *_args: None, [], taken=proof.take_header)
+            by_shard = proof.proven(names)
         rebuilt = opened(root)
+        m.setattr(reader.IndexProof, "take", lambda *_args: None)  # every shard's proof left to after the scan
+        whole = opened(root)
         m.setattr(reader, "_rebuilt_index", lambda *_args: None)
         streamed = opened(root)
-    return proven, rebuilt, streamed, opened(root)
+    return proven, by_shard, rebuilt, whole, streamed, opened(root)
 
 
-def same_every_way(root, monkeypatch):
-    """What the rebuild proves, after checking that the three ways agree (and, where it proves the index, that it
-    is the index's own metadata, read in full)."""
-    proven, rebuilt, streamed, full = every_way(root, monkeypatch)
-    assert rebuilt == streamed == full
+def same_every_way(root, monkeypatch, by_shard: bool | None = None):
+    """What the rebuild proves, after checking that the ways agree (and, where it proves the index, that it is the
+    index's own metadata, read in full), that the proof shard by shard gives the same or nothing and, with
+    `by_shard`, whether it proves it."""
+    proven, shard_by_shard, rebuilt, whole, streamed, full = every_way(root, monkeypatch)
+    assert rebuilt == whole == streamed == full
     if proven is not None:
         assert proven == (INDEX, json.loads((root / INDEX).read_text()).get("metadata", {}))
+    assert shard_by_shard in (None, proven)
+    if by_shard is not None:
+        assert (shard_by_shard is not None) == by_shard
     return proven
 
 
@@ -97,6 +111,11 @@ FORMS = {  # (how the index is written again, whether the rebuild proves it)
 }
 
 
+# The dialects whose writer lists the shards in the order they are read (the listing's): proven shard by shard as they
+# are read unless sorted by name. exl3's and r7-v2's list the other weights' shard first, glm53's is sorted by name.
+IN_READ_ORDER = {"tr3", "tr3-shared-h", "r7"}
+
+
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dialect", DIALECTS)
 def test_every_dialect_in_every_writer_form_is_proven_the_same(tmp_path, monkeypatch, dialect, form):
@@ -104,20 +123,35 @@ def test_every_dialect_in_every_writer_form_is_proven_the_same(tmp_path, monkeyp
     dumps, proves = FORMS[form]
     if dumps:
         rewrite_index(root, **dumps)
-    assert (same_every_way(root, monkeypatch) is not None) == proves
+    by_shard = dialect in IN_READ_ORDER and "sorted" not in form
+    assert (same_every_way(root, monkeypatch, by_shard) is not None) == proves
 
 
-@pytest.mark.parametrize("order, proves", [
-    (lambda wm: reordered(wm, lambda item: (item[1], item[0])), True),  # shard by shard, sorted within
-    (each_shard_its_own_order, True),
-    (lambda wm: reordered(wm, lambda item: item[0][::-1]), False),  # the shards' entries interleaved
-    (shuffled, False),
+def shards_reversed(weight_map):
+    """The shards' runs in the reverse of the order they are read, each shard's entries as written."""
+    files = list(dict.fromkeys(weight_map.values()))
+    reordered(weight_map, lambda item: -files.index(item[1]))
+
+
+def last_shard_first(weight_map):
+    last = list(dict.fromkeys(weight_map.values()))[-1]
+    reordered(weight_map, lambda item: item[1] != last)
+
+
+@pytest.mark.parametrize("order, proves, by_shard", [
+    (lambda wm: reordered(wm, lambda item: (item[1], item[0])), True, True),  # shard by shard, sorted within
+    (each_shard_its_own_order, True, True),
+    (shards_reversed, True, False),  # (the rebuild after the scan proves these)
+    (last_shard_first, True, False),
+    (lambda wm: reordered(wm, lambda item: item[0][::-1]), False, False),  # the shards' entries interleaved
+    (shuffled, False, False),
 ])
 @pytest.mark.parametrize("indent", [None, 2])
-def test_orders_other_than_a_writers_are_left_to_the_streamed_proof(tmp_path, monkeypatch, order, proves, indent):
+def test_orders_other_than_a_writers_are_left_to_the_streamed_proof(tmp_path, monkeypatch, order, proves, by_shard,
+                                                                    indent):
     root = tiny_checkpoint(tmp_path)
     rewrite_index(root, order, indent=indent)
-    assert (same_every_way(root, monkeypatch) is not None) == proves
+    assert (same_every_way(root, monkeypatch, by_shard) is not None) == proves
 
 
 def first(weight_map):
@@ -192,9 +226,8 @@ def test_a_damaged_index_reads_the_same_every_way(tmp_path, monkeypatch, edit):
     root = tiny_checkpoint(tmp_path)
     rewrite_index(root, separators=(",", ":"))
     (root / INDEX).write_text(TEXT_EDITS[edit](text_of(root)))
-    proven = same_every_way(root, monkeypatch)
-    assert (proven is not None) == (edit in {"a line break at the end", "spaces around the braces", "no metadata",
-                                             "metadata of another total"})
+    proves = edit in {"a line break at the end", "spaces around the braces", "no metadata", "metadata of another total"}
+    assert (same_every_way(root, monkeypatch, by_shard=proves) is not None) == proves
 
 
 def test_a_name_in_two_shards_is_not_proven_and_reads_the_same(tmp_path, monkeypatch):

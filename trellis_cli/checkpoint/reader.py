@@ -239,18 +239,21 @@ MAX_SCAN_WORKERS = 8
 _worker_scan: Callable[[str], Any] | None = None  # a forked worker's scan (`_start_worker`)
 
 
-def scan_shards(names: list[str], scan: Callable[[str], _Read | None],
-                progress: Callable[[int], None]) -> list[_Read] | None:
+def scan_shards(names: list[str], scan: Callable[[str], _Read | None], progress: Callable[[int], None],
+                taken: Callable[[str, _Read], None] | None = None) -> list[_Read] | None:
     """`scan(name)` of each local shard of `names`, in that order; None at the first scan that gives None (the
     shards after it count for nothing, as a loop would never have read them). `scan` reads its shard itself and
-    gives None for every refusal it expects; `progress(done)` is called after each shard, in order, here.
-    Forked where that pays (`each_scanned`)."""
+    gives None for every refusal it expects; `taken(name, result)`, where given, then `progress(done)` are called
+    after each shard, in order, here (while the workers scan the next ones). Forked where that pays
+    (`each_scanned`)."""
     found: list[_Read] = []
 
-    def take(_name: str, result: _Read | None) -> bool:
+    def take(name: str, result: _Read | None) -> bool:
         if result is None:
             return False
         found.append(result)
+        if taken is not None:
+            taken(name, result)
         progress(len(found))
         return True
 
@@ -351,19 +354,31 @@ class ShardColumns(NamedTuple):
         if len(set(layers)) != len(layers) or len(set(others)) != len(others) or \
                 any(".mlp.experts." in name for name in others):
             return None
-        names = {file: ShardNames.joined(found.names) for file, found in self.linears.items()}
+        names = {file: _shard_names_of(found) for file, found in self.linears.items()}
         names.update(shard_names(self.others))
         return names
 
 
-def shard_columns(source: Source, files: dict[str, int],
-                  progress: Callable[[str, int, int], None]) -> ShardColumns | None:
+def _shard_names_of(found: LinearColumns | Header) -> ShardNames:
+    """The names of one shard as `shard_columns` reads it, in its header's order."""
+    return ShardNames.joined(found.names) if isinstance(found, LinearColumns) else ShardNames.of(found.tensors)
+
+
+def shard_columns(source: Source, files: dict[str, int], progress: Callable[[str, int, int], None],
+                  proof: IndexProof | None = None) -> ShardColumns | None:
     """`ShardColumns` of a local checkpoint, under the guards of `read_headers`; None where any shard is not one
     of the two kinds, or anything the full opening would report about a shard (the caller then opens it in
-    full, which names it). The shards are read and scanned in worker processes where that pays (`scan_shards`)."""
+    full, which names it). The shards are read and scanned in worker processes where that pays (`scan_shards`);
+    `proof`, where given, takes each shard's names as it arrives (`IndexProof.take`)."""
     names = sorted(name for name in files if name.endswith(".safetensors"))
     progress("files", 0, len(names))
-    found = scan_shards(names, partial(_columns_of, source, files), lambda done: progress("files", done, len(names)))
+
+    def taken(name: str, shard: Any) -> None:  # (a LinearColumns or a Header)
+        if proof is not None:
+            proof.take(name, _shard_names_of(shard))
+
+    found = scan_shards(names, partial(_columns_of, source, files), lambda done: progress("files", done, len(names)),
+                        taken)
     if found is None:
         return None
     return ShardColumns({name: f for name, f in zip(names, found) if isinstance(f, LinearColumns)},
@@ -561,18 +576,20 @@ def read_index(source: Source, files: dict[str, int], findings: list[Finding]) -
     return name, weight_map, metadata if isinstance(metadata, dict) else {}
 
 
-def index_files(source: Source, files: dict[str, int], names: Mapping[str, "ShardNames"] | None = None
-                ) -> set[str] | None:
+def index_files(source: Source, files: dict[str, int], names: Mapping[str, "ShardNames"] | None = None,
+                proof: IndexProof | None = None) -> set[str] | None:
     """The files a large local index names, where its bytes prove that `read_index` reads it without a finding:
     ASCII, `{"metadata": {...}, "weight_map": {"name": "file", ...}}` (whitespace between tokens allowed, no
     escape), no name twice. An empty set without an index; None for anything else (a small index included, which
     `read_index` reads at once): the caller then reads it in full, which words every finding. With `names` (each
     shard's names in header order, no name in two shards) an index written as writers write one is proven by
     writing it again (`_rebuilt_index`: then it names exactly the shards that hold a tensor); any other by the
-    streamed proof, in one regex pass, without the ~935k-key dict a production index decodes into."""
+    streamed proof, in one regex pass, without the ~935k-key dict a production index decodes into. `proof`: the
+    rebuilt proof made as the shards were read, where one was (`IndexProof`)."""
     if index_name(files) is None:
         return set()
-    if names is not None and _rebuilt_index(source, files, names) is not None:
+    if names is not None and ((proof is not None and proof.proven(names) is not None) or
+                              _rebuilt_index(source, files, names) is not None):
         return {file for file, shard in names.items() if shard.tensors}
     proven = _proven_index(source, files, lambda _names, _files: True)
     return None if proven is None else proven[2]
@@ -632,17 +649,21 @@ def shard_names(headers: Mapping[str, Header]) -> dict[str, ShardNames]:
     return {file: ShardNames.of(header.tensors) for file, header in headers.items() if header.tensors}
 
 
-def index_of(source: Source, files: dict[str, int], tensors: dict[str, Any],
-             headers: Mapping[str, Header]) -> tuple[str, dict[str, Any]] | None:
+def index_of(source: Source, files: dict[str, int], tensors: dict[str, Any], headers: Mapping[str, Header],
+             proof: IndexProof | None = None) -> tuple[str, dict[str, Any]] | None:
     """(index file, its metadata) where a large local index is proven in its bytes (as `index_files` proves it)
     to map exactly the names of `tensors` (name -> TensorRef), each to the file holding it: what `read_index`
     would decode, compared with the headers, without the ~935k fresh strings of that decode (~400 MB and three
     seconds at production size). An index written as writers write one is proven by writing it again from
     `headers` (file -> its parsed header, whose tensors `tensors` merges: `_rebuilt_index`); any other by the
-    streamed proof. None otherwise: the caller reads it in full."""
+    streamed proof. None otherwise: the caller reads it in full. `proof`: the rebuilt proof made as the headers were
+    read, where one was (`IndexProof`: `read_headers`' `taken`)."""
     if tensors and sum(len(header.tensors) for header in headers.values()) == len(tensors):
         # (a name in several shards would be written twice)
-        rebuilt = _rebuilt_index(source, files, shard_names(headers))
+        names = shard_names(headers)
+        rebuilt = proof.proven(names) if proof is not None else None
+        if rebuilt is None:
+            rebuilt = _rebuilt_index(source, files, names)
         if rebuilt is not None:
             return rebuilt
     seen = [0]
@@ -675,19 +696,28 @@ def _read_large_index(source: Source, files: dict[str, int], read: Callable[[Any
     """(index file, what `read` finds in it, open) for a local index above the general JSON limit and within
     MAX_INDEX_BYTES, the one kind its bytes are proven in; None without one, where it cannot be opened or read,
     or where `read` finds nothing (the full reader then decides, and words every finding)."""
+    name = _large_index(source, files)
+    if name is None:
+        return None
+    try:
+        with open_regular(source.local_path(name)) as f:
+            found = read(f)
+    except _UNREAD:
+        return None
+    return None if found is None else (name, found)
+
+
+def _large_index(source: Source, files: dict[str, int]) -> str | None:
+    """The index file of a local checkpoint where it is one whose bytes are proven (`_read_large_index`)."""
     name = index_name(files)
     if name is None or source.root is None:
         return None
     from trellis_cli.sources import MAX_JSON_BYTES
 
-    if not MAX_JSON_BYTES < files.get(name, 0) <= MAX_INDEX_BYTES:
-        return None
-    try:
-        with open_regular(source.local_path(name)) as f:
-            found = read(f)
-    except (OSError, CheckFailed, UnicodeError):
-        return None
-    return None if found is None else (name, found)
+    return name if MAX_JSON_BYTES < files.get(name, 0) <= MAX_INDEX_BYTES else None
+
+
+_UNREAD = (OSError, CheckFailed, UnicodeError)  # an index that cannot be opened or read as plain bytes: not proven
 
 
 def _proven_stream(f: Any, piece: Callable[[list[bytes], list[bytes]], bool]) -> tuple[dict[str, Any], set[str]] | None:
@@ -782,6 +812,19 @@ def _rebuilt_index(source: Source, files: dict[str, int], names: Mapping[str, Sh
 
 def _rebuilt_stream(f: Any, names: Mapping[str, ShardNames]) -> dict[str, Any] | None:
     """`_rebuilt_index` of an open index file: its metadata where its bytes are the rebuilt text, else None."""
+    head = _rebuilt_head(f)
+    if head is None:
+        return None
+    metadata, start, gaps, first = head
+    end = _by_shard(f, start, names, gaps)
+    if end is None and first.decode() == min(min(shard.listed()) for shard in names.values() if shard.tensors):
+        end = _by_name(f, start, names, gaps)
+    return metadata if end is not None and _rebuilt_tail(f, end) else None
+
+
+def _rebuilt_head(f: Any) -> tuple[dict[str, Any], int, _Gaps, bytes] | None:
+    """(metadata, where the first entry starts, the separators of that entry, its name) of an open index file whose
+    head is plain (`_index_head`) and whose first entry has a colon and a comma; None otherwise."""
     head = _index_head(f)
     if head is None:
         return None
@@ -790,17 +833,104 @@ def _rebuilt_stream(f: Any, names: Mapping[str, ShardNames]) -> dict[str, Any] |
     first = f.read(_INDEX_PEEK).split(b'"', 5)  # '', name, colon, file, comma, the rest
     if len(first) < 6 or first[0] or not _INDEX_COLON.fullmatch(first[2]) or not _INDEX_COMMA.fullmatch(first[4]):
         return None
-    gaps = _Gaps(first[2], first[4])
-    end = _by_shard(f, start, names, gaps)
-    if end is None and first[1].decode() == min(min(shard.listed()) for shard in names.values() if shard.tensors):
-        end = _by_name(f, start, names, gaps)
-    if end is None:
-        return None
+    return metadata, start, _Gaps(first[2], first[4]), first[1]
+
+
+def _rebuilt_tail(f: Any, end: int) -> bool:
+    """Whether the index's bytes from `end` (where its last entry ends) on are only its closing braces."""
     f.seek(end)
     tail = f.read(_INDEX_TAIL_BYTES + 1)
-    if len(tail) > _INDEX_TAIL_BYTES or end + len(tail) > MAX_INDEX_BYTES or not _INDEX_TAIL.fullmatch(tail):
-        return None
-    return metadata
+    return len(tail) <= _INDEX_TAIL_BYTES and end + len(tail) <= MAX_INDEX_BYTES and bool(_INDEX_TAIL.fullmatch(tail))
+
+
+class IndexProof:
+    """The rebuilt proof of a large local index (`_rebuilt_index`) made shard by shard while the shards are read,
+    rather than after: opened on the index before the scan (its head read once), `take(file, names)` with each shard's
+    names as they arrive compares that shard's entries (`_shard_entries`) where it is the next shard in the index,
+    and `proven(names)` is the whole proof's answer once every shard was taken. At the first thing it cannot prove
+    (the shards listed in another order than they arrive, the index sorted by name, anything unusual) it stops, and
+    `proven` gives None: the caller then proves the index whole, which decides as it always did.
+
+    Each shard is compared once the next one arrives (or at `finish`), when it is known whether its entries are the
+    index's last. Use it as a context manager: the index stays open from its start to `finish` (or its exit)."""
+
+    def __init__(self, source: Source, files: dict[str, int]) -> None:
+        self._name = _large_index(source, files)
+        self._file: Any = None
+        self._taken: dict[str, int] = {}  # file -> its tensors, every shard taken with one
+        self._next: tuple[str, ShardNames] | None = None  # the shard taken last, compared once the next arrives
+        self._order: list[int] | None = None  # the order of the shard compared last (`_by_shard`'s)
+        self._proven: tuple[str, dict[str, Any]] | None = None
+        if self._name is None:
+            return
+        try:
+            self._file = open_regular(source.local_path(self._name))
+            head = _rebuilt_head(self._file)
+        except _UNREAD:
+            head = None
+        if head is None:
+            self._stop()
+            return
+        self._metadata, self._at, self._gaps, _first = head
+
+    def __enter__(self) -> IndexProof:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop()
+
+    def take(self, file: str, shard: ShardNames) -> None:
+        """One more shard's names (in the order the shards arrive); one with no tensor is in no index."""
+        if self._file is None or not shard.tensors:
+            return
+        if file in self._taken or not self._compare(last=False):
+            self._stop()
+            return
+        self._taken[file] = shard.tensors
+        self._next = file, shard
+
+    def take_header(self, file: str, header: Header) -> None:
+        """`take` of a parsed header's names (`read_headers`' `taken`)."""
+        self.take(file, ShardNames.of(header.tensors))
+
+    def finish(self) -> None:
+        """Every shard taken: the last one's entries compared as the index's last, then its closing braces."""
+        if self._file is not None and self._next is not None and self._compare(last=True):
+            try:
+                if _rebuilt_tail(self._file, self._at) and self._name is not None:
+                    self._proven = self._name, self._metadata
+            except _UNREAD:
+                pass
+        self._stop()
+
+    def proven(self, names: Mapping[str, ShardNames]) -> tuple[str, dict[str, Any]] | None:
+        """(index file, its metadata) as `_rebuilt_index(source, files, names)` gives it, where the shards taken were
+        exactly those of `names` that hold a tensor (as many each) and every one was proven as it arrived; else None
+        (the caller proves the index whole)."""
+        self.finish()
+        held = {file: shard.tensors for file, shard in names.items() if shard.tensors}
+        return self._proven if self._taken == held else None
+
+    def _compare(self, last: bool) -> bool:
+        """Whether the shard taken last, if any, is the next one in the index and its entries are proven there."""
+        if self._next is None:
+            return True
+        file, shard = self._next
+        try:
+            step = _shard_entries(self._file, self._at, file, shard, self._order, self._gaps, last) \
+                if _entry_file(self._file, self._at) == file else None
+        except _UNREAD:
+            step = None
+        if step is None:
+            return False
+        self._at, self._order = step
+        self._next = None
+        return True
+
+    def _stop(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 class _Gaps(NamedTuple):
@@ -822,34 +952,51 @@ class _Gaps(NamedTuple):
 
 def _by_shard(f: Any, at: int, names: Mapping[str, ShardNames], gaps: _Gaps) -> int | None:
     """Where the entries from `at` on end, where they are shard after shard (in any order of the shards) every name
-    of each shard in one order: as its header lists them, as the shard before it was written (a writer writes
-    each shard in its own order), or else as the index says (read as names, once per shard written otherwise).
-    One shard's entries (~1 MB at production size) are held at a time."""
+    of each shard in one order (`_shard_entries`). One shard's entries (~1 MB at production size) are held at a
+    time."""
     left = sum(shard.tensors for shard in names.values())
     order: list[int] | None = None  # the last shard's order (positions in its header's names; None: as listed)
     written: set[str] = set()
     while left:
-        f.seek(at)
-        entry = f.read(_INDEX_PEEK).split(b'"', 4)  # '', name, colon, file (the shard these entries are of), ...
-        file = entry[3].decode("ascii") if len(entry) == 5 and not entry[0] else None
+        file = _entry_file(f, at)  # the shard these entries are of
         shard = names.get(file) if file is not None and file not in written else None
         if file is None or shard is None or not shard.tensors:
             return None  # (a shard's entries not all in one run: the streamed proof decides)
         written.add(file)
         left -= shard.tensors
-        after = gaps.after(file)
-        end = after[:-1] if left else after[:-1 - len(gaps.comma)]  # the index's last entry: no comma after it
-        text = shard.text(order, after, end)
-        f.seek(at)
-        found = f.read(len(text))
-        at += len(text)
-        if text != found:
-            order = _entries_order(found, shard)
-            if order is None or shard.text(order, after, end) != found:
-                return None
-        if at > MAX_INDEX_BYTES or not gaps.written(found, shard.tensors, not left):
+        step = _shard_entries(f, at, file, shard, order, gaps, not left)
+        if step is None:
             return None
+        at, order = step
     return at
+
+
+def _entry_file(f: Any, at: int) -> str | None:
+    """The file of the index's entry at `at`, where one starts there."""
+    f.seek(at)
+    entry = f.read(_INDEX_PEEK).split(b'"', 4)  # '', name, colon, file, ...
+    return entry[3].decode("ascii") if len(entry) == 5 and not entry[0] else None
+
+
+def _shard_entries(f: Any, at: int, file: str, shard: ShardNames, order: list[int] | None, gaps: _Gaps, last: bool
+                   ) -> tuple[int, list[int] | None] | None:
+    """(where they end, their order) of the entries from `at` on, where they are every name of `shard` with its
+    `file`, in one order: `order` (the shard before it's: a writer writes each shard in its own order; None: as its
+    header lists them), or else as the index says (read as names, once per shard written otherwise); `last`: the
+    index's last entries (no comma after them). None otherwise."""
+    after = gaps.after(file)
+    end = after[:-1 - len(gaps.comma)] if last else after[:-1]
+    text = shard.text(order, after, end)
+    f.seek(at)
+    found = f.read(len(text))
+    at += len(text)
+    if text != found:
+        order = _entries_order(found, shard)
+        if order is None or shard.text(order, after, end) != found:
+            return None
+    if at > MAX_INDEX_BYTES or not gaps.written(found, shard.tensors, last):
+        return None
+    return at, order
 
 
 def _entries_order(found: bytes, shard: ShardNames) -> list[int] | None:
@@ -999,7 +1146,7 @@ def require_intact(ckpt: Checkpoint, what: str) -> None:
                       f"(run `trellis validate` for every finding)", code=first.code)
 
 
-__all__ = ["BYTE_FAULT_CODES", "HeaderNames", "byte_faults", "canonical_header", "each_scanned", "escapes",
-           "every_header_names", "header_names", "listing", "index_files", "listing_findings", "raw_header",
+__all__ = ["BYTE_FAULT_CODES", "HeaderNames", "IndexProof", "byte_faults", "canonical_header", "each_scanned",
+           "escapes", "every_header_names", "header_names", "listing", "index_files", "listing_findings", "raw_header",
            "read_headers", "read_index", "read_json", "require_intact", "same_bytes", "scan_shards", "ShardNames",
            "shard_columns", "shard_names", "shard_header", "source_header"]

@@ -119,8 +119,15 @@ def _open(source: Source, progress: Callable[[str, int, int], None], headers: bo
         return ckpt
     linears: dict[str, NameLinears | None] = {}  # each header's names split by a scan worker, where one read it
     read = _BuiltAsRead(ckpt.tensors, linears)
-    ckpt.headers.update(reader.read_headers(source, files, progress, ckpt.parse_findings, linears, read.take))
-    steps = (lambda: _collect_tensors(ckpt, read), lambda: _read_index(ckpt, source, files),
+    with reader.IndexProof(source, files) as index:  # a large index proven shard by shard as the headers arrive
+
+        def taken(name: str, header: Header) -> None:
+            read.take(name, header)
+            index.take_header(name, header)
+
+        ckpt.headers.update(reader.read_headers(source, files, progress, ckpt.parse_findings, linears, taken))
+        index.finish()
+    steps = (lambda: _collect_tensors(ckpt, read), lambda: _read_index(ckpt, source, files, index),
              lambda: _build_layers(ckpt, linears, read.layers),
              lambda: _apply_declarations(ckpt, info, source, files), lambda: _fill_geometry(ckpt, info))
     for done, step in enumerate(steps, 1):
@@ -160,10 +167,11 @@ def _read_config(source: Source, files: dict[str, int]) -> dict[str, Any] | None
     return config
 
 
-def _read_index(ckpt: Checkpoint, source: Source, files: dict[str, int]) -> None:
+def _read_index(ckpt: Checkpoint, source: Source, files: dict[str, int], index: reader.IndexProof) -> None:
     """The index, after the tensors: a large one proven in its bytes to map every tensor to the file holding it
-    is that mapping itself, never decoded (`reader.index_of`); any other is read in full and compared."""
-    proven = reader.index_of(source, files, ckpt.tensors, ckpt.headers)
+    is that mapping itself, never decoded (`reader.index_of`, with `index`: proven as the headers were read, where
+    it could be); any other is read in full and compared."""
+    proven = reader.index_of(source, files, ckpt.tensors, ckpt.headers, index)
     if proven is not None:
         ckpt.index_file, ckpt.index_metadata = proven
         ckpt.index, ckpt.index_agrees = TensorFiles(ckpt.tensors), True

@@ -267,11 +267,11 @@ def _from_columns(source: Any, request: FitRequest, progress: Callable[[str, int
         arch = read_arch(ckpt.config)
     except (UsageError, CheckFailed):
         return None
-    with paused_gc():
-        shards = reader.shard_columns(source, ckpt.files, progress or (lambda _stage, _done, _total: None))
+    with paused_gc(), reader.IndexProof(source, ckpt.files) as proof:  # the index proven as the shards arrive
+        shards = reader.shard_columns(source, ckpt.files, progress or (lambda _stage, _done, _total: None), proof)
         if shards is None:
             return None
-        named = reader.index_files(source, ckpt.files, shards.names())
+        named = reader.index_files(source, ckpt.files, shards.names(), proof)
         if named is None:  # read as the full opening reads it
             found = reader.read_index(source, ckpt.files, ckpt.parse_findings)
             if found is not None:
