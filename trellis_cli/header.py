@@ -28,6 +28,7 @@ from collections.abc import ItemsView, Iterator, Mapping, ValuesView
 from typing import Any, NamedTuple, TypeGuard
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 # The Hub's own parser refuses headers above 25 MB; the safetensors reader above 100 MB. A production
 # MoE layer shard (12,288 tensors) has a header of about 1.5 MB.
@@ -409,9 +410,14 @@ def split_layout(gaps: list[bytes]) -> dict[str, str] | None:
 def offset_pairs(texts: list[bytes]) -> tuple[np.ndarray, np.ndarray] | None:
     """(begins, ends) of entries' `data_offsets` written `BEGIN,END` (each matched by OFFSET_PATTERN: below
     10^18, exact in int64); None where a pair is reversed, which the strict parser names."""
-    offsets = np.fromstring(b",".join(texts), dtype=np.int64, sep=",")
+    return offset_pairs_of(b",".join(texts), len(texts))
+
+
+def offset_pairs_of(text: bytes, count: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """`offset_pairs` of `count` pairs written `BEGIN,END,BEGIN,END...`."""
+    offsets = np.fromstring(text, dtype=np.int64, sep=",")
     begins, ends = offsets[0::2], offsets[1::2]
-    if len(offsets) != 2 * len(texts) or bool((begins > ends).any()):
+    if len(offsets) != 2 * count or bool((begins > ends).any()):
         return None
     return begins, ends
 
@@ -465,7 +471,15 @@ def canonical_columns(header_bytes: bytes) -> HeaderColumns | None:
     the entry's pattern (`_ENTRY_PARTS`) both proves the layout (what lies between the entries is a comma, before
     them the canonical head, after them the closing brace) and yields each entry's name, kind (dtype and shape) and
     offsets. None where it is not that layout, a name appears twice or an offset pair is reversed, which the strict
-    path then names. A pure function of the bytes: a worker process may compute it."""
+    path then names. A pure function of the bytes: a worker process may compute it. The common header (ASCII, every
+    entry in that layout) is read in bulk (`_bulk_columns`); the split by the pattern is the reference it must
+    equal, and decides whatever the bulk read cannot prove."""
+    bulk = _bulk_columns(header_bytes)
+    return bulk if bulk is not None else _split_columns(header_bytes)
+
+
+def _split_columns(header_bytes: bytes) -> HeaderColumns | None:
+    """`canonical_columns` by one split of the bytes by the entry's pattern, a match per entry."""
     if not (header_bytes.isascii() or _utf8(header_bytes)) or \
             header_bytes.count(b'"data_offsets"') > MAX_HEADER_TENSORS:
         return None
@@ -481,6 +495,143 @@ def canonical_columns(header_bytes: bytes) -> HeaderColumns | None:
     position = {text: at for at, text in enumerate(dict.fromkeys(kinds))}  # a shard has a few (dtype, shape) kinds
     kind_index = np.fromiter(map(position.__getitem__, kinds), dtype=np.int32, count=len(kinds))
     return HeaderColumns(len(header_bytes), names, list(position), kind_index, *pairs, metadata)
+
+
+# The fixed text around an entry's variable parts, each anchored at one of its quotes: after the name, after the dtype,
+# before the offsets, and between two entries.
+_AFTER_NAME = np.frombuffer(b'":{"dtype":"', dtype=np.uint8)
+_AFTER_DTYPE = np.frombuffer(b'","shape":[', dtype=np.uint8)
+_BEFORE_OFFSETS = np.frombuffer(b'],"data_offsets":[', dtype=np.uint8)
+_BETWEEN = np.frombuffer(b']},"', dtype=np.uint8)
+_QUOTES_PER_ENTRY = 10
+_KIND_TEXT = re.compile(_KIND)
+_LAST_PAIR = re.compile(rb"(" + _PAIR + rb")\]\}\} *")
+_MAX_KIND = 40  # bytes: the longest kind _KIND accepts (`F8_E4M3","shape":[99999,99999,99999`) is 35
+_NOT_PROVEN = None
+
+
+def _bulk_columns(header_bytes: bytes) -> HeaderColumns | None:
+    """`canonical_columns` of an ASCII header in safetensors' own layout, proven and read with bulk operations on its
+    quotes' positions instead of a match per entry: each entry has exactly ten quotes, and the fixed text around its
+    variable parts sits at fixed distances from them; each distinct kind is matched once by its pattern, each offset
+    checked by its digits. Such a header is split by the reference (`_split_columns`) into exactly these entries (no
+    match of the entry's pattern can start in the canonical head), so the columns are equal. None wherever that is
+    not proven (an escape, non-ASCII, a control byte, any other layout, a name twice, a reversed pair): the
+    reference decides."""
+    if not header_bytes or not header_bytes.isascii() or b"\\" in header_bytes:
+        return _NOT_PROVEN
+    data = np.frombuffer(header_bytes, dtype=np.uint8)
+    if int(data.min()) < 0x20:  # no control byte anywhere: none in a name, a zero pads the kinds below
+        return _NOT_PROVEN
+    head = _HEAD.match(header_bytes)  # `{` and the metadata's object, if any
+    if head is None:
+        return _NOT_PROVEN
+    start = head.end()
+    quotes = np.flatnonzero(data == ord('"'))
+    quotes = quotes[np.searchsorted(quotes, start):]
+    count = len(quotes) // _QUOTES_PER_ENTRY
+    # (`"data_offsets"` stands in the text once per entry, at most once more as a name, and in the head's strings)
+    if not count or len(quotes) != count * _QUOTES_PER_ENTRY or quotes[0] != start or \
+            2 * count + start > MAX_HEADER_TENSORS:
+        return _NOT_PROVEN
+    q = quotes.reshape(count, _QUOTES_PER_ENTRY)
+    if not (all_at(data, q[:, 1], _AFTER_NAME) and all_at(data, q[:, 5], _AFTER_DTYPE)
+            and all_at(data, q[:, 8] - 2, _BEFORE_OFFSETS) and all_at(data, q[1:, 0] - 3, _BETWEEN)):
+        return _NOT_PROVEN
+    last = _LAST_PAIR.fullmatch(header_bytes, int(q[-1, 9]) + 3)
+    metadata = _canonical_metadata(header_bytes[:start])
+    if last is None or metadata is None:
+        return _NOT_PROVEN
+    kinds = _bulk_kinds(header_bytes, data, q[:, 4] + 1, q[:, 8] - 2)
+    pairs = _bulk_pairs(data, q[:, 9] + 3, np.append(q[1:, 0] - 3, last.end(1)))
+    if kinds is None or pairs is None:
+        return _NOT_PROVEN
+    names = _gathered(data, q[:, 0] + 1, q[:, 1] + 1)[:-1].tobytes().decode("ascii")  # each name and its `"`
+    distinct = set(names.split('"'))
+    if len(distinct) != count or "__metadata__" in distinct:  # a name twice, or the one name the layout forbids
+        return _NOT_PROVEN
+    return HeaderColumns(len(header_bytes), names, *kinds, *pairs, metadata)
+
+
+def all_at(data: np.ndarray, at: np.ndarray, text: np.ndarray) -> bool:
+    """Whether `text` stands in `data` at each of the ascending positions `at`."""
+    if not len(at):
+        return True
+    if int(at[0]) < 0 or int(at[-1]) + len(text) > len(data):
+        return False
+    return bool((sliding_window_view(data, len(text))[at] == text).all())
+
+
+def _gathered(data: np.ndarray, begins: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The bytes of `data[begins[i]:ends[i]]`, one span after the other (ascending spans, none overlapping)."""
+    edges = np.empty(2 * len(begins) + 2, dtype=np.int64)
+    edges[0], edges[1:-1:2], edges[2:-1:2], edges[-1] = 0, begins, ends, len(data)
+    inside = np.zeros(len(edges) - 1, dtype=bool)
+    inside[1::2] = True  # the runs between the edges: outside, a span, outside, ...
+    return data[np.repeat(inside, np.diff(edges))]
+
+
+def _bulk_kinds(header_bytes: bytes, data: np.ndarray, begins: np.ndarray,
+                ends: np.ndarray) -> tuple[list[bytes], np.ndarray] | None:
+    """The distinct kinds (`DTYPE","shape":[DIMS`) of the spans `begins`..`ends`, in order of first use, each matched
+    once by _KIND, and each span's position among them; None where one is not a kind."""
+    distinct = distinct_spans(data, begins, ends, _MAX_KIND)
+    if distinct is None:
+        return None
+    first, position = distinct
+    kinds = [header_bytes[int(begins[at]):int(ends[at])] for at in first.tolist()]
+    if not all(_KIND_TEXT.fullmatch(kind) for kind in kinds):
+        return None
+    return kinds, position.astype(np.int32)
+
+
+def distinct_spans(data: np.ndarray, begins: np.ndarray, ends: np.ndarray,
+                   width: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The spans `data[begins[i]:ends[i]]` (bytes with no zero among them) told apart in bulk: the first span of each
+    distinct text, in order of first use, and each span's position among those; None where a span is longer than
+    `width`. Each span's key is its bytes padded with zeros to `width` (a multiple of 8), folded into one word; each
+    span is then compared with the first one of its key, so that two texts under one key are never taken as one
+    (None then too)."""
+    lengths = ends - begins
+    if not len(begins) or int(lengths.min()) < 0 or int(lengths.max()) > width:
+        return None
+    if int(begins.max()) + width > len(data):
+        data = np.concatenate((data, np.zeros(width, dtype=np.uint8)))
+    padded = sliding_window_view(data, width)[begins]
+    padded *= np.arange(width) < lengths[:, None]
+    words = padded.view("<u8")
+    key = words[:, 0]
+    for k in range(1, words.shape[1]):
+        key = key * np.uint64(1_000_003) + words[:, k]  # (wrapping: equal keys are checked below)
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    if words.shape[1] > 1 and not bool((words == words[first[inverse]]).all()):
+        return None
+    order = np.argsort(first, kind="stable")
+    position = np.empty(len(order), dtype=np.int64)
+    position[order] = np.arange(len(order))
+    return first[order], position[inverse]
+
+
+def _bulk_pairs(data: np.ndarray, begins: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """`offset_pairs` of the spans `begins`..`ends` (each followed by a `]`), each proven `BEGIN,END` of two numbers
+    of OFFSET_PATTERN by its digits alone: exactly one comma, one to 18 digits either side, no leading zero."""
+    text = _gathered(data, begins, ends + 1)  # `BEGIN,END]` after one another
+    closes = np.cumsum(ends + 1 - begins) - 1
+    others = np.flatnonzero((text - np.uint8(ord("0"))) > 9)
+    if len(others) != 2 * len(begins) or not np.array_equal(others[1::2], closes):
+        return None
+    commas = others[0::2]
+    starts = closes - (ends - begins)
+    first, second = commas - starts, closes - commas - 1
+    if not (bool((text[commas] == ord(",")).all()) and 1 <= int(first.min()) and int(first.max()) <= 18
+            and 1 <= int(second.min()) and int(second.max()) <= 18):
+        return None
+    if bool(((text[starts] == ord("0")) & (first > 1)).any()) or \
+            bool(((text[commas + 1] == ord("0")) & (second > 1)).any()):
+        return None  # a leading zero
+    text[closes] = ord(",")
+    return offset_pairs_of(text[:-1].tobytes(), len(begins))
 
 
 def header_of_columns(file: str, columns: HeaderColumns, file_size: int | None) -> Header:
