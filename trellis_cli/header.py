@@ -589,19 +589,18 @@ def distinct_spans(data: np.ndarray, begins: np.ndarray, ends: np.ndarray,
                    width: int) -> tuple[np.ndarray, np.ndarray] | None:
     """The spans `data[begins[i]:ends[i]]` (bytes with no zero among them) told apart in bulk: the first span of each
     distinct text, in order of first use, and each span's position among those; None where a span is longer than
-    `width`. Each span's key is its bytes padded with zeros to `width` (a multiple of 8), folded into one word; each
-    span is then compared with the first one of its key, so that two texts under one key are never taken as one
-    (None then too)."""
+    `width` (a multiple of 8). Each span is read as words of 8 bytes, the bytes past its end zeroed, folded into one
+    key; each span is then compared with the first one of its key, so that two texts under one key are never taken
+    as one (None then too)."""
     lengths = ends - begins
     if not len(begins) or int(lengths.min()) < 0 or int(lengths.max()) > width:
         return None
     if int(begins.max()) + width > len(data):
         data = np.concatenate((data, np.zeros(width, dtype=np.uint8)))
-    padded = sliding_window_view(data, width)[begins]
-    padded *= np.arange(width) < lengths[:, None]
-    words = padded.view("<u8")
-    key = words[:, 0]
-    for k in range(1, words.shape[1]):
+    words = sliding_window_view(data, width)[begins].view("<u8")
+    key = np.zeros(len(begins), dtype=np.uint64)
+    for k in range(words.shape[1]):
+        words[:, k] &= _LOW_BYTES[np.clip(lengths - 8 * k, 0, 8)]
         key = key * np.uint64(1_000_003) + words[:, k]  # (wrapping: equal keys are checked below)
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     inverse = inverse.reshape(-1)
@@ -611,6 +610,10 @@ def distinct_spans(data: np.ndarray, begins: np.ndarray, ends: np.ndarray,
     position = np.empty(len(order), dtype=np.int64)
     position[order] = np.arange(len(order))
     return first[order], position[inverse]
+
+
+# The low k bytes of a word (k = 0..8), as a mask.
+_LOW_BYTES = np.array([(1 << (8 * k)) - 1 for k in range(9)], dtype=np.uint64)
 
 
 def _bulk_pairs(data: np.ndarray, begins: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:

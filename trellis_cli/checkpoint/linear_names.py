@@ -18,9 +18,11 @@ from trellis_cli.header import all_at, distinct_spans
 
 # Ids of at most 5 (layer), 6 (expert) and 4 (rank) digits keep a linear's key inside int64; a longer id is
 # left to the per-tensor path.
-_LAYER_EXPERT = r"(0|[1-9][0-9]{0,4})\.mlp\.experts\.(0|[1-9][0-9]{0,5})"
+_LAYER = r"(0|[1-9][0-9]{0,4})"
+_EXPERT = r"(0|[1-9][0-9]{0,5})"
 _PROJECTION_FIELD = r"(gate|up|down)_proj(?:\.rank(0|[1-9][0-9]{0,3}))?\.(trellis|suh|svh|su|sv|mcg|mul1)"
-_CANONICAL_LINEAR = re.compile(r"^model\.layers\." + _LAYER_EXPERT + r"\." + _PROJECTION_FIELD + "$", re.MULTILINE)
+_CANONICAL_LINEAR = re.compile(r"^model\.layers\." + _LAYER + r"\.mlp\.experts\." + _EXPERT + r"\." + _PROJECTION_FIELD + "$",
+                               re.MULTILINE)
 _GROUPS = 5
 _PROJECTION_CODE = {"gate": 0, "up": 1, "down": 2}
 FIELDS = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1")  # LinearRef's order
@@ -108,20 +110,22 @@ def _linears(at: np.ndarray, ids: tuple[np.ndarray, ...], field: np.ndarray, sli
     return NameLinears(unique[order], sliced, columns, others)
 
 
-# A linear's name in three pieces (`model.layers.`, its layer and expert, its projection, rank and field): the bulk
-# read matches each distinct piece once.
+# A linear's name in its pieces (`model.layers.`, its layer, `.mlp.experts.`, its expert, then its projection, rank
+# and field): the bulk read matches each distinct piece once.
 _BEFORE_LAYER = np.frombuffer(b"model.layers.", dtype=np.uint8)
-_LAYER_EXPERT_TEXT = re.compile(_LAYER_EXPERT)
+_BEFORE_EXPERT = np.frombuffer(b".mlp.experts.", dtype=np.uint8)
+_LAYER_TEXT = re.compile(_LAYER)
+_EXPERT_TEXT = re.compile(_EXPERT)
 _PROJECTION_FIELD_TEXT = re.compile(_PROJECTION_FIELD)
 
 
 def _bulk_linears(text: str, count: int) -> NameLinears | None:
     """`name_linears` of names (ASCII, joined by `count - 1` line breaks) that are all linears' fields, all with a rank
     or all without, read in bulk instead of a match per name: each name then has a fixed count of `.`-separated
-    parts, `model.layers.` before them, and each distinct text of its layer and expert (`L.mlp.experts.E`) and of
-    its projection, rank and field (`P_proj[.rankR].F`) is matched once by its part of _CANONICAL_LINEAR. The
-    reference (`_split_linears`) matches each such name whole, so the columns are equal. None wherever that is not
-    proven (a zero byte, another name, another count of parts): the reference decides."""
+    parts, `model.layers.` before them and `.mlp.experts.` after the layer, and each distinct layer, expert and
+    `P_proj[.rankR].F` text is matched once by its part of _CANONICAL_LINEAR. The reference (`_split_linears`) matches
+    each such name whole, so the columns are equal. None wherever that is not proven (a zero byte, another name,
+    another count of parts): the reference decides."""
     if "\0" in text:
         return None
     data = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
@@ -134,14 +138,17 @@ def _bulk_linears(text: str, count: int) -> NameLinears | None:
     before = flat.reshape(count, parts)
     ends = np.append(before[1:, 0], len(data))  # each name's end
     # (the caller counted count - 1 line breaks: those before each name but the first, the others dots)
-    if not (bool((data[before[1:, 0]] == ord("\n")).all()) and all_at(data, before[:, 0] + 1, _BEFORE_LAYER)):
+    if not (bool((data[before[1:, 0]] == ord("\n")).all()) and all_at(data, before[:, 0] + 1, _BEFORE_LAYER)
+            and all_at(data, before[:, 3], _BEFORE_EXPERT)):
         return None
-    ids = _groups(text, data, before[:, 2] + 1, before[:, 6], 24, _LAYER_EXPERT_TEXT)
+    layer = _groups(text, data, before[:, 2] + 1, before[:, 3], 8, _LAYER_TEXT)
+    expert = _groups(text, data, before[:, 5] + 1, before[:, 6], 8, _EXPERT_TEXT)
     rest_ids = _groups(text, data, before[:, 6] + 1, ends, 32, _PROJECTION_FIELD_TEXT)
-    if ids is None or rest_ids is None:
+    if layer is None or expert is None or rest_ids is None:
         return None
     projection, rank, field = rest_ids
-    return _linears(np.arange(count), (*ids, projection, rank), field, parts == 9, np.zeros(0, dtype=np.int32))
+    return _linears(np.arange(count), (*layer, *expert, projection, rank), field, parts == 9,
+                    np.zeros(0, dtype=np.int32))
 
 
 def _groups(text: str, data: np.ndarray, begins: np.ndarray, ends: np.ndarray, width: int,
