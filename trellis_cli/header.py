@@ -499,10 +499,10 @@ def _split_columns(header_bytes: bytes) -> HeaderColumns | None:
 
 # The fixed text around an entry's variable parts, each anchored at one of its quotes: after the name, after the dtype,
 # before the offsets, and between two entries.
-_AFTER_NAME = np.frombuffer(b'":{"dtype":"', dtype=np.uint8)
-_AFTER_DTYPE = np.frombuffer(b'","shape":[', dtype=np.uint8)
-_BEFORE_OFFSETS = np.frombuffer(b'],"data_offsets":[', dtype=np.uint8)
-_BETWEEN = np.frombuffer(b']},"', dtype=np.uint8)
+_AFTER_NAME = b'":{"dtype":"'
+_AFTER_DTYPE = b'","shape":['
+_BEFORE_OFFSETS = b'],"data_offsets":['
+_BETWEEN = b']},"'
 _QUOTES_PER_ENTRY = 10
 _KIND_TEXT = re.compile(_KIND)
 _LAST_PAIR = re.compile(rb"(" + _PAIR + rb")\]\}\} *")
@@ -547,19 +547,50 @@ def _bulk_columns(header_bytes: bytes) -> HeaderColumns | None:
     if kinds is None or pairs is None:
         return _NOT_PROVEN
     names = _gathered(data, q[:, 0] + 1, q[:, 1] + 1)[:-1].tobytes().decode("ascii")  # each name and its `"`
-    distinct = set(names.split('"'))
-    if len(distinct) != count or "__metadata__" in distinct:  # a name twice, or the one name the layout forbids
-        return _NOT_PROVEN
+    if not _distinct_names(data, q[:, 0] + 1, q[:, 1], names) or _has_name(names, "__metadata__"):
+        return _NOT_PROVEN  # a name twice, or the one name the layout forbids
     return HeaderColumns(len(header_bytes), names, *kinds, *pairs, metadata)
 
 
-def all_at(data: np.ndarray, at: np.ndarray, text: np.ndarray) -> bool:
-    """Whether `text` stands in `data` at each of the ascending positions `at`."""
+def _distinct_names(data: np.ndarray, begins: np.ndarray, ends: np.ndarray, names: str) -> bool:
+    """Whether no name stands twice: proven by keys of their bytes where the keys all differ (names of at most 128
+    bytes), else by a set of the names."""
+    lengths = ends - begins
+    width = -(-int(lengths.max()) // 8) * 8
+    if width <= 128:
+        _, key = _span_words(data, begins, lengths, width)
+        ordered = np.sort(key)
+        if not bool((ordered[1:] == ordered[:-1]).any()):
+            return True
+    return len(set(names.split('"'))) == len(begins)
+
+
+def _has_name(names: str, name: str) -> bool:
+    """Whether `name` is one of `names` (joined by `"`)."""
+    return f'"{name}"' in f'"{names}"'
+
+
+def all_at(data: np.ndarray, at: np.ndarray, text: bytes) -> bool:
+    """Whether `text` stands in `data` at each of the ascending positions `at` (compared 8 bytes at a time)."""
     if not len(at):
         return True
     if int(at[0]) < 0 or int(at[-1]) + len(text) > len(data):
         return False
-    return bool((sliding_window_view(data, len(text))[at] == text).all())
+    words = _words(data, int(at[-1]) + len(text) + 8)
+    for k in range(0, len(text), 8):
+        chunk = text[k:k + 8]
+        found = words[at + k] if len(chunk) == 8 else words[at + k] & _LOW_BYTES[len(chunk)]
+        if not bool((found == np.uint64(int.from_bytes(chunk, "little"))).all()):
+            return False
+    return True
+
+
+def _words(data: np.ndarray, needed: int) -> np.ndarray:
+    """The 8 bytes from each position of `data` as a little-endian word (unaligned reads, no copy), zeros past its
+    end; `needed`: the bytes the words read must cover (the data is copied with a pad only where they run past)."""
+    if needed + 8 > len(data):
+        data = np.concatenate((data, np.zeros(needed + 8 - len(data), dtype=np.uint8)))
+    return np.ndarray((len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))
 
 
 def _gathered(data: np.ndarray, begins: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -595,13 +626,7 @@ def distinct_spans(data: np.ndarray, begins: np.ndarray, ends: np.ndarray,
     lengths = ends - begins
     if not len(begins) or int(lengths.min()) < 0 or int(lengths.max()) > width:
         return None
-    if int(begins.max()) + width > len(data):
-        data = np.concatenate((data, np.zeros(width, dtype=np.uint8)))
-    words = sliding_window_view(data, width)[begins].view("<u8")
-    key = np.zeros(len(begins), dtype=np.uint64)
-    for k in range(words.shape[1]):
-        words[:, k] &= _LOW_BYTES[np.clip(lengths - 8 * k, 0, 8)]
-        key = key * np.uint64(1_000_003) + words[:, k]  # (wrapping: equal keys are checked below)
+    words, key = _span_words(data, begins, lengths, width)
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     inverse = inverse.reshape(-1)
     if words.shape[1] > 1 and not bool((words == words[first[inverse]]).all()):
@@ -610,6 +635,20 @@ def distinct_spans(data: np.ndarray, begins: np.ndarray, ends: np.ndarray,
     position = np.empty(len(order), dtype=np.int64)
     position[order] = np.arange(len(order))
     return first[order], position[inverse]
+
+
+def _span_words(data: np.ndarray, begins: np.ndarray, lengths: np.ndarray,
+                width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each span as `width // 8` words, the bytes past its end zeroed (a row per span), and the words folded into
+    one key per span (wrapping: equal spans have equal keys, not the converse)."""
+    if int(begins.max()) + width > len(data):
+        data = np.concatenate((data, np.zeros(width, dtype=np.uint8)))
+    words = sliding_window_view(data, width)[begins].view("<u8")  # (a copy: a row of bytes per span)
+    words &= _LOW_BYTES[np.clip(lengths[:, None] - np.arange(0, width, 8), 0, 8)]
+    key = words[:, 0].copy()
+    for k in range(1, width // 8):
+        key = key * np.uint64(1_000_003) + words[:, k]
+    return words, key
 
 
 # The low k bytes of a word (k = 0..8), as a mask.

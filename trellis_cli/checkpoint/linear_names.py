@@ -112,8 +112,8 @@ def _linears(at: np.ndarray, ids: tuple[np.ndarray, ...], field: np.ndarray, sli
 
 # A linear's name in its pieces (`model.layers.`, its layer, `.mlp.experts.`, its expert, then its projection, rank
 # and field): the bulk read matches each distinct piece once.
-_BEFORE_LAYER = np.frombuffer(b"model.layers.", dtype=np.uint8)
-_BEFORE_EXPERT = np.frombuffer(b".mlp.experts.", dtype=np.uint8)
+_BEFORE_LAYER = b"model.layers."
+_BEFORE_EXPERT = b".mlp.experts."
 _LAYER_TEXT = re.compile(_LAYER)
 _EXPERT_TEXT = re.compile(_EXPERT)
 _PROJECTION_FIELD_TEXT = re.compile(_PROJECTION_FIELD)
