@@ -3,6 +3,9 @@ by line breaks) reads every name of the form `model.layers.L.mlp.experts.E.{gate
 (ids canonical and short, field one of the EXL3 linear fields) into columns of positions, which the bulk build of
 the layers (`dialects/bulk_layers.py`) turns into records. A pure function of the names: a scan worker may compute
 it beside the header's own columns (`checkpoint/reader.py`), so the opening's parent does not split them again.
+Names that are all linears' fields (a layer shard's) are read in bulk instead (`_bulk_linears`: numpy on the dots'
+positions, each distinct layer, expert and projection-rank-field text matched once); the split stays the reference,
+and decides every other header.
 """
 
 from __future__ import annotations
