@@ -576,7 +576,7 @@ def all_at(data: np.ndarray, at: np.ndarray, text: bytes) -> bool:
         return True
     if int(at[0]) < 0 or int(at[-1]) + len(text) > len(data):
         return False
-    words = _words(data, int(at[-1]) + len(text) + 8)
+    words = _words(data, int(at[-1]) + len(text) + 7)  # (the last word read starts before the text's end)
     for k in range(0, len(text), 8):
         chunk = text[k:k + 8]
         found = words[at + k] if len(chunk) == 8 else words[at + k] & _LOW_BYTES[len(chunk)]
@@ -588,8 +588,8 @@ def all_at(data: np.ndarray, at: np.ndarray, text: bytes) -> bool:
 def _words(data: np.ndarray, needed: int) -> np.ndarray:
     """The 8 bytes from each position of `data` as a little-endian word (unaligned reads, no copy), zeros past its
     end; `needed`: the bytes the words read must cover (the data is copied with a pad only where they run past)."""
-    if needed + 8 > len(data):
-        data = np.concatenate((data, np.zeros(needed + 8 - len(data), dtype=np.uint8)))
+    if needed > len(data):
+        data = np.concatenate((data, np.zeros(needed - len(data), dtype=np.uint8)))
     return np.ndarray((len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))
 
 

@@ -128,7 +128,7 @@ def perturbed_header(rng: random.Random, raw: bytes) -> bytes:
     entries = entries_text(doc)
     i, j = rng.randrange(len(entries)), rng.randrange(len(entries))
     e = entries[i]
-    op = rng.randrange(24)
+    op = rng.randrange(25)
     if op == 0:
         entries[i], entries[j] = entries[j], entries[i]
     elif op == 1:  # a name twice
@@ -172,6 +172,11 @@ def perturbed_header(rng: random.Random, raw: bytes) -> bytes:
         entries.insert(i, b'"":{"dtype":"I8","shape":[],"data_offsets":[0,1]}')
     elif op == 18:
         entries = entries[:1]
+    elif op == 24:  # a long name (its distinctness proven by a set), or two
+        long = b"x" * rng.choice([121, 200])
+        entries[i] = long + e
+        if rng.random() < 0.5:
+            entries[j] = long + entries[i][len(long):] if i != j else e
     elif op == 23:  # a leading zero in an end
         begin, end = e[e.rindex(b"[") + 1:-2].split(b",")
         entries[i] = e[:e.rindex(b"[") + 1] + begin + b",0" + end + b"]}"
@@ -265,3 +270,18 @@ def test_perturbed_names_read_alike(real):
         bulk += check_linears(perturbed_names(rng, rng.choice(small)))
     assert bulk > 50
     assert not check_linears([])
+
+
+def test_distinct_spans_tell_texts_apart_by_first_use():
+    rng = random.Random(3)
+    for _ in range(200):
+        pieces = [bytes(rng.choice(b"ab\x01\xff.") for _ in range(rng.randrange(0, 17))) for _ in range(6)]
+        chosen = [rng.choice(pieces) for _ in range(rng.randrange(1, 40))]
+        data = np.frombuffer(b"".join(chosen), dtype=np.uint8)
+        ends = np.cumsum([len(p) for p in chosen])
+        found = header.distinct_spans(data, ends - [len(p) for p in chosen], ends, 16)
+        assert found is not None
+        first, position = found
+        order = list(dict.fromkeys(chosen))
+        assert [chosen[at] for at in first.tolist()] == order
+        assert position.tolist() == [order.index(p) for p in chosen]
