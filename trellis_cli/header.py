@@ -547,7 +547,9 @@ def _bulk_columns(header_bytes: bytes) -> HeaderColumns | None:
     if kinds is None or pairs is None:
         return _NOT_PROVEN
     names = _gathered(data, q[:, 0] + 1, q[:, 1] + 1)[:-1].tobytes().decode("ascii")  # each name and its `"`
-    if not _distinct_names(data, q[:, 0] + 1, q[:, 1], names) or _has_name(names, "__metadata__"):
+    # (in these entries `"__metadata__":{"dtype":"` can only be a key: no name holds a `"`)
+    if not _distinct_names(data, q[:, 0] + 1, q[:, 1], names) or \
+            header_bytes.find(b'"__metadata__' + _AFTER_NAME, start) >= 0:
         return _NOT_PROVEN  # a name twice, or the one name the layout forbids
     return HeaderColumns(len(header_bytes), names, *kinds, *pairs, metadata)
 
@@ -563,11 +565,6 @@ def _distinct_names(data: np.ndarray, begins: np.ndarray, ends: np.ndarray, name
         if not bool((ordered[1:] == ordered[:-1]).any()):
             return True
     return len(set(names.split('"'))) == len(begins)
-
-
-def _has_name(names: str, name: str) -> bool:
-    """Whether `name` is one of `names` (joined by `"`)."""
-    return f'"{name}"' in f'"{names}"'
 
 
 def all_at(data: np.ndarray, at: np.ndarray, text: bytes) -> bool:
