@@ -28,6 +28,7 @@ from collections.abc import ItemsView, Iterator, Mapping, ValuesView
 from typing import Any, NamedTuple, TypeGuard
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 # The Hub's own parser refuses headers above 25 MB; the safetensors reader above 100 MB. A production
 # MoE layer shard (12,288 tensors) has a header of about 1.5 MB.
@@ -409,9 +410,14 @@ def split_layout(gaps: list[bytes]) -> dict[str, str] | None:
 def offset_pairs(texts: list[bytes]) -> tuple[np.ndarray, np.ndarray] | None:
     """(begins, ends) of entries' `data_offsets` written `BEGIN,END` (each matched by OFFSET_PATTERN: below
     10^18, exact in int64); None where a pair is reversed, which the strict parser names."""
-    offsets = np.fromstring(b",".join(texts), dtype=np.int64, sep=",")
+    return offset_pairs_of(b",".join(texts), len(texts))
+
+
+def offset_pairs_of(text: bytes, count: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """`offset_pairs` of `count` pairs written `BEGIN,END,BEGIN,END...`."""
+    offsets = np.fromstring(text, dtype=np.int64, sep=",")
     begins, ends = offsets[0::2], offsets[1::2]
-    if len(offsets) != 2 * len(texts) or bool((begins > ends).any()):
+    if len(offsets) != 2 * count or bool((begins > ends).any()):
         return None
     return begins, ends
 
@@ -465,7 +471,15 @@ def canonical_columns(header_bytes: bytes) -> HeaderColumns | None:
     the entry's pattern (`_ENTRY_PARTS`) both proves the layout (what lies between the entries is a comma, before
     them the canonical head, after them the closing brace) and yields each entry's name, kind (dtype and shape) and
     offsets. None where it is not that layout, a name appears twice or an offset pair is reversed, which the strict
-    path then names. A pure function of the bytes: a worker process may compute it."""
+    path then names. A pure function of the bytes: a worker process may compute it. The common header (ASCII, every
+    entry in that layout) is read in bulk (`_bulk_columns`); the split by the pattern is the reference it must
+    equal, and decides whatever the bulk read cannot prove."""
+    bulk = _bulk_columns(header_bytes)
+    return bulk if bulk is not None else _split_columns(header_bytes)
+
+
+def _split_columns(header_bytes: bytes) -> HeaderColumns | None:
+    """`canonical_columns` by one split of the bytes by the entry's pattern, a match per entry."""
     if not (header_bytes.isascii() or _utf8(header_bytes)) or \
             header_bytes.count(b'"data_offsets"') > MAX_HEADER_TENSORS:
         return None
@@ -481,6 +495,182 @@ def canonical_columns(header_bytes: bytes) -> HeaderColumns | None:
     position = {text: at for at, text in enumerate(dict.fromkeys(kinds))}  # a shard has a few (dtype, shape) kinds
     kind_index = np.fromiter(map(position.__getitem__, kinds), dtype=np.int32, count=len(kinds))
     return HeaderColumns(len(header_bytes), names, list(position), kind_index, *pairs, metadata)
+
+
+# The fixed text around an entry's variable parts, each anchored at one of its quotes: after the name, after the dtype,
+# before the offsets, and between two entries.
+_AFTER_NAME = b'":{"dtype":"'
+_AFTER_DTYPE = b'","shape":['
+_BEFORE_OFFSETS = b'],"data_offsets":['
+_BETWEEN = b']},"'
+_QUOTES_PER_ENTRY = 10
+_KIND_TEXT = re.compile(_KIND)
+_LAST_PAIR = re.compile(rb"(" + _PAIR + rb")\]\}\} *")
+_MAX_KIND = 40  # bytes: the longest kind _KIND accepts (`F8_E4M3","shape":[99999,99999,99999`) is 35
+_NOT_PROVEN = None
+
+
+def _bulk_columns(header_bytes: bytes) -> HeaderColumns | None:
+    """`canonical_columns` of an ASCII header in safetensors' own layout, proven and read with bulk operations on its
+    quotes' positions instead of a match per entry: each entry has exactly ten quotes, and the fixed text around its
+    variable parts sits at fixed distances from them; each distinct kind is matched once by its pattern, each offset
+    checked by its digits. Such a header is split by the reference (`_split_columns`) into exactly these entries (no
+    match of the entry's pattern can start in the canonical head), so the columns are equal. None wherever that is
+    not proven (an escape, non-ASCII, a control byte, any other layout, a name twice, a reversed pair): the
+    reference decides."""
+    if not header_bytes or not header_bytes.isascii() or b"\\" in header_bytes:
+        return _NOT_PROVEN
+    data = np.frombuffer(header_bytes, dtype=np.uint8)
+    if int(data.min()) < 0x20:  # no control byte anywhere: none in a name, a zero pads the kinds below
+        return _NOT_PROVEN
+    head = _HEAD.match(header_bytes)  # `{` and the metadata's object, if any
+    if head is None:
+        return _NOT_PROVEN
+    start = head.end()
+    quotes = np.flatnonzero(data == ord('"'))
+    quotes = quotes[np.searchsorted(quotes, start):]
+    count = len(quotes) // _QUOTES_PER_ENTRY
+    # (`"data_offsets"` stands in the text once per entry, at most once more as a name, and in the head's strings)
+    if not count or len(quotes) != count * _QUOTES_PER_ENTRY or quotes[0] != start or \
+            2 * count + start > MAX_HEADER_TENSORS:
+        return _NOT_PROVEN
+    q = quotes.reshape(count, _QUOTES_PER_ENTRY)
+    if not (all_at(data, q[:, 1], _AFTER_NAME) and all_at(data, q[:, 5], _AFTER_DTYPE)
+            and all_at(data, q[:, 8] - 2, _BEFORE_OFFSETS) and all_at(data, q[1:, 0] - 3, _BETWEEN)):
+        return _NOT_PROVEN
+    last = _LAST_PAIR.fullmatch(header_bytes, int(q[-1, 9]) + 3)
+    metadata = _canonical_metadata(header_bytes[:start])
+    if last is None or metadata is None:
+        return _NOT_PROVEN
+    kinds = _bulk_kinds(header_bytes, data, q[:, 4] + 1, q[:, 8] - 2)
+    pairs = _bulk_pairs(data, q[:, 9] + 3, np.append(q[1:, 0] - 3, last.end(1)))
+    if kinds is None or pairs is None:
+        return _NOT_PROVEN
+    names = _gathered(data, q[:, 0] + 1, q[:, 1] + 1)[:-1].tobytes().decode("ascii")  # each name and its `"`
+    # (in these entries `"__metadata__":{"dtype":"` can only be a key: no name holds a `"`)
+    if not _distinct_names(data, q[:, 0] + 1, q[:, 1], names) or \
+            header_bytes.find(b'"__metadata__' + _AFTER_NAME, start) >= 0:
+        return _NOT_PROVEN  # a name twice, or the one name the layout forbids
+    return HeaderColumns(len(header_bytes), names, *kinds, *pairs, metadata)
+
+
+def _distinct_names(data: np.ndarray, begins: np.ndarray, ends: np.ndarray, names: str) -> bool:
+    """Whether no name stands twice: proven by keys of their bytes where the keys all differ (names of at most 128
+    bytes), else by a set of the names."""
+    lengths = ends - begins
+    width = -(-int(lengths.max()) // 8) * 8
+    if width <= 128:
+        _, key = _span_words(data, begins, lengths, width)
+        ordered = np.sort(key)
+        if not bool((ordered[1:] == ordered[:-1]).any()):
+            return True
+    return len(set(names.split('"'))) == len(begins)
+
+
+def all_at(data: np.ndarray, at: np.ndarray, text: bytes) -> bool:
+    """Whether `text` stands in `data` at each of the ascending positions `at` (compared 8 bytes at a time)."""
+    if not len(at):
+        return True
+    if int(at[0]) < 0 or int(at[-1]) + len(text) > len(data):
+        return False
+    words = _words(data, int(at[-1]) + len(text) + 7)  # (the last word read starts before the text's end)
+    for k in range(0, len(text), 8):
+        chunk = text[k:k + 8]
+        found = words[at + k] if len(chunk) == 8 else words[at + k] & _LOW_BYTES[len(chunk)]
+        if not bool((found == np.uint64(int.from_bytes(chunk, "little"))).all()):
+            return False
+    return True
+
+
+def _words(data: np.ndarray, needed: int) -> np.ndarray:
+    """The 8 bytes from each position of `data` as a little-endian word (unaligned reads, no copy), zeros past its
+    end; `needed`: the bytes the words read must cover (the data is copied with a pad only where they run past)."""
+    if needed > len(data):
+        data = np.concatenate((data, np.zeros(needed - len(data), dtype=np.uint8)))
+    return np.ndarray((len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))
+
+
+def _gathered(data: np.ndarray, begins: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The bytes of `data[begins[i]:ends[i]]`, one span after the other (ascending spans, none overlapping)."""
+    edges = np.empty(2 * len(begins) + 2, dtype=np.int64)
+    edges[0], edges[1:-1:2], edges[2:-1:2], edges[-1] = 0, begins, ends, len(data)
+    inside = np.zeros(len(edges) - 1, dtype=bool)
+    inside[1::2] = True  # the runs between the edges: outside, a span, outside, ...
+    return data[np.repeat(inside, np.diff(edges))]
+
+
+def _bulk_kinds(header_bytes: bytes, data: np.ndarray, begins: np.ndarray,
+                ends: np.ndarray) -> tuple[list[bytes], np.ndarray] | None:
+    """The distinct kinds (`DTYPE","shape":[DIMS`) of the spans `begins`..`ends`, in order of first use, each matched
+    once by _KIND, and each span's position among them; None where one is not a kind."""
+    distinct = distinct_spans(data, begins, ends, _MAX_KIND)
+    if distinct is None:
+        return None
+    first, position = distinct
+    kinds = [header_bytes[int(begins[at]):int(ends[at])] for at in first.tolist()]
+    if not all(_KIND_TEXT.fullmatch(kind) for kind in kinds):
+        return None
+    return kinds, position.astype(np.int32)
+
+
+def distinct_spans(data: np.ndarray, begins: np.ndarray, ends: np.ndarray,
+                   width: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The spans `data[begins[i]:ends[i]]` (bytes with no zero among them) told apart in bulk: the first span of each
+    distinct text, in order of first use, and each span's position among those; None where a span is longer than
+    `width` (a multiple of 8). Each span is read as words of 8 bytes, the bytes past its end zeroed, folded into one
+    key; each span is then compared with the first one of its key, so that two texts under one key are never taken
+    as one (None then too)."""
+    lengths = ends - begins
+    if not len(begins) or int(lengths.min()) < 0 or int(lengths.max()) > width:
+        return None
+    words, key = _span_words(data, begins, lengths, width)
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    if words.shape[1] > 1 and not bool((words == words[first[inverse]]).all()):
+        return None
+    order = np.argsort(first, kind="stable")
+    position = np.empty(len(order), dtype=np.int64)
+    position[order] = np.arange(len(order))
+    return first[order], position[inverse]
+
+
+def _span_words(data: np.ndarray, begins: np.ndarray, lengths: np.ndarray,
+                width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each span as `width // 8` words, the bytes past its end zeroed (a row per span), and the words folded into
+    one key per span (wrapping: equal spans have equal keys, not the converse)."""
+    if int(begins.max()) + width > len(data):
+        data = np.concatenate((data, np.zeros(width, dtype=np.uint8)))
+    words = sliding_window_view(data, width)[begins].view("<u8")  # (a copy: a row of bytes per span)
+    words &= _LOW_BYTES[np.clip(lengths[:, None] - np.arange(0, width, 8), 0, 8)]
+    key = words[:, 0].copy()
+    for k in range(1, width // 8):
+        key = key * np.uint64(1_000_003) + words[:, k]
+    return words, key
+
+
+# The low k bytes of a word (k = 0..8), as a mask.
+_LOW_BYTES = np.array([(1 << (8 * k)) - 1 for k in range(9)], dtype=np.uint64)
+
+
+def _bulk_pairs(data: np.ndarray, begins: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """`offset_pairs` of the spans `begins`..`ends` (each followed by a `]`), each proven `BEGIN,END` of two numbers
+    of OFFSET_PATTERN by its digits alone: exactly one comma, one to 18 digits either side, no leading zero."""
+    text = _gathered(data, begins, ends + 1)  # `BEGIN,END]` after one another
+    closes = np.cumsum(ends + 1 - begins) - 1
+    others = np.flatnonzero((text - np.uint8(ord("0"))) > 9)
+    if len(others) != 2 * len(begins) or not np.array_equal(others[1::2], closes):
+        return None
+    commas = others[0::2]
+    starts = closes - (ends - begins)
+    first, second = commas - starts, closes - commas - 1
+    if not (bool((text[commas] == ord(",")).all()) and 1 <= int(first.min()) and int(first.max()) <= 18
+            and 1 <= int(second.min()) and int(second.max()) <= 18):
+        return None
+    if bool(((text[starts] == ord("0")) & (first > 1)).any()) or \
+            bool(((text[commas + 1] == ord("0")) & (second > 1)).any()):
+        return None  # a leading zero
+    text[closes] = ord(",")
+    return offset_pairs_of(text[:-1].tobytes(), len(begins))
 
 
 def header_of_columns(file: str, columns: HeaderColumns, file_size: int | None) -> Header:
