@@ -1,7 +1,8 @@
-"""A shard's linear columns read in bulk (`header_words.layout`, then the names as words) against the regex split
-they stand in for (`regex_linear_columns`): field for field the same answer, None where it is None, on the synth's
-shards and on many seeded changes to their raw headers (names swapped or twice, escapes, non-ASCII, reversed or
-huge offsets, other spellings, another layer, odd quotes and dots)."""
+"""A header read in bulk (`header_words.layout`) against the regexes it stands in for: fit's linear columns (the
+names' parts as words) against `regex_linear_columns`, and the dry run's counts (`reader.counted_in_bulk`) against
+`canonical_entries` and its counts; field for field the same answer, None where it is None, on the synth's shards
+and on many seeded changes to their raw headers (names swapped or twice, escapes, non-ASCII, reversed or huge
+offsets, other spellings, another layer, odd quotes and dots)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 from helpers import tiny_checkpoint
 from trellis_cli.checkpoint.columns import linear_columns, regex_linear_columns
 from trellis_cli.checkpoint.header_words import layout
+from trellis_cli.checkpoint.reader import CodeCounts, _expert_layers, counted_in_bulk
+from trellis_cli.header import canonical_entries
 
 VARIANTS = [{}, {"non_expert": "bf16"}, {"codebook": "3inst"}, {"uniform_k": 4, "partition": None},
             {"mtp_layers": 1, "non_expert": "bf16"}, {"tp": 1}]
@@ -28,8 +31,22 @@ def raw_headers(root):
     return out
 
 
+def counted_by_regex(raw):
+    entries = canonical_entries(raw)
+    if entries is None:
+        return None
+    layers = _expert_layers(entries)
+    experts = sum(entries.count(b'"model.layers.%d.mlp.experts.' % layer) for layer in layers)
+    return layers, experts, raw.count(b'"data_offsets"'), CodeCounts.in_entries(entries)
+
+
 def same(raw, size):
-    """Both readings of one header, every field and every dict in the same order."""
+    """Both readings of one header, every field and every dict in the same order; the dry run's counts, where the
+    bulk reading gives them, the regex's."""
+    counted = counted_in_bulk(raw)
+    if counted is not None:
+        assert counted == counted_by_regex(raw)
+        assert list(counted[3].counts.items()) == list(counted_by_regex(raw)[3].counts.items())
     fast, slow = linear_columns(raw, size), regex_linear_columns(raw, size)
     assert fast == slow
     if fast is not None:
@@ -51,6 +68,7 @@ def test_the_synth_s_shards_read_the_same_and_in_bulk(headers):
     assert sum(found is not None for found in read) >= 2 * len(VARIANTS)
     linear = [raw for raw, size in headers if linear_columns(raw, size) is not None]
     assert all(layout(raw) is not None for raw in linear)  # (the bulk reading, not only the regex, answered)
+    assert all(counted_in_bulk(raw) is not None for raw, _ in headers if canonical_entries(raw) is not None)
     for raw, size in headers:
         same(raw, size - 1)  # tensors past the end
 
@@ -111,7 +129,10 @@ def _mutations(rng, raw):
         at_random(b"\\u006d"), edit_name(b"m", b"\\u006d"), edit_name(b"model", b"mod\xc3\xa9l"),
         edit_name(b".rank", b"."), edit_name(b".rank0.", b".rank00."), edit_name(b".rank1.", b".rank01."),
         edit_name(b"experts.1", b"experts.01"), edit_name(b"experts.", b"experts.12345678901234567890"),
-        edit_name(b"layers.3", b"layers.4"), edit_name(b"layers.3", b"layers.03"), edit_name(b".mlp.experts.", b".mlp."),
+        edit_name(b"layers.3", b"layers.4"), edit_name(b"layers.3", b"layers.03"),
+        edit_name(b".mlp.experts.", b".mlp."), edit_name(b"model.layers.3", b"model.layers.3x"),
+        edit_name(b".trellis", b".x.trellis"), edit_name(b"model.layers.", b"model.layers.."),
+        lambda: _put(raw, name(), b"data_offsets"), lambda: raw.replace(b'"I16"', b'"U16"', 1),
         edit_name(b"gate_proj", b"gates_proj"), edit_name(b"up_proj", b"upp_proj"), edit_name(b".trellis", b".trelli"),
         edit_name(b".mul1", b".mul2"), edit_name(b".suh", b".su"), edit_name(b".su", b".s"), edit_name(b".", b".."),
         edit_name(b"model.layers", b"model.layers.3.mlp.experts.0.gate_proj.rank0.trellis.model.layers"),
