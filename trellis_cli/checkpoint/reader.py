@@ -440,8 +440,8 @@ class HeaderNames(NamedTuple):
 def header_names(source: Source, name: str, listed: int) -> HeaderNames:
     """The names of one local header, as the full parser would read them, without building an entry per tensor
     where the bytes prove it unnecessary: a header in safetensors' own layout (`canonical_header`) is counted in
-    its bytes (every name a key that needs no decoding); any other is parsed in full. CheckFailed (with its
-    finding code) for everything the full opening refuses."""
+    its bytes (every name a key that needs no decoding; in bulk, `counted_in_bulk`, where that reading proves it);
+    any other is parsed in full. CheckFailed (with its finding code) for everything the full opening refuses."""
     raw = raw_header(source, name, listed)
     counted = counted_in_bulk(raw)
     entries = canonical_entries(raw) if counted is None else raw
