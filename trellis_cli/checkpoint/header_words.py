@@ -10,16 +10,17 @@ the name between the first two (never a `"`: every quote of the header is one of
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 import numpy as np
 
-from trellis_cli.header import DTYPE_BYTES, MAX_HEADER_TENSORS, split_layout
+from trellis_cli.header import DIM_PATTERN, DTYPE_BYTES, MAX_HEADER_TENSORS, split_layout
 
 _U8 = np.uint64(8)
 _TAIL = 32  # (how far from its end a header is searched for its trailing spaces first)
 _ONES = 0x0101010101010101
-_DIGIT_LIMITS = {"dims": 5, "offsets": 18}  # header.DIM_PATTERN, header.OFFSET_PATTERN
+_OFFSET_DIGITS = 18  # header.OFFSET_PATTERN
 
 
 def word_of(text: bytes) -> np.uint64:
@@ -170,9 +171,9 @@ def layout(raw: bytes) -> Layout | None:
     known = np.minimum(np.searchsorted(_DTYPE_WORDS, dtype), len(_DTYPE_WORDS) - 1)
     if not bool(((_DTYPE_WORDS[known] == dtype) & (_DTYPE_WIDTHS[known] == width)).all()):
         return None
-    # The shape's dimensions and the offsets, split at their commas.
+    # The shape's dimensions, and the offsets split at their commas.
+    shape = _dims(words, raw, quotes[:, 7] + 3, quotes[:, 8] - 2)
     commas = np.flatnonzero(data == 44)
-    shape = _dims(words, data, commas, quotes[:, 7] + 3, quotes[:, 8] - 2)
     if shape is None:
         return None
     offset_begin = quotes[:, 9] + 3
@@ -180,8 +181,8 @@ def layout(raw: bytes) -> Layout | None:
     if not bool((np.searchsorted(commas, ends) - at == 1).all()):
         return None  # one comma between the two offsets
     comma = commas[at]
-    begins = uints(words, data, offset_begin, comma, _DIGIT_LIMITS["offsets"])
-    stops = uints(words, data, comma + 1, ends, _DIGIT_LIMITS["offsets"])
+    begins = uints(words, data, offset_begin, comma, _OFFSET_DIGITS)
+    stops = uints(words, data, comma + 1, ends, _OFFSET_DIGITS)
     if begins is None or stops is None:
         return None
     dots = np.flatnonzero(data[start:] == 46) + start
@@ -192,26 +193,34 @@ def layout(raw: bytes) -> Layout | None:
 _KEEP_LOW = np.array([(1 << (8 * k)) - 1 for k in range(9)], dtype=np.uint64)
 
 
-def _dims(words: Words, data: np.ndarray, commas: np.ndarray, begin: np.ndarray,
-          end: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """Each shape's dimension count and dimensions (`[]` or up to three numbers of up to five digits)."""
-    first = np.searchsorted(commas, begin)
-    ndim = np.searchsorted(commas, end) - first + (end > begin)
-    if bool((ndim > 3).any()):
+_SHAPE = re.compile(rb"(?:" + DIM_PATTERN + rb"(?:," + DIM_PATTERN + rb"){0,2})?")
+_MIX = [np.uint64(0x9E3779B97F4A7C15), np.uint64(0xC2B2AE3D27D4EB4F), np.uint64(0x165667B19E3779F9)]
+
+
+def _dims(words: Words, raw: bytes, begin: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each shape's dimension count and dimensions (`[]` or up to three numbers of up to five digits): a shard
+    has a few distinct shapes, so each distinct text (at most 17 bytes: three words) is read once. The entries are
+    grouped by a mix of their words, then every entry's words compared with its group's first (a mix two texts
+    share cannot join them)."""
+    width = end - begin
+    if int(width.max()) > 17:
         return None
-    last = len(commas) - 1
-    after = [begin] + [commas[np.minimum(first + d, last)] + 1 for d in range(2)] if last >= 0 else [begin] * 3
-    dims = np.zeros((len(begin), 3), dtype=np.int64)
-    for d in range(3):
-        rows = ndim > d
-        if not bool(rows.any()):
-            continue
-        stop = np.where(ndim > d + 1, after[d + 1] - 1, end) if d < 2 else end
-        values = uints(words, data, after[d], stop, _DIGIT_LIMITS["dims"], rows)
-        if values is None:
+    parts = [words.at(end - 8 * i - 8) & _KEEP[np.clip(width - 8 * i, 0, 8)] for i in range(3)]
+    mixed = width.astype(np.uint64) * _MIX[2]
+    for part, mix in zip(parts, _MIX + [np.uint64(1)]):
+        mixed ^= part * mix
+    _, first, group = np.unique(mixed, return_index=True, return_inverse=True)
+    if not all(bool((part == part[first][group]).all()) for part in [width] + parts):
+        return None
+    shapes = []
+    for at in first.tolist():
+        text = raw[int(begin[at]):int(end[at])]
+        if _SHAPE.fullmatch(text) is None:
             return None
-        dims[:, d] = values
-    return ndim, dims
+        dims = [int(d) for d in text.split(b",")] if text else []
+        shapes.append([len(dims)] + dims + [0] * (3 - len(dims)))
+    table = np.array(shapes, dtype=np.int64)[group]
+    return table[:, 0], table[:, 1:]
 
 
 __all__ = ["Layout", "Words", "layout", "uints", "word_of"]
