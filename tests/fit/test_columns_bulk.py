@@ -86,6 +86,12 @@ def _put(raw, span, text):
     return raw[:span[0]] + text + raw[span[1]:]
 
 
+def _last_offsets(raw, end):
+    """The last entry's end offset written as `end`, the trailing spaces dropped (no byte after its `]}}`)."""
+    m = list(_OFFSETS.finditer(raw))[-1]
+    return raw[:m.start(2)] + end + b"]}}"
+
+
 def _mutations(rng, raw):
     names = _spans(_NAME, raw)
     name = lambda: rng.choice(names)  # noqa: E731
@@ -145,6 +151,8 @@ def _mutations(rng, raw):
         lambda: raw.replace(b'"I16"', b'"I17"', 1), lambda: raw.replace(b'"I16"', b'"F32"', 1),
         lambda: raw.replace(b'"dtype":', b'"dtype" :', 1), lambda: raw.replace(b']}', b'],"x":1}', 1),
         lambda: raw.rstrip(b" ")[:-1] + b"  ", lambda: raw.rstrip(b" ") + b"x", lambda: raw + b"        " * 5,
+        lambda: raw.rstrip(b" "), lambda: _last_offsets(raw, b"9" * 17), lambda: _last_offsets(raw, b"9" * 30),
+        lambda: _last_offsets(raw, b"12345678") + b" ", lambda: _last_offsets(raw, b"1234567"),
         lambda: raw.replace(b'{"__metadata__":{', b'{"__metadata__":{"format":"x",', 1),
         lambda: raw.replace(b'{"__metadata__":{"format":"pt"},', b"{", 1),
         lambda: _put(raw, name(), b"__metadata__"), lambda: _put(raw, name(), b""),

@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from trellis_cli.checkpoint.header_words import Layout, layout, uints, word_of
+from trellis_cli.checkpoint.header_words import Layout, digits_at, layout, short_uints, word_of
 from trellis_cli.header import (DIM_PATTERN, DTYPE_PATTERN, MAX_HEADER_TENSORS, OFFSET_PATTERN, offset_pairs,
                                 split_layout)
 
@@ -150,9 +150,9 @@ def _expert_k(expert: np.ndarray, linear: np.ndarray, is_trellis: np.ndarray,
     return out
 
 
-# A linear field's name after its layer's prefix, as words read at its dots: `E.`, then the projection (the words
-# at its first byte and at its third, through the dot after it), `rankR.`, then the field with the `"` and the
-# start of the entry's fixed text after it (so the word ends the name).
+# A linear field's name after its layer's prefix, read as words from its first byte on: `E.`, then the projection
+# (the words at its first byte and at its third, through the dot after it), `rankR.`, then the field with the `"`
+# and the start of the entry's fixed text after it (so the word ends the name).
 _PROJECTIONS = [(word_of(b"gate_pro"), word_of(b"te_proj.")), (word_of(b"up_proj."), None),
                 (word_of(b"down_pro"), word_of(b"wn_proj."))]
 _RANK = word_of(b"rank")
@@ -164,29 +164,35 @@ _FIELD_INDEX = np.array([_FIELD_WORDS[key] for key in sorted(_FIELD_WORDS)], dty
 
 def _linear_fields(found: Layout) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """(layer, expert, projection, rank, field) of every entry of a proven layout, where every name is a
-    canonically spelled rank-sliced linear field of one MoE layer (`_LINEAR_ENTRY`'s name, ids of at most 18
-    digits); None otherwise (the regex decides)."""
-    quotes, words, n = found.quotes, found.words, len(found.quotes)
+    canonically spelled rank-sliced linear field of one MoE layer (`_LINEAR_ENTRY`'s name, ids of at most
+    seven digits); None otherwise (the regex decides)."""
+    quotes, words, data, n = found.quotes, found.words, found.data, len(found.quotes)
     match = _EXPERT_LAYER.match(found.raw, int(quotes[0, 0]))
     if match is None or len(match.group(1)) > 18:
         return None
     prefix = b'"model.layers.%d.mlp.experts.' % int(match.group(1))
-    if len(found.dots) != 8 * n or not words.holds(quotes[:, 0], prefix):
+    if not words.holds(quotes[:, 0], prefix):
         return None  # another layer's tensor, or another name
-    dots = found.dots.reshape(n, 8)  # (the prefix holds the first five of each name's dots)
-    if not bool((dots[:, 0] > quotes[:, 0]).all() and (dots[:, 7] < quotes[:, 1]).all()):
+    expert_at = quotes[:, 0] + len(prefix)
+    expert_dot = expert_at + digits_at(words, expert_at)
+    first, third = words.at(expert_dot + 1), words.at(expert_dot + 3)
+    gate, down = (first == _PROJECTIONS[0][0]) & (third == _PROJECTIONS[0][1]), \
+        (first == _PROJECTIONS[2][0]) & (third == _PROJECTIONS[2][1])
+    up = first == _PROJECTIONS[1][0]
+    if not bool((gate | up | down).all()):
         return None
-    expert = uints(words, found.data, quotes[:, 0] + len(prefix), dots[:, 5], 18)
-    rank = uints(words, found.data, dots[:, 6] + 5, dots[:, 7], 18)
-    if expert is None or rank is None or not bool(((words.at(dots[:, 6] + 1) & word_of(b"\xff" * 4)) == _RANK).all()):
+    proj = np.where(up, 1, np.where(down, 2, 0))
+    rank_dot = expert_dot + np.where(up, 8, 10)  # (the dot before `rank`)
+    rank_at = rank_dot + 5
+    field_dot = rank_at + digits_at(words, rank_at)
+    if not (bool((data[expert_dot] == 46).all()) and bool((data[field_dot] == 46).all())
+            and bool(((words.at(rank_dot + 1) & word_of(b"\xff" * 4)) == _RANK).all())):
         return None
-    first, third = words.at(dots[:, 5] + 1), words.at(dots[:, 5] + 3)
-    proj = np.full(n, -1, dtype=np.int64)
-    for code, (head, tail) in enumerate(_PROJECTIONS):
-        proj[(first == head) & (True if tail is None else third == tail)] = code
-    key = words.at(dots[:, 7] + 1)
+    expert = short_uints(words, data, expert_at, expert_dot)
+    rank = short_uints(words, data, rank_at, field_dot)
+    key = words.at(field_dot + 1)
     at = np.minimum(np.searchsorted(_FIELD_KEYS, key), len(_FIELD_KEYS) - 1)
-    if bool((proj < 0).any()) or not bool((_FIELD_KEYS[at] == key).all()):
+    if expert is None or rank is None or not bool((_FIELD_KEYS[at] == key).all()):
         return None
     return int(match.group(1)), expert, proj, rank, _FIELD_INDEX[at]
 

@@ -94,6 +94,44 @@ def uints(words: Words, raw_bytes: np.ndarray, starts: np.ndarray, ends: np.ndar
     return total.astype(np.int64)
 
 
+_LOW7 = np.uint64(0x7F7F7F7F7F7F7F7F)
+_TOP = np.uint64(0x8080808080808080)
+_PAST_NINE = np.uint64(0x7676767676767676)  # (0x80 - 10 per byte: a byte past 9 reaches its top bit)
+
+
+def digits_at(words: Words, starts: np.ndarray) -> np.ndarray:
+    """How many ASCII digits are written from each start on, where fewer than 8 (a byte that is not a digit among
+    the first eight); 8 where all eight are."""
+    text = words.at(starts) ^ _THREES  # (a digit's byte becomes 0-9)
+    other = (((text & _LOW7) + _PAST_NINE) | text) & _TOP
+    lowest = other & (~other + np.uint64(1))  # (the first byte that is not a digit: its top bit alone)
+    found = np.log2(np.where(other > 0, lowest, np.uint64(1) << np.uint64(63)).astype(np.float64))
+    return np.where(other > 0, found.astype(np.int64) // 8, 8)
+
+
+def short_uints(words: Words, data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
+    """`uints` of runs `digits_at` found (1 to 7 digits each, every byte a digit): the value of each, None where
+    one is empty or has a leading zero."""
+    width = ends - starts
+    if not bool(((width >= 1) & ((data[starts] != 48) | (width == 1))).all()):
+        return None
+    return _eight_digits((words.at(ends - 8) & _KEEP[width]) | _ZEROS[width]).astype(np.int64)
+
+
+def _digit_run(words: Words, starts: np.ndarray, most: int) -> np.ndarray:
+    """How many digits are written from each start on, counted up to `most` (rounded up to a word). A word is read
+    past the first only where the run fills it (so never past the header's last byte)."""
+    run = digits_at(words, starts)
+    whole = np.flatnonzero(run == 8)  # (the run goes on past this word)
+    for more in range(8, most, 8):
+        if not whole.size:
+            break
+        next_run = digits_at(words, starts[whole] + more)
+        run[whole] += next_run
+        whole = whole[next_run == 8]
+    return run
+
+
 _DTYPES = sorted((int(word_of(name.encode())), len(name)) for name in DTYPE_BYTES)
 _DTYPE_WORDS = np.array([w for w, _ in _DTYPES], dtype=np.uint64)
 _DTYPE_WIDTHS = np.array([n for _, n in _DTYPES], dtype=np.int64)
@@ -109,7 +147,6 @@ class Layout(NamedTuple):
     head: int  # where the first entry's `"` is
     metadata: dict[str, str]
     quotes: np.ndarray  # (entries, 10)
-    dots: np.ndarray  # every `.` after the head, in order
     dtype: np.ndarray  # each entry's dtype as a word (`word_of`)
     ndim: np.ndarray
     dims: np.ndarray  # (entries, 3)
@@ -171,26 +208,43 @@ def layout(raw: bytes) -> Layout | None:
     known = np.minimum(np.searchsorted(_DTYPE_WORDS, dtype), len(_DTYPE_WORDS) - 1)
     if not bool(((_DTYPE_WORDS[known] == dtype) & (_DTYPE_WIDTHS[known] == width)).all()):
         return None
-    # The shape's dimensions, and the offsets split at their commas.
+    # The shape's dimensions, and the offsets (digits, a comma, digits).
     shape = _dims(words, raw, quotes[:, 7] + 3, quotes[:, 8] - 2)
-    commas = np.flatnonzero(data == 44)
     if shape is None:
         return None
     offset_begin = quotes[:, 9] + 3
-    at = np.searchsorted(commas, offset_begin)
-    if not bool((np.searchsorted(commas, ends) - at == 1).all()):
-        return None  # one comma between the two offsets
-    comma = commas[at]
+    comma = offset_begin + _digit_run(words, offset_begin, _OFFSET_DIGITS + 1)
+    if not bool((data[comma] == 44).all()):
+        return None
     begins = uints(words, data, offset_begin, comma, _OFFSET_DIGITS)
     stops = uints(words, data, comma + 1, ends, _OFFSET_DIGITS)
     if begins is None or stops is None:
         return None
-    dots = np.flatnonzero(data[start:] == 46) + start
-    return Layout(raw, words, data, start, metadata, quotes, dots, dtype, *shape, begins, stops)
+    return Layout(raw, words, data, start, metadata, quotes, dtype, *shape, begins, stops)
 
 
 # Per byte count k (0..8): the mask of a word's first k bytes.
 _KEEP_LOW = np.array([(1 << (8 * k)) - 1 for k in range(9)], dtype=np.uint64)
+
+
+_FEW = 32  # distinct shapes found one at a time; more are sorted
+
+
+def _groups(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each distinct key's first row, and each row's group (an index into those), as `np.unique` returns them
+    (in the order of first rows rather than of keys): a shard has a few shapes, each found in one pass."""
+    group = np.full(keys.size, -1, dtype=np.int64)
+    first: list[int] = []
+    at = 0
+    while len(first) < _FEW:
+        group[keys == keys[at]] = len(first)
+        first.append(at)
+        left = group < 0
+        at = int(left.argmax())
+        if not left[at]:
+            return np.array(first, dtype=np.int64), group
+    _, rows, group = np.unique(keys, return_index=True, return_inverse=True)
+    return rows, group
 
 
 _SHAPE = re.compile(rb"(?:" + DIM_PATTERN + rb"(?:," + DIM_PATTERN + rb"){0,2})?")
@@ -209,7 +263,7 @@ def _dims(words: Words, raw: bytes, begin: np.ndarray, end: np.ndarray) -> tuple
     mixed = width.astype(np.uint64) * _MIX[2]
     for part, mix in zip(parts, _MIX + [np.uint64(1)]):
         mixed ^= part * mix
-    _, first, group = np.unique(mixed, return_index=True, return_inverse=True)
+    first, group = _groups(mixed)
     if not all(bool((part == part[first][group]).all()) for part in [width] + parts):
         return None
     shapes = []
@@ -223,4 +277,4 @@ def _dims(words: Words, raw: bytes, begin: np.ndarray, end: np.ndarray) -> tuple
     return table[:, 0], table[:, 1:]
 
 
-__all__ = ["Layout", "Words", "layout", "uints", "word_of"]
+__all__ = ["Layout", "Words", "digits_at", "layout", "short_uints", "uints", "word_of"]

@@ -32,7 +32,7 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Named
 import numpy as np
 
 from trellis_cli.checkpoint.columns import LinearColumns, all_distinct, linear_columns, no_expert_tensors
-from trellis_cli.checkpoint.header_words import layout, uints, word_of
+from trellis_cli.checkpoint.header_words import digits_at, layout, uints, word_of
 from trellis_cli.checkpoint.linear_names import NameLinears, name_linears
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import is_expert_name, parse_expert_name
@@ -526,21 +526,23 @@ def counted_in_bulk(raw: bytes) -> tuple[set[int], int, int, CodeCounts] | None:
     found = layout(raw)
     if found is None:
         return None
-    quotes, words, dots = found.quotes, found.words, found.dots
+    quotes, words = found.quotes, found.words
     opens, closes = quotes[:, 0], quotes[:, 1]
     named = (closes - opens == 13) & (words.at(opens + 1) == _DATA_OFFSETS[0]) & \
         (words.at(opens + 5) == _DATA_OFFSETS[1])
     tensors = len(quotes) + raw.count(b'"data_offsets"', 0, found.head) + int(named.sum())
     if tensors > MAX_HEADER_TENSORS:
         return None
-    at = np.searchsorted(dots, opens + 14)
-    dot = dots[np.minimum(at, len(dots) - 1)] if len(dots) else opens
-    expert = (words.at(opens) == word_of(b'"model.l')) & (words.at(opens + 6) == word_of(b".layers.")) & \
-        (at < len(dots)) & (dot < closes)
-    expert &= (words.at(dot) == word_of(b".mlp.exp")) & (words.at(dot + 5) == word_of(b"experts."))
-    layer = uints(words, found.data, opens + 14, dot, 18, expert)
+    prefixed = (words.at(opens) == word_of(b'"model.l')) & (words.at(opens + 6) == word_of(b".layers."))
+    digits = digits_at(words, opens + 14)
+    if bool((prefixed & (digits == 8)).any()):
+        return None  # a layer of eight digits or more: the regex reads it
+    dot = opens + 14 + digits
+    expert = prefixed & (digits > 0) & (words.at(dot) == word_of(b".mlp.exp")) & \
+        (words.at(dot + 5) == word_of(b"experts."))
+    layer = uints(words, found.data, opens + 14, dot, 7, expert)
     if layer is None:
-        return None  # a layer the regex would read otherwise, or past 18 digits: it decides
+        return None  # a layer written with a leading zero: the regex decides
     trellis = words.at(np.maximum(closes - 8, 0)) == word_of(b".trellis")
     shaped = trellis & (found.dtype == _I16)
     ndim, dims = found.ndim[shaped], found.dims[shaped]
