@@ -12,6 +12,7 @@ import struct
 
 import pytest
 
+from corrupt import READER_CORPUS
 from helpers import tiny_checkpoint
 from trellis_cli.checkpoint.columns import linear_columns, regex_linear_columns
 from trellis_cli.checkpoint.header_words import layout
@@ -176,3 +177,16 @@ def test_changed_headers_read_the_same_either_way(headers, seed):
                                      _SHAPE.search(changed) else [lambda: changed])()
             proven += same(changed, size + rng.choice([0, 0, 64, -1])) is not None
     assert proven  # (some changes keep a header the columns read: a swap, an offset within the file)
+
+
+@pytest.mark.parametrize("case", list(READER_CORPUS))
+def test_the_reader_corpus_reads_the_same_either_way(tmp_path, case):
+    root = tiny_checkpoint(tmp_path, layers=(3, 4, 5, 6), non_expert="bf16")
+    READER_CORPUS[case](root)
+    for shard in sorted(root.glob("*.safetensors")):
+        if not shard.is_file() or shard.is_symlink():
+            continue
+        data = shard.read_bytes()
+        (n,) = struct.unpack("<Q", data[:8]) if len(data) >= 8 else (0,)
+        if 8 + n <= len(data):
+            same(data[8:8 + n], len(data))
