@@ -93,6 +93,12 @@ def _last_offsets(raw, end):
     return raw[:m.start(2)] + end + b"]}}"
 
 
+def _last_pair(raw, pair):
+    """The last entry's offsets written as `pair`, nothing after its `]}}`."""
+    m = list(_OFFSETS.finditer(raw))[-1]
+    return raw[:m.start(1)] + pair + b"]}}"
+
+
 def _mutations(rng, raw):
     names = _spans(_NAME, raw)
     name = lambda: rng.choice(names)  # noqa: E731
@@ -154,6 +160,8 @@ def _mutations(rng, raw):
         lambda: raw.rstrip(b" ")[:-1] + b"  ", lambda: raw.rstrip(b" ") + b"x", lambda: raw + b"        " * 5,
         lambda: raw.rstrip(b" "), lambda: _last_offsets(raw, b"9" * 17), lambda: _last_offsets(raw, b"9" * 30),
         lambda: _last_offsets(raw, b"12345678") + b" ", lambda: _last_offsets(raw, b"1234567"),
+        lambda: _last_pair(raw, b"4,0"), lambda: _last_pair(raw, b"0,4"), lambda: _last_pair(raw, b"0,4") + b" ",
+        lambda: _last_pair(raw, b"0,4") + b"  ", lambda: _last_pair(raw, b"10,4") + b" ",
         lambda: raw.replace(b'{"__metadata__":{', b'{"__metadata__":{"format":"x",', 1),
         lambda: raw.replace(b'{"__metadata__":{"format":"pt"},', b"{", 1),
         lambda: _put(raw, name(), b"__metadata__"), lambda: _put(raw, name(), b""),

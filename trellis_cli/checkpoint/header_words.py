@@ -201,8 +201,8 @@ def layout(raw: bytes) -> Layout | None:
     if not quotes.size or quotes.size % 10 or quotes.size // 10 >= MAX_HEADER_TENSORS:
         return None
     quotes = quotes.reshape(-1, 10)
-    if int(quotes[-1, 9]) + 9 > last:
-        return None  # (no word is read past the last byte: the last entry ends in at least `:[0,0]}}`)
+    if int(quotes[-1, 9]) + 11 > len(raw):
+        return None  # (no word is read past the last byte: the last offsets' first eight bytes are read)
     named = quotes[quotes[:, 1] - quotes[:, 0] == 13, 0]
     if any(raw[at:at + 14] == b'"__metadata__"' for at in named.tolist()):
         return None  # (a name `__metadata__` is no tensor)
