@@ -20,7 +20,6 @@ from trellis_cli.header import DIM_PATTERN, DTYPE_BYTES, MAX_HEADER_TENSORS, spl
 
 _U8 = np.uint64(8)
 _TAIL = 32  # (how far from its end a header is searched for its trailing spaces first)
-_ONES = 0x0101010101010101
 _OFFSET_DIGITS = 18  # header.OFFSET_PATTERN
 
 
@@ -31,14 +30,17 @@ def word_of(text: bytes) -> np.uint64:
 
 class Words:
     """A header's bytes as an 8-byte word at every position: `at(p)` is the word of bytes p..p+7, for a fixed text
-    compared in one gather per 8 bytes. (A position before the first byte wraps around, as numpy indexes: the
-    numbers read there mask those bytes off; `layout` reads no word past the last byte.)"""
+    compared in one gather per 8 bytes. A word that would run past the last byte is the last 8 bytes instead (a
+    header that ends in `}` and spaces: no fixed text, digit or name matches them, so a check reading there fails
+    as it should); a position before the first byte wraps around, as numpy indexes (the numbers read there mask
+    those bytes off)."""
 
     def __init__(self, raw: bytes) -> None:
         self._view = np.ndarray((len(raw) - 7,), dtype="<u8", buffer=raw, strides=(1,))
+        self._last = len(raw) - 8
 
     def at(self, positions: np.ndarray) -> np.ndarray:
-        return self._view[positions]
+        return self._view[np.minimum(positions, self._last)]
 
     def holds(self, positions: np.ndarray, text: bytes) -> bool:
         """Whether `text` is written at every position (compared 8 bytes at a time, the last 8 overlapping)."""
@@ -114,7 +116,7 @@ def short_uints(words: Words, data: np.ndarray, starts: np.ndarray, ends: np.nda
     """`uints` of runs `digits_at` found (1 to 7 digits each, every byte a digit): the value of each, None where
     one is empty or has a leading zero."""
     width = ends - starts
-    if not bool(((width >= 1) & ((data[starts] != 48) | (width == 1))).all()):
+    if not bool(((width >= 1) & (width <= 8) & ((data[starts] != 48) | (width == 1))).all()):
         return None
     return _eight_digits((words.at(ends - 8) & _KEEP[width]) | _ZEROS[width]).astype(np.int64)
 
@@ -227,7 +229,7 @@ def layout(raw: bytes) -> Layout | None:
     if shape is None:
         return None
     offset_begin = quotes[:, 9] + 3
-    comma = offset_begin + _digit_run(words, offset_begin, _OFFSET_DIGITS + 1)
+    comma = np.minimum(offset_begin + _digit_run(words, offset_begin, _OFFSET_DIGITS + 1), len(raw) - 1)
     if not bool((data[comma] == 44).all()):
         return None
     begins = uints(words, data, offset_begin, comma, _OFFSET_DIGITS)
@@ -275,7 +277,7 @@ def _dims(words: Words, raw: bytes, begin: np.ndarray, end: np.ndarray) -> tuple
         return None
     parts = [words.at(end - 8 * i - 8) & _KEEP[np.clip(width - 8 * i, 0, 8)] for i in range(3)]
     mixed = width.astype(np.uint64) * _MIX[2]
-    for part, mix in zip(parts, _MIX + [np.uint64(1)]):
+    for part, mix in zip(parts, _MIX):
         mixed ^= part * mix
     first, group = _groups(mixed)
     if not all(bool((part == part[first][group]).all()) for part in [width] + parts):
