@@ -30,10 +30,10 @@ def word_of(text: bytes) -> np.uint64:
 
 class Words:
     """A header's bytes as an 8-byte word at every position: `at(p)` is the word of bytes p..p+7, for a fixed text
-    compared in one gather per 8 bytes. A word that would run past the last byte is the last 8 bytes instead (a
-    header that ends in `}` and spaces: no fixed text, digit or name matches them, so a check reading there fails
-    as it should); a position before the first byte wraps around, as numpy indexes (the numbers read there mask
-    those bytes off)."""
+    compared in one gather per 8 bytes. A word that would run past the last byte is the last 8 bytes instead
+    (only a malformed last entry reads there: its fixed text never matches a header's `]}}` and spaces, and a
+    digit count read there is proven by the comma it finds and the numbers' own words); a position before the
+    first byte wraps around, as numpy indexes (the numbers read there mask those bytes off)."""
 
     def __init__(self, raw: bytes) -> None:
         self._view = np.ndarray((len(raw) - 7,), dtype="<u8", buffer=raw, strides=(1,))
