@@ -9,8 +9,8 @@ spelling, a name twice, a reversed offset pair, tensors past the end of the file
 tensors) is `None`: the caller then opens the checkpoint in full, which words every finding.
 
 The regex pass is the reference; a production shard is first read without it (`header_words.layout`, then each
-name's parts as words at its dots), which yields the same arrays wherever it proves every name canonical, and
-leaves any header it cannot prove so to the regex.
+name's parts as words, its ids' digits counted in them), which yields the same arrays wherever it proves every
+name canonical, and leaves any header it cannot prove so to the regex.
 """
 
 from __future__ import annotations
