@@ -7,16 +7,21 @@ a field of a canonically spelled rank-sliced linear of one MoE layer
 (expert, projection, rank, field, begin, end) and summed per (expert, rank) with numpy. Anything else (another
 spelling, a name twice, a reversed offset pair, tensors past the end of the file, a shard mixing layers or other
 tensors) is `None`: the caller then opens the checkpoint in full, which words every finding.
+
+The regex pass is the reference; a production shard is first read without it (`header_words.layout`, then each
+name's parts as words, its ids' digits counted in them), which yields the same arrays wherever it proves every
+name canonical, and leaves any header it cannot prove so to the regex.
 """
 
 from __future__ import annotations
 
 import re
 from itertools import compress
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
+from trellis_cli.checkpoint.header_words import Layout, digits_at, layout, short_uints, word_of
 from trellis_cli.header import (DIM_PATTERN, DTYPE_PATTERN, MAX_HEADER_TENSORS, OFFSET_PATTERN, offset_pairs,
                                 split_layout)
 
@@ -60,6 +65,18 @@ def no_expert_tensors(raw: bytes) -> bool:
 def linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
     """The columns of one raw header (the bytes after the length prefix) of a file of `file_size` bytes, or None
     where they would not be what the full opening reads (see the module docstring)."""
+    found = layout(raw)
+    fields = None if found is None else _linear_fields(found)
+    if found is None or fields is None:
+        return regex_linear_columns(raw, file_size)
+    layer, expert, proj, rank, field = fields
+    return _summed(layer, expert, proj, rank, field, found.begins, found.ends, found.ndim, found.dims,
+                   len(raw), file_size, found.names_joined)
+
+
+def regex_linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
+    """`linear_columns` by one regex split of the header: the reference, and the path of any header the bulk
+    reading declines."""
     if not raw.isascii():
         return None
     # One pass: the entries' groups, and between them what separates them. The header is in safetensors' own
@@ -76,6 +93,8 @@ def linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
     layer = int(found.group(1))
     if raw.count(b'"model.layers.%d.mlp.experts.' % layer, entries) != tensors:
         return None  # another layer's tensors in the same shard
+    if max(map(len, parts[2::_GROUPS + 1] + parts[4::_GROUPS + 1])) > 18:
+        return None  # an id past int64 (the full opening names the tensor)
     expert, rank = _ints(parts[2::_GROUPS + 1]), _ints(parts[4::_GROUPS + 1])
     pairs = offset_pairs(parts[7::_GROUPS + 1])
     if pairs is None:
@@ -105,7 +124,12 @@ def _k_ranges(expert: np.ndarray, linear: np.ndarray, is_trellis: np.ndarray,
     """Per expert, the lowest and highest K of its linears, as `MoeLayer.expert_k` reads each one: from a
     three-dimensional trellis shape whose last dimension is a multiple of 16; -1 for any other linear."""
     k_of = {shape: _k(shape) for shape in set(shapes)}
-    trellis_k = np.array([k_of[shape] for shape in shapes], dtype=np.int64)
+    return _expert_k(expert, linear, is_trellis, np.array([k_of[shape] for shape in shapes], dtype=np.int64))
+
+
+def _expert_k(expert: np.ndarray, linear: np.ndarray, is_trellis: np.ndarray,
+              trellis_k: np.ndarray) -> dict[int, tuple[int, int]]:
+    """`_k_ranges` of each trellis tensor's K (`trellis_k`, in the order of the trellis tensors)."""
     trellis_expert = expert[is_trellis]
     lows: dict[int, int] = {}
     highs: dict[int, int] = {}
@@ -124,6 +148,109 @@ def _k_ranges(expert: np.ndarray, linear: np.ndarray, is_trellis: np.ndarray,
         low = lows.get(e, -1) if with_trellis.get(e, 0) == count else -1  # a linear without its trellis: no K
         out[e] = (low, highs.get(e, -1))
     return out
+
+
+# A linear field's name after its layer's prefix, read as words from its first byte on: `E.`, then the projection
+# (the words at its first byte and at its third, through the dot after it), `rankR.`, then the field with the `"`
+# and the start of the entry's fixed text after it (so the word ends the name).
+_PROJECTIONS = [(word_of(b"gate_pro"), word_of(b"te_proj.")), (word_of(b"up_proj."), None),
+                (word_of(b"down_pro"), word_of(b"wn_proj."))]
+_RANK = word_of(b"rank")
+_FIELD_WORDS = {word_of((name + b'":{"dtype":"')[:8]): _FIELDS.index((name[:3] + b'"')[:3])
+                for name in (b"trellis", b"suh", b"svh", b"su", b"sv", b"mcg", b"mul1")}
+_FIELD_KEYS = np.array(sorted(_FIELD_WORDS), dtype=np.uint64)
+_FIELD_INDEX = np.array([_FIELD_WORDS[key] for key in sorted(_FIELD_WORDS)], dtype=np.int64)
+
+
+def _linear_fields(found: Layout) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """(layer, expert, projection, rank, field) of every entry of a proven layout, where every name is a
+    canonically spelled rank-sliced linear field of one MoE layer (`_LINEAR_ENTRY`'s name, ids of at most
+    seven digits); None otherwise (the regex decides)."""
+    quotes, words, data, n = found.quotes, found.words, found.data, len(found.quotes)
+    match = _EXPERT_LAYER.match(found.raw, int(quotes[0, 0]))
+    if match is None or len(match.group(1)) > 18:
+        return None
+    prefix = b'"model.layers.%d.mlp.experts.' % int(match.group(1))
+    if not words.holds(quotes[:, 0], prefix):
+        return None  # another layer's tensor, or another name
+    expert_at = quotes[:, 0] + len(prefix)
+    expert_dot = expert_at + digits_at(words, expert_at)
+    first, third = words.at(expert_dot + 1), words.at(expert_dot + 3)
+    gate, down = (first == _PROJECTIONS[0][0]) & (third == _PROJECTIONS[0][1]), \
+        (first == _PROJECTIONS[2][0]) & (third == _PROJECTIONS[2][1])
+    up = first == _PROJECTIONS[1][0]
+    if not bool((gate | up | down).all()):
+        return None
+    proj = np.where(up, 1, np.where(down, 2, 0))
+    rank_dot = expert_dot + np.where(up, 8, 10)  # (the dot before `rank`)
+    rank_at = rank_dot + 5
+    field_dot = rank_at + digits_at(words, rank_at)
+    if not (bool((data[expert_dot] == 46).all()) and bool((data[field_dot] == 46).all())
+            and bool(((words.at(rank_dot + 1) & word_of(b"\xff" * 4)) == _RANK).all())):
+        return None
+    expert = short_uints(words, data, expert_at, expert_dot)
+    rank = short_uints(words, data, rank_at, field_dot)
+    key = words.at(field_dot + 1)
+    at = np.minimum(np.searchsorted(_FIELD_KEYS, key), len(_FIELD_KEYS) - 1)
+    if expert is None or rank is None or not bool((_FIELD_KEYS[at] == key).all()):
+        return None
+    return int(match.group(1)), expert, proj, rank, _FIELD_INDEX[at]
+
+
+def _summed(layer: int, expert: np.ndarray, proj: np.ndarray, rank: np.ndarray, field: np.ndarray,
+            begin: np.ndarray, end: np.ndarray, ndim: np.ndarray, dims: np.ndarray, header_bytes: int,
+            file_size: int, names: Callable[[], bytes]) -> LinearColumns | None:
+    """`regex_linear_columns`' sums of the same arrays (each trellis tensor's K from its shape's dimensions)."""
+    if bool((begin > end).any()):
+        return None  # the full parser refuses a reversed pair
+    if int(end.max()) >= _EXACT or 8 + header_bytes + int(end.max()) > file_size:
+        return None
+    width = int(rank.max()) + 1
+    experts = int(expert.max()) + 1
+    if experts * 3 * width * len(_FIELDS) > 8 * len(expert) + 4096:  # ids far apart: the reference's sorts
+        return _sorted_sums(layer, expert, proj, rank, field, begin, end, ndim, dims, names)
+    # Small ids (every shard written so): each key a bin of its own, counted in place of sorting.
+    linear = (expert * 3 + proj) * width + rank
+    if int(np.bincount(linear * len(_FIELDS) + field).max()) > 1:
+        return None  # a name twice in one header: the full parser refuses it by name
+    per_rank = expert * width + rank
+    keys = np.flatnonzero(np.bincount(per_rank))
+    nbytes = np.bincount(per_rank, weights=(end - begin).astype(np.float64))[keys]
+    is_trellis = field == _TRELLIS
+    gates = np.bincount(per_rank, weights=(is_trellis & (proj == 0)).astype(np.float64),
+                        minlength=experts * width)[keys]
+    ranks = {(key // width, key % width): (int(b), int(g)) for key, b, g in zip(keys.tolist(), nbytes, gates)}
+    trellis_expert = expert[is_trellis]
+    last = dims[is_trellis, 2]
+    trellis_k = np.where((ndim[is_trellis] == 3) & (last % 16 == 0), last // 16, -1)
+    lows = np.full(experts, np.iinfo(np.int64).max)
+    highs = np.full(experts, -1)
+    np.minimum.at(lows, trellis_expert, trellis_k)
+    np.maximum.at(highs, trellis_expert, trellis_k)
+    linears_of = (np.bincount(linear, minlength=experts * 3 * width).reshape(experts, 3 * width) > 0).sum(axis=1)
+    with_trellis = np.bincount(trellis_expert, minlength=experts)
+    k_range = {e: (int(lows[e]) if with_trellis[e] == count else -1, int(highs[e]))
+               for e, count in zip(np.flatnonzero(linears_of).tolist(), linears_of[linears_of > 0].tolist())}
+    return LinearColumns(layer, k_range, ranks, names())
+
+
+def _sorted_sums(layer: int, expert: np.ndarray, proj: np.ndarray, rank: np.ndarray, field: np.ndarray,
+                 begin: np.ndarray, end: np.ndarray, ndim: np.ndarray, dims: np.ndarray,
+                 names: Callable[[], bytes]) -> LinearColumns | None:
+    """`_summed` by `regex_linear_columns`' own sorts, for ids too far apart to count in bins."""
+    width = int(rank.max()) + 1
+    linear = (expert * 3 + proj) * width + rank
+    if not all_distinct(linear * len(_FIELDS) + field):
+        return None
+    per_rank = expert * width + rank
+    keys, slot = np.unique(per_rank, return_inverse=True)
+    nbytes = np.bincount(slot, weights=(end - begin).astype(np.float64))
+    is_trellis = field == _TRELLIS
+    gates = np.bincount(slot, weights=(is_trellis & (proj == 0)).astype(np.float64), minlength=keys.size)
+    ranks = {(key // width, key % width): (int(b), int(g)) for key, b, g in zip(keys.tolist(), nbytes, gates)}
+    last = dims[is_trellis, 2]
+    trellis_k = np.where((ndim[is_trellis] == 3) & (last % 16 == 0), last // 16, -1)
+    return LinearColumns(layer, _expert_k(expert, linear, is_trellis, trellis_k), ranks, names())
 
 
 def all_distinct(values: np.ndarray) -> bool:

@@ -32,14 +32,15 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Named
 import numpy as np
 
 from trellis_cli.checkpoint.columns import LinearColumns, all_distinct, linear_columns, no_expert_tensors
+from trellis_cli.checkpoint.header_words import digits_at, layout, uints, word_of
 from trellis_cli.checkpoint.linear_names import NameLinears, name_linears
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import is_expert_name, parse_expert_name
 from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Finding, Location, Severity, error, warning
-from trellis_cli.header import (Header, HeaderColumns, HeaderError, JsonError, canonical_columns, canonical_entries,
-                                header_length, header_of_columns, load_json, open_regular, os_reason, parse_header,
-                                safe_relative, shared_offsets)
+from trellis_cli.header import (MAX_HEADER_TENSORS, Header, HeaderColumns, HeaderError, JsonError, canonical_columns,
+                                canonical_entries, header_length, header_of_columns, load_json, open_regular,
+                                os_reason, parse_header, safe_relative, shared_offsets)
 from trellis_cli.integrity import CHECKSUM_MANIFEST
 from trellis_cli.sources import Source
 
@@ -459,14 +460,17 @@ class HeaderNames(NamedTuple):
 def header_names(source: Source, name: str, listed: int) -> HeaderNames:
     """The names of one local header, as the full parser would read them, without building an entry per tensor
     where the bytes prove it unnecessary: a header in safetensors' own layout (`canonical_header`) is counted in
-    its bytes (every name a key that needs no decoding); any other is parsed in full. CheckFailed (with its
-    finding code) for everything the full opening refuses."""
+    its bytes (every name a key that needs no decoding; in bulk, `counted_in_bulk`, where that reading proves it);
+    any other is parsed in full. CheckFailed (with its finding code) for everything the full opening refuses."""
     raw = raw_header(source, name, listed)
-    entries = canonical_entries(raw)
+    counted = counted_in_bulk(raw)
+    entries = canonical_entries(raw) if counted is None else raw
     if entries is not None:
-        layers = _expert_layers(entries)
-        experts = sum(entries.count(b'"model.layers.%d.mlp.experts.' % layer) for layer in layers)
-        tensors = raw.count(b'"data_offsets"')
+        if counted is None:
+            layers = _expert_layers(entries)
+            experts = sum(entries.count(b'"model.layers.%d.mlp.experts.' % layer) for layer in layers)
+            counted = (layers, experts, raw.count(b'"data_offsets"'), CodeCounts.in_entries(entries))
+        layers, experts, tensors, codes = counted
         others, metadata = None, None
         if experts and experts != tensors:  # a few shards mix both: their other tensors, decoded
             doc = json.loads(raw)
@@ -474,7 +478,7 @@ def header_names(source: Source, name: str, listed: int) -> HeaderNames:
             stored = sorted(((n, e) for n, e in doc.items() if not is_expert_name(n)),
                             key=lambda item: item[1]["data_offsets"][0])
             others = [(n, e["dtype"], tuple(e["shape"])) for n, e in stored]
-        return HeaderNames(layers, experts, tensors, others, metadata, CodeCounts.in_entries(entries))
+        return HeaderNames(layers, experts, tensors, others, metadata, codes)
     try:
         header = parse_header(name, raw, len(raw), listed)
     except HeaderError as e:
@@ -528,6 +532,45 @@ class CodeCounts(NamedTuple):
 
     def of(self, shape: tuple[int, ...]) -> int:
         return self.counts.get(shape, 0)
+
+
+_DATA_OFFSETS = word_of(b"data_off"), word_of(b"_offsets")
+_I16 = word_of(b"I16")
+
+
+def counted_in_bulk(raw: bytes) -> tuple[set[int], int, int, CodeCounts] | None:
+    """`header_names`' counts of a canonical header (its MoE layers, routed-expert and all tensors, trellis
+    shapes) read from its proven layout (`header_words.layout`) without a regex: each name's
+    `model.layers.L.mlp.experts.` prefix compared as words, its layer read at its first dot after `layers.`.
+    None where it cannot be read so (the regexes then count)."""
+    found = layout(raw)
+    if found is None:
+        return None
+    quotes, words = found.quotes, found.words
+    opens, closes = quotes[:, 0], quotes[:, 1]
+    named = (closes - opens == 13) & (words.at(opens + 1) == _DATA_OFFSETS[0]) & \
+        (words.at(opens + 5) == _DATA_OFFSETS[1])
+    tensors = len(quotes) + raw.count(b'"data_offsets"', 0, found.head) + int(named.sum())
+    if tensors > MAX_HEADER_TENSORS:
+        return None
+    prefixed = (words.at(opens) == word_of(b'"model.l')) & (words.at(opens + 6) == word_of(b".layers."))
+    digits = digits_at(words, opens + 14)
+    if bool((prefixed & (digits == 8)).any()):
+        return None  # a layer of eight digits or more: the regex reads it
+    dot = opens + 14 + digits
+    expert = prefixed & (digits > 0) & (words.at(dot) == word_of(b".mlp.exp")) & \
+        (words.at(dot + 5) == word_of(b"experts."))
+    layer = uints(words, found.data, opens + 14, dot, 7, expert)
+    if layer is None:
+        return None  # a layer written with a leading zero: the regex decides
+    trellis = words.at(np.maximum(closes - 8, 0)) == word_of(b".trellis")
+    shaped = trellis & (found.dtype == _I16)
+    ndim, dims = found.ndim[shaped], found.dims[shaped]
+    key = ((ndim * 100_000 + dims[:, 0]) * 100_000 + dims[:, 1]) * 100_000 + dims[:, 2]
+    keys, first, count = np.unique(key, return_index=True, return_counts=True)
+    order = np.argsort(first, kind="stable")  # in order of first use, as the regex's Counter
+    counts = {tuple(dims[i, :ndim[i]].tolist()): int(c) for i, c in zip(first[order].tolist(), count[order])}
+    return (set(layer[expert].tolist()), int(expert.sum()), tensors, CodeCounts(counts, int(trellis.sum())))
 
 
 def _expert_layers(entries: bytes) -> set[int]:
