@@ -97,6 +97,31 @@ def test_an_exception_comes_back_with_its_code(monkeypatch, forked):
         assert caught.value.code == "file.header" and multiprocessing.active_children() == []
 
 
+
+def test_a_slow_taker_keeps_the_workers_a_few_chunks_ahead(forked, tmp_path):
+    """Results the workers finish before they are taken wait in this process: at most two chunks a worker are
+    given out ahead of the one being taken, so a slow taker does not hold every shard's result at once."""
+    log = tmp_path / "scanned"
+
+    def scan(name):
+        with open(log, "a") as f:
+            f.write(name + "\n")
+        return name
+
+    seen = []
+
+    def take(name, _result):
+        if not seen:
+            time.sleep(0.5)  # (every worker done with what it was given by now)
+            seen.append(len(log.read_text().split()))
+        return True
+
+    workers = reader._scan_workers(len(NAMES))
+    chunk = len(NAMES) // (4 * workers)
+    assert reader.each_scanned(NAMES, scan, take)
+    assert seen[0] <= (2 * workers + 1) * chunk < len(NAMES)
+    assert sorted(log.read_text().split()) == NAMES  # (each once)
+
 def test_a_lost_worker_leaves_the_rest_to_this_process(forked):
     """A worker killed mid-scan (by the OOM killer, say): the shards not yet taken are scanned here, none twice."""
     parent = os.getpid()

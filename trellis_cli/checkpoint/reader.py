@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import warnings
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from functools import partial
@@ -293,19 +293,34 @@ def _scan_forked(names: list[str], scan: Callable[[str], _Read], workers: int, t
                  chunk: int) -> bool:
     pool = ProcessPoolExecutor(workers, multiprocessing.get_context("fork"), initializer=_start_worker,
                                initargs=(scan,))
+    chunks = [names[at:at + max(1, chunk)] for at in range(0, len(names), max(1, chunk))]
     try:
         with warnings.catch_warnings():
             # Python >= 3.12 warns at a fork of any other thread, native ones included (a BLAS's pool, which
             # handles a fork itself); no other Python thread runs here (`_scan_workers`), and a worker runs only
-            # `scan`. The workers are forked here, before the pool starts its own thread.
+            # `scan`. The first submit forks every worker, before the pool starts its own thread.
             warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
             # Ctrl-C held back while they are forked (then delivered here): a worker ignores it from its start
             held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
-                results = pool.map(_run_scan, names, chunksize=max(1, chunk))
+                pending = deque([pool.submit(_run_scans, chunks[0])])
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        return all(map(take, names, results))
+        # At most two chunks a worker in flight: results the workers finish ahead of `take` wait here, unpickled
+        # (~1.5 MB a production shard for the opening), so a slower `take` must not let all of them pile up.
+        ahead = iter(chunks[1:])
+        for part in ahead:
+            pending.append(pool.submit(_run_scans, part))
+            if len(pending) >= 2 * workers:
+                break
+        for part in chunks:
+            results = pending.popleft().result()
+            following = next(ahead, None)
+            if following is not None:
+                pending.append(pool.submit(_run_scans, following))
+            if not all(map(take, part, results)):
+                return False
+        return True
     finally:
         pool.shutdown(cancel_futures=True)  # (waits for the workers to exit; after a False, for the chunks begun)
 
@@ -333,9 +348,9 @@ def _start_worker(scan: Callable[[str], Any]) -> None:
     _worker_scan = scan
 
 
-def _run_scan(name: str) -> Any:
+def _run_scans(names: list[str]) -> list[Any]:
     assert _worker_scan is not None
-    return _worker_scan(name)
+    return list(map(_worker_scan, names))
 
 
 class ShardColumns(NamedTuple):
