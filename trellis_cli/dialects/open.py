@@ -215,12 +215,12 @@ class _BuiltAsRead:
         return self.whole and self.files == sorted(headers) and len(self.tensors) == self.count
 
 
-def _collect_tensors(ckpt: Checkpoint, read: _BuiltAsRead | None = None) -> None:
+def _collect_tensors(ckpt: Checkpoint, read: _BuiltAsRead) -> None:
     """Every tensor by name; a name in several files resolves to the first file (the index's, once it is read:
     `_rekey_index`). The header's entries are the model's TensorRefs (the same records), merged file by file in C,
     as each header was read (`_BuiltAsRead`) or here."""
     tensors = ckpt.tensors
-    if read is not None and read.merged(ckpt.headers):
+    if read.merged(ckpt.headers):
         return
     tensors.clear()
     for file, header in ckpt.headers.items():
@@ -263,8 +263,8 @@ def _rekey_index(ckpt: Checkpoint) -> None:
     ckpt.index = compact
 
 
-def _build_layers(ckpt: Checkpoint, split: dict[str, NameLinears | None], read: LayersAsRead | None = None) -> None:
-    bulk = (read is not None and read.finish(ckpt)) or build_layers_in_bulk(ckpt, _add_other_expert_tensor, split)
+def _build_layers(ckpt: Checkpoint, split: dict[str, NameLinears | None], read: LayersAsRead) -> None:
+    bulk = read.finish(ckpt) or build_layers_in_bulk(ckpt, _add_other_expert_tensor, split)
     split.clear()  # (not held once the layers are built)
     if bulk:
         return  # (canonically named linears, the common case: the same records, built without a step per tensor)
