@@ -420,29 +420,24 @@ def same_bytes(a: Source, a_files: dict[str, int], b: Source) -> dict[str, int] 
     """B's listing, where everything an opening reads of two local checkpoints is byte for byte the same: the
     same names and sizes listed, no special file, unlistable directory or name leaving either directory, the same
     header bytes in every safetensors file and the same bytes in every other file. Opening B would then build
-    A's model again (diff's other side is usually a copy). None otherwise, or when a file cannot be read. The
-    files are compared by a scan (in workers where that pays), in listing order, up to the first that differs."""
+    A's model again (diff's other side is usually a copy). None otherwise, or when a file cannot be read."""
     if a.root is None or b.root is None or a.special or a.unlistable:
         return None
     b_files = listing(b)
     if b.special or b.unlistable or b_files != a_files or any(size < 0 for size in a_files.values()):
         return None
-    if any(escapes(a, name) or escapes(b, name) for name in a_files):
-        return None
-    same = each_scanned(list(a_files), partial(_same_in_both, a, b, a_files), lambda _name, alike: alike)
-    return b_files if same else None
-
-
-def _same_in_both(a: Source, b: Source, files: dict[str, int], name: str) -> bool:
-    """Whether a listed file reads the same in both sources (a safetensors file's header bytes, any other file's);
-    False where either cannot be read."""
-    size = files[name]
     try:
-        if name.endswith(".safetensors"):
-            return raw_header(a, name, size) == raw_header(b, name, size)
-        return size <= MAX_INDEX_BYTES and _same_file(a, b, name)
+        for name, size in a_files.items():
+            if escapes(a, name) or escapes(b, name):
+                return None
+            if name.endswith(".safetensors"):
+                if raw_header(a, name, size) != raw_header(b, name, size):
+                    return None
+            elif size > MAX_INDEX_BYTES or not _same_file(a, b, name):
+                return None
     except (CheckFailed, OSError):
-        return False
+        return None
+    return b_files
 
 
 def _same_file(a: Source, b: Source, name: str) -> bool:
