@@ -50,7 +50,7 @@ def check_columns(raw: bytes) -> bool:
     """canonical_columns(raw) is the reference's answer; True where the bulk read gave it."""
     found = canonical_columns(raw)
     assert same(found, header._split_columns(raw)), raw[:200]
-    return header._bulk_columns(raw) is not None
+    return header._layout_columns(raw) is not None
 
 
 def check_linears(names: list[str]) -> bool:
