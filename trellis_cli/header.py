@@ -473,8 +473,8 @@ def canonical_columns(header_bytes: bytes) -> HeaderColumns | None:
     them the canonical head, after them the closing brace) and yields each entry's name, kind (dtype and shape) and
     offsets. None where it is not that layout, a name appears twice or an offset pair is reversed, which the strict
     path then names. A pure function of the bytes: a worker process may compute it. The common header (ASCII, every
-    entry in that layout) is read in bulk (`_layout_columns`, from the header's proven `layout`); the split by the pattern is the reference it must
-    equal, and decides whatever the bulk read cannot prove."""
+    entry in that layout) is read in bulk (`_layout_columns`, from the header's proven `layout`); the split by the
+    pattern is the reference it must equal, and decides whatever the bulk read cannot prove."""
     bulk = _layout_columns(header_bytes)
     return bulk if bulk is not None else _split_columns(header_bytes)
 
@@ -770,7 +770,7 @@ def _scratch(size: int) -> np.ndarray:
 
 
 def layout(raw: bytes) -> Layout | None:
-    """`raw` as a `Layout` where it is ASCII and in safetensors' own layout, as `header.canonical_entries` accepts
+    """`raw` as a `Layout` where it is ASCII and in safetensors' own layout, as `canonical_entries` accepts
     it; None where that cannot be proven here (no promise that the regex refuses it)."""
     first = raw.find(b'":{"dtype":"')
     start = raw.rfind(b'"', 0, first) if first > 0 else -1
@@ -844,7 +844,10 @@ def _groups(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if not left[at]:
             return np.array(first, dtype=np.int64), group
     _, rows, group = np.unique(keys, return_index=True, return_inverse=True)
-    return rows, group
+    order = np.argsort(rows)  # (np.unique orders by key: put the groups back in the order of their first rows)
+    place = np.empty_like(order)
+    place[order] = np.arange(order.size)
+    return rows[order], place[group.reshape(-1)]
 
 
 _SHAPE = re.compile(rb"(?:" + DIM_PATTERN + rb"(?:," + DIM_PATTERN + rb"){0,2})?")
