@@ -50,7 +50,7 @@ def check_columns(raw: bytes) -> bool:
     """canonical_columns(raw) is the reference's answer; True where the bulk read gave it."""
     found = canonical_columns(raw)
     assert same(found, header._split_columns(raw)), raw[:200]
-    return header._bulk_columns(raw) is not None
+    return header._layout_columns(raw) is not None
 
 
 def check_linears(names: list[str]) -> bool:
@@ -285,3 +285,21 @@ def test_distinct_spans_tell_texts_apart_by_first_use():
         order = list(dict.fromkeys(chosen))
         assert [chosen[at] for at in first.tolist()] == order
         assert position.tolist() == [order.index(p) for p in chosen]
+
+
+@pytest.mark.parametrize("count", [5, 31, 32, 90])
+def test_many_kinds_keep_the_order_of_first_use(count):
+    """More distinct kinds than the bulk read groups one at a time (32; it sorts them then): still in order of first
+    use, each entry's position among them the reference's."""
+    rng = random.Random(count)
+    kinds = [("F16", [])] + [(rng.choice(["F16", "BF16", "I32", "F8_E4M3"]),
+                              [at + 1] + [rng.randrange(0, 99999) for _ in range(rng.randrange(3))])
+                             for at in range(count)]  # (count + 1 distinct kinds)
+    chosen = kinds + [rng.choice(kinds) for _ in range(3 * count)]
+    rng.shuffle(chosen)
+    doc = {f"t.{i}": {"dtype": dtype, "shape": shape, "data_offsets": [0, 0]}
+           for i, (dtype, shape) in enumerate(chosen)}
+    raw = assemble(None, entries_text(doc), pad=3)
+    assert check_columns(raw)
+    columns = canonical_columns(raw)
+    assert columns is not None and len(columns.kinds) == count + 1

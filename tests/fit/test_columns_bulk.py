@@ -1,4 +1,4 @@
-"""A header read in bulk (`header_words.layout`) against the regexes it stands in for: fit's linear columns (the
+"""A header read in bulk (`header.layout`) against the regexes it stands in for: fit's linear columns (the
 names' parts as words) against `regex_linear_columns`, and the dry run's counts (`reader.counted_in_bulk`) against
 `canonical_entries` and its counts; field for field the same answer, None where it is None, on the synth's shards
 and on many seeded changes to their raw headers (names swapped or twice, escapes, non-ASCII, reversed or huge
@@ -15,9 +15,8 @@ import pytest
 from corrupt import READER_CORPUS
 from helpers import tiny_checkpoint
 from trellis_cli.checkpoint.columns import linear_columns, regex_linear_columns
-from trellis_cli.checkpoint.header_words import layout
 from trellis_cli.checkpoint.reader import CodeCounts, _expert_layers, counted_in_bulk
-from trellis_cli.header import canonical_entries
+from trellis_cli.header import canonical_entries, layout
 
 VARIANTS = [{}, {"non_expert": "bf16"}, {"codebook": "3inst"}, {"uniform_k": 4, "partition": None},
             {"mtp_layers": 1, "non_expert": "bf16"}, {"tp": 1},

@@ -8,7 +8,7 @@ a field of a canonically spelled rank-sliced linear of one MoE layer
 spelling, a name twice, a reversed offset pair, tensors past the end of the file, a shard mixing layers or other
 tensors) is `None`: the caller then opens the checkpoint in full, which words every finding.
 
-The regex pass is the reference; a production shard is first read without it (`header_words.layout`, then each
+The regex pass is the reference; a production shard is first read without it (`header.layout`, then each
 name's parts as words, its ids' digits counted in them), which yields the same arrays wherever it proves every
 name canonical, and leaves any header it cannot prove so to the regex.
 """
@@ -21,9 +21,8 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from trellis_cli.checkpoint.header_words import Layout, digits_at, layout, short_uints, word_of
-from trellis_cli.header import (DIM_PATTERN, DTYPE_PATTERN, MAX_HEADER_TENSORS, OFFSET_PATTERN, offset_pairs,
-                                split_layout)
+from trellis_cli.header import (DIM_PATTERN, DTYPE_PATTERN, MAX_HEADER_TENSORS, OFFSET_PATTERN, Layout, digits_at,
+                                layout, offset_pairs, short_uints, split_layout, word_of)
 
 # One entry of a linear's field, canonical ids only (as the names grammar reads them: checkpoint/names.py), in
 # safetensors' own layout (header.py: at most three dimensions of five digits, offsets below 10^18). The projection

@@ -32,15 +32,14 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Named
 import numpy as np
 
 from trellis_cli.checkpoint.columns import LinearColumns, all_distinct, linear_columns, no_expert_tensors
-from trellis_cli.checkpoint.header_words import digits_at, layout, uints, word_of
 from trellis_cli.checkpoint.linear_names import NameLinears, name_linears
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import is_expert_name, parse_expert_name
 from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Finding, Location, Severity, error, warning
 from trellis_cli.header import (MAX_HEADER_TENSORS, Header, HeaderColumns, HeaderError, JsonError, canonical_columns,
-                                canonical_entries, header_length, header_of_columns, load_json, open_regular,
-                                os_reason, parse_header, safe_relative, shared_offsets)
+                                canonical_entries, digits_at, header_length, header_of_columns, layout, load_json,
+                                open_regular, os_reason, parse_header, safe_relative, shared_offsets, uints, word_of)
 from trellis_cli.integrity import CHECKSUM_MANIFEST
 from trellis_cli.sources import Source
 
@@ -550,7 +549,7 @@ _I16 = word_of(b"I16")
 
 def counted_in_bulk(raw: bytes) -> tuple[set[int], int, int, CodeCounts] | None:
     """`header_names`' counts of a canonical header (its MoE layers, routed-expert and all tensors, trellis
-    shapes) read from its proven layout (`header_words.layout`) without a regex: each name's
+    shapes) read from its proven layout (`header.layout`) without a regex: each name's
     `model.layers.L.mlp.experts.` prefix compared as words, its layer read at its first dot after `layers.`.
     None where it cannot be read so (the regexes then count)."""
     found = layout(raw)
