@@ -104,18 +104,29 @@ def regex_linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
     proj = _PROJECTION[np.frombuffer(b"".join(parts[3::_GROUPS + 1]), dtype=np.uint8)]
     field_text = np.frombuffer(b"".join(parts[5::_GROUPS + 1]), dtype=np.uint8).reshape(-1, 3).astype(np.int64)
     field = np.searchsorted(_FIELD_CODES, (field_text[:, 0] << 16) | (field_text[:, 1] << 8) | field_text[:, 2])
+    sums = _sorted_rank_sums(expert, proj, rank, field, begin, end)
+    if sums is None:
+        return None  # a name twice in one header: the full parser refuses it by name
+    linear, is_trellis, ranks = sums
+    shapes = list(compress(parts[6::_GROUPS + 1], is_trellis.tolist()))
+    return LinearColumns(layer, _k_ranges(expert, linear, is_trellis, shapes), ranks, b'"'.join(parts[1::_GROUPS + 1]))
+
+
+def _sorted_rank_sums(expert: np.ndarray, proj: np.ndarray, rank: np.ndarray, field: np.ndarray, begin: np.ndarray,
+                      end: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[tuple[int, int], tuple[int, int]]] | None:
+    """(each entry's linear key, which entries are trellis tensors, (bytes, gate trellis tensors) per (expert, rank)),
+    by sorting the keys; None where a linear holds a field twice."""
     width = int(rank.max()) + 1
     linear = (expert * 3 + proj) * width + rank
     if not all_distinct(linear * len(_FIELDS) + field):
-        return None  # a name twice in one header: the full parser refuses it by name
+        return None
     per_rank = expert * width + rank
     keys, slot = np.unique(per_rank, return_inverse=True)
     nbytes = np.bincount(slot, weights=(end - begin).astype(np.float64))
     is_trellis = field == _TRELLIS
     gates = np.bincount(slot, weights=(is_trellis & (proj == 0)).astype(np.float64), minlength=keys.size)
     ranks = {(key // width, key % width): (int(b), int(g)) for key, b, g in zip(keys.tolist(), nbytes, gates)}
-    shapes = list(compress(parts[6::_GROUPS + 1], is_trellis.tolist()))
-    return LinearColumns(layer, _k_ranges(expert, linear, is_trellis, shapes), ranks, b'"'.join(parts[1::_GROUPS + 1]))
+    return linear, is_trellis, ranks
 
 
 def _k_ranges(expert: np.ndarray, linear: np.ndarray, is_trellis: np.ndarray,
@@ -237,16 +248,10 @@ def _sorted_sums(layer: int, expert: np.ndarray, proj: np.ndarray, rank: np.ndar
                  begin: np.ndarray, end: np.ndarray, ndim: np.ndarray, dims: np.ndarray,
                  names: Callable[[], bytes]) -> LinearColumns | None:
     """`_summed` by `regex_linear_columns`' own sorts, for ids too far apart to count in bins."""
-    width = int(rank.max()) + 1
-    linear = (expert * 3 + proj) * width + rank
-    if not all_distinct(linear * len(_FIELDS) + field):
+    sums = _sorted_rank_sums(expert, proj, rank, field, begin, end)
+    if sums is None:
         return None
-    per_rank = expert * width + rank
-    keys, slot = np.unique(per_rank, return_inverse=True)
-    nbytes = np.bincount(slot, weights=(end - begin).astype(np.float64))
-    is_trellis = field == _TRELLIS
-    gates = np.bincount(slot, weights=(is_trellis & (proj == 0)).astype(np.float64), minlength=keys.size)
-    ranks = {(key // width, key % width): (int(b), int(g)) for key, b, g in zip(keys.tolist(), nbytes, gates)}
+    linear, is_trellis, ranks = sums
     last = dims[is_trellis, 2]
     trellis_k = np.where((ndim[is_trellis] == 3) & (last % 16 == 0), last // 16, -1)
     return LinearColumns(layer, _expert_k(expert, linear, is_trellis, trellis_k), ranks, names())
