@@ -303,6 +303,9 @@ class Entries(Mapping[str, TensorEntry]):
     def __contains__(self, name: object) -> bool:
         return name in self._lookup()
 
+    def get(self, name: str, default: Any = None) -> Any:
+        return self._lookup().get(name, default)
+
     def __iter__(self) -> Iterator[str]:
         return map(_ENTRY_NAME, self._entries)
 

@@ -2,8 +2,8 @@
 experts, linears and records in the same order, the same shared rows and findings; on every dialect the synth
 and the helpers write, on every damaged checkpoint of the corpora, and on each way a name can leave the
 canonical form. Where it declines, the per-tensor build is the answer. The same holds of the bulk build done
-header by header as the headers are read (`LayersAsRead`), and of the model's tensors merged as they are read
-(`open._BuiltAsRead`): each gives what the build after the reading gives, or steps aside."""
+header by header as the headers are read (`LayersAsRead`), and of the model's tensors held as the headers
+(`open._tensor_map`): each gives what the build after the reading gives, or steps aside."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from corrupt import CORPUS, READER_CORPUS, SHARD3, SHARD4, read_header, write_header
 from helpers import to_plain_exl3, to_r7, to_r7_v2, write_tensors
+from trellis_cli.checkpoint.tensor_map import TensorMap
 from trellis_cli.dialects import bulk_layers, open as opening
 from trellis_cli.dialects.open import open_checkpoint
 from trellis_cli.errors import CheckFailed
@@ -36,7 +37,21 @@ def _state(root: Path) -> object:
         layers.append((li, experts, sorted(moe.files), moe.rank_sliced, list(moe.shared_h.items()),
                        list(moe.r7_shared.items()), list(moe.unparsed), moe.declared_k, moe.declared_projection_k))
     findings = [(f.code, f.severity, str(f.where), f.message) for f in ck.parse_findings]
-    return layers, findings, list(ck.tensors.items())
+    return layers, findings, list(ck.tensors.items()), len(ck.tensors), _lookups(ck.tensors)
+
+
+def _lookups(tensors) -> list[object]:
+    """What a lookup answers for every name, near misses of some (another layer, a field, the experts' segment
+    changed) and names that are no tensor's, whether the tensors are a dict or held as the headers (`TensorMap`)."""
+    names = list(tensors)
+    probes: list[object] = [*names, "", "model.layers.", "model.layers.3", "model.layers.3.mlp.experts.",
+                            "model.layers.3.mlp.experts", "model.layers.3.self_attn.o_proj.weight", "lm_head.weight",
+                            3, None, ("model.layers.3",)]
+    for name in names[::max(1, len(names) // 64)]:
+        probes += [name[:-1], name + "0", name.replace(".mlp.experts.", ".mlp.expert."),
+                   name.replace("layers.3.", "layers.4."), name.replace("layers.4.", "layers.3."),
+                   name.replace("layers.", "layers.0"), name.replace(".rank0.", ".rank9.")]
+    return [(probe, tensors.get(probe), probe in tensors, tensors.get(probe, "absent")) for probe in probes]
 
 
 def _both(root: Path, monkeypatch) -> tuple[object, object, bool]:
@@ -57,11 +72,12 @@ def _both(root: Path, monkeypatch) -> tuple[object, object, bool]:
         as_read = _state(root)
     with monkeypatch.context() as m:  # neither merged nor built as read: both after the reading
         m.setattr(bulk_layers.LayersAsRead, "finish", lambda _self, _ckpt: False)
-        m.setattr(opening._BuiltAsRead, "merged", lambda _self, _headers: False)
+        m.setattr(opening, "_tensor_map", lambda _ckpt, _read: None)
         m.setattr(opening, "build_layers_in_bulk", spy(bulk_after))
         bulk = _state(root)
     with monkeypatch.context() as m:
         m.setattr(bulk_layers.LayersAsRead, "finish", lambda _self, _ckpt: False)
+        m.setattr(opening, "_tensor_map", lambda _ckpt, _read: None)
         m.setattr(opening, "build_layers_in_bulk", lambda *_a: False)
         per_tensor = _state(root)
     assert as_read == bulk
@@ -173,21 +189,29 @@ def test_other_tensors_between_linears_keep_their_places(pristine, tmp_path, mon
 
 
 def _answers(monkeypatch) -> dict[str, list[bool]]:
-    """What the tensors' merge (`merged`) and the layers' build (`finish`) read ahead answer, call by call."""
-    answers: dict[str, list[bool]] = {"merged": [], "finish": []}
-    for owner, method in ((opening._BuiltAsRead, "merged"), (bulk_layers.LayersAsRead, "finish")):
-        def recorded(self, arg, _original=getattr(owner, method), _into=answers[method]):
-            _into.append(_original(self, arg))
-            return _into[-1]
-        monkeypatch.setattr(owner, method, recorded)
+    """What the tensors held as the headers (`_tensor_map`: whether it took them) and the layers' build read ahead
+    (`finish`) answer, call by call."""
+    answers: dict[str, list[bool]] = {"tensor_map": [], "finish": []}
+
+    def held(ckpt, read, _original=opening._tensor_map):
+        found = _original(ckpt, read)
+        answers["tensor_map"].append(found is not None)
+        return found
+
+    def finished(self, ckpt, _original=bulk_layers.LayersAsRead.finish):
+        answers["finish"].append(_original(self, ckpt))
+        return answers["finish"][-1]
+
+    monkeypatch.setattr(opening, "_tensor_map", held)
+    monkeypatch.setattr(bulk_layers.LayersAsRead, "finish", finished)
     return answers
 
 
 def test_a_canonical_checkpoint_is_built_as_its_headers_are_read(pristine, monkeypatch):
-    """The common case takes the path read ahead: tensors merged and layers placed header by header."""
+    """The common case takes the path read ahead: layers placed header by header, the tensors held as the headers."""
     answers = _answers(monkeypatch)
-    open_checkpoint(pristine)
-    assert answers == {"merged": [True], "finish": [True]}
+    assert isinstance(open_checkpoint(pristine).tensors, TensorMap)
+    assert answers == {"tensor_map": [True], "finish": [True]}
 
 
 def _unparsed_expert_tensor(root: Path) -> Path:
@@ -195,11 +219,43 @@ def _unparsed_expert_tensor(root: Path) -> Path:
     return root
 
 
-@pytest.mark.parametrize("make, merged", [(_duplicate_one, False), (_unparsed_expert_tensor, True)])
-def test_the_builds_read_ahead_step_aside_where_they_cannot_prove_the_answer(make, merged, pristine, tmp_path,
+@pytest.mark.parametrize("make, held", [(_duplicate_one, False), (_unparsed_expert_tensor, True)])
+def test_the_builds_read_ahead_step_aside_where_they_cannot_prove_the_answer(make, held, pristine, tmp_path,
                                                                             monkeypatch):
-    """A name in two shards sends both back to after the reading; another expert tensor in a shard (its path runs
-    before any linear is placed) sends the layers back."""
+    """A name in two shards sends both back to after the reading (the tensors one dict); another expert tensor in a
+    shard (its path runs before any linear is placed) sends the layers back, and is one of the names held apart."""
     answers = _answers(monkeypatch)
-    open_checkpoint(make(_copy(pristine, tmp_path)))
-    assert answers == {"merged": [merged], "finish": [False]}
+    tensors = open_checkpoint(make(_copy(pristine, tmp_path))).tensors
+    assert isinstance(tensors, TensorMap) == held
+    assert answers == {"tensor_map": [held], "finish": [False]}
+
+
+# The shapes whose tensors are held as their headers; every other keeps one dict.
+HELD = {"tr3 per-expert", "tr3 shared-H", "plain exl3 (no ranks)", "r7", "r7 v2", "zero-padded expert id",
+        "unparsed expert tensor"}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_the_tensors_are_held_as_the_headers_where_no_name_can_be_in_two(shape, pristine, tmp_path):
+    make, _ = SHAPES[shape]
+    tensors = open_checkpoint(make(_copy(pristine, tmp_path), tmp_path)).tensors
+    assert isinstance(tensors, TensorMap) == (shape in HELD)
+
+
+def test_a_write_turns_the_held_tensors_into_the_dict(pristine):
+    """Every write (a name the index maps elsewhere) goes to the dict the opening would have built, in its order."""
+    tensors = open_checkpoint(pristine).tensors
+    assert isinstance(tensors, TensorMap)
+    reference = dict(tensors.items())
+    first, second, last = list(reference)[0], list(reference)[1], list(reference)[-1]
+    views = tensors.keys(), tensors.values(), tensors.items()
+    for mapping in (tensors, reference):
+        mapping[first] = mapping[last]
+        del mapping[second]
+        mapping["model.extra"] = mapping[last]
+    assert list(tensors.items()) == list(reference.items()) and len(tensors) == len(reference)
+    assert [list(view) for view in views] == [list(reference.keys()), list(reference.values()),
+                                              list(reference.items())]
+    assert _lookups(tensors) == _lookups(reference)
+    tensors.clear()
+    assert not tensors and list(tensors) == [] and tensors.get(first) is None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from operator import attrgetter
-from collections.abc import Iterator, Mapping, ValuesView
+from collections.abc import Iterator, Mapping, MutableMapping, ValuesView
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from trellis_cli.codebooks import MCG_MARKER, MUL1_MARKER  # noqa: F401  (the marker values, re-exported)
@@ -199,7 +199,8 @@ class Checkpoint:
     inferred: list[str] = field(default_factory=list)  # geometry facts read from tensors, not declared
     # Problems met while parsing that do not stop parsing; validate reports them as findings.
     parse_findings: list[Any] = field(default_factory=list)
-    tensors: dict[str, TensorRef] = field(default_factory=dict)  # every tensor by name (first file that has it)
+    # every tensor by name (first file that has it): a dict, or the headers themselves (checkpoint/tensor_map.py)
+    tensors: MutableMapping[str, TensorRef] = field(default_factory=dict)
     files: dict[str, int] = field(default_factory=dict)  # every file of the checkpoint with its size
     index: Mapping[str, str] | None = None  # model.safetensors.index.json weight_map, when present
     index_file: str | None = None

@@ -701,7 +701,7 @@ def shard_names(headers: Mapping[str, Header]) -> dict[str, ShardNames]:
     return {file: ShardNames.of(header.tensors) for file, header in headers.items() if header.tensors}
 
 
-def index_of(source: Source, files: dict[str, int], tensors: dict[str, Any], headers: Mapping[str, Header],
+def index_of(source: Source, files: dict[str, int], tensors: Mapping[str, Any], headers: Mapping[str, Header],
              proof: IndexProof | None = None) -> tuple[str, dict[str, Any]] | None:
     """(index file, its metadata) where a large local index is proven in its bytes (as `index_files` proves it)
     to map exactly the names of `tensors` (name -> TensorRef), each to the file holding it: what `read_index`

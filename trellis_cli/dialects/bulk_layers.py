@@ -80,28 +80,44 @@ class LayersAsRead:
         self.layers: dict[int, MoeLayer] = {}
         self.files: list[str] = []
         self.keys: list[np.ndarray] = []
-        self.whole = True  # every header so far added in the bulk build's form
+        self.named = True  # every header so far under its own name, its names split
+        self.whole = True  # and none with another expert tensor: its linears placed
+        # file -> (the layers its linears are of, the positions of its names that are no linear's field), for each
+        # header holding a linear: where the names of the model's `TensorMap` are (`named_apart`)
+        self.linears_of: dict[str, tuple[list[int], np.ndarray]] = {}
 
     def add(self, file: str, header: Header, split: Mapping[str, NameLinears | None]) -> None:
-        if not self.whole:
+        if not self.named:
             return
         found = _split(split, file, header)
-        if found is None or found.others.size or header.file != file:
-            self.whole, self.layers, self.keys = False, {}, []
+        if found is None or header.file != file:
+            self.named = self.whole = False
+            self.layers, self.keys, self.linears_of = {}, [], {}
             return
         self.files.append(file)
         if found.keys.size:
             self.keys.append(found.keys)
+            self.linears_of[file] = (np.unique(found.keys // (EXPERTS * 3 * RANKS)).tolist(),
+                                     _not_fields(found, len(header.tensors)))
+        if found.others.size:
+            self.whole, self.layers = False, {}
+        if self.whole and found.keys.size:
             _place(self.layers, _header_linears(file, list(header.tensors.values()), found))
+
+    def named_apart(self, files: list[str]) -> bool:
+        """Whether every header of `files` (sorted) was added with its names split, and no linear has fields in two
+        of them: then each name that is a linear's field is in one header only (a canonical name is its linear's
+        key and field)."""
+        if not self.named or self.files != files:
+            return False
+        return not self.keys or all_distinct(np.concatenate(self.keys))
 
     def finish(self, ckpt: Checkpoint) -> bool:
         """Fill `ckpt.layers` from what was added, and True, where that is `build_layers_in_bulk`'s answer."""
         files = sorted(ckpt.headers)
-        if not self.whole or self.files != files or \
-                len(ckpt.tensors) != sum(len(ckpt.headers[file].tensors) for file in files):
+        if not self.whole or len(ckpt.tensors) != sum(len(ckpt.headers[file].tensors) for file in files) or \
+                not self.named_apart(files):
             return False
-        if self.keys and not all_distinct(np.concatenate(self.keys)):
-            return False  # a linear with fields in two shards
         ckpt.layers = dict(sorted(self.layers.items()))
         return True
 
@@ -109,6 +125,14 @@ class LayersAsRead:
 def _split(split: Mapping[str, NameLinears | None], file: str, header: Header) -> NameLinears | None:
     """The header's names split into linears: by a scan worker, where one read it, else here."""
     return split[file] if file in split else name_linears("\n".join(header.tensors), len(header.tensors))
+
+
+def _not_fields(found: NameLinears, count: int) -> np.ndarray:
+    """The positions of a header's `count` names that are no linear's field, in stored order."""
+    fields = found.fields[found.fields >= 0]
+    if len(fields) == count:
+        return fields[:0]
+    return np.setdiff1d(np.arange(count, dtype=fields.dtype), fields)
 
 
 def _header_linears(file: str, refs: list[TensorRef], found: NameLinears) -> _HeaderLinears:

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, Callable, Iterator, cast
+from typing import Any, Callable, Iterator, Mapping, cast
 
 from trellis_cli.checkpoint import declared as decl
 from trellis_cli.checkpoint import heap
@@ -24,6 +24,7 @@ from trellis_cli.dialects import registry
 from trellis_cli.dialects.bulk_layers import LayersAsRead, build_layers_in_bulk
 from trellis_cli.dialects.interface import CONFIG, QUANT_CONFIG, DialectInfo, Probe
 from trellis_cli.checkpoint.linear_names import NameLinears
+from trellis_cli.checkpoint.tensor_map import TensorMap
 from trellis_cli.checkpoint.model import (
     Checkpoint,
     LinearRef,
@@ -118,7 +119,7 @@ def _open(source: Source, progress: Callable[[str, int, int], None], headers: bo
     if dialect.fill(ckpt, probe, info):  # a container read its own way
         return ckpt
     linears: dict[str, NameLinears | None] = {}  # each header's names split by a scan worker, where one read it
-    read = _BuiltAsRead(ckpt.tensors, linears)
+    read = _BuiltAsRead(linears)
     with reader.IndexProof(source, files) as index:  # a large index proven shard by shard as the headers arrive
 
         def taken(name: str, header: Header) -> None:
@@ -182,47 +183,41 @@ def _read_index(ckpt: Checkpoint, source: Source, files: dict[str, int], index: 
         _rekey_index(ckpt)
 
 
-def _tensor_files(tensors: dict[str, TensorRef]) -> dict[str, str]:
+def _tensor_files(tensors: Mapping[str, TensorRef]) -> dict[str, str]:
     return dict(zip(tensors.keys(), map(_FILE_OF, tensors.values())))
 
 
 class _BuiltAsRead:
-    """The model's tensors and layers built from each header as `reader.read_headers` hands it over, while the scan
-    workers read the next shards (about 0.5 s at production size that would otherwise follow the reading). They
-    stand where the headers came in sorted file order, each under its own name, with no name in two files (and for
-    the layers, `LayersAsRead`'s conditions); `_collect_tensors` and `_build_layers` otherwise build them again from
-    the headers, as they do without it."""
+    """The model's layers built from each header as `reader.read_headers` hands it over, while the scan workers read
+    the next shards, and what proves its tensors apart (`_tensor_map`). They stand where the headers came in sorted
+    file order, each under its own name, with no name in two files (and for the layers, `LayersAsRead`'s
+    conditions); `_collect_tensors` and `_build_layers` otherwise build them again from the headers, as they do
+    without it."""
 
-    def __init__(self, tensors: dict[str, TensorRef], split: dict[str, NameLinears | None]) -> None:
-        self.tensors = tensors  # the model's own dict, merged into header by header
+    def __init__(self, split: dict[str, NameLinears | None]) -> None:
         self.split = split
         self.files: list[str] = []
-        self.count = 0  # entries merged
         self.whole = True  # every header so far under its own name
         self.layers = LayersAsRead()
 
     def take(self, file: str, header: Header) -> None:
         if self.whole and header.file == file:
-            self.tensors.update(header.tensors.items())
             self.files.append(file)
-            self.count += len(header.tensors)
         else:
             self.whole = False
         self.layers.add(file, header, self.split)
 
-    def merged(self, headers: dict[str, Header]) -> bool:
-        """Whether the merge is `_collect_tensors`' own answer for these headers."""
-        return self.whole and self.files == sorted(headers) and len(self.tensors) == self.count
-
 
 def _collect_tensors(ckpt: Checkpoint, read: _BuiltAsRead) -> None:
     """Every tensor by name; a name in several files resolves to the first file (the index's, once it is read:
-    `_rekey_index`). The header's entries are the model's TensorRefs (the same records), merged file by file in C,
-    as each header was read (`_BuiltAsRead`) or here."""
-    tensors = ckpt.tensors
-    if read.merged(ckpt.headers):
+    `_rekey_index`). The header's entries are the model's TensorRefs (the same records): held as the headers
+    themselves where no name is proven to be in two files (`_tensor_map`), else merged file by file in C."""
+    found = _tensor_map(ckpt, read)
+    if found is not None:
+        ckpt.tensors = found
         return
-    tensors.clear()
+    tensors: dict[str, TensorRef] = {}
+    ckpt.tensors = tensors
     for file, header in ckpt.headers.items():
         if header.file != file:  # a header parsed under another name: its entries placed in the listed file
             ckpt.headers[file] = replace(header, tensors=Entries([ref._replace(file=file)
@@ -236,6 +231,35 @@ def _collect_tensors(ckpt: Checkpoint, read: _BuiltAsRead) -> None:
             for name, ref in header.tensors.items():
                 if name not in tensors:
                     tensors[name] = ref
+
+
+def _tensor_map(ckpt: Checkpoint, read: _BuiltAsRead) -> TensorMap | None:
+    """The tensors as their headers hold them, where every header came in sorted file order under its own name and
+    no name is in two of them: each routed-expert linear's fields in one header (`LayersAsRead.named_apart`), and
+    the other names, gathered in one dict, distinct. None otherwise."""
+    files = sorted(ckpt.headers)
+    if not read.whole or read.files != files or not read.layers.named_apart(files):
+        return None
+    parts: list[Mapping[str, TensorRef]] = []
+    others: dict[str, TensorRef] = {}
+    by_layer: dict[str, list[Mapping[str, TensorRef]]] = {}
+    apart = 0  # names that are no linear's field
+    for file in files:
+        entries = ckpt.headers[file].tensors
+        if not entries:
+            continue
+        parts.append(entries)
+        layers, not_fields = read.layers.linears_of.get(file, ((), None))
+        for layer in layers:
+            by_layer.setdefault(str(layer), []).append(entries)
+        if not_fields is None:
+            others.update(entries.items())
+            apart += len(entries)
+        elif not_fields.size:
+            values = list(entries.values())
+            others.update((values[at].name, values[at]) for at in not_fields.tolist())
+            apart += not_fields.size
+    return TensorMap(parts, others, by_layer) if len(others) == apart else None
 
 
 def _rekey_index(ckpt: Checkpoint) -> None:

@@ -93,6 +93,7 @@ def _stored(ckpt: Checkpoint) -> Stored:
     """name -> (dtype, shape) of every tensor the checkpoint's files hold. A container keeps its model weights in
     safetensors files beside its layer files, outside its model: each is read through the one reader."""
     from trellis_cli.checkpoint import reader
+    from trellis_cli.checkpoint.tensor_map import holds_first
     from trellis_cli.errors import CheckFailed
 
     stored = Stored(ckpt.tensors)
@@ -100,7 +101,7 @@ def _stored(ckpt: Checkpoint) -> Stored:
         if not name.endswith(".safetensors") or size < 0:
             continue
         header = ckpt.headers.get(name)
-        if header is not None and (not header.tensors or next(iter(header.tensors)) in ckpt.tensors):
+        if header is not None and (not header.tensors or holds_first(ckpt.tensors, header.tensors)):
             continue  # its tensors are the model's already
         try:
             header = reader.shard_header(ckpt, name)
