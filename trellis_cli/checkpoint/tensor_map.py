@@ -12,7 +12,7 @@ answers are those of the dict the opening builds otherwise. The first write turn
 from __future__ import annotations
 
 from itertools import chain
-from typing import Any, ItemsView, Iterator, KeysView, Mapping, MutableMapping, ValuesView
+from typing import Any, ItemsView, Iterable, Iterator, KeysView, Mapping, MutableMapping, ValuesView
 
 from trellis_cli.checkpoint.model import TensorRef
 
@@ -136,6 +136,14 @@ class _Items(ItemsView[str, TensorRef]):
         return chain.from_iterable(part.items() for part in self._mapping._parts)
 
 
+def outside_linears(tensors: Mapping[str, TensorRef]) -> Iterable[tuple[str, TensorRef]]:
+    """The items of `tensors` in their order, less, where they are a `TensorMap`, the routed-expert linears' fields
+    (whose names all hold `.mlp.experts.`): what a walk for the names outside the experts needs to see."""
+    if isinstance(tensors, TensorMap) and tensors._whole is None:
+        return tensors._others.items()  # (gathered header by header in stored order: the map's own order)
+    return tensors.items()
+
+
 def holds_first(tensors: Mapping[str, TensorRef], entries: Mapping[str, TensorRef]) -> bool:
     """Whether the first of a header's `entries` is in the model's `tensors` (where they are a `TensorMap`: whether
     they are its own, each one then in it, without a lookup by name)."""
@@ -144,4 +152,4 @@ def holds_first(tensors: Mapping[str, TensorRef], entries: Mapping[str, TensorRe
     return next(iter(entries)) in tensors
 
 
-__all__ = ["TensorMap", "holds_first"]
+__all__ = ["TensorMap", "holds_first", "outside_linears"]
