@@ -155,9 +155,17 @@ def _ids(keys: np.ndarray) -> tuple[list[int], list[int], list[int], list[int]]:
 
 
 def _place(layers: dict[int, MoeLayer], b: _HeaderLinears) -> None:
-    """The header's linears into their layers' experts, in order (as the per-tensor build inserts them)."""
+    """The header's linears into their layers' experts, in order (as the per-tensor build inserts them). A run of
+    linears of one projection of one expert (its ranks, stored together) is inserted by one update: the same
+    dicts in the same order as one insert per linear."""
+    if not b.records:
+        return
+    group = b.keys // RANKS  # (layer, expert, projection)
+    starts = [0, *(np.flatnonzero(group[1:] != group[:-1]) + 1).tolist()]
+    ends = starts[1:] + [len(b.records)]
     seen: set[int] = set()
-    for li, expert, proj, rank, record in zip(*_ids(b.keys), b.records):
+    ranks = (b.keys % RANKS).tolist()
+    for li, expert, proj, _rank, start, end in zip(*_ids(b.keys[starts]), starts, ends):
         layer = layers.get(li)
         if layer is None:
             layer = layers[li] = MoeLayer(li)
@@ -173,7 +181,7 @@ def _place(layers: dict[int, MoeLayer], b: _HeaderLinears) -> None:
         by_proj = by_expert.get(name)
         if by_proj is None:
             by_proj = by_expert[name] = {}
-        by_proj[rank] = record
+        by_proj.update(zip(ranks[start:end], b.records[start:end]))
 
 
 __all__ = ["LayersAsRead", "build_layers_in_bulk"]
