@@ -538,12 +538,14 @@ def _distinct_names(data: np.ndarray, begins: np.ndarray, ends: np.ndarray, name
 
 
 def all_at(data: np.ndarray, at: np.ndarray, text: bytes) -> bool:
-    """Whether `text` stands in `data` at each of the ascending positions `at` (compared 8 bytes at a time)."""
+    """Whether `text` stands in `data` (bytes as uint8) at each of the positions `at` (compared 8 bytes at a time);
+    False where one would run past either end."""
     if not len(at):
         return True
-    if int(at[0]) < 0 or int(at[-1]) + len(text) > len(data):
+    last = int(at.max())
+    if int(at.min()) < 0 or last + len(text) > len(data):
         return False
-    words = _words(data, int(at[-1]) + len(text) + 7)  # (the last word read starts before the text's end)
+    words = _words(data, last + len(text) + 7)  # (the last word read starts before the text's end)
     for k in range(0, len(text), 8):
         chunk = text[k:k + 8]
         found = words[at + k] if len(chunk) == 8 else words[at + k] & _LOW_BYTES[len(chunk)]
@@ -625,6 +627,7 @@ class Words:
     first byte wraps around, as numpy indexes (the numbers read there mask those bytes off)."""
 
     def __init__(self, raw: bytes) -> None:
+        self._data = np.frombuffer(raw, dtype=np.uint8)
         self._view = np.ndarray((len(raw) - 7,), dtype="<u8", buffer=raw, strides=(1,))
         self._last = len(raw) - 8
 
@@ -632,18 +635,8 @@ class Words:
         return self._view[np.minimum(positions, self._last)]
 
     def holds(self, positions: np.ndarray, text: bytes) -> bool:
-        """Whether `text` is written at every position (compared 8 bytes at a time, the last 8 overlapping)."""
-        starts = list(range(0, len(text) - 7, 8))
-        if len(text) % 8:
-            starts.append(max(0, len(text) - 8))
-        for start in starts:
-            piece = text[start:start + 8]
-            found = self.at(positions + start)
-            if len(piece) < 8:
-                found = found & word_of(b"\xff" * len(piece))
-            if not bool((found == word_of(piece)).all()):
-                return False
-        return True
+        """Whether `text` is written at every position (`all_at`: none running past the end)."""
+        return all_at(self._data, positions, text)
 
 
 # Per digit count k (0..8): the mask of a word's last k bytes, and '0' in the bytes before them.
