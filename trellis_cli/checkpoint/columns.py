@@ -4,13 +4,16 @@ TR3 (~935k tensors) without a record per tensor.
 A shard whose header is in safetensors' own layout (`header.canonical_entries`), ASCII, and whose every entry is
 a field of a canonically spelled rank-sliced linear of one MoE layer
 (`model.layers.L.mlp.experts.E.{gate,up,down}_proj.rankR.{field}`) is read by one regex pass into arrays
-(expert, projection, rank, field, begin, end) and summed per (expert, rank) with numpy. Anything else (another
-spelling, a name twice, a reversed offset pair, tensors past the end of the file, a shard mixing layers or other
-tensors) is `None`: the caller then opens the checkpoint in full, which words every finding.
+(expert, projection, rank, field, begin, end) and summed with numpy: per (expert, rank) by the reference
+(`ExpertColumns`), folded per (K, rank) for fit (`LinearColumns`: a few sums a shard rather than one per expert and
+rank). Anything else (another spelling, a name twice, a reversed offset pair, tensors past the end of the file, a
+shard mixing layers or other tensors) is `None`: the caller then opens the checkpoint in full, which words every
+finding.
 
 The regex pass is the reference; a production shard is first read without it (`header.layout`, then each
 name's parts as words, its ids' digits counted in them), which yields the same arrays wherever it proves every
-name canonical, and leaves any header it cannot prove so to the regex.
+name canonical, and leaves any header it cannot prove so to the regex; it sums them per (K, rank) in numpy, where
+the regex's sums are folded so (`ExpertColumns.folded`).
 """
 
 from __future__ import annotations
@@ -46,14 +49,37 @@ _EXACT = 1 << 52
 
 
 class LinearColumns(NamedTuple):
-    """One shard's rank-sliced linears, summed: its MoE layer; per expert the lowest and highest K of its linears
-    (-1 where a linear has no trellis, or one whose shape gives no K); per (expert, rank) the bytes of every field
-    and how many gate_proj trellis tensors it holds; its names, for the index's rebuilt proof."""
+    """One shard's rank-sliced linears as fit places them: its MoE layer; per (K, rank) the bytes of every field of
+    the experts at that K (None: an expert whose linears have no one K, as `MoeLayer.expert_k` reads it) and how
+    many gate_proj trellis tensors they hold, in the order the (expert, rank) pairs first reach each; its names,
+    for the index's rebuilt proof."""
+
+    layer: int
+    tiers: dict[tuple[int | None, int], tuple[int, int]]  # (K or None, rank) -> (bytes, gate_proj trellis tensors)
+    tensors: int
+    # every tensor's name in header order, joined by `"`: canonical linear names, letters, digits, `_` and `.` only
+    names: bytes
+
+
+class ExpertColumns(NamedTuple):
+    """The reference's sums of one shard's linears: per expert the lowest and highest K of its linears (-1 where a
+    linear has no trellis, or one whose shape gives no K); per (expert, rank) the bytes of every field and how many
+    gate_proj trellis tensors it holds."""
 
     layer: int
     k_range: dict[int, tuple[int, int]]
     ranks: dict[tuple[int, int], tuple[int, int]]  # (expert, rank) -> (bytes, gate_proj trellis tensors)
-    names: bytes  # every tensor's name in header order, joined by `"` (as JSON decodes them: ASCII, no escape)
+    names: bytes
+
+    def folded(self) -> LinearColumns:
+        """The same sums per (K, rank): each expert's K where its linears have one (lowest and highest alike)."""
+        tiers: dict[tuple[int | None, int], tuple[int, int]] = {}
+        for (expert, rank), (nbytes, gates) in self.ranks.items():
+            low, high = self.k_range[expert]
+            key = (low if low == high and low >= 0 else None, rank)
+            held = tiers.get(key, (0, 0))
+            tiers[key] = (held[0] + nbytes, held[1] + gates)
+        return LinearColumns(self.layer, tiers, self.names.count(b'"') + 1, self.names)
 
 
 def no_expert_tensors(raw: bytes) -> bool:
@@ -67,15 +93,16 @@ def linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
     found = layout(raw)
     fields = None if found is None else _linear_fields(found)
     if found is None or fields is None:
-        return regex_linear_columns(raw, file_size)
+        reference = regex_linear_columns(raw, file_size)
+        return None if reference is None else reference.folded()
     layer, expert, proj, rank, field = fields
     return _summed(layer, expert, proj, rank, field, found.begins, found.ends, found.ndim, found.dims,
                    len(raw), file_size, found.names_joined)
 
 
-def regex_linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
-    """`linear_columns` by one regex split of the header: the reference, and the path of any header the bulk
-    reading declines."""
+def regex_linear_columns(raw: bytes, file_size: int) -> ExpertColumns | None:
+    """`linear_columns` by one regex split of the header, per (expert, rank): the reference, and the path of any
+    header the bulk reading declines."""
     if not raw.isascii():
         return None
     # One pass: the entries' groups, and between them what separates them. The header is in safetensors' own
@@ -109,7 +136,7 @@ def regex_linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
         return None  # a name twice in one header: the full parser refuses it by name
     linear, is_trellis, ranks = sums
     shapes = list(compress(parts[6::_GROUPS + 1], is_trellis.tolist()))
-    return LinearColumns(layer, _k_ranges(expert, linear, is_trellis, shapes), ranks, b'"'.join(parts[1::_GROUPS + 1]))
+    return ExpertColumns(layer, _k_ranges(expert, linear, is_trellis, shapes), ranks, b'"'.join(parts[1::_GROUPS + 1]))
 
 
 def _sorted_rank_sums(expert: np.ndarray, proj: np.ndarray, rank: np.ndarray, field: np.ndarray, begin: np.ndarray,
@@ -210,7 +237,8 @@ def _linear_fields(found: Layout) -> tuple[int, np.ndarray, np.ndarray, np.ndarr
 def _summed(layer: int, expert: np.ndarray, proj: np.ndarray, rank: np.ndarray, field: np.ndarray,
             begin: np.ndarray, end: np.ndarray, ndim: np.ndarray, dims: np.ndarray, header_bytes: int,
             file_size: int, names: Callable[[], bytes]) -> LinearColumns | None:
-    """`regex_linear_columns`' sums of the same arrays (each trellis tensor's K from its shape's dimensions)."""
+    """`regex_linear_columns`' sums of the same arrays (each trellis tensor's K from its shape's dimensions), folded
+    per (K, rank) as `ExpertColumns.folded` folds them."""
     if bool((begin > end).any()):
         return None  # the full parser refuses a reversed pair
     if int(end.max()) >= _EXACT or 8 + header_bytes + int(end.max()) > file_size:
@@ -229,7 +257,6 @@ def _summed(layer: int, expert: np.ndarray, proj: np.ndarray, rank: np.ndarray, 
     is_trellis = field == _TRELLIS
     gates = np.bincount(per_rank, weights=(is_trellis & (proj == 0)).astype(np.float64),
                         minlength=experts * width)[keys]
-    ranks = {(key // width, key % width): (int(b), int(g)) for key, b, g in zip(keys.tolist(), nbytes, gates)}
     trellis_expert = expert[is_trellis]
     last = dims[is_trellis, 2]
     trellis_k = np.where((ndim[is_trellis] == 3) & (last % 16 == 0), last // 16, -1)
@@ -238,10 +265,31 @@ def _summed(layer: int, expert: np.ndarray, proj: np.ndarray, rank: np.ndarray, 
     np.minimum.at(lows, trellis_expert, trellis_k)
     np.maximum.at(highs, trellis_expert, trellis_k)
     linears_of = (np.bincount(linear, minlength=experts * 3 * width).reshape(experts, 3 * width) > 0).sum(axis=1)
-    with_trellis = np.bincount(trellis_expert, minlength=experts)
-    k_range = {e: (int(lows[e]) if with_trellis[e] == count else -1, int(highs[e]))
-               for e, count in zip(np.flatnonzero(linears_of).tolist(), linears_of[linears_of > 0].tolist())}
-    return LinearColumns(layer, k_range, ranks, names())
+    low = np.where(np.bincount(trellis_expert, minlength=experts) == linears_of, lows, -1)  # (a linear without K)
+    k = np.where((low == highs) & (low >= 0), low, -1)  # each expert's one K, -1 for none
+    return _folded(layer, k[keys // width], keys % width, nbytes, gates, len(expert), names)
+
+
+def _folded(layer: int, k: np.ndarray, rank: np.ndarray, nbytes: np.ndarray, gates: np.ndarray, tensors: int,
+            names: Callable[[], bytes]) -> LinearColumns:
+    """`LinearColumns` of the sums per (expert, rank) (`nbytes`, `gates`: float64 of integers, in the order of the
+    pairs; `k`: each pair's expert's K, -1 for none), summed per (K, rank) in the order the pairs first reach each."""
+    code = (k + 1) * (int(rank.max()) + 1) + rank
+    distinct, first, slot = np.unique(code, return_index=True, return_inverse=True)
+    slot = slot.reshape(-1)
+    if float(nbytes.sum()) < 2.0 ** 62:  # (far from int64's end: its sums exact)
+        tier_bytes = np.zeros(distinct.size, dtype=np.int64)
+        np.add.at(tier_bytes, slot, nbytes.astype(np.int64))
+        summed = tier_bytes.tolist()
+    else:
+        summed = [0] * distinct.size
+        for at, b in zip(slot.tolist(), nbytes.tolist()):
+            summed[at] += int(b)
+    counted = np.bincount(slot, weights=gates, minlength=distinct.size).tolist()
+    tier_k, tier_rank = k[first].tolist(), rank[first].tolist()
+    tiers = {(None if tier_k[at] < 0 else tier_k[at], tier_rank[at]): (summed[at], int(counted[at]))
+             for at in np.argsort(first).tolist()}
+    return LinearColumns(layer, tiers, tensors, names())
 
 
 def _sorted_sums(layer: int, expert: np.ndarray, proj: np.ndarray, rank: np.ndarray, field: np.ndarray,
@@ -254,7 +302,7 @@ def _sorted_sums(layer: int, expert: np.ndarray, proj: np.ndarray, rank: np.ndar
     linear, is_trellis, ranks = sums
     last = dims[is_trellis, 2]
     trellis_k = np.where((ndim[is_trellis] == 3) & (last % 16 == 0), last // 16, -1)
-    return LinearColumns(layer, _expert_k(expert, linear, is_trellis, trellis_k), ranks, names())
+    return ExpertColumns(layer, _expert_k(expert, linear, is_trellis, trellis_k), ranks, names()).folded()
 
 
 def all_distinct(values: np.ndarray) -> bool:
@@ -274,4 +322,4 @@ def _ints(texts: list[bytes]) -> np.ndarray:
     return np.fromstring(b" ".join(texts), dtype=np.int64, sep=" ")
 
 
-__all__ = ["LinearColumns", "all_distinct", "linear_columns", "no_expert_tensors"]
+__all__ = ["ExpertColumns", "LinearColumns", "all_distinct", "linear_columns", "no_expert_tensors"]
