@@ -177,3 +177,28 @@ def test_the_proof_answers_only_for_the_shards_it_took(good, monkeypatch):
     assert proven(names, [file for file in names if file != last]) is None
     assert proven([file for file in names if file != last], names) is None
     assert proven([*names, last], names) is None
+
+
+@pytest.mark.parametrize("file", ["model-layer-003.safetensors", "a\tb.safetensors", 'a"b.safetensors',
+                                  "a\\b.safetensors", "\u00e9.safetensors", "a\x01b.safetensors", "a\x7fb.safetensors",
+                                  "a\nb.safetensors"])
+def test_plain_names_entries_are_proven_written_from_their_separators(good, file):
+    """`_Gaps.written_around` (joined canonical names: only the separators read) gives what `written` gives of the
+    whole text, for files that JSON escapes or that are not ASCII, separators with line breaks and tabs, one entry
+    or many, the index's last entries or not."""
+    source = LocalSource(good)
+    files = reader.listing(source)
+    shards = reader.shard_columns(source, files, lambda *_args: None)
+    assert shards is not None
+    found = next(iter(shards.linears.values()))
+    for colon, comma in [(b":", b","), (b": ", b", "), (b" :\n", b",\n  "), (b"\t:\t", b"\r\n,\t")]:
+        gaps = reader._Gaps(colon, comma)
+        for count in (1, 2, found.tensors):
+            names = reader.ShardNames.joined(b'"'.join(found.names.split(b'"')[:count]), count)
+            assert names.plain
+            for last in (False, True):
+                after = gaps.after(file)
+                end = after[:-1 - len(comma)] if last else after[:-1]
+                text = names.text(None, after, end)
+                assert gaps.written_around(after, end, count, last) == gaps.written(text, count, last) == \
+                    (file.isascii() and file.isprintable() and '"' not in file and "\\" not in file or "\x7f" in file)

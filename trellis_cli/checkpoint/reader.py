@@ -26,7 +26,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from functools import partial
 from itertools import count
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, NamedTuple, TypeVar
 
 import numpy as np
@@ -376,7 +376,8 @@ class ShardColumns(NamedTuple):
 
 def _shard_names_of(found: LinearColumns | Header) -> ShardNames:
     """The names of one shard as `shard_columns` reads it, in its header's order."""
-    return ShardNames.joined(found.names) if isinstance(found, LinearColumns) else ShardNames.of(found.tensors)
+    return ShardNames.joined(found.names, found.tensors) if isinstance(found, LinearColumns) else \
+        ShardNames.of(found.tensors)
 
 
 def shard_columns(source: Source, files: dict[str, int], progress: Callable[[str, int, int], None],
@@ -650,18 +651,21 @@ def index_files(source: Source, files: dict[str, int], names: Mapping[str, "Shar
 class ShardNames(NamedTuple):
     """Every tensor name of one shard in its header's order, for the rebuilt proof of the index: a parsed header's
     names as they are, or a raw header's joined by `"` (`joined`: one string per shard rather than one per name,
-    ~935k at production size, as `columns.linear_columns` reads them: ASCII, no escape, no quote)."""
+    ~935k at production size, as `columns.linear_columns` reads them: canonical linear names, which hold nothing
+    JSON escapes: `plain`, so their entries' text is proven plain from its separators alone)."""
 
     tensors: int
     names: Collection[str] | bytes  # (a header's dict of tensors: its keys, listed only where an order needs it)
+    plain: bool = False  # every name letters, digits, `_` and `.` only
 
     @classmethod
     def of(cls, names: Collection[str]) -> "ShardNames":
         return cls(len(names), names)
 
     @classmethod
-    def joined(cls, joined: bytes) -> "ShardNames":
-        return cls(joined.count(b'"') + 1, joined)
+    def joined(cls, joined: bytes, tensors: int) -> "ShardNames":
+        """`tensors` canonical linear names joined by `"` (counted by the reader that joined them)."""
+        return cls(tensors, joined, True)
 
     def text(self, order: list[int] | None, after: bytes, end: bytes) -> bytes:
         """The shard's entries: its names in `order` (positions; None, or one of another shard's length: as
@@ -671,7 +675,7 @@ class ShardNames(NamedTuple):
         if isinstance(names, bytes):
             if not in_order:
                 return b'"' + names.replace(b'"', after) + end  # (each quote of the join is between two names)
-            return b'"' + after.join(map(names.split(b'"').__getitem__, order or ())) + end
+            return b'"' + after.join(_picked(names.split(b'"'), order or [])) + end
         ordered = map(list(names).__getitem__, order or ()) if in_order else names
         return ('"' + after.decode().join(ordered) + end.decode()).encode()
 
@@ -694,6 +698,11 @@ class ShardNames(NamedTuple):
 
     def listed(self) -> Collection[str]:
         return self.names.decode().split('"') if isinstance(self.names, bytes) else self.names
+
+
+def _picked(items: list[bytes], order: list[int]) -> Collection[bytes]:
+    """`items` at the positions `order` (picked in C: a production shard's ~12k names)."""
+    return itemgetter(*order)(items) if len(order) > 1 else [items[at] for at in order]
 
 
 def shard_names(headers: Mapping[str, Header]) -> dict[str, ShardNames]:
@@ -968,9 +977,8 @@ class IndexProof:
         if self._next is None:
             return True
         file, shard = self._next
-        try:
-            step = _shard_entries(self._file, self._at, file, shard, self._order, self._gaps, last) \
-                if _entry_file(self._file, self._at) == file else None
+        try:  # (another shard's entries there differ from this one's text in its file)
+            step = _shard_entries(self._file, self._at, file, shard, self._order, self._gaps, last)
         except _UNREAD:
             step = None
         if step is None:
@@ -998,8 +1006,17 @@ class _Gaps(NamedTuple):
     def written(self, found: bytes, entries: int, last: bool) -> bool:
         """Whether `entries` entries rebuilt as `found` are plain JSON: nothing inside a name or a file that JSON
         escapes, every quote and line break a separator's (`last`: no comma after the last entry)."""
-        escaped = 4 * entries + entries * _spaces(self.colon) + (entries - last) * _spaces(self.comma)
-        return found.isascii() and len(found) - len(found.translate(None, _ESCAPED)) == escaped
+        return found.isascii() and _escaped(found) == self._escaped(entries, last)
+
+    def written_around(self, after: bytes, end: bytes, entries: int, last: bool) -> bool:
+        """`written` of the text `"` + `after`.join(names) + `end` of `entries` names that hold nothing JSON escapes
+        (`ShardNames.plain`), from its separators alone: the names' bytes are not read again."""
+        ascii_ = end.isascii() and (entries < 2 or after.isascii())
+        return ascii_ and 1 + (entries - 1) * _escaped(after) + _escaped(end) == self._escaped(entries, last)
+
+    def _escaped(self, entries: int, last: bool) -> int:
+        """How many bytes JSON escapes are in plain entries: four quotes each, the separators' line breaks."""
+        return 4 * entries + entries * _spaces(self.colon) + (entries - last) * _spaces(self.comma)
 
 
 def _by_shard(f: Any, at: int, names: Mapping[str, ShardNames], gaps: _Gaps) -> int | None:
@@ -1046,7 +1063,9 @@ def _shard_entries(f: Any, at: int, file: str, shard: ShardNames, order: list[in
         order = _entries_order(found, shard)
         if order is None or shard.text(order, after, end) != found:
             return None
-    if at > MAX_INDEX_BYTES or not gaps.written(found, shard.tensors, last):
+    written = gaps.written_around(after, end, shard.tensors, last) if shard.plain else \
+        gaps.written(found, shard.tensors, last)
+    if at > MAX_INDEX_BYTES or not written:
         return None
     return at, order
 
@@ -1108,6 +1127,11 @@ _INDEX_NAMES = 1 << 14  # entries of an index sorted by name rebuilt and compare
 _INDEX_PEEK = 1 << 16  # bytes read of an entry to see its separators or its file (a longer name: not proven)
 _INDEX_TAIL_BYTES = 1 << 12  # the most read after the last entry (the closing braces)
 _FILE_OF = attrgetter("file")
+
+
+def _escaped(text: bytes) -> int:
+    """How many bytes of `text` JSON writes escaped inside a string."""
+    return len(text) - len(text.translate(None, _ESCAPED))
 
 
 def _spaces(text: bytes) -> int:
