@@ -199,6 +199,6 @@ def test_plain_names_entries_are_proven_written_from_their_separators(good, file
             for last in (False, True):
                 after = gaps.after(file)
                 end = after[:-1 - len(comma)] if last else after[:-1]
-                text = names.text(None, after, end)
+                text = b'"' + names.joined_by(None, after) + end
                 assert gaps.written_around(after, end, count, last) == gaps.written(text, count, last) == \
                     (file.isascii() and file.isprintable() and '"' not in file and "\\" not in file or "\x7f" in file)

@@ -667,17 +667,17 @@ class ShardNames(NamedTuple):
         """`tensors` canonical linear names joined by `"` (counted by the reader that joined them)."""
         return cls(tensors, joined, True)
 
-    def text(self, order: list[int] | None, after: bytes, end: bytes) -> bytes:
-        """The shard's entries: its names in `order` (positions; None, or one of another shard's length: as
-        listed), each quoted and followed by `after` (`end` after the last)."""
+    def joined_by(self, order: list[int] | None, after: bytes) -> bytes:
+        """The shard's entries but their first quote and what ends the last: its names in `order` (positions; None,
+        or one of another shard's length: as listed), joined by `after`."""
         names = self.names
         in_order = order is not None and len(order) == self.tensors
         if isinstance(names, bytes):
             if not in_order:
-                return b'"' + names.replace(b'"', after) + end  # (each quote of the join is between two names)
-            return b'"' + after.join(_picked(names.split(b'"'), order or [])) + end
+                return names.replace(b'"', after)  # (each quote of the join is between two names)
+            return after.join(_picked(names.split(b'"'), order or []))
         ordered = map(list(names).__getitem__, order or ()) if in_order else names
-        return ('"' + after.decode().join(ordered) + end.decode()).encode()
+        return after.decode().join(ordered).encode()
 
     def order_of(self, keys: list[bytes]) -> list[int] | None:
         """The positions in the shard's names of `keys` (plain names, as written), each once; None otherwise."""
@@ -1055,19 +1055,26 @@ def _shard_entries(f: Any, at: int, file: str, shard: ShardNames, order: list[in
     index's last entries (no comma after them). None otherwise."""
     after = gaps.after(file)
     end = after[:-1 - len(gaps.comma)] if last else after[:-1]
-    text = shard.text(order, after, end)
+    joined = shard.joined_by(order, after)
+    size = 1 + len(joined) + len(end)
     f.seek(at)
-    found = f.read(len(text))
-    at += len(text)
-    if text != found:
+    found = f.read(size)
+    at += size
+    if not _written_as(found, joined, end):
         order = _entries_order(found, shard)
-        if order is None or shard.text(order, after, end) != found:
+        if order is None or not _written_as(found, shard.joined_by(order, after), end):
             return None
     written = gaps.written_around(after, end, shard.tensors, last) if shard.plain else \
         gaps.written(found, shard.tensors, last)
     if at > MAX_INDEX_BYTES or not written:
         return None
     return at, order
+
+
+def _written_as(found: bytes, joined: bytes, end: bytes) -> bool:
+    """Whether `found` is `"` + `joined` + `end` (compared where they lie: no copy of ~1.4 MB a shard)."""
+    return len(found) == 1 + len(joined) + len(end) and found.startswith(b'"') and found.startswith(joined, 1) and \
+        found.endswith(end)
 
 
 def _entries_order(found: bytes, shard: ShardNames) -> list[int] | None:
