@@ -54,7 +54,8 @@ def same(raw, size):
     assert (fast is None) == (slow is None)
     if fast is not None:  # (the reference's sums per (expert, rank), folded per (K, rank) as fit places them)
         folded = slow.folded()
-        assert fast == folded and fast.tensors == len(_NAME.findall(raw))
+        assert fast == folded and [fast.prefix + name for name in fast.names.split(b'"')] == _NAME.findall(raw)
+        assert fast.tensors == len(_NAME.findall(raw))
         assert list(fast.tiers.items()) == list(folded.tiers.items())
     return fast
 

@@ -194,11 +194,11 @@ def test_plain_names_entries_are_proven_written_from_their_separators(good, file
     for colon, comma in [(b":", b","), (b": ", b", "), (b" :\n", b",\n  "), (b"\t:\t", b"\r\n,\t")]:
         gaps = reader._Gaps(colon, comma)
         for count in (1, 2, found.tensors):
-            names = reader.ShardNames.joined(b'"'.join(found.names.split(b'"')[:count]), count)
+            names = reader.ShardNames.joined(b'"'.join(found.names.split(b'"')[:count]), count, found.prefix)
             assert names.plain
             for last in (False, True):
                 after = gaps.after(file)
                 end = after[:-1 - len(comma)] if last else after[:-1]
-                text = b'"' + names.joined_by(None, after) + end
+                text = b'"' + b"".join(names.joined_by(None, after)) + end
                 assert gaps.written_around(after, end, count, last) == gaps.written(text, count, last) == \
                     (file.isascii() and file.isprintable() and '"' not in file and "\\" not in file or "\x7f" in file)

@@ -19,6 +19,7 @@ the regex's sums are folded so (`ExpertColumns.folded`).
 from __future__ import annotations
 
 import re
+from functools import partial
 from itertools import compress
 from typing import Callable, NamedTuple
 
@@ -57,8 +58,14 @@ class LinearColumns(NamedTuple):
     layer: int
     tiers: dict[tuple[int | None, int], tuple[int, int]]  # (K or None, rank) -> (bytes, gate_proj trellis tensors)
     tensors: int
-    # every tensor's name in header order, joined by `"`: canonical linear names, letters, digits, `_` and `.` only
+    # every tensor's name in header order after its layer's `prefix`, joined by `"`: canonical linear names, letters,
+    # digits, `_` and `.` only (the names after the prefix are another layer's too, where the shards are alike)
     names: bytes
+
+    @property
+    def prefix(self) -> bytes:
+        """What every name starts with: its MoE layer's experts."""
+        return b"model.layers.%d.mlp.experts." % self.layer
 
 
 class ExpertColumns(NamedTuple):
@@ -69,17 +76,25 @@ class ExpertColumns(NamedTuple):
     layer: int
     k_range: dict[int, tuple[int, int]]
     ranks: dict[tuple[int, int], tuple[int, int]]  # (expert, rank) -> (bytes, gate_proj trellis tensors)
-    names: bytes
+    names: bytes  # (whole, joined by `"`)
 
     def folded(self) -> LinearColumns:
         """The same sums per (K, rank): each expert's K where its linears have one (lowest and highest alike)."""
-        tiers: dict[tuple[int | None, int], tuple[int, int]] = {}
-        for (expert, rank), (nbytes, gates) in self.ranks.items():
-            low, high = self.k_range[expert]
-            key = (low if low == high and low >= 0 else None, rank)
-            held = tiers.get(key, (0, 0))
-            tiers[key] = (held[0] + nbytes, held[1] + gates)
-        return LinearColumns(self.layer, tiers, self.names.count(b'"') + 1, self.names)
+        prefix = b"model.layers.%d.mlp.experts." % self.layer  # (at the start of every name, nowhere else)
+        return LinearColumns(self.layer, _fold(self.k_range, self.ranks), self.names.count(b'"') + 1,
+                             self.names.replace(prefix, b""))
+
+
+def _fold(k_range: dict[int, tuple[int, int]], ranks: dict[tuple[int, int], tuple[int, int]]
+          ) -> dict[tuple[int | None, int], tuple[int, int]]:
+    """`ExpertColumns.folded`'s sums."""
+    tiers: dict[tuple[int | None, int], tuple[int, int]] = {}
+    for (expert, rank), (nbytes, gates) in ranks.items():
+        low, high = k_range[expert]
+        key = (low if low == high and low >= 0 else None, rank)
+        held = tiers.get(key, (0, 0))
+        tiers[key] = (held[0] + nbytes, held[1] + gates)
+    return tiers
 
 
 def no_expert_tensors(raw: bytes) -> bool:
@@ -97,7 +112,21 @@ def linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
         return None if reference is None else reference.folded()
     layer, expert, proj, rank, field = fields
     return _summed(layer, expert, proj, rank, field, found.begins, found.ends, found.ndim, found.dims,
-                   len(raw), file_size, found.names_joined)
+                   len(raw), file_size, partial(_names_after, found, len(b"model.layers.%d.mlp.experts." % layer)))
+
+
+def _names_after(found: Layout, skip: int) -> bytes:
+    """Every name of a layout in stored order from its byte `skip` on, joined by `"`: the header's bytes kept where
+    they are such a part of a name or its closing quote (runs of kept and dropped bytes alternate), the last quote
+    dropped."""
+    starts, stops = found.quotes[:, 0] + 1 + skip, found.quotes[:, 1] + 1
+    stops[-1] -= 1
+    runs = np.empty(2 * len(starts) + 1, dtype=np.int64)
+    runs[0::2] = np.r_[starts, len(found.raw)] - np.r_[0, stops]  # dropped: from a name's quote to the next part
+    runs[1::2] = stops - starts
+    kinds = np.zeros(runs.size, dtype=bool)
+    kinds[1::2] = True
+    return found.data[np.repeat(kinds, runs)].tobytes()
 
 
 def regex_linear_columns(raw: bytes, file_size: int) -> ExpertColumns | None:
@@ -302,7 +331,7 @@ def _sorted_sums(layer: int, expert: np.ndarray, proj: np.ndarray, rank: np.ndar
     linear, is_trellis, ranks = sums
     last = dims[is_trellis, 2]
     trellis_k = np.where((ndim[is_trellis] == 3) & (last % 16 == 0), last // 16, -1)
-    return ExpertColumns(layer, _expert_k(expert, linear, is_trellis, trellis_k), ranks, names()).folded()
+    return LinearColumns(layer, _fold(_expert_k(expert, linear, is_trellis, trellis_k), ranks), len(expert), names())
 
 
 def all_distinct(values: np.ndarray) -> bool:
