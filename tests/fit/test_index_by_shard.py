@@ -202,3 +202,16 @@ def test_plain_names_entries_are_proven_written_from_their_separators(good, file
                 text = b'"' + b"".join(names.joined_by(None, after)) + end
                 assert gaps.written_around(after, end, count, last) == gaps.written(text, count, last) == \
                     (file.isascii() and file.isprintable() and '"' not in file and "\\" not in file or "\x7f" in file)
+
+
+def test_an_order_picks_each_shard_s_own_names():
+    """A writer's order learned once picks the names of each shard it is given: the same as picking them anew, for
+    shards of the same names (kept from the shard before) and of other names alike, in any sequence."""
+    shards = [b'"'.join(b"%d.%s" % (expert, field) for expert in experts for field in (b"a", b"bb", b"c"))
+              for experts in ([0, 1, 2], [0, 1, 2], [3, 4, 5], [0, 1, 2], [7, 8, 9])]
+    positions = [8, 0, 4, 2, 6, 1, 3, 7, 5]
+    order = reader._Order(positions)
+    for names in shards + shards[::-1]:
+        parts = names.split(b'"')
+        assert list(order.picked(names)) == [parts[at] for at in positions]
+    assert list(reader._Order([2]).picked(b"a\"b\"c")) == [b"c"]
