@@ -22,7 +22,8 @@ from trellis_cli.header import canonical_entries, layout
 
 VARIANTS = [{}, {"non_expert": "bf16"}, {"codebook": "3inst"}, {"uniform_k": 4, "partition": None},
             {"mtp_layers": 1, "non_expert": "bf16"}, {"tp": 1},
-            {"experts": 120, "partition": (100, 20), "tp": 4, "intermediate": 512, "layers": (9, 10)}]  # (ids of one to three digits)
+            {"experts": 120, "partition": (100, 20), "tp": 4, "intermediate": 512, "layers": (9, 10)},  # (ids of one to three digits)
+            {"tp": 12, "intermediate": 1536, "experts": 4, "partition": (3, 1), "layers": (3, 4)}]  # (ranks of two digits)
 
 
 def raw_headers(root):

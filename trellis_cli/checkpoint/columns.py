@@ -249,18 +249,36 @@ def _linear_fields(found: Layout) -> tuple[int, np.ndarray, np.ndarray, np.ndarr
         return None
     proj = np.where(up, 1, np.where(down, 2, 0))
     rank_dot = expert_dot + np.where(up, 8, 10)  # (the dot before `rank`)
-    rank_at = rank_dot + 5
-    field_dot = rank_at + digits_at(words, rank_at)
-    if not (bool((data[expert_dot] == 46).all()) and bool((data[field_dot] == 46).all())
-            and bool(((words.at(rank_dot + 1) & word_of(b"\xff" * 4)) == _RANK).all())):
+    rank_word = words.at(rank_dot + 1)  # `rankR.` and on
+    if not bool((data[expert_dot] == 46).all()) or not bool(((rank_word & _LOW4) == _RANK).all()):
         return None
+    rank = _one_digit(rank_word)  # (a rank of one digit, as every rank of a TP up to 10)
+    if rank is not None:
+        field_dot = rank_dot + 6
+    else:
+        rank_at = rank_dot + 5
+        field_dot = rank_at + digits_at(words, rank_at)
+        rank = short_uints(words, data, rank_at, field_dot)
+        if not bool((data[field_dot] == 46).all()):
+            return None
     expert = short_uints(words, data, expert_at, expert_dot)
-    rank = short_uints(words, data, rank_at, field_dot)
     key = words.at(field_dot + 1)
     at = np.minimum(np.searchsorted(_FIELD_KEYS, key), len(_FIELD_KEYS) - 1)
     if expert is None or rank is None or not bool((_FIELD_KEYS[at] == key).all()):
         return None
     return int(match.group(1)), expert, proj, rank, _FIELD_INDEX[at]
+
+
+_LOW4 = word_of(b"\xff" * 4)
+_DIGIT_DOT = np.uint64(0xFFFF00000000)
+
+
+def _one_digit(words: np.ndarray) -> np.ndarray | None:
+    """Each word's fifth byte as a digit, where every fifth byte is one and every sixth a dot; None otherwise."""
+    digit = (words >> np.uint64(32)) & np.uint64(0xFF)
+    if not bool(((words & _DIGIT_DOT) - (np.uint64(0x2E30) << np.uint64(32)) < np.uint64(10 << 32)).all()):
+        return None
+    return (digit - np.uint64(48)).astype(np.int64)
 
 
 def _summed(layer: int, expert: np.ndarray, proj: np.ndarray, rank: np.ndarray, field: np.ndarray,
