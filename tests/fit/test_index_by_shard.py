@@ -215,3 +215,19 @@ def test_an_order_picks_each_shard_s_own_names():
         parts = names.split(b'"')
         assert list(order.picked(names)) == [parts[at] for at in positions]
     assert list(reader._Order([2]).picked(b"a\"b\"c")) == [b"c"]
+
+
+@pytest.mark.parametrize("form", [{}, {"separators": (",", ":")}, {"sort_keys": True, "indent": 2}])
+def test_fit_s_names_rebuild_the_index_as_the_headers_names(good, tmp_path, monkeypatch, form):
+    """The names fit's columns keep (after their layer's prefix) rebuild an index written shard by shard or sorted
+    by name as the parsed headers' names do: proven, with the same metadata."""
+    root = Path(shutil.copytree(good, tmp_path / "ckpt"))
+    rewrite_index(root, lambda _wm: None, **form)
+    monkeypatch.setattr(sources, "MAX_JSON_BYTES", (root / INDEX).stat().st_size - 1)
+    source = LocalSource(root)
+    files = reader.listing(source)
+    shards = reader.shard_columns(source, files, lambda *_args: None)
+    assert shards is not None and shards.names() is not None
+    headers = reader.shard_names(reader.read_headers(source, files, lambda *_args: None, []))
+    assert reader._rebuilt_index(source, files, shards.names()) == reader._rebuilt_index(source, files, headers) \
+        is not None
