@@ -1,6 +1,6 @@
 """A header read in bulk (`header.layout`) against the regexes it stands in for: fit's linear columns (the
-names' parts as words) against `regex_linear_columns`, and the dry run's counts (`reader.counted_in_bulk`) against
-`canonical_entries` and its counts; field for field the same answer, None where it is None, on the synth's shards
+names' parts as words, summed per (K, rank)) against `regex_linear_columns` (summed per (expert, rank), then
+folded), and the dry run's counts (`reader.counted_in_bulk`) against `canonical_entries` and its counts; field for field the same answer, None where it is None, on the synth's shards
 and on many seeded changes to their raw headers (names swapped or twice, escapes, non-ASCII, reversed or huge
 offsets, other spellings, another layer, odd quotes and dots)."""
 
@@ -10,17 +10,20 @@ import random
 import re
 import struct
 
+import numpy as np
 import pytest
 
 from corrupt import READER_CORPUS
 from helpers import tiny_checkpoint
+from trellis_cli.checkpoint import columns
 from trellis_cli.checkpoint.columns import linear_columns, regex_linear_columns
 from trellis_cli.checkpoint.reader import CodeCounts, _expert_layers, counted_in_bulk
 from trellis_cli.header import canonical_entries, layout
 
 VARIANTS = [{}, {"non_expert": "bf16"}, {"codebook": "3inst"}, {"uniform_k": 4, "partition": None},
             {"mtp_layers": 1, "non_expert": "bf16"}, {"tp": 1},
-            {"experts": 120, "partition": (100, 20), "tp": 4, "intermediate": 512, "layers": (9, 10)}]  # (ids of one to three digits)
+            {"experts": 120, "partition": (100, 20), "tp": 4, "intermediate": 512, "layers": (9, 10)},  # (ids of one to three digits)
+            {"tp": 12, "intermediate": 1536, "experts": 4, "partition": (3, 1), "layers": (3, 4)}]  # (ranks of two digits)
 
 
 def raw_headers(root):
@@ -49,10 +52,12 @@ def same(raw, size):
         assert counted == counted_by_regex(raw)
         assert list(counted[3].counts.items()) == list(counted_by_regex(raw)[3].counts.items())
     fast, slow = linear_columns(raw, size), regex_linear_columns(raw, size)
-    assert fast == slow
-    if fast is not None:
-        assert list(fast.k_range.items()) == list(slow.k_range.items())
-        assert list(fast.ranks.items()) == list(slow.ranks.items())
+    assert (fast is None) == (slow is None)
+    if fast is not None:  # (the reference's sums per (expert, rank), folded per (K, rank) as fit places them)
+        folded = slow.folded()
+        assert fast == folded and [fast.prefix + name for name in fast.names.split(b'"')] == _NAME.findall(raw)
+        assert fast.tensors == len(_NAME.findall(raw))
+        assert list(fast.tiers.items()) == list(folded.tiers.items())
     return fast
 
 
@@ -172,6 +177,39 @@ def _mutations(rng, raw):
         lambda: raw[:rng.randrange(len(raw))], lambda: _put(raw, (k := rng.randrange(len(raw)), k + 1),
                                                            bytes([rng.randrange(256)])),
     ]
+
+
+def test_huge_offsets_sum_the_same(headers):
+    """Every tensor at [0, 2^52 - 1) of a file that long: sums far past float64's exact integers, the same both ways."""
+    raw, size = next((raw, size) for raw, size in headers if linear_columns(raw, size) is not None)
+    found = same(_OFFSETS.sub(b'"data_offsets":[0,%d]' % ((1 << 52) - 1), raw), 1 << 60)
+    assert found is not None and max(b for b, _ in found.tiers.values()) > 1 << 57
+
+
+def _python_fold(k, rank, nbytes, gates):
+    """The sums per (K, rank) as `ExpertColumns.folded` adds them: Python's integers, in first-reached order."""
+    tiers: dict = {}
+    for kk, r, b, g in zip(k.tolist(), rank.tolist(), nbytes.tolist(), gates.tolist()):
+        key = (None if kk < 0 else kk, r)
+        held = tiers.get(key, (0, 0))
+        tiers[key] = (held[0] + int(b), held[1] + int(g))
+    return tiers
+
+
+def test_sums_past_int64_s_reach_are_python_s():
+    """`_folded`'s sums per (K, rank), within int64's reach (numpy's) and past it (Python's integers), in the order
+    the pairs first reach each (K, rank): as the reference's fold adds them."""
+    rng = random.Random(7)
+    pairs = 3000
+    k = np.array([rng.choice([-1, 3, 4]) for _ in range(pairs)], dtype=np.int64)
+    rank = np.array([rng.randrange(4) for _ in range(pairs)], dtype=np.int64)
+    gates = np.array([float(rng.randrange(3)) for _ in range(pairs)])
+    for bits in (50, 60):
+        nbytes = np.array([float(rng.randrange(1 << bits)) for _ in range(pairs)])
+        found = columns._folded(5, k, rank, nbytes, gates, pairs, lambda: b"x")
+        expected = _python_fold(k, rank, nbytes, gates)
+        assert list(found.tiers.items()) == list(expected.items())
+        assert (max(b for b, _ in expected.values()) > 1 << 63) == (bits == 60)
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -177,3 +177,57 @@ def test_the_proof_answers_only_for_the_shards_it_took(good, monkeypatch):
     assert proven(names, [file for file in names if file != last]) is None
     assert proven([file for file in names if file != last], names) is None
     assert proven([*names, last], names) is None
+
+
+@pytest.mark.parametrize("file", ["model-layer-003.safetensors", "a\tb.safetensors", 'a"b.safetensors',
+                                  "a\\b.safetensors", "\u00e9.safetensors", "a\x01b.safetensors", "a\x7fb.safetensors",
+                                  "a\nb.safetensors"])
+def test_plain_names_entries_are_proven_written_from_their_separators(good, file):
+    """`_Gaps.written_around` (joined canonical names: only the separators read) gives what `written` gives of the
+    whole text, for files that JSON escapes or that are not ASCII, separators with line breaks and tabs, one entry
+    or many, the index's last entries or not."""
+    source = LocalSource(good)
+    files = reader.listing(source)
+    shards = reader.shard_columns(source, files, lambda *_args: None)
+    assert shards is not None
+    found = next(iter(shards.linears.values()))
+    for colon, comma in [(b":", b","), (b": ", b", "), (b" :\n", b",\n  "), (b"\t:\t", b"\r\n,\t")]:
+        gaps = reader._Gaps(colon, comma)
+        for count in (1, 2, found.tensors):
+            names = reader.ShardNames.joined(b'"'.join(found.names.split(b'"')[:count]), count, found.prefix)
+            assert names.plain
+            for last in (False, True):
+                after = gaps.after(file)
+                end = after[:-1 - len(comma)] if last else after[:-1]
+                text = b'"' + b"".join(names.joined_by(None, after)) + end
+                assert gaps.written_around(after, end, count, last) == gaps.written(text, count, last) == \
+                    (file.isascii() and file.isprintable() and '"' not in file and "\\" not in file or "\x7f" in file)
+
+
+def test_an_order_picks_each_shard_s_own_names():
+    """A writer's order learned once picks the names of each shard it is given: the same as picking them anew, for
+    shards of the same names (kept from the shard before) and of other names alike, in any sequence."""
+    shards = [b'"'.join(b"%d.%s" % (expert, field) for expert in experts for field in (b"a", b"bb", b"c"))
+              for experts in ([0, 1, 2], [0, 1, 2], [3, 4, 5], [0, 1, 2], [7, 8, 9])]
+    positions = [8, 0, 4, 2, 6, 1, 3, 7, 5]
+    order = reader._Order(positions)
+    for names in shards + shards[::-1]:
+        parts = names.split(b'"')
+        assert list(order.picked(names)) == [parts[at] for at in positions]
+    assert list(reader._Order([2]).picked(b"a\"b\"c")) == [b"c"]
+
+
+@pytest.mark.parametrize("form", [{}, {"separators": (",", ":")}, {"sort_keys": True, "indent": 2}])
+def test_fit_s_names_rebuild_the_index_as_the_headers_names(good, tmp_path, monkeypatch, form):
+    """The names fit's columns keep (after their layer's prefix) rebuild an index written shard by shard or sorted
+    by name as the parsed headers' names do: proven, with the same metadata."""
+    root = Path(shutil.copytree(good, tmp_path / "ckpt"))
+    rewrite_index(root, lambda _wm: None, **form)
+    monkeypatch.setattr(sources, "MAX_JSON_BYTES", (root / INDEX).stat().st_size - 1)
+    source = LocalSource(root)
+    files = reader.listing(source)
+    shards = reader.shard_columns(source, files, lambda *_args: None)
+    assert shards is not None and shards.names() is not None
+    headers = reader.shard_names(reader.read_headers(source, files, lambda *_args: None, []))
+    assert reader._rebuilt_index(source, files, shards.names()) == reader._rebuilt_index(source, files, headers) \
+        is not None

@@ -4,18 +4,22 @@ TR3 (~935k tensors) without a record per tensor.
 A shard whose header is in safetensors' own layout (`header.canonical_entries`), ASCII, and whose every entry is
 a field of a canonically spelled rank-sliced linear of one MoE layer
 (`model.layers.L.mlp.experts.E.{gate,up,down}_proj.rankR.{field}`) is read by one regex pass into arrays
-(expert, projection, rank, field, begin, end) and summed per (expert, rank) with numpy. Anything else (another
-spelling, a name twice, a reversed offset pair, tensors past the end of the file, a shard mixing layers or other
-tensors) is `None`: the caller then opens the checkpoint in full, which words every finding.
+(expert, projection, rank, field, begin, end) and summed with numpy: per (expert, rank) by the reference
+(`ExpertColumns`), folded per (K, rank) for fit (`LinearColumns`: a few sums a shard rather than one per expert and
+rank). Anything else (another spelling, a name twice, a reversed offset pair, tensors past the end of the file, a
+shard mixing layers or other tensors) is `None`: the caller then opens the checkpoint in full, which words every
+finding.
 
 The regex pass is the reference; a production shard is first read without it (`header.layout`, then each
 name's parts as words, its ids' digits counted in them), which yields the same arrays wherever it proves every
-name canonical, and leaves any header it cannot prove so to the regex.
+name canonical, and leaves any header it cannot prove so to the regex; it sums them per (K, rank) in numpy, where
+the regex's sums are folded so (`ExpertColumns.folded`).
 """
 
 from __future__ import annotations
 
 import re
+from functools import partial
 from itertools import compress
 from typing import Callable, NamedTuple
 
@@ -46,14 +50,51 @@ _EXACT = 1 << 52
 
 
 class LinearColumns(NamedTuple):
-    """One shard's rank-sliced linears, summed: its MoE layer; per expert the lowest and highest K of its linears
-    (-1 where a linear has no trellis, or one whose shape gives no K); per (expert, rank) the bytes of every field
-    and how many gate_proj trellis tensors it holds; its names, for the index's rebuilt proof."""
+    """One shard's rank-sliced linears as fit places them: its MoE layer; per (K, rank) the bytes of every field of
+    the experts at that K (None: an expert whose linears have no one K, as `MoeLayer.expert_k` reads it) and how
+    many gate_proj trellis tensors they hold, in the order the (expert, rank) pairs first reach each; its names,
+    for the index's rebuilt proof."""
+
+    layer: int
+    tiers: dict[tuple[int | None, int], tuple[int, int]]  # (K or None, rank) -> (bytes, gate_proj trellis tensors)
+    tensors: int
+    # every tensor's name in header order after its layer's `prefix`, joined by `"`: canonical linear names, letters,
+    # digits, `_` and `.` only (the names after the prefix are another layer's too, where the shards are alike)
+    names: bytes
+
+    @property
+    def prefix(self) -> bytes:
+        """What every name starts with: its MoE layer's experts."""
+        return b"model.layers.%d.mlp.experts." % self.layer
+
+
+class ExpertColumns(NamedTuple):
+    """The reference's sums of one shard's linears: per expert the lowest and highest K of its linears (-1 where a
+    linear has no trellis, or one whose shape gives no K); per (expert, rank) the bytes of every field and how many
+    gate_proj trellis tensors it holds."""
 
     layer: int
     k_range: dict[int, tuple[int, int]]
     ranks: dict[tuple[int, int], tuple[int, int]]  # (expert, rank) -> (bytes, gate_proj trellis tensors)
-    names: bytes  # every tensor's name in header order, joined by `"` (as JSON decodes them: ASCII, no escape)
+    names: bytes  # (whole, joined by `"`)
+
+    def folded(self) -> LinearColumns:
+        """The same sums per (K, rank): each expert's K where its linears have one (lowest and highest alike)."""
+        prefix = b"model.layers.%d.mlp.experts." % self.layer  # (at the start of every name, nowhere else)
+        return LinearColumns(self.layer, _fold(self.k_range, self.ranks), self.names.count(b'"') + 1,
+                             self.names.replace(prefix, b""))
+
+
+def _fold(k_range: dict[int, tuple[int, int]], ranks: dict[tuple[int, int], tuple[int, int]]
+          ) -> dict[tuple[int | None, int], tuple[int, int]]:
+    """`ExpertColumns.folded`'s sums."""
+    tiers: dict[tuple[int | None, int], tuple[int, int]] = {}
+    for (expert, rank), (nbytes, gates) in ranks.items():
+        low, high = k_range[expert]
+        key = (low if low == high and low >= 0 else None, rank)
+        held = tiers.get(key, (0, 0))
+        tiers[key] = (held[0] + nbytes, held[1] + gates)
+    return tiers
 
 
 def no_expert_tensors(raw: bytes) -> bool:
@@ -67,15 +108,30 @@ def linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
     found = layout(raw)
     fields = None if found is None else _linear_fields(found)
     if found is None or fields is None:
-        return regex_linear_columns(raw, file_size)
+        reference = regex_linear_columns(raw, file_size)
+        return None if reference is None else reference.folded()
     layer, expert, proj, rank, field = fields
     return _summed(layer, expert, proj, rank, field, found.begins, found.ends, found.ndim, found.dims,
-                   len(raw), file_size, found.names_joined)
+                   len(raw), file_size, partial(_names_after, found, len(b"model.layers.%d.mlp.experts." % layer)))
 
 
-def regex_linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
-    """`linear_columns` by one regex split of the header: the reference, and the path of any header the bulk
-    reading declines."""
+def _names_after(found: Layout, skip: int) -> bytes:
+    """Every name of a layout in stored order from its byte `skip` on, joined by `"`: the header's bytes kept where
+    they are such a part of a name or its closing quote (runs of kept and dropped bytes alternate), the last quote
+    dropped."""
+    starts, stops = found.quotes[:, 0] + 1 + skip, found.quotes[:, 1] + 1
+    stops[-1] -= 1
+    runs = np.empty(2 * len(starts) + 1, dtype=np.int64)
+    runs[0::2] = np.r_[starts, len(found.raw)] - np.r_[0, stops]  # dropped: from a name's quote to the next part
+    runs[1::2] = stops - starts
+    kinds = np.zeros(runs.size, dtype=bool)
+    kinds[1::2] = True
+    return found.data[np.repeat(kinds, runs)].tobytes()
+
+
+def regex_linear_columns(raw: bytes, file_size: int) -> ExpertColumns | None:
+    """`linear_columns` by one regex split of the header, per (expert, rank): the reference, and the path of any
+    header the bulk reading declines."""
     if not raw.isascii():
         return None
     # One pass: the entries' groups, and between them what separates them. The header is in safetensors' own
@@ -109,7 +165,7 @@ def regex_linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
         return None  # a name twice in one header: the full parser refuses it by name
     linear, is_trellis, ranks = sums
     shapes = list(compress(parts[6::_GROUPS + 1], is_trellis.tolist()))
-    return LinearColumns(layer, _k_ranges(expert, linear, is_trellis, shapes), ranks, b'"'.join(parts[1::_GROUPS + 1]))
+    return ExpertColumns(layer, _k_ranges(expert, linear, is_trellis, shapes), ranks, b'"'.join(parts[1::_GROUPS + 1]))
 
 
 def _sorted_rank_sums(expert: np.ndarray, proj: np.ndarray, rank: np.ndarray, field: np.ndarray, begin: np.ndarray,
@@ -193,13 +249,19 @@ def _linear_fields(found: Layout) -> tuple[int, np.ndarray, np.ndarray, np.ndarr
         return None
     proj = np.where(up, 1, np.where(down, 2, 0))
     rank_dot = expert_dot + np.where(up, 8, 10)  # (the dot before `rank`)
-    rank_at = rank_dot + 5
-    field_dot = rank_at + digits_at(words, rank_at)
-    if not (bool((data[expert_dot] == 46).all()) and bool((data[field_dot] == 46).all())
-            and bool(((words.at(rank_dot + 1) & word_of(b"\xff" * 4)) == _RANK).all())):
+    rank_word = words.at(rank_dot + 1)  # `rankR.` and on
+    if not bool((data[expert_dot] == 46).all()) or not bool(((rank_word & _LOW4) == _RANK).all()):
         return None
+    rank = _one_digit(rank_word)  # (a rank of one digit, as every rank of a TP up to 10)
+    if rank is not None:
+        field_dot = rank_dot + 6
+    else:
+        rank_at = rank_dot + 5
+        field_dot = rank_at + digits_at(words, rank_at)
+        rank = short_uints(words, data, rank_at, field_dot)
+        if not bool((data[field_dot] == 46).all()):
+            return None
     expert = short_uints(words, data, expert_at, expert_dot)
-    rank = short_uints(words, data, rank_at, field_dot)
     key = words.at(field_dot + 1)
     at = np.minimum(np.searchsorted(_FIELD_KEYS, key), len(_FIELD_KEYS) - 1)
     if expert is None or rank is None or not bool((_FIELD_KEYS[at] == key).all()):
@@ -207,10 +269,23 @@ def _linear_fields(found: Layout) -> tuple[int, np.ndarray, np.ndarray, np.ndarr
     return int(match.group(1)), expert, proj, rank, _FIELD_INDEX[at]
 
 
+_LOW4 = word_of(b"\xff" * 4)
+_DIGIT_DOT = np.uint64(0xFFFF00000000)
+
+
+def _one_digit(words: np.ndarray) -> np.ndarray | None:
+    """Each word's fifth byte as a digit, where every fifth byte is one and every sixth a dot; None otherwise."""
+    digit = (words >> np.uint64(32)) & np.uint64(0xFF)
+    if not bool(((words & _DIGIT_DOT) - (np.uint64(0x2E30) << np.uint64(32)) < np.uint64(10 << 32)).all()):
+        return None
+    return (digit - np.uint64(48)).astype(np.int64)
+
+
 def _summed(layer: int, expert: np.ndarray, proj: np.ndarray, rank: np.ndarray, field: np.ndarray,
             begin: np.ndarray, end: np.ndarray, ndim: np.ndarray, dims: np.ndarray, header_bytes: int,
             file_size: int, names: Callable[[], bytes]) -> LinearColumns | None:
-    """`regex_linear_columns`' sums of the same arrays (each trellis tensor's K from its shape's dimensions)."""
+    """`regex_linear_columns`' sums of the same arrays (each trellis tensor's K from its shape's dimensions), folded
+    per (K, rank) as `ExpertColumns.folded` folds them."""
     if bool((begin > end).any()):
         return None  # the full parser refuses a reversed pair
     if int(end.max()) >= _EXACT or 8 + header_bytes + int(end.max()) > file_size:
@@ -229,7 +304,6 @@ def _summed(layer: int, expert: np.ndarray, proj: np.ndarray, rank: np.ndarray, 
     is_trellis = field == _TRELLIS
     gates = np.bincount(per_rank, weights=(is_trellis & (proj == 0)).astype(np.float64),
                         minlength=experts * width)[keys]
-    ranks = {(key // width, key % width): (int(b), int(g)) for key, b, g in zip(keys.tolist(), nbytes, gates)}
     trellis_expert = expert[is_trellis]
     last = dims[is_trellis, 2]
     trellis_k = np.where((ndim[is_trellis] == 3) & (last % 16 == 0), last // 16, -1)
@@ -238,10 +312,31 @@ def _summed(layer: int, expert: np.ndarray, proj: np.ndarray, rank: np.ndarray, 
     np.minimum.at(lows, trellis_expert, trellis_k)
     np.maximum.at(highs, trellis_expert, trellis_k)
     linears_of = (np.bincount(linear, minlength=experts * 3 * width).reshape(experts, 3 * width) > 0).sum(axis=1)
-    with_trellis = np.bincount(trellis_expert, minlength=experts)
-    k_range = {e: (int(lows[e]) if with_trellis[e] == count else -1, int(highs[e]))
-               for e, count in zip(np.flatnonzero(linears_of).tolist(), linears_of[linears_of > 0].tolist())}
-    return LinearColumns(layer, k_range, ranks, names())
+    low = np.where(np.bincount(trellis_expert, minlength=experts) == linears_of, lows, -1)  # (a linear without K)
+    k = np.where((low == highs) & (low >= 0), low, -1)  # each expert's one K, -1 for none
+    return _folded(layer, k[keys // width], keys % width, nbytes, gates, len(expert), names)
+
+
+def _folded(layer: int, k: np.ndarray, rank: np.ndarray, nbytes: np.ndarray, gates: np.ndarray, tensors: int,
+            names: Callable[[], bytes]) -> LinearColumns:
+    """`LinearColumns` of the sums per (expert, rank) (`nbytes`, `gates`: float64 of integers, in the order of the
+    pairs; `k`: each pair's expert's K, -1 for none), summed per (K, rank) in the order the pairs first reach each."""
+    code = (k + 1) * (int(rank.max()) + 1) + rank
+    distinct, first, slot = np.unique(code, return_index=True, return_inverse=True)
+    slot = slot.reshape(-1)
+    if float(nbytes.sum()) < 2.0 ** 62:  # (far from int64's end: its sums exact)
+        tier_bytes = np.zeros(distinct.size, dtype=np.int64)
+        np.add.at(tier_bytes, slot, nbytes.astype(np.int64))
+        summed = tier_bytes.tolist()
+    else:
+        summed = [0] * distinct.size
+        for at, b in zip(slot.tolist(), nbytes.tolist()):
+            summed[at] += int(b)
+    counted = np.bincount(slot, weights=gates, minlength=distinct.size).tolist()
+    tier_k, tier_rank = k[first].tolist(), rank[first].tolist()
+    tiers = {(None if tier_k[at] < 0 else tier_k[at], tier_rank[at]): (summed[at], int(counted[at]))
+             for at in np.argsort(first).tolist()}
+    return LinearColumns(layer, tiers, tensors, names())
 
 
 def _sorted_sums(layer: int, expert: np.ndarray, proj: np.ndarray, rank: np.ndarray, field: np.ndarray,
@@ -254,7 +349,7 @@ def _sorted_sums(layer: int, expert: np.ndarray, proj: np.ndarray, rank: np.ndar
     linear, is_trellis, ranks = sums
     last = dims[is_trellis, 2]
     trellis_k = np.where((ndim[is_trellis] == 3) & (last % 16 == 0), last // 16, -1)
-    return LinearColumns(layer, _expert_k(expert, linear, is_trellis, trellis_k), ranks, names())
+    return LinearColumns(layer, _fold(_expert_k(expert, linear, is_trellis, trellis_k), ranks), len(expert), names())
 
 
 def all_distinct(values: np.ndarray) -> bool:
@@ -274,4 +369,4 @@ def _ints(texts: list[bytes]) -> np.ndarray:
     return np.fromstring(b" ".join(texts), dtype=np.int64, sep=" ")
 
 
-__all__ = ["LinearColumns", "all_distinct", "linear_columns", "no_expert_tensors"]
+__all__ = ["ExpertColumns", "LinearColumns", "all_distinct", "linear_columns", "no_expert_tensors"]

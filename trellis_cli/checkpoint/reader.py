@@ -26,7 +26,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from functools import partial
 from itertools import count
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, NamedTuple, TypeVar
 
 import numpy as np
@@ -376,7 +376,8 @@ class ShardColumns(NamedTuple):
 
 def _shard_names_of(found: LinearColumns | Header) -> ShardNames:
     """The names of one shard as `shard_columns` reads it, in its header's order."""
-    return ShardNames.joined(found.names) if isinstance(found, LinearColumns) else ShardNames.of(found.tensors)
+    return ShardNames.joined(found.names, found.tensors, found.prefix) if isinstance(found, LinearColumns) else \
+        ShardNames.of(found.tensors)
 
 
 def shard_columns(source: Source, files: dict[str, int], progress: Callable[[str, int, int], None],
@@ -650,38 +651,45 @@ def index_files(source: Source, files: dict[str, int], names: Mapping[str, "Shar
 class ShardNames(NamedTuple):
     """Every tensor name of one shard in its header's order, for the rebuilt proof of the index: a parsed header's
     names as they are, or a raw header's joined by `"` (`joined`: one string per shard rather than one per name,
-    ~935k at production size, as `columns.linear_columns` reads them: ASCII, no escape, no quote)."""
+    ~935k at production size, as `columns.linear_columns` reads them: canonical linear names after their layer's
+    `prefix`, which hold nothing JSON escapes: `plain`, so their entries' text is proven plain from its separators
+    alone)."""
 
     tensors: int
     names: Collection[str] | bytes  # (a header's dict of tensors: its keys, listed only where an order needs it)
+    plain: bool = False  # every name letters, digits, `_` and `.` only
+    prefix: bytes = b""  # what every name of joined `names` starts with, left out of them
 
     @classmethod
     def of(cls, names: Collection[str]) -> "ShardNames":
         return cls(len(names), names)
 
     @classmethod
-    def joined(cls, joined: bytes) -> "ShardNames":
-        return cls(joined.count(b'"') + 1, joined)
+    def joined(cls, joined: bytes, tensors: int, prefix: bytes) -> "ShardNames":
+        """`tensors` canonical linear names, each `prefix` and a part of `joined` (the parts joined by `"`, counted
+        by the reader that joined them)."""
+        return cls(tensors, joined, True, prefix)
 
-    def text(self, order: list[int] | None, after: bytes, end: bytes) -> bytes:
-        """The shard's entries: its names in `order` (positions; None, or one of another shard's length: as
-        listed), each quoted and followed by `after` (`end` after the last)."""
+    def joined_by(self, order: _Order | None, after: bytes) -> tuple[bytes, bytes]:
+        """The shard's entries but their first quote and what ends the last, in two pieces (head, the rest): its
+        names in `order` (None, or one of another shard's length: as listed), joined by `after`."""
         names = self.names
-        in_order = order is not None and len(order) == self.tensors
+        in_order = order is not None and len(order.positions) == self.tensors
         if isinstance(names, bytes):
-            if not in_order:
-                return b'"' + names.replace(b'"', after) + end  # (each quote of the join is between two names)
-            return b'"' + after.join(map(names.split(b'"').__getitem__, order or ())) + end
-        ordered = map(list(names).__getitem__, order or ()) if in_order else names
-        return ('"' + after.decode().join(ordered) + end.decode()).encode()
+            between = after + self.prefix
+            if order is None or not in_order:
+                return self.prefix, names.replace(b'"', between)  # (each quote of the join is between two names)
+            return self.prefix, between.join(order.picked(names))
+        ordered = map(list(names).__getitem__, order.positions) if order is not None and in_order else names
+        return b"", after.decode().join(ordered).encode()
 
-    def order_of(self, keys: list[bytes]) -> list[int] | None:
+    def order_of(self, keys: list[bytes]) -> _Order | None:
         """The positions in the shard's names of `keys` (plain names, as written), each once; None otherwise."""
         if len(keys) != self.tensors:
             return None
         names = self.names
         if isinstance(names, bytes):
-            position: dict[Any, int] = dict(zip(names.split(b'"'), range(self.tensors)))
+            position: dict[Any, int] = dict(zip(map(self.prefix.__add__, names.split(b'"')), range(self.tensors)))
             found: list[Any] = keys
         else:
             position = dict(zip(names, range(self.tensors)))
@@ -690,10 +698,32 @@ class ShardNames(NamedTuple):
             order = list(map(position.__getitem__, found))
         except KeyError:
             return None
-        return order if len(set(order)) == len(order) else None
+        return _Order(order) if len(set(order)) == len(order) else None
 
     def listed(self) -> Collection[str]:
-        return self.names.decode().split('"') if isinstance(self.names, bytes) else self.names
+        if isinstance(self.names, bytes):
+            return [self.prefix.decode() + name for name in self.names.decode().split('"')]
+        return self.names
+
+
+class _Order:
+    """Positions in a shard's names in the order a writer wrote them (learned from one shard, tried on the next),
+    with the joined names they picked last: the next shard of the same names after its prefix (another layer of
+    the same experts) picks none again."""
+
+    def __init__(self, positions: list[int]) -> None:
+        self.positions = positions
+        self._names: bytes | None = None
+        self._picked: Collection[bytes] = ()
+
+    def picked(self, names: bytes) -> Collection[bytes]:
+        """The parts of `names` (joined by `"`) at the positions (picked in C: a production shard's ~12k names)."""
+        if names != self._names:
+            items = names.split(b'"')
+            self._picked = itemgetter(*self.positions)(items) if len(self.positions) > 1 else \
+                [items[at] for at in self.positions]
+            self._names = names
+        return self._picked
 
 
 def shard_names(headers: Mapping[str, Header]) -> dict[str, ShardNames]:
@@ -911,7 +941,7 @@ class IndexProof:
         self._file: Any = None
         self._taken: dict[str, int] = {}  # file -> its tensors, every shard taken with one
         self._next: tuple[str, ShardNames] | None = None  # the shard taken last, compared once the next arrives
-        self._order: list[int] | None = None  # the order of the shard compared last (`_by_shard`'s)
+        self._order: _Order | None = None  # the order of the shard compared last (`_by_shard`'s)
         self._proven: tuple[str, dict[str, Any]] | None = None
         if self._name is None:
             return
@@ -968,9 +998,8 @@ class IndexProof:
         if self._next is None:
             return True
         file, shard = self._next
-        try:
-            step = _shard_entries(self._file, self._at, file, shard, self._order, self._gaps, last) \
-                if _entry_file(self._file, self._at) == file else None
+        try:  # (another shard's entries there differ from this one's text in its file)
+            step = _shard_entries(self._file, self._at, file, shard, self._order, self._gaps, last)
         except _UNREAD:
             step = None
         if step is None:
@@ -998,8 +1027,17 @@ class _Gaps(NamedTuple):
     def written(self, found: bytes, entries: int, last: bool) -> bool:
         """Whether `entries` entries rebuilt as `found` are plain JSON: nothing inside a name or a file that JSON
         escapes, every quote and line break a separator's (`last`: no comma after the last entry)."""
-        escaped = 4 * entries + entries * _spaces(self.colon) + (entries - last) * _spaces(self.comma)
-        return found.isascii() and len(found) - len(found.translate(None, _ESCAPED)) == escaped
+        return found.isascii() and _escaped(found) == self._escaped(entries, last)
+
+    def written_around(self, after: bytes, end: bytes, entries: int, last: bool) -> bool:
+        """`written` of the text `"` + `after`.join(names) + `end` of `entries` names that hold nothing JSON escapes
+        (`ShardNames.plain`), from its separators alone: the names' bytes are not read again."""
+        ascii_ = end.isascii() and (entries < 2 or after.isascii())
+        return ascii_ and 1 + (entries - 1) * _escaped(after) + _escaped(end) == self._escaped(entries, last)
+
+    def _escaped(self, entries: int, last: bool) -> int:
+        """How many bytes JSON escapes are in plain entries: four quotes each, the separators' line breaks."""
+        return 4 * entries + entries * _spaces(self.colon) + (entries - last) * _spaces(self.comma)
 
 
 def _by_shard(f: Any, at: int, names: Mapping[str, ShardNames], gaps: _Gaps) -> int | None:
@@ -1007,7 +1045,7 @@ def _by_shard(f: Any, at: int, names: Mapping[str, ShardNames], gaps: _Gaps) -> 
     of each shard in one order (`_shard_entries`). One shard's entries (~1 MB at production size) are held at a
     time."""
     left = sum(shard.tensors for shard in names.values())
-    order: list[int] | None = None  # the last shard's order (positions in its header's names; None: as listed)
+    order: _Order | None = None  # the last shard's order (positions in its header's names; None: as listed)
     written: set[str] = set()
     while left:
         file = _entry_file(f, at)  # the shard these entries are of
@@ -1030,28 +1068,37 @@ def _entry_file(f: Any, at: int) -> str | None:
     return entry[3].decode("ascii") if len(entry) == 5 and not entry[0] else None
 
 
-def _shard_entries(f: Any, at: int, file: str, shard: ShardNames, order: list[int] | None, gaps: _Gaps, last: bool
-                   ) -> tuple[int, list[int] | None] | None:
+def _shard_entries(f: Any, at: int, file: str, shard: ShardNames, order: _Order | None, gaps: _Gaps, last: bool
+                   ) -> tuple[int, _Order | None] | None:
     """(where they end, their order) of the entries from `at` on, where they are every name of `shard` with its
     `file`, in one order: `order` (the shard before it's: a writer writes each shard in its own order; None: as its
     header lists them), or else as the index says (read as names, once per shard written otherwise); `last`: the
     index's last entries (no comma after them). None otherwise."""
     after = gaps.after(file)
     end = after[:-1 - len(gaps.comma)] if last else after[:-1]
-    text = shard.text(order, after, end)
+    head, rest = shard.joined_by(order, after)
+    size = 1 + len(head) + len(rest) + len(end)
     f.seek(at)
-    found = f.read(len(text))
-    at += len(text)
-    if text != found:
+    found = f.read(size)
+    at += size
+    if not _written_as(found, head, rest, end):
         order = _entries_order(found, shard)
-        if order is None or shard.text(order, after, end) != found:
+        if order is None or not _written_as(found, *shard.joined_by(order, after), end):
             return None
-    if at > MAX_INDEX_BYTES or not gaps.written(found, shard.tensors, last):
+    written = gaps.written_around(after, end, shard.tensors, last) if shard.plain else \
+        gaps.written(found, shard.tensors, last)
+    if at > MAX_INDEX_BYTES or not written:
         return None
     return at, order
 
 
-def _entries_order(found: bytes, shard: ShardNames) -> list[int] | None:
+def _written_as(found: bytes, head: bytes, rest: bytes, end: bytes) -> bool:
+    """Whether `found` is `"` + `head` + `rest` + `end` (compared where they lie: no copy of ~1.4 MB a shard)."""
+    return len(found) == 1 + len(head) + len(rest) + len(end) and found.startswith(b'"') and \
+        found.startswith(head, 1) and found.startswith(rest, 1 + len(head)) and found.endswith(end)
+
+
+def _entries_order(found: bytes, shard: ShardNames) -> _Order | None:
     """The order (positions in the shard's names) in which the entries `found` name each of them once; None where
     they do not (a name missing, twice or unknown), or are not plain entries."""
     tokens = found.split(b'"')
@@ -1108,6 +1155,11 @@ _INDEX_NAMES = 1 << 14  # entries of an index sorted by name rebuilt and compare
 _INDEX_PEEK = 1 << 16  # bytes read of an entry to see its separators or its file (a longer name: not proven)
 _INDEX_TAIL_BYTES = 1 << 12  # the most read after the last entry (the closing braces)
 _FILE_OF = attrgetter("file")
+
+
+def _escaped(text: bytes) -> int:
+    """How many bytes of `text` JSON writes escaped inside a string."""
+    return len(text) - len(text.translate(None, _ESCAPED))
 
 
 def _spaces(text: bytes) -> int:

@@ -184,9 +184,7 @@ def scan_columns(ckpt: Checkpoint, arch: Arch, rules: tuple[Rule, ...], shards: 
         shown = PART_MTP if is_mtp else PART_EXPERTS
         inv.present.add(PART_EXPERTS)
         inv.styles.setdefault(shown, set()).add(RANK_SLICED)
-        for (expert, rank), (nbytes, gates) in found.ranks.items():
-            low, high = found.k_range[expert]
-            k = low if low == high and low >= 0 else None
+        for (k, rank), (nbytes, gates) in found.tiers.items():  # (summed per K and rank as the shard was read)
             inv.add((shown, PART_EXPERTS, is_mtp, k, rank, WHOLE, 0), nbytes, gates)
     return inv
 
