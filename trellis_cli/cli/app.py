@@ -53,6 +53,20 @@ def _global_options(
 ) -> None:
     output.state.debug = output.state.debug or debug
     output.state.quiet = quiet
+    _load_numpy_with_one_blas_thread()
+
+
+def _load_numpy_with_one_blas_thread() -> None:
+    """numpy's BLAS starts a pool of threads as it loads, and they spin a while on the cores the scan workers read
+    with (~30 ms of fit's 0.7 s on two cores); no command multiplies a matrix with numpy, so it is loaded here with
+    one. The variable is put back at once: a library loaded later (torch's own BLAS) reads the caller's setting."""
+    if "numpy" in sys.modules or "OPENBLAS_NUM_THREADS" in os.environ:
+        return
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    try:
+        import numpy  # noqa: F401
+    finally:
+        del os.environ["OPENBLAS_NUM_THREADS"]
 
 
 def command_table() -> tuple[tuple[str, Callable[..., None], str], ...]:
