@@ -133,7 +133,7 @@ def test_the_opening_proves_the_index_as_the_rebuild_after_the_scan(case):
     source = LocalSource(root)
     files = reader.listing(source)
     with reader.IndexProof(source, files) as proof:
-        headers = reader.read_headers(source, files, lambda *_args: None, [], taken=proof.take_header)
+        headers = reader.read_headers(source, files, lambda *_args: None, [], taken=lambda name, _header, names: proof.take(name, names))
         proof.finish()
     assert proof.proven(reader.shard_names(headers)) == \
         (reader._rebuilt_index(source, files, reader.shard_names(headers)) if by_shard else None)
@@ -170,7 +170,7 @@ def test_the_proof_answers_only_for_the_shards_it_took(good, monkeypatch):
     def proven(taken, asked):
         with reader.IndexProof(source, files) as proof:
             for file in taken:
-                proof.take_header(file, headers[file])
+                proof.take(file, reader.ShardNames.of(headers[file].tensors))
             return proof.proven({file: names[file] for file in asked})
 
     assert proven(names, names) == reader._rebuilt_index(source, files, names) is not None

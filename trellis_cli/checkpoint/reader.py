@@ -84,15 +84,15 @@ def escapes(source: Source, name: str) -> bool:
 
 def read_headers(source: Source, files: dict[str, int], progress: Callable[[str, int, int], None],
                  findings: list[Finding], linears: dict[str, NameLinears | None] | None = None,
-                 taken: Callable[[str, Header], None] | None = None) -> dict[str, Header]:
+                 taken: Callable[[str, Header, ShardNames], None] | None = None) -> dict[str, Header]:
     """Every safetensors header of the listing; each file that cannot be read is a finding instead.
 
     A remote source reads its headers concurrently first (one ranged request per file); errors resurface per
     file here. SourceUnavailable (network, auth) propagates: exit 3, not a finding. A local one's shards are read
     and split by a scan, in worker processes where that pays (`_header_columns`); `linears`, where given, takes
-    each such header's `linear_names.name_linears`, split there too. `taken(name, header)`, where given, is called
-    with each header read, in the listing's order, as soon as it is built: what the caller does with it then
-    runs while the workers read the next shards."""
+    each such header's `linear_names.name_linears`, split there too. `taken(name, header, names)`, where given, is
+    called with each header read and its names for the index's proof (`ShardNames`), in the listing's order, as soon
+    as it is built: what the caller does with it then runs while the workers read the next shards."""
     readable = []
     for name, size in files.items():
         if not name.endswith(".safetensors"):
@@ -111,18 +111,20 @@ def read_headers(source: Source, files: dict[str, int], progress: Callable[[str,
     def read(name: str, scanned: _Scanned | None = None) -> bool:
         """One header into `headers`, or its refusal into `findings`: built from its columns where a scan gave them,
         else read (again) and parsed strictly, which words every refusal. Always True: the opening reads on."""
+        names = None
         try:
             if scanned is None:
                 headers[name] = _checked_header(source, name, files[name])
             else:
                 headers[name] = header_of_columns(name, scanned[0], files[name])
+                names = _scanned_names(scanned[0], len(headers[name].tensors))
                 if linears is not None:
                     linears[name] = scanned[1]
         except CheckFailed as e:
             findings.append(_header_finding(name, e))
         else:
             if taken is not None:
-                taken(name, headers[name])
+                taken(name, headers[name], names or ShardNames.of(headers[name].tensors))
         progress("files", next(done), len(readable))
         return True
 
@@ -136,6 +138,15 @@ def read_headers(source: Source, files: dict[str, int], progress: Callable[[str,
 
 
 _Scanned = tuple[HeaderColumns, NameLinears | None]
+
+
+def _scanned_names(columns: HeaderColumns, tensors: int) -> ShardNames | None:
+    """A scanned header's names for the index's proof, joined as they came, where they are ASCII: a canonical
+    header's names hold no quote, backslash or control byte, so then nothing JSON escapes (`ShardNames.plain`).
+    None otherwise (the parsed names then)."""
+    if not tensors or not columns.names.isascii():
+        return None
+    return ShardNames.joined(columns.names.encode(), tensors, b"")
 _OPENING_CHUNK = 1  # a shard at a time to a worker for the opening: each result is ~1 MB at production size
 
 
@@ -657,7 +668,7 @@ class ShardNames(NamedTuple):
 
     tensors: int
     names: Collection[str] | bytes  # (a header's dict of tensors: its keys, listed only where an order needs it)
-    plain: bool = False  # every name letters, digits, `_` and `.` only
+    plain: bool = False  # every name ASCII with nothing JSON escapes (no quote, backslash or control byte)
     prefix: bytes = b""  # what every name of joined `names` starts with, left out of them
 
     @classmethod
@@ -666,8 +677,8 @@ class ShardNames(NamedTuple):
 
     @classmethod
     def joined(cls, joined: bytes, tensors: int, prefix: bytes) -> "ShardNames":
-        """`tensors` canonical linear names, each `prefix` and a part of `joined` (the parts joined by `"`, counted
-        by the reader that joined them)."""
+        """`tensors` plain names (ASCII, nothing JSON escapes), each `prefix` and a part of `joined` (the parts joined
+        by `"`, counted by the reader that joined them)."""
         return cls(tensors, joined, True, prefix)
 
     def joined_by(self, order: _Order | None, after: bytes) -> tuple[bytes, bytes]:
@@ -970,10 +981,6 @@ class IndexProof:
             return
         self._taken[file] = shard.tensors
         self._next = file, shard
-
-    def take_header(self, file: str, header: Header) -> None:
-        """`take` of a parsed header's names (`read_headers`' `taken`)."""
-        self.take(file, ShardNames.of(header.tensors))
 
     def finish(self) -> None:
         """Every shard taken: the last one's entries compared as the index's last, then its closing braces."""

@@ -122,9 +122,9 @@ def _open(source: Source, progress: Callable[[str, int, int], None], headers: bo
     read = _BuiltAsRead(linears)
     with reader.IndexProof(source, files) as index:  # a large index proven shard by shard as the headers arrive
 
-        def taken(name: str, header: Header) -> None:
+        def taken(name: str, header: Header, names: reader.ShardNames) -> None:
             read.take(name, header)
-            index.take_header(name, header)
+            index.take(name, names)
 
         ckpt.headers.update(reader.read_headers(source, files, progress, ckpt.parse_findings, linears, taken))
         index.finish()
