@@ -139,6 +139,8 @@ def read_headers(source: Source, files: dict[str, int], progress: Callable[[str,
 
 _Scanned = tuple[HeaderColumns, NameLinears | None]
 
+_OPENING_CHUNK = 1  # a shard at a time to a worker for the opening: each result is ~1 MB at production size
+
 
 def _scanned_names(columns: HeaderColumns, tensors: int) -> ShardNames | None:
     """A scanned header's names for the index's proof, joined as they came, where they are ASCII: a canonical
@@ -147,7 +149,6 @@ def _scanned_names(columns: HeaderColumns, tensors: int) -> ShardNames | None:
     if not tensors or not columns.names.isascii():
         return None
     return ShardNames.joined(columns.names.encode(), tensors, b"")
-_OPENING_CHUNK = 1  # a shard at a time to a worker for the opening: each result is ~1 MB at production size
 
 
 def _header_columns(source: Source, files: dict[str, int], name: str) -> _Scanned | None:
@@ -662,9 +663,9 @@ def index_files(source: Source, files: dict[str, int], names: Mapping[str, "Shar
 class ShardNames(NamedTuple):
     """Every tensor name of one shard in its header's order, for the rebuilt proof of the index: a parsed header's
     names as they are, or a raw header's joined by `"` (`joined`: one string per shard rather than one per name,
-    ~935k at production size, as `columns.linear_columns` reads them: canonical linear names after their layer's
-    `prefix`, which hold nothing JSON escapes: `plain`, so their entries' text is proven plain from its separators
-    alone)."""
+    ~935k at production size: a canonical header's names as the opening's scan joined them, or canonical linear
+    names after their layer's `prefix` as `columns.linear_columns` reads them). Joined names hold nothing JSON
+    escapes (`plain`), so their entries' text is proven plain from its separators alone."""
 
     tensors: int
     names: Collection[str] | bytes  # (a header's dict of tensors: its keys, listed only where an order needs it)

@@ -119,17 +119,17 @@ def _open(source: Source, progress: Callable[[str, int, int], None], headers: bo
     if dialect.fill(ckpt, probe, info):  # a container read its own way
         return ckpt
     linears: dict[str, NameLinears | None] = {}  # each header's names split by a scan worker, where one read it
-    read = _BuiltAsRead(linears)
+    read = LayersAsRead()  # the layers placed and the names told apart as each header arrives
     with reader.IndexProof(source, files) as index:  # a large index proven shard by shard as the headers arrive
 
         def taken(name: str, header: Header, names: reader.ShardNames) -> None:
-            read.take(name, header)
+            read.add(name, header, linears)
             index.take(name, names)
 
         ckpt.headers.update(reader.read_headers(source, files, progress, ckpt.parse_findings, linears, taken))
         index.finish()
     steps = (lambda: _collect_tensors(ckpt, read), lambda: _read_index(ckpt, source, files, index),
-             lambda: _build_layers(ckpt, linears, read.layers),
+             lambda: _build_layers(ckpt, linears, read),
              lambda: _apply_declarations(ckpt, info, source, files), lambda: _fill_geometry(ckpt, info))
     for done, step in enumerate(steps, 1):
         step()
@@ -187,28 +187,7 @@ def _tensor_files(tensors: Mapping[str, TensorRef]) -> dict[str, str]:
     return dict(zip(tensors.keys(), map(_FILE_OF, tensors.values())))
 
 
-class _BuiltAsRead:
-    """The model's layers built from each header as `reader.read_headers` hands it over, while the scan workers read
-    the next shards, and what proves its tensors apart (`_tensor_map`). They stand where the headers came in sorted
-    file order, each under its own name, with no name in two files (and for the layers, `LayersAsRead`'s
-    conditions); `_collect_tensors` and `_build_layers` otherwise build them again from the headers, as they do
-    without it."""
-
-    def __init__(self, split: dict[str, NameLinears | None]) -> None:
-        self.split = split
-        self.files: list[str] = []
-        self.whole = True  # every header so far under its own name
-        self.layers = LayersAsRead()
-
-    def take(self, file: str, header: Header) -> None:
-        if self.whole and header.file == file:
-            self.files.append(file)
-        else:
-            self.whole = False
-        self.layers.add(file, header, self.split)
-
-
-def _collect_tensors(ckpt: Checkpoint, read: _BuiltAsRead) -> None:
+def _collect_tensors(ckpt: Checkpoint, read: LayersAsRead) -> None:
     """Every tensor by name; a name in several files resolves to the first file (the index's, once it is read:
     `_rekey_index`). The header's entries are the model's TensorRefs (the same records): held as the headers
     themselves where no name is proven to be in two files (`_tensor_map`), else merged file by file in C."""
@@ -233,12 +212,13 @@ def _collect_tensors(ckpt: Checkpoint, read: _BuiltAsRead) -> None:
                     tensors[name] = ref
 
 
-def _tensor_map(ckpt: Checkpoint, read: _BuiltAsRead) -> TensorMap | None:
+def _tensor_map(ckpt: Checkpoint, read: LayersAsRead) -> TensorMap | None:
     """The tensors as their headers hold them, where every header came in sorted file order under its own name and
     no name is in two of them: each routed-expert linear's fields in one header (`LayersAsRead.named_apart`), and
-    the other names, gathered in one dict, distinct. None otherwise."""
+    the other names, gathered in one dict, distinct. None otherwise (`_collect_tensors` merges them, as without a
+    read ahead)."""
     files = sorted(ckpt.headers)
-    if not read.whole or read.files != files or not read.layers.named_apart(files):
+    if not read.named_apart(files):
         return None
     parts: list[Mapping[str, TensorRef]] = []
     others: dict[str, TensorRef] = {}
@@ -249,7 +229,7 @@ def _tensor_map(ckpt: Checkpoint, read: _BuiltAsRead) -> TensorMap | None:
         if not entries:
             continue
         parts.append(entries)
-        layers, not_fields = read.layers.linears_of.get(file, ((), None))
+        layers, not_fields = read.linears_of.get(file, ((), None))
         for layer in layers:
             by_layer.setdefault(str(layer), []).append(entries)
         if not_fields is None:
