@@ -1,6 +1,6 @@
 """Every tensor of a checkpoint by name, held as its headers' own entries rather than as one dict of them.
 
-One dict of a production checkpoint's ~935k tensors costs ~0.5 s and ~40 MB to build, most of it in the cache
+One dict of a production checkpoint's ~935k tensors costs ~0.5 s and ~27 MB of peak to build, most of it in the cache
 misses of a table that large, and the commands mostly walk the tensors in order: inspect and diff never look one
 up, validate looks up a few thousand. Where the opening proved that no name is in two headers (`dialects/open.py`:
 every routed-expert linear in one header, the other names distinct), the tensors are a `TensorMap`: the headers in
@@ -42,7 +42,7 @@ class TensorMap(MutableMapping[str, TensorRef]):
             return ref
         dot = name.find(".", len(_LAYERS))
         if dot < 0 or not name.startswith(_EXPERTS, dot):
-            return _MISSING  # (no linear's field: every one is in `_others` that is anywhere)
+            return _MISSING  # (not a linear's field: any such tensor is in `_others`)
         for part in self._by_layer.get(name[len(_LAYERS):dot], ()):
             ref = part.get(name, _MISSING)
             if ref is not _MISSING:
