@@ -14,6 +14,7 @@ import typer
 from trellis_cli import __version__
 from trellis_cli.cli import output
 from trellis_cli.cli.exit_codes import exit_code, hint
+from trellis_cli.cli.options import load_numpy_with_one_blas_thread
 from trellis_cli.errors import EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_USAGE, TrellisError
 
 GLOBAL_FLAGS = ("-q", "--quiet", "--debug")  # accepted before or after the subcommand
@@ -53,20 +54,6 @@ def _global_options(
 ) -> None:
     output.state.debug = output.state.debug or debug
     output.state.quiet = quiet
-    _load_numpy_with_one_blas_thread()
-
-
-def _load_numpy_with_one_blas_thread() -> None:
-    """numpy's BLAS starts a pool of threads as it loads, and they spin a while on the cores the scan workers read
-    with (~30 ms of fit's 0.7 s on two cores); no command multiplies a matrix with numpy, so it is loaded here with
-    one. The variable is put back at once: a library loaded later (torch's own BLAS) reads the caller's setting."""
-    if "numpy" in sys.modules or "OPENBLAS_NUM_THREADS" in os.environ:
-        return
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"
-    try:
-        import numpy  # noqa: F401
-    finally:
-        del os.environ["OPENBLAS_NUM_THREADS"]
 
 
 def command_table() -> tuple[tuple[str, Callable[..., None], str], ...]:
@@ -112,7 +99,16 @@ def build_command():
                     param.metavar = param.name.upper()
                 # The usage line reads `SOURCE OUT` / `[SOURCE]` (click's own convention), not `{SOURCE}`.
                 param.get_usage_pieces = partial(_usage_pieces, param)
+        if sub is not command:  # a command runs once its arguments are parsed (help has exited by then)
+            sub.invoke = partial(_invoke, sub.invoke)
     return command
+
+
+def _invoke(invoke: Callable[[Any], Any], ctx: Any) -> Any:
+    """A command's own invoke, once numpy is loaded with one BLAS thread (`options.load_numpy_with_one_blas_thread`;
+    help loads no numpy)."""
+    load_numpy_with_one_blas_thread()
+    return invoke(ctx)
 
 
 def _usage_pieces(argument, _ctx) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -39,6 +41,20 @@ def open_cli_source(source: str | None, revision: str | None = None, token: str 
 
     return open_source(source, revision=revision, token=token, cache_dir=cache_dir, endpoint=endpoint,
                        offline=True if offline else None)
+
+
+def load_numpy_with_one_blas_thread() -> None:
+    """numpy's BLAS starts a pool of threads as it loads, and they spin a while on the cores the scan workers read
+    with (~30 ms of fit's 0.7 s on two cores); no command multiplies a matrix with numpy, so every command loads it
+    with one before its work (`app.COMMANDS`; help loads none). The variable is put back at once: a library loaded
+    later (torch's own BLAS) reads the caller's setting."""
+    if "numpy" in sys.modules or "OPENBLAS_NUM_THREADS" in os.environ:
+        return
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    try:
+        import numpy  # noqa: F401
+    finally:
+        del os.environ["OPENBLAS_NUM_THREADS"]
 
 
 def parse_layers(text: str | None, option: str = "--layers") -> list[int] | None:
