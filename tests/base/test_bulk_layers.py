@@ -248,6 +248,7 @@ def test_a_write_turns_the_held_tensors_into_the_dict(pristine):
     tensors = open_checkpoint(pristine).tensors
     assert isinstance(tensors, TensorMap)
     reference = dict(tensors.items())
+    assert tensors.copy() == reference and list(tensors.copy()) == list(reference) and tensors == reference
     first, second, last = list(reference)[0], list(reference)[1], list(reference)[-1]
     views = tensors.keys(), tensors.values(), tensors.items()
     for mapping in (tensors, reference):

@@ -105,6 +105,10 @@ class TensorMap(MutableMapping[str, TensorRef]):
     def clear(self) -> None:
         self._written().clear()
 
+    def copy(self) -> dict[str, TensorRef]:
+        """A dict of the same tensors in the same order (what `dict.copy` gives a caller who holds the dict)."""
+        return dict(self.items())
+
     def __repr__(self) -> str:
         return f"TensorMap({len(self)} tensors)"
 
