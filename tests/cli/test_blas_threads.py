@@ -1,6 +1,6 @@
-"""A command that reads a checkpoint loads numpy with one BLAS thread (its pool would spin on the cores the scan
-workers read with) and leaves OPENBLAS_NUM_THREADS as the caller set it, for any library loaded later; help loads
-no numpy at all (tests/cli/test_startup_imports.py)."""
+"""A command, as it is invoked, loads numpy with one BLAS thread (its pool would spin on the cores the scan workers
+read with) and leaves OPENBLAS_NUM_THREADS as the caller set it, for any library loaded later; help loads no numpy
+at all (tests/cli/test_startup_imports.py)."""
 
 from __future__ import annotations
 

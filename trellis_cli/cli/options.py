@@ -46,7 +46,7 @@ def open_cli_source(source: str | None, revision: str | None = None, token: str 
 def load_numpy_with_one_blas_thread() -> None:
     """numpy's BLAS starts a pool of threads as it loads, and they spin a while on the cores the scan workers read
     with (~30 ms of fit's 0.7 s on two cores); no command multiplies a matrix with numpy, so every command loads it
-    with one before its work (`app.COMMANDS`; help loads none). The variable is put back at once: a library loaded
+    with one as it is invoked (`app.build_command`; help loads none). The variable is put back at once: a library loaded
     later (torch's own BLAS) reads the caller's setting."""
     if "numpy" in sys.modules or "OPENBLAS_NUM_THREADS" in os.environ:
         return
