@@ -61,7 +61,8 @@ def every_way(root, monkeypatch):
         names = reader.shard_names(ckpt.headers)
         proven = reader._rebuilt_index(source, files, names)
         with reader.IndexProof(source, files) as proof:
-            reader.read_headers(source, files, lambda *_args: None, [], taken=lambda name, _header, names: proof.take(name, names))
+            reader.read_headers(source, files, lambda *_args: None, [],
+                                taken=lambda name, _header, names: proof.take(name, names))
             by_shard = proof.proven(names)
         rebuilt = opened(root)
         m.setattr(reader.IndexProof, "take", lambda *_args: None)  # every shard's proof left to after the scan

@@ -133,7 +133,8 @@ def test_the_opening_proves_the_index_as_the_rebuild_after_the_scan(case):
     source = LocalSource(root)
     files = reader.listing(source)
     with reader.IndexProof(source, files) as proof:
-        headers = reader.read_headers(source, files, lambda *_args: None, [], taken=lambda name, _header, names: proof.take(name, names))
+        headers = reader.read_headers(source, files, lambda *_args: None, [],
+                                      taken=lambda name, _header, names: proof.take(name, names))
         proof.finish()
     assert proof.proven(reader.shard_names(headers)) == \
         (reader._rebuilt_index(source, files, reader.shard_names(headers)) if by_shard else None)
