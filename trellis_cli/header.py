@@ -549,7 +549,7 @@ def all_at(data: np.ndarray, at: np.ndarray, text: bytes) -> bool:
     for k in range(0, len(text), 8):
         chunk = text[k:k + 8]
         found = words[at + k] if len(chunk) == 8 else words[at + k] & _LOW_BYTES[len(chunk)]
-        if not bool((found == np.uint64(int.from_bytes(chunk, "little"))).all()):
+        if not bool((found == word_of(chunk)).all()):
             return False
     return True
 
@@ -739,13 +739,14 @@ class Layout(NamedTuple):
     begins: np.ndarray
     ends: np.ndarray
 
-    def names_joined(self) -> bytes:
-        """Every name in stored order, joined by `"`: the header's bytes kept where they are a name or its closing
-        quote (runs of kept and dropped bytes alternate), the last quote dropped."""
-        starts, stops = self.quotes[:, 0] + 1, self.quotes[:, 1] + 1
+    def names_joined(self, skip: int = 0) -> bytes:
+        """Every name in stored order from its byte `skip` on (a prefix every name has, left out), joined by `"`:
+        the header's bytes kept where they are such a part of a name or its closing quote (runs of kept and dropped
+        bytes alternate), the last quote dropped."""
+        starts, stops = self.quotes[:, 0] + 1 + skip, self.quotes[:, 1] + 1
         stops[-1] -= 1  # (the last name without its quote)
         runs = np.empty(2 * len(starts) + 1, dtype=np.int64)
-        runs[0::2] = np.r_[starts, len(self.raw)] - np.r_[0, stops]  # dropped: from a name's quote to the next name
+        runs[0::2] = np.r_[starts, len(self.raw)] - np.r_[0, stops]  # dropped: from a name's quote to the next part
         runs[1::2] = stops - starts
         kinds = np.zeros(runs.size, dtype=bool)
         kinds[1::2] = True
@@ -822,7 +823,6 @@ def layout(raw: bytes) -> Layout | None:
     return Layout(raw, words, data, start, metadata, quotes, dtype, known, *shape, begins, stops)
 
 
-
 _FEW = 32  # distinct shapes found one at a time; more are sorted
 
 
@@ -874,8 +874,6 @@ def _dims(words: Words, raw: bytes, begin: np.ndarray, end: np.ndarray) -> tuple
         shapes.append([len(dims)] + dims + [0] * (3 - len(dims)))
     table = np.array(shapes, dtype=np.int64)[group]
     return table[:, 0], table[:, 1:]
-
-
 
 
 def header_of_columns(file: str, columns: HeaderColumns, file_size: int | None) -> Header:

@@ -65,7 +65,13 @@ class LinearColumns(NamedTuple):
     @property
     def prefix(self) -> bytes:
         """What every name starts with: its MoE layer's experts."""
-        return b"model.layers.%d.mlp.experts." % self.layer
+        return experts_prefix(self.layer)
+
+
+def experts_prefix(layer: int) -> bytes:
+    """What every routed-expert tensor name of a MoE layer starts with (at the start of each, nowhere else in a
+    canonical linear's name)."""
+    return b"model.layers.%d.mlp.experts." % layer
 
 
 class ExpertColumns(NamedTuple):
@@ -80,9 +86,8 @@ class ExpertColumns(NamedTuple):
 
     def folded(self) -> LinearColumns:
         """The same sums per (K, rank): each expert's K where its linears have one (lowest and highest alike)."""
-        prefix = b"model.layers.%d.mlp.experts." % self.layer  # (at the start of every name, nowhere else)
         return LinearColumns(self.layer, _fold(self.k_range, self.ranks), self.names.count(b'"') + 1,
-                             self.names.replace(prefix, b""))
+                             self.names.replace(experts_prefix(self.layer), b""))
 
 
 def _fold(k_range: dict[int, tuple[int, int]], ranks: dict[tuple[int, int], tuple[int, int]]
@@ -112,21 +117,7 @@ def linear_columns(raw: bytes, file_size: int) -> LinearColumns | None:
         return None if reference is None else reference.folded()
     layer, expert, proj, rank, field = fields
     return _summed(layer, expert, proj, rank, field, found.begins, found.ends, found.ndim, found.dims,
-                   len(raw), file_size, partial(_names_after, found, len(b"model.layers.%d.mlp.experts." % layer)))
-
-
-def _names_after(found: Layout, skip: int) -> bytes:
-    """Every name of a layout in stored order from its byte `skip` on, joined by `"`: the header's bytes kept where
-    they are such a part of a name or its closing quote (runs of kept and dropped bytes alternate), the last quote
-    dropped."""
-    starts, stops = found.quotes[:, 0] + 1 + skip, found.quotes[:, 1] + 1
-    stops[-1] -= 1
-    runs = np.empty(2 * len(starts) + 1, dtype=np.int64)
-    runs[0::2] = np.r_[starts, len(found.raw)] - np.r_[0, stops]  # dropped: from a name's quote to the next part
-    runs[1::2] = stops - starts
-    kinds = np.zeros(runs.size, dtype=bool)
-    kinds[1::2] = True
-    return found.data[np.repeat(kinds, runs)].tobytes()
+                   len(raw), file_size, partial(found.names_joined, len(experts_prefix(layer))))
 
 
 def regex_linear_columns(raw: bytes, file_size: int) -> ExpertColumns | None:
@@ -236,7 +227,7 @@ def _linear_fields(found: Layout) -> tuple[int, np.ndarray, np.ndarray, np.ndarr
     match = _EXPERT_LAYER.match(found.raw, int(quotes[0, 0]))
     if match is None or len(match.group(1)) > 18:
         return None
-    prefix = b'"model.layers.%d.mlp.experts.' % int(match.group(1))
+    prefix = b'"' + experts_prefix(int(match.group(1)))
     if not words.holds(quotes[:, 0], prefix):
         return None  # another layer's tensor, or another name
     expert_at = quotes[:, 0] + len(prefix)
