@@ -218,6 +218,23 @@ def test_an_order_picks_each_shard_s_own_names():
     assert list(reader._Order([2]).picked(b"a\"b\"c")) == [b"c"]
 
 
+@pytest.mark.parametrize("names", [[b"model.layers.3.mlp.experts.0.a", b"model.layers.3.mlp.experts.1.b"],
+                                   [b"model.layers.3.a", b"model.layers.30.b", b"model.layers.3.c"],
+                                   [b"model.layers.3.a", b"model.layers.4.b", b"model.layers.3.c"],
+                                   [b"x.a", b"y.b", b"x.c"], [b"model.norm"], [b"a", b"a.b", b"a"], [b"", b"a"]])
+def test_names_after_their_shared_prefix_are_the_same_names(names):
+    """`ShardNames.after_prefix` (the opening's joined names, split in a worker): every name is its prefix and its
+    part, the prefix shared by all of them (or none), and the rebuilt entries are the names as joined."""
+    joined = b'"'.join(names)
+    found = reader.ShardNames.after_prefix(joined, len(names))
+    assert found.plain and found.tensors == len(names)
+    assert [found.prefix + part for part in found.names.split(b'"')] == names
+    assert found.listed() == [name.decode() for name in names]
+    after = b'":"f.safetensors","'
+    assert b"".join(found.joined_by(None, after)) == after.join(names)
+    assert all(name.startswith(found.prefix) for name in names)
+
+
 @pytest.mark.parametrize("form", [{}, {"separators": (",", ":")}, {"sort_keys": True, "indent": 2}])
 def test_fit_s_names_rebuild_the_index_as_the_headers_names(good, tmp_path, monkeypatch, form):
     """The names fit's columns keep (after their layer's prefix) rebuild an index written shard by shard or sorted

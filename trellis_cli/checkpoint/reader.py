@@ -116,10 +116,10 @@ def read_headers(source: Source, files: dict[str, int], progress: Callable[[str,
             if scanned is None:
                 headers[name] = _checked_header(source, name, files[name])
             else:
-                headers[name] = header_of_columns(name, scanned[0], files[name])
-                names = _scanned_names(scanned[0], len(headers[name].tensors))
+                columns, linears_found, names = scanned
+                headers[name] = header_of_columns(name, columns, files[name])
                 if linears is not None:
-                    linears[name] = scanned[1]
+                    linears[name] = linears_found
         except CheckFailed as e:
             findings.append(_header_finding(name, e))
         else:
@@ -137,18 +137,21 @@ def read_headers(source: Source, files: dict[str, int], progress: Callable[[str,
     return headers
 
 
-_Scanned = tuple[HeaderColumns, NameLinears | None]
+_Scanned = tuple[HeaderColumns, NameLinears | None, "ShardNames | None"]
 
 _OPENING_CHUNK = 1  # a shard at a time to a worker for the opening: each result is ~1 MB at production size
 
 
-def _scanned_names(columns: HeaderColumns, tensors: int) -> ShardNames | None:
+def _scanned_names(columns: HeaderColumns) -> ShardNames | None:
     """A scanned header's names for the index's proof, joined as they came, where they are ASCII: a canonical
     header's names hold no quote, backslash or control byte, so then nothing JSON escapes (`ShardNames.plain`).
-    None otherwise (the parsed names then)."""
+    Joined after the prefix they all share (`ShardNames.after_prefix`), in the worker: the next layer's shard of the
+    same experts then has the same joined names, and the proof reorders them once (`_Order.picked`). None otherwise
+    (the parsed names then)."""
+    tensors = len(columns.kind_index)
     if not tensors or not columns.names.isascii():
         return None
-    return ShardNames.joined(columns.names.encode(), tensors, b"")
+    return ShardNames.after_prefix(columns.names.encode(), tensors)
 
 
 def _header_columns(source: Source, files: dict[str, int], name: str) -> _Scanned | None:
@@ -162,7 +165,7 @@ def _header_columns(source: Source, files: dict[str, int], name: str) -> _Scanne
         return None
     if columns is None:
         return None
-    return columns, name_linears(columns.names.replace('"', "\n"), len(columns.kind_index))
+    return columns, name_linears(columns.names.replace('"', "\n"), len(columns.kind_index)), _scanned_names(columns)
 
 
 def _listed_fault(source: Source, name: str, size: int) -> Finding | None:
@@ -681,6 +684,17 @@ class ShardNames(NamedTuple):
         """`tensors` plain names (ASCII, nothing JSON escapes), each `prefix` and a part of `joined` (the parts joined
         by `"`, counted by the reader that joined them)."""
         return cls(tensors, joined, True, prefix)
+
+    @classmethod
+    def after_prefix(cls, joined: bytes, tensors: int) -> "ShardNames":
+        """`joined` (`tensors` plain names joined by `"`) as `joined` names after the longest prefix that its first
+        and last name share, where every name starts with it (no quote is in a plain name: each quote of the join
+        is then followed by it); else as they are."""
+        first, last = joined[:joined.find(b'"')] if tensors > 1 else joined, joined[joined.rfind(b'"') + 1:]
+        prefix = os.path.commonprefix([first, last])
+        if not prefix or joined.count(b'"' + prefix) != tensors - 1:
+            return cls.joined(joined, tensors, b"")
+        return cls.joined(joined.replace(b'"' + prefix, b'"')[len(prefix):], tensors, prefix)
 
     def joined_by(self, order: _Order | None, after: bytes) -> tuple[bytes, bytes]:
         """The shard's entries but their first quote and what ends the last, in two pieces (head, the rest): its
