@@ -23,7 +23,6 @@ from typing import Any, Callable, Literal, Protocol, TypedDict, Union
 
 from trellis_cli.errors import CheckFailed, SourceUnavailable, UsageError
 from trellis_cli.header import (
-    Header,
     HeaderError,
     JsonError,
     file_kind,
@@ -35,6 +34,7 @@ from trellis_cli.header import (
     read_local_header,
     safe_relative,
 )
+from trellis_cli.header_records import Header
 
 # config.json of a 256-expert model is a few KB; tier_bitmap.json for 76 layers is about 200 KB.
 MAX_JSON_BYTES = 64 * 1024 * 1024

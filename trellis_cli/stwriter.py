@@ -20,7 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Iterable
 
-from trellis_cli.header import DTYPE_BYTES
+from trellis_cli.header_records import DTYPE_BYTES
 
 if TYPE_CHECKING:
     import torch

@@ -33,7 +33,7 @@ from trellis_cli.checkpoint.names import SHARED_H_TENSOR_SCHEMA, TENSOR_SCHEMA, 
 from trellis_cli.codebooks import MARKERS, MCG_MARKER
 from trellis_cli.disk_space import require_free_space
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.header import MAX_HEADER_TENSORS
+from trellis_cli.header_records import MAX_HEADER_TENSORS
 from trellis_cli.integrity import write_manifest
 from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter
 

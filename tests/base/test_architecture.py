@@ -21,7 +21,8 @@ ROOT = "trellis_cli"
 # Bottom first. A module's layer is that of its longest listed prefix (relative to trellis_cli); "" is the
 # package's own __init__ (the library API), on top with the CLI.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("errors", "findings", "codebooks", "id_ranges", "header", "stwriter", "disk_space", "formats")),
+    ("base", ("errors", "findings", "codebooks", "id_ranges", "header", "header_layout", "header_records", "stwriter",
+              "disk_space", "formats")),
     ("sources", ("sources", "hub_client", "integrity", "selection", "sample")),
     ("model", ("checkpoint", "codec", "encoder", "reference", "synth")),
     ("dialects", ("dialects",)),

@@ -1,4 +1,4 @@
-"""The bulk reads of a shard's header (`header.canonical_columns`) and of its names' linears
+"""The bulk reads of a shard's header (`header_layout.canonical_columns`) and of its names' linears
 (`linear_names.name_linears`) give exactly what their reference splits give (a match per entry, per name): the same
 columns field by field, or None where the reference says None. On real headers written by synth for several presets,
 on the headers of the reader's refusal corpus, and on many seeded perturbations of real headers and names."""
@@ -16,9 +16,9 @@ import pytest
 
 from corrupt import READER_CORPUS
 from helpers import to_plain_exl3
-from trellis_cli import header
+from trellis_cli import header_layout
 from trellis_cli.checkpoint import linear_names
-from trellis_cli.header import canonical_columns
+from trellis_cli.header_layout import canonical_columns
 from trellis_cli.checkpoint.linear_names import name_linears
 from trellis_cli.synth import preset, write_checkpoint
 
@@ -49,8 +49,8 @@ def reference_linears(text: str, count: int):
 def check_columns(raw: bytes) -> bool:
     """canonical_columns(raw) is the reference's answer; True where the bulk read gave it."""
     found = canonical_columns(raw)
-    assert same(found, header._split_columns(raw)), raw[:200]
-    return header._layout_columns(raw) is not None
+    assert same(found, header_layout._split_columns(raw)), raw[:200]
+    return header_layout._layout_columns(raw) is not None
 
 
 def check_linears(names: list[str]) -> bool:
@@ -279,7 +279,7 @@ def test_distinct_spans_tell_texts_apart_by_first_use():
         chosen = [rng.choice(pieces) for _ in range(rng.randrange(1, 40))]
         data = np.frombuffer(b"".join(chosen), dtype=np.uint8)
         ends = np.cumsum([len(p) for p in chosen])
-        found = header.distinct_spans(data, ends - [len(p) for p in chosen], ends, 16)
+        found = header_layout.distinct_spans(data, ends - [len(p) for p in chosen], ends, 16)
         assert found is not None
         first, position = found
         order = list(dict.fromkeys(chosen))

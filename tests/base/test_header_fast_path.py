@@ -9,8 +9,10 @@ import random
 
 import pytest
 
-from trellis_cli import header
-from trellis_cli.header import DTYPE_BYTES, HeaderError, canonical_header, parse_header
+from trellis_cli import header, header_layout, header_records
+from trellis_cli.header import HeaderError, parse_header
+from trellis_cli.header_layout import canonical_header
+from trellis_cli.header_records import DTYPE_BYTES
 
 
 def random_header(rng: random.Random, tensors: int) -> dict:
@@ -41,7 +43,7 @@ def both(raw: bytes, monkeypatch) -> tuple:
             return ("refused", str(e), e.code)
     fast = parse()
     with monkeypatch.context() as m:
-        m.setattr(header, "_parse_canonical", lambda *_a: None)
+        m.setattr(header, "_parse_canonical", lambda *_a: None)  # (where parse_header looks the fast path up)
         strict = parse()
     return fast, strict
 
@@ -151,7 +153,7 @@ def test_names_in_any_script_parse_alike(monkeypatch, seed):
     for i, (name, entry) in enumerate(doc.items()):
         renamed[name if name == "__metadata__" else f"{rng.choice(['é', '中', 'ß', 'x'])}{i}.{name}"] = entry
     raw = json.dumps(renamed, separators=(",", ":"), ensure_ascii=False).encode()
-    assert header._parse_canonical("x.safetensors", raw, len(raw), None) is not None  # the fast path read it
+    assert header_layout._parse_canonical("x.safetensors", raw, len(raw), None) is not None  # the fast path read it
     fast, strict = both(raw, monkeypatch)
     assert not isinstance(fast, tuple) and fast == strict
     assert list(fast.tensors.items()) == list(strict.tensors.items())
@@ -170,7 +172,7 @@ def test_headers_laid_out_alike_share_their_offsets():
         return json.dumps(doc, separators=(",", ":")).encode()
 
     first, second = shard([300] * 40), shard([300] * 25 + [301] + [300] * 14)
-    with header.shared_offsets():
+    with header_layout.shared_offsets():
         a, b = (parse_header(f"{n}.safetensors", raw, len(raw), None) for n, raw in (("a", first), ("b", second)))
     alone = parse_header("b.safetensors", second, len(second), None)
     assert b == alone and list(b.tensors.items()) == list(alone.tensors.items())
@@ -181,10 +183,10 @@ def test_headers_laid_out_alike_share_their_offsets():
     assert not any(x is y for x, y in zip(ends_a, (e.end for e in alone.tensors.values())))  # outside: its own
 
 
-def _strip_proof(h: header.Header) -> header.Header:
+def _strip_proof(h: header_records.Header) -> header_records.Header:
     from dataclasses import replace
 
-    return replace(h, tensors=header.Entries(list(h.tensors.values())))
+    return replace(h, tensors=header_records.Entries(list(h.tensors.values())))
 
 
 @pytest.mark.parametrize("seed", range(12))

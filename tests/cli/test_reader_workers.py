@@ -235,7 +235,7 @@ def opened(root: Path):
     """What the opening of `root` built, as plain values: every header (its records in stored order), the tensors
     in their order, the MoE layers (their linears' records, the names split in the workers), the findings in their
     order, the progress reported, and how many distinct objects hold the offsets (shards laid out alike share them:
-    `header.shared_offsets`)."""
+    `header_layout.shared_offsets`)."""
     progress = []
     ckpt = open_checkpoint(root, progress=lambda *args: progress.append(args))
     headers = [(file, h.header_len, h.file_size, h.metadata, list(h.tensors.items()))

@@ -22,7 +22,7 @@ import pytest
 from helpers import run_cli, error_line
 from trellis_cli import synth
 from trellis_cli.dialects.exl3v1.schema import MAX_EXPERTS, MAX_HIDDEN, MAX_SLOT_EXPERTS, MAX_SLOTS, UNIFORM, LayerEntry, Manifest
-from trellis_cli.header import MAX_HEADER_TENSORS
+from trellis_cli.header_records import MAX_HEADER_TENSORS
 
 REPO = Path(__file__).resolve().parents[2]
 MEMORY_LIMIT = 4 << 30

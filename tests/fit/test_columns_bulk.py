@@ -1,4 +1,4 @@
-"""A header read in bulk (`header.layout`) against the regexes it stands in for: fit's linear columns (the
+"""A header read in bulk (`header_layout.layout`) against the regexes it stands in for: fit's linear columns (the
 names' parts as words, summed per (K, rank)) against `regex_linear_columns` (summed per (expert, rank), then
 folded), and the dry run's counts (`reader.counted_in_bulk`) against `canonical_entries` and its counts; field for field the same answer, None where it is None, on the synth's shards
 and on many seeded changes to their raw headers (names swapped or twice, escapes, non-ASCII, reversed or huge
@@ -18,7 +18,7 @@ from helpers import tiny_checkpoint
 from trellis_cli.checkpoint import columns
 from trellis_cli.checkpoint.columns import linear_columns, regex_linear_columns
 from trellis_cli.checkpoint.reader import CodeCounts, _expert_layers, counted_in_bulk
-from trellis_cli.header import canonical_entries, layout
+from trellis_cli.header_layout import canonical_entries, layout
 
 VARIANTS = [{}, {"non_expert": "bf16"}, {"codebook": "3inst"}, {"uniform_k": 4, "partition": None},
             {"mtp_layers": 1, "non_expert": "bf16"}, {"tp": 1},

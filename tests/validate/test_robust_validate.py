@@ -23,7 +23,7 @@ from safetensors import safe_open
 from corrupt import INDEX, SHARD3, edit_json, key, write_tensor_bytes
 from helpers import tiny_checkpoint as synth
 from helpers import run_cli
-from trellis_cli.header import MAX_HEADER_TENSORS
+from trellis_cli.header_records import MAX_HEADER_TENSORS
 from trellis_cli.integrity import CHECKSUM_MANIFEST
 
 

@@ -1,8 +1,8 @@
 """A rank-sliced shard's linears as columns, read from its raw header bytes: what `fit` needs of a production
 TR3 (~935k tensors) without a record per tensor.
 
-A shard whose header is in safetensors' own layout (`header.canonical_entries`), ASCII, and whose every entry is
-a field of a canonically spelled rank-sliced linear of one MoE layer
+A shard whose header is in safetensors' own layout (`header_layout.canonical_entries`), ASCII, and whose every entry
+is a field of a canonically spelled rank-sliced linear of one MoE layer
 (`model.layers.L.mlp.experts.E.{gate,up,down}_proj.rankR.{field}`) is read by one regex pass into arrays
 (expert, projection, rank, field, begin, end) and summed with numpy: per (expert, rank) by the reference
 (`ExpertColumns`), folded per (K, rank) for fit (`LinearColumns`: a few sums a shard rather than one per expert and
@@ -10,8 +10,8 @@ rank). Anything else (another spelling, a name twice, a reversed offset pair, te
 shard mixing layers or other tensors) is `None`: the caller then opens the checkpoint in full, which words every
 finding.
 
-The regex pass is the reference; a production shard is first read without it (`header.layout`, then each
-name's parts as words, its ids' digits counted in them), which yields the same arrays wherever it proves every
+The regex pass is the reference; a production shard is first read without it (`header_layout.layout`, then
+each name's parts as words, its ids' digits counted in them), which yields the same arrays wherever it proves every
 name canonical, and leaves any header it cannot prove so to the regex; it sums them per (K, rank) in numpy, where
 the regex's sums are folded so (`ExpertColumns.folded`).
 """
@@ -25,12 +25,14 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from trellis_cli.header import (DIM_PATTERN, DTYPE_PATTERN, MAX_HEADER_TENSORS, OFFSET_PATTERN, Layout, digits_at,
-                                layout, offset_pairs, short_uints, split_layout, word_of)
+from trellis_cli.header_layout import (DIM_PATTERN, DTYPE_PATTERN, OFFSET_PATTERN, Layout, digits_at, layout,
+                                       offset_pairs, short_uints, split_layout, word_of)
+from trellis_cli.header_records import MAX_HEADER_TENSORS
 
 # One entry of a linear's field, canonical ids only (as the names grammar reads them: checkpoint/names.py), in
-# safetensors' own layout (header.py: at most three dimensions of five digits, offsets below 10^18). The projection
-# and the field are captured by their first one and three characters (fixed widths, joined and read by numpy).
+# safetensors' own layout (header_layout.py: at most three dimensions of five digits, offsets below 10^18). The
+# projection and the field are captured by their first one and three characters (fixed widths, joined and read by
+# numpy).
 _ID = rb"(0|[1-9][0-9]*)"
 # (the whole name captured first, for the index's proof; the dtype matched among the known names, not captured; the
 # offsets captured as one `begin,end` group)

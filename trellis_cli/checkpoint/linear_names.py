@@ -17,7 +17,7 @@ import numpy as np
 
 from trellis_cli.checkpoint.columns import all_distinct
 from trellis_cli.checkpoint.names import LINEAR_FIELDS, LINEAR_NAME, LINEAR_PREFIX
-from trellis_cli.header import all_at, distinct_spans
+from trellis_cli.header_layout import all_at, distinct_spans
 
 # Ids of at most 5 (layer), 6 (expert) and 4 (rank) digits keep a linear's key inside int64; a longer id is
 # left to the per-tensor path.

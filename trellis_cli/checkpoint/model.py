@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from trellis_cli.codebooks import MCG_MARKER, MUL1_MARKER  # noqa: F401  (the marker values, re-exported)
 from trellis_cli.errors import CheckFailed
-from trellis_cli.header import TensorEntry
+from trellis_cli.header_records import TensorEntry
 
 if TYPE_CHECKING:
     from trellis_cli.sources import Source

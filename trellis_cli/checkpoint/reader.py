@@ -37,9 +37,11 @@ from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import is_expert_name, parse_expert_name
 from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Finding, Location, Severity, error, warning
-from trellis_cli.header import (MAX_HEADER_TENSORS, Header, HeaderColumns, HeaderError, JsonError, canonical_columns,
-                                canonical_entries, digits_at, header_length, header_of_columns, layout, load_json,
-                                open_regular, os_reason, parse_header, safe_relative, shared_offsets, uints, word_of)
+from trellis_cli.header import (HeaderError, JsonError, header_length, load_json, open_regular, os_reason, parse_header,
+                                safe_relative)
+from trellis_cli.header_layout import (HeaderColumns, canonical_columns, canonical_entries, digits_at,
+                                       header_of_columns, layout, shared_offsets, uints, word_of)
+from trellis_cli.header_records import MAX_HEADER_TENSORS, Header
 from trellis_cli.integrity import CHECKSUM_MANIFEST
 from trellis_cli.sources import Source
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from trellis_cli.checkpoint.model import Checkpoint, TensorRef
 from trellis_cli.errors import CheckFailed
-from trellis_cli.header import DTYPE_BYTES
+from trellis_cli.header_records import DTYPE_BYTES
 
 if TYPE_CHECKING:
     import torch

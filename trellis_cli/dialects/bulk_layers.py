@@ -23,7 +23,7 @@ import numpy as np
 from trellis_cli.checkpoint.columns import all_distinct
 from trellis_cli.checkpoint.linear_names import EXPERTS, FIELDS, RANKS, NameLinears, name_linears
 from trellis_cli.checkpoint.model import Checkpoint, LinearRef, MoeLayer, TensorRef
-from trellis_cli.header import Header
+from trellis_cli.header_records import Header
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 

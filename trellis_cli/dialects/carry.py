@@ -14,7 +14,8 @@ from typing import Callable
 from trellis_cli.checkpoint.model import Checkpoint, TensorRef
 from trellis_cli.checkpoint.names import is_expert_name
 from trellis_cli.errors import CheckFailed
-from trellis_cli.header import Header, HeaderError, read_local_header
+from trellis_cli.header import HeaderError, read_local_header
+from trellis_cli.header_records import Header
 from trellis_cli.checkpoint.bit_compare import equal_bytes
 from trellis_cli.checkpoint.tensor_bytes import Scratch, TensorReader
 from trellis_cli.sources import LocalSource

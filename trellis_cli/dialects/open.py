@@ -43,7 +43,7 @@ from trellis_cli.checkpoint.names import (
     parse_expert_name,
 )
 from trellis_cli.errors import CheckFailed, UsageError
-from trellis_cli.header import Entries, Header
+from trellis_cli.header_records import Entries, Header
 from trellis_cli.findings import Finding, Location, error, warning
 from trellis_cli.sources import Source, SourceArg
 

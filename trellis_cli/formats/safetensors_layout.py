@@ -11,7 +11,7 @@ from operator import attrgetter, sub
 from typing import Iterator, NamedTuple
 
 from trellis_cli.findings import Finding, Location, error
-from trellis_cli.header import nbytes_of
+from trellis_cli.header_records import nbytes_of
 
 
 class Layout(NamedTuple):

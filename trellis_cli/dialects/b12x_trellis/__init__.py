@@ -18,7 +18,7 @@ from trellis_cli.dialects.b12x_trellis import rules
 from trellis_cli.dialects.interface import (B12X, B12X_130, EXLLAMAV3, CheckRequest, ContainerRefusal, Dialect,
                                             DialectInfo, Probe)
 from trellis_cli.findings import Finding, Location, Report, Severity, error, warning
-from trellis_cli.header import TensorEntry
+from trellis_cli.header_records import TensorEntry
 
 DIALECT_B12X_TRELLIS = "b12x_trellis-v2"
 METADATA_FILE = "b12x-trellis.safetensors"

@@ -22,7 +22,7 @@ from trellis_cli.dialects.exl3v1.container import (CODES, HIDDEN_TABLES, RATES_F
 from trellis_cli.dialects.exl3v1.layout import LayerRates, row_payloads
 from trellis_cli.dialects.exl3v1.schema import KIND_OF_CODE, SLOT_CHANNELS, Manifest
 from trellis_cli.findings import Finding, Location, Report, error, error_summary, warning
-from trellis_cli.header import DTYPE_BYTES
+from trellis_cli.header_records import DTYPE_BYTES
 from trellis_cli.formats.safetensors_layout import check_shard
 from trellis_cli.dialects.exl3v1.pack import NOTE_KEY, note_problems, shown_value
 

@@ -23,7 +23,7 @@ from trellis_cli.dialects.glm53.contract import (ARCHITECTURE, DTYPES, FIELDS, L
                                                 expert_key, linear_shapes)
 from trellis_cli.codebooks import MCG_MARKER
 from trellis_cli.errors import UsageError
-from trellis_cli.header import MAX_HEADER_TENSORS
+from trellis_cli.header_records import MAX_HEADER_TENSORS
 from trellis_cli.stwriter import PlannedTensor, SafetensorsWriter
 from trellis_cli.synth import _generator, random_suh, random_svh, staged_output
 
