@@ -24,7 +24,7 @@ from pathlib import PurePosixPath
 from typing import Any, TypeGuard
 
 from trellis_cli.header_layout import _parse_canonical
-from trellis_cli.header_records import _DTYPE_NAMES, DTYPE_BYTES, MAX_HEADER_TENSORS, Entries, Header, TensorEntry
+from trellis_cli.header_records import DTYPE_NAMES, DTYPE_BYTES, MAX_HEADER_TENSORS, Entries, Header, TensorEntry
 
 # The Hub's own parser refuses headers above 25 MB; the safetensors reader above 100 MB. A production
 # MoE layer shard (12,288 tensors) has a header of about 1.5 MB.
@@ -315,7 +315,7 @@ def _parse_entry(file: str, name: str, info: object, data_start: int) -> TensorE
             or not 0 <= offsets[0] <= offsets[1] <= U64_MAX):
         raise HeaderError(f"{file}: {name}: data_offsets must be [begin, end] with 0 <= begin <= end < 2^64, "
                           f"found {_short(offsets)}")
-    return TensorEntry(name, file, _DTYPE_NAMES[dtype], tuple(shape), offsets[0], offsets[1], data_start)
+    return TensorEntry(name, file, DTYPE_NAMES[dtype], tuple(shape), offsets[0], offsets[1], data_start)
 
 
 def _short(value: object) -> str:

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from trellis_cli.header_records import (_DTYPE_NAMES, DTYPE_BYTES, MAX_HEADER_TENSORS, Entries, Header, TensorEntry,
+from trellis_cli.header_records import (DTYPE_NAMES, DTYPE_BYTES, MAX_HEADER_TENSORS, Entries, Header, TensorEntry,
                                         nbytes_of)
 
 # safetensors' own header layout: `{"__metadata__":{...},"name":{"dtype":"..","shape":[..],"data_offsets":[a,b]},
@@ -620,4 +620,4 @@ _TRAILER = re.compile(rb"\} *")
 
 def _entry_kind(text: bytes) -> tuple[str, tuple[int, ...]]:
     dtype, dims = text.split(b'","shape":[')
-    return _DTYPE_NAMES[dtype.decode()], tuple(map(int, dims.split(b","))) if dims else ()
+    return DTYPE_NAMES[dtype.decode()], tuple(map(int, dims.split(b","))) if dims else ()

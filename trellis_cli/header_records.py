@@ -25,7 +25,7 @@ DTYPE_BYTES = {
     "I64": 8, "U64": 8, "F64": 8,
 }
 # One string object per dtype name, shared by every entry (json.loads makes a new one per tensor).
-_DTYPE_NAMES = {name: name for name in DTYPE_BYTES}
+DTYPE_NAMES = {name: name for name in DTYPE_BYTES}
 
 
 def nbytes_of(dtype: str, shape: tuple[int, ...]) -> int:

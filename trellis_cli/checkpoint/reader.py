@@ -157,7 +157,7 @@ def _scanned_names(columns: HeaderColumns) -> ShardNames | None:
 
 
 def _header_columns(source: Source, files: dict[str, int], name: str) -> _Scanned | None:
-    """A local shard's header as columns (`header.canonical_columns`), with its names' linears
+    """A local shard's header as columns (`header_layout.canonical_columns`), with its names' linears
     (`linear_names.name_linears`), where it is read without a fault; None where the reader's checks refuse it or it
     is not in safetensors' own layout: it is then read again, as a remote one is, and parsed strictly (which words
     every refusal)."""
@@ -567,7 +567,7 @@ _I16 = word_of(b"I16")
 
 def counted_in_bulk(raw: bytes) -> tuple[set[int], int, int, CodeCounts] | None:
     """`header_names`' counts of a canonical header (its MoE layers, routed-expert and all tensors, trellis
-    shapes) read from its proven layout (`header.layout`) without a regex: each name's
+    shapes) read from its proven layout (`header_layout.layout`) without a regex: each name's
     `model.layers.L.mlp.experts.` prefix compared as words, its layer read at its first dot after `layers.`.
     None where it cannot be read so (the regexes then count)."""
     found = layout(raw)
