@@ -50,19 +50,26 @@ _NONE = NameLinears(np.zeros(0, dtype=np.int64), False, np.zeros((len(FIELDS), 0
                     np.zeros(0, dtype=np.int32))
 
 
-def name_linears(text: str, count: int) -> NameLinears | None:
-    """The linears of a header whose `count` names, in stored order, are `text` joined by line breaks; None where
-    the bulk build cannot prove it gives the per-tensor build's records: a non-ASCII name (it may read as an
-    expert's once normalized), a name with a line break, a name under `.mlp.experts.` that the per-tensor build
-    would join to a linear (an alias, a rank-less spelling beside a ranked one, an extra field), a field twice."""
+def name_linears(text: str, count: int, sep: str = "\n") -> NameLinears | None:
+    """The linears of a header whose `count` names, in stored order, are `text` joined by `sep` (a line break, or
+    the quote a canonical header's columns join them by: no such name holds one); None where the bulk build cannot
+    prove it gives the per-tensor build's records: a non-ASCII name (it may read as an expert's once normalized), a
+    name with a line break or `sep`, a name under `.mlp.experts.` that the per-tensor build would join to a linear (an
+    alias, a rank-less spelling beside a ranked one, an extra field), a field twice."""
     if not count:
         return _NONE
-    if not text.isascii() or text.count("\n") != count - 1:
+    if not text.isascii() or text.count(sep) != count - 1:
         return None
     if ".mlp.experts." not in text:
         return _NONE
-    bulk = _bulk_linears(text, count)
-    return bulk if bulk is not None else _split_linears(text, count)
+    bulk = _bulk_linears(text, count, sep)
+    if bulk is not None:
+        return bulk
+    if sep != "\n":  # the reference reads names by lines
+        if "\n" in text:
+            return None
+        text = text.replace(sep, "\n")
+    return _split_linears(text, count)
 
 
 def _split_linears(text: str, count: int) -> NameLinears | None:
@@ -122,8 +129,8 @@ _EXPERT_TEXT = re.compile(_EXPERT)
 _PROJECTION_FIELD_TEXT = re.compile(_PROJECTION_FIELD)
 
 
-def _bulk_linears(text: str, count: int) -> NameLinears | None:
-    """`name_linears` of names (ASCII, joined by `count - 1` line breaks) that are all linears' fields, all with a rank
+def _bulk_linears(text: str, count: int, sep: str = "\n") -> NameLinears | None:
+    """`name_linears` of names (ASCII, joined by `count - 1` of `sep`) that are all linears' fields, all with a rank
     or all without, read in bulk instead of a match per name: each name then has a fixed count of `.`-separated
     parts, `model.layers.` before them and `.mlp.experts.` after the layer, and each distinct layer, expert and
     `P_proj[.rankR].F` text is matched once by its part of _CANONICAL_LINEAR. The reference (`_split_linears`) matches
@@ -132,7 +139,7 @@ def _bulk_linears(text: str, count: int) -> NameLinears | None:
     if "\0" in text:
         return None
     data = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
-    breaks = np.flatnonzero((data == ord(".")) | (data == ord("\n")))
+    breaks = np.flatnonzero((data == ord(".")) | (data == ord(sep)))
     parts, rest = divmod(len(breaks) + 1, count)
     if rest or parts not in (8, 9):  # model.layers.L.mlp.experts.E.P_proj[.rankR].F
         return None
@@ -140,8 +147,8 @@ def _bulk_linears(text: str, count: int) -> NameLinears | None:
     flat[0], flat[1:] = -1, breaks
     before = flat.reshape(count, parts)
     ends = np.append(before[1:, 0], len(data))  # each name's end
-    # (the caller counted count - 1 line breaks: those before each name but the first, the others dots)
-    if not (bool((data[before[1:, 0]] == ord("\n")).all()) and all_at(data, before[:, 0] + 1, _BEFORE_LAYER)
+    # (the caller counted count - 1 of `sep`: those before each name but the first, the others dots)
+    if not (bool((data[before[1:, 0]] == ord(sep)).all()) and all_at(data, before[:, 0] + 1, _BEFORE_LAYER)
             and all_at(data, before[:, 3], _BEFORE_EXPERT)):
         return None
     layer = _groups(text, data, before[:, 2] + 1, before[:, 3], 8, _LAYER_TEXT)

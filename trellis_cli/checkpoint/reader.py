@@ -167,7 +167,7 @@ def _header_columns(source: Source, files: dict[str, int], name: str) -> _Scanne
         return None
     if columns is None:
         return None
-    return columns, name_linears(columns.names.replace('"', "\n"), len(columns.kind_index)), _scanned_names(columns)
+    return columns, name_linears(columns.names, len(columns.kind_index), '"'), _scanned_names(columns)
 
 
 def _listed_fault(source: Source, name: str, size: int) -> Finding | None:
