@@ -23,7 +23,7 @@ import struct
 from pathlib import PurePosixPath
 from typing import Any, TypeGuard
 
-from trellis_cli.header_layout import _parse_canonical
+from trellis_cli.header_layout import parse_canonical
 from trellis_cli.header_records import DTYPE_NAMES, DTYPE_BYTES, MAX_HEADER_TENSORS, Entries, Header, TensorEntry
 
 # The Hub's own parser refuses headers above 25 MB; the safetensors reader above 100 MB. A production
@@ -243,7 +243,7 @@ def parse_header(file: str, header_bytes: bytes, header_len: int, file_size: int
     """Parse the JSON header (the N bytes after the length prefix), refusing what safetensors refuses."""
     if len(header_bytes) != header_len:
         raise HeaderError(f"{file}: header truncated: expected {header_len} bytes, read {len(header_bytes)}")
-    fast = _parse_canonical(file, header_bytes, header_len, file_size)
+    fast = parse_canonical(file, header_bytes, header_len, file_size)
     if fast is not None:
         return fast
     fields = header_bytes.count(b'"data_offsets"')  # one per entry: refuse a huge header before parsing it

@@ -561,7 +561,7 @@ def _tiled_end(columns: HeaderColumns, kind_of: list[tuple[str, tuple[int, ...]]
     return int(ends[-1]) if bool((ends - begins == expected).all()) else None
 
 
-def _parse_canonical(file: str, header_bytes: bytes, header_len: int, file_size: int | None) -> Header | None:
+def parse_canonical(file: str, header_bytes: bytes, header_len: int, file_size: int | None) -> Header | None:
     """The header of a canonical layout (`canonical_columns`, then `header_of_columns`); None where the strict
     path decides. (`header_len` is the length of `header_bytes`, which `parse_header` checked.)"""
     columns = canonical_columns(header_bytes)
