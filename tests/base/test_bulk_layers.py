@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from corrupt import CORPUS, READER_CORPUS, SHARD3, SHARD4, read_header, write_header
 from helpers import to_plain_exl3, to_r7, to_r7_v2, write_tensors
-from trellis_cli.checkpoint.tensor_map import TensorMap, outside_linears
+from trellis_cli.checkpoint.tensor_map import TensorMap, files_named, outside_linears
 from trellis_cli.dialects import bulk_layers, open as opening
 from trellis_cli.dialects.open import open_checkpoint
 from trellis_cli.errors import CheckFailed
@@ -38,6 +38,7 @@ def _state(root: Path) -> object:
                        list(moe.r7_shared.items()), list(moe.unparsed), moe.declared_k, moe.declared_projection_k))
     findings = [(f.code, f.severity, str(f.where), f.message) for f in ck.parse_findings]
     outside = [ref for name, ref in outside_linears(ck.tensors) if ".mlp.experts." not in name]
+    assert files_named(ck.index) == set(ck.index.values())
     return layers, findings, list(ck.tensors.items()), len(ck.tensors), _lookups(ck.tensors), outside
 
 
@@ -261,3 +262,19 @@ def test_a_write_turns_the_held_tensors_into_the_dict(pristine):
     assert _lookups(tensors) == _lookups(reference)
     tensors.clear()
     assert not tensors and list(tensors) == [] and tensors.get(first) is None
+
+
+def test_the_files_an_index_names_are_read_from_the_held_headers(pristine, monkeypatch):
+    """An index proven in its bytes is the tensors' own files (`TensorFiles`); over tensors held as their headers
+    the files it names are each header's that holds a tensor: the same set as its ~935k values give, and after a
+    write (the dict) read from the values again."""
+    from trellis_cli import sources
+    from trellis_cli.checkpoint.model import TensorFiles
+
+    monkeypatch.setattr(sources, "MAX_JSON_BYTES", (pristine / "model.safetensors.index.json").stat().st_size - 1)
+    ck = open_checkpoint(pristine)
+    assert isinstance(ck.index, TensorFiles) and isinstance(ck.tensors, TensorMap)
+    assert files_named(ck.index) == set(ck.index.values()) == {f for f in ck.headers if ck.headers[f].tensors}
+    last = list(ck.tensors)[-1]
+    ck.tensors[last] = ck.tensors[last]._replace(file="elsewhere.safetensors")
+    assert files_named(ck.index) == set(ck.index.values()) and "elsewhere.safetensors" in files_named(ck.index)

@@ -155,6 +155,11 @@ class TensorFiles(Mapping[str, str]):
     def __init__(self, tensors: Mapping[str, TensorRef]) -> None:
         self._tensors = tensors
 
+    @property
+    def tensors(self) -> Mapping[str, TensorRef]:
+        """The tensors whose files these are."""
+        return self._tensors
+
     def __getitem__(self, name: str) -> str:
         return self._tensors[name].file
 

@@ -35,6 +35,7 @@ from trellis_cli.checkpoint.columns import LinearColumns, all_distinct, linear_c
 from trellis_cli.checkpoint.linear_names import NameLinears, name_linears
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.names import is_expert_name, parse_expert_name
+from trellis_cli.checkpoint.tensor_map import files_named
 from trellis_cli.errors import CheckFailed
 from trellis_cli.findings import Finding, Location, Severity, error, warning
 from trellis_cli.header import (HeaderError, JsonError, header_length, load_json, open_regular, os_reason, parse_header,
@@ -1243,7 +1244,7 @@ def byte_faults(ckpt: Checkpoint) -> Iterator[Finding]:
                                              or (f.code.startswith("json.") and (f.where.file or "").endswith(INDEX_SUFFIX))):
             yield f
     if ckpt.index:
-        for file in sorted(set(ckpt.index.values())):
+        for file in sorted(files_named(ckpt.index)):
             if escapes(ckpt.source, file):
                 yield error("path.escape", Location(file=ckpt.index_file), "index entry points outside the "
                             "checkpoint directory", expected="a relative path inside the checkpoint", found=file)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from itertools import chain
 from typing import Any, ItemsView, Iterable, Iterator, KeysView, Mapping, MutableMapping, ValuesView
 
-from trellis_cli.checkpoint.model import TensorRef
+from trellis_cli.checkpoint.model import TensorFiles, TensorRef
 
 _LAYERS = "model.layers."
 _EXPERTS = ".mlp.experts."  # what follows the layer number in every linear's field
@@ -156,4 +156,13 @@ def holds_first(tensors: Mapping[str, TensorRef], entries: Mapping[str, TensorRe
     return next(iter(entries)) in tensors
 
 
-__all__ = ["TensorMap", "holds_first", "outside_linears"]
+def files_named(index: Mapping[str, str]) -> set[str]:
+    """The files an index names (`set(index.values())`). Where it is the tensors' own files (`TensorFiles`) over a
+    `TensorMap`, each header's file that holds a tensor (its entries are placed in it), not ~935k values read."""
+    tensors = index.tensors if isinstance(index, TensorFiles) else None
+    if isinstance(tensors, TensorMap) and tensors._whole is None:
+        return {next(iter(part.values())).file for part in tensors._parts if part}
+    return set(index.values())
+
+
+__all__ = ["TensorMap", "files_named", "holds_first", "outside_linears"]

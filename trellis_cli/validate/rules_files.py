@@ -14,6 +14,7 @@ from operator import attrgetter
 from typing import Iterator, Mapping
 
 from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.checkpoint.tensor_map import files_named
 from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, error_summary, warning
 from trellis_cli.formats.safetensors_layout import Layout, check_shard, shard_layout
 from trellis_cli.header import safe_relative
@@ -56,7 +57,7 @@ def _check_duplicates(ckpt: Checkpoint) -> Iterator[Finding]:
 def _check_index(ckpt: Checkpoint, index: Mapping[str, str], layouts: Mapping[str, Layout]) -> Iterator[Finding]:
     index_file, headers = ckpt.index_file, ckpt.headers
     bad_files: set[str] = set()
-    named = set(index.values())  # ~935k values: read once
+    named = files_named(index)  # (~935k values, where they are not the headers' own files: read once)
     for file in sorted(named):
         if not safe_relative(file) or ckpt.source.escapes(file):
             bad_files.add(file)
