@@ -136,4 +136,6 @@ class Header:
 
     @property
     def data_end(self) -> int:
+        if self.tensors.tiled_end is not None:  # proven to tile the buffer in stored order: the last entry ends it
+            return self.tensors.tiled_end
         return max(map(_END, self.tensors.values()), default=0)  # in C: asked of every shard, 12k tensors each

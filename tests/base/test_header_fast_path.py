@@ -216,6 +216,7 @@ def test_the_tiling_proven_from_columns_is_the_per_tensor_walks(seed, fault):
     assert (proven is not None) == (fault in ("none", "past-file", "empty-file") or (fault == "overlap" and begin < 2)
                                     or (fault == "size" and _same_size(victim)))
     assert _sound_end(parsed) == _sound_end(_strip_proof(parsed))
+    assert parsed.data_end == _strip_proof(parsed).data_end  # (the proof's end is the last entry's, the largest)
 
 
 def _same_size(entry: dict) -> bool:

@@ -164,6 +164,11 @@ def test_bulk_proofs_find_what_the_walks_find(case, pristine, tmp_path):
     _findings_both_ways(ckpt)
     with layer_columns.shared():  # as validate runs them: each layer's columns built once
         _findings_both_ways(ckpt)
+    for layer in ckpt.layers.values():  # the tensors a layer's linears hold, counted in one pass and walked
+        cols = layer_columns.columns(layer)
+        walked = sum(sum(ref is not None for ref in lin[:7]) + len(lin.extra) for lin in cols.linears)
+        assert cols.tensors_held() == walked == sum(map(cols.present, layer_columns.TENSOR_FIELDS)) + \
+            sum(map(len, cols.field(layer_columns.EXTRA))), (case, layer.index)
 
 
 def test_a_clean_layer_is_proven_in_bulk(pristine):

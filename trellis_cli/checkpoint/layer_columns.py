@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from itertools import chain
 from operator import attrgetter, itemgetter
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -101,6 +101,13 @@ class LayerColumns:
         if found is None:
             found = self._present[i] = len(self.linears) - self.field(i).count(None)
         return found
+
+    def tensors_held(self) -> int:
+        """How many tensors the linears hold: each present field and each extra one (the sum of `present` over
+        TENSOR_FIELDS and of the extra fields' lengths), counted over the records flattened once, not a column per
+        field."""
+        flat: list[Any] = list(chain.from_iterable(self.linears))  # (each record: EXTRA tensor fields, its extra tuple)
+        return EXTRA * len(self.linears) - flat.count(None) + sum(map(len, flat[EXTRA::EXTRA + 1]))
 
     def expert_ks(self) -> dict[int, frozenset[int | None]]:
         """expert -> the K of each of its linears, as a set (None for a linear whose trellis shape says none)."""

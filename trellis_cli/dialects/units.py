@@ -262,8 +262,7 @@ def _held(ck: Checkpoint) -> int:
     """How many tensors the MoE layers hold (codes, vectors, markers, extra fields, shared rows, unparsed)."""
     held = 0
     for moe in ck.layers.values():
-        cols = layer_columns.columns(moe)
-        held += sum(map(cols.present, layer_columns.TENSOR_FIELDS)) + sum(map(len, cols.field(layer_columns.EXTRA)))
+        held += layer_columns.columns(moe).tensors_held()
         held += sum(map(len, moe.shared_h.values())) + len(moe.r7_shared) + len(moe.unparsed)
     return held
 
