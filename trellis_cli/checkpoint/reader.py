@@ -1236,6 +1236,18 @@ def _read_index_json(source: Source, files: dict[str, int], name: str, findings:
 
 # ---- the gate ------------------------------------------------------------------------------------------------
 
+def index_file_faults(ckpt: Checkpoint, named: Iterable[str]) -> Iterator[tuple[str, Finding]]:
+    """Each file the index names (`named`, in sorted order) that leaves the checkpoint or is not listed, with its
+    finding."""
+    for file in sorted(named):
+        if escapes(ckpt.source, file):
+            yield file, error("path.escape", Location(file=ckpt.index_file), "index entry points outside the "
+                              "checkpoint directory", expected="a relative path inside the checkpoint", found=file)
+        elif file not in ckpt.files:
+            yield file, error("index.file-missing", Location(file=ckpt.index_file), "index names a shard that does "
+                              "not exist", found=file)
+
+
 def byte_faults(ckpt: Checkpoint) -> Iterator[Finding]:
     """Every reason the checkpoint's bytes cannot be trusted as listed: what the opening could not read, an
     index naming a file that is not there, a header whose tensors run past the end of its file."""
@@ -1244,13 +1256,8 @@ def byte_faults(ckpt: Checkpoint) -> Iterator[Finding]:
                                              or (f.code.startswith("json.") and (f.where.file or "").endswith(INDEX_SUFFIX))):
             yield f
     if ckpt.index:
-        for file in sorted(files_named(ckpt.index)):
-            if escapes(ckpt.source, file):
-                yield error("path.escape", Location(file=ckpt.index_file), "index entry points outside the "
-                            "checkpoint directory", expected="a relative path inside the checkpoint", found=file)
-            elif file not in ckpt.files:
-                yield error("index.file-missing", Location(file=ckpt.index_file), "index names a shard that does "
-                            "not exist", found=file)
+        for _file, fault in index_file_faults(ckpt, files_named(ckpt.index)):
+            yield fault
     for file, header in ckpt.headers.items():
         end = header.data_start + header.data_end
         if header.file_size is not None and end > header.file_size:
@@ -1276,6 +1283,6 @@ def require_intact(ckpt: Checkpoint, what: str) -> None:
 
 
 __all__ = ["BYTE_FAULT_CODES", "HeaderNames", "IndexProof", "byte_faults", "canonical_header", "each_scanned",
-           "escapes", "every_header_names", "header_names", "listing", "index_files", "listing_findings", "raw_header",
+           "escapes", "every_header_names", "index_file_faults", "header_names", "listing", "index_files", "listing_findings", "raw_header",
            "read_headers", "read_index", "read_json", "require_intact", "same_bytes", "scan_shards", "ShardNames",
            "shard_columns", "shard_names", "shard_header", "source_header"]

@@ -14,10 +14,10 @@ from operator import attrgetter
 from typing import Iterator, Mapping
 
 from trellis_cli.checkpoint.model import Checkpoint
+from trellis_cli.checkpoint.reader import index_file_faults
 from trellis_cli.checkpoint.tensor_map import files_named
 from trellis_cli.findings import MAX_MISSING_SHOWN, Finding, Location, error, error_summary, warning
 from trellis_cli.formats.safetensors_layout import Layout, check_shard, shard_layout
-from trellis_cli.header import safe_relative
 
 _FILE_OF, _BEGIN, _END = attrgetter("file"), attrgetter("begin"), attrgetter("end")
 
@@ -58,15 +58,9 @@ def _check_index(ckpt: Checkpoint, index: Mapping[str, str], layouts: Mapping[st
     index_file, headers = ckpt.index_file, ckpt.headers
     bad_files: set[str] = set()
     named = files_named(index)  # (~935k values, where they are not the headers' own files: read once)
-    for file in sorted(named):
-        if not safe_relative(file) or ckpt.source.escapes(file):
-            bad_files.add(file)
-            yield error("path.escape", Location(file=index_file), "index entry points outside the checkpoint "
-                        "directory", expected="a relative path inside the checkpoint", found=file)
-        elif file not in ckpt.files:
-            bad_files.add(file)
-            yield error("index.file-missing", Location(file=index_file), "index names a shard that does not exist",
-                        found=file)
+    for file, fault in index_file_faults(ckpt, named):
+        bad_files.add(file)
+        yield fault
     # The common case, proven in C: the index maps exactly the headers' tensors, each to the file holding it.
     # (The opening proved it already where `index_agrees`.)
     agrees = ((ckpt.index_agrees and index is ckpt.index)
