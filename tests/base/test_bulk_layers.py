@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from corrupt import CORPUS, READER_CORPUS, SHARD3, SHARD4, read_header, write_header
 from helpers import to_plain_exl3, to_r7, to_r7_v2, write_tensors
-from trellis_cli.checkpoint.tensor_map import TensorMap, files_named, outside_linears
+from trellis_cli.checkpoint.tensor_map import TensorMap, files_named, outside_experts
 from trellis_cli.dialects import bulk_layers, open as opening
 from trellis_cli.dialects.open import open_checkpoint
 from trellis_cli.errors import CheckFailed
@@ -37,7 +37,7 @@ def _state(root: Path) -> object:
         layers.append((li, experts, sorted(moe.files), moe.rank_sliced, list(moe.shared_h.items()),
                        list(moe.r7_shared.items()), list(moe.unparsed), moe.declared_k, moe.declared_projection_k))
     findings = [(f.code, f.severity, str(f.where), f.message) for f in ck.parse_findings]
-    outside = [ref for name, ref in outside_linears(ck.tensors) if ".mlp.experts." not in name]
+    outside = outside_experts(ck.tensors)
     assert files_named(ck.index) == set(ck.index.values())
     return layers, findings, list(ck.tensors.items()), len(ck.tensors), _lookups(ck.tensors), outside
 

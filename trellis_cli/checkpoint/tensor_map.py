@@ -12,7 +12,7 @@ answers are those of the dict the opening builds otherwise. The first write turn
 from __future__ import annotations
 
 from itertools import chain
-from typing import Any, ItemsView, Iterable, Iterator, KeysView, Mapping, MutableMapping, ValuesView
+from typing import Any, ItemsView, Iterator, KeysView, Mapping, MutableMapping, ValuesView
 
 from trellis_cli.checkpoint.model import TensorFiles, TensorRef
 
@@ -140,12 +140,11 @@ class _Items(ItemsView[str, TensorRef]):
         return chain.from_iterable(part.items() for part in self._mapping._parts)
 
 
-def outside_linears(tensors: Mapping[str, TensorRef]) -> Iterable[tuple[str, TensorRef]]:
-    """The items of `tensors` in their order, less, where they are a `TensorMap`, the routed-expert linears' fields
-    (whose names all hold `.mlp.experts.`): what a walk for the names outside the experts needs to see."""
-    if isinstance(tensors, TensorMap) and tensors._whole is None:
-        return tensors._others.items()  # (gathered header by header in stored order: the map's own order)
-    return tensors.items()
+def outside_experts(tensors: Mapping[str, TensorRef]) -> list[TensorRef]:
+    """The tensors whose names hold no `.mlp.experts.`, in their order: where they are a `TensorMap`, read from the
+    names held apart from the routed-expert linears' fields (whose names all hold it), not from every tensor."""
+    items = tensors._others.items() if isinstance(tensors, TensorMap) and tensors._whole is None else tensors.items()
+    return [ref for name, ref in items if _EXPERTS not in name]  # (the map's own order: gathered header by header)
 
 
 def holds_first(tensors: Mapping[str, TensorRef], entries: Mapping[str, TensorRef]) -> bool:
@@ -165,4 +164,4 @@ def files_named(index: Mapping[str, str]) -> set[str]:
     return set(index.values())
 
 
-__all__ = ["TensorMap", "files_named", "holds_first", "outside_linears"]
+__all__ = ["TensorMap", "files_named", "holds_first", "outside_experts"]

@@ -26,7 +26,7 @@ import numpy as np
 
 from trellis_cli.checkpoint import layer_columns
 from trellis_cli.checkpoint.model import PROJECTIONS, Checkpoint, TensorRef
-from trellis_cli.checkpoint.tensor_map import outside_linears
+from trellis_cli.checkpoint.tensor_map import outside_experts
 from trellis_cli.errors import CheckFailed, UsageError
 from trellis_cli.formats.layer_pack import split_descriptor
 
@@ -251,7 +251,7 @@ def shard_other_units(ck: Checkpoint, from_tensors: bool = False) -> dict[Key, U
     # Such layers hold tensors of ck.tensors under `.mlp.experts.`, each once: where they hold as many as there are
     # such names, they hold all of them, and the others are the rest (no set of ~935k names).
     if from_tensors:
-        others = [ref for name, ref in outside_linears(ck.tensors) if ".mlp.experts." not in name]
+        others = outside_experts(ck.tensors)
         if _held(ck) == len(ck.tensors) - len(others):
             return named_units(others)
     consumed = expert_tensor_names(ck)

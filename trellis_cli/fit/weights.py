@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 from trellis_cli.checkpoint.model import Checkpoint
 from trellis_cli.checkpoint.reader import ShardColumns
-from trellis_cli.checkpoint.tensor_map import outside_linears
+from trellis_cli.checkpoint.tensor_map import outside_experts
 from trellis_cli.dialects.registry import dialect_of
 from trellis_cli.checkpoint.names import KIND_LINEAR, KIND_R7_SHARED, KIND_SHARED_H, parse_expert_name
 from trellis_cli.errors import UsageError
@@ -128,7 +128,7 @@ def _scan_rank_sliced(ckpt: Checkpoint, arch: Arch, rules: tuple[Rule, ...], sli
     order-dependent): `scan` then reads every tensor."""
     if sliced_tp is None:
         return None
-    others = [ref for name, ref in outside_linears(ckpt.tensors) if ".mlp.experts." not in name]
+    others = outside_experts(ckpt.tensors)
     linears = 0
     for layer in ckpt.layers.values():
         if layer.index >= 10 ** MAX_LAYER_DIGITS_FIT:
