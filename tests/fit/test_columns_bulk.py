@@ -1,8 +1,9 @@
 """A header read in bulk (`header_layout.layout`) against the regexes it stands in for: fit's linear columns (the
 names' parts as words, summed per (K, rank)) against `regex_linear_columns` (summed per (expert, rank), then
-folded), and the dry run's counts (`reader.counted_in_bulk`) against `canonical_entries` and its counts; field for field the same answer, None where it is None, on the synth's shards
-and on many seeded changes to their raw headers (names swapped or twice, escapes, non-ASCII, reversed or huge
-offsets, other spellings, another layer, odd quotes and dots)."""
+folded), and the dry run's counts (`reader.counted_in_bulk`) against `canonical_entries` and its counts; field for
+field the same answer, None where it is None, on the synth's shards and on many seeded changes to their raw
+headers (names swapped or twice, escapes, non-ASCII, reversed or huge offsets, other spellings, another layer, odd
+quotes and dots)."""
 
 from __future__ import annotations
 
